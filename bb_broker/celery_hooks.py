@@ -1,0 +1,164 @@
+"""Celery's side of the lifecycle: each job is settled in the process where its task's outcome is known."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery import signals
+from celery.exceptions import MaxRetriesExceededError
+from celery.worker import state as worker_state
+
+from . import connection
+from .clock import ServerClock
+from .leases import add_process_source
+from .lifecycle import Policy, describe_error
+from .payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
+from .store import JobStore
+
+logger = logging.getLogger(__name__)
+
+_stores: dict[tuple[int, str, str], JobStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(app: Any) -> JobStore | None:
+    """The job store behind an app's broker, or None when the app does not use bbmongo://."""
+    url = app.conf.broker_url or ""
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else ""
+    url = str(url).split(";", 1)[0]
+    if not url.lower().startswith(("bbmongo://", "bbmongo+srv://")):
+        return None
+    options = app.conf.broker_transport_options or {}
+    key = (os.getpid(), url, repr(sorted(options.items())))
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            target = connection.parse_broker_url(url)
+            db = connection.get_database(target)
+            policy = Policy(
+                int(options.get("max_attempts", 3)),
+                float(options.get("backoff_base", 5.0)),
+                float(options.get("stale_after", 300.0)),
+            )
+            store = _stores[key] = JobStore(
+                db,
+                policy,
+                clock=ServerClock(db),
+                collection=options.get("jobs_collection", "jobs"),
+                secrets=target.secrets,
+            )
+    return store
+
+
+def _job_of(request: Any) -> tuple[str, int] | None:
+    job_id = getattr(request, JOB_ID_HEADER, None)
+    attempts = getattr(request, ATTEMPTS_HEADER, None)
+    if job_id is None:
+        headers = getattr(request, "headers", None) or {}
+        job_id, attempts = headers.get(JOB_ID_HEADER), headers.get(ATTEMPTS_HEADER)
+    if job_id is None or attempts is None:
+        return None
+    return str(job_id), int(attempts)
+
+
+def is_final_attempt(task: Any) -> bool:
+    """True when an exception raised now ends the job `failed`: the place for compensation logic."""
+    request = task.request
+    job = _job_of(request)
+    if job is None:
+        raise RuntimeError("is_final_attempt() answers only inside a task delivered through bbmongo://")
+    if request.retries:
+        # The task drives its own Celery retries; its max_retries has the last word.
+        return task.max_retries is not None and request.retries >= task.max_retries
+    store = store_for(task.app)
+    policy = store.policy if store is not None else Policy()
+    return policy.is_final_attempt(job[1])
+
+
+def _is_retryable(request: Any, exception: BaseException) -> bool:
+    # A failure after the task's own Celery retries means its retry policy gave up.
+    return not (isinstance(exception, MaxRetriesExceededError) or getattr(request, "retries", 0))
+
+
+@signals.task_success.connect
+def _on_success(sender: Any = None, **_: Any) -> None:
+    store, job = store_for(sender.app), _job_of(sender.request)
+    if store is not None and job is not None:
+        store.succeed(*job)
+
+
+@signals.task_failure.connect
+def _on_failure(
+    sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
+) -> None:
+    store = store_for(sender.app)
+    if store is None or exception is None:
+        return
+    request = sender.request
+    job = _job_of(request) if getattr(request, "id", None) == task_id else None
+    error = describe_error(exception)
+    retryable = _is_retryable(request, exception) if job else True
+    if job is not None:
+        store.fail(*job, error, retryable=retryable)
+    elif task_id:
+        # A hard time limit is reported by the main process, without the task's request.
+        store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable)
+
+
+@signals.task_revoked.connect
+def _on_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    signum: Any = None,
+    **_: Any,
+) -> None:
+    store, job = store_for(sender.app), _job_of(request)
+    if store is None or job is None:
+        return
+    if expired:
+        reason = "revoked: the task expired before it ran"
+    elif terminated:
+        reason = f"revoked: terminated by signal {signum}"
+    else:
+        reason = "revoked before it ran"
+    store.fail(*job, reason, retryable=False)
+
+
+@signals.task_unknown.connect
+def _on_unknown(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
+    store = store_for(sender.app)
+    job_id, attempts = getattr(message, "job_id", None), getattr(message, "attempts", None)
+    if store is not None and job_id and attempts is not None:
+        store.fail(job_id, attempts, f"unknown task {name!r}: no worker has it registered", retryable=False)
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+    store = store_for(sender.app)
+    if store is not None:
+        store.release_owner(connection.lease_owner(), "the worker shut down while the task ran")
+
+
+def _reserved_jobs() -> list[str]:
+    # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
+    return [
+        job[0]
+        for request in list(worker_state.reserved_requests)
+        if (job := _job_of(_RequestHeaders(request))) is not None
+    ]
+
+
+class _RequestHeaders:
+    def __init__(self, request: Any) -> None:
+        headers = getattr(request, "request_dict", None) or {}
+        setattr(self, JOB_ID_HEADER, headers.get(JOB_ID_HEADER))
+        setattr(self, ATTEMPTS_HEADER, headers.get(ATTEMPTS_HEADER))
+
+
+add_process_source(_reserved_jobs)

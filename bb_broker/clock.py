@@ -1,0 +1,42 @@
+"""The server's time, so that leases and due times do not depend on each worker's clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+from pymongo.database import Database
+from pymongo.errors import PyMongoError
+
+
+class ServerClock:
+    """Local time corrected by the offset to the MongoDB server's clock, re-measured every minute."""
+
+    resync_every = 60.0
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._offset = timedelta(0)
+        self._synced_at: float | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> datetime:
+        if self._synced_at is None or time.monotonic() - self._synced_at > self.resync_every:
+            self._sync()
+        return datetime.now(UTC) + self._offset
+
+    def _sync(self) -> None:
+        with self._lock:
+            before = datetime.now(UTC)
+            try:
+                server_time = self._db.client.admin.command("hello")["localTime"]
+            except (PyMongoError, KeyError):
+                # An unreachable server fails the write that follows; keep the last offset until then.
+                self._synced_at = time.monotonic() - self.resync_every + 5
+                return
+            after = datetime.now(UTC)
+            if server_time.tzinfo is None:
+                server_time = server_time.replace(tzinfo=UTC)
+            self._offset = server_time - (before + (after - before) / 2)
+            self._synced_at = time.monotonic()

@@ -1,0 +1,117 @@
+"""Broker URLs, one MongoClient per process, and keeping credentials out of every output."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from pymongo import MongoClient
+from pymongo.database import Database
+from pymongo.errors import ConfigurationError, InvalidURI
+from pymongo.uri_parser import parse_uri
+from ulid import ULID
+
+SCHEMES = {"bbmongo": "mongodb", "bbmongo+srv": "mongodb+srv", "mongodb": "mongodb", "mongodb+srv": "mongodb+srv"}
+_USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<userinfo>[^@/]*)@")
+
+
+class BrokerURLError(ValueError):
+    """The broker URL cannot name a MongoDB database."""
+
+
+@dataclass(frozen=True)
+class BrokerTarget:
+    mongo_uri: str = field(repr=False)
+    database: str
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def display(self) -> str:
+        return redact_url(self.mongo_uri)
+
+
+def redact_url(url: str) -> str:
+    """The URL with its user info masked, safe for logs and errors."""
+    match = _USERINFO.match(url)
+    if not match:
+        return url
+    user = match.group("userinfo").split(":", 1)[0]
+    return f"{match.group('scheme')}{user}:**@{url[match.end() :]}"
+
+
+def parse_broker_url(url: str) -> BrokerTarget:
+    """Turn a `bbmongo://` (or `mongodb://`) URL into a pymongo URI and a database name."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        raise BrokerURLError(
+            f"broker URL {redact_url(url)!r} must start with bbmongo://, bbmongo+srv://, mongodb:// or mongodb+srv://"
+        )
+    mongo_uri = f"{SCHEMES[scheme.lower()]}://{rest}"
+    try:
+        parsed = parse_uri(mongo_uri, validate=True, warn=False, connect_timeout=5)
+    except (InvalidURI, ConfigurationError, ValueError) as exc:
+        message = scrub(str(exc), _userinfo_secrets(mongo_uri))
+        raise BrokerURLError(f"broker URL {redact_url(url)!r} is not a valid MongoDB URI: {message}") from None
+    database = parsed.get("database")
+    if not database:
+        raise BrokerURLError(
+            f"broker URL {redact_url(url)!r} must name the database in its path, e.g. bbmongo://localhost:27017/bountyboard"
+        )
+    return BrokerTarget(mongo_uri, database, _userinfo_secrets(mongo_uri))
+
+
+def _userinfo_secrets(uri: str) -> tuple[str, ...]:
+    match = _USERINFO.match(uri)
+    if not match or ":" not in match.group("userinfo"):
+        return ()
+    from urllib.parse import unquote
+
+    raw = match.group("userinfo").split(":", 1)[1]
+    return tuple(s for s in {raw, unquote(raw)} if s)
+
+
+def scrub(text: str, secrets: tuple[str, ...]) -> str:
+    """Mask any secret that found its way into a message (an exception's text, say)."""
+    for secret in secrets:
+        text = text.replace(secret, "**")
+    return text
+
+
+_clients: dict[tuple[int, str, tuple[tuple[str, Any], ...]], MongoClient] = {}
+_clients_lock = threading.Lock()
+
+
+def get_database(target: BrokerTarget, **client_options: Any) -> Database:
+    """This process's client for the target: pymongo clients must not cross a fork."""
+    key = (os.getpid(), target.mongo_uri, tuple(sorted(client_options.items())))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            options = {"appname": "bb_broker", "tz_aware": True, **client_options}
+            client = _clients[key] = MongoClient(target.mongo_uri, **options)
+    return client[target.database]
+
+
+def _forget_parent_clients() -> None:
+    # The parent's sockets (and a lock another thread may have held) belong to the parent.
+    global _clients_lock
+    _clients.clear()
+    _clients_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_clients)
+
+_owner: tuple[int, str] | None = None
+
+
+def lease_owner() -> str:
+    """This process's identity on the jobs it claims, readable by an operator."""
+    global _owner
+    pid = os.getpid()
+    if _owner is None or _owner[0] != pid:
+        _owner = (pid, f"{socket.gethostname()}:{pid}:{ULID()}")
+    return _owner[1]

@@ -1,0 +1,71 @@
+"""The job lifecycle rules: statuses, retry backoff, final attempt and staleness, free of I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+QUEUED = "queued"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED)
+
+#: lastError is for people to read; a whole traceback belongs in the logs.
+MAX_ERROR_LENGTH = 2000
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The tunables of the lifecycle; the defaults are the seed's."""
+
+    max_attempts: int = 3
+    backoff_base: float = 5.0
+    stale_after: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts!r}")
+        if self.backoff_base < 0:
+            raise ValueError(f"backoff_base must not be negative, got {self.backoff_base!r}")
+        if self.stale_after <= 0:
+            raise ValueError(f"stale_after must be positive, got {self.stale_after!r}")
+
+    def backoff(self, attempts: int) -> timedelta:
+        """Delay before the next attempt after `attempts` failed ones: 10 s, then 20 s."""
+        return timedelta(seconds=self.backoff_base * 2**attempts)
+
+    def is_final_attempt(self, attempts: int) -> bool:
+        return attempts >= self.max_attempts
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often a worker refreshes the leases of its live jobs: well inside stale_after."""
+        return self.stale_after / 5
+
+    @property
+    def sweep_interval(self) -> float:
+        """How often each worker looks for stale jobs, so a lost job waits at most ~1.5 x stale_after."""
+        return self.stale_after / 2
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Where a failed attempt leaves its job."""
+
+    status: str
+    last_error: str
+    run_after: datetime | None = None
+
+
+def after_failure(policy: Policy, attempts: int, error: str, now: datetime, *, retryable: bool = True) -> Outcome:
+    """A failed attempt goes back to the queue with backoff until the attempts are used up."""
+    error = error[:MAX_ERROR_LENGTH]
+    if retryable and not policy.is_final_attempt(attempts):
+        return Outcome(QUEUED, error, now + policy.backoff(attempts))
+    return Outcome(FAILED, error)
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

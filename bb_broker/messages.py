@@ -1,0 +1,76 @@
+"""Kombu's plumbing traffic (events, remote control, replies) and exchange bindings, kept apart from `jobs`."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from kombu.utils.json import dumps, loads
+from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo.database import Database
+
+
+class MessageStore:
+    """Transient messages: deleted when fetched, expired by a TTL index when nobody fetches them."""
+
+    def __init__(self, db: Database, *, ttl: float = 300.0, prefix: str = "bb_") -> None:
+        self.messages = db[f"{prefix}messages"]
+        self.bindings = db[f"{prefix}bindings"]
+        self.ttl = ttl
+        self._table_cache: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
+
+    def ensure_indexes(self) -> None:
+        self.messages.create_indexes(
+            [
+                IndexModel([("queue", ASCENDING), ("priority", DESCENDING), ("_id", ASCENDING)], name="bb_fetch"),
+                IndexModel([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0),
+            ]
+        )
+        self.bindings.create_indexes(
+            [
+                IndexModel(
+                    [("exchange", ASCENDING), ("routing_key", ASCENDING), ("queue", ASCENDING)],
+                    name="bb_binding",
+                    unique=True,
+                ),
+                IndexModel([("queue", ASCENDING)], name="bb_binding_queue"),
+            ]
+        )
+
+    def put(self, queue: str, message: dict[str, Any], priority: int) -> None:
+        expires = datetime.now(UTC) + timedelta(seconds=self.ttl)
+        self.messages.insert_one(
+            {"queue": queue, "priority": priority, "payload": dumps(message), "expiresAt": expires}
+        )
+
+    def get(self, queue: str) -> dict[str, Any] | None:
+        doc = self.messages.find_one_and_delete({"queue": queue}, sort=[("priority", DESCENDING), ("_id", ASCENDING)])
+        return None if doc is None else loads(doc["payload"])
+
+    def size(self, queue: str) -> int:
+        return self.messages.count_documents({"queue": queue})
+
+    def purge(self, queue: str) -> int:
+        return self.messages.delete_many({"queue": queue}).deleted_count
+
+    def bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        key = {"exchange": exchange, "routing_key": routing_key, "queue": queue}
+        self.bindings.update_one(key, {"$set": {**key, "pattern": pattern}}, upsert=True)
+        self._table_cache.pop(exchange, None)
+
+    def table(self, exchange: str, max_age: float = 0.0) -> list[tuple[str, str, str]]:
+        """The bindings of an exchange, as kombu's (routing_key, pattern, queue) rows."""
+        cached = self._table_cache.get(exchange)
+        if cached is not None and time.monotonic() - cached[0] < max_age:
+            return cached[1]
+        rows = [
+            (b["routing_key"], b.get("pattern") or "", b["queue"]) for b in self.bindings.find({"exchange": exchange})
+        ]
+        self._table_cache[exchange] = (time.monotonic(), rows)
+        return rows
+
+    def delete_queue(self, queue: str) -> None:
+        self.bindings.delete_many({"queue": queue})
+        self.messages.delete_many({"queue": queue})
+        self._table_cache.clear()

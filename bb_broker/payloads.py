@@ -1,0 +1,114 @@
+"""Kombu messages to and from the `payload` of a job document, readable where it can be."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+#: Our delivery details ride in the headers of a delivered message; they are never stored.
+JOB_ID_HEADER = "bb_job_id"
+ATTEMPTS_HEADER = "bb_attempts"
+OWNER_HEADER = "bb_lease_owner"
+DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER, OWNER_HEADER)
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class PayloadError(ValueError):
+    """A stored payload cannot be turned back into a message."""
+
+
+def is_task_message(message: dict[str, Any]) -> bool:
+    """Celery task messages (protocol 2) carry the task name in their headers."""
+    headers = message.get("headers") or {}
+    return isinstance(headers, dict) and isinstance(headers.get("task"), str) and "id" in headers
+
+
+def to_document(message: dict[str, Any], decoded_body: bytes) -> dict[str, Any]:
+    """The payload an admin reads: args and kwargs as BSON when the body is JSON, else the raw body."""
+    headers = {k: v for k, v in (message.get("headers") or {}).items() if k not in DELIVERY_HEADERS}
+    properties = dict(message.get("properties") or {})
+    properties.pop("body_encoding", None)
+    properties.pop("delivery_tag", None)
+    envelope = {
+        "headers": headers,
+        "properties": properties,
+        "contentType": message.get("content-type"),
+        "contentEncoding": message.get("content-encoding"),
+    }
+    readable = _readable_body(message, decoded_body)
+    if readable is not None and _bson_safe(envelope):
+        return {**readable, **envelope}
+    # Anything BSON cannot hold faithfully is kept whole, as kombu encodes it.
+    return {
+        "raw": json.dumps({**message, "headers": headers, "properties": properties}),
+        "body": base64.b64encode(decoded_body).decode("ascii"),
+    }
+
+
+def _readable_body(message: dict[str, Any], body: bytes) -> dict[str, Any] | None:
+    if message.get("content-type") != "application/json" or message.get("content-encoding") not in ("utf-8", None):
+        return None
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not _bson_safe(value):
+        return None
+    if (
+        isinstance(value, list)
+        and len(value) == 3
+        and isinstance(value[0], list)
+        and isinstance(value[1], dict)
+        and isinstance(value[2], dict)
+    ):
+        return {"args": value[0], "kwargs": value[1], "options": value[2]}
+    return {"body": value, "bodyFormat": "json"}
+
+
+def _bson_safe(value: Any) -> bool:
+    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints."""
+    if isinstance(value, dict):
+        return all(
+            isinstance(k, str) and k and not k.startswith("$") and "." not in k and "\x00" not in k and _bson_safe(v)
+            for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return all(_bson_safe(v) for v in value)
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return True
+    if isinstance(value, int):
+        return _INT64[0] <= value <= _INT64[1]
+    return False
+
+
+def to_message(payload: Any) -> dict[str, Any]:
+    """Rebuild the kombu message (body not base64-encoded) from a stored payload."""
+    if not isinstance(payload, dict):
+        raise PayloadError(f"payload is a {type(payload).__name__}, not a document")
+    try:
+        if "raw" in payload:
+            message = json.loads(payload["raw"])
+            body_bytes = base64.b64decode(payload["body"])
+            encoding = message.get("content-encoding")
+            message["body"] = body_bytes if encoding in (None, "binary") else body_bytes.decode(encoding)
+        else:
+            if "args" in payload:
+                body: Any = [payload["args"], payload["kwargs"], payload["options"]]
+            else:
+                body = payload["body"]
+            message = {
+                "body": json.dumps(body),
+                "headers": dict(payload["headers"]),
+                "properties": dict(payload["properties"]),
+                "content-type": payload["contentType"],
+                "content-encoding": payload["contentEncoding"],
+            }
+    except (KeyError, TypeError, ValueError, LookupError) as exc:
+        raise PayloadError(f"payload is not a stored message: {type(exc).__name__}: {exc}") from None
+    if not isinstance(message.get("headers"), dict) or not isinstance(message.get("properties"), dict):
+        raise PayloadError("payload headers and properties must be documents")
+    message["properties"]["body_encoding"] = None
+    message["properties"].setdefault("delivery_info", {})
+    return message

@@ -1,0 +1,290 @@
+"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps and counts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
+from pymongo.collection import Collection
+from pymongo.database import Database
+from pymongo.errors import DocumentTooLarge, WriteError
+from ulid import ULID
+
+from . import lifecycle
+from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+
+logger = logging.getLogger(__name__)
+
+#: Claim order: higher priority first, then the earliest due, then the oldest.
+CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
+
+INDEXES = [
+    IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
+    IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
+    IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
+    IndexModel([("leaseOwner", ASCENDING)], name="bb_lease_owner", sparse=True),
+]
+
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+
+
+class JobTooLarge(ValueError):
+    """The task message does not fit in one MongoDB document."""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A job a worker now holds: `attempts` is its fencing token for every later write."""
+
+    id: str
+    attempts: int
+    task_id: str | None
+    payload: Any
+
+
+class JobStore:
+    def __init__(
+        self,
+        db: Database,
+        policy: Policy | None = None,
+        *,
+        clock: Callable[[], datetime] | None = None,
+        collection: str = "jobs",
+        secrets: Iterable[str] = (),
+    ) -> None:
+        self.coll: Collection = db[collection]
+        self.policy = policy or Policy()
+        self.now = clock or (lambda: datetime.now(UTC))
+        self._secrets = tuple(secrets)
+
+    def ensure_indexes(self) -> None:
+        self.coll.create_indexes(INDEXES)
+
+    # --- producing -------------------------------------------------------
+
+    def publish(
+        self,
+        *,
+        queue: str,
+        kind: str,
+        task_id: str,
+        payload: dict[str, Any],
+        priority: int,
+        run_after: datetime | None,
+        is_retry: bool,
+    ) -> str:
+        """Insert a queued job; a Celery retry reschedules the job that is running instead."""
+        now = self.now()
+        due = run_after or now
+        if is_retry:
+            updated = self._write(
+                self.coll.find_one_and_update,
+                {"taskId": task_id, "status": RUNNING},
+                {
+                    "$set": {
+                        "status": QUEUED,
+                        "payload": payload,
+                        "queue": queue,
+                        "priority": priority,
+                        "runAfter": due,
+                        "updatedAt": now,
+                    },
+                    "$unset": {"leaseOwner": ""},
+                },
+                projection={"_id": 1},
+            )
+            if updated is not None:
+                return updated["_id"]
+        job_id = str(ULID())
+        self._write(
+            self.coll.insert_one,
+            {
+                "_id": job_id,
+                "kind": kind,
+                "taskId": task_id,
+                "queue": queue,
+                "priority": priority,
+                "payload": payload,
+                "status": QUEUED,
+                "attempts": 0,
+                "runAfter": due,
+                "createdAt": now,
+                "updatedAt": now,
+            },
+        )
+        return job_id
+
+    def _write(self, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return operation(*args, **kwargs)
+        except DocumentTooLarge as exc:
+            raise JobTooLarge(
+                f"task message does not fit in a MongoDB document (limit {MAX_DOCUMENT_BYTES} bytes): {exc}"
+            ) from None
+
+    # --- working -----------------------------------------------------------
+
+    def claim(self, queue: str, owner: str) -> Claimed | None:
+        """Atomically move the next due job of `queue` to running, held by `owner`."""
+        now = self.now()
+        due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+        try:
+            doc = self.coll.find_one_and_update(
+                due,
+                {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
+                sort=CLAIM_ORDER,
+                return_document=ReturnDocument.AFTER,
+            )
+        except WriteError as exc:
+            # A hand-edited document the update cannot apply to must not block the queue behind it.
+            self._fail_unclaimable(due, lifecycle.describe_error(exc))
+            return None
+        if doc is None:
+            return None
+        return Claimed(doc["_id"], doc["attempts"], doc.get("taskId"), doc.get("payload"))
+
+    def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> None:
+        head = self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER)
+        if head is not None:
+            logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
+            self.coll.update_one(
+                {"_id": head["_id"], "status": QUEUED},
+                {
+                    "$set": {
+                        "status": FAILED,
+                        "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
+                        "updatedAt": self.now(),
+                        "finishedAt": self.now(),
+                    }
+                },
+            )
+
+    def heartbeat(self, job_ids: Iterable[str], owner: str) -> int:
+        """Refresh the lease of the live jobs this owner still holds."""
+        ids = list(job_ids)
+        if not ids:
+            return 0
+        result = self.coll.update_many(
+            {"_id": {"$in": ids}, "status": RUNNING, "leaseOwner": owner},
+            {"$set": {"updatedAt": self.now()}},
+        )
+        return result.modified_count
+
+    def succeed(self, job_id: str, attempts: int) -> bool:
+        now = self.now()
+        return self._settle(
+            job_id,
+            attempts,
+            {
+                "$set": {"status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now},
+                "$unset": {"leaseOwner": ""},
+            },
+        )
+
+    def fail(self, job_id: str, attempts: int, error: str, *, retryable: bool = True) -> Outcome | None:
+        """Record a failed attempt: back to the queue with backoff, or failed for good."""
+        now = self.now()
+        outcome = lifecycle.after_failure(self.policy, attempts, self._scrub(error), now, retryable=retryable)
+        changes: dict[str, Any] = {"status": outcome.status, "lastError": outcome.last_error, "updatedAt": now}
+        if outcome.status == QUEUED:
+            changes["runAfter"] = outcome.run_after
+        else:
+            changes["finishedAt"] = now
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}})
+        return outcome if done else None
+
+    def fail_running_task(self, task_id: str, owner: str, error: str, *, retryable: bool = True) -> Outcome | None:
+        """Fail the running job of a Celery task id that `owner` holds (when only the task id is known)."""
+        doc = self.coll.find_one({"taskId": task_id, "status": RUNNING, "leaseOwner": owner}, {"attempts": 1})
+        if doc is None:
+            return None
+        return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable)
+
+    def release(self, job_id: str, attempts: int) -> bool:
+        """Give back a job that never started (prefetched, then the worker stopped): no attempt used."""
+        return self._settle(
+            job_id,
+            attempts,
+            {
+                "$set": {"status": QUEUED, "updatedAt": self.now()},
+                "$inc": {"attempts": -1},
+                "$unset": {"leaseOwner": ""},
+            },
+        )
+
+    def _settle(self, job_id: str, attempts: int, update: dict[str, Any]) -> bool:
+        # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
+        result = self.coll.update_one({"_id": job_id, "status": RUNNING, "attempts": attempts}, update)
+        return result.modified_count == 1
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "**")
+        return text
+
+    # --- recovering lost work ---------------------------------------------
+
+    def requeue_stale(self) -> tuple[int, int]:
+        """Running jobs whose lease ran out: back to the queue, or failed when no attempt is left."""
+        cutoff = self.now() - timedelta(seconds=self.policy.stale_after)
+        return self._recover(
+            {"updatedAt": {"$lt": cutoff}}, f"worker lost: no heartbeat for {self.policy.stale_after:g} s"
+        )
+
+    def release_owner(self, owner: str, reason: str) -> tuple[int, int]:
+        """At a worker's shutdown, whatever it still holds was cut short."""
+        return self._recover({"leaseOwner": owner}, reason)
+
+    def _recover(self, selector: dict[str, Any], reason: str) -> tuple[int, int]:
+        now = self.now()
+        retry = self.coll.update_many(
+            {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
+            {
+                "$set": {"status": QUEUED, "lastError": reason, "runAfter": now, "updatedAt": now},
+                "$unset": {"leaseOwner": ""},
+            },
+        )
+        give_up = self.coll.update_many(
+            {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
+            {
+                "$set": {
+                    "status": FAILED,
+                    "lastError": f"{reason}, and no attempt is left",
+                    "updatedAt": now,
+                    "finishedAt": now,
+                },
+                "$unset": {"leaseOwner": ""},
+            },
+        )
+        if retry.modified_count or give_up.modified_count:
+            logger.warning(
+                "recovered lost jobs: %d re-queued, %d failed (%s)",
+                retry.modified_count,
+                give_up.modified_count,
+                reason,
+            )
+        return retry.modified_count, give_up.modified_count
+
+    # --- reading and operating --------------------------------------------
+
+    def statuses(self) -> dict[str, int]:
+        """Counts per status, all four keys, from one aggregation."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for row in self.coll.aggregate(
+            [
+                {"$match": {"status": {"$in": list(STATUSES)}}},
+                {"$group": {"_id": "$status", "n": {"$sum": 1}}},
+            ]
+        ):
+            counts[row["_id"]] = row["n"]
+        return counts
+
+    def queued_count(self, queue: str) -> int:
+        return self.coll.count_documents({"status": QUEUED, "queue": queue})
+
+    def purge_queued(self, queue: str) -> int:
+        return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count

@@ -1,0 +1,264 @@
+"""The Kombu transport behind `bbmongo://`: task messages become `jobs` documents, the rest is plumbing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime
+from queue import Empty
+from typing import Any
+
+from kombu.transport import virtual
+from pymongo import errors as mongo_errors
+
+from . import connection
+from .clock import ServerClock
+from .leases import LeaseKeeper
+from .lifecycle import Policy, describe_error
+from .messages import MessageStore
+from .payloads import (
+    ATTEMPTS_HEADER,
+    JOB_ID_HEADER,
+    OWNER_HEADER,
+    PayloadError,
+    is_task_message,
+    to_document,
+    to_message,
+)
+from .store import JobStore
+
+logger = logging.getLogger(__name__)
+
+_indexed: set[tuple[str, str, str]] = set()
+_indexed_lock = threading.Lock()
+
+
+class JobMessage(virtual.Message):
+    """A delivered message that remembers which job (and which attempt) it is, and why it failed to decode."""
+
+    def __init__(self, payload: dict[str, Any], channel: Any = None, **kwargs: Any) -> None:
+        super().__init__(payload, channel=channel, **kwargs)
+        headers = self.headers or {}
+        self.job_id: str | None = headers.get(JOB_ID_HEADER)
+        self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
+        self.decode_error: BaseException | None = None
+
+    def decode(self) -> Any:
+        try:
+            return super().decode()
+        except Exception as exc:
+            self.decode_error = exc
+            raise
+
+
+class JobQoS(virtual.QoS):
+    """Acks and rejects of job messages settle the job; there is nothing to restore from memory."""
+
+    def ack(self, delivery_tag: str) -> None:
+        message = self._delivered.get(delivery_tag)
+        if isinstance(message, JobMessage) and message.job_id and message.decode_error is not None:
+            self.channel.jobs.fail(
+                message.job_id,
+                message.attempts,
+                f"message cannot be decoded: {describe_error(message.decode_error)}",
+                retryable=False,
+            )
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        message = self._delivered.get(delivery_tag)
+        if not (isinstance(message, JobMessage) and message.job_id):
+            return super().reject(delivery_tag, requeue=requeue)
+        if message.decode_error is not None:
+            reason = f"message cannot be decoded: {describe_error(message.decode_error)}"
+            self.channel.jobs.fail(message.job_id, message.attempts, reason, retryable=False)
+        elif requeue:
+            self.channel.jobs.fail(message.job_id, message.attempts, "the worker rejected the task and requeued it")
+        else:
+            self.channel.jobs.fail(message.job_id, message.attempts, "the worker rejected the task", retryable=False)
+        self._quick_ack(delivery_tag)
+
+    def live_jobs(self) -> list[str]:
+        return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
+
+
+class Channel(virtual.Channel):
+    QoS = JobQoS
+    Message = JobMessage
+    supports_fanout = True
+
+    # Transport options (broker_transport_options), with their defaults.
+    max_attempts = 3
+    backoff_base = 5.0
+    stale_after = 300.0
+    message_ttl = 300.0
+    jobs_collection = "jobs"
+    from_transport_options = virtual.Channel.from_transport_options + (
+        "max_attempts",
+        "backoff_base",
+        "stale_after",
+        "message_ttl",
+        "jobs_collection",
+    )
+
+    #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
+    topic_table_max_age = 1.0
+
+    def __init__(self, connection_: Any, **kwargs: Any) -> None:
+        super().__init__(connection_, **kwargs)
+        self.target = connection.parse_broker_url(connection_.client.hostname)
+        db = connection.get_database(self.target)
+        self.policy = Policy(int(self.max_attempts), float(self.backoff_base), float(self.stale_after))
+        self.jobs = JobStore(
+            db, self.policy, clock=ServerClock(db), collection=self.jobs_collection, secrets=self.target.secrets
+        )
+        self.plumbing = MessageStore(db, ttl=float(self.message_ttl))
+        self.owner = connection.lease_owner()
+        self._plain_queues: set[str] = set()
+        self._keeper: LeaseKeeper | None = None
+        self._ensure_indexes()
+
+    def _ensure_indexes(self) -> None:
+        key = (self.target.mongo_uri, self.target.database, self.jobs_collection)
+        with _indexed_lock:
+            if key not in _indexed:
+                self.jobs.ensure_indexes()
+                self.plumbing.ensure_indexes()
+                _indexed.add(key)
+
+    # --- queues -------------------------------------------------------------
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        # Celery's own plumbing queues (remote control, replies, events) are auto-delete; task queues are not.
+        if kwargs.get("auto_delete"):
+            self._plain_queues.add(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return True
+
+    def _size(self, queue: str) -> int:
+        if queue in self._plain_queues:
+            return self.plumbing.size(queue)
+        return self.jobs.queued_count(queue)
+
+    def _purge(self, queue: str) -> int:
+        if queue in self._plain_queues:
+            return self.plumbing.purge(queue)
+        return self.jobs.purge_queued(queue)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.plumbing.delete_queue(queue)
+        self._plain_queues.discard(queue)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        if self.typeof(exchange).type == "fanout":
+            self._plain_queues.add(queue)
+        self.plumbing.bind(exchange, routing_key, pattern, queue)
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        local = self.state.exchanges.get(exchange, {}).get("table", [])
+        exchange_type = self.typeof(exchange).type
+        if local and exchange_type == "direct":
+            return local
+        max_age = self.topic_table_max_age if exchange_type == "topic" else 0.0
+        return list({*local, *self.plumbing.table(exchange, max_age=max_age)})
+
+    # --- publishing -------------------------------------------------------
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        priority = self._get_message_priority(message)
+        if not is_task_message(message):
+            self.plumbing.put(queue, message, priority)
+            return
+        properties = message["properties"]
+        body = self.decode_body(message["body"], properties.get("body_encoding"))
+        if isinstance(body, str):
+            body = body.encode(message.get("content-encoding") or "utf-8")
+        headers = message["headers"]
+        self.jobs.publish(
+            queue=queue,
+            kind=headers["task"],
+            task_id=str(headers["id"]),
+            payload=to_document(message, body),
+            priority=priority,
+            run_after=_eta(headers.get("eta")),
+            is_retry=bool(headers.get("retries")),
+        )
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
+        priority = self._get_message_priority(message)
+        for queue in {queue for _, _, queue in self.get_table(exchange)}:
+            self.plumbing.put(queue, message, priority)
+
+    def _restore(self, message: Any) -> None:
+        if isinstance(message, JobMessage) and message.job_id:
+            self.jobs.release(message.job_id, message.attempts)
+        else:
+            super()._restore(message)
+
+    # --- consuming ----------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any) -> Any:
+        if queue not in self._plain_queues and self._keeper is None:
+            self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
+            self._keeper.add_source(self.qos.live_jobs)
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        if queue in self._plain_queues:
+            message = self.plumbing.get(queue)
+            if message is None:
+                raise Empty()
+            return message
+        while True:
+            job = self.jobs.claim(queue, self.owner)
+            if job is None:
+                raise Empty()
+            try:
+                message = to_message(job.payload)
+            except PayloadError as exc:
+                logger.error("job %s cannot be delivered: %s", job.id, exc)
+                self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
+                continue
+            message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts, OWNER_HEADER: self.owner})
+            message["properties"]["delivery_tag"] = job.id
+            message["redelivered"] = job.attempts > 1
+            return message
+
+    def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.remove_source(self.qos.live_jobs)
+            self._keeper = None
+        super().close()
+
+
+def _eta(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        eta = datetime.fromisoformat(str(value))
+    except ValueError:
+        raise ValueError(f"task message has an unreadable eta header {value!r}") from None
+    return eta if eta.tzinfo else eta.replace(tzinfo=UTC)
+
+
+class Transport(virtual.Transport):
+    Channel = Channel
+
+    can_parse_url = True
+    polling_interval = 1.0
+    default_port = 27017
+    driver_type = "mongodb"
+    driver_name = "pymongo"
+
+    connection_errors = virtual.Transport.connection_errors + (mongo_errors.ConnectionFailure,)
+    channel_errors = virtual.Transport.channel_errors + (mongo_errors.ConnectionFailure, mongo_errors.OperationFailure)
+    implements = virtual.Transport.implements.extend(exchange_type=frozenset(["direct", "topic", "fanout"]))
+
+    def driver_version(self) -> str:
+        import pymongo
+
+        return pymongo.version
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        return uri if include_password else connection.redact_url(uri)
