@@ -132,17 +132,26 @@ def _on_revoked(
 
 @signals.task_unknown.connect
 def _on_unknown(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
-    store = store_for(sender.app)
+    _explain_rejection(sender, message, f"unknown task {name!r}: no worker has it registered")
+
+
+@signals.task_rejected.connect
+def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
+    reason = describe_error(exc) if exc is not None else "not a task message this worker understands"
+    _explain_rejection(sender, message, f"invalid task message: {reason}")
+
+
+def _explain_rejection(consumer: Any, message: Any, reason: str) -> None:
+    # Celery rejects the message (which fails the job) before it says why; the why goes in lastError.
+    store = store_for(consumer.app)
     job_id, attempts = getattr(message, "job_id", None), getattr(message, "attempts", None)
-    if store is not None and job_id and attempts is not None:
-        store.fail(job_id, attempts, f"unknown task {name!r}: no worker has it registered", retryable=False)
-
-
-@signals.worker_shutdown.connect
-def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
-    store = store_for(sender.app)
-    if store is not None:
-        store.release_owner(connection.lease_owner(), "the worker shut down while the task ran")
+    if (
+        store is not None
+        and job_id
+        and attempts is not None
+        and not store.fail(job_id, attempts, reason, retryable=False)
+    ):
+        store.explain_failure(job_id, attempts, reason)
 
 
 def _reserved_jobs() -> list[str]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from pymongo.errors import PyMongoError
@@ -43,9 +45,20 @@ class LeaseKeeper:
         self.store = store
         self.owner = owner
         self._sources: list[LiveJobs] = []
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bb-broker-leases", daemon=True)
         self._thread.start()
+        atexit.register(self._release_at_exit, os.getpid())
+
+    def _release_at_exit(self, pid: int) -> None:
+        # Whatever this process still holds when it exits (a cold shutdown killed its pool, say) was cut short.
+        if os.getpid() != pid:
+            return
+        try:
+            self.store.release_owner(self.owner, "the worker shut down while the task ran")
+        except PyMongoError as exc:
+            logger.warning(
+                "could not release this worker's jobs at exit (%s); the stale sweep will", type(exc).__name__
+            )
 
     def add_source(self, source: LiveJobs) -> None:
         self._sources.append(source)
@@ -76,8 +89,7 @@ class LeaseKeeper:
                 self.tick(sweep=sweep)
             except PyMongoError as exc:
                 logger.warning("lease upkeep failed, will try again: %s", type(exc).__name__)
-            if self._stop.wait(policy.heartbeat_interval):
-                return
+            time.sleep(policy.heartbeat_interval)
             elapsed += policy.heartbeat_interval
 
 

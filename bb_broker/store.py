@@ -11,7 +11,7 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection
 from pymongo.database import Database
-from pymongo.errors import DocumentTooLarge, WriteError
+from pymongo.errors import DocumentTooLarge, OperationFailure
 from ulid import ULID
 
 from . import lifecycle
@@ -30,6 +30,9 @@ INDEXES = [
 ]
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+
+#: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
+UNAPPLICABLE_UPDATE = {2, 14}
 
 
 class JobTooLarge(ValueError):
@@ -137,9 +140,12 @@ class JobStore:
                 due,
                 {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
                 sort=CLAIM_ORDER,
+                hint="bb_claim",
                 return_document=ReturnDocument.AFTER,
             )
-        except WriteError as exc:
+        except OperationFailure as exc:
+            if exc.code not in UNAPPLICABLE_UPDATE:
+                raise
             # A hand-edited document the update cannot apply to must not block the queue behind it.
             self._fail_unclaimable(due, lifecycle.describe_error(exc))
             return None
@@ -148,7 +154,7 @@ class JobStore:
         return Claimed(doc["_id"], doc["attempts"], doc.get("taskId"), doc.get("payload"))
 
     def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> None:
-        head = self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER)
+        head = self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim")
         if head is not None:
             logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
             self.coll.update_one(
@@ -204,6 +210,14 @@ class JobStore:
             return None
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable)
 
+    def explain_failure(self, job_id: str, attempts: int, reason: str) -> bool:
+        """Give a job that already failed on this attempt a more precise lastError."""
+        result = self.coll.update_one(
+            {"_id": job_id, "status": FAILED, "attempts": attempts},
+            {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}},
+        )
+        return result.modified_count == 1
+
     def release(self, job_id: str, attempts: int) -> bool:
         """Give back a job that never started (prefetched, then the worker stopped): no attempt used."""
         return self._settle(
@@ -231,15 +245,14 @@ class JobStore:
     def requeue_stale(self) -> tuple[int, int]:
         """Running jobs whose lease ran out: back to the queue, or failed when no attempt is left."""
         cutoff = self.now() - timedelta(seconds=self.policy.stale_after)
-        return self._recover(
-            {"updatedAt": {"$lt": cutoff}}, f"worker lost: no heartbeat for {self.policy.stale_after:g} s"
-        )
+        reason = f"worker lost: no heartbeat for {self.policy.stale_after:g} s"
+        return self._recover({"updatedAt": {"$lt": cutoff}}, reason, hint="bb_status_updated")
 
     def release_owner(self, owner: str, reason: str) -> tuple[int, int]:
         """At a worker's shutdown, whatever it still holds was cut short."""
-        return self._recover({"leaseOwner": owner}, reason)
+        return self._recover({"leaseOwner": owner}, reason, hint="bb_lease_owner")
 
-    def _recover(self, selector: dict[str, Any], reason: str) -> tuple[int, int]:
+    def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
         now = self.now()
         retry = self.coll.update_many(
             {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
@@ -247,6 +260,7 @@ class JobStore:
                 "$set": {"status": QUEUED, "lastError": reason, "runAfter": now, "updatedAt": now},
                 "$unset": {"leaseOwner": ""},
             },
+            hint=hint,
         )
         give_up = self.coll.update_many(
             {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
@@ -259,6 +273,7 @@ class JobStore:
                 },
                 "$unset": {"leaseOwner": ""},
             },
+            hint=hint,
         )
         if retry.modified_count or give_up.modified_count:
             logger.warning(
@@ -278,7 +293,8 @@ class JobStore:
             [
                 {"$match": {"status": {"$in": list(STATUSES)}}},
                 {"$group": {"_id": "$status", "n": {"$sum": 1}}},
-            ]
+            ],
+            hint="bb_status_updated",
         ):
             counts[row["_id"]] = row["n"]
         return counts

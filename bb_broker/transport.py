@@ -14,7 +14,7 @@ from pymongo import errors as mongo_errors
 from . import connection
 from .clock import ServerClock
 from .leases import LeaseKeeper
-from .lifecycle import Policy, describe_error
+from .lifecycle import Policy
 from .messages import MessageStore
 from .payloads import (
     ATTEMPTS_HEADER,
@@ -29,53 +29,33 @@ from .store import JobStore
 
 logger = logging.getLogger(__name__)
 
+REJECTED = "the worker rejected the task without running it"
+
 _indexed: set[tuple[str, str, str]] = set()
 _indexed_lock = threading.Lock()
 
 
 class JobMessage(virtual.Message):
-    """A delivered message that remembers which job (and which attempt) it is, and why it failed to decode."""
+    """A delivered message that remembers which job, and which attempt of it, it is."""
 
     def __init__(self, payload: dict[str, Any], channel: Any = None, **kwargs: Any) -> None:
         super().__init__(payload, channel=channel, **kwargs)
         headers = self.headers or {}
         self.job_id: str | None = headers.get(JOB_ID_HEADER)
         self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
-        self.decode_error: BaseException | None = None
-
-    def decode(self) -> Any:
-        try:
-            return super().decode()
-        except Exception as exc:
-            self.decode_error = exc
-            raise
 
 
 class JobQoS(virtual.QoS):
-    """Acks and rejects of job messages settle the job; there is nothing to restore from memory."""
-
-    def ack(self, delivery_tag: str) -> None:
-        message = self._delivered.get(delivery_tag)
-        if isinstance(message, JobMessage) and message.job_id and message.decode_error is not None:
-            self.channel.jobs.fail(
-                message.job_id,
-                message.attempts,
-                f"message cannot be decoded: {describe_error(message.decode_error)}",
-                retryable=False,
-            )
-        super().ack(delivery_tag)
+    """A rejected job message settles its job; nothing is restored from memory."""
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         message = self._delivered.get(delivery_tag)
         if not (isinstance(message, JobMessage) and message.job_id):
             return super().reject(delivery_tag, requeue=requeue)
-        if message.decode_error is not None:
-            reason = f"message cannot be decoded: {describe_error(message.decode_error)}"
-            self.channel.jobs.fail(message.job_id, message.attempts, reason, retryable=False)
-        elif requeue:
+        if requeue:
             self.channel.jobs.fail(message.job_id, message.attempts, "the worker rejected the task and requeued it")
         else:
-            self.channel.jobs.fail(message.job_id, message.attempts, "the worker rejected the task", retryable=False)
+            self.channel.jobs.fail(message.job_id, message.attempts, REJECTED, retryable=False)
         self._quick_ack(delivery_tag)
 
     def live_jobs(self) -> list[str]:

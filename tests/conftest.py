@@ -1,0 +1,81 @@
+"""Fixtures: a real MongoDB (embedded unless BB_TEST_MONGO_URL is set), a database per test, and workers."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from tests.servers import EmbeddedServer, external_url, with_database
+from tests.workers import Worker
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+@pytest.fixture(scope="session")
+def mongo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = external_url()
+    if url:
+        yield url
+        return
+    server = EmbeddedServer(tmp_path_factory.mktemp("mongo") / "data")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mongo_client(mongo_url: str) -> Iterator[MongoClient]:
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def db_name(request: pytest.FixtureRequest) -> str:
+    name = re.sub(r"[^A-Za-z0-9]", "_", request.node.name)[-40:]
+    return f"bbt_{name}"
+
+
+@pytest.fixture
+def db(mongo_client: MongoClient, db_name: str) -> Iterator[Database]:
+    mongo_client.drop_database(db_name)
+    yield mongo_client[db_name]
+    mongo_client.drop_database(db_name)
+
+
+@pytest.fixture
+def broker_url(mongo_url: str, db: Database) -> str:
+    return with_database(mongo_url, db.name)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def worker_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator:
+    started: list[Worker] = []
+
+    def make(**kwargs) -> Worker:
+        worker = Worker(broker_url, log_dir=tmp_path, name=f"w{len(started)}", **kwargs)
+        started.append(worker)
+        worker.start()
+        return worker
+
+    yield make
+    for worker in started:
+        worker.kill()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for worker in started:
+            print(f"----- {worker.log_path.name} (last lines) -----\n{worker.log()[-4000:]}")

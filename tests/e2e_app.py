@@ -1,0 +1,92 @@
+"""The Celery app the end-to-end tests run in real workers; its tasks record what they did in `runs`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from celery import Celery
+
+import bb_broker
+from bb_broker.connection import get_database, parse_broker_url
+
+app = Celery("e2e_app")
+app.conf.update(
+    broker_url=os.environ["BB_BROKER_URL"],
+    broker_transport_options=json.loads(os.environ.get("BB_TRANSPORT_OPTIONS", "{}")),
+    worker_prefetch_multiplier=1,
+    task_time_limit=600,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+)
+
+
+def runs():
+    return get_database(parse_broker_url(app.conf.broker_url))["runs"]
+
+
+def record(task, **fields) -> None:
+    runs().insert_one(
+        {
+            "taskId": task.request.id,
+            "name": task.name,
+            "attempt": task.request.bb_attempts,
+            "retries": task.request.retries,
+            "pid": os.getpid(),
+            "at": time.time(),
+            **fields,
+        }
+    )
+
+
+@app.task(bind=True)
+def add(self, x, y):
+    record(self)
+    return x + y
+
+
+@app.task(bind=True)
+def fail_until(self, succeed_on_attempt):
+    record(self)
+    if self.request.bb_attempts < succeed_on_attempt:
+        raise RuntimeError(f"failing attempt {self.request.bb_attempts}")
+    return "ok"
+
+
+@app.task(bind=True)
+def always_fails(self):
+    record(self, final=bb_broker.is_final_attempt(self))
+    raise ValueError("always fails")
+
+
+@app.task(bind=True)
+def sleep(self, seconds):
+    record(self, phase="start")
+    time.sleep(seconds)
+    record(self, phase="end")
+    return seconds
+
+
+@app.task(bind=True)
+def exit_process(self):
+    record(self)
+    os._exit(1)
+
+
+@app.task(bind=True, max_retries=2)
+def retry_self(self, countdown):
+    record(self)
+    raise self.retry(countdown=countdown, exc=RuntimeError("not yet"))
+
+
+@app.task(bind=True, autoretry_for=(KeyError,), max_retries=1, default_retry_delay=0)
+def autoretry(self):
+    record(self, final=bb_broker.is_final_attempt(self))
+    raise KeyError("missing")
+
+
+@app.task(bind=True, time_limit=1)
+def overrun(self):
+    record(self)
+    time.sleep(30)

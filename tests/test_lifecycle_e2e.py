@@ -1,0 +1,161 @@
+"""Every lifecycle path with a real `celery worker` subprocess, observed in the `jobs` documents."""
+
+from __future__ import annotations
+
+import signal
+from datetime import timedelta
+
+import pytest
+from celery import Celery
+from pymongo.database import Database
+
+import bb_broker
+from tests.workers import wait_for
+
+
+@pytest.fixture
+def app(broker_url: str) -> Celery:
+    app = Celery("producer", broker=broker_url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    yield app
+    app.close()
+
+
+def send(app: Celery, name: str, *args, **options) -> str:
+    return app.send_task(f"tests.e2e_app.{name}", args=args, **options).id
+
+
+def job(db: Database, task_id: str) -> dict:
+    return db.jobs.find_one({"taskId": task_id}) or {}
+
+
+def settled(db: Database, task_id: str, status: str):
+    return lambda: (doc := job(db, task_id)).get("status") == status and doc
+
+
+def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> None:
+    worker_factory()
+    ok = send(app, "add", 2, 3)
+    flaky = send(app, "fail_until", 2)
+    doomed = send(app, "always_fails")
+
+    assert wait_for(settled(db, ok, "succeeded"), message="add succeeded")["attempts"] == 1
+    done = wait_for(settled(db, flaky, "succeeded"), message="flaky succeeded")
+    assert done["attempts"] == 2 and done["lastError"] == ""
+    failed = wait_for(settled(db, doomed, "failed"), message="always_fails failed")
+    assert failed["attempts"] == 3 and failed["lastError"] == "ValueError: always fails"
+    assert [r["final"] for r in db.runs.find({"taskId": doomed}).sort("attempt")] == [False, False, True]
+    # the broker's backoff: base 0.25 s here, 2^attempts: 0.5 s, then 1 s between attempts
+    starts = [r["at"] for r in db.runs.find({"taskId": doomed}).sort("attempt")]
+    assert starts[1] - starts[0] >= 0.5 and starts[2] - starts[1] >= 1.0
+    assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": 2, "failed": 1}
+    assert db.jobs.count_documents({}) == 3  # events and remote control never become jobs
+
+
+def test_eta_waits_in_mongodb_not_in_a_worker(app, db, worker_factory) -> None:
+    worker_factory()
+    task_id = send(app, "add", 1, 1, countdown=3)
+    doc = wait_for(lambda: job(db, task_id), message="the job document")
+    assert doc["status"] == "queued" and doc["runAfter"] - doc["createdAt"] >= timedelta(seconds=2.9)
+    done = wait_for(settled(db, task_id, "succeeded"), message="eta task succeeded")
+    run = db.runs.find_one({"taskId": task_id})
+    assert run["at"] >= doc["runAfter"].timestamp() - 0.5  # not run early (clocks agree within 0.5 s)
+    assert done["attempts"] == 1
+
+
+def test_self_retry_keeps_one_document_with_its_eta(app, db, worker_factory) -> None:
+    worker_factory()
+    task_id = send(app, "retry_self", 1)
+    failed = wait_for(settled(db, task_id, "failed"), message="retry_self gave up")
+    runs = list(db.runs.find({"taskId": task_id}).sort("at"))
+    assert [r["retries"] for r in runs] == [0, 1, 2]  # max_retries=2, Celery's own policy
+    assert all(b["at"] - a["at"] >= 0.9 for a, b in zip(runs, runs[1:], strict=False))  # countdown=1 honoured
+    assert db.jobs.count_documents({"taskId": task_id}) == 1
+    assert failed["attempts"] == 3 and "not yet" in failed["lastError"]
+
+
+def test_autoretry_is_honoured_and_its_final_attempt_known(app, db, worker_factory) -> None:
+    worker_factory()
+    task_id = send(app, "autoretry")
+    failed = wait_for(settled(db, task_id, "failed"), message="autoretry gave up")
+    runs = list(db.runs.find({"taskId": task_id}).sort("at"))
+    assert [(r["retries"], r["final"]) for r in runs] == [(0, False), (1, True)]
+    assert failed["attempts"] == 2 and failed["lastError"].startswith("KeyError")
+
+
+def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
+    worker_factory()
+    task_id = app.send_task("nobody.has.this", args=(1,)).id
+    failed = wait_for(settled(db, task_id, "failed"), message="unknown task failed")
+    assert failed["attempts"] == 1 and "nobody.has.this" in failed["lastError"]
+
+
+def test_revoke_ends_failed(app, db, worker_factory) -> None:
+    worker_factory()
+    waiting = send(app, "add", 1, 2, countdown=2)
+    app.control.revoke(waiting)
+    running = send(app, "sleep", 30)
+    wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")
+    app.control.revoke(running, terminate=True)
+    revoked = wait_for(settled(db, waiting, "failed"), message="revoked before it ran")
+    assert "revoked" in revoked["lastError"]
+    terminated = wait_for(settled(db, running, "failed"), message="revoked while running")
+    assert "revoked" in terminated["lastError"] and "terminated" in terminated["lastError"]
+    assert db.runs.count_documents({"taskId": waiting}) == 0
+
+
+def test_time_limit_counts_as_a_failure(app, db, worker_factory) -> None:
+    # a retry that lands while billiard still replaces the killed pool process can be lost in the pool
+    worker_factory(options={"max_attempts": 2, "backoff_base": 1.5})
+    task_id = send(app, "overrun")
+    failed = wait_for(settled(db, task_id, "failed"), timeout=90, message="overrun failed")
+    assert failed["attempts"] == 2 and "TimeLimitExceeded" in failed["lastError"]
+    assert db.runs.count_documents({"taskId": task_id}) == 2
+
+
+def test_warm_shutdown_finishes_and_records_running_tasks(app, db, worker_factory) -> None:
+    worker = worker_factory()
+    task_id = send(app, "sleep", 2)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="sleep started")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    assert job(db, task_id)["status"] == "succeeded"
+    assert db.runs.count_documents({"taskId": task_id, "phase": "end"}) == 1
+
+
+def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) -> None:
+    worker = worker_factory()
+    task_id = send(app, "sleep", 60)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="sleep started")
+    worker.signal(signal.SIGQUIT)
+    worker.wait(60)
+    doc = job(db, task_id)
+    assert doc["status"] == "queued" and doc["lastError"], doc
+
+
+def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, worker_factory) -> None:
+    worker_factory()
+    doomed = send(app, "exit_process")
+    fine = send(app, "add", 4, 4)
+    failed = wait_for(settled(db, doomed, "failed"), timeout=90, message="exit_process failed")
+    assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"]
+    assert job(db, fine)["status"] == "succeeded"
+
+
+def test_worker_killed_mid_task_its_job_is_requeued_and_run_again(app, db, worker_factory) -> None:
+    victim = worker_factory(options={"stale_after": 3})
+    task_id = send(app, "sleep", 1)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="sleep started")
+    victim.kill()
+    assert job(db, task_id)["status"] == "running"
+    worker_factory(options={"stale_after": 3})
+    done = wait_for(settled(db, task_id, "succeeded"), timeout=60, message="re-run after the crash")
+    assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 2
+
+
+def test_a_live_job_is_never_requeued_however_long_it_runs(app, db, worker_factory) -> None:
+    worker_factory(options={"stale_after": 1.5})
+    task_id = send(app, "sleep", 6)  # four times stale_after
+    wait_for(settled(db, task_id, "succeeded"), timeout=60, message="long task succeeded")
+    assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1
+    assert job(db, task_id)["attempts"] == 1

@@ -1,0 +1,248 @@
+"""The job store against a real server, with a clock the test moves: claims, backoff, leases, sweeps."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pymongo import MongoClient, monitoring
+from pymongo.database import Database
+
+from bb_broker import statuses
+from bb_broker.lifecycle import Policy
+from bb_broker.store import JobStore, JobTooLarge
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(db: Database, clock: FakeClock) -> JobStore:
+    store = JobStore(db, Policy(), clock=clock)
+    store.ensure_indexes()
+    return store
+
+
+def publish(store: JobStore, task_id: str = "t", *, queue: str = "celery", priority: int = 0, run_after=None) -> str:
+    return store.publish(queue=queue, kind="app.task", task_id=task_id, payload={"args": [1], "kwargs": {}},
+                         priority=priority, run_after=run_after, is_retry=False)  # fmt: skip
+
+
+def test_publish_writes_the_seed_fields(store: JobStore, clock: FakeClock, db: Database) -> None:
+    job_id = publish(store, "task-1")
+    doc = db.jobs.find_one({"_id": job_id})
+    assert len(job_id) == 26  # a ULID
+    assert doc["status"] == "queued" and doc["attempts"] == 0 and doc["kind"] == "app.task"
+    assert doc["taskId"] == "task-1" and doc["queue"] == "celery" and doc["priority"] == 0
+    assert doc["runAfter"] == doc["createdAt"] == doc["updatedAt"] == clock.now
+    assert doc["payload"] == {"args": [1], "kwargs": {}}
+
+
+def test_claim_takes_priority_then_due_time_then_age(store: JobStore, clock: FakeClock) -> None:
+    early = publish(store, "early", run_after=clock.now - timedelta(seconds=5))
+    normal = publish(store, "normal")
+    urgent = publish(store, "urgent", priority=9)
+    later = publish(store, "later", run_after=clock.now + timedelta(seconds=30))
+    publish(store, "other-queue", queue="other")
+
+    order = [store.claim("celery", "w").task_id for _ in range(3)]
+    assert order == ["urgent", "early", "normal"]
+    assert store.claim("celery", "w") is None  # `later` is not due
+    clock.advance(30)
+    claimed = store.claim("celery", "w")
+    assert claimed.id == later and claimed.attempts == 1
+    assert {urgent, early, normal}  # claimed once each above
+
+
+def test_two_threads_never_hold_the_same_job(store: JobStore) -> None:
+    for i in range(60):
+        publish(store, f"t{i}")
+    claimed: list[str] = []
+    lock = threading.Lock()
+
+    def drain(owner: str) -> None:
+        while (job := store.claim("celery", owner)) is not None:
+            with lock:
+                claimed.append(job.task_id)
+
+    threads = [threading.Thread(target=drain, args=(f"w{i}",)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(claimed) == sorted(f"t{i}" for i in range(60))
+
+
+def _drain_in_process(url: str, owner: str, out: multiprocessing.Queue) -> None:
+    from bb_broker.connection import get_database, parse_broker_url
+
+    store = JobStore(get_database(parse_broker_url(url)))
+    got = []
+    while (job := store.claim("celery", owner)) is not None:
+        got.append(job.task_id)
+    out.put(got)
+
+
+def test_processes_racing_claim_each_job_once(store: JobStore, broker_url: str) -> None:
+    for i in range(60):
+        publish(store, f"t{i}", run_after=datetime(2000, 1, 1, tzinfo=UTC))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_drain_in_process, args=(broker_url, f"p{i}", out)) for i in range(3)]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    claimed = [task for result in results for task in result]
+    assert sorted(claimed) == sorted(f"t{i}" for i in range(60))
+    assert statuses(broker_url) == {"queued": 0, "running": 60, "succeeded": 0, "failed": 0}
+
+
+def test_failures_back_off_then_fail_on_the_final_attempt(store: JobStore, clock: FakeClock, db: Database) -> None:
+    job_id = publish(store)
+    delays = []
+    for attempt in (1, 2):
+        job = store.claim("celery", "w")
+        assert job.attempts == attempt
+        outcome = store.fail(job.id, job.attempts, "boom")
+        delays.append((outcome.run_after - clock.now).total_seconds())
+        assert store.claim("celery", "w") is None  # waiting out its backoff
+        clock.advance(delays[-1])
+    assert delays == [10.0, 20.0]
+    job = store.claim("celery", "w")
+    assert job.attempts == 3 and store.policy.is_final_attempt(job.attempts)
+    store.fail(job.id, job.attempts, "boom")
+    doc = db.jobs.find_one({"_id": job_id})
+    assert doc["status"] == "failed" and doc["lastError"] == "boom" and doc["attempts"] == 3
+
+
+def test_a_late_write_from_a_lost_lease_changes_nothing(store: JobStore, clock: FakeClock, db: Database) -> None:
+    job_id = publish(store)
+    first = store.claim("celery", "old-worker")
+    clock.advance(301)
+    assert store.requeue_stale() == (1, 0)
+    second = store.claim("celery", "new-worker")
+    assert second.attempts == 2
+    assert not store.succeed(first.id, first.attempts)
+    assert store.fail(first.id, first.attempts, "late") is None
+    assert store.heartbeat([job_id], "old-worker") == 0
+    assert db.jobs.find_one({"_id": job_id})["status"] == "running"
+    assert store.succeed(second.id, second.attempts)
+
+
+def test_stale_sweep_requeues_lost_jobs_and_fails_exhausted_ones(store: JobStore, clock: FakeClock, db) -> None:
+    lost = publish(store, "lost")
+    live = publish(store, "live")
+    store.claim("celery", "dead")
+    store.claim("celery", "alive")
+    exhausted = publish(store, "exhausted")
+    db.jobs.update_one({"_id": exhausted}, {"$set": {"attempts": 2}})
+    store.claim("celery", "dead")
+    clock.advance(200)
+    store.heartbeat([live], "alive")
+    clock.advance(200)  # the dead worker's jobs are 400 s old, the live one 200 s
+    assert store.requeue_stale() == (1, 1)
+    docs = {d["taskId"]: d for d in db.jobs.find()}
+    assert docs["lost"]["status"] == "queued" and "worker lost" in docs["lost"]["lastError"]
+    assert docs["live"]["status"] == "running"
+    assert docs["exhausted"]["status"] == "failed" and "no attempt is left" in docs["exhausted"]["lastError"]
+    assert lost and "leaseOwner" not in docs["lost"]
+
+
+def test_release_gives_back_an_unstarted_job_without_using_an_attempt(store: JobStore, db: Database) -> None:
+    job_id = publish(store)
+    job = store.claim("celery", "w")
+    assert store.release(job.id, job.attempts)
+    doc = db.jobs.find_one({"_id": job_id})
+    assert doc["status"] == "queued" and doc["attempts"] == 0
+
+
+def test_release_owner_at_shutdown(store: JobStore, db: Database) -> None:
+    publish(store, "a")
+    publish(store, "b")
+    store.claim("celery", "me")
+    store.claim("celery", "someone-else")
+    assert store.release_owner("me", "the worker shut down") == (1, 0)
+    assert sorted(d["status"] for d in db.jobs.find()) == ["queued", "running"]
+
+
+def test_statuses_has_all_four_keys(store: JobStore, db: Database) -> None:
+    assert statuses(db) == {"queued": 0, "running": 0, "succeeded": 0, "failed": 0}
+    publish(store, "a")
+    publish(store, "b")
+    job = store.claim("celery", "w")
+    store.succeed(job.id, job.attempts)
+    assert statuses(db) == {"queued": 1, "running": 0, "succeeded": 1, "failed": 0}
+
+
+def test_an_oversized_payload_is_refused_with_nothing_written(store: JobStore, db: Database) -> None:
+    with pytest.raises(JobTooLarge, match="does not fit in a MongoDB document"):
+        store.publish(queue="celery", kind="k", task_id="big", payload={"args": ["x" * (17 * 1024 * 1024)]},
+                      priority=0, run_after=None, is_retry=False)  # fmt: skip
+    assert db.jobs.count_documents({}) == 0
+
+
+def test_a_document_edited_into_nonsense_fails_instead_of_blocking(store: JobStore, db: Database) -> None:
+    bad = publish(store, "bad", priority=5)
+    good = publish(store, "good")
+    db.jobs.update_one({"_id": bad}, {"$set": {"attempts": "three"}})
+    assert store.claim("celery", "w") is None  # the bad head is set aside on this poll
+    doc = db.jobs.find_one({"_id": bad})
+    assert doc["status"] == "failed" and "malformed job document" in doc["lastError"]
+    assert store.claim("celery", "w").id == good
+
+
+class CommandLog(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.commands: list[dict] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in ("findAndModify", "update", "aggregate"):
+            command = dict(event.command)
+            for key in ("lsid", "$db", "$clusterTime", "txnNumber", "$readPreference"):
+                command.pop(key, None)
+            self.commands.append(command)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_claim_sweep_and_statuses_read_through_an_index(mongo_url: str, db: Database, clock: FakeClock) -> None:
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        store = JobStore(client[db.name], clock=clock)
+        store.ensure_indexes()
+        for i in range(5):
+            publish(store, f"t{i}")
+        store.claim("celery", "w")
+        store.requeue_stale()
+        store.statuses()
+    assert [c["findAndModify"] if "findAndModify" in c else next(iter(c)) for c in log.commands] == [
+        "jobs", "update", "update", "aggregate",
+    ]  # fmt: skip
+    for command in log.commands:
+        if "updates" in command:  # the update's own selection, as a find with the same filter and hint
+            update = command["updates"][0]
+            command = {"find": "jobs", "filter": update["q"], "hint": update["hint"]}
+        plan = str(db.command("explain", command))
+        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
+        assert "'stage': 'SORT'" not in plan, plan

@@ -1,0 +1,90 @@
+"""Real `celery worker` subprocesses for end-to-end tests, and waiting on conditions instead of sleeping."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Small enough that retries and stale sweeps happen within a test, large enough for a loaded machine.
+FAST_OPTIONS = {"backoff_base": 0.25, "stale_after": 300.0, "polling_interval": 0.1}
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 60.0, message: str = "condition") -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}; last value {value!r}")
+        time.sleep(0.05)
+
+
+class Worker:
+    def __init__(
+        self,
+        broker_url: str,
+        *,
+        log_dir: Path,
+        name: str,
+        concurrency: int = 2,
+        options: dict[str, Any] | None = None,
+        app: str = "tests.e2e_app",
+        pool: str = "prefork",
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.broker_url = broker_url
+        self.log_path = log_dir / f"worker-{name}.log"
+        self.name = name
+        self.argv = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "-c", str(concurrency),
+            "-P", pool, "--loglevel", "INFO", "--without-mingle", "--without-gossip", *extra_args,
+        ]  # fmt: skip
+        self.env = {
+            **os.environ,
+            "BB_BROKER_URL": broker_url,
+            "BB_TRANSPORT_OPTIONS": json.dumps({**FAST_OPTIONS, **(options or {})}),
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 90.0) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the worker writes to it for its whole life)
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_for(lambda: self.process.poll() is not None or " ready." in self.log(), timeout, f"{self.name} ready")
+        if self.process.poll() is not None:
+            raise AssertionError(f"worker {self.name} exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the main process and its whole pool, as a crash or an OOM killer would."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
