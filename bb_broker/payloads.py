@@ -37,14 +37,14 @@ def to_document(message: dict[str, Any], decoded_body: bytes) -> dict[str, Any]:
         "contentType": message.get("content-type"),
         "contentEncoding": message.get("content-encoding"),
     }
+    if not _bson_safe(envelope):
+        # Headers BSON cannot hold faithfully: keep the whole message as kombu encodes it.
+        return {"raw": json.dumps({**message, "headers": headers, "properties": properties, "body": None}),
+                "body": base64.b64encode(decoded_body).decode("ascii")}  # fmt: skip
     readable = _readable_body(message, decoded_body)
-    if readable is not None and _bson_safe(envelope):
-        return {**readable, **envelope}
-    # Anything BSON cannot hold faithfully is kept whole, as kombu encodes it.
-    return {
-        "raw": json.dumps({**message, "headers": headers, "properties": properties}),
-        "body": base64.b64encode(decoded_body).decode("ascii"),
-    }
+    if readable is None:
+        readable = {"body": base64.b64encode(decoded_body).decode("ascii"), "bodyFormat": "base64"}
+    return {**readable, **envelope}
 
 
 def _readable_body(message: dict[str, Any], body: bytes) -> dict[str, Any] | None:
@@ -90,16 +90,16 @@ def to_message(payload: Any) -> dict[str, Any]:
     try:
         if "raw" in payload:
             message = json.loads(payload["raw"])
-            body_bytes = base64.b64decode(payload["body"])
-            encoding = message.get("content-encoding")
-            message["body"] = body_bytes if encoding in (None, "binary") else body_bytes.decode(encoding)
+            message["body"] = _binary_body(payload["body"], message.get("content-encoding"))
         else:
             if "args" in payload:
-                body: Any = [payload["args"], payload["kwargs"], payload["options"]]
+                body: Any = json.dumps([payload["args"], payload["kwargs"], payload["options"]])
+            elif payload.get("bodyFormat") == "json":
+                body = json.dumps(payload["body"])
             else:
-                body = payload["body"]
+                body = _binary_body(payload["body"], payload["contentEncoding"])
             message = {
-                "body": json.dumps(body),
+                "body": body,
                 "headers": dict(payload["headers"]),
                 "properties": dict(payload["properties"]),
                 "content-type": payload["contentType"],
@@ -112,3 +112,8 @@ def to_message(payload: Any) -> dict[str, Any]:
     message["properties"]["body_encoding"] = None
     message["properties"].setdefault("delivery_info", {})
     return message
+
+
+def _binary_body(encoded: str, encoding: str | None) -> bytes | str:
+    body = base64.b64decode(encoded, validate=True)
+    return body if encoding in (None, "binary") else body.decode(encoding)

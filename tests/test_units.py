@@ -1,0 +1,102 @@
+"""Pure pieces: URL parsing and masking, payload round trips, the lifecycle rules."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from bb_broker.connection import BrokerURLError, parse_broker_url, redact_url, scrub
+from bb_broker.lifecycle import FAILED, QUEUED, Policy, after_failure
+from bb_broker.payloads import PayloadError, to_document, to_message
+
+
+def test_bbmongo_url_becomes_a_mongodb_uri_and_database() -> None:
+    target = parse_broker_url("bbmongo://u:s3cret@h1:27017,h2:27018/bountyboard?replicaSet=rs0&authSource=admin")
+    assert target.mongo_uri == "mongodb://u:s3cret@h1:27017,h2:27018/bountyboard?replicaSet=rs0&authSource=admin"
+    assert target.database == "bountyboard"
+    assert "s3cret" not in target.display and "s3cret" not in repr(target)
+    assert parse_broker_url("mongodb://localhost/db").database == "db"
+
+
+@pytest.mark.parametrize(
+    ("url", "complaint"),
+    [
+        ("bbmongo://u:s3cret@localhost:27017", "must name the database"),
+        ("redis://u:s3cret@localhost/0", "must start with bbmongo://"),
+        ("bbmongo://u:s3cret@localhost:notaport/db", "not a valid MongoDB URI"),
+    ],
+)
+def test_bad_urls_are_refused_with_the_password_masked(url: str, complaint: str) -> None:
+    with pytest.raises(BrokerURLError, match=complaint) as caught:
+        parse_broker_url(url)
+    assert "s3cret" not in str(caught.value)
+
+
+def test_redaction_and_scrubbing() -> None:
+    assert redact_url("bbmongo://admin:p%40ss@h/db") == "bbmongo://admin:**@h/db"
+    assert redact_url("bbmongo://h/db") == "bbmongo://h/db"
+    assert scrub("auth with p@ss failed", ("p@ss",)) == "auth with ** failed"
+
+
+def celery_message(body: object, content_type: str = "application/json", **headers: object) -> dict:
+    return {
+        "body": json.dumps(body),
+        "content-type": content_type,
+        "content-encoding": "utf-8",
+        "headers": {"task": "app.add", "id": "t1", **headers},
+        "properties": {"delivery_info": {"routing_key": "celery"}, "body_encoding": "base64", "priority": 0},
+    }
+
+
+def test_a_json_task_message_is_stored_readable_and_comes_back_equal() -> None:
+    message = celery_message([[1, "two"], {"k": {"nested": [3]}}, {"chain": None}])
+    doc = to_document(message, message["body"].encode())
+    assert doc["args"] == [1, "two"] and doc["kwargs"] == {"k": {"nested": [3]}}
+    back = to_message(doc)
+    assert json.loads(back["body"]) == json.loads(message["body"])
+    assert back["headers"] == message["headers"] and back["properties"]["body_encoding"] is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [[2**70], {}, {}],  # BSON has no integers that wide
+        [[], {"$where": "sleep(1)"}, {}],  # an operator-shaped key must stay a value
+        [[], {"a.b": 1}, {}],
+    ],
+)
+def test_what_bson_cannot_hold_faithfully_is_kept_whole(body: object) -> None:
+    message = celery_message(body)
+    doc = to_document(message, message["body"].encode())
+    assert "args" not in doc and ("raw" in doc or doc["bodyFormat"] == "base64")
+    assert json.loads(to_message(doc)["body"]) == body
+
+
+def test_binary_bodies_round_trip() -> None:
+    message = {**celery_message([]), "body": "", "content-type": "application/x-python-serialize",
+               "content-encoding": "binary"}  # fmt: skip
+    doc = to_document(message, b"\x80\x04\x95binary")
+    assert to_message(doc)["body"] == b"\x80\x04\x95binary"
+
+
+@pytest.mark.parametrize("payload", ["a string", {"args": [1]}, {"raw": "not json", "body": ""}])
+def test_a_payload_that_is_not_a_message_is_refused_clearly(payload: object) -> None:
+    with pytest.raises(PayloadError):
+        to_message(payload)
+
+
+def test_lifecycle_rules() -> None:
+    policy = Policy()
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    assert [policy.backoff(n).total_seconds() for n in (1, 2)] == [10.0, 20.0]
+    assert after_failure(policy, 1, "x", now).run_after == now + timedelta(seconds=10)
+    assert after_failure(policy, 2, "x", now).status == QUEUED
+    assert after_failure(policy, 3, "x", now).status == FAILED
+    assert after_failure(policy, 1, "x", now, retryable=False).status == FAILED
+    assert len(after_failure(policy, 1, "e" * 10_000, now).last_error) == 2000
+    assert policy.heartbeat_interval < policy.sweep_interval < policy.stale_after
+    for bad in ({"max_attempts": 0}, {"backoff_base": -1}, {"stale_after": 0}):
+        with pytest.raises(ValueError):
+            Policy(**bad)
