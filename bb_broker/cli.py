@@ -78,5 +78,19 @@ def _unreachable(exc: PyMongoError, store_target: Any) -> str:
     return f"cannot read jobs from {where}: {type(exc).__name__}: {detail[:300]}"
 
 
+@main.command("flower", context_settings={"ignore_unknown_options": True})
+@click.option("-A", "--app", "celery_app", required=True, help="The Celery app, as `celery -A` takes it.")
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+def flower_command(celery_app: str, flower_args: tuple[str, ...]) -> None:
+    """Run Flower (`celery -A APP flower FLOWER_ARGS...`) with a Broker tab showing each queue's jobs."""
+    try:
+        from . import flower as _adapter  # noqa: F401  (importing it gives Flower's Broker tab bbmongo://)
+    except ImportError as exc:
+        _fail(f"Flower is not installed ({exc}): pip install 'bb_broker[flower]'")
+    from celery.bin.celery import celery
+
+    celery.main(args=["-A", celery_app, "flower", *flower_args], prog_name="celery", auto_envvar_prefix="CELERY")
+
+
 if __name__ == "__main__":
     main()

@@ -304,3 +304,20 @@ class JobStore:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
+
+    # --- flower ------------------------------------------------------------
+
+    def queue_depths(self, queues: Iterable[str]) -> dict[str, dict[str, int]]:
+        """Queued, running and failed jobs of each named queue (zeros for an empty one), from one aggregation."""
+        names = list(queues)
+        shown = (QUEUED, RUNNING, FAILED)
+        depths = {name: dict.fromkeys(shown, 0) for name in names}
+        for row in self.coll.aggregate(
+            [
+                {"$match": {"status": {"$in": list(shown)}, "queue": {"$in": names}}},
+                {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}},
+            ],
+            hint="bb_claim",
+        ):
+            depths[row["_id"]["queue"]][row["_id"]["status"]] = row["n"]
+        return depths
