@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -11,7 +12,7 @@ from typing import Any
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection
 from pymongo.database import Database
-from pymongo.errors import DocumentTooLarge, OperationFailure
+from pymongo.errors import ConnectionFailure, DocumentTooLarge, OperationFailure
 from ulid import ULID
 
 from . import lifecycle
@@ -50,6 +51,9 @@ class Claimed:
 
 
 class JobStore:
+    #: Seconds a settling write keeps trying through an outage before it gives up to the stale sweep.
+    settle_patience = 60.0
+
     def __init__(
         self,
         db: Database,
@@ -212,11 +216,9 @@ class JobStore:
 
     def explain_failure(self, job_id: str, attempts: int, reason: str) -> bool:
         """Give a job that already failed on this attempt a more precise lastError."""
-        result = self.coll.update_one(
-            {"_id": job_id, "status": FAILED, "attempts": attempts},
-            {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}},
-        )
-        return result.modified_count == 1
+        failed = {"_id": job_id, "status": FAILED, "attempts": attempts}
+        change = {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}}
+        return self._through_outages(lambda: self.coll.update_one(failed, change)).modified_count == 1
 
     def release(self, job_id: str, attempts: int) -> bool:
         """Give back a job that never started (prefetched, then the worker stopped): no attempt used."""
@@ -232,8 +234,23 @@ class JobStore:
 
     def _settle(self, job_id: str, attempts: int, update: dict[str, Any]) -> bool:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
-        result = self.coll.update_one({"_id": job_id, "status": RUNNING, "attempts": attempts}, update)
-        return result.modified_count == 1
+        fenced = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
+
+    def _through_outages(self, write: Callable[[], Any]) -> Any:
+        """Retry a settling write through a failover or a restart: losing it would run the task again."""
+        deadline = time.monotonic() + self.settle_patience
+        delay = 0.1
+        while True:
+            try:
+                return write()
+            except (ConnectionFailure, OperationFailure) as exc:
+                transient = isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")
+                if not transient or time.monotonic() > deadline:
+                    raise
+                logger.warning("settling a job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:

@@ -1,0 +1,172 @@
+"""Faults done for real: a stopped server, injected command failures, killed workers, racing workers, auth."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from pymongo import MongoClient
+
+import bb_broker
+from tests.servers import EmbeddedServer, external_url, with_database
+from tests.test_lifecycle_e2e import send, settled
+from tests.workers import Worker, wait_for
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """A server this test may stop and restart on the same data."""
+    if external_url():
+        pytest.fail("this test stops and restarts its server; it runs on the embedded one, started per test")
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+def producer(url: str) -> Celery:
+    app = Celery("producer", broker=url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+def start_worker(url: str, tmp_path: Path, name: str, **kwargs) -> Worker:
+    worker = Worker(url, log_dir=tmp_path, name=name, **kwargs)
+    worker.start()
+    return worker
+
+
+def test_mongodb_outage_loses_nothing_and_workers_reconnect(own_server, tmp_path) -> None:
+    url = with_database(own_server.url, "outage")
+    db = MongoClient(own_server.url, tz_aware=True).outage
+    worker = start_worker(url, tmp_path, "w0")
+    app = producer(url)
+    ids = [send(app, "sleep", 0.3) for _ in range(6)]
+    wait_for(lambda: db.runs.count_documents({}) >= 1, message="work under way")
+    own_server.stop()
+    during: list[str] = []
+    errors: list[BaseException] = []
+
+    def publish_during_outage() -> None:
+        try:
+            during.append(send(app, "add", 1, 1))
+        except Exception as exc:  # a clear error to the caller is the other acceptable outcome
+            errors.append(exc)
+
+    publisher = threading.Thread(target=publish_during_outage)
+    publisher.start()
+    publisher.join(10)  # the outage lasts ~10 s while the publisher waits for the server
+    own_server.start()
+    publisher.join(60)
+    ids += during + [send(app, "add", 2, 2) for _ in range(3)]
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids),
+             timeout=120, message="every job succeeded after the outage")  # fmt: skip
+    assert len(during) + len(errors) == 1 and (during or "OperationalError" in type(errors[0]).__name__)
+    assert db.jobs.count_documents({}) == len(ids)  # nothing duplicated, nothing half-written
+    started = db.runs.count_documents({"phase": "start"})
+    assert started == 6, f"{started - 6} sleep tasks ran twice"
+    assert worker.process.poll() is None  # reconnected without a restart
+
+
+def fail_point(client: MongoClient, times: int, **data) -> None:
+    client.admin.command("configureFailPoint", "failCommand", mode={"times": times}, data=data)
+
+
+def test_injected_faults_in_claims_and_settles_lose_nothing(own_server, tmp_path) -> None:
+    url = with_database(own_server.url, "faults")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.faults
+    # heartbeats are a minute apart here, so the `update` commands the fail point hits are settling writes
+    worker = start_worker(url, tmp_path, "w0", options={"stale_after": 300})
+    app = producer(url)
+    # dropped connections in the middle of claims
+    fail_point(client, 3, failCommands=["findAndModify"], closeConnection=True)
+    first = [send(app, "add", i, i) for i in range(5)]
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": first}, "status": "succeeded"}) == 5,
+             timeout=120, message="claims survived dropped connections")  # fmt: skip
+    # transient errors on settling writes, more than pymongo's one retry absorbs
+    fail_point(client, 4, failCommands=["update"], errorCode=91, errorLabels=["RetryableWriteError"])
+    second = [send(app, "sleep", 1.5) for _ in range(3)]
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": second}, "status": "succeeded"}) == 3,
+             timeout=180, message="settles survived transient errors")  # fmt: skip
+    assert db.runs.count_documents({"phase": "start"}) == 3  # no settle was lost, so nothing re-ran
+    assert db.runs.count_documents({"name": "tests.e2e_app.add"}) == 5
+    assert worker.process.poll() is None
+
+
+def test_crash_under_load_repeatedly(broker_url, db, tmp_path) -> None:
+    options = {"stale_after": 2.0}
+    app = producer(broker_url)
+    ids = [send(app, "sleep", 0.4) for _ in range(30)]
+    kills = 0
+    while db.jobs.count_documents({"status": "succeeded"}) < len(ids) and kills < 3:
+        worker = start_worker(broker_url, tmp_path, f"victim{kills}", options=options)
+        wait_for(lambda: db.runs.count_documents({"phase": "start"}) > 4 * (kills + 1) or
+                 db.jobs.count_documents({"status": "succeeded"}) == len(ids), message="work under way")  # fmt: skip
+        worker.kill()
+        kills += 1
+    survivor = start_worker(broker_url, tmp_path, "survivor", options=options)
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=180,
+             message="every job succeeded after the crashes")  # fmt: skip
+    survivor.kill()
+    starts = list(db.runs.aggregate([{"$group": {"_id": "$taskId", "n": {"$sum": {"$cond": [
+        {"$eq": ["$phase", "start"]}, 1, 0]}}}}]))  # fmt: skip
+    ran_twice = [row["_id"] for row in starts if row["n"] > 1]
+    never_finished_first_time = {
+        d["taskId"] for d in db.runs.find({"phase": "start", "attempt": 1})
+    } - {d["taskId"] for d in db.runs.find({"phase": "end", "attempt": 1})}
+    assert len(starts) == len(ids)
+    assert set(ran_twice) <= never_finished_first_time  # only jobs cut short by a kill ran again
+    print(f"crash-under-load: kills={kills} jobs={len(ids)} lost=0 ran_twice={len(ran_twice)}")
+
+
+def test_racing_workers_run_each_job_exactly_once(broker_url, db, tmp_path) -> None:
+    app = producer(broker_url)
+    ids = [send(app, "add", i, 1) for i in range(150)]
+    workers = [start_worker(broker_url, tmp_path, f"w{i}") for i in range(3)]
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=240,
+             message="all jobs drained")  # fmt: skip
+    for worker in workers:
+        worker.kill()
+    per_task = list(db.runs.aggregate([{"$group": {"_id": "$taskId", "n": {"$sum": 1}}}]))
+    assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task)
+    assert len({run["pid"] for run in db.runs.find()}) > 1  # more than one pool process took part
+    assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": len(ids), "failed": 0}
+
+
+@pytest.fixture
+def auth_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    if external_url():
+        pytest.fail("this test provisions users on a server it starts with --auth")
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    with MongoClient(server.url) as client:
+        client.admin.command("createUser", "bb", pwd="s3cret-pw", roles=[{"role": "root", "db": "admin"}])
+    server.stop()
+    server.auth = True
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth_server, tmp_path) -> None:
+    good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
+    worker = start_worker(good, tmp_path, "w0")
+    task_id = send(producer(good), "add", 1, 2)
+    db = MongoClient(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", tz_aware=True).authdb
+    wait_for(settled(db, task_id, "succeeded"), message="task succeeded with SCRAM auth")
+    assert bb_broker.statuses(good)["succeeded"] == 1
+    worker.kill()
+    assert "s3cret-pw" not in worker.log()
+
+    wrong = good.replace("s3cret-pw", "wrong-pw-123")
+    status = subprocess.run([sys.executable, "-m", "bb_broker.cli", "status", "--broker", wrong],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert status.returncode != 0
+    assert "authentication failed" in status.stderr.lower() and len(status.stderr.strip().splitlines()) == 1
+    assert "wrong-pw-123" not in status.stdout + status.stderr
