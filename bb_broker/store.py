@@ -311,7 +311,6 @@ class JobStore:
                 {"$match": {"status": {"$in": list(STATUSES)}}},
                 {"$group": {"_id": "$status", "n": {"$sum": 1}}},
             ],
-            hint="bb_status_updated",
         ):
             counts[row["_id"]] = row["n"]
         return counts

@@ -246,3 +246,8 @@ def test_claim_sweep_and_statuses_read_through_an_index(mongo_url: str, db: Data
         plan = str(db.command("explain", command))
         assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
         assert "'stage': 'SORT'" not in plan, plan
+
+
+def test_statuses_answers_before_any_worker_created_the_indexes(db: Database) -> None:
+    db.jobs.insert_one({"_id": "x", "status": "queued"})
+    assert statuses(db) == {"queued": 1, "running": 0, "succeeded": 0, "failed": 0}
