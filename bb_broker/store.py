@@ -1,21 +1,22 @@
-"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps and counts."""
+"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps, counts and operations."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
-from pymongo.collection import Collection
+from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
 from pymongo.errors import ConnectionFailure, DocumentTooLarge, OperationFailure
 from ulid import ULID
 
-from . import lifecycle
+from . import lifecycle, metrics
 from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,19 @@ MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 #: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
 UNAPPLICABLE_UPDATE = {2, 14}
+
+#: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.
+DEFAULT_RETENTION = 7 * 24 * 3600.0
+#: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
+RETENTION_INDEX = "bb_retention"
+RETENTION_FILTER = {"status": SUCCEEDED}
+#: Server error codes for an index that exists under the same name with other options.
+INDEX_CONFLICT = {85, 86}
+
+#: What `bb-broker status` can break the counts down by.
+BREAKDOWNS = ("queue", "kind")
+#: The fields an operator reads about a failed job.
+FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 
 
 class JobTooLarge(ValueError):
@@ -63,13 +77,58 @@ class JobStore:
         collection: str = "jobs",
         secrets: Iterable[str] = (),
     ) -> None:
-        self.coll: Collection = db[collection]
+        self.coll: MongoCollection = db[collection]
         self.policy = policy or Policy()
         self.now = clock or (lambda: datetime.now(UTC))
         self._secrets = tuple(secrets)
 
-    def ensure_indexes(self) -> None:
+    def ensure_indexes(self, *, retention: float | None = None) -> None:
+        """Create the indexes; `retention` (seconds, 0 = keep) sets when succeeded jobs expire.
+
+        Without `retention` an existing expiry is left as it is, so a producer that does not configure it
+        never undoes what the workers set; a new collection gets DEFAULT_RETENTION.
+        """
         self.coll.create_indexes(INDEXES)
+        self._ensure_retention(retention)
+
+    def _ensure_retention(self, retention: float | None) -> None:
+        current = next((ix for ix in self.coll.list_indexes() if ix["name"] == RETENTION_INDEX), None)
+        if retention is None:
+            if current is not None:
+                return
+            retention = DEFAULT_RETENTION
+        if retention < 0 or math.isnan(retention):
+            raise ValueError(f"retention must be 0 (keep) or a number of seconds, got {retention!r}")
+        seconds = math.ceil(retention)  # a TTL index counts whole seconds
+        if seconds == 0:
+            if current is not None:
+                self.coll.drop_index(RETENTION_INDEX)
+            return
+        if current is not None:
+            ours = dict(current["key"]) == {"finishedAt": 1}
+            ours = ours and dict(current.get("partialFilterExpression") or {}) == RETENTION_FILTER
+            if ours and current.get("expireAfterSeconds") == seconds:
+                return
+            if ours:
+                self._set_retention(seconds)
+                return
+            self.coll.drop_index(RETENTION_INDEX)  # not the shape we need: rebuild it
+        try:
+            self.coll.create_index(
+                [("finishedAt", ASCENDING)],
+                name=RETENTION_INDEX,
+                expireAfterSeconds=seconds,
+                partialFilterExpression=RETENTION_FILTER,
+            )
+        except OperationFailure as exc:
+            if exc.code not in INDEX_CONFLICT:
+                raise
+            self._set_retention(seconds)  # another process created it a moment ago with another retention
+
+    def _set_retention(self, seconds: int) -> None:
+        self.coll.database.command(
+            "collMod", self.coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds}
+        )
 
     # --- producing -------------------------------------------------------
 
@@ -105,6 +164,7 @@ class JobStore:
                 projection={"_id": 1},
             )
             if updated is not None:
+                metrics.record("retried")
                 return updated["_id"]
         job_id = str(ULID())
         self._write(
@@ -123,6 +183,7 @@ class JobStore:
                 "updatedAt": now,
             },
         )
+        metrics.record("enqueued")
         return job_id
 
     def _write(self, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -161,7 +222,7 @@ class JobStore:
         head = self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim")
         if head is not None:
             logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
-            self.coll.update_one(
+            result = self.coll.update_one(
                 {"_id": head["_id"], "status": QUEUED},
                 {
                     "$set": {
@@ -172,6 +233,7 @@ class JobStore:
                     }
                 },
             )
+            metrics.record("failed", result.modified_count)
 
     def heartbeat(self, job_ids: Iterable[str], owner: str) -> int:
         """Refresh the lease of the live jobs this owner still holds."""
@@ -186,7 +248,7 @@ class JobStore:
 
     def succeed(self, job_id: str, attempts: int) -> bool:
         now = self.now()
-        return self._settle(
+        done = self._settle(
             job_id,
             attempts,
             {
@@ -194,6 +256,9 @@ class JobStore:
                 "$unset": {"leaseOwner": ""},
             },
         )
+        if done:
+            metrics.record("succeeded")
+        return done
 
     def fail(self, job_id: str, attempts: int, error: str, *, retryable: bool = True) -> Outcome | None:
         """Record a failed attempt: back to the queue with backoff, or failed for good."""
@@ -205,6 +270,8 @@ class JobStore:
         else:
             changes["finishedAt"] = now
         done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}})
+        if done:
+            metrics.record("retried" if outcome.status == QUEUED else "failed")
         return outcome if done else None
 
     def fail_running_task(self, task_id: str, owner: str, error: str, *, retryable: bool = True) -> Outcome | None:
@@ -292,6 +359,8 @@ class JobStore:
             },
             hint=hint,
         )
+        metrics.record("retried", retry.modified_count)
+        metrics.record("failed", give_up.modified_count)
         if retry.modified_count or give_up.modified_count:
             logger.warning(
                 "recovered lost jobs: %d re-queued, %d failed (%s)",
@@ -337,3 +406,72 @@ class JobStore:
         ):
             depths[row["_id"]["queue"]][row["_id"]["status"]] = row["n"]
         return depths
+
+    # --- operations ---------------------------------------------------------
+
+    def breakdown(self, by: str) -> dict[str, dict[str, int]]:
+        """Counts per status for each queue (or each kind), all four keys per row, sorted by name."""
+        if by not in BREAKDOWNS:
+            raise ValueError(f"cannot break the counts down by {by!r}: one of {', '.join(BREAKDOWNS)}")
+        rows: dict[str, dict[str, int]] = {}
+        for row in self.coll.aggregate(
+            [
+                {"$match": {"status": {"$in": list(STATUSES)}}},
+                {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
+            ],
+            hint="bb_status_updated",
+        ):
+            name = row["_id"].get("name")
+            counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
+            counts[row["_id"]["status"]] = row["n"]
+        return dict(sorted(rows.items()))
+
+    def failed_jobs(
+        self,
+        *,
+        kind: str | None = None,
+        older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
+        limit: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Failed jobs, the most recently failed first (a failed job's updatedAt is when it failed); 0 = no limit."""
+        query: dict[str, Any] = {"status": FAILED, **self._age(older_than, newer_than)}
+        if kind is not None:
+            query["kind"] = str(kind)
+        cursor = self.coll.find(
+            query, FAILED_FIELDS, sort=[("updatedAt", DESCENDING)], hint="bb_status_updated", limit=max(limit, 0)
+        )
+        return list(cursor)
+
+    def retry_failed(self, *, ids: Iterable[str] | None = None, kind: str | None = None) -> int:
+        """Failed jobs back to queued, due now, with all their attempts again; no selector means every one."""
+        query: dict[str, Any] = {"status": FAILED}
+        if ids is not None:
+            query["_id"] = {"$in": [str(job_id) for job_id in ids]}
+        if kind is not None:
+            query["kind"] = str(kind)
+        now = self.now()
+        # lastError stays: it says why the job needed a retry until its next attempt settles.
+        update = {
+            "$set": {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now},
+            "$unset": {"finishedAt": ""},
+        }
+        hint = "_id_" if ids is not None else "bb_status_updated"
+        return self.coll.update_many(query, update, hint=hint).modified_count
+
+    def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
+        """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""
+        if not statuses or not set(statuses) <= set(STATUSES):
+            raise ValueError(f"purge needs statuses among {', '.join(STATUSES)}, got {sorted(statuses)!r}")
+        query = {"status": {"$in": sorted(statuses)}, **self._age(older_than, None)}
+        return self.coll.delete_many(query, hint="bb_status_updated").deleted_count
+
+    def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
+        # Ages are measured on self.now (the server's clock in a worker or the CLI), like due times and leases.
+        now = self.now()
+        window: dict[str, datetime] = {}
+        if older_than is not None:
+            window["$lt"] = now - older_than
+        if newer_than is not None:
+            window["$gte"] = now - newer_than
+        return {"updatedAt": window} if window else {}

@@ -73,12 +73,15 @@ class Channel(virtual.Channel):
     stale_after = 300.0
     message_ttl = 300.0
     jobs_collection = "jobs"
+    #: Seconds succeeded jobs are kept (0 keeps them); unset leaves the collection's expiry as it is.
+    retention: float | None = None
     from_transport_options = virtual.Channel.from_transport_options + (
         "max_attempts",
         "backoff_base",
         "stale_after",
         "message_ttl",
         "jobs_collection",
+        "retention",
     )
 
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
@@ -102,7 +105,8 @@ class Channel(virtual.Channel):
         key = (self.target.mongo_uri, self.target.database, self.jobs_collection)
         with _indexed_lock:
             if key not in _indexed:
-                self.jobs.ensure_indexes()
+                retention = None if self.retention is None else float(self.retention)
+                self.jobs.ensure_indexes(retention=retention)
                 self.plumbing.ensure_indexes()
                 _indexed.add(key)
 
