@@ -1,31 +1,64 @@
-"""The `bb-broker` command: run the embedded server and read the jobs collection."""
+"""The `bb-broker` command: run the embedded server, read and operate the jobs collection, serve metrics."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, NoReturn
 
 import click
 from pymongo.errors import PyMongoError
 
-from . import connection, embedded
-from .store import JobStore
+from . import connection, embedded, metrics
+from .clock import ServerClock
+from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy
+from .store import BREAKDOWNS, JobStore
 
 DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 
+#: An operator's command answers within seconds when the server is down (unless the URL says otherwise).
+_QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
 
-def _store(broker: str) -> tuple[JobStore, connection.BrokerTarget]:
+
+def _store(
+    broker: str, collection: str = "jobs", policy: Policy | None = None
+) -> tuple[JobStore, connection.BrokerTarget]:
     target = connection.parse_broker_url(broker)
-    # An operator's command answers within seconds when the server is down.
-    db = connection.get_database(target, serverSelectionTimeoutMS=5000, connectTimeoutMS=5000)
-    return JobStore(db, secrets=target.secrets), target
+    in_url = target.mongo_uri.lower()
+    options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
+    db = connection.get_database(target, **options)
+    # Ages, due times and the stale cutoff on the server's clock, as the workers measure them.
+    return JobStore(db, policy, clock=ServerClock(db), collection=collection, secrets=target.secrets), target
 
 
-def _fail(message: str) -> None:
+@contextmanager
+def _jobs(broker: str, collection: str, policy: Policy | None = None) -> Iterator[JobStore]:
+    """The job store, with a wrong URL or an unreachable server turned into one line on stderr and exit 1."""
+    target = None
+    try:
+        store, target = _store(broker, collection, policy)
+        store.coll.database.client.admin.command("ping")  # one timeout, not one per query
+        yield store
+    except connection.BrokerURLError as exc:
+        _fail(str(exc))
+    except PyMongoError as exc:
+        _fail(_unreachable(exc, store_target=target))
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"bb-broker: {message}", err=True)
-    sys.exit(1)
+    sys.exit(code)
+
+
+def _unreachable(exc: PyMongoError, store_target: Any) -> str:
+    where = store_target.display if store_target is not None else "the broker"
+    detail = connection.scrub(str(exc).splitlines()[0], store_target.secrets if store_target else ())
+    return f"cannot read jobs from {where}: {type(exc).__name__}: {detail[:300]}"
 
 
 broker_option = click.option(
@@ -34,6 +67,28 @@ broker_option = click.option(
     show_default="$BB_BROKER_URL or " + DEFAULT_BROKER,
     help="bbmongo:// or mongodb:// URL; its path names the database.",
 )
+collection_option = click.option(
+    "--collection", default="jobs", show_default=True, help="The jobs collection (the jobs_collection option)."
+)
+
+
+class Duration(click.ParamType):
+    """30s, 30m, 2h, 7d, 1w, or a number of seconds."""
+
+    name = "duration"
+    _pattern = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+    _units = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        match = self._pattern.match(str(value).lower())
+        if not match:
+            self.fail(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d", param, ctx)
+        return timedelta(seconds=float(match.group(1)) * self._units[match.group(2)])
+
+
+DURATION = Duration()
 
 
 @click.group()
@@ -55,27 +110,182 @@ def serve(host: str, port: int, data: str) -> None:
 
 @main.command()
 @broker_option
+@collection_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def status(broker: str, as_json: bool) -> None:
-    """Jobs per status."""
-    try:
-        store, target = _store(broker)
+@click.option(
+    "--by",
+    type=click.Choice(BREAKDOWNS),
+    help="Counts per status for each queue or kind; with --json, {name: {status: count}}.",
+)
+def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
+    """Jobs per status (with --json, the same object as bb_broker.statuses()), per queue and per kind."""
+    with _jobs(broker, collection) as store:
+        if by is not None:
+            rows = store.breakdown(by)
+            click.echo(json.dumps(rows) if as_json else _table(by, rows))
+            return
         counts = store.statuses()
-    except connection.BrokerURLError as exc:
-        _fail(str(exc))
-    except PyMongoError as exc:
-        _fail(_unreachable(exc, store_target=locals().get("target")))
-    if as_json:
-        click.echo(json.dumps(counts))
-    else:
+        if as_json:
+            click.echo(json.dumps(counts))
+            return
         for name, count in counts.items():
             click.echo(f"{name:<10} {count}")
+        for breakdown in BREAKDOWNS:
+            rows = store.breakdown(breakdown)
+            if rows:
+                click.echo("")
+                click.echo(_table(breakdown, rows))
 
 
-def _unreachable(exc: PyMongoError, store_target: Any) -> str:
-    where = store_target.display if store_target is not None else "the broker"
-    detail = connection.scrub(str(exc).splitlines()[0], store_target.secrets if store_target else ())
-    return f"cannot read jobs from {where}: {type(exc).__name__}: {detail[:300]}"
+def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
+    names = [name or "(none)" for name in rows]
+    width = max([len(first), *map(len, names)])
+    lines = [f"{first:<{width}}  " + "  ".join(f"{status:>9}" for status in STATUSES)]
+    for name, counts in zip(names, rows.values(), strict=True):
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{counts[status]:>9}" for status in STATUSES))
+    return "\n".join(lines)
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.option("--kind", help="Only this task name.")
+@click.option("--older-than", type=DURATION, help="Failed more than this long ago (30m, 2h, 7d).")
+@click.option("--newer-than", type=DURATION, help="Failed within this long (30m, 2h, 7d).")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0), help="At most this many; 0 = all.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+def failed(
+    broker: str,
+    collection: str,
+    kind: str | None,
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
+    with _jobs(broker, collection) as store:
+        docs = store.failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
+    jobs = [
+        {
+            "id": doc["_id"],
+            "kind": doc.get("kind"),
+            "queue": doc.get("queue"),
+            "taskId": doc.get("taskId"),
+            "attempts": doc.get("attempts"),
+            "failedAt": doc["updatedAt"].isoformat() if doc.get("updatedAt") else None,
+            "lastError": doc.get("lastError", ""),
+        }
+        for doc in docs
+    ]
+    if as_json:
+        click.echo(json.dumps(jobs))
+        return
+    if not jobs:
+        click.echo("no failed jobs")
+        return
+    rows = [
+        (
+            str(job["id"]),
+            str(job["kind"]),
+            str(job["attempts"]),
+            (job["failedAt"] or "")[:19].replace("T", " "),
+            # One line per job: a multi-line error is folded and cut; --json has it whole.
+            " ".join(str(job["lastError"]).split())[:160],
+        )
+        for job in jobs
+    ]
+    header = ("ID", "KIND", "ATTEMPTS", "FAILED AT (UTC)", "LAST ERROR")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4])
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.option("--id", "ids", multiple=True, help="A failed job's id (repeatable).")
+@click.option("--kind", help="Every failed job of this task name.")
+@click.option("--all", "retry_all", is_flag=True, help="Every failed job.")
+def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, retry_all: bool) -> None:
+    """Failed jobs back to queued, due now, with their attempts reset to 0."""
+    if retry_all and (ids or kind):
+        _fail("retry: --all cannot be combined with --id or --kind", 2)
+    if not (retry_all or ids or kind):
+        _fail("retry: say which failed jobs: --id ID (repeatable), --kind NAME, or --all", 2)
+    with _jobs(broker, collection) as store:
+        count = store.retry_failed(ids=list(ids) if ids else None, kind=kind)
+    click.echo(f"retried {count} failed job{'' if count == 1 else 's'}")
+
+
+@main.command("requeue-stale")
+@broker_option
+@collection_option
+@click.option(
+    "--stale-after",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds without a heartbeat before a running job is presumed lost (the stale_after option).",
+)
+@click.option(
+    "--max-attempts",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="A lost job with this many attempts used ends failed (the max_attempts option).",
+)
+def requeue_stale(broker: str, collection: str, stale_after: float, max_attempts: int) -> None:
+    """Run the stale sweep now: lost running jobs back to queued, or failed when no attempt is left."""
+    with _jobs(broker, collection, Policy(max_attempts=max_attempts, stale_after=stale_after)) as store:
+        requeued, failed_count = store.requeue_stale()
+    click.echo(f"re-queued {requeued}, failed {failed_count}")
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(STATUSES),
+    help="Delete jobs in this status (repeatable); queued and running need --force.",
+)
+@click.option("--older-than", type=DURATION, help="Only jobs finished (last changed) more than this long ago.")
+@click.option("--force", is_flag=True, help="Allow deleting queued and running jobs.")
+def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: timedelta | None, force: bool) -> None:
+    """Delete finished jobs by status and age; prints how many."""
+    if not statuses:
+        _fail(f"purge: say which jobs: --status {SUCCEEDED} and/or --status {FAILED}", 2)
+    unfinished = sorted({QUEUED, RUNNING} & set(statuses))
+    if unfinished and not force:
+        _fail(f"purge: refusing to delete {' and '.join(unfinished)} jobs (work not done yet) without --force", 2)
+    with _jobs(broker, collection) as store:
+        count = store.purge(set(statuses), older_than=older_than)
+    click.echo(f"purged {count} job{'' if count == 1 else 's'}")
+
+
+@main.command("serve-metrics")
+@broker_option
+@collection_option
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9808, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
+def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
+    """Serve /metrics (Prometheus) and /statuses (the statuses() JSON) until stopped."""
+    with _jobs(broker, collection) as store:
+        store.statuses()  # a collection that cannot be read fails here, in one line, not at each scrape
+    try:
+        server = metrics.make_metrics_server(store, host, port)
+    except (OSError, ValueError) as exc:  # a busy port, or a PROMETHEUS_MULTIPROC_DIR that does not exist
+        _fail(f"cannot serve metrics on {host}:{port}: {exc}")
+    click.echo(f"bb-broker: serving /metrics and /statuses on http://{host}:{server.server_port}")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 @main.command("flower", context_settings={"ignore_unknown_options": True})

@@ -1,0 +1,272 @@
+"""The `bb-broker` ops commands against a real server: status, failed, retry, requeue-stale, purge, bad URLs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from click.testing import CliRunner, Result
+from pymongo import MongoClient, monitoring
+from pymongo.database import Database
+
+from bb_broker import statuses
+from bb_broker.cli import main
+from bb_broker.lifecycle import Policy
+from bb_broker.store import JobStore
+from tests.servers import free_port
+from tests.workers import ROOT
+
+
+@pytest.fixture
+def store(db: Database) -> JobStore:
+    store = JobStore(db, Policy(max_attempts=1))  # one attempt: a failure is final at once
+    store.ensure_indexes()
+    return store
+
+
+def add_job(store: JobStore, kind: str = "app.add", *, queue: str = "celery", outcome: str = "queued") -> str:
+    """A job left queued, running, succeeded or failed (with lastError "<kind> broke")."""
+    # A job to be claimed at once is due long ago, so the claim takes it before any queued one.
+    due = None if outcome == "queued" else datetime(2000, 1, 1, tzinfo=UTC)
+    job_id = store.publish(queue=queue, kind=kind, task_id=f"task-{kind}-{outcome}", payload={"args": []},
+                           priority=0, run_after=due, is_retry=False)  # fmt: skip
+    if outcome == "queued":
+        return job_id
+    job = store.claim(queue, "worker-1")
+    assert job is not None and job.id == job_id
+    if outcome == "succeeded":
+        store.succeed(job.id, job.attempts)
+    elif outcome == "failed":
+        store.fail(job.id, job.attempts, f"{kind} broke\nTraceback line")
+    return job_id
+
+
+def age(db: Database, job_id: str, seconds: float) -> None:
+    """Pretend the job's last change (for a finished job: when it finished) was `seconds` ago."""
+    then = datetime.now(UTC) - timedelta(seconds=seconds)
+    db.jobs.update_one({"_id": job_id}, {"$set": {"updatedAt": then}})
+
+
+def bb(broker_url: str, *args: str) -> Result:
+    result = CliRunner().invoke(main, [*args, "--broker", broker_url])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def test_status_totals_and_breakdowns(store: JobStore, db: Database, broker_url: str) -> None:
+    add_job(store, "app.add")
+    add_job(store, "app.add", outcome="succeeded")
+    add_job(store, "app.mail", queue="mail", outcome="failed")
+
+    as_json = bb(broker_url, "status", "--json")
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout) == statuses(db)
+    assert json.loads(as_json.stdout) == {"queued": 1, "running": 0, "succeeded": 1, "failed": 1}
+
+    by_queue = json.loads(bb(broker_url, "status", "--by", "queue", "--json").stdout)
+    assert by_queue == {
+        "celery": {"queued": 1, "running": 0, "succeeded": 1, "failed": 0},
+        "mail": {"queued": 0, "running": 0, "succeeded": 0, "failed": 1},
+    }
+    by_kind = json.loads(bb(broker_url, "status", "--by", "kind", "--json").stdout)
+    assert by_kind["app.add"]["succeeded"] == 1 and by_kind["app.mail"]["failed"] == 1
+
+    text = bb(broker_url, "status").stdout.splitlines()
+    assert text[:4] == ["queued     1", "running    0", "succeeded  1", "failed     1"]
+    assert text[5].split() == ["queue", "queued", "running", "succeeded", "failed"]
+    assert text[6].split() == ["celery", "1", "0", "1", "0"] and text[7].split() == ["mail", "0", "0", "0", "1"]
+    assert ["app.mail", "0", "0", "0", "1"] in [line.split() for line in text[9:]]
+
+
+def test_failed_lists_newest_first_with_filters(store: JobStore, db: Database, broker_url: str) -> None:
+    old = add_job(store, "app.old", outcome="failed")
+    recent = add_job(store, "app.recent", outcome="failed")
+    add_job(store, "app.fine", outcome="succeeded")
+    age(db, old, 3 * 86400)
+    age(db, recent, 60)
+
+    jobs = json.loads(bb(broker_url, "failed", "--json").stdout)
+    assert [j["id"] for j in jobs] == [recent, old]
+    assert jobs[0]["kind"] == "app.recent" and jobs[0]["attempts"] == 1 and jobs[0]["queue"] == "celery"
+    assert jobs[0]["lastError"] == "app.recent broke\nTraceback line"
+    assert datetime.fromisoformat(jobs[1]["failedAt"]) < datetime.now(UTC) - timedelta(days=2)
+
+    def ids(*args: str) -> list[str]:
+        return [j["id"] for j in json.loads(bb(broker_url, "failed", "--json", *args).stdout)]
+
+    assert ids("--kind", "app.old") == [old]
+    assert ids("--older-than", "2d") == [old]
+    assert ids("--newer-than", "1h") == [recent]
+    assert ids("--older-than", "30m", "--newer-than", "1w") == [old]
+    assert ids("--limit", "1") == [recent]
+    assert ids("--kind", "app.fine") == []
+
+    text = bb(broker_url, "failed").stdout.splitlines()
+    assert text[0].split()[:3] == ["ID", "KIND", "ATTEMPTS"]
+    assert text[1].startswith(recent) and text[1].endswith("app.recent broke Traceback line")
+    assert bb(broker_url, "failed", "--kind", "nothing").stdout == "no failed jobs\n"
+    bad = bb(broker_url, "failed", "--older-than", "soon")
+    assert bad.exit_code == 2 and "is not a duration" in bad.stderr
+
+
+def test_retry_by_id_kind_or_all_resets_attempts(store: JobStore, db: Database, broker_url: str) -> None:
+    a1 = add_job(store, "app.a", outcome="failed")
+    b1 = add_job(store, "app.b", outcome="failed")
+    c1 = add_job(store, "app.c", outcome="failed")
+    done = add_job(store, "app.d", outcome="succeeded")
+
+    refused = bb(broker_url, "retry")
+    assert refused.exit_code == 2 and refused.stderr.count("\n") == 1 and "--all" in refused.stderr
+    assert bb(broker_url, "retry", "--all", "--kind", "app.a").exit_code == 2
+    assert statuses(db)["failed"] == 3
+
+    result = bb(broker_url, "retry", "--id", a1, "--id", done)
+    assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n"
+    doc = db.jobs.find_one({"_id": a1})
+    assert doc["status"] == "queued" and doc["attempts"] == 0 and "finishedAt" not in doc
+    assert doc["runAfter"] <= datetime.now(UTC) + timedelta(seconds=1)
+    assert doc["lastError"].startswith("app.a broke")  # why it needed the retry, until the next attempt
+    assert db.jobs.find_one({"_id": done})["status"] == "succeeded"
+
+    assert bb(broker_url, "retry", "--kind", "app.b").stdout == "retried 1 failed job\n"
+    assert db.jobs.find_one({"_id": b1})["status"] == "queued"
+    assert bb(broker_url, "retry", "--all").stdout == "retried 1 failed job\n"
+    assert db.jobs.find_one({"_id": c1})["status"] == "queued"
+    assert bb(broker_url, "retry", "--all").stdout == "retried 0 failed jobs\n"
+
+    # A retried job is an ordinary queued job: a worker claims it with a fresh first attempt.
+    claimed = {store.claim("celery", "w").id for _ in range(3)}
+    assert claimed == {a1, b1, c1}
+    assert {d["attempts"] for d in db.jobs.find({"_id": {"$in": [a1, b1, c1]}})} == {1}
+
+
+def test_requeue_stale_on_demand(db: Database, broker_url: str) -> None:
+    store = JobStore(db, Policy(max_attempts=2))
+    store.ensure_indexes()
+    lost = add_job(store, "app.lost", outcome="running")
+    exhausted = add_job(store, "app.exhausted", outcome="running")
+    live = add_job(store, "app.live", outcome="running")
+    db.jobs.update_one({"_id": exhausted}, {"$set": {"attempts": 2}})
+    age(db, lost, 600)
+    age(db, exhausted, 600)
+
+    result = bb(broker_url, "requeue-stale", "--stale-after", "300", "--max-attempts", "2")
+    assert result.exit_code == 0 and result.stdout == "re-queued 1, failed 1\n"
+    docs = {d["_id"]: d for d in db.jobs.find()}
+    assert docs[lost]["status"] == "queued" and "no heartbeat for 300 s" in docs[lost]["lastError"]
+    assert docs[exhausted]["status"] == "failed" and "no attempt is left" in docs[exhausted]["lastError"]
+    assert docs[live]["status"] == "running"
+    assert bb(broker_url, "requeue-stale").stdout == "re-queued 0, failed 0\n"
+
+
+def test_purge_by_status_and_age_refuses_unfinished_work(store: JobStore, db: Database, broker_url: str) -> None:
+    old_ok = add_job(store, "app.old-ok", outcome="succeeded")
+    new_ok = add_job(store, "app.new-ok", outcome="succeeded")
+    old_bad = add_job(store, "app.old-bad", outcome="failed")
+    queued = add_job(store, "app.waiting")
+    age(db, old_ok, 2 * 86400)
+    age(db, old_bad, 2 * 86400)
+    age(db, queued, 2 * 86400)
+
+    assert bb(broker_url, "purge").exit_code == 2
+    refused = bb(broker_url, "purge", "--status", "succeeded", "--status", "queued")
+    assert refused.exit_code == 2 and "without --force" in refused.stderr and refused.stderr.count("\n") == 1
+    assert db.jobs.count_documents({}) == 4
+
+    result = bb(broker_url, "purge", "--status", "succeeded", "--older-than", "1d")
+    assert result.exit_code == 0 and result.stdout == "purged 1 job\n"
+    assert db.jobs.find_one({"_id": old_ok}) is None and db.jobs.find_one({"_id": new_ok}) is not None
+
+    assert bb(broker_url, "purge", "--status", "failed", "--status", "succeeded").stdout == "purged 2 jobs\n"
+    assert [d["_id"] for d in db.jobs.find()] == [queued]
+    assert bb(broker_url, "purge", "--status", "queued", "--older-than", "1d", "--force").stdout == "purged 1 job\n"
+    assert db.jobs.count_documents({}) == 0
+
+
+COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["failed"],
+    ["retry", "--all"],
+    ["requeue-stale"],
+    ["purge", "--status", "succeeded"],
+    ["serve-metrics", "--port", "0"],
+]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bb_broker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c))
+def test_unreachable_server_one_line_no_password(command: list[str]) -> None:
+    closed = free_port()
+    url = f"bbmongo://admin:hunter2secret@127.0.0.1:{closed}/jobsdb?serverSelectionTimeoutMS=300&authSource=admin"
+    result = run_cli(*command, "--broker", url)
+    assert result.returncode == 1, result
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"bb-broker: cannot read jobs from mongodb://admin:**@127.0.0.1:{closed}/")
+    assert "hunter2secret" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "bbmongo://admin:hunter2secret@localhost:27017",  # no database
+        "redis://admin:hunter2secret@localhost:6379/0",
+        "bbmongo://admin:hunter2secret@localhost:notaport/db",
+    ],
+)
+def test_a_wrong_url_is_one_line_without_the_password(url: str) -> None:
+    result = run_cli("failed", "--broker", url)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("bb-broker: broker URL")
+    assert "hunter2secret" not in result.stderr and "admin:**@" in result.stderr
+
+
+class CommandLog(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.commands: list[dict] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in ("find", "update", "delete", "aggregate"):
+            self.commands.append(dict(event.command))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_operations_read_through_an_index(mongo_url: str, db: Database) -> None:
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        store = JobStore(client[db.name], Policy(max_attempts=1))
+        store.ensure_indexes()
+        for i in range(4):
+            add_job(store, f"app.k{i}", outcome="failed")
+        log.commands.clear()
+        store.failed_jobs(kind="app.k1", older_than=timedelta(0), limit=10)
+        store.retry_failed(kind="app.k2")
+        store.retry_failed(ids=["nope"])
+        store.purge({"failed"}, older_than=timedelta(0))
+        store.breakdown("queue")
+    assert [next(iter(c)) for c in log.commands] == ["find", "update", "update", "delete", "aggregate"]
+    listing = {k: log.commands[0][k] for k in ("find", "filter", "sort", "hint")}
+    plan = str(db.command("explain", listing))
+    # Newest first is the status index read backwards. (The stand-in's explain of a sorted find reports a
+    # SORT stage even for the claim query's exact shape, so the scan's direction is what is checked here.)
+    assert "'indexName': 'bb_status_updated'" in plan and "'direction': 'backward'" in plan, plan
+    assert "COLLSCAN" not in plan, plan
+    for command in log.commands[1:4]:  # each write's own selection, as a find with the same filter and hint
+        spec = (command.get("updates") or command.get("deletes"))[0]
+        plan = str(db.command("explain", {"find": "jobs", "filter": spec["q"], "hint": spec["hint"]}))
+        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
+        assert "'stage': 'SORT'" not in plan, plan
