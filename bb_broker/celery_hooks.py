@@ -11,7 +11,7 @@ from celery import signals
 from celery.exceptions import MaxRetriesExceededError
 from celery.worker import state as worker_state
 
-from . import connection
+from . import connection, metrics
 from .clock import ServerClock
 from .leases import add_process_source
 from .lifecycle import Policy, describe_error
@@ -171,3 +171,25 @@ class _RequestHeaders:
 
 
 add_process_source(_reserved_jobs)
+
+
+@signals.worker_ready.connect
+def _serve_metrics(sender: Any = None, **_: Any) -> None:
+    """Opt-in with BB_METRICS_PORT: the worker's main process serves /metrics and /statuses."""
+    port = os.environ.get("BB_METRICS_PORT", "").strip()
+    if not port:
+        return
+    store = store_for(sender.app)
+    if store is None:
+        logger.warning("BB_METRICS_PORT is set but this worker's broker is not bbmongo://: no metrics endpoint")
+        return
+    host = os.environ.get("BB_METRICS_HOST", "127.0.0.1")
+    try:
+        server = metrics.serve_in_background(store, host, int(port))
+    except (OSError, ValueError) as exc:
+        # A busy port must not stop the worker from working.
+        logger.error("bb_broker metrics endpoint not started on %s:%s: %s", host, port, exc)
+        return
+    if not metrics.multiprocess_dir() and type(getattr(sender, "pool", None)).__module__.endswith("prefork"):
+        logger.warning("PROMETHEUS_MULTIPROC_DIR is not set: the counters of the pool processes are not served")
+    logger.info("bb_broker metrics on http://%s:%d/metrics and /statuses", host, server.server_port)
