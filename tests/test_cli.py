@@ -17,7 +17,7 @@ from bb_broker.cli import main
 from bb_broker.lifecycle import Policy
 from bb_broker.store import JobStore
 from tests.servers import free_port
-from tests.workers import ROOT
+from tests.workers import ROOT, Worker, wait_for
 
 
 @pytest.fixture
@@ -270,3 +270,26 @@ def test_operations_read_through_an_index(mongo_url: str, db: Database) -> None:
         plan = str(db.command("explain", {"find": "jobs", "filter": spec["q"], "hint": spec["hint"]}))
         assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
         assert "'stage': 'SORT'" not in plan, plan
+
+
+def test_celerys_own_commands_work_against_bbmongo(db: Database, broker_url: str, worker_factory, tmp_path) -> None:
+    env = Worker(broker_url, log_dir=tmp_path, name="env-only").env
+
+    def celery(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "celery", "-A", "tests.e2e_app", *args]
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    waiting = celery("call", "tests.e2e_app.add", "--args", "[1, 1]")
+    assert waiting.returncode == 0, waiting.stderr
+    assert db.jobs.find_one({"taskId": waiting.stdout.strip()})["status"] == "queued"
+    purged = celery("purge", "-f")
+    assert purged.returncode == 0 and "Purged 1 message" in purged.stdout, purged
+    assert db.jobs.count_documents({}) == 0
+
+    worker_factory()
+    task_id = celery("call", "tests.e2e_app.add", "--args", "[2, 3]").stdout.strip()
+    wait_for(lambda: (db.jobs.find_one({"taskId": task_id}) or {}).get("status") == "succeeded", 60, "call ran")
+    pong = celery("inspect", "ping", "--timeout", "10")
+    assert pong.returncode == 0 and "pong" in pong.stdout, pong
+    limited = celery("control", "rate_limit", "tests.e2e_app.add", "10/m", "--timeout", "10")
+    assert limited.returncode == 0 and "new rate limit set" in limited.stdout, limited
