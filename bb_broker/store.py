@@ -419,7 +419,7 @@ class JobStore:
                 {"$match": {"status": {"$in": list(STATUSES)}}},
                 {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
             ],
-            hint="bb_status_updated",
+            **self._hint_if_indexed("bb_status_updated"),
         ):
             name = row["_id"].get("name")
             counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
@@ -439,7 +439,11 @@ class JobStore:
         if kind is not None:
             query["kind"] = str(kind)
         cursor = self.coll.find(
-            query, FAILED_FIELDS, sort=[("updatedAt", DESCENDING)], hint="bb_status_updated", limit=max(limit, 0)
+            query,
+            FAILED_FIELDS,
+            sort=[("updatedAt", DESCENDING)],
+            limit=max(limit, 0),
+            **self._hint_if_indexed("bb_status_updated"),
         )
         return list(cursor)
 
@@ -456,15 +460,19 @@ class JobStore:
             "$set": {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now},
             "$unset": {"finishedAt": ""},
         }
-        hint = "_id_" if ids is not None else "bb_status_updated"
-        return self.coll.update_many(query, update, hint=hint).modified_count
+        hint = {"hint": "_id_"} if ids is not None else self._hint_if_indexed("bb_status_updated")
+        return self.coll.update_many(query, update, **hint).modified_count
 
     def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
         """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""
         if not statuses or not set(statuses) <= set(STATUSES):
             raise ValueError(f"purge needs statuses among {', '.join(STATUSES)}, got {sorted(statuses)!r}")
         query = {"status": {"$in": sorted(statuses)}, **self._age(older_than, None)}
-        return self.coll.delete_many(query, hint="bb_status_updated").deleted_count
+        return self.coll.delete_many(query, **self._hint_if_indexed("bb_status_updated")).deleted_count
+
+    def _hint_if_indexed(self, index: str) -> dict[str, str]:
+        # An operator may look at a database no worker has indexed yet, where a hint would be an error.
+        return {"hint": index} if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
 
     def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
         # Ages are measured on self.now (the server's clock in a worker or the CLI), like due times and leases.
