@@ -6,8 +6,10 @@ import logging
 import threading
 from datetime import UTC, datetime
 from queue import Empty
+from time import monotonic, sleep
 from typing import Any
 
+from celery.worker import state as worker_state
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 
@@ -26,6 +28,7 @@ from .payloads import (
     to_message,
 )
 from .store import JobStore
+from .wakeups import Wakeups
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ class JobMessage(virtual.Message):
 class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
 
+    def ack(self, delivery_tag: str) -> None:
+        super().ack(delivery_tag)
+        self.channel.connection.poke()
+
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         message = self._delivered.get(delivery_tag)
         if not (isinstance(message, JobMessage) and message.job_id):
@@ -57,9 +64,19 @@ class JobQoS(virtual.QoS):
         else:
             self.channel.jobs.fail(message.job_id, message.attempts, REJECTED, retryable=False)
         self._quick_ack(delivery_tag)
+        self.channel.connection.poke()
 
     def live_jobs(self) -> list[str]:
         return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
+
+    def can_consume(self) -> bool:
+        # Without an event loop, a Celery worker handed a job while every pool process is busy blocks its main
+        # thread until one frees: no remote control, inspect or revoke is answered meanwhile. So the requests it
+        # holds (running, or acked and waiting) count against the prefetch limit as unacked messages do.
+        if not super().can_consume():
+            return False
+        limit = self.prefetch_count
+        return not limit or len(worker_state.reserved_requests) < limit
 
 
 class Channel(virtual.Channel):
@@ -82,7 +99,15 @@ class Channel(virtual.Channel):
         "message_ttl",
         "jobs_collection",
         "retention",
+        "safety_poll_interval",
+        "use_change_streams",
     )
+
+    #: Wake consumers with a change stream where the deployment has one; polling only when False.
+    use_change_streams = True
+
+    #: Seconds between polls of a queue that the change stream says nothing about: a safety net.
+    safety_poll_interval = 10.0
 
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
     topic_table_max_age = 1.0
@@ -186,14 +211,26 @@ class Channel(virtual.Channel):
         if queue not in self._plain_queues and self._keeper is None:
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
             self._keeper.add_source(self.qos.live_jobs)
+        self.connection.watch(self)
         return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        if queue in self._plain_queues:
-            message = self.plumbing.get(queue)
-            if message is None:
-                raise Empty()
-            return message
+        plain = queue in self._plain_queues
+        wakeups = self.connection.wakeups
+        if wakeups is not None and not wakeups.should_poll(queue, job_queue=not plain):
+            raise Empty()
+        message = self._fetch_plain(queue) if plain else self._claim(queue)
+        if wakeups is not None:
+            wakeups.found(queue)
+        return message
+
+    def _fetch_plain(self, queue: str) -> dict[str, Any]:
+        message = self.plumbing.get(queue)
+        if message is None:
+            raise Empty()
+        return message
+
+    def _claim(self, queue: str) -> dict[str, Any]:
         while True:
             job = self.jobs.claim(queue, self.owner)
             if job is None:
@@ -238,6 +275,66 @@ class Transport(virtual.Transport):
     connection_errors = virtual.Transport.connection_errors + (mongo_errors.ConnectionFailure,)
     channel_errors = virtual.Transport.channel_errors + (mongo_errors.ConnectionFailure, mongo_errors.OperationFailure)
     implements = virtual.Transport.implements.extend(exchange_type=frozenset(["direct", "topic", "fanout"]))
+
+    #: The pause after a poll that found work; it doubles up to polling_interval while queues stay empty.
+    min_polling_interval = 0.05
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.wakeups: Wakeups | None = None
+        self._pause = self.min_polling_interval
+
+    def watch(self, channel: Channel) -> None:
+        """Start the change stream that wakes this connection's consumers (once, for the first consumer)."""
+        if self.wakeups is None and str(channel.use_change_streams).lower() not in ("false", "0", "no"):
+            self.wakeups = Wakeups(
+                channel.jobs.coll.database,
+                jobs=channel.jobs.coll.name,
+                messages=channel.plumbing.messages.name,
+                clock=channel.jobs.now,
+                safety_poll_interval=float(channel.safety_poll_interval),
+            )
+
+    def poke(self) -> None:
+        if self.wakeups is not None:
+            self.wakeups.poke()
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        # Kombu's loop, waiting for a wake-up (or adapting its pause) instead of sleeping a fixed interval.
+        started = monotonic()
+        while True:
+            if self.wakeups is not None:
+                self.wakeups.event.clear()
+            try:
+                self.cycle.get(self._deliver, timeout=timeout)
+            except Empty:
+                pass
+            else:
+                self._pause = self.min_polling_interval
+                return
+            remaining = None if timeout is None else timeout - (monotonic() - started)
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError()
+            self._idle(remaining)
+
+    def _idle(self, remaining: float | None) -> None:
+        wakeups = self.wakeups
+        if wakeups is not None and wakeups.available and self._can_consume():
+            wait = wakeups.seconds_until_next_poll()
+        elif wakeups is not None and not self._can_consume():
+            wait = self.polling_interval  # every prefetch slot is taken: only an ack (a poke) makes room
+        else:
+            wait = self._pause
+            self._pause = min(self._pause * 2, self.polling_interval)
+        if remaining is not None:
+            wait = min(wait, remaining)
+        if wakeups is not None:
+            wakeups.event.wait(wait)
+        else:
+            sleep(wait)
+
+    def _can_consume(self) -> bool:
+        return any(channel._consumers and channel.qos.can_consume() for channel in self.channels)
 
     def driver_version(self) -> str:
         import pymongo

@@ -1,0 +1,159 @@
+"""Push wake-ups: a change stream tells a consumer which queues have work, so an idle worker does not poll."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from pymongo.database import Database
+from pymongo.errors import OperationFailure, PyMongoError
+
+logger = logging.getLogger(__name__)
+
+#: Server error codes that mean this deployment has no change streams (a standalone mongod, say).
+NO_CHANGE_STREAMS = {40573, 40324, 136}
+#: How long one getMore waits on the server for a change: an idle consumer's only steady cost.
+AWAIT_MS = 10_000
+
+
+class Wakeups:
+    """Which queues are worth polling now: those with news, those due by the clock, and all now and then."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        jobs: str,
+        messages: str,
+        clock: Callable[[], datetime],
+        safety_poll_interval: float,
+    ) -> None:
+        self.available = False
+        self.event = threading.Event()
+        self._db = db
+        self._jobs = jobs
+        self._messages = messages
+        self._clock = clock
+        self._safety = safety_poll_interval
+        self._lock = threading.Lock()
+        self._dirty: set[str] = set()
+        self._jobs_touched_at = 0.0
+        self._last_poll: dict[str, float] = {}
+        self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
+        self._thread = threading.Thread(target=self._watch, name="bb-broker-wakeups", daemon=True)
+        self._thread.start()
+
+    # --- the consumer's side ------------------------------------------------
+
+    def should_poll(self, queue: str, *, job_queue: bool) -> bool:
+        if not self.available:
+            return True  # no change stream: plain polling
+        now = time.monotonic()
+        with self._lock:
+            self._fire_timers(now)
+            last = self._last_poll.get(queue, float("-inf"))
+            wanted = queue in self._dirty or (job_queue and self._jobs_touched_at >= last) or now - last >= self._safety
+            if wanted:
+                self._dirty.discard(queue)
+                self._last_poll[queue] = now
+            return wanted
+
+    def found(self, queue: str) -> None:
+        """A poll found a message: there may be more behind it."""
+        with self._lock:
+            self._dirty.add(queue)
+
+    def poke(self) -> None:
+        """Something changed in this process (a prefetch slot freed): look again."""
+        self.event.set()
+
+    def seconds_until_next_poll(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            if self._dirty:
+                return 0.0
+            candidates = [due - now for due, _ in self._timers[:1]]
+            candidates += [last + self._safety - now for last in self._last_poll.values()]
+        return max(0.0, min(candidates, default=self._safety))
+
+    def _fire_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, queue = heapq.heappop(self._timers)
+            if queue is None:
+                self._jobs_touched_at = now
+            else:
+                self._dirty.add(queue)
+
+    # --- the watcher --------------------------------------------------------
+
+    def _pipeline(self) -> list[dict[str, Any]]:
+        jobs, messages = self._jobs, self._messages
+        return [
+            {"$match": {"$or": [
+                {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
+                {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
+                {"ns.coll": messages, "operationType": "insert"},
+            ]}},
+            {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
+                          "updateDescription.updatedFields.runAfter": 1}},
+        ]  # fmt: skip
+
+    def _watch(self) -> None:
+        resume_token = None
+        backoff = 0.5
+        while True:
+            try:
+                with self._db.watch(self._pipeline(), max_await_time_ms=AWAIT_MS, resume_after=resume_token) as stream:
+                    self._went_live()
+                    backoff = 0.5
+                    for change in stream:
+                        resume_token = stream.resume_token
+                        self._on_change(change)
+            except OperationFailure as exc:
+                if exc.code in NO_CHANGE_STREAMS:
+                    logger.info("no change streams on this deployment (%s): polling instead", exc.code)
+                    self.available = False
+                    return
+                resume_token = None  # the history may be gone: start afresh, polling everything once
+                self._went_dark(backoff)
+            except PyMongoError:
+                self._went_dark(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    def _went_live(self) -> None:
+        with self._lock:
+            self._last_poll.clear()  # anything may have happened while we were not watching
+        self.available = True
+        self.event.set()
+
+    def _went_dark(self, pause: float) -> None:
+        self.available = False
+        self.event.set()
+        time.sleep(pause)
+
+    def _on_change(self, change: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if change["operationType"] == "insert":
+            document = change.get("fullDocument") or {}
+            queue, due = document.get("queue"), document.get("runAfter")
+        else:
+            queue, due = None, (change.get("updateDescription") or {}).get("updatedFields", {}).get("runAfter")
+        delay = self._seconds_until(due)
+        with self._lock:
+            if delay > 0:
+                heapq.heappush(self._timers, (now + delay, queue))
+            elif queue is not None:
+                self._dirty.add(queue)
+            else:
+                self._jobs_touched_at = now
+        self.event.set()
+
+    def _seconds_until(self, due: Any) -> float:
+        if not isinstance(due, datetime):
+            return 0.0
+        return (due - self._clock()).total_seconds()

@@ -1,0 +1,32 @@
+"""Push wake-ups: a change stream brings the work to an idle worker, which then does not poll."""
+
+from __future__ import annotations
+
+from tests.test_faults import producer
+from tests.test_lifecycle_e2e import send, settled
+from tests.workers import wait_for
+
+
+def test_new_delayed_and_retried_jobs_arrive_by_wakeup(broker_url, db, worker_factory) -> None:
+    worker = worker_factory()
+    app = producer(broker_url)
+    wait_for(lambda: app.control.inspect(timeout=1).ping(), message="remote control answered")
+    before = db.command("serverStatus")["opcounters"]["update"]
+    later = send(app, "add", 2, 2, countdown=10)  # ten idle seconds, ended by its runAfter timer
+    wait_for(settled(db, later, "succeeded"), timeout=60, message="the delayed task succeeded")
+    writes = db.command("serverStatus")["opcounters"]["update"] - before
+    # claim + settle + a lease sweep or two; a worker polling its two queues every second would make ~20 more
+    assert writes < 12, f"{writes} update commands while idle: the worker is polling"
+    now = send(app, "add", 1, 1)
+    flaky = send(app, "fail_until", 2)  # its retry is an update with a future runAfter
+    for task_id in (now, flaky):
+        wait_for(settled(db, task_id, "succeeded"), timeout=60, message=f"{task_id} succeeded")
+    assert "no change streams" not in worker.log()
+
+
+def test_without_change_streams_the_worker_polls(broker_url, db, worker_factory) -> None:
+    worker_factory(options={"use_change_streams": False})
+    app = producer(broker_url)
+    task_ids = [send(app, "add", 1, 1), send(app, "fail_until", 2), send(app, "add", 2, 2, countdown=1)]
+    for task_id in task_ids:
+        wait_for(settled(db, task_id, "succeeded"), timeout=60, message=f"{task_id} succeeded by polling")
