@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +36,19 @@ def producer(url: str) -> Celery:
     return app
 
 
+_started: list[Worker] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_started_workers() -> Iterator[None]:
+    yield
+    while _started:
+        _started.pop().kill()
+
+
 def start_worker(url: str, tmp_path: Path, name: str, **kwargs) -> Worker:
     worker = Worker(url, log_dir=tmp_path, name=name, **kwargs)
+    _started.append(worker)
     worker.start()
     return worker
 
@@ -106,7 +118,8 @@ def test_crash_under_load_repeatedly(broker_url, db, tmp_path) -> None:
     kills = 0
     while db.jobs.count_documents({"status": "succeeded"}) < len(ids) and kills < 3:
         worker = start_worker(broker_url, tmp_path, f"victim{kills}", options=options)
-        wait_for(lambda: db.runs.count_documents({"phase": "start"}) > 4 * (kills + 1) or
+        target = 4 * (kills + 1)
+        wait_for(lambda target=target: db.runs.count_documents({"phase": "start"}) > target or
                  db.jobs.count_documents({"status": "succeeded"}) == len(ids), message="work under way")  # fmt: skip
         worker.kill()
         kills += 1
@@ -117,9 +130,9 @@ def test_crash_under_load_repeatedly(broker_url, db, tmp_path) -> None:
     starts = list(db.runs.aggregate([{"$group": {"_id": "$taskId", "n": {"$sum": {"$cond": [
         {"$eq": ["$phase", "start"]}, 1, 0]}}}}]))  # fmt: skip
     ran_twice = [row["_id"] for row in starts if row["n"] > 1]
-    never_finished_first_time = {
-        d["taskId"] for d in db.runs.find({"phase": "start", "attempt": 1})
-    } - {d["taskId"] for d in db.runs.find({"phase": "end", "attempt": 1})}
+    never_finished_first_time = {d["taskId"] for d in db.runs.find({"phase": "start", "attempt": 1})} - {
+        d["taskId"] for d in db.runs.find({"phase": "end", "attempt": 1})
+    }
     assert len(starts) == len(ids)
     assert set(ran_twice) <= never_finished_first_time  # only jobs cut short by a kill ran again
     print(f"crash-under-load: kills={kills} jobs={len(ids)} lost=0 ran_twice={len(ran_twice)}")
@@ -170,3 +183,30 @@ def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth
     assert status.returncode != 0
     assert "authentication failed" in status.stderr.lower() and len(status.stderr.strip().splitlines()) == 1
     assert "wrong-pw-123" not in status.stdout + status.stderr
+
+
+def skewed_clock_env(offset: str) -> dict[str, str]:
+    """libfaketime (the PyPI wheel ships the library) moves this process's wall clock by `offset`."""
+    import libfaketime
+
+    library = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    return {"LD_PRELOAD": str(library), "FAKETIME": offset, "DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+
+
+def test_a_worker_whose_clock_runs_a_minute_ahead_steals_no_live_job(broker_url, db, worker_factory) -> None:
+    options = {"stale_after": 3.0}
+    honest = worker_factory(options=options)
+    app = producer(broker_url)
+    task_id = send(app, "sleep", 8)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="the long task started")
+    # this worker sweeps every 1.5 s; by its own clock every lease in the collection is a minute old
+    ahead = worker_factory(options=options, env=skewed_clock_env("+60s"))
+    wait_for(settled(db, task_id, "succeeded"), timeout=60, message="the long task succeeded")
+    assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1
+    doc = db.jobs.find_one({"taskId": task_id})
+    assert doc["attempts"] == 1 and doc["lastError"] == ""
+    honest.kill()
+    quick = send(app, "add", 1, 1)  # and the skewed worker still claims due work
+    wait_for(settled(db, quick, "succeeded"), message="due work is still claimed")
+    assert db.runs.find_one({"taskId": quick})["at"] - time.time() > 50  # it ran there, a minute "ahead"
+    assert ahead.process.poll() is None
