@@ -24,13 +24,18 @@ _stores: dict[tuple[int, str, str], JobStore] = {}
 _stores_lock = threading.Lock()
 
 
-def store_for(app: Any) -> JobStore | None:
-    """The job store behind an app's broker, or None when the app does not use bbmongo://."""
+def _bbmongo_url(app: Any) -> str | None:
     url = app.conf.broker_url or ""
     if isinstance(url, (list, tuple)):
         url = url[0] if url else ""
     url = str(url).split(";", 1)[0]
-    if not url.lower().startswith(("bbmongo://", "bbmongo+srv://")):
+    return url if url.lower().startswith(("bbmongo://", "bbmongo+srv://")) else None
+
+
+def store_for(app: Any) -> JobStore | None:
+    """The job store behind an app's broker, or None when the app does not use bbmongo://."""
+    url = _bbmongo_url(app)
+    if url is None:
         return None
     options = app.conf.broker_transport_options or {}
     key = (os.getpid(), url, repr(sorted(options.items())))
@@ -171,6 +176,39 @@ class _RequestHeaders:
 
 
 add_process_source(_reserved_jobs)
+
+
+class _ScrubSecrets(logging.Filter):
+    """Masks the broker's credentials in every record, tracebacks included, whoever wrote them."""
+
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = connection.scrub(message, self.secrets)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info:
+            trace = logging.Formatter().formatException(record.exc_info)
+            if connection.scrub(trace, self.secrets) != trace:
+                record.exc_text, record.exc_info = connection.scrub(trace, self.secrets), None
+        return True
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    from celery import current_app
+
+    url = _bbmongo_url(current_app)
+    secrets = connection.parse_broker_url(url).secrets if url else ()
+    if logger is None or not secrets:
+        return
+    for handler in logger.handlers:
+        if not any(isinstance(f, _ScrubSecrets) for f in handler.filters):
+            handler.addFilter(_ScrubSecrets(secrets))
 
 
 @signals.worker_ready.connect

@@ -90,3 +90,9 @@ def autoretry(self):
 def overrun(self):
     record(self)
     time.sleep(30)
+
+
+@app.task(bind=True)
+def raise_message(self, text):
+    record(self)
+    raise RuntimeError(text)

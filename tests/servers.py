@@ -32,10 +32,13 @@ def with_database(mongo_url: str, database: str, scheme: str = "bbmongo") -> str
 class EmbeddedServer:
     """A SecantusDB daemon in its own process, so a test can stop and restart it on the same data."""
 
-    def __init__(self, data_dir: Path, *, auth: bool = False, log_dir: Path | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *, auth: bool = False, log_dir: Path | None = None, tls: tuple[Path, Path] | None = None
+    ) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.auth = auth
+        self.tls = tls  # (certificate chain, private key) PEM files
         self.log_path = (log_dir or data_dir.parent) / f"secantus-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -45,6 +48,8 @@ class EmbeddedServer:
 
     def start(self, timeout: float = 60.0) -> None:
         argv = daemon_argv("127.0.0.1", self.port, str(self.data_dir), auth=self.auth, test_commands=True)
+        if self.tls:
+            argv += ["--tls-cert-file", str(self.tls[0]), "--tls-key-file", str(self.tls[1])]
         log = open(self.log_path, "ab")  # noqa: SIM115 (the daemon writes to it for its whole life)
         self.process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from secantus.cli import main; sys.exit(main(sys.argv[1:]))", *argv],
@@ -57,12 +62,16 @@ class EmbeddedServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"embedded server exited with {self.process.returncode}; see {self.log_path}")
             try:
-                with MongoClient(self.url, serverSelectionTimeoutMS=500) as client:
+                with MongoClient(self.url, serverSelectionTimeoutMS=500, **self.client_options) as client:
                     client.admin.command("ping")
                 return
             except PyMongoError:
                 time.sleep(0.2)
         raise RuntimeError(f"embedded server did not answer within {timeout}s; see {self.log_path}")
+
+    @property
+    def client_options(self) -> dict[str, object]:
+        return {"tls": True, "tlsAllowInvalidCertificates": True} if self.tls else {}
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -210,3 +210,41 @@ def test_a_worker_whose_clock_runs_a_minute_ahead_steals_no_live_job(broker_url,
     wait_for(settled(db, quick, "succeeded"), message="due work is still claimed")
     assert db.runs.find_one({"taskId": quick})["at"] - time.time() > 50  # it ran there, a minute "ahead"
     assert ahead.process.poll() is None
+
+
+def test_a_password_in_a_task_error_never_reaches_last_error(auth_server, tmp_path) -> None:
+    good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
+    worker = start_worker(good, tmp_path, "w0", options={"max_attempts": 1})
+    task_id = send(producer(good), "raise_message", f"could not log in to {good}")
+    db = MongoClient(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", tz_aware=True).authdb
+    failed = wait_for(settled(db, task_id, "failed"), message="the task failed")
+    assert "s3cret-pw" not in failed["lastError"] and "bb:**@127.0.0.1" in failed["lastError"]
+    assert "s3cret-pw" not in worker.log()  # not even in the traceback Celery logs for the task
+
+
+def test_tls_options_in_the_url_reach_pymongo(tmp_path) -> None:
+    if external_url():
+        pytest.fail("this test starts its own server with a certificate it makes")
+    import trustme
+
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1", "localhost")
+    chain, key, ca = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
+    certificate.private_key_pem.write_to_path(str(key))
+    with chain.open("wb") as out:
+        for blob in certificate.cert_chain_pems:
+            out.write(blob.bytes())
+    authority.cert_pem.write_to_path(str(ca))
+    server = EmbeddedServer(tmp_path / "data", tls=(chain, key))
+    server.start()
+    try:
+        url = f"bbmongo://127.0.0.1:{server.port}/tlsdb?tls=true&tlsCAFile={ca}"
+        start_worker(url, tmp_path, "w0")
+        task_id = send(producer(url), "add", 2, 2)
+        db = MongoClient(server.url, tz_aware=True, tls=True, tlsCAFile=str(ca)).tlsdb
+        wait_for(settled(db, task_id, "succeeded"), message="a task over TLS succeeded")
+        plain = subprocess.run([sys.executable, "-m", "bb_broker.cli", "status", "--broker", url.split("?")[0]],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert plain.returncode != 0  # without the TLS options the server will not talk
+    finally:
+        server.stop()
