@@ -1,0 +1,111 @@
+"""Heavy reliability runs (`make test-heavy`): repeated crashes, outages and a crowd of workers, with figures."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pymongo import MongoClient
+
+from tests.servers import with_database
+from tests.test_faults import own_server, producer, start_worker  # noqa: F401 (own_server is a fixture)
+from tests.test_lifecycle_e2e import send
+from tests.workers import wait_for
+
+pytestmark = pytest.mark.heavy
+FIGURES = Path(__file__).resolve().parent.parent / "test-artifacts" / "reliability.jsonl"
+
+
+def report(name: str, **figures: object) -> None:
+    FIGURES.parent.mkdir(exist_ok=True)
+    with FIGURES.open("a") as out:
+        out.write(json.dumps({"test": name, **figures}) + "\n")
+    print(f"{name}: {figures}")
+
+
+def starts_per_task(db) -> dict[str, int]:
+    rows = db.runs.aggregate([{"$match": {"phase": "start"}}, {"$group": {"_id": "$taskId", "n": {"$sum": 1}}}])
+    return {row["_id"]: row["n"] for row in rows}
+
+
+def test_sigkill_the_whole_worker_eight_times_under_load(broker_url, db, tmp_path) -> None:
+    options = {"stale_after": 2.0, "max_attempts": 20}  # a job may be cut short by more than one kill
+    app = producer(broker_url)
+    ids = [send(app, "sleep", 0.2) for _ in range(200)]
+    kills = 0
+    in_flight_at_kills = 0
+    while kills < 8 and db.jobs.count_documents({"status": "succeeded"}) < len(ids):
+        worker = start_worker(broker_url, tmp_path, f"victim{kills}", options=options)
+        target = db.runs.count_documents({"phase": "start"}) + 15
+        wait_for(lambda target=target: db.runs.count_documents({"phase": "start"}) >= target, timeout=120,
+                 message="the victim is busy")  # fmt: skip
+        in_flight_at_kills += db.jobs.count_documents({"status": "running"})
+        worker.kill()
+        kills += 1
+    start_worker(broker_url, tmp_path, "survivor", options=options)
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=600,
+             message="every job succeeded")  # fmt: skip
+    starts = starts_per_task(db)
+    ran_twice = {task for task, n in starts.items() if n > 1}
+    assert set(starts) == set(ids)
+    assert db.jobs.count_documents({"status": {"$ne": "succeeded"}}) == 0
+    for task in ran_twice:  # a job ran again only when a kill cut its earlier attempts short
+        attempts = sorted(r["attempt"] for r in db.runs.find({"taskId": task, "phase": "start"}))
+        ends = [r["attempt"] for r in db.runs.find({"taskId": task, "phase": "end"})]
+        assert ends == [attempts[-1]], (task, attempts, ends)
+    report("sigkill under load", kills=kills, jobs=len(ids), running_when_killed=in_flight_at_kills, lost=0,
+           ran_twice=len(ran_twice))  # fmt: skip
+
+
+def test_three_outages_while_producing_and_working(own_server, tmp_path) -> None:  # noqa: F811
+    url = with_database(own_server.url, "outages")
+    db = MongoClient(own_server.url, tz_aware=True).outages
+    start_worker(url, tmp_path, "w0")
+    start_worker(url, tmp_path, "w1")
+    app = producer(url)
+    published: list[str] = []
+    refused: list[str] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        while not stop.is_set():
+            try:
+                published.append(send(app, "sleep", 0.05))
+            except Exception as exc:  # surfaced to the caller: counted, never silent
+                refused.append(type(exc).__name__)
+            time.sleep(0.05)
+
+    producer_thread = threading.Thread(target=produce)
+    producer_thread.start()
+    for _ in range(3):
+        wait_for(lambda: db.runs.count_documents({}) > len(published) // 2, timeout=120, message="work flowing")
+        own_server.stop()
+        deadline = time.monotonic() + 10  # the outage
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+        own_server.start()
+    stop.set()
+    producer_thread.join(120)
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) >= len(published), timeout=300,
+             message="every published job succeeded")  # fmt: skip
+    starts = starts_per_task(db)
+    assert set(published) <= set(starts)
+    assert db.jobs.count_documents({}) == len(published)  # no job written twice or left half-written
+    report("three 10 s outages", outages=3, published=len(published), publish_errors_raised=len(refused),
+           lost=0, ran_twice=sum(1 for n in starts.values() if n > 1))  # fmt: skip
+
+
+def test_six_pool_processes_drain_a_thousand_jobs_exactly_once(broker_url, db, tmp_path) -> None:
+    app = producer(broker_url)
+    ids = [send(app, "add", i, 1) for i in range(1000)]
+    for i in range(3):
+        start_worker(broker_url, tmp_path, f"w{i}")
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=900,
+             message="all jobs drained")  # fmt: skip
+    per_task = list(db.runs.aggregate([{"$group": {"_id": "$taskId", "n": {"$sum": 1}}}]))
+    assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task)
+    report("three workers, six pool processes", jobs=len(ids), executions=sum(r["n"] for r in per_task),
+           double_claims=0, pool_processes=len({r["pid"] for r in db.runs.find()}))  # fmt: skip
