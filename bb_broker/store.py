@@ -201,12 +201,14 @@ class JobStore:
         now = self.now()
         due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
         try:
-            doc = self.coll.find_one_and_update(
-                due,
-                {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
-                sort=CLAIM_ORDER,
-                hint="bb_claim",
-                return_document=ReturnDocument.AFTER,
+            doc = self._hinted(
+                lambda: self.coll.find_one_and_update(
+                    due,
+                    {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
+                    sort=CLAIM_ORDER,
+                    hint="bb_claim",
+                    return_document=ReturnDocument.AFTER,
+                )
             )
         except OperationFailure as exc:
             if exc.code not in UNAPPLICABLE_UPDATE:
@@ -218,8 +220,19 @@ class JobStore:
             return None
         return Claimed(doc["_id"], doc["attempts"], doc.get("taskId"), doc.get("payload"))
 
+    def _hinted(self, query: Callable[[], Any]) -> Any:
+        """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""
+        try:
+            return query()
+        except OperationFailure as exc:
+            if exc.code != 2 or "hint" not in str((exc.details or {}).get("errmsg", "")):
+                raise
+        logger.warning("the indexes of %s are gone; creating them again", self.coll.full_name)
+        self.coll.create_indexes(INDEXES)
+        return query()
+
     def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> None:
-        head = self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim")
+        head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
         if head is not None:
             logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
             result = self.coll.update_one(
@@ -338,26 +351,30 @@ class JobStore:
 
     def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
         now = self.now()
-        retry = self.coll.update_many(
-            {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
-            {
-                "$set": {"status": QUEUED, "lastError": reason, "runAfter": now, "updatedAt": now},
-                "$unset": {"leaseOwner": ""},
-            },
-            hint=hint,
-        )
-        give_up = self.coll.update_many(
-            {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
-            {
-                "$set": {
-                    "status": FAILED,
-                    "lastError": f"{reason}, and no attempt is left",
-                    "updatedAt": now,
-                    "finishedAt": now,
+        retry = self._hinted(
+            lambda: self.coll.update_many(
+                {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
+                {
+                    "$set": {"status": QUEUED, "lastError": reason, "runAfter": now, "updatedAt": now},
+                    "$unset": {"leaseOwner": ""},
                 },
-                "$unset": {"leaseOwner": ""},
-            },
-            hint=hint,
+                hint=hint,
+            )
+        )
+        give_up = self._hinted(
+            lambda: self.coll.update_many(
+                {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
+                {
+                    "$set": {
+                        "status": FAILED,
+                        "lastError": f"{reason}, and no attempt is left",
+                        "updatedAt": now,
+                        "finishedAt": now,
+                    },
+                    "$unset": {"leaseOwner": ""},
+                },
+                hint=hint,
+            )
         )
         metrics.record("retried", retry.modified_count)
         metrics.record("failed", give_up.modified_count)

@@ -251,3 +251,13 @@ def test_claim_sweep_and_statuses_read_through_an_index(mongo_url: str, db: Data
 def test_statuses_answers_before_any_worker_created_the_indexes(db: Database) -> None:
     db.jobs.insert_one({"_id": "x", "status": "queued"})
     assert statuses(db) == {"queued": 1, "running": 0, "succeeded": 0, "failed": 0}
+
+
+def test_a_dropped_collection_gets_its_indexes_back_on_the_next_claim(store: JobStore, db: Database) -> None:
+    publish(store, "before")
+    db.jobs.drop()  # an operator resetting the queue under running workers
+    assert store.claim("celery", "w") is None
+    publish(store, "after")
+    assert store.claim("celery", "w").task_id == "after"
+    assert store.requeue_stale() == (0, 0)
+    assert "bb_claim" in db.jobs.index_information()
