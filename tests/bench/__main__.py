@@ -1,0 +1,87 @@
+"""`python -m tests.bench` (`make bench`): start the servers, run the rounds, print the table and one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.bench import report
+from tests.bench.runner import Broker, MongoOps, RedisOps, Settings, mongo_broker, redis_broker, run_rounds
+from tests.bench.servers import RedisServer, Server, mongo_server
+
+HOW_OPS_ARE_COUNTED = (
+    "MongoDB: serverStatus opcounters (all six summed) read before and after each window by the bench's own "
+    "client, which has no background monitoring; each reading's own serverStatus (calibrated: 1) is subtracted. "
+    "The workers' and the producer's operations, their pymongo monitoring included, are all counted. Tasks "
+    "record their timestamps in a local file, never on a server. Redis: INFO total_commands_processed, alike."
+)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop servers and workers
+
+
+def main() -> int:
+    settings = Settings.from_env()
+    signal.signal(signal.SIGTERM, _terminate)
+    workdir = Path(tempfile.mkdtemp(prefix="bb-bench-"))
+    _log(f"bench: {settings}, logs in {workdir}")
+    mongo: Server = mongo_server(workdir)
+    redis_server = RedisServer(workdir)
+    counters: list[MongoOps | RedisOps] = []
+    started = time.monotonic()
+    try:
+        mongo.start()
+        redis_server.start()
+        ops = MongoOps(mongo.url)
+        rops = RedisOps(redis_server.url)
+        counters += [ops, rops]
+        brokers: list[Broker] = [
+            mongo_broker("bbmongo", "bbmongo", mongo.url, mongo.label, ops),
+            mongo_broker("mongodb", "mongodb", mongo.url, mongo.label, ops),
+            redis_broker(redis_server.url, redis_server.label, rops),
+        ]
+        wanted = os.environ.get("BENCH_BROKERS")
+        if wanted:
+            brokers = [b for b in brokers if b.name in wanted.split(",")]
+        rounds = run_rounds(brokers, settings, workdir, _log)
+    finally:
+        for counter in counters:
+            counter.close()
+        redis_server.stop()
+        mongo.stop()
+
+    servers = {b.name: b.server for b in brokers}
+    med = {name: report.medians(rs) for name, rs in rounds.items()}
+    rat = report.ratios(rounds)
+    tgt = report.targets(med, rat)
+    print(report.table(med, servers, rat, tgt))
+    print(f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s; logs in {workdir}")
+    line = {
+        "bench": "bb_broker",
+        "command": "make bench",
+        "settings": settings.__dict__,
+        "servers": servers,
+        "ops_counted": HOW_OPS_ARE_COUNTED,
+        "median": med,
+        "ratios": rat,
+        "targets": tgt,
+        "rounds": rounds,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(line, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The Celery app the benchmark's workers run: one trivial task that stamps when it started and finished."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import Celery, signals
+
+import bb_broker  # noqa: F401 (registers bbmongo://)
+
+#: Celery's default queue for the backlog, and a second one the idle and under-load probes go to.
+QUEUE = "bench"
+PROBE_QUEUE = "probe"
+TASK = "bench.stamp"
+
+app = Celery("bench")
+app.conf.update(
+    broker_url=os.environ.get("BB_BROKER_URL", "bbmongo://127.0.0.1:27017/bench"),
+    # The project's recommended setting (README), the same for every broker so that only the transport differs.
+    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "1")),
+    task_default_queue=QUEUE,
+    task_ignore_result=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+)
+
+_started: dict[str, tuple[str, float, float]] = {}
+_stamps_fd: int | None = None
+
+
+def _stamps() -> int:
+    # One O_APPEND descriptor per pool process: a line per task, written whole, no server involved, so
+    # the measurement costs every broker the same and adds nothing to MongoDB's or Redis's counters.
+    global _stamps_fd
+    if _stamps_fd is None:
+        _stamps_fd = os.open(os.environ["BENCH_STAMPS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    return _stamps_fd
+
+
+@app.task(name=TASK, bind=True)
+def stamp(self: Any, sent_at: float, tag: str = "d") -> None:
+    _started[self.request.id] = (tag, sent_at, time.time())
+
+
+@signals.task_postrun.connect
+def _finished(task_id: str | None = None, **_: Any) -> None:
+    # After task_success, where bbmongo:// settles the job: "finished" includes writing `succeeded`.
+    stamped = _started.pop(task_id or "", None)
+    if stamped is not None:
+        tag, sent_at, started = stamped
+        os.write(_stamps(), f"{tag} {sent_at:.6f} {started:.6f} {time.time():.6f}\n".encode())

@@ -1,0 +1,103 @@
+"""Reduce repeated rounds to medians and same-round ratios, judge the targets, print a table and one JSON line."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+#: What a metric is called in the table, its unit, and whether more is better.
+METRICS: list[tuple[str, str, str]] = [
+    ("drain_tps", "drain throughput", "tasks/s"),
+    ("publish_tps", "publish throughput", "tasks/s"),
+    ("idle_latency_p50_ms", "enqueue→start idle p50", "ms"),
+    ("idle_latency_p95_ms", "enqueue→start idle p95", "ms"),
+    ("load_latency_p50_ms", "enqueue→start under load p50", "ms"),
+    ("load_latency_p95_ms", "enqueue→start under load p95", "ms"),
+    ("ops_per_task", "server ops per task", "ops"),
+    ("publish_ops_per_task", "  of which publishing", "ops"),
+    ("idle_ops_per_s", "idle server ops/s (1 worker)", "ops/s"),
+    ("worker_rss_mb", "worker RSS (main + pool)", "MB"),
+]
+
+#: Same-round ratios: (numerator broker, denominator broker, metric).
+RATIOS = [
+    ("bbmongo", "mongodb", "drain_tps"),
+    ("bbmongo", "mongodb", "publish_tps"),
+    ("bbmongo", "mongodb", "idle_latency_p50_ms"),
+    ("bbmongo", "mongodb", "ops_per_task"),
+    ("bbmongo", "mongodb", "idle_ops_per_s"),
+    ("bbmongo", "redis", "drain_tps"),
+    ("bbmongo", "redis", "publish_tps"),
+    ("bbmongo", "redis", "idle_latency_p50_ms"),
+]
+
+
+def _value(figures: dict[str, Any], metric: str) -> float | None:
+    if metric == "worker_rss_mb":
+        rss = figures.get("worker_rss_bytes")
+        return None if rss is None else rss / 2**20
+    value = figures.get(metric)
+    return None if value is None else float(value)
+
+
+def medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric, _, _ in METRICS:
+        values = [v for v in (_value(r, metric) for r in rounds) if v is not None]
+        if values:
+            out[metric] = statistics.median(values)
+    return out
+
+
+def ratios(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """The median over rounds of each round's own ratio: both figures measured minutes apart, not runs apart."""
+    out: dict[str, float] = {}
+    for top, bottom, metric in RATIOS:
+        pairs = zip(rounds.get(top, []), rounds.get(bottom, []), strict=False)
+        values = [a / b for a, b in ((_value(x, metric), _value(y, metric)) for x, y in pairs) if a and b]
+        if values:
+            out[f"{top}/{bottom} {metric}"] = statistics.median(values)
+    return out
+
+
+def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The issue's targets for bbmongo://, each with the figure it was judged on."""
+    bb = med.get("bbmongo", {})
+    checks = {
+        "drain >= 1.0x mongodb://": (rat.get("bbmongo/mongodb drain_tps"), lambda v: v >= 1.0),
+        "idle enqueue->start p50 <= 50 ms": (bb.get("idle_latency_p50_ms"), lambda v: v <= 50),
+        "idle enqueue->start p95 <= 150 ms": (bb.get("idle_latency_p95_ms"), lambda v: v <= 150),
+        "server ops per task <= 3": (bb.get("ops_per_task"), lambda v: v <= 3),
+        "idle worker <= 2 ops/s": (bb.get("idle_ops_per_s"), lambda v: v <= 2),
+    }
+    return {
+        name: {"value": None if value is None else round(value, 3), "met": value is not None and ok(value)}
+        for name, (value, ok) in checks.items()
+    }
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def table(med: dict[str, dict[str, float]], servers: dict[str, str], rat: dict[str, float], tgt: dict) -> str:
+    names = list(med)
+    width = max(len(label) for _, label, _ in METRICS) + 8
+    lines = ["", f"{'median of rounds':<{width}}" + "".join(f"{n + ':// ':>16}" for n in names)]
+    for metric, label, unit in METRICS:
+        cells = "".join(f"{_fmt(med[n].get(metric)):>16}" for n in names)
+        lines.append(f"{label + ' (' + unit + ')':<{width}}{cells}")
+    lines.append("")
+    for name in names:
+        lines.append(f"  {name}:// ran on {servers[name]}")
+    lines.append("")
+    lines.append("same-round ratios (median over rounds)")
+    for key, value in rat.items():
+        lines.append(f"  {key:<40}{value:>8.2f}x")
+    lines.append("")
+    lines.append("targets (bbmongo://)")
+    for name, result in tgt.items():
+        lines.append(f"  {name:<40}{_fmt(result['value']):>10}  {'met' if result['met'] else 'NOT MET'}")
+    return "\n".join(lines)

@@ -1,0 +1,326 @@
+"""One benchmark round per broker: publish, drain, idle cost, memory and latency, with a real `celery worker -c 2`."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from pymongo import MongoClient
+
+from tests.bench.app import PROBE_QUEUE, QUEUE, TASK
+from tests.servers import with_database
+from tests.workers import Worker
+
+#: Options for the bench's own MongoDB clients (the measuring one and the producer): no background
+#: monitoring traffic during a measured window, so the server's counters see the workers' operations only.
+QUIET_CLIENT = {"serverMonitoringMode": "poll", "heartbeatFrequencyMS": 3_600_000}
+
+
+@dataclass(frozen=True)
+class Settings:
+    n: int
+    repeat: int
+    idle_window: float
+    probes: int
+    concurrency: int = 2
+    prefetch: int = 1
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(
+            n=int(os.environ.get("BENCH_N", "1000")),
+            repeat=int(os.environ.get("BENCH_REPEAT", "3")),
+            idle_window=float(os.environ.get("BENCH_IDLE_SECONDS", "20")),
+            probes=int(os.environ.get("BENCH_PROBES", "20")),
+            prefetch=int(os.environ.get("BENCH_PREFETCH", "1")),
+        )
+
+
+class Counter:
+    """A server's count of the operations it served, less the measuring command's own."""
+
+    label: str
+
+    def total(self) -> int:
+        raise NotImplementedError
+
+    def calibrate(self) -> None:
+        samples = [self.total() for _ in range(6)]
+        # Back to back, the only operations in between are the measuring commands themselves.
+        self.own = min(b - a for a, b in zip(samples, samples[1:], strict=False))
+
+    def delta(self, before: int, after: int) -> int:
+        return after - before - self.own
+
+
+class MongoOps(Counter):
+    """serverStatus opcounters (insert, query, update, delete, getmore, command), summed."""
+
+    def __init__(self, url: str) -> None:
+        self.client: MongoClient = MongoClient(url, **QUIET_CLIENT)
+        self.own = 1
+
+    def total(self) -> int:
+        return sum(int(v) for v in self.client.admin.command("serverStatus")["opcounters"].values())
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisOps(Counter):
+    """INFO stats total_commands_processed."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        self.own = 1
+
+    def total(self) -> int:
+        return int(self.client.info("stats")["total_commands_processed"])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclass
+class Broker:
+    name: str
+    server: str
+    counter: Counter
+    worker_url: Callable[[int], str]
+    producer_url: Callable[[int], str]
+    reset: Callable[[int], None]
+    check: Callable[[int, int], dict[str, Any]] = field(default=lambda rep, expected: {})
+
+
+def mongo_broker(name: str, scheme: str, url: str, server: str, counter: MongoOps) -> Broker:
+    def database(rep: int) -> str:
+        return f"bench_{name}_{rep}"
+
+    def reset(rep: int) -> None:
+        # A fresh database per round: SecantusDB's Python server slows as a collection grows.
+        counter.client.drop_database(database(rep))
+        if rep > 0:
+            counter.client.drop_database(database(rep - 1))
+
+    quiet = "&".join(f"{k}={v}" for k, v in QUIET_CLIENT.items())
+
+    def check(rep: int, expected: int) -> dict[str, Any]:
+        if scheme != "bbmongo":
+            return {}
+        statuses = list(
+            counter.client[database(rep)]["jobs"].aggregate([{"$group": {"_id": "$status", "n": {"$sum": 1}}}])
+        )
+        counts = {row["_id"]: row["n"] for row in statuses}
+        # Every task succeeded and is still there; the warm-up job waits in a queue nobody consumes.
+        if counts != {"succeeded": expected, "queued": 1}:
+            raise AssertionError(f"bbmongo:// statuses after the round: {counts}, expected {expected} succeeded")
+        return {"statuses": counts}
+
+    return Broker(
+        name=name,
+        server=server,
+        counter=counter,
+        worker_url=lambda rep: with_database(url, database(rep), scheme),
+        producer_url=lambda rep: with_database(url, database(rep), scheme) + f"?{quiet}",
+        reset=reset,
+        check=check,
+    )
+
+
+def redis_broker(url: str, server: str, counter: RedisOps) -> Broker:
+    return Broker(
+        name="redis",
+        server=server,
+        counter=counter,
+        worker_url=lambda rep: url,
+        producer_url=lambda rep: url,
+        reset=lambda rep: counter.client.flushdb(),
+    )
+
+
+class Stamps:
+    """The lines the tasks append (tag, sent, started, finished), read as they come."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[tuple[str, float, float, float]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def refresh(self) -> list[tuple[str, float, float, float]]:
+        if not self.path.exists():
+            return self.rows
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            chunk = fh.read()
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            tag, sent, started, finished = line.decode().split()
+            self.rows.append((tag, float(sent), float(started), float(finished)))
+        return self.rows
+
+    def of(self, tag: str) -> list[tuple[str, float, float, float]]:
+        return [row for row in self.refresh() if row[0] == tag]
+
+    def wait(self, tag: str, count: int, timeout: float) -> list[tuple[str, float, float, float]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = self.of(tag)
+            if len(rows) >= count:
+                return rows
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(rows)} of {count} '{tag}' tasks ran within {timeout:.0f}s")
+            time.sleep(0.002)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest rank: the smallest value with at least p% of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """Resident memory of a process and its children (a prefork pool), and how many processes that is."""
+    pids = [pid, *_children(pid)]
+    total = 0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total, len(pids)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found + [g for c in found for g in _children(c)]
+
+
+def producer(url: str) -> Celery:
+    app = Celery("bench-producer", broker=url, set_as_current=False)
+    app.conf.update(task_ignore_result=True, broker_connection_retry_on_startup=True)
+    return app
+
+
+def send(app: Celery, tag: str, queue: str = QUEUE) -> None:
+    app.send_task(TASK, args=[time.time(), tag], queue=queue)
+
+
+def stop_worker(worker: Worker) -> None:
+    """A warm shutdown, then SIGKILL to the whole group if it lingers."""
+    process = worker.process
+    if process is None or process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(30)
+    worker.kill()
+
+
+def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> dict[str, Any]:
+    """Every figure of one broker, measured once; the caller repeats rounds and interleaves brokers."""
+    n, counter = settings.n, broker.counter
+    broker.reset(rep)
+    stamps_path = workdir / f"{broker.name}-{rep}.stamps"
+    stamps_path.unlink(missing_ok=True)
+    stamps = Stamps(stamps_path)
+    app = producer(broker.producer_url(rep))
+    worker = Worker(
+        broker.worker_url(rep),
+        log_dir=workdir,
+        name=f"{broker.name}-{rep}",
+        concurrency=settings.concurrency,
+        app="tests.bench.app",
+        extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}"),
+        env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(settings.prefetch)},
+    )
+    result: dict[str, Any] = {"round": rep}
+    try:
+        send(app, "w", queue="warmup")  # connect, declare and index outside the timed loop (nobody consumes it)
+        before = counter.total()
+        started = time.perf_counter()
+        for _ in range(n):
+            send(app, "d")
+        elapsed = time.perf_counter() - started
+        result["publish_tps"] = n / elapsed
+        result["publish_ops_per_task"] = counter.delta(before, counter.total()) / n
+
+        worker.start()
+        drained = stamps.wait("d", n, timeout=120 + n / 2)
+        first_start = min(row[2] for row in drained)
+        last_finish = max(row[3] for row in drained)
+        result["drain_tps"] = n / (last_finish - first_start)
+
+        # Idle: the worker has nothing to do; what it costs the server is its steady cost.
+        time.sleep(2.0)
+        before = counter.total()
+        time.sleep(settings.idle_window / 2)
+        result["worker_rss_bytes"], result["worker_processes"] = rss_bytes(worker.process.pid)
+        time.sleep(settings.idle_window / 2)
+        result["idle_ops_per_s"] = counter.delta(before, counter.total()) / settings.idle_window
+
+        # Enqueue→start when idle: one probe at a time, at a random moment (a poller's phase is random too).
+        for k in range(settings.probes):
+            time.sleep(random.uniform(0.2, 0.6))
+            send(app, "i", queue=PROBE_QUEUE)
+            stamps.wait("i", k + 1, timeout=60)
+        idle = [row[2] - row[1] for row in stamps.of("i")]
+        result["idle_latency_p50_ms"] = percentile(idle, 50) * 1000
+        result["idle_latency_p95_ms"] = percentile(idle, 95) * 1000
+
+        # Under load: a backlog of n in the task queue, probes on the probe queue while it drains.
+        before = counter.total()
+        for _ in range(n):
+            send(app, "l")
+        probes = 0
+        while len(stamps.of("l")) < n:
+            send(app, "p", queue=PROBE_QUEUE)
+            probes += 1
+            stamps.wait("p", probes, timeout=120)
+            time.sleep(random.uniform(0.01, 0.05))
+        stamps.wait("l", n, timeout=120 + n / 2)
+        # Every task of the window has finished (its stamp is written after bbmongo:// settles it).
+        result["ops_per_task"] = counter.delta(before, counter.total()) / (n + probes)
+        loaded = [row[2] - row[1] for row in stamps.of("p")]
+        result["load_probes"] = probes
+        if loaded:
+            result["load_latency_p50_ms"] = percentile(loaded, 50) * 1000
+            result["load_latency_p95_ms"] = percentile(loaded, 95) * 1000
+        result.update(broker.check(rep, 2 * n + settings.probes + probes))
+    finally:
+        stop_worker(worker)
+        app.close()
+    return result
+
+
+def run_rounds(brokers: list[Broker], settings: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
+    """Round r runs every broker once, in a rotated order, so drift on a shared machine hits each alike."""
+    rounds: dict[str, list[dict[str, Any]]] = {b.name: [] for b in brokers}
+    for broker in brokers:
+        broker.counter.calibrate()
+    for rep in range(settings.repeat):
+        order = brokers[rep % len(brokers) :] + brokers[: rep % len(brokers)]
+        for broker in order:
+            started = time.monotonic()
+            figures = one_round(broker, settings, rep, workdir)
+            rounds[broker.name].append(figures)
+            log(f"round {rep + 1}/{settings.repeat} {broker.name}: {time.monotonic() - started:.0f}s {figures}")
+    return rounds
