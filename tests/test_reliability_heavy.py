@@ -36,14 +36,14 @@ def test_sigkill_the_whole_worker_eight_times_under_load(broker_url, db, tmp_pat
     app = producer(broker_url)
     ids = [send(app, "sleep", 0.2) for _ in range(200)]
     kills = 0
-    in_flight_at_kills = 0
+    cut_short: set[str] = set()  # jobs still running (by the collection) when their worker died
     while kills < 8 and db.jobs.count_documents({"status": "succeeded"}) < len(ids):
         worker = start_worker(broker_url, tmp_path, f"victim{kills}", options=options)
         target = db.runs.count_documents({"phase": "start"}) + 15
         wait_for(lambda target=target: db.runs.count_documents({"phase": "start"}) >= target, timeout=120,
                  message="the victim is busy")  # fmt: skip
-        in_flight_at_kills += db.jobs.count_documents({"status": "running"})
         worker.kill()
+        cut_short |= {doc["taskId"] for doc in db.jobs.find({"status": "running"}, {"taskId": 1})}
         kills += 1
     start_worker(broker_url, tmp_path, "survivor", options=options)
     wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=600,
@@ -52,11 +52,8 @@ def test_sigkill_the_whole_worker_eight_times_under_load(broker_url, db, tmp_pat
     ran_twice = {task for task, n in starts.items() if n > 1}
     assert set(starts) == set(ids)
     assert db.jobs.count_documents({"status": {"$ne": "succeeded"}}) == 0
-    for task in ran_twice:  # a job ran again only when a kill cut its earlier attempts short
-        attempts = sorted(r["attempt"] for r in db.runs.find({"taskId": task, "phase": "start"}))
-        ends = [r["attempt"] for r in db.runs.find({"taskId": task, "phase": "end"})]
-        assert ends == [attempts[-1]], (task, attempts, ends)
-    report("sigkill under load", kills=kills, jobs=len(ids), running_when_killed=in_flight_at_kills, lost=0,
+    assert ran_twice <= cut_short  # only jobs running when a worker was killed ran again
+    report("sigkill under load", kills=kills, jobs=len(ids), running_when_killed=len(cut_short), lost=0,
            ran_twice=len(ran_twice))  # fmt: skip
 
 
