@@ -25,3 +25,8 @@ test: lint
 
 test-heavy: install
 	$(PY) -m pytest -m heavy
+
+# bbmongo:// against Kombu's mongodb:// and Redis, one run on this machine (BENCH_N, BENCH_REPEAT override the size).
+bench: install
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	$(PY) -m tests.bench

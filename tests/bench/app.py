@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from celery import Celery, signals
+from pymongo import monitoring
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
 
@@ -27,6 +28,29 @@ app.conf.update(
 )
 
 _started: dict[str, tuple[str, float, float]] = {}
+
+
+class CommandLog(monitoring.CommandListener):
+    """Diagnosis (BENCH_COMMANDS): one line per command a process sends, to see what a task costs the server."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        target = event.command.get("collection" if event.command_name == "getMore" else event.command_name)
+        target = target if isinstance(target, str) else "-"
+        os.write(self.fd, f"{time.time():.6f} {os.getpid()} {event.command_name} {target}\n".encode())
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+if os.environ.get("BENCH_COMMANDS"):
+    # Registered before any client exists, so the worker's clients and its pool's (made after the fork) report.
+    monitoring.register(CommandLog(os.environ["BENCH_COMMANDS"]))
 _stamps_fd: int | None = None
 
 

@@ -34,6 +34,8 @@ class Settings:
     probes: int
     concurrency: int = 2
     prefetch: int = 1
+    #: Log every command the workers send and break the loaded window's down per task (BENCH_DIAGNOSE=1).
+    diagnose: bool = False
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -43,6 +45,7 @@ class Settings:
             idle_window=float(os.environ.get("BENCH_IDLE_SECONDS", "20")),
             probes=int(os.environ.get("BENCH_PROBES", "20")),
             prefetch=int(os.environ.get("BENCH_PREFETCH", "1")),
+            diagnose=os.environ.get("BENCH_DIAGNOSE", "") not in ("", "0"),
         )
 
 
@@ -213,6 +216,16 @@ def _children(pid: int) -> list[int]:
     return found + [g for c in found for g in _children(c)]
 
 
+def per_task(log: Path, start: float, end: float, tasks: int) -> dict[str, float]:
+    """The commands the worker's processes sent in a window, by name and collection, per task."""
+    counts: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        at, _pid, name, target = line.split()
+        if start <= float(at) <= end:
+            counts[f"{name} {target}"] = counts.get(f"{name} {target}", 0) + 1
+    return {key: round(count / tasks, 3) for key, count in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
 def producer(url: str) -> Celery:
     app = Celery("bench-producer", broker=url, set_as_current=False)
     app.conf.update(task_ignore_result=True, broker_connection_retry_on_startup=True)
@@ -243,6 +256,8 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     stamps_path.unlink(missing_ok=True)
     stamps = Stamps(stamps_path)
     app = producer(broker.producer_url(rep))
+    commands = workdir / f"{broker.name}-{rep}.commands"
+    diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
     worker = Worker(
         broker.worker_url(rep),
         log_dir=workdir,
@@ -250,7 +265,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         concurrency=settings.concurrency,
         app="tests.bench.app",
         extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}"),
-        env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(settings.prefetch)},
+        env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(settings.prefetch), **diagnosis},
     )
     result: dict[str, Any] = {"round": rep}
     try:
@@ -287,7 +302,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         result["idle_latency_p95_ms"] = percentile(idle, 95) * 1000
 
         # Under load: a backlog of n in the task queue, probes on the probe queue while it drains.
-        before = counter.total()
+        before, window_start = counter.total(), time.time()
         for _ in range(n):
             send(app, "l")
         probes = 0
@@ -299,6 +314,8 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         stamps.wait("l", n, timeout=120 + n / 2)
         # Every task of the window has finished (its stamp is written after bbmongo:// settles it).
         result["ops_per_task"] = counter.delta(before, counter.total()) / (n + probes)
+        if settings.diagnose and commands.exists():
+            result["worker_commands_per_task"] = per_task(commands, window_start, time.time(), n + probes)
         loaded = [row[2] - row[1] for row in stamps.of("p")]
         result["load_probes"] = probes
         if loaded:
