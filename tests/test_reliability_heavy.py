@@ -15,7 +15,7 @@ from tests.test_faults import own_server, producer, start_worker  # noqa: F401 (
 from tests.test_lifecycle_e2e import send
 from tests.workers import wait_for
 
-pytestmark = pytest.mark.heavy
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1800)]
 FIGURES = Path(__file__).resolve().parent.parent / "test-artifacts" / "reliability.jsonl"
 
 
