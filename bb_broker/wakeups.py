@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 NO_CHANGE_STREAMS = {40573, 40324, 136}
 #: How long one getMore waits on the server for a change: an idle consumer's only steady cost.
 AWAIT_MS = 10_000
+#: Seconds between getMores while the changes only repeat what the consumer knows (its queues are already
+#: marked): a busy queue would otherwise cost a getMore per job; news for a quiet queue waits at most this.
+BUSY_PACE = 0.25
 
 
 class Wakeups:
@@ -32,6 +35,7 @@ class Wakeups:
         messages: str,
         clock: Callable[[], datetime],
         safety_poll_interval: float,
+        busy_pace: float = BUSY_PACE,
     ) -> None:
         self.available = False
         self.event = threading.Event()
@@ -40,8 +44,10 @@ class Wakeups:
         self._messages = messages
         self._clock = clock
         self._safety = safety_poll_interval
+        self._busy_pace = busy_pace
         self._lock = threading.Lock()
         self._dirty: set[str] = set()
+        self._inflight: set[str] = set()  # queues being polled: what a poll finds leads to the next poll
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
@@ -60,7 +66,10 @@ class Wakeups:
             wanted = queue in self._dirty or (job_queue and self._jobs_touched_at >= last) or now - last >= self._safety
             if wanted:
                 self._dirty.discard(queue)
+                self._inflight.add(queue)
                 self._last_poll[queue] = now
+            else:
+                self._inflight.discard(queue)
             return wanted
 
     def found(self, queue: str) -> None:
@@ -75,6 +84,7 @@ class Wakeups:
     def seconds_until_next_poll(self) -> float:
         now = time.monotonic()
         with self._lock:
+            self._inflight.clear()  # the consumer is about to wait: its polls have all come back
             if self._dirty:
                 return 0.0
             candidates = [due - now for due, _ in self._timers[:1]]
@@ -111,9 +121,17 @@ class Wakeups:
                 with self._db.watch(self._pipeline(), max_await_time_ms=AWAIT_MS, resume_after=resume_token) as stream:
                     self._went_live()
                     backoff = 0.5
-                    for change in stream:
+                    changes, news = 0, False
+                    while stream.alive:
+                        change = stream.try_next()  # the buffered batch, or one getMore (awaiting AWAIT_MS)
                         resume_token = stream.resume_token
-                        self._on_change(change)
+                        if change is not None:
+                            changes += 1
+                            news = self._on_change(change) or news
+                        if _buffered(stream) == 0:  # the next try_next is a getMore
+                            if changes and not news:
+                                time.sleep(self._busy_pace)  # the consumer is busy with these queues already
+                            changes, news = 0, False
             except OperationFailure as exc:
                 if exc.code in NO_CHANGE_STREAMS:
                     logger.info("no change streams on this deployment (%s): polling instead", exc.code)
@@ -136,7 +154,8 @@ class Wakeups:
         self.event.set()
         time.sleep(pause)
 
-    def _on_change(self, change: dict[str, Any]) -> None:
+    def _on_change(self, change: dict[str, Any]) -> bool:
+        """Note a change; True when it is news (a queue not already marked), False when it repeats."""
         now = time.monotonic()
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
@@ -147,13 +166,25 @@ class Wakeups:
         with self._lock:
             if delay > 0:
                 heapq.heappush(self._timers, (now + delay, queue))
+                news = False  # a timer: nothing to poll before it fires
             elif queue is not None:
+                news = queue not in self._dirty and queue not in self._inflight
                 self._dirty.add(queue)
             else:
+                news = True
                 self._jobs_touched_at = now
         self.event.set()
+        return news
 
     def _seconds_until(self, due: Any) -> float:
         if not isinstance(due, datetime):
             return 0.0
         return (due - self._clock()).total_seconds()
+
+
+def _buffered(stream: Any) -> int | None:
+    """Changes the last getMore returned that are not read yet; None when this pymongo does not say."""
+    # pymongo keeps a batch in the stream's command cursor and has no public way to ask its length. Without
+    # it the watcher never paces, which costs getMores, never wake-ups.
+    data = getattr(getattr(stream, "_cursor", None), "_data", None)
+    return None if data is None else len(data)

@@ -1,0 +1,88 @@
+"""The change stream's cost under load: a busy queue's jobs do not cost a getMore each, news still wakes at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+
+import pytest
+from pymongo import MongoClient, monitoring
+from pymongo.database import Database
+
+from bb_broker.wakeups import Wakeups
+from tests.workers import wait_for
+
+
+class GetMores(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "getMore":
+            self.count += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.fixture
+def watched(mongo_url: str, db: Database) -> Iterator[tuple[Wakeups, GetMores]]:
+    listener = GetMores()
+    with MongoClient(mongo_url, event_listeners=[listener], tz_aware=True) as client:
+        wakeups = Wakeups(
+            client[db.name],
+            jobs="jobs",
+            messages="bb_messages",
+            clock=lambda: datetime.now(UTC),
+            safety_poll_interval=3600,
+        )
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+        yield wakeups, listener
+
+
+def publish(db: Database, queue: str) -> None:
+    db.jobs.insert_one({"status": "queued", "queue": queue, "runAfter": datetime.now(UTC)})
+
+
+def seen(wakeups: Wakeups, queue: str) -> Callable[[], bool]:
+    assert wakeups.should_poll(queue, job_queue=False)  # the first look at a queue; from now on only news
+    assert not wakeups.should_poll(queue, job_queue=False)
+    return lambda: wakeups.should_poll(queue, job_queue=False)
+
+
+def test_a_busy_queue_costs_far_fewer_getmores_than_jobs(watched, db: Database) -> None:
+    wakeups, getmores = watched
+    assert wakeups.should_poll("busy", job_queue=True)
+    wakeups.found("busy")  # the consumer is draining it: more jobs there are no news
+    last = seen(wakeups, "last")
+    before = getmores.count
+    jobs = 300
+    for _ in range(jobs):
+        publish(db, "busy")
+    publish(db, "last")  # the stream is ordered: once this is seen, every job before it was
+    wait_for(last, message="the change after the busy queue's jobs")
+    assert getmores.count - before <= jobs / 5, f"{getmores.count - before} getMores for {jobs} jobs"
+
+
+def test_news_for_a_quiet_queue_wakes_while_another_is_busy(watched, db: Database) -> None:
+    wakeups, _ = watched
+    assert wakeups.should_poll("busy", job_queue=True)
+    wakeups.found("busy")
+    quiet = seen(wakeups, "quiet")
+    for _ in range(50):
+        publish(db, "busy")
+    wakeups.event.clear()
+    publish(db, "quiet")
+    wait_for(quiet, message="news for the quiet queue")
+    assert wakeups.event.is_set()  # and the consumer was woken for it
+
+
+def test_a_queue_polled_empty_is_news_again(watched, db: Database) -> None:
+    wakeups, _ = watched
+    assert wakeups.should_poll("q", job_queue=True)  # a poll that comes back empty: no found()
+    assert wakeups.seconds_until_next_poll() > 0  # the consumer goes idle
+    publish(db, "q")
+    wait_for(lambda: wakeups.should_poll("q", job_queue=True), message="the new job's wake-up")
