@@ -89,11 +89,15 @@ class RustSecantus:
         self.log = workdir / f"secantusd-rs-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
-        self.label = f"SecantusDB (Rust) {(out.stdout or out.stderr).strip() or binary}"
+        first = ((out.stdout or out.stderr).strip().splitlines() or [binary])[0]
+        self.label = f"SecantusDB (Rust) {first.removeprefix('secantusd-rs ')}"
 
     def start(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
-        argv = [self.binary, "--host", "127.0.0.1", "--port", str(self.port), "--storage-path", str(self.data)]
+        argv = [
+            self.binary, "--host", "127.0.0.1", "--port", str(self.port), "--storage-path", str(self.data),
+            "--log-level", "WARNING", "--cache-size", "512M",
+        ]  # fmt: skip
         log = open(self.log, "ab")  # noqa: SIM115 (the daemon writes to it for its whole life)
         self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _wait_until(lambda: _mongo_answers(self.url), self.process, "secantusd-rs", self.log, 60.0)
