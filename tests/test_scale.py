@@ -1,0 +1,68 @@
+"""At 100k jobs, the claim, the stale sweep and statuses() still read through an index, with no in-memory sort."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from bb_broker.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
+from bb_broker.store import JobStore
+from tests.test_store import CommandLog, FakeClock
+
+JOBS = 100_000
+BATCH = 5_000
+QUEUES = ("celery", "mail", "reports")
+
+
+def job(i: int, clock: FakeClock) -> dict:
+    """The shape publish() writes, in the mix a long-lived deployment holds: mostly finished, some waiting."""
+    status = (SUCCEEDED,) * 6 + (QUEUED, QUEUED, RUNNING, FAILED)
+    created = clock.now - timedelta(seconds=JOBS - i)
+    state = status[i % len(status)]
+    return {
+        "_id": f"{i:026d}",
+        "kind": "app.task",
+        "taskId": f"task-{i}",
+        "queue": QUEUES[i % len(QUEUES)],
+        "priority": i % 10,
+        "payload": {"args": [i], "kwargs": {}, "options": {}},
+        "status": state,
+        "attempts": 0 if state == QUEUED else 1 + i % 3,
+        "runAfter": created + timedelta(seconds=(i % 7) * 30),  # some due, some not yet
+        "createdAt": created,
+        "updatedAt": created,
+        **({"leaseOwner": f"host:{i % 16}:w"} if state == RUNNING else {}),
+        **({"finishedAt": created} if state in (SUCCEEDED, FAILED) else {}),
+    }
+
+
+@pytest.mark.heavy
+def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: str, db: Database) -> None:
+    clock = FakeClock()
+    store = JobStore(db, Policy(stale_after=300.0), clock=clock)
+    store.ensure_indexes()
+    for start in range(0, JOBS, BATCH):
+        db.jobs.insert_many([job(i, clock) for i in range(start, start + BATCH)], ordered=False)
+    assert db.jobs.estimated_document_count() == JOBS
+
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        watched = JobStore(client[db.name], Policy(stale_after=300.0), clock=clock)
+        claimed = watched.claim("mail", "w")
+        recovered = watched.requeue_stale()
+        counts = watched.statuses()
+    assert claimed is not None and sum(recovered) > 0  # each query had work to find among the 100k
+    assert sum(counts.values()) == JOBS
+
+    names = [c["findAndModify"] if "findAndModify" in c else next(iter(c)) for c in log.commands]
+    assert names == ["jobs", "update", "update", "aggregate"], names
+    for command in log.commands:
+        if "updates" in command:  # the sweep's own selection, as a find with the same filter and hint
+            update = command["updates"][0]
+            command = {"find": "jobs", "filter": update["q"], "hint": update["hint"]}
+        plan = str(db.command("explain", command))
+        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
+        assert "'stage': 'SORT'" not in plan, plan
