@@ -27,6 +27,11 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _command() -> str:
+    overrides = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("BENCH_")]
+    return " ".join([*overrides, "make bench"])
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop servers and workers
 
@@ -69,7 +74,7 @@ def main() -> int:
     print(f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s; logs in {workdir}")
     line = {
         "bench": "bb_broker",
-        "command": "make bench",
+        "command": _command(),
         "settings": settings.__dict__,
         "servers": servers,
         "ops_counted": HOW_OPS_ARE_COUNTED,

@@ -24,6 +24,8 @@ from tests.workers import Worker
 #: Options for the bench's own MongoDB clients (the measuring one and the producer): no background
 #: monitoring traffic during a measured window, so the server's counters see the workers' operations only.
 QUIET_CLIENT = {"serverMonitoringMode": "poll", "heartbeatFrequencyMS": 3_600_000}
+#: Celery's own worker_prefetch_multiplier, for a second drain figure.
+DEFAULT_PREFETCH = 4
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,9 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         return cls(
-            n=int(os.environ.get("BENCH_N", "1000")),
+            n=int(os.environ.get("BENCH_N", "500")),
             repeat=int(os.environ.get("BENCH_REPEAT", "3")),
-            idle_window=float(os.environ.get("BENCH_IDLE_SECONDS", "20")),
+            idle_window=float(os.environ.get("BENCH_IDLE_SECONDS", "15")),
             probes=int(os.environ.get("BENCH_PROBES", "20")),
             prefetch=int(os.environ.get("BENCH_PREFETCH", "1")),
             diagnose=os.environ.get("BENCH_DIAGNOSE", "") not in ("", "0"),
@@ -258,15 +260,19 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     app = producer(broker.producer_url(rep))
     commands = workdir / f"{broker.name}-{rep}.commands"
     diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
-    worker = Worker(
-        broker.worker_url(rep),
-        log_dir=workdir,
-        name=f"{broker.name}-{rep}",
-        concurrency=settings.concurrency,
-        app="tests.bench.app",
-        extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}"),
-        env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(settings.prefetch), **diagnosis},
-    )
+
+    def worker_with(prefetch: int, name: str) -> Worker:
+        return Worker(
+            broker.worker_url(rep),
+            log_dir=workdir,
+            name=name,
+            concurrency=settings.concurrency,
+            app="tests.bench.app",
+            extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}"),
+            env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(prefetch), **diagnosis},
+        )
+
+    worker = worker_with(settings.prefetch, f"{broker.name}-{rep}")
     result: dict[str, Any] = {"round": rep}
     try:
         send(app, "w", queue="warmup")  # connect, declare and index outside the timed loop (nobody consumes it)
@@ -321,7 +327,16 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         if loaded:
             result["load_latency_p50_ms"] = percentile(loaded, 50) * 1000
             result["load_latency_p95_ms"] = percentile(loaded, 95) * 1000
-        result.update(broker.check(rep, 2 * n + settings.probes + probes))
+        stop_worker(worker)
+
+        # The same drain with Celery's default prefetch (4 per process), what users of the others run.
+        for _ in range(n):
+            send(app, "x")
+        worker = worker_with(DEFAULT_PREFETCH, f"{broker.name}-{rep}-prefetch{DEFAULT_PREFETCH}")
+        worker.start()
+        drained = stamps.wait("x", n, timeout=120 + n / 2)
+        result["drain_tps_celery_prefetch"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
+        result.update(broker.check(rep, 3 * n + settings.probes + probes))
     finally:
         stop_worker(worker)
         app.close()
