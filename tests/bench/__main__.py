@@ -52,9 +52,9 @@ def main() -> int:
         rops = RedisOps(redis_server.url)
         counters += [ops, rops]
         brokers: list[Broker] = [
-            mongo_broker("bbmongo", "bbmongo", mongo.url, mongo.label, ops),
-            mongo_broker("mongodb", "mongodb", mongo.url, mongo.label, ops),
-            redis_broker(redis_server.url, redis_server.label, rops),
+            mongo_broker("bbmongo", "bbmongo", mongo.url, mongo, ops),
+            mongo_broker("mongodb", "mongodb", mongo.url, mongo, ops),
+            redis_broker(redis_server, rops),
         ]
         wanted = os.environ.get("BENCH_BROKERS")
         if wanted:

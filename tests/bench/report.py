@@ -14,8 +14,9 @@ METRICS: list[tuple[str, str, str]] = [
     ("idle_latency_p95_ms", "enqueue→start idle p95", "ms"),
     ("load_latency_p50_ms", "enqueue→start under load p50", "ms"),
     ("load_latency_p95_ms", "enqueue→start under load p95", "ms"),
-    ("ops_per_task", "server ops per task", "ops"),
+    ("ops_per_task", "server ops per task, under load", "ops"),
     ("publish_ops_per_task", "  of which publishing", "ops"),
+    ("server_cpu_ms_per_task", "server CPU per task, under load", "ms"),
     ("idle_ops_per_s", "idle server ops/s (1 worker)", "ops/s"),
     ("worker_rss_mb", "worker RSS (main + pool)", "MB"),
 ]
@@ -96,6 +97,7 @@ def table(med: dict[str, dict[str, float]], servers: dict[str, str], rat: dict[s
     for metric, label, unit in METRICS:
         cells = "".join(f"{_fmt(med[n].get(metric)):>16}" for n in names)
         lines.append(f"{label + ' (' + unit + ')':<{width}}{cells}")
+    lines.append("  (server ops: MongoDB's serverStatus opcounters, all summed; for Redis, commands processed)")
     lines.append("")
     for name in names:
         lines.append(f"  {name}:// ran on {servers[name]}")

@@ -18,6 +18,7 @@ from celery import Celery
 from pymongo import MongoClient
 
 from tests.bench.app import PROBE_QUEUE, QUEUE, TASK
+from tests.bench.servers import Server
 from tests.servers import with_database
 from tests.workers import Worker
 
@@ -106,10 +107,11 @@ class Broker:
     worker_url: Callable[[int], str]
     producer_url: Callable[[int], str]
     reset: Callable[[int], None]
+    server_pid: Callable[[], int]
     check: Callable[[int, int], dict[str, Any]] = field(default=lambda rep, expected: {})
 
 
-def mongo_broker(name: str, scheme: str, url: str, server: str, counter: MongoOps) -> Broker:
+def mongo_broker(name: str, scheme: str, url: str, server: Server, counter: MongoOps) -> Broker:
     def database(rep: int) -> str:
         return f"bench_{name}_{rep}"
 
@@ -135,7 +137,8 @@ def mongo_broker(name: str, scheme: str, url: str, server: str, counter: MongoOp
 
     return Broker(
         name=name,
-        server=server,
+        server=server.label,
+        server_pid=lambda: server.pid,
         counter=counter,
         worker_url=lambda rep: with_database(url, database(rep), scheme),
         producer_url=lambda rep: with_database(url, database(rep), scheme) + f"?{quiet}",
@@ -144,13 +147,14 @@ def mongo_broker(name: str, scheme: str, url: str, server: str, counter: MongoOp
     )
 
 
-def redis_broker(url: str, server: str, counter: RedisOps) -> Broker:
+def redis_broker(server: Server, counter: RedisOps) -> Broker:
     return Broker(
         name="redis",
-        server=server,
+        server=server.label,
+        server_pid=lambda: server.pid,
         counter=counter,
-        worker_url=lambda rep: url,
-        producer_url=lambda rep: url,
+        worker_url=lambda rep: server.url,
+        producer_url=lambda rep: server.url,
         reset=lambda rep: counter.client.flushdb(),
     )
 
@@ -190,6 +194,12 @@ class Stamps:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{len(rows)} of {count} '{tag}' tasks ran within {timeout:.0f}s")
             time.sleep(0.002)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -309,6 +319,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
 
         # Under load: a backlog of n in the task queue, probes on the probe queue while it drains.
         before, window_start = counter.total(), time.time()
+        server_cpu = cpu_seconds(broker.server_pid())
         for _ in range(n):
             send(app, "l")
         probes = 0
@@ -320,6 +331,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         stamps.wait("l", n, timeout=120 + n / 2)
         # Every task of the window has finished (its stamp is written after bbmongo:// settles it).
         result["ops_per_task"] = counter.delta(before, counter.total()) / (n + probes)
+        result["server_cpu_ms_per_task"] = (cpu_seconds(broker.server_pid()) - server_cpu) * 1000 / (n + probes)
         if settings.diagnose and commands.exists():
             result["worker_commands_per_task"] = per_task(commands, window_start, time.time(), n + probes)
         loaded = [row[2] - row[1] for row in stamps.of("p")]

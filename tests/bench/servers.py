@@ -23,6 +23,9 @@ class Server(Protocol):
     url: str
     label: str
 
+    @property
+    def pid(self) -> int: ...
+
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -71,6 +74,11 @@ class PythonSecantus:
 
         self.label = f"SecantusDB (Python) {version('SecantusDB')}"
 
+    @property
+    def pid(self) -> int:
+        assert self._server.process is not None
+        return self._server.process.pid
+
     def start(self) -> None:
         self._server.start()
 
@@ -91,6 +99,11 @@ class RustSecantus:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
         first = ((out.stdout or out.stderr).strip().splitlines() or [binary])[0]
         self.label = f"SecantusDB (Rust) {first.removeprefix('secantusd-rs ')}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
 
     def start(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
@@ -133,6 +146,11 @@ class RedisServer:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
         version = next((w.split("=", 1)[1] for w in out.stdout.split() if w.startswith("v=")), "?")
         self.label = f"redis-server {version}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
 
     def start(self) -> None:
         argv = [
