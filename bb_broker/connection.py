@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,8 +95,26 @@ def get_database(target: BrokerTarget, **client_options: Any) -> Database:
         client = _clients.get(key)
         if client is None:
             options = {"appname": "bb_broker", "tz_aware": True, **client_options}
-            client = _clients[key] = MongoClient(target.mongo_uri, **options)
+            with _termination_signals_blocked():
+                client = _clients[key] = MongoClient(target.mongo_uri, **options)
     return client[target.database]
+
+
+#: Signals that end a process: the client's background threads must never be the ones to take them.
+_TERMINATION_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP}
+
+
+@contextmanager
+def _termination_signals_blocked() -> Iterator[None]:
+    # pymongo starts its monitor threads in the constructor and they inherit this mask. A Celery pool process
+    # blocks SIGTERM in its main thread while it writes its exit notice to the pool's shared result queue; a
+    # second SIGTERM (the parent's, on revoke with terminate) delivered to an unblocked thread killed it mid-write,
+    # left that queue's lock held, and wedged every later pool process on its first write.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINATION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _forget_parent_clients() -> None:
