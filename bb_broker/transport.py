@@ -321,6 +321,10 @@ class Transport(virtual.Transport):
         wakeups = self.wakeups
         if wakeups is not None and wakeups.available and self._can_consume():
             wait = wakeups.seconds_until_next_poll()
+            if self._at_prefetch_limit():
+                # News for a consumer at its limit stays unread, so it must not mean "poll now" (that spins); and
+                # a finished task frees a slot without an ack, so without a poke: look again within polling_interval.
+                wait = min(max(wait, self.min_polling_interval), self.polling_interval)
         elif wakeups is not None and not self._can_consume():
             wait = self.polling_interval  # every prefetch slot is taken: only an ack (a poke) makes room
         else:
@@ -335,6 +339,9 @@ class Transport(virtual.Transport):
 
     def _can_consume(self) -> bool:
         return any(channel._consumers and channel.qos.can_consume() for channel in self.channels)
+
+    def _at_prefetch_limit(self) -> bool:
+        return any(channel._consumers and not channel.qos.can_consume() for channel in self.channels)
 
     def driver_version(self) -> str:
         import pymongo
