@@ -1,0 +1,169 @@
+"""A real Flower subprocess for end-to-end tests, its HTTP API, and headless Chromium pointed at it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.servers import free_port
+from tests.workers import FAST_OPTIONS, ROOT, wait_for
+
+#: Flower's API refuses requests without authentication unless this is set.
+FLOWER_ENV = {"FLOWER_UNAUTHENTICATED_API": "true"}
+
+
+class FlowerProcess:
+    """`celery -A tests.e2e_app flower` (or `bb-broker flower -A ...`) on a free port, stopped by `stop()`."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        *,
+        log_dir: Path,
+        name: str = "flower",
+        app: str = "tests.e2e_app",
+        launcher: str = "celery",
+        extra_args: tuple[str, ...] = (),
+        inspect_timeout_ms: int = 10_000,
+        cwd: Path = ROOT,
+    ) -> None:
+        self.port = free_port()
+        self.log_path = log_dir / f"{name}.log"
+        # A directed inspect returns at its one reply; the long timeout only matters on a loaded machine.
+        flower_args = ["--address=127.0.0.1", f"--port={self.port}", f"--inspect_timeout={inspect_timeout_ms}"]
+        flower_args += extra_args
+        if launcher == "celery":
+            self.argv = [sys.executable, "-m", "celery", "-A", app, "flower", *flower_args]
+        elif launcher == "bb-broker":
+            self.argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", app, *flower_args]
+        else:
+            raise ValueError(f"unknown launcher {launcher!r}")
+        self.cwd = cwd
+        self.env = {
+            **os.environ,
+            **FLOWER_ENV,
+            "BB_BROKER_URL": broker_url,
+            "BB_TRANSPORT_OPTIONS": json.dumps(FAST_OPTIONS),
+            "PYTHONPATH": str(ROOT),
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90.0) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 (Flower writes to it for its whole life)
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_for(lambda: self.process.poll() is not None or self._healthy(), timeout, "Flower answering")
+        if self.process.poll() is not None:
+            raise AssertionError(f"Flower exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+
+    def _healthy(self) -> bool:
+        try:
+            return self.request("GET", "/healthcheck")[0] == 200
+        except OSError:
+            return False
+
+    def request(self, method: str, path: str, form: dict[str, Any] | None = None) -> tuple[int, str]:
+        """The status and body of one request; an HTTP error status is returned, not raised."""
+        data = urllib.parse.urlencode(form or {}).encode() if method == "POST" else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        status, body = self.request("GET", path)
+        assert status == 200, f"GET {path}: {status} {body[:500]}"
+        return json.loads(body)
+
+    def post(self, path: str, **form: Any) -> Any:
+        status, body = self.request("POST", path, form)
+        assert status == 200, f"POST {path}: {status} {body[:500]}"
+        return json.loads(body)
+
+    def page(self, path: str) -> str:
+        status, body = self.request("GET", path)
+        assert status == 200, f"GET {path}: {status} {body[:500]}"
+        return body
+
+    def worker(self, name: str) -> dict[str, Any]:
+        """What Flower learns by inspecting one worker now: stats, registered, active, reserved, scheduled, conf…"""
+        asked = time.time()
+        info = self.get(f"/api/workers?refresh=1&workername={urllib.parse.quote(name)}")[name]
+        # Flower keeps its last answers when an inspect goes unanswered: only fresh ones count.
+        assert info.get("timestamp", 0) >= asked and "active" in info, f"{name} did not answer Flower's inspect"
+        return info
+
+    def task(self, task_id: str) -> dict[str, Any]:
+        """Flower's record of a task, built from the events it received ({} while it has none)."""
+        status, body = self.request("GET", f"/api/task/info/{task_id}")
+        return json.loads(body) if status == 200 else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(15)
+        self.process = None
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+def chromium(*args: str, timeout: float = 120.0) -> str:
+    """Run headless Chromium with a fresh profile and return its stdout; fail clearly when it is not installed."""
+    binary = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    if binary is None:
+        raise AssertionError(
+            "Chromium is not installed: `make browser` installs Debian's `chromium` package (apt-get install chromium)"
+        )
+    with tempfile.TemporaryDirectory(prefix="bb-chromium-") as profile:
+        # Its own session, so that its helper processes can be ended with it.
+        process = subprocess.Popen(
+            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = b"", f"no answer within {timeout:g}s".encode()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    if process.returncode != 0:
+        raise AssertionError(f"chromium exited with {process.returncode}:\n{err.decode(errors='replace')[-3000:]}")
+    return out.decode(errors="replace")

@@ -1,0 +1,405 @@
+"""Flower 2 against bbmongo://: real Flower, real workers, Flower's HTTP API, its Broker tab, and a real browser."""
+
+from __future__ import annotations
+
+import html
+import inspect
+import os
+import re
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from pymongo.database import Database
+
+from bb_broker.connection import redact_url
+from tests.conftest import ARTIFACTS
+from tests.flower_process import FlowerProcess, chromium
+from tests.workers import wait_for
+
+HOST = socket.gethostname()
+
+
+@pytest.fixture
+def app(broker_url: str) -> Iterator[Celery]:
+    app = Celery("producer", broker=broker_url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator[Callable]:
+    started: list[FlowerProcess] = []
+
+    def make(**kwargs: Any) -> FlowerProcess:
+        flower = FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{len(started)}", **kwargs)
+        started.append(flower)
+        flower.start()
+        return flower
+
+    yield make
+    for flower in started:
+        flower.stop()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for flower in started:
+            print(f"----- {flower.log_path.name} (last lines) -----\n{flower.log()[-4000:]}")
+
+
+def send(app: Celery, name: str, *args: Any, **options: Any) -> str:
+    return app.send_task(f"tests.e2e_app.{name}", args=args, **options).id
+
+
+def job(db: Database, task_id: str) -> dict[str, Any]:
+    return db.jobs.find_one({"taskId": task_id}) or {}
+
+
+def settled(db: Database, task_id: str, status: str) -> Callable[[], Any]:
+    return lambda: (doc := job(db, task_id)).get("status") == status and doc
+
+
+def node(worker: Any) -> str:
+    return f"{worker.name}@{HOST}"
+
+
+def ids(tasks: list[dict[str, Any]] | None) -> set[str]:
+    return {t["id"] for t in tasks or []}
+
+
+def answered(info: dict[str, Any]) -> bool:
+    """Flower has every answer of its inspect broadcast (each command's replies arrive on their own)."""
+    return {"stats", "registered", "active_queues", "conf"} <= set(info)
+
+
+def events_flowing(flower: FlowerProcess, name: str) -> None:
+    """Wait until Flower has an event from the worker: its event queue is bound and the worker publishes to it."""
+    wait_for(lambda: flower.get("/api/workers?status=1").get(name), message=f"Flower receiving {name}'s events")
+
+
+def task_in(flower: FlowerProcess, task_id: str, state: str) -> Callable[[], Any]:
+    return lambda: (info := flower.task(task_id)).get("state") == state and info
+
+
+# --- workers: broadcast and replies ---------------------------------------------------------------------------
+
+
+def test_every_worker_answers_flowers_inspect(app, db, broker_url, worker_factory, flower_factory) -> None:
+    busy = worker_factory(concurrency=1)
+    other = worker_factory()
+    flower = flower_factory(inspect_timeout_ms=3000)
+
+    # Flower's first inspect is a broadcast without a destination: both workers' replies reach it.
+    workers = wait_for(
+        lambda: (w := flower.get("/api/workers")) and all(answered(w.get(node(x), {})) for x in (busy, other)) and w,
+        message="both workers in Flower",
+    )
+    for worker in (busy, other):
+        info = workers[node(worker)]
+        assert info["stats"]["pid"] == worker.process.pid
+        assert info["stats"]["broker"]["transport"] == "bbmongo"
+        assert "tests.e2e_app.add" in info["registered"]
+        assert [q["name"] for q in info["active_queues"]] == ["celery"]
+        assert info["conf"]["broker_url"] == redact_url(broker_url)  # as Celery shows it: password masked
+
+    other.kill()  # the rest is about the busy one
+    running = send(app, "sleep", 60)
+    wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")
+    waiting = send(app, "sleep", 60)
+    delayed = send(app, "add", 1, 2, countdown=120)
+
+    # Its only process is busy and a job is waiting: the worker still answers (it claims only what it can start).
+    info = flower.worker(node(busy))
+    assert ids(info["active"]) == {running} and info["reserved"] == []
+    assert info["active"][0]["worker_pid"] in info["stats"]["pool"]["processes"]
+    assert job(db, waiting)["status"] == "queued"
+    # An ETA task waits in MongoDB until it is due, not in a worker's memory: nothing is scheduled there.
+    assert info["scheduled"] == [] and job(db, delayed)["status"] == "queued"
+    # Busy as it is, it obeys a terminate, and the waiting job gets the freed process.
+    flower.post(f"/api/task/revoke/{running}", terminate="true")
+    wait_for(settled(db, running, "failed"), message="the running sleep terminated")
+    wait_for(lambda: db.runs.find_one({"taskId": waiting}), message="the waiting sleep started")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time the process itself (not its children) has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_saturated_worker_waits_for_a_free_process_without_spinning(app, db, worker_factory) -> None:
+    worker = worker_factory(concurrency=1)
+    busy = send(app, "sleep", 3)
+    wait_for(lambda: db.runs.find_one({"taskId": busy}), message="sleep started")
+    backlog = [send(app, "add", i, i) for i in range(3)]  # news it cannot take while its process is busy
+    before = cpu_seconds(worker.process.pid)
+    end = wait_for(lambda: db.runs.find_one({"taskId": busy, "phase": "end"}), message="sleep ended")
+    assert cpu_seconds(worker.process.pid) - before < 1.0  # a busy loop would burn most of the three seconds
+    for task_id in backlog:
+        wait_for(settled(db, task_id, "succeeded"), message="backlog ran")
+    first = min(r["at"] for r in db.runs.find({"taskId": {"$in": backlog}}))
+    assert first - end["at"] < 1.0  # the freed process is noticed without an ack
+
+
+# --- tasks: states through events ---------------------------------------------------------------------------
+
+
+def test_task_states_and_details_arrive_through_events(app, db, worker_factory, flower_factory) -> None:
+    worker = worker_factory(extra_args=("-E",))
+    flower = flower_factory()
+    events_flowing(flower, node(worker))
+
+    ok = send(app, "add", 2, 3)
+    doomed = send(app, "always_fails")
+    retried = send(app, "retry_self", 0.3)
+
+    done = wait_for(task_in(flower, ok, "SUCCESS"), message="add SUCCESS in Flower")
+    assert done["args"] == "(2, 3)" and done["result"] == "5" and done["worker"] == node(worker)
+    assert done["received"] and done["started"] and done["succeeded"]
+
+    # The broker retries it (three attempts); Flower shows each delivery and ends on the last failure.
+    wait_for(settled(db, doomed, "failed"), message="always_fails failed")
+    last_run = db.runs.find_one({"taskId": doomed, "attempt": 3})["at"]
+    info = wait_for(
+        lambda: (i := flower.task(doomed)).get("state") == "FAILURE" and i["failed"] >= last_run and i,
+        message="the last failure in Flower",
+    )
+    assert info["exception"] == "ValueError('always fails')" and "always fails" in info["traceback"]
+
+    # Celery's own retries: task-retried events, then the final failure after max_retries=2.
+    wait_for(settled(db, retried, "failed"), message="retry_self gave up")
+    info = wait_for(
+        lambda: (i := flower.task(retried)).get("state") == "FAILURE" and i.get("retries") == 2 and i,
+        message="retry_self's last run in Flower",
+    )
+    assert info["retried"] and "not yet" in info["exception"]
+
+    # A live state: the task executing now.
+    running = send(app, "sleep", 60)
+    assert wait_for(task_in(flower, running, "STARTED"), message="STARTED")["args"] == "(60,)"
+
+    listed = flower.get("/api/tasks")
+    assert {ok, doomed, retried, running} <= set(listed) and all(listed[t]["received"] for t in listed)
+    assert {t["uuid"] for t in flower.get("/api/tasks?state=FAILURE").values()} == {doomed, retried}
+
+    # Flower's task page shows the arguments, the result and the exception.
+    page = flower.page(f"/task/{ok}")
+    assert "<code>(2, 3)</code>" in page and "<code>5</code>" in page
+    assert "ValueError('always fails')" in html.unescape(flower.page(f"/task/{doomed}"))
+
+
+# --- control from Flower ------------------------------------------------------------------------------------
+
+
+def test_revoke_and_terminate_from_flower(app, db, worker_factory, flower_factory) -> None:
+    worker = worker_factory(extra_args=("-E",))
+    flower = flower_factory()
+    events_flowing(flower, node(worker))
+
+    waiting = send(app, "add", 1, 2, countdown=2)
+    answer = flower.post(f"/api/task/revoke/{waiting}")
+    assert answer == {"message": f"Revoked '{waiting}'"}
+    revoked = wait_for(settled(db, waiting, "failed"), message="revoked before it ran")
+    assert revoked["lastError"] == "revoked before it ran" and db.runs.count_documents({"taskId": waiting}) == 0
+    wait_for(task_in(flower, waiting, "REVOKED"), message="REVOKED in Flower")
+
+    running = send(app, "sleep", 60)
+    wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")
+    wait_for(task_in(flower, running, "STARTED"), message="STARTED in Flower")
+    assert flower.post(f"/api/task/revoke/{running}", terminate="true") == {"message": f"Revoked '{running}'"}
+    terminated = wait_for(settled(db, running, "failed"), message="terminated")
+    assert terminated["lastError"] == "revoked: terminated by signal 15"
+    wait_for(task_in(flower, running, "REVOKED"), message="REVOKED after terminate in Flower")
+
+    info = wait_for(lambda: (i := flower.worker(node(worker))) and not i["active"] and i, message="nothing active")
+    assert {waiting, running} <= set(info["revoked"])
+
+
+def test_queues_pool_and_rate_limit_from_flower(app, db, worker_factory, flower_factory) -> None:
+    worker = worker_factory(extra_args=("-E",))
+    name = node(worker)
+    flower = flower_factory()
+    assert answered(flower.worker(name))  # Flower controls only the workers it has inspected
+
+    # Queues: consuming one more runs its jobs; cancelling it leaves them queued in MongoDB.
+    answer = flower.post(f"/api/worker/queue/add-consumer/{name}", queue="reports")
+    assert answer == {"message": "add consumer reports"}
+    assert {q["name"] for q in flower.worker(name)["active_queues"]} == {"celery", "reports"}
+    report = send(app, "add", 3, 3, queue="reports")
+    assert wait_for(settled(db, report, "succeeded"), message="reports job ran")["queue"] == "reports"
+
+    answer = flower.post(f"/api/worker/queue/cancel-consumer/{name}", queue="reports")
+    assert answer == {"message": "no longer consuming from reports"}
+    assert [q["name"] for q in flower.worker(name)["active_queues"]] == ["celery"]
+    parked = send(app, "add", 4, 4, queue="reports")
+    after = send(app, "add", 5, 5)
+    wait_for(settled(db, after, "succeeded"), message="a celery job sent after it ran")
+    assert job(db, parked)["status"] == "queued" and job(db, parked)["attempts"] == 0
+
+    # Pool grow and shrink: the worker's real process count, as its stats report it.
+    assert len(flower.worker(name)["stats"]["pool"]["processes"]) == 2
+    assert flower.post(f"/api/worker/pool/grow/{name}", n=1) == {"message": f"Growing '{name}' worker's pool by 1"}
+    wait_for(lambda: len(flower.worker(name)["stats"]["pool"]["processes"]) == 3, message="three processes")
+    assert flower.post(f"/api/worker/pool/shrink/{name}", n=1) == {"message": f"Shrinking '{name}' worker's pool by 1"}
+    wait_for(lambda: len(flower.worker(name)["stats"]["pool"]["processes"]) == 2, message="two processes")
+
+    # Rate limit: Flower's answer, the worker's registry, and the worker holding back the second run.
+    events_flowing(flower, name)
+    answer = flower.post("/api/task/rate-limit/tests.e2e_app.add", ratelimit="1/m", workername=name)
+    assert answer == {"message": "new rate limit set successfully"}
+    assert "tests.e2e_app.add [rate_limit=1/m]" in flower.worker(name)["registered"]
+    pair = [send(app, "add", 1, 1), send(app, "add", 2, 2)]
+    ran = wait_for(lambda: db.jobs.find_one({"taskId": {"$in": pair}, "status": "succeeded"}), message="one add ran")
+    other = next(task_id for task_id in pair if task_id != ran["taskId"])  # sent together: either may go first
+    held = wait_for(task_in(flower, other, "RECEIVED"), message="the other add received, held by the rate limit")
+    assert held["started"] is None and job(db, other)["status"] == "running"  # claimed, waiting for its token
+    assert db.runs.count_documents({"taskId": other}) == 0
+
+
+# --- the Broker tab -----------------------------------------------------------------------------------------
+
+
+def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
+    """Fails when a Flower release moves what bb_broker.flower hooks, before any user sees a broken Broker tab."""
+    import flower.views
+    from flower.api.tasks import GetQueueLengths
+    from flower.utils import broker as flower_broker
+    from flower.views.broker import BrokerView
+
+    import bb_broker.flower as adapter
+
+    # The factory every handler calls by this name, and its call: URL first, options as keywords.
+    assert flower.views.Broker is flower_broker.Broker
+    params = inspect.signature(flower_broker.Broker.__new__.flowers_new).parameters
+    assert list(params)[:2] == ["cls", "broker_url"]
+    assert {p.kind for p in params.values()} >= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    get_broker = inspect.getsource(flower.views.BaseHandler.get_broker)
+    assert "Broker(app.broker_uri_with_password" in get_broker and "broker_options=" in get_broker
+    assert "except NotImplementedError" in get_broker  # how an unknown scheme becomes "not supported"
+    # The Broker page and /api/queues/length both ask the broker object for `await .queues(names)`.
+    for handler in (BrokerView.get, GetQueueLengths.get):
+        source = inspect.getsource(handler)
+        assert "self.get_broker()" in source and "await broker.queues(self.get_active_queue_names())" in source
+    # The columns the page shows, by the keys our rows fill.
+    template = (Path(flower.views.__file__).parent.parent / "templates" / "broker.html").read_text()
+    for key in ("name", "messages", "messages_unacknowledged", "messages_ready"):
+        assert f"queue.get('{key}')" in template or f"queue['{key}']" in template
+
+    adapter.install()  # again: still one wrapper around Flower's own factory
+    assert not getattr(flower_broker.Broker.__new__.flowers_new, "_bb_broker_jobs", False)
+    with pytest.raises(NotImplementedError):
+        flower_broker.Broker("nosuch://host/", http_api=None)
+    assert type(flower_broker.Broker("amqp://guest:guest@localhost//", http_api=None)).__name__ == "RabbitMQ"
+
+
+def test_the_factory_answers_bbmongo_with_job_queues(broker_url: str) -> None:
+    from flower.utils import broker as flower_broker
+
+    from bb_broker.flower import JobQueues
+
+    made = flower_broker.Broker(broker_url, http_api=None, broker_options={"jobs_collection": "tasks"})
+    assert isinstance(made, JobQueues) and made.store.coll.name == "tasks"
+    srv = flower_broker.Broker(broker_url.replace("bbmongo://", "BBMONGO://"), http_api=None, broker_options={})
+    assert isinstance(srv, JobQueues)
+
+
+def test_queue_depths_count_per_queue_through_an_index(db: Database) -> None:
+    from bb_broker.store import JobStore
+
+    store = JobStore(db)
+    store.ensure_indexes()
+    rows = [("celery", "queued")] * 3 + [("celery", "running")] * 2 + [("celery", "failed"), ("celery", "succeeded")]
+    rows += [("reports", "queued"), ("reports", "failed"), ("other", "queued")]
+    db.jobs.insert_many([{"_id": str(i), "queue": q, "status": s} for i, (q, s) in enumerate(rows)])
+    assert store.queue_depths(["celery", "reports", "empty"]) == {
+        "celery": {"queued": 3, "running": 2, "failed": 1},
+        "reports": {"queued": 1, "running": 0, "failed": 1},
+        "empty": {"queued": 0, "running": 0, "failed": 0},
+    }
+    pipeline = [
+        {"$match": {"status": {"$in": ["queued", "running", "failed"]}, "queue": {"$in": ["celery"]}}},
+        {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}},
+    ]
+    plan = str(db.command("explain", {"aggregate": "jobs", "pipeline": pipeline, "cursor": {}, "hint": "bb_claim"}))
+    assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
+
+
+def broker_rows(page: str) -> dict[str, list[str]]:
+    """The Broker page's table: queue name to its cells as text."""
+    rows = {}
+    for row_id, cells in re.findall(r'<tr id="([^"]+)">(.*?)</tr>', page, re.S):
+        texts = [
+            html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+            for cell in re.findall(r"<td[^>]*>(.*?)</td>", cells, re.S)
+        ]
+        rows[row_id] = texts
+    return rows
+
+
+def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, flower_factory) -> None:
+    worker = worker_factory(concurrency=1, options={"max_attempts": 1}, extra_args=("-Q", "celery,reports"))
+    # One failed job in each queue, then one sleep running.
+    for queue in ("celery", "reports"):
+        wait_for(settled(db, send(app, "always_fails", queue=queue), "failed"), message=f"a failure in {queue}")
+    running = send(app, "sleep", 60)
+    wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")
+    # Its only process is busy: these stay queued.
+    for queue, count in (("celery", 3), ("reports", 3)):
+        for i in range(count):
+            send(app, "add", i, i, queue=queue)
+
+    expected = {
+        "celery": dict(messages=4, messages_ready=3, messages_unacknowledged=1, queued=3, running=1, failed=1),
+        "reports": dict(messages=3, messages_ready=3, messages_unacknowledged=0, queued=3, running=0, failed=1),
+    }
+    config = tmp_path / "flowerconfig.py"
+    config.write_text("import bb_broker.flower  # noqa: F401  (Flower's Broker tab for bbmongo://)\n")
+    # The two documented ways: the bb-broker command, and Flower's own config file.
+    for flower in (flower_factory(launcher="bb-broker"), flower_factory(extra_args=(f"--conf={config}",))):
+        flower.worker(node(worker))  # Flower lists the queues its workers consume
+        lengths = wait_for(
+            lambda flower=flower: (q := flower.get("/api/queues/length")["active_queues"]) and len(q) == 2 and q,
+            message="two queues",
+        )
+        assert {row.pop("name"): row for row in lengths} == expected
+        # Messages, Unacked, Ready, Consumers, Idle since: the columns of Flower's table.
+        page = flower.page("/broker")
+        assert "not supported" not in page
+        assert broker_rows(page) == {
+            "celery": ["celery", "4", "1", "3", "—", "—"],
+            "reports": ["reports", "3", "0", "3", "—", "—"],
+        }
+
+
+# --- a real browser -----------------------------------------------------------------------------------------
+
+
+def test_tasks_page_in_headless_chromium(app, db, worker_factory, flower_factory) -> None:
+    worker = worker_factory(extra_args=("-E",))
+    flower = flower_factory(launcher="bb-broker")
+    events_flowing(flower, node(worker))
+    tasks = [send(app, "add", 20, 22), send(app, "add", 1, 1), send(app, "always_fails")]
+    for task_id, state in zip(tasks, ["SUCCESS", "SUCCESS", "FAILURE"], strict=True):
+        wait_for(task_in(flower, task_id, state), message=f"{task_id} {state} in Flower")
+    wait_for(settled(db, tasks[2], "failed"), message="always_fails out of attempts")
+    for _ in range(2):
+        send(app, "add", 0, 0, countdown=600)  # queued in MongoDB: depth on the Broker tab
+
+    # The Tasks page fills its table from /tasks/datatable by script: Chromium runs it.
+    dom = chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/tasks")
+    for task_id in tasks:
+        assert task_id in dom, f"{task_id} not on the Tasks page"
+    assert "tests.e2e_app.add" in dom and "tests.e2e_app.always_fails" in dom
+    broker_dom = chromium("--virtual-time-budget=5000", "--dump-dom", f"{flower.url}/broker")
+    assert broker_rows(broker_dom)["celery"][:4] == ["celery", "2", "0", "2"]
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    for page, path in (("tasks", ARTIFACTS / "flower-tasks.png"), ("broker", ARTIFACTS / "flower-broker.png")):
+        path.unlink(missing_ok=True)
+        chromium(
+            "--virtual-time-budget=10000", f"--screenshot={path}", "--window-size=1400,900", f"{flower.url}/{page}"
+        )
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
