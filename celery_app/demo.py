@@ -54,7 +54,8 @@ def main() -> int:
         _wait_for_server(target.mongo_uri)
         celery = [sys.executable, "-m", "celery", "-A", "celery_app"]
         children.append(_start([*celery, "worker", "-c", "2", "-E", "--loglevel", "INFO"], logs / "worker.log"))
-        children.append(_start([*celery, "flower", "--address=127.0.0.1", "--port=5555"], logs / "flower.log"))
+        flower = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "celery_app"]  # with the Broker tab
+        children.append(_start([*flower, "--address=127.0.0.1", "--port=5555"], logs / "flower.log"))
         print("demo: Flower on http://127.0.0.1:5555")
 
         from celery_app.tasks import add, always_fails, flaky, long_running

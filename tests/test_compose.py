@@ -37,7 +37,7 @@ APP_SERVICES = ("worker", "flower", "metrics", "producer")
 #: How each service's command starts: the entry point and subcommand the README documents.
 ENTRY_POINTS = {
     "worker": "celery -A celery_app worker",
-    "flower": "celery -A celery_app flower",
+    "flower": "bb-broker flower -A celery_app",
     "metrics": "bb-broker serve-metrics",
     "producer": "python -m celery_app.produce",
 }
@@ -206,16 +206,16 @@ def test_the_worker_command_is_a_valid_celery_worker_of_the_example_app() -> Non
     assert "container_name" not in SERVICES["worker"] and "ports" not in SERVICES["worker"], "replicas must not clash"
 
 
-def test_the_flower_command_is_celery_flower_with_options_flower_knows() -> None:
-    from importlib.metadata import entry_points
-
+def test_the_flower_command_is_bb_broker_flower_with_options_flower_knows() -> None:
     from flower.options import options
 
+    from bb_broker.cli import main
+
     argv = SERVICES["flower"]["command"]
-    assert "flower" in {entry.name for entry in entry_points(group="celery.commands")}
-    ctx, command, rest = _celery_context(argv)
-    tornado_argv = command.make_context("flower", rest, parent=ctx).params["tornado_argv"]
-    for token in tornado_argv:
+    assert argv[:2] == ["bb-broker", "flower"]
+    params = main.get_command(click.Context(main), "flower").make_context("flower", list(argv[2:])).params
+    assert params["celery_app"] == "celery_app"
+    for token in params["flower_args"]:
         assert token.startswith("--") and "=" in token, token
         name = token[2:].split("=", 1)[0]
         assert name.replace("-", "_") in options, f"Flower has no option {name}"
