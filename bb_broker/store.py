@@ -419,7 +419,7 @@ class JobStore:
                 {"$match": {"status": {"$in": list(shown)}, "queue": {"$in": names}}},
                 {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}},
             ],
-            hint="bb_claim",
+            **self._hint_if_indexed("bb_claim"),
         ):
             depths[row["_id"]["queue"]][row["_id"]["status"]] = row["n"]
         return depths

@@ -261,3 +261,11 @@ def test_a_dropped_collection_gets_its_indexes_back_on_the_next_claim(store: Job
     assert store.claim("celery", "w").task_id == "after"
     assert store.requeue_stale() == (0, 0)
     assert "bb_claim" in db.jobs.index_information()
+
+
+def test_queue_depths_answer_before_any_worker_created_the_indexes(db: Database) -> None:
+    db.jobs.insert_one({"_id": "x", "status": "queued", "queue": "celery"})
+    assert JobStore(db).queue_depths(["celery", "empty"]) == {
+        "celery": {"queued": 1, "running": 0, "failed": 0},
+        "empty": {"queued": 0, "running": 0, "failed": 0},
+    }
