@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from celery import Celery
 from pymongo import MongoClient
 from pymongo.database import Database
 
 from tests.servers import EmbeddedServer, external_url, with_database
-from tests.workers import Worker
+from tests.workers import Worker, producer
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
@@ -53,6 +54,13 @@ def db(mongo_client: MongoClient, db_name: str) -> Iterator[Database]:
 @pytest.fixture
 def broker_url(mongo_url: str, db: Database) -> str:
     return with_database(mongo_url, db.name)
+
+
+@pytest.fixture
+def app(broker_url: str) -> Iterator[Celery]:
+    app = producer(broker_url)
+    yield app
+    app.close()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -10,13 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from celery import Celery
 from pymongo import MongoClient
 
 import bb_broker
 from tests.servers import EmbeddedServer, external_url, with_database
-from tests.test_lifecycle_e2e import send, settled
-from tests.workers import Worker, wait_for
+from tests.workers import Worker, producer, send, settled, wait_for
 
 
 @pytest.fixture
@@ -28,12 +26,6 @@ def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     server.start()
     yield server
     server.stop()
-
-
-def producer(url: str) -> Celery:
-    app = Celery("producer", broker=url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    return app
 
 
 _started: list[Worker] = []

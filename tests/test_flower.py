@@ -12,23 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
 from pymongo.database import Database
 
 from bb_broker.connection import redact_url
 from tests.conftest import ARTIFACTS
 from tests.flower_process import FlowerProcess, chromium
-from tests.workers import wait_for
+from tests.workers import job, send, settled, wait_for
 
 HOST = socket.gethostname()
-
-
-@pytest.fixture
-def app(broker_url: str) -> Iterator[Celery]:
-    app = Celery("producer", broker=broker_url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    yield app
-    app.close()
 
 
 @pytest.fixture
@@ -48,18 +39,6 @@ def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Pa
     if report is not None and report.failed:
         for flower in started:
             print(f"----- {flower.log_path.name} (last lines) -----\n{flower.log()[-4000:]}")
-
-
-def send(app: Celery, name: str, *args: Any, **options: Any) -> str:
-    return app.send_task(f"tests.e2e_app.{name}", args=args, **options).id
-
-
-def job(db: Database, task_id: str) -> dict[str, Any]:
-    return db.jobs.find_one({"taskId": task_id}) or {}
-
-
-def settled(db: Database, task_id: str, status: str) -> Callable[[], Any]:
-    return lambda: (doc := job(db, task_id)).get("status") == status and doc
 
 
 def node(worker: Any) -> str:

@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from celery import Celery
 
 import bb_broker
-from tests.test_lifecycle_e2e import job, send, settled
-from tests.workers import wait_for
-
-
-@pytest.fixture
-def app(broker_url: str) -> Celery:
-    app = Celery("producer", broker=broker_url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    yield app
-    app.close()
+from tests.workers import job, send, settled, wait_for
 
 
 def test_a_serializer_the_worker_refuses_fails_the_job_and_nothing_else(app, db, worker_factory) -> None:

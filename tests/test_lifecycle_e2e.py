@@ -5,32 +5,8 @@ from __future__ import annotations
 import signal
 from datetime import timedelta
 
-import pytest
-from celery import Celery
-from pymongo.database import Database
-
 import bb_broker
-from tests.workers import wait_for
-
-
-@pytest.fixture
-def app(broker_url: str) -> Celery:
-    app = Celery("producer", broker=broker_url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    yield app
-    app.close()
-
-
-def send(app: Celery, name: str, *args, **options) -> str:
-    return app.send_task(f"tests.e2e_app.{name}", args=args, **options).id
-
-
-def job(db: Database, task_id: str) -> dict:
-    return db.jobs.find_one({"taskId": task_id}) or {}
-
-
-def settled(db: Database, task_id: str, status: str):
-    return lambda: (doc := job(db, task_id)).get("status") == status and doc
+from tests.workers import job, send, settled, wait_for
 
 
 def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> None:

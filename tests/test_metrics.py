@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pytest
 from celery import Celery
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
@@ -145,16 +144,8 @@ def test_serve_metrics_gauges_and_statuses_from_the_collection(db: Database, bro
         assert get_json(f"{url}/nothing-here")[0] == 404
 
 
-@pytest.fixture
-def producer(broker_url: str) -> Iterator[Celery]:
-    app = Celery("producer", broker=broker_url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    yield app
-    app.close()
-
-
 def test_a_worker_serves_the_counters_of_its_pool_processes(
-    producer: Celery, db: Database, broker_url: str, worker_factory, tmp_path: Path
+    app: Celery, db: Database, broker_url: str, worker_factory, tmp_path: Path
 ) -> None:
     shared = tmp_path / "prometheus"
     shared.mkdir()
@@ -163,8 +154,8 @@ def test_a_worker_serves_the_counters_of_its_pool_processes(
     url = found.group(1)
 
     before = counted()
-    ok = producer.send_task("tests.e2e_app.add", args=(2, 3)).id
-    doomed = producer.send_task("tests.e2e_app.always_fails").id
+    ok = app.send_task("tests.e2e_app.add", args=(2, 3)).id
+    doomed = app.send_task("tests.e2e_app.always_fails").id
     assert since(before)["jobs_enqueued_total"] == 2  # counted by the producer, this process
     for task_id, status in ((ok, "succeeded"), (doomed, "failed")):
         wait_for(lambda t=task_id, s=status: (db.jobs.find_one({"taskId": t}) or {}).get("status") == s, 90, status)

@@ -11,9 +11,8 @@ import pytest
 from pymongo import MongoClient
 
 from tests.servers import with_database
-from tests.test_faults import own_server, producer, start_worker  # noqa: F401 (own_server is a fixture)
-from tests.test_lifecycle_e2e import send
-from tests.workers import wait_for
+from tests.test_faults import own_server, start_worker  # noqa: F401 (own_server is a fixture)
+from tests.workers import producer, send, wait_for
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1800)]
 FIGURES = Path(__file__).resolve().parent.parent / "test-artifacts" / "reliability.jsonl"

@@ -10,7 +10,7 @@ from pymongo.database import Database
 
 from bb_broker.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
 from bb_broker.store import JobStore
-from tests.test_store import CommandLog, FakeClock
+from tests.test_store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
 JOBS = 100_000
 BATCH = 5_000
@@ -59,10 +59,4 @@ def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: 
 
     names = [c["findAndModify"] if "findAndModify" in c else next(iter(c)) for c in log.commands]
     assert names == ["jobs", "update", "update", "aggregate"], names
-    for command in log.commands:
-        if "updates" in command:  # the sweep's own selection, as a find with the same filter and hint
-            update = command["updates"][0]
-            command = {"find": "jobs", "filter": update["q"], "hint": update["hint"]}
-        plan = str(db.command("explain", command))
-        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
-        assert "'stage': 'SORT'" not in plan, plan
+    assert_each_reads_through_an_index(db, log.commands)

@@ -226,6 +226,17 @@ class CommandLog(monitoring.CommandListener):
         pass
 
 
+def assert_each_reads_through_an_index(db: Database, commands: list[dict]) -> None:
+    """Explain each captured command: an index scan, no collection scan, no in-memory sort."""
+    for command in commands:
+        if "updates" in command:  # the update's own selection, as a find with the same filter and hint
+            update = command["updates"][0]
+            command = {"find": "jobs", "filter": update["q"], "hint": update["hint"]}
+        plan = str(db.command("explain", command))
+        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
+        assert "'stage': 'SORT'" not in plan, plan
+
+
 def test_claim_sweep_and_statuses_read_through_an_index(mongo_url: str, db: Database, clock: FakeClock) -> None:
     log = CommandLog()
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
@@ -239,13 +250,7 @@ def test_claim_sweep_and_statuses_read_through_an_index(mongo_url: str, db: Data
     assert [c["findAndModify"] if "findAndModify" in c else next(iter(c)) for c in log.commands] == [
         "jobs", "update", "update", "aggregate",
     ]  # fmt: skip
-    for command in log.commands:
-        if "updates" in command:  # the update's own selection, as a find with the same filter and hint
-            update = command["updates"][0]
-            command = {"find": "jobs", "filter": update["q"], "hint": update["hint"]}
-        plan = str(db.command("explain", command))
-        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
-        assert "'stage': 'SORT'" not in plan, plan
+    assert_each_reads_through_an_index(db, log.commands)
 
 
 def test_statuses_answers_before_any_worker_created_the_indexes(db: Database) -> None:

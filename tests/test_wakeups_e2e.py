@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from tests.test_faults import producer
-from tests.test_lifecycle_e2e import send, settled
-from tests.workers import wait_for
+from tests.workers import producer, send, settled, wait_for
 
 
 def test_new_delayed_and_retried_jobs_arrive_by_wakeup(broker_url, db, worker_factory) -> None:

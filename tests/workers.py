@@ -13,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from celery import Celery
+from pymongo.database import Database
+
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,3 +91,23 @@ class Worker:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(30)
+
+
+def producer(broker_url: str) -> Celery:
+    """A Celery app that only publishes, as a web process would."""
+    app = Celery("producer", broker=broker_url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+def send(app: Celery, name: str, *args: Any, **options: Any) -> str:
+    return app.send_task(f"tests.e2e_app.{name}", args=args, **options).id
+
+
+def job(db: Database, task_id: str) -> dict[str, Any]:
+    return db.jobs.find_one({"taskId": task_id}) or {}
+
+
+def settled(db: Database, task_id: str, status: str) -> Callable[[], Any]:
+    """A wait_for condition: the task's job has `status` (and then it is the document)."""
+    return lambda: (doc := job(db, task_id)).get("status") == status and doc
