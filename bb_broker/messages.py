@@ -2,13 +2,60 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo.collection import Collection
 from pymongo.database import Database
+
+
+class BindingsWatch:
+    """What a live change stream says about a bindings collection, shared by every channel of the process.
+
+    A worker publishes its events (a heartbeat every 2 s) on a connection that consumes nothing, so the
+    news comes from the consuming connection's watcher, through this registry.
+    """
+
+    _watched: dict[tuple[int, str], BindingsWatch] = {}
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.live_since: float | None = None  # monotonic; None while no change stream covers the collection
+        self.changed_at = 0.0
+
+    @classmethod
+    def of(cls, bindings: Collection) -> BindingsWatch:
+        key = (id(bindings.database.client), bindings.full_name)
+        with cls._lock:
+            return cls._watched.setdefault(key, cls())
+
+    def went_live(self) -> None:
+        self.live_since = time.monotonic()
+
+    def went_dark(self) -> None:
+        self.live_since = None
+
+    def changed(self) -> None:
+        self.changed_at = time.monotonic()
+
+    def vouches_for(self, read_at: float) -> bool:
+        """True when the stream was live when the table was read and has reported no change since."""
+        live = self.live_since
+        return live is not None and read_at > live and read_at > self.changed_at
+
+
+def _forget_parent_watches() -> None:
+    # The parent's watcher does not follow a fork; a child's clients are new and start unwatched.
+    BindingsWatch._watched = {}
+    BindingsWatch._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_watches)
 
 
 class MessageStore:
@@ -19,6 +66,7 @@ class MessageStore:
         self.bindings = db[f"{prefix}bindings"]
         self.ttl = ttl
         self._table_cache: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
+        self._watch = BindingsWatch.of(self.bindings)
 
     def ensure_indexes(self) -> None:
         self.messages.create_indexes(
@@ -60,9 +108,14 @@ class MessageStore:
         self._table_cache.pop(exchange, None)
 
     def table(self, exchange: str, max_age: float = 0.0) -> list[tuple[str, str, str]]:
-        """The bindings of an exchange, as kombu's (routing_key, pattern, queue) rows."""
+        """The bindings of an exchange, as kombu's (routing_key, pattern, queue) rows.
+
+        A table that may be `max_age` seconds old may also be kept for as long as a live change stream on
+        the bindings reports no change; `max_age` 0 always reads.
+        """
         cached = self._table_cache.get(exchange)
-        if cached is not None and time.monotonic() - cached[0] < max_age:
+        fresh = cached is not None and (time.monotonic() - cached[0] < max_age or self._watch.vouches_for(cached[0]))
+        if cached is not None and max_age > 0 and fresh:
             return cached[1]
         rows = [
             (b["routing_key"], b.get("pattern") or "", b["queue"]) for b in self.bindings.find({"exchange": exchange})

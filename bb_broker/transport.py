@@ -291,6 +291,7 @@ class Transport(virtual.Transport):
                 channel.jobs.coll.database,
                 jobs=channel.jobs.coll.name,
                 messages=channel.plumbing.messages.name,
+                bindings=channel.plumbing.bindings.name,
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
             )

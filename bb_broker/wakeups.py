@@ -13,6 +13,8 @@ from typing import Any
 from pymongo.database import Database
 from pymongo.errors import OperationFailure, PyMongoError
 
+from .messages import BindingsWatch
+
 logger = logging.getLogger(__name__)
 
 #: Server error codes that mean this deployment has no change streams (a standalone mongod, say).
@@ -33,6 +35,7 @@ class Wakeups:
         *,
         jobs: str,
         messages: str,
+        bindings: str | None = None,
         clock: Callable[[], datetime],
         safety_poll_interval: float,
         busy_pace: float = BUSY_PACE,
@@ -42,6 +45,8 @@ class Wakeups:
         self._db = db
         self._jobs = jobs
         self._messages = messages
+        self._bindings = bindings
+        self._bindings_watch = BindingsWatch.of(db[bindings]) if bindings else None
         self._clock = clock
         self._safety = safety_poll_interval
         self._busy_pace = busy_pace
@@ -108,6 +113,7 @@ class Wakeups:
                 {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
                 {"ns.coll": messages, "operationType": "insert"},
+                *([{"ns.coll": self._bindings}] if self._bindings else []),
             ]}},
             {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
                           "updateDescription.updatedFields.runAfter": 1}},
@@ -135,6 +141,8 @@ class Wakeups:
             except OperationFailure as exc:
                 if exc.code in NO_CHANGE_STREAMS:
                     logger.info("no change streams on this deployment (%s): polling instead", exc.code)
+                    if self._bindings_watch is not None:
+                        self._bindings_watch.went_dark()
                     self.available = False
                     return
                 resume_token = None  # the history may be gone: start afresh, polling everything once
@@ -146,10 +154,14 @@ class Wakeups:
     def _went_live(self) -> None:
         with self._lock:
             self._last_poll.clear()  # anything may have happened while we were not watching
+        if self._bindings_watch is not None:
+            self._bindings_watch.went_live()  # tables read before now are read again once
         self.available = True
         self.event.set()
 
     def _went_dark(self, pause: float) -> None:
+        if self._bindings_watch is not None:
+            self._bindings_watch.went_dark()
         self.available = False
         self.event.set()
         time.sleep(pause)
@@ -157,6 +169,9 @@ class Wakeups:
     def _on_change(self, change: dict[str, Any]) -> bool:
         """Note a change; True when it is news (a queue not already marked), False when it repeats."""
         now = time.monotonic()
+        if self._bindings_watch is not None and (change.get("ns") or {}).get("coll") == self._bindings:
+            self._bindings_watch.changed()
+            return True  # rare, and nothing to poll
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")

@@ -1,4 +1,5 @@
-"""The change stream's cost under load: a busy queue's jobs do not cost a getMore each, news still wakes at once."""
+"""The change stream's cost: a busy queue's jobs do not cost a getMore each, news still wakes at once, and a
+watched topic table is read again only when a binding changes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
+from bb_broker.messages import MessageStore
 from bb_broker.wakeups import Wakeups
 from tests.workers import wait_for
 
@@ -16,10 +18,13 @@ from tests.workers import wait_for
 class GetMores(monitoring.CommandListener):
     def __init__(self) -> None:
         self.count = 0
+        self.binding_reads = 0
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         if event.command_name == "getMore":
             self.count += 1
+        if event.command_name == "find" and event.command.get("find") == "bb_bindings":
+            self.binding_reads += 1
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         pass
@@ -36,6 +41,7 @@ def watched(mongo_url: str, db: Database) -> Iterator[tuple[Wakeups, GetMores]]:
             client[db.name],
             jobs="jobs",
             messages="bb_messages",
+            bindings="bb_bindings",
             clock=lambda: datetime.now(UTC),
             safety_poll_interval=3600,
         )
@@ -86,3 +92,32 @@ def test_a_queue_polled_empty_is_news_again(watched, db: Database) -> None:
     assert wakeups.seconds_until_next_poll() > 0  # the consumer goes idle
     publish(db, "q")
     wait_for(lambda: wakeups.should_poll("q", job_queue=True), message="the new job's wake-up")
+
+
+EVENTS = ("worker.#", "worker.#", "monitor")
+ANY_AGE = 1e-9  # a table that may be cached at all, however briefly: only the stream keeps it longer
+
+
+def test_a_watched_topic_table_is_read_again_only_when_a_binding_changes(watched, db: Database) -> None:
+    wakeups, reads = watched
+    store = MessageStore(wakeups._db)  # the watcher's client: the same process, the same registry
+    assert store.table("celeryev", max_age=ANY_AGE) == []
+    for _ in range(5):  # a worker's heartbeat events, every 2 s
+        assert store.table("celeryev", max_age=ANY_AGE) == []
+    assert reads.binding_reads == 1
+    MessageStore(db).bind("celeryev", *EVENTS)  # a monitor in another process starts listening
+    wait_for(lambda: store.table("celeryev", max_age=ANY_AGE) == [EVENTS], message="the new binding")
+
+
+def test_unwatched_or_uncacheable_tables_are_read_every_time(mongo_url: str, watched, db: Database) -> None:
+    wakeups, reads = watched
+    store = MessageStore(wakeups._db)
+    store.table("celery.pidbox", max_age=0.0)  # fanout and direct tables are never cached
+    store.table("celery.pidbox", max_age=0.0)
+    assert reads.binding_reads == 2
+    other = GetMores()
+    with MongoClient(mongo_url, event_listeners=[other], tz_aware=True) as client:
+        unwatched = MessageStore(client[db.name])  # no change stream covers this client
+        unwatched.table("celeryev", max_age=ANY_AGE)
+        unwatched.table("celeryev", max_age=ANY_AGE)
+    assert other.binding_reads == 2
