@@ -74,6 +74,14 @@ def exit_process(self):
     os._exit(1)
 
 
+@app.task(bind=True)
+def segfault(self):
+    record(self)
+    import ctypes
+
+    ctypes.string_at(0)  # SIGSEGV: the pool process dies on the spot
+
+
 @app.task(bind=True, max_retries=2)
 def retry_self(self, countdown):
     record(self)

@@ -111,10 +111,12 @@ def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) ->
 
 def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, worker_factory) -> None:
     worker_factory()
-    doomed = send(app, "exit_process")
+    exits, segfaults = send(app, "exit_process"), send(app, "segfault")
     fine = send(app, "add", 4, 4)
-    failed = wait_for(settled(db, doomed, "failed"), timeout=90, message="exit_process failed")
-    assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"]
+    for doomed in (exits, segfaults):
+        failed = wait_for(settled(db, doomed, "failed"), timeout=120, message="the process killer failed")
+        assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"]
+    assert "SIGSEGV" in job(db, segfaults)["lastError"]
     assert job(db, fine)["status"] == "succeeded"
 
 
