@@ -9,8 +9,7 @@ from typing import Any
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
 JOB_ID_HEADER = "bb_job_id"
 ATTEMPTS_HEADER = "bb_attempts"
-OWNER_HEADER = "bb_lease_owner"
-DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER, OWNER_HEADER)
+DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER)
 
 _INT64 = (-(2**63), 2**63 - 1)
 

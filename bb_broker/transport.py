@@ -21,7 +21,6 @@ from .messages import MessageStore
 from .payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
-    OWNER_HEADER,
     PayloadError,
     is_task_message,
     to_document,
@@ -241,7 +240,7 @@ class Channel(virtual.Channel):
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
                 continue
-            message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts, OWNER_HEADER: self.owner})
+            message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
             message["properties"]["delivery_tag"] = job.id
             message["redelivered"] = job.attempts > 1
             return message
