@@ -161,18 +161,8 @@ def _explain_rejection(consumer: Any, message: Any, reason: str) -> None:
 
 def _reserved_jobs() -> list[str]:
     # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
-    return [
-        job[0]
-        for request in list(worker_state.reserved_requests)
-        if (job := _job_of(_RequestHeaders(request))) is not None
-    ]
-
-
-class _RequestHeaders:
-    def __init__(self, request: Any) -> None:
-        headers = getattr(request, "request_dict", None) or {}
-        setattr(self, JOB_ID_HEADER, headers.get(JOB_ID_HEADER))
-        setattr(self, ATTEMPTS_HEADER, headers.get(ATTEMPTS_HEADER))
+    held = (getattr(request, "request_dict", None) or {} for request in list(worker_state.reserved_requests))
+    return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
 
 
 add_process_source(_reserved_jobs)
