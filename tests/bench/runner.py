@@ -55,7 +55,8 @@ class Settings:
 class Counter:
     """A server's count of the operations it served, less the measuring command's own."""
 
-    label: str
+    #: Operations one reading adds to the count (its own command), measured by calibrate().
+    own = 1
 
     def total(self) -> int:
         raise NotImplementedError
@@ -74,7 +75,6 @@ class MongoOps(Counter):
 
     def __init__(self, url: str) -> None:
         self.client: MongoClient = MongoClient(url, **QUIET_CLIENT)
-        self.own = 1
 
     def total(self) -> int:
         return sum(int(v) for v in self.client.admin.command("serverStatus")["opcounters"].values())
@@ -90,7 +90,6 @@ class RedisOps(Counter):
         import redis
 
         self.client = redis.Redis.from_url(url)
-        self.own = 1
 
     def total(self) -> int:
         return int(self.client.info("stats")["total_commands_processed"])
