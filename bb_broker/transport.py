@@ -277,6 +277,8 @@ class Transport(virtual.Transport):
 
     #: The pause after a poll that found work; it doubles up to polling_interval while queues stay empty.
     min_polling_interval = 0.05
+    #: How soon a consumer at its prefetch limit, with work waiting, looks again for a freed slot (no server call).
+    saturated_recheck = 0.005
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
@@ -322,9 +324,9 @@ class Transport(virtual.Transport):
         if wakeups is not None and wakeups.available and self._can_consume():
             wait = wakeups.seconds_until_next_poll()
             if self._at_prefetch_limit():
-                # News for a consumer at its limit stays unread, so it must not mean "poll now" (that spins); and
-                # a finished task frees a slot without an ack, so without a poke: look again within polling_interval.
-                wait = min(max(wait, self.min_polling_interval), self.polling_interval)
+                # News for a consumer at its limit stays unread, so it must not mean "poll now" (that spins); and a
+                # finished task frees a slot without an ack, so without a poke: with work waiting, look again soon.
+                wait = self.saturated_recheck if wait == 0 else min(wait, self.polling_interval)
         elif wakeups is not None and not self._can_consume():
             wait = self.polling_interval  # every prefetch slot is taken: only an ack (a poke) makes room
         else:
