@@ -46,6 +46,22 @@ def redact_url(url: str) -> str:
     return f"{match.group('scheme')}{user}:**@{url[match.end() :]}"
 
 
+def split_password(url: str) -> tuple[str, str | None]:
+    """The URL with its password masked, and the password, so that each can travel where it is safe."""
+    match = _USERINFO.match(url)
+    if not match or ":" not in match.group("userinfo"):
+        return url, None
+    return redact_url(url), match.group("userinfo").split(":", 1)[1]
+
+
+def join_password(url: str, password: str | None) -> str:
+    """split_password's inverse: the masked password replaced by the real one."""
+    match = _USERINFO.match(url)
+    if not password or not match or not match.group("userinfo").endswith(":**"):
+        return url
+    return f"{match.group('scheme')}{match.group('userinfo')[:-2]}{password}@{url[match.end() :]}"
+
+
 def parse_broker_url(url: str) -> BrokerTarget:
     """Turn a `bbmongo://` (or `mongodb://`) URL into a pymongo URI and a database name."""
     scheme, sep, rest = url.partition("://")

@@ -28,7 +28,6 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
-    IndexModel([("leaseOwner", ASCENDING)], name="bb_lease_owner", sparse=True),
 ]
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
@@ -347,7 +346,8 @@ class JobStore:
 
     def release_owner(self, owner: str, reason: str) -> tuple[int, int]:
         """At a worker's shutdown, whatever it still holds was cut short."""
-        return self._recover({"leaseOwner": owner}, reason, hint="bb_lease_owner")
+        # Among the running jobs (few: workers x prefetch) by the status index; one index less on every claim.
+        return self._recover({"leaseOwner": owner}, reason, hint="bb_status_updated")
 
     def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
         now = self.now()

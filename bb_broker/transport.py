@@ -113,7 +113,7 @@ class Channel(virtual.Channel):
 
     def __init__(self, connection_: Any, **kwargs: Any) -> None:
         super().__init__(connection_, **kwargs)
-        self.target = connection.parse_broker_url(connection_.client.hostname)
+        self.target = connection.parse_broker_url(connection_.broker_url)
         db = connection.get_database(self.target)
         self.policy = Policy(int(self.max_attempts), float(self.backoff_base), float(self.stale_after))
         self.jobs = JobStore(
@@ -282,6 +282,10 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
+        # Kombu keeps a parsed-by-us URL whole in `hostname`, which Celery shows (worker stats, Flower): keep the
+        # password where Kombu keeps every transport's, in `password`, which Celery never shows.
+        self.broker_url = connection.join_password(client.hostname, client.password)
+        client.hostname, client.password = connection.split_password(self.broker_url)
         self.wakeups: Wakeups | None = None
         self._pause = self.min_polling_interval
 
@@ -351,4 +355,4 @@ class Transport(virtual.Transport):
         return pymongo.version
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        return uri if include_password else connection.redact_url(uri)
+        return connection.join_password(uri, self.client.password) if include_password else connection.redact_url(uri)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -237,3 +238,38 @@ def test_tls_options_in_the_url_reach_pymongo(tmp_path) -> None:
         assert plain.returncode != 0  # without the TLS options the server will not talk
     finally:
         server.stop()
+
+
+def test_failed_heartbeats_are_retried_and_the_live_job_keeps_its_lease(own_server, tmp_path) -> None:
+    url = with_database(own_server.url, "heartbeats")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.heartbeats
+    start_worker(url, tmp_path, "w0", options={"stale_after": 3.0})  # a heartbeat every 0.6 s
+    task_id = send(producer(url), "sleep", 8)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="the long task started")
+    # the running job's heartbeats (`update` commands) fail for a while, short of stale_after
+    fail_point(client, 2, failCommands=["update"], errorCode=91, errorLabels=["RetryableWriteError"])
+    wait_for(settled(db, task_id, "succeeded"), timeout=60, message="the long task succeeded")
+    assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1  # never taken for lost
+    assert db.jobs.find_one({"taskId": task_id})["attempts"] == 1
+
+
+def test_the_password_never_reaches_flowers_pages(auth_server, tmp_path) -> None:
+    from tests.flower_process import FlowerProcess
+
+    good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
+    worker = start_worker(good, tmp_path, "w0", extra_args=("-E",))
+    flower = FlowerProcess(good, log_dir=tmp_path, launcher="bb-broker")
+    flower.start()
+    try:
+        node = wait_for(lambda: next(iter(flower.get("/api/workers")), None), message="Flower sees the worker")
+        task_id = send(producer(good), "add", 1, 2)
+        wait_for(lambda: task_id in flower.get("/api/tasks"), message="Flower sees the task")
+        pages = [flower.page(path) for path in ("/", "/workers", f"/worker/{node}", "/tasks", "/broker")]
+        pages += [json.dumps(flower.get(path)) for path in ("/api/workers?refresh=1", "/api/tasks")]
+        leaks = [page[max(0, page.find("s3cret-pw") - 200) : page.find("s3cret-pw") + 50] for page in pages if "s3cret" in page]
+        assert not leaks, leaks
+        assert any("bb:**@127.0.0.1" in page for page in pages)  # the URL is shown, masked
+        assert "s3cret-pw" not in flower.log() + worker.log()
+    finally:
+        flower.stop()

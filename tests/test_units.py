@@ -100,3 +100,14 @@ def test_lifecycle_rules() -> None:
     for bad in ({"max_attempts": 0}, {"backoff_base": -1}, {"stale_after": 0}):
         with pytest.raises(ValueError):
             Policy(**bad)
+
+
+def test_the_password_travels_apart_from_the_url_and_comes_back() -> None:
+    from bb_broker.connection import join_password, split_password
+
+    url = "bbmongo://bb:p%40ss:w@h1:27017,h2/db?replicaSet=rs0"
+    masked, password = split_password(url)
+    assert masked == "bbmongo://bb:**@h1:27017,h2/db?replicaSet=rs0" and password == "p%40ss:w"
+    assert join_password(masked, password) == url
+    assert split_password("bbmongo://x509user@h/db") == ("bbmongo://x509user@h/db", None)
+    assert join_password("bbmongo://h/db", "pw") == "bbmongo://h/db"
