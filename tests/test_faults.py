@@ -267,7 +267,7 @@ def test_the_password_never_reaches_flowers_pages(auth_server, tmp_path) -> None
         wait_for(lambda: task_id in flower.get("/api/tasks"), message="Flower sees the task")
         pages = [flower.page(path) for path in ("/", "/workers", f"/worker/{node}", "/tasks", "/broker")]
         pages += [json.dumps(flower.get(path)) for path in ("/api/workers?refresh=1", "/api/tasks")]
-        leaks = [page[max(0, page.find("s3cret-pw") - 200) : page.find("s3cret-pw") + 50] for page in pages if "s3cret" in page]
+        leaks = [page[page.find("s3cret") - 200 :][:250] for page in pages if "s3cret" in page]
         assert not leaks, leaks
         assert any("bb:**@127.0.0.1" in page for page in pages)  # the URL is shown, masked
         assert "s3cret-pw" not in flower.log() + worker.log()
