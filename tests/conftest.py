@@ -12,7 +12,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from tests.servers import EmbeddedServer, external_url, with_database
-from tests.workers import Worker, producer
+from tests.workers import STARTED, Worker, producer
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
@@ -54,6 +54,13 @@ def db(mongo_client: MongoClient, db_name: str) -> Iterator[Database]:
 @pytest.fixture
 def broker_url(mongo_url: str, db: Database) -> str:
     return with_database(mongo_url, db.name)
+
+
+@pytest.fixture(autouse=True)
+def _kill_every_worker_started() -> Iterator[None]:
+    yield
+    while STARTED:
+        STARTED.pop().kill()
 
 
 @pytest.fixture

@@ -27,19 +27,8 @@ def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     server.stop()
 
 
-_started: list[Worker] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_started_workers() -> Iterator[None]:
-    yield
-    while _started:
-        _started.pop().kill()
-
-
 def start_worker(url: str, tmp_path: Path, name: str, **kwargs) -> Worker:
     worker = Worker(url, log_dir=tmp_path, name=name, **kwargs)
-    _started.append(worker)
     worker.start()
     return worker
 

@@ -34,6 +34,10 @@ def wait_for(predicate: Callable[[], T], timeout: float = 60.0, message: str = "
         time.sleep(0.05)
 
 
+#: Every worker a test started; conftest kills them all after each test, whatever the test did.
+STARTED: list[Worker] = []
+
+
 class Worker:
     def __init__(
         self,
@@ -65,6 +69,7 @@ class Worker:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> None:
+        STARTED.append(self)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the worker writes to it for its whole life)
         self.process = subprocess.Popen(
             self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
