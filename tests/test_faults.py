@@ -91,26 +91,38 @@ def test_injected_faults_in_claims_and_settles_lose_nothing(own_server, tmp_path
     assert worker.process.poll() is None
 
 
-def test_crash_under_load_repeatedly(broker_url, db, tmp_path) -> None:
+def crash_repeatedly(broker_url, db, tmp_path, *, jobs: int, task_seconds: float, kills: int, starts_per_kill: int,
+                     timeout: float) -> tuple[list[str], dict[str, int], set[str], int]:  # fmt: skip
+    """Publish `jobs` sleeps, SIGKILL a fresh whole worker up to `kills` times once `starts_per_kill` more tasks
+    started, then let a survivor finish. Returns the ids, task starts per job, the jobs the collection still had
+    `running` at each kill, and the kills done."""
     options = {"stale_after": 2.0, "max_attempts": 20}  # a job may be cut short by more than one kill
     app = producer(broker_url)
-    ids = [send(app, "sleep", 0.4) for _ in range(30)]
-    kills = 0
-    cut_short: set[str] = set()  # jobs still running (by the collection) when their worker died
-    while db.jobs.count_documents({"status": "succeeded"}) < len(ids) and kills < 3:
-        worker = start_worker(broker_url, tmp_path, f"victim{kills}", options=options)
-        target = db.runs.count_documents({"phase": "start"}) + 4
+    ids = [send(app, "sleep", task_seconds) for _ in range(jobs)]
+    done = 0
+    cut_short: set[str] = set()
+    while done < kills and db.jobs.count_documents({"status": "succeeded"}) < len(ids):
+        worker = start_worker(broker_url, tmp_path, f"victim{done}", options=options)
+        target = db.runs.count_documents({"phase": "start"}) + starts_per_kill
         wait_for(lambda target=target: db.runs.count_documents({"phase": "start"}) >= target or
-                 db.jobs.count_documents({"status": "succeeded"}) == len(ids), message="work under way")  # fmt: skip
+                 db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=120,
+                 message="work under way")  # fmt: skip
         worker.kill()
-        kills += 1
+        done += 1
         cut_short |= {doc["taskId"] for doc in db.jobs.find({"status": "running"}, {"taskId": 1})}
     start_worker(broker_url, tmp_path, "survivor", options=options)
-    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=180,
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=timeout,
              message="every job succeeded after the crashes")  # fmt: skip
-    starts = list(db.runs.aggregate([{"$match": {"phase": "start"}}, {"$group": {"_id": "$taskId", "n": {"$sum": 1}}}]))
-    ran_twice = {row["_id"] for row in starts if row["n"] > 1}
-    assert {row["_id"] for row in starts} == set(ids)
+    rows = db.runs.aggregate([{"$match": {"phase": "start"}}, {"$group": {"_id": "$taskId", "n": {"$sum": 1}}}])
+    return ids, {row["_id"]: row["n"] for row in rows}, cut_short, done
+
+
+def test_crash_under_load_repeatedly(broker_url, db, tmp_path) -> None:
+    ids, starts, cut_short, kills = crash_repeatedly(
+        broker_url, db, tmp_path, jobs=30, task_seconds=0.4, kills=3, starts_per_kill=4, timeout=180
+    )
+    ran_twice = {task for task, n in starts.items() if n > 1}
+    assert set(starts) == set(ids)
     assert ran_twice <= cut_short  # only jobs running when a worker was killed ran again
     print(f"crash-under-load: kills={kills} jobs={len(ids)} lost=0 ran_twice={len(ran_twice)}")
 

@@ -11,7 +11,7 @@ import pytest
 from pymongo import MongoClient
 
 from tests.servers import with_database
-from tests.test_faults import own_server, start_worker  # noqa: F401 (own_server is a fixture)
+from tests.test_faults import crash_repeatedly, own_server, start_worker  # noqa: F401 (own_server: a fixture)
 from tests.workers import producer, send, wait_for
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1800)]
@@ -31,23 +31,9 @@ def starts_per_task(db) -> dict[str, int]:
 
 
 def test_sigkill_the_whole_worker_eight_times_under_load(broker_url, db, tmp_path) -> None:
-    options = {"stale_after": 2.0, "max_attempts": 20}  # a job may be cut short by more than one kill
-    app = producer(broker_url)
-    ids = [send(app, "sleep", 0.2) for _ in range(200)]
-    kills = 0
-    cut_short: set[str] = set()  # jobs still running (by the collection) when their worker died
-    while kills < 8 and db.jobs.count_documents({"status": "succeeded"}) < len(ids):
-        worker = start_worker(broker_url, tmp_path, f"victim{kills}", options=options)
-        target = db.runs.count_documents({"phase": "start"}) + 15
-        wait_for(lambda target=target: db.runs.count_documents({"phase": "start"}) >= target, timeout=120,
-                 message="the victim is busy")  # fmt: skip
-        worker.kill()
-        cut_short |= {doc["taskId"] for doc in db.jobs.find({"status": "running"}, {"taskId": 1})}
-        kills += 1
-    start_worker(broker_url, tmp_path, "survivor", options=options)
-    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=600,
-             message="every job succeeded")  # fmt: skip
-    starts = starts_per_task(db)
+    ids, starts, cut_short, kills = crash_repeatedly(
+        broker_url, db, tmp_path, jobs=200, task_seconds=0.2, kills=8, starts_per_kill=15, timeout=600
+    )
     ran_twice = {task for task, n in starts.items() if n > 1}
     assert set(starts) == set(ids)
     assert db.jobs.count_documents({"status": {"$ne": "succeeded"}}) == 0
