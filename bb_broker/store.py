@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
 ]
+
+#: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
+_claiming = threading.Lock()
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
@@ -200,15 +204,16 @@ class JobStore:
         now = self.now()
         due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
         try:
-            doc = self._hinted(
-                lambda: self.coll.find_one_and_update(
-                    due,
-                    {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
-                    sort=CLAIM_ORDER,
-                    hint="bb_claim",
-                    return_document=ReturnDocument.AFTER,
+            with _claiming:
+                doc = self._hinted(
+                    lambda: self.coll.find_one_and_update(
+                        due,
+                        {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
+                        sort=CLAIM_ORDER,
+                        hint="bb_claim",
+                        return_document=ReturnDocument.AFTER,
+                    )
                 )
-            )
         except OperationFailure as exc:
             if exc.code not in UNAPPLICABLE_UPDATE:
                 raise
@@ -218,6 +223,52 @@ class JobStore:
         if doc is None:
             return None
         return Claimed(doc["_id"], doc["attempts"], doc.get("taskId"), doc.get("payload"))
+
+    def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
+        """Move up to `limit` due jobs of `queue` to running in two round trips, whatever `limit` is.
+
+        The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
+        another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
+        all ours, or its outcome is unknown, does a third read say which jobs are.
+        """
+        if limit <= 1:
+            job = self.claim(queue, owner)
+            return [] if job is None else [job]
+        now = self.now()
+        due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+        head = self._hinted(lambda: list(self.coll.find(due, sort=CLAIM_ORDER, hint="bb_claim", limit=limit)))
+        if not all(type(doc.get("attempts")) is int for doc in head):
+            return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
+        if not head:
+            return []
+        taken = {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}}
+        ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the $or fences each one
+        fenced = [{"_id": doc["_id"], "attempts": doc["attempts"]} for doc in head]
+        ours = [{"_id": doc["_id"], "attempts": doc["attempts"] + 1} for doc in head]
+        mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, "$or": ours}
+
+        def take() -> int:
+            return self.coll.update_many(
+                {"_id": ids, "status": QUEUED, "$or": fenced}, taken, hint="_id_"
+            ).modified_count
+
+        with _claiming:
+            try:
+                complete = take() == len(head)
+            except (ConnectionFailure, OperationFailure) as exc:
+                if not _transient(exc):
+                    raise
+                # pymongo does not retry a multi-document write, and this one may have landed, in part or late:
+                # repeat it (the fence makes that safe), then read what is ours.
+                self._through_outages(take)
+                complete = False
+            if not complete:
+                won = {
+                    doc["_id"]
+                    for doc in self._through_outages(lambda: list(self.coll.find(mine, {"_id": 1}, hint="_id_")))
+                }
+                head = [doc for doc in head if doc["_id"] in won]
+        return [Claimed(doc["_id"], doc["attempts"] + 1, doc.get("taskId"), doc.get("payload")) for doc in head]
 
     def _hinted(self, query: Callable[[], Any]) -> Any:
         """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""
@@ -317,17 +368,16 @@ class JobStore:
         return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
 
     def _through_outages(self, write: Callable[[], Any]) -> Any:
-        """Retry a settling write through a failover or a restart: losing it would run the task again."""
+        """Retry a write on a held job through a failover or a restart: losing a settle would run the task again."""
         deadline = time.monotonic() + self.settle_patience
         delay = 0.1
         while True:
             try:
                 return write()
             except (ConnectionFailure, OperationFailure) as exc:
-                transient = isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")
-                if not transient or time.monotonic() > deadline:
+                if not _transient(exc) or time.monotonic() > deadline:
                     raise
-                logger.warning("settling a job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
+                logger.warning("a write on a held job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -500,3 +550,8 @@ class JobStore:
         if newer_than is not None:
             window["$gte"] = now - newer_than
         return {"updatedAt": window} if window else {}
+
+
+def _transient(exc: ConnectionFailure | OperationFailure) -> bool:
+    """A failover, a restart or a dropped connection: the same write may be tried again."""
+    return isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")

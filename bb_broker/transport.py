@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from collections import deque
 from datetime import UTC, datetime
 from queue import Empty
 from time import monotonic, sleep
@@ -12,6 +14,7 @@ from typing import Any
 from celery.worker import state as worker_state
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
+from pymongo.errors import PyMongoError
 
 from . import connection
 from .clock import ServerClock
@@ -26,7 +29,7 @@ from .payloads import (
     to_document,
     to_message,
 )
-from .store import JobStore
+from .store import Claimed, JobStore
 from .wakeups import Wakeups
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,14 @@ class JobQoS(virtual.QoS):
     def live_jobs(self) -> list[str]:
         return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
 
+    def claimable(self) -> int:
+        """How many more jobs this consumer could start now: a batch claim takes no more."""
+        limit = self.prefetch_count
+        if not limit:
+            return sys.maxsize
+        taken = max(len(self._delivered) - len(self._dirty), len(worker_state.reserved_requests))
+        return max(limit - taken, 0)
+
     def can_consume(self) -> bool:
         # Without an event loop, a Celery worker handed a job while every pool process is busy blocks its main
         # thread until one frees: no remote control, inspect or revoke is answered meanwhile. So the requests it
@@ -89,6 +100,8 @@ class Channel(virtual.Channel):
     stale_after = 300.0
     message_ttl = 300.0
     jobs_collection = "jobs"
+    #: The most jobs one claim takes, however many the consumer could start.
+    max_claim_batch = 16
     #: Seconds succeeded jobs are kept (0 keeps them); unset leaves the collection's expiry as it is.
     retention: float | None = None
     from_transport_options = virtual.Channel.from_transport_options + (
@@ -97,6 +110,7 @@ class Channel(virtual.Channel):
         "stale_after",
         "message_ttl",
         "jobs_collection",
+        "max_claim_batch",
         "retention",
         "safety_poll_interval",
         "use_change_streams",
@@ -122,6 +136,8 @@ class Channel(virtual.Channel):
         self.plumbing = MessageStore(db, ttl=float(self.message_ttl))
         self.owner = connection.lease_owner()
         self._plain_queues: set[str] = set()
+        self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
+        self._backlogged: set[str] = set()  # job queues whose last claim came back full
         self._keeper: LeaseKeeper | None = None
         self._ensure_indexes()
 
@@ -209,11 +225,13 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any) -> Any:
         if queue not in self._plain_queues and self._keeper is None:
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
-            self._keeper.add_source(self.qos.live_jobs)
+            self._keeper.add_source(self._live_jobs)
         self.connection.watch(self)
         return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        if self._held.get(queue):
+            return self._claim(queue)
         plain = queue in self._plain_queues
         wakeups = self.connection.wakeups
         if wakeups is not None and not wakeups.should_poll(queue, job_queue=not plain):
@@ -230,10 +248,18 @@ class Channel(virtual.Channel):
         return message
 
     def _claim(self, queue: str) -> dict[str, Any]:
+        held = self._held.setdefault(queue, deque())
         while True:
-            job = self.jobs.claim(queue, self.owner)
-            if job is None:
-                raise Empty()
+            if not held:
+                wanted = self._batch_size(queue)
+                held.extend(self.jobs.claim_many(queue, self.owner, wanted))
+                if len(held) < wanted:
+                    self._backlogged.discard(queue)
+                else:
+                    self._backlogged.add(queue)
+                if not held:
+                    raise Empty()
+            job = held.popleft()
             try:
                 message = to_message(job.payload)
             except PayloadError as exc:
@@ -245,9 +271,38 @@ class Channel(virtual.Channel):
             message["redelivered"] = job.attempts > 1
             return message
 
+    def _batch_size(self, queue: str) -> int:
+        # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never
+        # more than the consumer can start: a claimed job must not wait behind a busy pool.
+        if queue not in self._backlogged or queue not in self._active_queues:
+            return 1
+        held = sum(len(jobs) for jobs in self._held.values())
+        size = min(self.qos.claimable() - held, int(self.max_claim_batch))
+        return size if size >= 3 else 1  # a batch costs two round trips: it pays from three jobs up
+
+    def _live_jobs(self) -> list[str]:
+        return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
+
+    def _give_back(self, queue: str) -> None:
+        held = self._held.pop(queue, None)
+        while held:
+            job = held.popleft()
+            try:
+                self.jobs.release(job.id, job.attempts)
+            except PyMongoError as exc:
+                logger.warning("could not give back job %s (%s); the stale sweep will", job.id, type(exc).__name__)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        # Also how close() ends each consumer: jobs are held only for a queue being consumed.
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None:
+            self._give_back(queue)
+        return result
+
     def close(self) -> None:
         if self._keeper is not None:
-            self._keeper.remove_source(self.qos.live_jobs)
+            self._keeper.remove_source(self._live_jobs)
             self._keeper = None
         super().close()
 

@@ -15,7 +15,7 @@ app = Celery("e2e_app")
 app.conf.update(
     broker_url=os.environ["BB_BROKER_URL"],
     broker_transport_options=json.loads(os.environ.get("BB_TRANSPORT_OPTIONS", "{}")),
-    worker_prefetch_multiplier=1,
+    worker_prefetch_multiplier=int(os.environ.get("BB_PREFETCH_MULTIPLIER", "1")),
     task_time_limit=600,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,

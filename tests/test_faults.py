@@ -14,6 +14,7 @@ import pytest
 from pymongo import MongoClient
 
 import bb_broker
+from bb_broker.store import JobStore
 from tests.servers import EmbeddedServer, with_database
 from tests.workers import Worker, producer, send, settled, wait_for
 
@@ -89,6 +90,22 @@ def test_injected_faults_in_claims_and_settles_lose_nothing(own_server, tmp_path
     assert db.runs.count_documents({"phase": "start"}) == 3  # no settle was lost, so nothing re-ran
     assert db.runs.count_documents({"name": "tests.e2e_app.add"}) == 5
     assert worker.process.poll() is None
+
+
+def test_a_batch_claim_whose_write_outlived_the_client_still_knows_its_jobs(own_server) -> None:
+    client = MongoClient(own_server.url, tz_aware=True)
+    impatient = MongoClient(own_server.url, tz_aware=True, socketTimeoutMS=400)
+    store = JobStore(impatient.batch)
+    store.ensure_indexes()
+    ids = [store.publish(queue="celery", kind="k", task_id=f"t{i}", payload={}, priority=0, run_after=None,
+                         is_retry=False) for i in range(4)]  # fmt: skip
+    # The claiming write waits on the server past the client's patience, and is then carried out there.
+    fail_point(client, 1, failCommands=["update"], blockConnection=True, blockTimeMS=1500)
+    claimed = store.claim_many("celery", "w", 4)
+    assert sorted(job.id for job in claimed) == sorted(ids) and {job.attempts for job in claimed} == {1}
+    docs = list(client.batch.jobs.find())
+    assert {(d["status"], d["attempts"], d["leaseOwner"]) for d in docs} == {("running", 1, "w")}
+    assert store.claim_many("celery", "other", 4) == []
 
 
 def crash_repeatedly(broker_url, db, tmp_path, *, jobs: int, task_seconds: float, kills: int, starts_per_kill: int,

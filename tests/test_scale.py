@@ -1,4 +1,4 @@
-"""At 100k jobs, the claim, the stale sweep and statuses() still read through an index, with no in-memory sort."""
+"""At 100k jobs, the claims, the stale sweep and statuses() still read through an index, with no in-memory sort."""
 
 from __future__ import annotations
 
@@ -52,11 +52,12 @@ def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: 
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
         watched = JobStore(client[db.name], Policy(stale_after=300.0), clock=clock)
         claimed = watched.claim("mail", "w")
+        batch = watched.claim_many("mail", "w", 8)
         recovered = watched.requeue_stale()
         counts = watched.statuses()
-    assert claimed is not None and sum(recovered) > 0  # each query had work to find among the 100k
+    assert claimed is not None and len(batch) == 8 and sum(recovered) > 0  # each query had work to find among the 100k
     assert sum(counts.values()) == JOBS
 
     names = [c["findAndModify"] if "findAndModify" in c else next(iter(c)) for c in log.commands]
-    assert names == ["jobs", "update", "update", "aggregate"], names
+    assert names == ["jobs", "find", "update", "update", "update", "aggregate"], names
     assert_each_reads_through_an_index(db, log.commands)

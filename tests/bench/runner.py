@@ -347,7 +347,14 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         worker.start()
         drained = stamps.wait("x", n, timeout=120 + n / 2)
         result["drain_tps_celery_prefetch"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
-        result.update(broker.check(rep, 3 * n + settings.probes + probes))
+
+        # The loaded window again at that prefetch, where a worker may take several jobs in one claim.
+        before = counter.total()
+        for _ in range(n):
+            send(app, "y")
+        stamps.wait("y", n, timeout=120 + n / 2)
+        result["ops_per_task_celery_prefetch"] = counter.delta(before, counter.total()) / n
+        result.update(broker.check(rep, 4 * n + settings.probes + probes))
     finally:
         stop_worker(worker)
         app.close()

@@ -1,0 +1,64 @@
+"""A consumer that may start several jobs claims them in one batch, keeps their leases, and gives back the unstarted."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from kombu import Connection, Consumer, Queue
+from pymongo.database import Database
+
+from tests.workers import producer, send, wait_for
+
+
+@pytest.mark.parametrize("ending", ["cancel", "close"])
+def test_a_consumer_batches_its_claims_keeps_their_leases_and_gives_back_the_unstarted(
+    broker_url: str, db: Database, ending: str
+) -> None:
+    app = producer(broker_url)
+    for i in range(6):
+        send(app, "add", i, i)
+    delivered = []
+    with Connection(broker_url, transport_options={"stale_after": 2.5}) as conn:
+        consumer = Consumer(conn.channel(), queues=[Queue("celery")], accept=["json"], prefetch_count=5,
+                            callbacks=[lambda body, message: delivered.append(message.job_id)])  # fmt: skip
+        consumer.consume()
+        conn.drain_events(timeout=10)  # one job: nothing says more are waiting yet
+        assert len(delivered) == 1 and db.jobs.count_documents({"status": "running"}) == 1
+        conn.drain_events(timeout=10)  # more were: this claim takes what the consumer may still start, at once
+        assert len(delivered) == 2 and db.jobs.count_documents({"status": "running"}) == 5
+
+        # The jobs claimed but not yet delivered keep their lease: the heartbeats reach them, the sweep spares them.
+        held = {d["_id"]: d["updatedAt"] for d in db.jobs.find({"status": "running", "_id": {"$nin": delivered}})}
+        assert len(held) == 3
+        wait_for(lambda: all(db.jobs.find_one({"_id": i})["updatedAt"] > at for i, at in held.items()),
+                 message="heartbeats for the held jobs")  # fmt: skip
+        assert db.jobs.count_documents({"status": "running"}) == 5
+
+        if ending == "cancel":  # no longer consuming the queue: what it holds but never delivered goes back at once
+            consumer.cancel()
+            assert {d["_id"] for d in db.jobs.find({"status": "running"})} == set(delivered)
+            assert db.jobs.count_documents({"_id": {"$in": list(held)}, "status": "queued", "attempts": 0}) == 3
+    # closing gives back the held jobs and the delivered ones nobody acknowledged; none of it used an attempt
+    assert [d["attempts"] for d in db.jobs.find({"status": "queued"})] == [0] * 6
+
+
+def test_celerys_default_prefetch_drains_a_backlog_once_each_and_shuts_down_clean(
+    app, db: Database, worker_factory
+) -> None:
+    ids = [send(app, "add", i, i) for i in range(40)]
+    worker_factory(env={"BB_PREFETCH_MULTIPLIER": "4"})  # two processes, eight jobs at a time
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == 40, timeout=120, message="the backlog")
+    assert {d["attempts"] for d in db.jobs.find()} == {1}
+    assert sorted(r["taskId"] for r in db.runs.find()) == sorted(ids)  # each ran once
+
+    # A warm shutdown with jobs claimed ahead of a busy process: the running one finishes, the rest go back.
+    slow = [send(app, "sleep", 1) for _ in range(6)]
+    worker = worker_factory(concurrency=1, env={"BB_PREFETCH_MULTIPLIER": "4"})
+    wait_for(lambda: db.runs.find_one({"taskId": {"$in": slow}}), message="a slow task started")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    docs = list(db.jobs.find({"taskId": {"$in": slow}}))
+    started = {r["taskId"] for r in db.runs.find({"taskId": {"$in": slow}, "phase": "start"})}
+    assert {d["taskId"] for d in docs if d["status"] == "succeeded"} == started
+    assert all(d["status"] == "queued" and d["attempts"] == 0 for d in docs if d["taskId"] not in started), docs
