@@ -6,7 +6,6 @@ import atexit
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 
 from pymongo.errors import PyMongoError
@@ -37,7 +36,7 @@ class LeaseKeeper:
         key = f"{store.coll.database.client.address}/{store.coll.full_name}"
         with cls._registry_lock:
             keeper = cls._keepers.get(key)
-            if keeper is None or not keeper._thread.is_alive():
+            if keeper is None or keeper._done.is_set() or not keeper._thread.is_alive():
                 keeper = cls._keepers[key] = cls(store, owner)
         return keeper
 
@@ -45,6 +44,7 @@ class LeaseKeeper:
         self.store = store
         self.owner = owner
         self._sources: list[LiveJobs] = []
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bb-broker-leases", daemon=True)
         self._thread.start()
         atexit.register(self._release_at_exit, os.getpid())
@@ -64,8 +64,11 @@ class LeaseKeeper:
         self._sources.append(source)
 
     def remove_source(self, source: LiveJobs) -> None:
+        """The last consumer gone, this process is no longer a worker: its keeper stops."""
         if source in self._sources:
             self._sources.remove(source)
+        if not self._sources:
+            self._done.set()
 
     def live_jobs(self) -> set[str]:
         ids: set[str] = set()
@@ -81,7 +84,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         policy = self.store.policy
         elapsed = policy.sweep_interval  # a worker that starts sweeps at once
-        while True:
+        while not self._done.is_set():
             sweep = elapsed >= policy.sweep_interval
             if sweep:
                 elapsed = 0.0
@@ -89,7 +92,7 @@ class LeaseKeeper:
                 self.tick(sweep=sweep)
             except PyMongoError as exc:
                 logger.warning("lease upkeep failed, will try again: %s", type(exc).__name__)
-            time.sleep(policy.heartbeat_interval)
+            self._done.wait(policy.heartbeat_interval)
             elapsed += policy.heartbeat_interval
 
 

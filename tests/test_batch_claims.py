@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 
 import pytest
 from kombu import Connection, Consumer, Queue
@@ -41,6 +42,8 @@ def test_a_consumer_batches_its_claims_keeps_their_leases_and_gives_back_the_uns
             assert db.jobs.count_documents({"_id": {"$in": list(held)}, "status": "queued", "attempts": 0}) == 3
     # closing gives back the held jobs and the delivered ones nobody acknowledged; none of it used an attempt
     assert [d["attempts"] for d in db.jobs.find({"status": "queued"})] == [0] * 6
+    # and with its last consumer gone, this process stops keeping leases and sweeping
+    wait_for(lambda: not any(t.name == "bb-broker-leases" for t in threading.enumerate()), message="keeper stops")
 
 
 def test_celerys_default_prefetch_drains_a_backlog_once_each_and_shuts_down_clean(
