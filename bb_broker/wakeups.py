@@ -24,6 +24,8 @@ AWAIT_MS = 10_000
 #: Seconds between getMores while the changes only repeat what the consumer knows (its queues are already
 #: marked): a busy queue would otherwise cost a getMore per job; news for a quiet queue waits at most this.
 BUSY_PACE = 0.25
+#: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
+CHANGE_BATCH = 1000
 
 
 class Wakeups:
@@ -124,7 +126,9 @@ class Wakeups:
         backoff = 0.5
         while True:
             try:
-                with self._db.watch(self._pipeline(), max_await_time_ms=AWAIT_MS, resume_after=resume_token) as stream:
+                with self._db.watch(
+                    self._pipeline(), max_await_time_ms=AWAIT_MS, batch_size=CHANGE_BATCH, resume_after=resume_token
+                ) as stream:
                     self._went_live()
                     backoff = 0.5
                     changes, news = 0, False
@@ -135,7 +139,7 @@ class Wakeups:
                             changes += 1
                             news = self._on_change(change) or news
                         if _buffered(stream) == 0:  # the next try_next is a getMore
-                            if changes and not news:
+                            if changes and not news and changes < CHANGE_BATCH:
                                 time.sleep(self._busy_pace)  # the consumer is busy with these queues already
                             changes, news = 0, False
             except OperationFailure as exc:
