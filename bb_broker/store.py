@@ -225,7 +225,7 @@ class JobStore:
         return Claimed(doc["_id"], doc["attempts"], doc.get("taskId"), doc.get("payload"))
 
     def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
-        """Move up to `limit` due jobs of `queue` to running in two round trips, whatever `limit` is.
+        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch.
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not

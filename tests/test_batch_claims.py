@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections import Counter
 
 import pytest
 from kombu import Connection, Consumer, Queue
@@ -65,3 +66,20 @@ def test_celerys_default_prefetch_drains_a_backlog_once_each_and_shuts_down_clea
     started = {r["taskId"] for r in db.runs.find({"taskId": {"$in": slow}, "phase": "start"})}
     assert {d["taskId"] for d in docs if d["status"] == "succeeded"} == started
     assert all(d["status"] == "queued" and d["attempts"] == 0 for d in docs if d["taskId"] not in started), docs
+
+
+def test_a_worker_killed_holding_a_batch_loses_none_of_it(app, db: Database, worker_factory) -> None:
+    slow = [send(app, "sleep", 1) for _ in range(6)]
+    victim = worker_factory(concurrency=1, options={"stale_after": 3}, env={"BB_PREFETCH_MULTIPLIER": "4"})
+    wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 4, message="the worker holds four jobs")
+    victim.kill()
+    runs = list(db.runs.find({"taskId": {"$in": slow}}))
+    cut_short = {r["taskId"] for r in runs if r["phase"] == "start"} - {
+        r["taskId"] for r in runs if r["phase"] == "end"
+    }
+    assert db.jobs.count_documents({"status": "running"}) == 4  # stranded with the dead worker
+
+    worker_factory(options={"stale_after": 3})  # its sweep gives them back, and it runs them
+    wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == 6, timeout=120, message="all six ran")
+    starts = Counter(r["taskId"] for r in db.runs.find({"phase": "start"}))
+    assert {t: starts[t] for t in slow} == {t: 2 if t in cut_short else 1 for t in slow}
