@@ -80,14 +80,16 @@ def test_three_outages_while_producing_and_working(own_server, tmp_path) -> None
            lost=0, ran_twice=sum(1 for n in starts.values() if n > 1))  # fmt: skip
 
 
-def test_six_pool_processes_drain_a_thousand_jobs_exactly_once(broker_url, db, tmp_path) -> None:
+@pytest.mark.parametrize("prefetch", [1, 4])  # at 4, the workers race with batch claims
+def test_six_pool_processes_drain_a_thousand_jobs_exactly_once(broker_url, db, tmp_path, prefetch: int) -> None:
     app = producer(broker_url)
     ids = [send(app, "add", i, 1) for i in range(1000)]
     for i in range(3):
-        start_worker(broker_url, tmp_path, f"w{i}")
+        start_worker(broker_url, tmp_path, f"w{i}", env={"BB_PREFETCH_MULTIPLIER": str(prefetch)})
     wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == len(ids), timeout=900,
              message="all jobs drained")  # fmt: skip
     per_task = list(db.runs.aggregate([{"$group": {"_id": "$taskId", "n": {"$sum": 1}}}]))
     assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task)
-    report("three workers, six pool processes", jobs=len(ids), executions=sum(r["n"] for r in per_task),
-           double_claims=0, pool_processes=len({r["pid"] for r in db.runs.find()}))  # fmt: skip
+    report(f"three workers, six pool processes, prefetch {prefetch}", jobs=len(ids),
+           executions=sum(r["n"] for r in per_task), double_claims=0,
+           pool_processes=len({r["pid"] for r in db.runs.find()}))  # fmt: skip
