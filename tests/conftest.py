@@ -12,7 +12,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from tests.servers import EmbeddedServer, external_url, with_database
-from tests.workers import STARTED, Worker, producer
+from tests.workers import STARTED, Worker, process_factory, producer
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
@@ -79,18 +79,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 @pytest.fixture
 def worker_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator:
-    started: list[Worker] = []
+    def build(n: int, **kwargs) -> Worker:
+        return Worker(broker_url, log_dir=tmp_path, name=f"w{n}", **kwargs)
 
-    def make(**kwargs) -> Worker:
-        worker = Worker(broker_url, log_dir=tmp_path, name=f"w{len(started)}", **kwargs)
-        started.append(worker)
-        worker.start()
-        return worker
-
-    yield make
-    for worker in started:
-        worker.kill()
-    report = getattr(request.node, "report_call", None)
-    if report is not None and report.failed:
-        for worker in started:
-            print(f"----- {worker.log_path.name} (last lines) -----\n{worker.log()[-4000:]}")
+    yield from process_factory(request, build, Worker.kill)

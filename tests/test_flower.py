@@ -17,28 +17,17 @@ from pymongo.database import Database
 from bb_broker.connection import redact_url
 from tests.conftest import ARTIFACTS
 from tests.flower_process import FlowerProcess, chromium
-from tests.workers import job, send, settled, wait_for
+from tests.workers import job, process_factory, send, settled, wait_for
 
 HOST = socket.gethostname()
 
 
 @pytest.fixture
 def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator[Callable]:
-    started: list[FlowerProcess] = []
+    def build(n: int, **kwargs: Any) -> FlowerProcess:
+        return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", **kwargs)
 
-    def make(**kwargs: Any) -> FlowerProcess:
-        flower = FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{len(started)}", **kwargs)
-        started.append(flower)
-        flower.start()
-        return flower
-
-    yield make
-    for flower in started:
-        flower.stop()
-    report = getattr(request.node, "report_call", None)
-    if report is not None and report.failed:
-        for flower in started:
-            print(f"----- {flower.log_path.name} (last lines) -----\n{flower.log()[-4000:]}")
+    yield from process_factory(request, build, FlowerProcess.stop)
 
 
 def node(worker: Any) -> str:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -116,3 +116,23 @@ def job(db: Database, task_id: str) -> dict[str, Any]:
 def settled(db: Database, task_id: str, status: str) -> Callable[[], Any]:
     """A wait_for condition: the task's job has `status` (and then it is the document)."""
     return lambda: (doc := job(db, task_id)).get("status") == status and doc
+
+
+def process_factory(request: Any, build: Callable[..., Any], stop: Callable[[Any], None]) -> Iterator[Callable]:
+    """A fixture's body: `make(**kwargs)` builds and starts a process (a worker, Flower); after the test every one
+    is stopped, and the end of each log is shown when the test failed."""
+    started: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        process = build(len(started), **kwargs)
+        started.append(process)
+        process.start()
+        return process
+
+    yield make
+    for process in started:
+        stop(process)
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for process in started:
+            print(f"----- {process.log_path.name} (last lines) -----\n{process.log()[-4000:]}")

@@ -64,6 +64,27 @@ def _mongo_answers(url: str) -> bool:
         return False
 
 
+class _Daemon:
+    """A server binary started in its own session, logging to a file, stopped with SIGTERM (then SIGKILL)."""
+
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def _launch(self, argv: list[str], ready: Callable[[], bool], timeout: float) -> None:
+        log = open(self.log, "ab")  # noqa: SIM115 (the daemon writes to it for its whole life)
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_until(ready, self.process, Path(argv[0]).name, self.log, timeout)
+
+    def stop(self) -> None:
+        _stop(self.process)
+        self.process = None
+
+
 class PythonSecantus:
     """SecantusDB's Python daemon, exactly as the test suite runs it."""
 
@@ -86,7 +107,7 @@ class PythonSecantus:
         self._server.stop()
 
 
-class RustSecantus:
+class RustSecantus(_Daemon):
     """SecantusDB's Rust daemon, `secantusd-rs`: the stand-in whose authors put it within a few times of mongod."""
 
     def __init__(self, binary: str, workdir: Path) -> None:
@@ -95,15 +116,9 @@ class RustSecantus:
         self.url = f"mongodb://127.0.0.1:{self.port}"
         self.data = workdir / "secantus-rs-data"
         self.log = workdir / f"secantusd-rs-{self.port}.log"
-        self.process: subprocess.Popen[bytes] | None = None
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
         first = ((out.stdout or out.stderr).strip().splitlines() or [binary])[0]
         self.label = f"SecantusDB (Rust) {first.removeprefix('secantusd-rs ')}"
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
 
     def start(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
@@ -111,13 +126,7 @@ class RustSecantus:
             self.binary, "--host", "127.0.0.1", "--port", str(self.port), "--storage-path", str(self.data),
             "--log-level", "WARNING", "--cache-size", "512M",
         ]  # fmt: skip
-        log = open(self.log, "ab")  # noqa: SIM115 (the daemon writes to it for its whole life)
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_until(lambda: _mongo_answers(self.url), self.process, "secantusd-rs", self.log, 60.0)
-
-    def stop(self) -> None:
-        _stop(self.process)
-        self.process = None
+        self._launch(argv, lambda: _mongo_answers(self.url), 60.0)
 
 
 def mongo_server(workdir: Path) -> Server:
@@ -130,7 +139,7 @@ def mongo_server(workdir: Path) -> Server:
     return PythonSecantus(workdir)
 
 
-class RedisServer:
+class RedisServer(_Daemon):
     """A throwaway redis-server on a free loopback port: no persistence, no config file."""
 
     def __init__(self, workdir: Path) -> None:
@@ -142,24 +151,16 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
         self.log = workdir / f"redis-{self.port}.log"
-        self.process: subprocess.Popen[bytes] | None = None
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
         version = next((w.split("=", 1)[1] for w in out.stdout.split() if w.startswith("v=")), "?")
         self.label = f"redis-server {version}"
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
 
     def start(self) -> None:
         argv = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(self.workdir), "--daemonize", "no", "--protected-mode", "yes",
         ]  # fmt: skip
-        log = open(self.log, "ab")  # noqa: SIM115 (the server writes to it for its whole life)
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_until(self._answers, self.process, "redis-server", self.log, 30.0)
+        self._launch(argv, self._answers, 30.0)
 
     def _answers(self) -> bool:
         import redis
@@ -167,7 +168,3 @@ class RedisServer:
         with contextlib.suppress(redis.RedisError):
             return bool(redis.Redis.from_url(self.url, socket_timeout=1).ping())
         return False
-
-    def stop(self) -> None:
-        _stop(self.process)
-        self.process = None
