@@ -381,7 +381,7 @@ class Transport(virtual.Transport):
     def _idle(self, remaining: float | None) -> None:
         wakeups = self.wakeups
         if wakeups is not None and wakeups.available and self._can_consume():
-            wait = wakeups.seconds_until_next_poll()
+            wait = wakeups.seconds_until_next_poll(self._consumed_queues())
             if self._at_prefetch_limit():
                 # News for a consumer at its limit stays unread, so it must not mean "poll now" (that spins); and a
                 # finished task frees a slot without an ack, so without a poke: with work waiting, look again soon.
@@ -397,6 +397,9 @@ class Transport(virtual.Transport):
             wakeups.event.wait(wait)
         else:
             sleep(wait)
+
+    def _consumed_queues(self) -> set[str]:
+        return {queue for channel in self.channels for queue in channel._active_queues}
 
     def _can_consume(self) -> bool:
         return any(channel._consumers and channel.qos.can_consume() for channel in self.channels)
