@@ -8,7 +8,9 @@ other scheme still reaches Flower's own code. Importing this module installs it,
 * `bb-broker flower -A myapp [flower options]`, or
 * `import bb_broker.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
 
-`tests/test_flower_broker.py` fails when the Flower internals this relies on move.
+`authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
+
+`tests/test_flower.py` fails when the Flower internals this relies on move.
 """
 
 from __future__ import annotations
@@ -57,6 +59,25 @@ def _row(name: str, depth: dict[str, int]) -> dict[str, Any]:
         RUNNING: depth[RUNNING],
         FAILED: depth[FAILED],
     }
+
+
+def authentication(flower_args: Iterable[str]) -> str | None:
+    """How Flower started with these arguments authenticates its users: "basic", "oauth", or None for nobody.
+
+    Flower's own parsers read its FLOWER_* environment, its configuration file (`--conf`, or flowerconfig.py in the
+    working directory) and the arguments, in its order of precedence, into Tornado's global options; Flower parses
+    them again when it starts, to the same values.
+    """
+    from flower.command import apply_env_options, apply_options
+    from tornado.options import options
+
+    apply_env_options()
+    apply_options("flower", list(flower_args))
+    if options.basic_auth:
+        return "basic"
+    if options.auth:
+        return "oauth"
+    return None
 
 
 def install() -> None:
