@@ -101,6 +101,12 @@ def overrun(self):
 
 
 @app.task(bind=True)
+def echo(self, value):
+    record(self)
+    return value
+
+
+@app.task(bind=True)
 def raise_message(self, text):
     record(self)
     raise RuntimeError(text)
