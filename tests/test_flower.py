@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.connection import redact_url
-from tests.conftest import ARTIFACTS
+from tests.conftest import ARTIFACTS, AUTH_PASSWORD
 from tests.flower_process import FlowerProcess, chromium
-from tests.servers import free_port
+from tests.servers import free_port, with_database
 from tests.workers import ROOT, job, process_factory, send, settled, wait_for
 
 HOST = socket.gethostname()
@@ -238,7 +239,10 @@ def test_queues_pool_and_rate_limit_from_flower(app, db, worker_factory, flower_
 
 def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
     """Fails when a Flower release moves what bb_broker.flower hooks, before any user sees a broken Broker tab."""
+    import flower.command
+    import flower.urls
     import flower.views
+    import flower.views.workers
     from flower.api.tasks import GetQueueLengths
     from flower.utils import broker as flower_broker
     from flower.views.broker import BrokerView
@@ -261,6 +265,17 @@ def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
     template = (Path(flower.views.__file__).parent.parent / "templates" / "broker.html").read_text()
     for key in ("name", "messages", "messages_unacknowledged", "messages_ready"):
         assert f"queue.get('{key}')" in template or f"queue['{key}']" in template
+
+    # The broker banner: Flower hands its `settings` to Tornado (where `template_loader` is a documented setting),
+    # every page extends base.html, which has the anchor, and the Workers table turns its dot red on a failed refresh.
+    assert "Flower(capp=app, options=options, **settings)" in inspect.getsource(flower.command.flower.callback)
+    assert isinstance(flower.urls.settings["template_loader"], adapter.BannerLoader)
+    base = (Path(flower.views.__file__).parent.parent / "templates" / "base.html").read_bytes()
+    assert base.count(adapter._BANNER_ANCHOR) == 1
+    script = (Path(flower.views.__file__).parent.parent / "static" / "js" / "flower.js").read_text()
+    assert re.search(r"url: url_prefix\(\) \+ '/workers\?json=1',.*?error: function \(\) \{\s*"
+                     r"updateWorkerRefreshStatus\(false\);", script, re.S)  # fmt: skip
+    assert "prepare" not in vars(flower.views.BaseHandler) and flower.views.workers.WorkersView.prepare is not None
 
     adapter.install()  # again: still one wrapper around Flower's own factory
     assert not getattr(flower_broker.Broker.__new__.flowers_new, "_bb_broker_jobs", False)
@@ -482,3 +497,56 @@ def test_the_demos_flower_starts_with_the_credentials_the_demo_prints(broker_url
     finally:
         demo_flower.terminate()
         demo_flower.wait(30)
+
+
+# --- a broker Flower cannot use ---------------------------------------------------------------------------
+
+
+def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_server, tmp_path: Path) -> None:
+    wrong = with_database(f"mongodb://bb:wrong-pw-123@127.0.0.1:{auth_server.port}/?authSource=admin", "flowerdb")
+    flower = FlowerProcess(wrong, log_dir=tmp_path, launcher="bb-broker")
+    flower.start()
+    try:
+        expected = "authentication failed for user 'bb' on database 'admin'"
+        for path in ("/", "/workers", "/tasks", "/broker"):
+            page = html.unescape(flower.page(path))
+            assert 'id="bb-broker-error"' in page and expected in page, path
+            assert f"bbmongo://bb:**@127.0.0.1:{auth_server.port}/flowerdb" in page, path
+            assert "wrong-pw-123" not in page, path
+        # The Workers table's refresh fails with the reason, so that its dot does not say "Updated".
+        status, body = flower.request("GET", "/workers?json=1")
+        assert status == 503 and "authentication failed for user 'bb'" in body and "wrong-pw-123" not in body
+
+        # In a real browser, after the page's scripts ran: the banner, and the red dot.
+        dom = html.unescape(chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/workers"))
+        assert expected in dom and "Update failed" in dom and "status-dot-error" in dom
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "flower-broker-error.png"
+        shot.unlink(missing_ok=True)
+        chromium("--virtual-time-budget=10000", f"--screenshot={shot}", "--window-size=1400,900", f"{flower.url}/")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+        # The password becomes right (the server's side changes): the banner goes, the table refreshes again.
+        with MongoClient(f"mongodb://bb:{AUTH_PASSWORD}@127.0.0.1:{auth_server.port}/?authSource=admin") as admin:
+            admin.admin.command("updateUser", "bb", pwd="wrong-pw-123")
+        wait_for(lambda: "bb-broker-error" not in flower.page("/workers"), message="the banner gone")
+        assert flower.request("GET", "/workers?json=1")[0] == 200
+        dom = chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/workers")
+        assert "Updated " in dom and "status-dot-error" not in dom
+        assert "wrong-pw-123" not in flower.log()
+    finally:
+        flower.stop()
+
+
+def test_a_broker_nobody_answers_is_named_in_words(tmp_path: Path) -> None:
+    from bb_broker.flower import BrokerHealth
+
+    port = free_port()  # nothing listens there
+    health = BrokerHealth(f"bbmongo://bb:pw-xyz@127.0.0.1:{port}/db?serverSelectionTimeoutMS=300")
+    problem = health.check()
+    assert problem is not None and problem.startswith(f"no server answered: 127.0.0.1:{port}")
+    assert "pw-xyz" not in problem and "Topology" not in problem
+    assert (
+        health.banner() == f"Flower cannot use the broker bbmongo://bb:**@127.0.0.1:{port}/db?"
+        f"serverSelectionTimeoutMS=300: {problem}. Workers, tasks and queues shown here may be missing or out of date."
+    )
