@@ -8,11 +8,11 @@ other scheme still reaches Flower's own code. Importing this module installs it,
 * `bb-broker flower -A myapp [flower options]`, or
 * `import bb_broker.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
 
-A broker Flower cannot use (a wrong password, a server that is down) used to show only in Flower's log, while its
-pages said "No workers are available" under a green "Updated". `install()` also gives Flower (through the
-`template_loader` setting Tornado documents and Flower passes on) a base template with a banner that names the
-broker's error, kept current by a ping every few seconds (`BrokerHealth`), and makes the Workers table's refresh fail
-while that lasts, so that its dot turns red.
+Flower itself reports a broker it cannot use (a wrong password, a server that is down) only in its log, while its
+pages say "No workers are available" under a green "Updated". So `install()` also gives Flower (through the
+`template_loader` setting Tornado documents and Flower passes on) a base template with a banner naming the broker's
+error, kept current by a ping every few seconds (`BrokerHealth`), and makes the Workers table's refresh fail while
+the error lasts, so that its dot turns red.
 
 `authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
 
