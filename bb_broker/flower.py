@@ -152,7 +152,7 @@ class BannerLoader(tornado.template.Loader):
 def _workers_prepare(self: WorkersView) -> None:
     """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated"."""
     if self.get_argument("json", default=False, type=bool) and (banner := broker_banner(self)):
-        raise tornado.web.HTTPError(503, banner.replace("%", "%%"))
+        raise tornado.web.HTTPError(503, "%s", banner)
 
 
 @signals.import_modules.connect
