@@ -19,6 +19,7 @@ app.conf.update(
     task_time_limit=600,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
+    result_backend=os.environ.get("BB_RESULT_BACKEND"),  # "rpc://": results come back through the broker
 )
 
 

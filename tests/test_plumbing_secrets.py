@@ -100,15 +100,20 @@ def test_a_task_that_shows_the_broker_url_leaks_the_password_neither_to_events_n
     url = with_database(base, "leakdb")
     db = MongoClient(base, tz_aware=True).leakdb
     app = producer(url)
+    app.conf.result_backend = "rpc://"  # results travel back through the broker, as plumbing messages
     spy = spy_on_events(app)
-    worker = Worker(url, log_dir=tmp_path, name="w0", options={"max_attempts": 1}, extra_args=("-E",))
+    worker = Worker(
+        url, log_dir=tmp_path, name="w0", options={"max_attempts": 1}, extra_args=("-E",),
+        env={"BB_RESULT_BACKEND": "rpc://"},
+    )  # fmt: skip
     worker.start()
     flower = FlowerProcess(url, log_dir=tmp_path, launcher="bb-broker")
     flower.start()
     try:
         wait_for(lambda: flower.get("/api/workers?status=1"), message="Flower receiving the worker's events")
         failing = send(app, "raise_message", f"could not log in to {url}")
-        echoed = send(app, "echo", url)
+        result = app.send_task("tests.e2e_app.echo", args=[url])
+        echoed = result.id
         wait_for(settled(db, failing, "failed"), message="the failing task failed")
         wait_for(settled(db, echoed, "succeeded"), message="the echo succeeded")
         failed = wait_for(
@@ -118,6 +123,10 @@ def test_a_task_that_shows_the_broker_url_leaks_the_password_neither_to_events_n
             lambda: (t := flower.task(echoed)).get("state") == "SUCCESS" and t, message="the success in Flower"
         )
         assert "bb:**@127.0.0.1" in failed["exception"] and "bb:**@127.0.0.1" in succeeded["result"]
+        # The result the caller waits for, as stored for it and as it receives it.
+        reply = wait_for(lambda: db.bb_messages.find_one({"queue": app.backend.binding.name}), message="the result")
+        assert AUTH_PASSWORD not in json.dumps(body_of(loads(reply["payload"])))
+        assert result.get(timeout=60) == url.replace(AUTH_PASSWORD, "**")
 
         shown = [json.dumps(flower.get("/api/tasks")), flower.page(f"/task/{failing}"), flower.page(f"/task/{echoed}")]
         shown.append(flower.page("/tasks/datatable?draw=1&start=0&length=100&order[0][column]=0&columns[0][data]=name"))
