@@ -110,12 +110,16 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str
     if content_type == "application/json" and not _mentions(raw + dumps(headers).encode(), secrets):
         return message
     serializer = serialization.registry.type_to_name.get(content_type)
-    if serializer is None:  # a body no registered serializer reads: masked as text
+    clean = None
+    if serializer is not None:
+        try:
+            data = serialization.loads(raw, content_type, message.get("content-encoding"), accept=[content_type])
+            _, _, clean = serialization.dumps(_scrubbed(data, secrets), serializer=serializer)
+        except Exception:  # not what its content type says: masked as text below
+            clean = None
+    if clean is None:  # a body no registered serializer reads: masked as text
         clean = scrub(raw.decode("utf-8", "surrogateescape"), secrets).encode("utf-8", "surrogateescape")
-    else:
-        data = serialization.loads(raw, content_type, message.get("content-encoding"), accept=[content_type])
-        _, _, clean = serialization.dumps(_scrubbed(data, secrets), serializer=serializer)
-        clean = clean.encode("utf-8") if isinstance(clean, str) else clean
+    clean = clean.encode("utf-8") if isinstance(clean, str) else clean
     if headers.get("compression"):
         clean = compression.compress(clean, headers["compression"])[0]
     if encoding:

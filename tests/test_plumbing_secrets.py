@@ -86,6 +86,18 @@ def test_a_message_without_the_password_is_stored_as_it_was(db: Database) -> Non
     assert store.get("celeryev.spy") == message
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/json"])
+def test_a_body_no_serializer_reads_is_masked_as_text(db: Database, content_type: str) -> None:
+    text = f"not json: mongodb://bb:{AWKWARD}@db.example/jobs"  # plain text, or JSON that is not
+    message = kombu_message({}, "json")
+    message.update({"body": base64.b64encode(text.encode()).decode(), "content-type": content_type})
+    store = MessageStore(db, secrets=(AWKWARD,))
+    store.put("replies", message, 0)
+    fetched = store.get("replies")
+    assert fetched is not None
+    assert base64.b64decode(fetched["body"]).decode() == "not json: mongodb://bb:**@db.example/jobs"
+
+
 def spy_on_events(app) -> str:
     """A queue bound to every Celery event that nobody reads: its copies stay in bb_messages for the test to read."""
     with app.connection_for_write() as conn:
