@@ -509,6 +509,8 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
     flower.start()
     try:
         expected = "authentication failed for user 'bb' on database 'admin'"
+        # Flower's first ping of the broker starts with Flower; a page waits for its verdict only briefly.
+        wait_for(lambda: expected in html.unescape(flower.page("/")), message="the broker's error on Flower's page")
         for path in ("/", "/workers", "/tasks", "/broker"):
             page = html.unescape(flower.page(path))
             assert 'id="bb-broker-error"' in page and expected in page, path
