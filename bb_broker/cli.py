@@ -288,15 +288,53 @@ def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
         server.server_close()
 
 
+_NO_AUTH_NOTE = (
+    "bb-broker: Flower runs WITHOUT authentication (--no-auth): anyone who can reach {where} sees every task and its "
+    "arguments. Its API, and the buttons that use it, answer 401 unless FLOWER_UNAUTHENTICATED_API=true is set, "
+    "which also lets any web page your browser opens read it. Use --basic-auth=USER:PASSWORD for anything but a "
+    "private machine."
+)
+
+
 @main.command("flower", context_settings={"ignore_unknown_options": True})
 @click.option("-A", "--app", "celery_app", required=True, help="The Celery app, as `celery -A` takes it.")
+@click.option(
+    "--no-auth",
+    is_flag=True,
+    help="Serve Flower without authentication, for local use; without it Flower must be given --basic-auth, "
+    "--auth (OAuth), or their FLOWER_* variables or flowerconfig.py settings.",
+)
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
-def flower_command(celery_app: str, flower_args: tuple[str, ...]) -> None:
-    """Run Flower (`celery -A APP flower FLOWER_ARGS...`) with a Broker tab showing each queue's jobs."""
+def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...]) -> None:
+    """Run Flower (`celery -A APP flower FLOWER_ARGS...`) with a Broker tab showing each queue's jobs.
+
+    Flower must authenticate its users (--basic-auth=USER:PASSWORD, or --auth with an OAuth provider), unless
+    --no-auth says it is for local use.
+    """
     try:
-        from . import flower as _adapter  # noqa: F401  (importing it gives Flower's Broker tab bbmongo://)
+        from . import flower as adapter  # importing it gives Flower's Broker tab bbmongo://
     except ImportError as exc:
         _fail(f"Flower is not installed ({exc}): pip install 'bb_broker[flower]'")
+    from tornado.options import Error as FlowerOptionError
+
+    try:
+        scheme = adapter.authentication(flower_args)
+    except (FlowerOptionError, ValueError, OSError) as exc:  # a bad value, or a --conf file that is not there
+        _fail(f"flower: {exc}", 2)
+    if scheme is None and not no_auth:
+        _fail(
+            "flower: refusing to serve Flower without authentication. Pass --basic-auth=USER:PASSWORD "
+            "(or set FLOWER_BASIC_AUTH), or --auth=EMAIL_REGEX with an OAuth provider (FLOWER_AUTH, "
+            "FLOWER_OAUTH2_KEY/SECRET/REDIRECT_URI), or set basic_auth/auth in flowerconfig.py; "
+            "--no-auth serves it to anyone who can reach it, for local use only.",
+            2,
+        )
+    if scheme is not None and no_auth:
+        _fail(f"flower: --no-auth contradicts the {scheme} authentication Flower is configured with", 2)
+    if no_auth:
+        from tornado.options import options
+
+        click.echo(_NO_AUTH_NOTE.format(where=f"{options.address or '0.0.0.0'}:{options.port}"), err=True)
     from celery.bin.celery import celery
 
     celery.main(args=["-A", celery_app, "flower", *flower_args], prog_name="celery", auto_envvar_prefix="CELERY")

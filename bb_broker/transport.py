@@ -133,7 +133,7 @@ class Channel(virtual.Channel):
         self.jobs = JobStore(
             db, self.policy, clock=ServerClock(db), collection=self.jobs_collection, secrets=self.target.secrets
         )
-        self.plumbing = MessageStore(db, ttl=float(self.message_ttl))
+        self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
         self.owner = connection.lease_owner()
         self._plain_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,9 +34,17 @@ def _wait_for_server(mongo_uri: str, timeout: float = 60.0) -> None:
             time.sleep(0.3)
 
 
-def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     print(f"demo: {' '.join(argv[2:] if argv[0] == sys.executable else argv)}  (log: {log.relative_to(ROOT)})")
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def flower_command(address: str, port: int) -> list[str]:
+    """`bb-broker flower` for the demo's app, with the Broker tab; its credentials come in FLOWER_BASIC_AUTH."""
+    return [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "celery_app", f"--address={address}",
+            f"--port={port}"]  # fmt: skip
 
 
 def main() -> int:
@@ -54,9 +63,12 @@ def main() -> int:
         _wait_for_server(target.mongo_uri)
         celery = [sys.executable, "-m", "celery", "-A", "celery_app"]
         children.append(_start([*celery, "worker", "-c", "2", "-E", "--loglevel", "INFO"], logs / "worker.log"))
-        flower = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "celery_app"]  # with the Broker tab
-        children.append(_start([*flower, "--address=127.0.0.1", "--port=5555"], logs / "flower.log"))
-        print("demo: Flower on http://127.0.0.1:5555")
+        # Basic auth with a fresh password each run (in the environment, not on a command line others can read):
+        # Flower's buttons call its API, which answers only an authenticated user.
+        password = secrets.token_urlsafe(12)
+        flower_env = {**os.environ, "FLOWER_BASIC_AUTH": f"demo:{password}"}
+        children.append(_start(flower_command("127.0.0.1", 5555), logs / "flower.log", env=flower_env))
+        print(f"demo: Flower on http://127.0.0.1:5555 (user demo, password {password})")
 
         from celery_app.tasks import add, always_fails, flaky, long_running
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -25,7 +26,11 @@ FLOWER_ENV = {"FLOWER_UNAUTHENTICATED_API": "true"}
 
 
 class FlowerProcess:
-    """`celery -A tests.e2e_app flower` (or `bb-broker flower -A ...`) on a free port, stopped by `stop()`."""
+    """`celery -A tests.e2e_app flower` (or `bb-broker flower -A ...`) on a free port, stopped by `stop()`.
+
+    With `basic_auth` ("user:password") Flower asks for those credentials and every request here sends them;
+    without it, `bb-broker flower` gets `--no-auth` and Flower's API is opened by FLOWER_UNAUTHENTICATED_API.
+    """
 
     def __init__(
         self,
@@ -38,25 +43,32 @@ class FlowerProcess:
         extra_args: tuple[str, ...] = (),
         inspect_timeout_ms: int = 10_000,
         cwd: Path = ROOT,
+        basic_auth: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
         # A directed inspect returns at its one reply; the long timeout only matters on a loaded machine.
         flower_args = ["--address=127.0.0.1", f"--port={self.port}", f"--inspect_timeout={inspect_timeout_ms}"]
         flower_args += extra_args
+        self.basic_auth = basic_auth
+        if basic_auth:
+            flower_args.append(f"--basic-auth={basic_auth}")
         if launcher == "celery":
             self.argv = [sys.executable, "-m", "celery", "-A", app, "flower", *flower_args]
         elif launcher == "bb-broker":
-            self.argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", app, *flower_args]
+            no_auth = [] if basic_auth else ["--no-auth"]
+            self.argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", app, *no_auth, *flower_args]
         else:
             raise ValueError(f"unknown launcher {launcher!r}")
         self.cwd = cwd
         self.env = {
-            **os.environ,
-            **FLOWER_ENV,
+            **{name: value for name, value in os.environ.items() if not name.startswith("FLOWER_")},
+            **({} if basic_auth else FLOWER_ENV),
             "BB_BROKER_URL": broker_url,
             "BB_TRANSPORT_OPTIONS": json.dumps(FAST_OPTIONS),
             "PYTHONPATH": str(ROOT),
+            **(env or {}),
         }
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -79,10 +91,15 @@ class FlowerProcess:
         except OSError:
             return False
 
-    def request(self, method: str, path: str, form: dict[str, Any] | None = None) -> tuple[int, str]:
-        """The status and body of one request; an HTTP error status is returned, not raised."""
+    def request(
+        self, method: str, path: str, form: dict[str, Any] | None = None, *, credentials: bool = True
+    ) -> tuple[int, str]:
+        """The status and body of one request (without the basic-auth credentials if told); an HTTP error status is
+        returned, not raised."""
         data = urllib.parse.urlencode(form or {}).encode() if method == "POST" else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
+        if self.basic_auth and credentials:
+            req.add_header("Authorization", "Basic " + base64.b64encode(self.basic_auth.encode()).decode())
         try:
             with urllib.request.urlopen(req, timeout=30) as response:
                 return response.status, response.read().decode()

@@ -158,19 +158,6 @@ def test_racing_workers_run_each_job_exactly_once(broker_url, db, tmp_path) -> N
     assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": len(ids), "failed": 0}
 
 
-@pytest.fixture
-def auth_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    server = EmbeddedServer(tmp_path / "data")
-    server.start()
-    with MongoClient(server.url) as client:
-        client.admin.command("createUser", "bb", pwd="s3cret-pw", roles=[{"role": "root", "db": "admin"}])
-    server.stop()
-    server.auth = True
-    server.start()
-    yield server
-    server.stop()
-
-
 def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth_server, tmp_path) -> None:
     good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
     worker = start_worker(good, tmp_path, "w0")
