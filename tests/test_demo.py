@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 from pymongo import MongoClient
 
 from tests.servers import free_port
-from tests.workers import ROOT, wait_for
+from tests.workers import ROOT
 
 
 def test_the_demo_runs_the_sample_jobs_to_the_end(broker_url, db) -> None:
@@ -25,18 +26,37 @@ def test_the_demo_runs_the_sample_jobs_to_the_end(broker_url, db) -> None:
     assert db.jobs.find_one({"kind": "celery_app.tasks.flaky"})["attempts"] == 2
 
 
-def test_bb_broker_serve_runs_the_embedded_server(tmp_path) -> None:
+def test_bb_broker_serve_says_where_it_listens_and_stores_and_how_to_stop(tmp_path) -> None:
     port = free_port()
-    argv = [sys.executable, "-m", "bb_broker.cli", "serve", "--port", str(port), "--data", str(tmp_path / "data")]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    data = tmp_path / "data"
+    argv = [sys.executable, "-m", "bb_broker.cli", "serve", "--port", str(port), "--data", str(data)]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = MongoClient(f"mongodb://127.0.0.1:{port}", serverSelectionTimeoutMS=1000)
-        wait_for(lambda: _pings(client), timeout=60, message="the embedded server answers")
+        said = [server.stdout.readline() for _ in range(3)]
+        assert said == [
+            f"bb-broker: listening on 127.0.0.1:{port}; broker URL bbmongo://127.0.0.1:{port}/bountyboard\n",
+            f"bb-broker: data in {data}\n",
+            "bb-broker: stop it with Ctrl-C (or SIGTERM)\n",
+        ]
+        client = MongoClient(f"mongodb://127.0.0.1:{port}", serverSelectionTimeoutMS=5000)
+        assert _pings(client)  # it said so once it was listening
         client.served.jobs.insert_one({"_id": 1})
         assert client.served.jobs.count_documents({}) == 1
     finally:
         server.terminate()
         server.wait(30)
+    assert server.returncode == 0
+
+
+def test_bb_broker_serve_refuses_a_port_in_use(tmp_path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "bb_broker.cli", "serve", "--port", str(port), "--data", str(tmp_path / "d")]
+        refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr == (
+        f"bb-broker: cannot listen on 127.0.0.1:{port}: Address already in use (another server there? choose --port)\n"
+    )
 
 
 def _pings(client: MongoClient) -> bool:
