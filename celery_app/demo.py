@@ -25,7 +25,7 @@ from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 import bb_broker
-from bb_broker.connection import parse_broker_url, redact_url
+from bb_broker.connection import describe_failure, parse_broker_url, redact_url
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -142,6 +142,8 @@ def main() -> int:
         else:
             say(f"using the server of BB_BROKER_URL={redact_url(url)}: the counts are of every job there")
         target = parse_broker_url(url)
+        with MongoClient(target.mongo_uri, serverSelectionTimeoutMS=5000) as client:
+            _check_server(client, url, children)
         os.environ["BB_BROKER_URL"] = url  # the children's broker
 
         celery = [sys.executable, "-m", "celery", "-A", "celery_app"]
@@ -169,6 +171,7 @@ def main() -> int:
             while True:
                 for child in children:
                     child.check()
+                _check_server(client, url, children)
                 counts = bb_broker.statuses(db)
                 if counts != last:
                     say(json.dumps(counts))
@@ -186,6 +189,16 @@ def main() -> int:
     finally:
         _stop(children)
     return code
+
+
+def _check_server(client: MongoClient, url: str, children: list[Child]) -> None:
+    """The server answers; if not, say why in words (and which child died, if one did)."""
+    try:
+        client.admin.command("ping")
+    except PyMongoError as exc:
+        for child in children:
+            child.check()
+        raise DemoFailed(describe_failure(exc, url)) from None
 
 
 def _start_server(data: Path, children: list[Child], logs: Path) -> str:

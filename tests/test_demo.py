@@ -157,6 +157,18 @@ def test_the_demo_notices_a_child_that_died_and_stops_the_rest(broker_url) -> No
     assert gone(pids["worker"])
 
 
+def test_the_demo_says_in_words_why_it_cannot_use_the_server_it_was_given() -> None:
+    closed = free_port()
+    env = demo_env(BB_BROKER_URL=f"bbmongo://demo:s3cret@127.0.0.1:{closed}/bountyboard")
+    demo = subprocess.run(DEMO, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 1 and demo.stderr == ""
+    assert demo.stdout.splitlines()[-1] == (
+        f"demo: cannot reach the server at bbmongo://demo:**@127.0.0.1:{closed}/bountyboard: nothing listens at "
+        f"127.0.0.1:{closed} (connection refused): is the server running? (gave up after 5 s)"
+    )
+    assert "s3cret" not in demo.stdout
+
+
 def test_bb_broker_serve_says_where_it_listens_and_stores_and_how_to_stop(tmp_path) -> None:
     port = free_port()
     data = tmp_path / "data"
