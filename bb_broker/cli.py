@@ -32,6 +32,8 @@ _QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
 
 
 def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) -> JobStore:
+    from pymongo import MongoClient
+
     from . import connection
     from .clock import ServerClock
     from .store import JobStore
@@ -39,18 +41,22 @@ def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) 
     target = connection.parse_broker_url(broker)
     in_url = target.mongo_uri.lower()
     options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
-    db = connection.get_database(target, **options)
+    # A client of the command's own, closed when it is done: else pymongo's exit waits up to a second for its
+    # monitor, blocked in an awaited `hello`.
+    db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **options)[target.database]
     # Ages, due times and the stale cutoff on the server's clock, as the workers measure them.
     return JobStore(db, policy, clock=ServerClock(db), collection=collection, secrets=target.secrets)
 
 
 @contextmanager
-def _jobs(broker: str, collection: str, policy: Policy | None = None) -> Iterator[JobStore]:
-    """The job store, with a wrong URL or a server that cannot be used turned into one line on stderr and exit 1."""
+def _jobs(broker: str, collection: str, policy: Policy | None = None, *, keep_open: bool = False) -> Iterator[JobStore]:
+    """The job store, with a wrong URL or a server that cannot be used turned into one line on stderr and exit 1;
+    its client is closed at the end of the block unless `keep_open`."""
     from pymongo.errors import PyMongoError
 
     from . import connection
 
+    store = None
     try:
         store = _store(broker, collection, policy)
         store.coll.database.client.admin.command("ping")  # one timeout, not one per query
@@ -60,6 +66,9 @@ def _jobs(broker: str, collection: str, policy: Policy | None = None) -> Iterato
         _fail(str(exc))
     except PyMongoError as exc:
         _fail(connection.describe_failure(exc, broker))
+    finally:
+        if store is not None and not keep_open:
+            store.coll.database.client.close()
 
 
 def _warn_if_missing(store: JobStore) -> None:
@@ -362,7 +371,7 @@ def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
     """Serve /metrics (Prometheus) and /statuses (the statuses() JSON) until stopped."""
     from . import metrics
 
-    with _jobs(broker, collection) as store:
+    with _jobs(broker, collection, keep_open=True) as store:
         store.statuses()  # a collection that cannot be read fails here, in one line, not at each scrape
     try:
         server = metrics.make_metrics_server(store, host, port)
