@@ -18,7 +18,7 @@ from pymongo.errors import ConnectionFailure, DocumentTooLarge, OperationFailure
 from ulid import ULID
 
 from . import lifecycle, metrics
-from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ RETENTION_FILTER = {"status": SUCCEEDED}
 #: Server error codes for an index that exists under the same name with other options.
 INDEX_CONFLICT = {85, 86}
 
-#: What `bb-broker status` can break the counts down by.
-BREAKDOWNS = ("queue", "kind")
 #: The fields an operator reads about a failed job.
 FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 
@@ -514,21 +512,45 @@ class JobStore:
         )
         return list(cursor)
 
-    def retry_failed(self, *, ids: Iterable[str] | None = None, kind: str | None = None) -> int:
-        """Failed jobs back to queued, due now, with all their attempts again; no selector means every one."""
+    def retry_failed(self, *, kind: str | None = None) -> int:
+        """Failed jobs back to queued, due now, with all their attempts again: those of `kind`, or every one."""
         query: dict[str, Any] = {"status": FAILED}
-        if ids is not None:
-            query["_id"] = {"$in": [str(job_id) for job_id in ids]}
         if kind is not None:
             query["kind"] = str(kind)
+        return self.coll.update_many(
+            query, self._retry_update(), **self._hint_if_indexed("bb_status_updated")
+        ).modified_count
+
+    def retry_failed_ids(self, ids: Iterable[str], *, kind: str | None = None) -> tuple[list[str], dict[str, str]]:
+        """Retry these failed jobs (of `kind`, if given); returns the ids retried and, for each other id, why not."""
+        wanted = list(dict.fromkeys(str(job_id) for job_id in ids))
+        retried = []
+        for job_id in wanted:  # one by one, an operator's few ids: each answer says whether that job was retried
+            query: dict[str, Any] = {"_id": job_id, "status": FAILED}
+            if kind is not None:
+                query["kind"] = str(kind)
+            if self.coll.update_one(query, self._retry_update(), hint="_id_").modified_count:
+                retried.append(job_id)
+        missed = [job_id for job_id in wanted if job_id not in retried]
+        found = {doc["_id"]: doc for doc in self.coll.find({"_id": {"$in": missed}}, {"status": 1, "kind": 1})}
+        why = {}
+        for job_id in missed:
+            doc = found.get(job_id)
+            if doc is None:
+                why[job_id] = "no such job"
+            elif doc.get("status") != FAILED:
+                why[job_id] = f"it is {doc.get('status')}, not failed"
+            else:
+                why[job_id] = f"its kind is {doc.get('kind')}, not {kind}"
+        return retried, why
+
+    def _retry_update(self) -> dict[str, Any]:
         now = self.now()
         # lastError stays: it says why the job needed a retry until its next attempt settles.
-        update = {
+        return {
             "$set": {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now},
             "$unset": {"finishedAt": ""},
         }
-        hint = {"hint": "_id_"} if ids is not None else self._hint_if_indexed("bb_status_updated")
-        return self.coll.update_many(query, update, **hint).modified_count
 
     def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
         """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""

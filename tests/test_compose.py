@@ -383,8 +383,10 @@ def running(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subproc
 
 
 def app_env(broker_url: str, **extra: str) -> dict[str, str]:
-    """The container's environment here: the test database as the broker, this venv's programs on PATH."""
-    return {**os.environ, "BB_BROKER_URL": broker_url, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", **extra}
+    """The container's environment here: the test database as the broker, this venv's programs on PATH, and the
+    example app on PYTHONPATH (the image's /app: the package does not install it)."""
+    path = {"PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "BB_BROKER_URL": broker_url, **path, **extra}
 
 
 def with_port(argv: list[str], old: int, new: int) -> list[str]:
