@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from celery.app.backends import BACKEND_ALIASES
 from kombu.transport import TRANSPORT_ALIASES
 from pymongo.database import Database
 
@@ -9,10 +10,12 @@ from . import celery_hooks
 from .celery_hooks import is_final_attempt
 from .connection import BrokerURLError, get_database, parse_broker_url
 from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from .store import JobStore, JobTooLarge
+from .store import JobStore, JobTooLarge, ResultTooLarge
 
 TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport:Transport"
 TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport:Transport"
+# The result backend: Celery splits "bbmongo+srv://" at its "+", so the one alias serves both schemes.
+BACKEND_ALIASES["bbmongo"] = "bb_broker.results:JobResultBackend"
 
 __all__ = [
     "FAILED",
@@ -22,6 +25,7 @@ __all__ = [
     "SUCCEEDED",
     "BrokerURLError",
     "JobTooLarge",
+    "ResultTooLarge",
     "is_final_attempt",
     "statuses",
     "celery_hooks",
