@@ -62,6 +62,8 @@ def main() -> int:
 
         sample = [add.delay(2, 3), flaky.delay("flaky"), always_fails.delay("doomed"), long_running.delay(3)]
         ids = [result.id for result in sample]
+        # The result backend is the jobs collection too: .get() reads the result off add's job document.
+        print(f"demo: add.delay(2, 3).get() = {sample[0].get(timeout=300)!r}", flush=True)
         jobs = get_database(target)["jobs"]
         last = None
         while True:
