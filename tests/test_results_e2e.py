@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult, GroupResult
+from pymongo import monitoring
 from pymongo.database import Database
 
 import bb_broker
@@ -32,6 +36,31 @@ def results_worker(worker_factory, broker_url: str):
     return start
 
 
+class CommandCounter(monitoring.CommandListener):
+    """Counts one command's calls by this process while `counting()`."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.count, self.on = name, 0, False
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if self.on and event.command_name == self.name and event.command.get(self.name) == "jobs":
+            self.count += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
 def sig(app: Celery, name: str, *args, **options):
     return app.signature(T + name, args=args, **options)
 
@@ -52,8 +81,10 @@ def test_get_returns_the_result_kept_on_the_job(results_app, results_worker, db:
 
 
 def test_a_task_retried_twice_by_the_broker_gets_its_final_result(results_app, results_worker, db: Database):
-    results_worker()
+    results_worker(options={"backoff_base": 2.0})  # 4 s, then 8 s: long enough to see the state in between
     result = results_app.send_task(T + "fail_until", args=(3,))
+    wait_for(lambda: result.state == "RETRY", message="RETRY while the job waits for its next attempt")
+    assert isinstance(result.info, RuntimeError) and not result.ready()
     assert result.get(timeout=90) == "ok"
     doc = job(db, result.id)
     assert [a["outcome"] for a in doc["history"]] == ["failed", "failed", "succeeded"]
@@ -174,3 +205,49 @@ def test_a_chord_whose_header_task_fails(results_app, results_worker, db: Databa
     with pytest.raises(ChordError, match="always fails"):
         result.get(timeout=120)
     assert db.runs.count_documents({"name": T + "tsum"}) == 0
+
+
+def test_a_failed_chain_step_fails_the_rest_of_the_chain(results_app, results_worker, db: Database):
+    results_worker()
+    result = chain(
+        sig(results_app, "add", 1, 2), sig(results_app, "always_fails", immutable=True), sig(results_app, "add", 4)
+    )()
+    with pytest.raises(ValueError, match="always fails"):
+        result.get(timeout=90)
+    # The last step never ran and has no job: its FAILURE lives in bb_results, not in a celery_taskmeta.
+    assert job(db, result.id) == {}
+    assert db.bb_results.find_one({"_id": f"task:{result.id}"})["state"] == "FAILURE"
+    assert "celery_taskmeta" not in db.list_collection_names()
+
+
+def test_get_wakes_on_the_change_stream_and_polls_without_one(results_app, results_worker, db: Database):
+    results_worker()
+    finds = CommandCounter("find")
+    monitoring.register(finds)  # applies to clients made from now: the backend's is made on its first use below
+    backend = JobResultBackend(results_app, url=results_app.conf.result_backend)
+    with finds.counting():
+        result = results_app.send_task(T + "sleep", args=(4,))
+        assert backend.wait_for(result.id, timeout=120, interval=0.05)["result"] == 4
+    # Polling every 50 ms would have read the job some 80 times; woken by the stream it reads it a few times.
+    assert finds.count <= 6, finds.count
+    backend._change_streams = False  # as on a standalone server: plain polling at the interval asked
+    result = results_app.send_task(T + "add", args=(2, 2))
+    assert backend.wait_for(result.id, timeout=120, interval=0.2)["result"] == 4
+
+
+def test_a_worker_killed_in_the_middle_of_a_chord(results_app, results_worker, db: Database):
+    options = {"stale_after": 4.0}
+    first = results_worker(concurrency=2, options=options)
+    header = [sig(results_app, "sleep", 2) for _ in range(8)]
+    result = chord(header)(sig(results_app, "tsum"))
+    # Killed once two parts are done and two more are running.
+    wait_for(lambda: db.runs.count_documents({"name": T + "sleep", "phase": "end"}) >= 2, message="two parts done")
+    wait_for(lambda: db.runs.count_documents({"name": T + "sleep", "phase": "start"}) >= 4, message="two running")
+    first.kill()
+    results_worker(concurrency=2, options=options)
+    assert result.get(timeout=240) == 16
+    assert db.runs.count_documents({"name": T + "tsum"}) == 1  # the callback ran once
+    counter = db.bb_results.find_one({"_id": f"chord:{result.parent.id}"})
+    assert counter["count"] == 8 and len(counter["members"]) == 8  # every part counted, none twice
+    assert db.jobs.count_documents({"kind": T + "sleep", "status": "succeeded"}) == 8
+    assert db.jobs.count_documents({"kind": "celery.chord_unlock"}) == 0
