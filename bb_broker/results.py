@@ -80,6 +80,17 @@ FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "la
 SAFETY_READ = 10.0
 
 
+def _described(encoded: Any) -> str:
+    """An exception as encode_result left it (a dict for JSON), described as lastError describes one."""
+    if isinstance(encoded, BaseException):
+        return describe_error(encoded)
+    if isinstance(encoded, dict) and "exc_type" in encoded:
+        message = encoded.get("exc_message")
+        text = " ".join(map(str, message)) if isinstance(message, list | tuple) else str(message or "")
+        return f"{encoded['exc_type']}: {text}" if text else str(encoded["exc_type"])
+    return str(encoded)
+
+
 class JobFailed(Exception):
     """The task's job failed without a result from Celery (its worker was lost, its task unknown, an operator)."""
 
@@ -101,6 +112,7 @@ class JobResultBackend(BaseBackend):
         options = {**(app.conf.broker_transport_options or {}), **(app.conf.result_backend_transport_options or {})}
         self.jobs_collection = str(options.get("jobs_collection", "jobs"))
         self._change_streams = True
+        self._shares_broker_jobs: bool | None = None
         self._indexed_pid: int | None = None
         #: Task id -> its job's id, learnt by reads: what a waiting get() watches.
         self._job_ids: dict[str, str] = {}
@@ -128,9 +140,14 @@ class JobResultBackend(BaseBackend):
         store = celery_hooks.store_for(self.app)
         if store is None:
             return None
-        same = store.coll.database.name == self.target.database and store.coll.name == self.jobs_collection
-        broker = connection.parse_broker_url(celery_hooks.broker_url(self.app) or "")
-        return store if same and broker.mongo_uri == self.target.mongo_uri else None
+        if self._shares_broker_jobs is None:
+            broker = connection.parse_broker_url(celery_hooks.broker_url(self.app) or "")
+            self._shares_broker_jobs = (broker.mongo_uri, broker.database, store.coll.name) == (
+                self.target.mongo_uri,
+                self.target.database,
+                self.jobs_collection,
+            )
+        return store if self._shares_broker_jobs else None
 
     def _expires_at(self) -> dict[str, Any]:
         return {"expiresAt": self.app.now() + timedelta(seconds=self.expires)} if self.expires else {}
@@ -279,7 +296,7 @@ class JobResultBackend(BaseBackend):
             store, job = held
             attempt = None
             if state == states.RETRY:
-                error = describe_error(result) if isinstance(result, BaseException) else str(result)
+                error = _described(result)
                 attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
                 celery_hooks.settled_by_backend(job)  # the task_retry signal must not add this attempt again
             if store.annotate(*job, fields, attempt=attempt):
@@ -398,7 +415,7 @@ class JobResultBackend(BaseBackend):
                 pending.discard(task_id)
                 yield task_id, cached
         deadline = None if timeout is None else time.monotonic() + timeout
-        stream = None
+        stream, watched = None, None
         iterations = 0
         try:
             while pending:
@@ -421,24 +438,32 @@ class JobResultBackend(BaseBackend):
                 iterations += 1
                 if max_iterations and iterations >= max_iterations:
                     return
-                job_ids = [self._job_ids[task_id] for task_id in pending if task_id in self._job_ids]
-                if stream is None and len(job_ids) == len(pending):
-                    # Opened after a read, then read again at once: a change between the two is not missed.
-                    stream = self._watch(job_ids)
+                jobs = tuple(sorted(self._job_ids[task_id] for task_id in pending if task_id in self._job_ids))
+                unknown = tuple(sorted(task_id for task_id in pending if task_id not in self._job_ids))
+                if self._change_streams and (jobs, unknown) != watched:
                     if stream is not None:
-                        continue
+                        stream.close()
+                    stream, watched = self._watch(jobs, unknown), (jobs, unknown)
+                    if stream is not None:
+                        continue  # read again at once: a change between the read and the watch is not missed
                 self._pause(stream, interval, remaining)
         finally:
             if stream is not None:
                 stream.close()
 
-    def _watch(self, job_ids: list[str]) -> Any:
-        if not self._change_streams:
-            return None
+    def _watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str]) -> Any:
+        """A change stream on what can change these results: their jobs, a job inserted for a task id not seen
+        yet, and bb_results documents of tasks without a job. None where the deployment has no change streams."""
+        unknown = list(unknown_task_ids)
+        jobs = self.jobs_collection
+        watched = [
+            {"ns.coll": jobs, "documentKey._id": {"$in": list(job_ids)}},
+            {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": unknown}},
+            {"ns.coll": RESULTS_COLLECTION, "documentKey._id": {"$in": [f"task:{task_id}" for task_id in unknown]}},
+        ]
         try:
-            return self.jobs.watch(
-                [{"$match": {"documentKey._id": {"$in": job_ids}}}, {"$project": {"documentKey": 1}}],
-                max_await_time_ms=1000,
+            return self._db.watch(
+                [{"$match": {"$or": watched}}, {"$project": {"documentKey": 1}}], max_await_time_ms=1000
             )
         except OperationFailure as exc:
             if exc.code in NO_CHANGE_STREAMS:
