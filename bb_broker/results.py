@@ -48,6 +48,7 @@ from kombu.utils.encoding import ensure_bytes
 from pymongo import ASCENDING, DESCENDING, ReturnDocument
 from pymongo.collection import Collection
 from pymongo.errors import OperationFailure
+from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
@@ -78,6 +79,12 @@ RESULT_FIELDS = {
 FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError")}
 #: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
 SAFETY_READ = 10.0
+
+
+def _servers(target: connection.BrokerTarget) -> frozenset[Any]:
+    if target.mongo_uri.startswith("mongodb+srv://"):
+        return frozenset([target.mongo_uri.split("://", 1)[1].split("@")[-1].split("/")[0]])
+    return frozenset(parse_uri(target.mongo_uri, validate=False, warn=False)["nodelist"])
 
 
 def _described(encoded: Any) -> str:
@@ -141,9 +148,10 @@ class JobResultBackend(BaseBackend):
         if store is None:
             return None
         if self._shares_broker_jobs is None:
+            # The same servers, database and collection, whatever options either URL carries.
             broker = connection.parse_broker_url(celery_hooks.broker_url(self.app) or "")
-            self._shares_broker_jobs = (broker.mongo_uri, broker.database, store.coll.name) == (
-                self.target.mongo_uri,
+            self._shares_broker_jobs = (_servers(broker), broker.database, store.coll.name) == (
+                _servers(self.target),
                 self.target.database,
                 self.jobs_collection,
             )
@@ -237,7 +245,13 @@ class JobResultBackend(BaseBackend):
         held = self._held(request)
         if held is None:
             return super().mark_as_failure(
-                task_id, exc, traceback, request=request, store_result=store_result, call_errbacks=call_errbacks
+                task_id,
+                exc,
+                traceback,
+                request=request,
+                store_result=store_result,
+                call_errbacks=call_errbacks,
+                state=state,
             )
         store, job = held
         retryable = celery_hooks.is_retryable(request, exc)
@@ -299,15 +313,15 @@ class JobResultBackend(BaseBackend):
                 error = _described(result)
                 attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
                 celery_hooks.settled_by_backend(job)  # the task_retry signal must not add this attempt again
-            if store.annotate(*job, fields, attempt=attempt):
-                return result
+            # Fenced on the attempt: a worker whose job was taken over changes nothing.
+            store.annotate(*job, fields, attempt=attempt)
+            return result
         # Not a job this process holds: the job of that task id if there is one (never over its success), else ours.
-        if self._store() is not None:
-            job_doc = self.jobs.find_one({"taskId": task_id}, {"state": 1}, sort=[("_id", DESCENDING)])
-            if job_doc is not None:
-                if job_doc.get("state") != states.SUCCESS:
-                    self.jobs.update_one({"_id": job_doc["_id"], "state": {"$ne": states.SUCCESS}}, {"$set": fields})
-                return result
+        job_doc = self.jobs.find_one({"taskId": task_id}, {"state": 1}, sort=[("_id", DESCENDING)])
+        if job_doc is not None:
+            if job_doc.get("state") != states.SUCCESS:
+                self.jobs.update_one({"_id": job_doc["_id"], "state": {"$ne": states.SUCCESS}}, {"$set": fields})
+            return result
         if self._side_state(task_id) != states.SUCCESS:  # a success is never overwritten, as in Celery's backends
             self.side.update_one(
                 {"_id": f"task:{task_id}"}, {"$set": {**fields, "kind": "task", **self._expires_at()}}, upsert=True
@@ -319,8 +333,7 @@ class JobResultBackend(BaseBackend):
         return None if doc is None else doc.get("state")
 
     def _forget(self, task_id: str) -> None:
-        if self._store() is not None:
-            self.jobs.update_many({"taskId": task_id}, {"$unset": FORGOTTEN})
+        self.jobs.update_many({"taskId": task_id}, {"$unset": FORGOTTEN})
         self.side.delete_one({"_id": f"task:{task_id}"})
 
     # --- reading ----------------------------------------------------------------------
@@ -332,11 +345,12 @@ class JobResultBackend(BaseBackend):
         """The meta of each task id: two reads at most (the jobs, then bb_results for ids with no job)."""
         ids = [str(task_id) for task_id in task_ids]
         metas: dict[str, dict[str, Any]] = {}
-        if self._store() is not None:
-            cursor = self.jobs.find({"taskId": {"$in": ids}}, {**RESULT_FIELDS, "taskId": 1}, sort=[("_id", ASCENDING)])
-            for doc in cursor:  # the newest job of a task id comes last and wins
-                metas[doc["taskId"]] = self._meta_of_job(doc)
-                self._job_ids[doc["taskId"]] = doc["_id"]
+        cursor = self.jobs.find({"taskId": {"$in": ids}}, {**RESULT_FIELDS, "taskId": 1}, sort=[("_id", ASCENDING)])
+        for doc in cursor:  # the newest job of a task id comes last and wins
+            metas[doc["taskId"]] = self._meta_of_job(doc)
+            self._job_ids[doc["taskId"]] = doc["_id"]
+        if len(self._job_ids) > 10_000:  # a long-lived client reads many ids: keep only what waits need
+            self._job_ids = {task_id: self._job_ids[task_id] for task_id in ids if task_id in self._job_ids}
         missing = [task_id for task_id in ids if task_id not in metas]
         if missing:
             for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):

@@ -137,3 +137,18 @@ def test_history_keeps_the_last_attempts_and_the_sweep_records_lost_ones(db: Dat
     assert lost["n"] == HISTORY_LIMIT + 3 and lost["worker"] == "owner-b" and lost["outcome"] == "lost"
     assert lost["startedAt"] is not None and "no heartbeat" in lost["error"]
     assert len(db.jobs.find_one({"_id": claimed.id})["history"]) == HISTORY_LIMIT
+
+
+def test_the_backend_url_never_shows_its_password(app: Celery):
+    backend = JobResultBackend(app, url="bbmongo://ops:s3cret@127.0.0.1:1/db")
+    assert "s3cret" not in backend.as_uri() and backend.as_uri() == "bbmongo://ops:**@127.0.0.1:1/db"
+
+
+def test_a_broker_url_with_other_options_shares_the_jobs(broker_url: str):
+    # Then a worker writes each result in its settling write (it does not fall back to a second write).
+    app = producer(f"{broker_url}?appname=worker")
+    app.conf.result_backend = broker_url
+    try:
+        assert app.backend._store() is not None
+    finally:
+        app.close()

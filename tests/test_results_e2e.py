@@ -251,3 +251,18 @@ def test_a_worker_killed_in_the_middle_of_a_chord(results_app, results_worker, d
     assert counter["count"] == 8 and len(counter["members"]) == 8  # every part counted, none twice
     assert db.jobs.count_documents({"kind": T + "sleep", "status": "succeeded"}) == 8
     assert db.jobs.count_documents({"kind": "celery.chord_unlock"}) == 0
+
+
+def test_urls_that_differ_only_in_options_share_the_jobs(broker_url: str, worker_factory, db: Database):
+    # The worker's broker URL carries an option its result backend's does not, and the client's neither:
+    # the result still goes on the job (one write) and the client reads it there.
+    worker_factory(env={"BB_RESULT_BACKEND": broker_url, "BB_BROKER_URL": f"{broker_url}?appname=worker"})
+    client = producer(f"{broker_url}?appname=client")
+    client.conf.result_backend = broker_url
+    try:
+        result = client.send_task(T + "add", args=(20, 22))
+        assert result.get(timeout=60) == 42
+    finally:
+        client.close()
+    assert job(db, result.id)["state"] == "SUCCESS"
+    assert "bb_results" not in db.list_collection_names() or db.bb_results.count_documents({}) == 0
