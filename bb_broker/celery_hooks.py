@@ -35,10 +35,6 @@ _pending_results: dict[tuple[str, int], dict[str, Any]] = {}
 
 def broker_url(app: Any) -> str | None:
     """The app's broker URL when it is bbmongo://, else None."""
-    return _bbmongo_url(app)
-
-
-def _bbmongo_url(app: Any) -> str | None:
     url = app.conf.broker_url or ""
     if isinstance(url, (list, tuple)):
         url = url[0] if url else ""
@@ -48,7 +44,7 @@ def _bbmongo_url(app: Any) -> str | None:
 
 def store_for(app: Any) -> JobStore | None:
     """The job store behind an app's broker, or None when the app does not use bbmongo://."""
-    url = _bbmongo_url(app)
+    url = broker_url(app)
     if url is None:
         return None
     options = app.conf.broker_transport_options or {}
@@ -75,10 +71,6 @@ def store_for(app: Any) -> JobStore | None:
 
 def job_of(request: Any) -> tuple[str, int] | None:
     """The (job id, attempt) a task request was delivered as, or None when it did not come through bbmongo://."""
-    return _job_of(request)
-
-
-def _job_of(request: Any) -> tuple[str, int] | None:
     job_id = getattr(request, JOB_ID_HEADER, None)
     attempts = getattr(request, ATTEMPTS_HEADER, None)
     if job_id is None:
@@ -92,7 +84,7 @@ def _job_of(request: Any) -> tuple[str, int] | None:
 def is_final_attempt(task: Any) -> bool:
     """True when an exception raised now ends the job `failed`: the place for compensation logic."""
     request = task.request
-    job = _job_of(request)
+    job = job_of(request)
     if job is None:
         raise RuntimeError("is_final_attempt() answers only inside a task delivered through bbmongo://")
     if request.retries:
@@ -155,7 +147,7 @@ def attempt_for(
 @signals.task_prerun.connect
 def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     store = store_for(sender.app) if sender is not None else None
-    if store is not None and task_id and _job_of(sender.request) is not None:
+    if store is not None and task_id and job_of(sender.request) is not None:
         if len(_started_at) > 1000:  # entries whose task never settled here (a hard time limit, say)
             _started_at.clear()
         _started_at[task_id] = store.now()
@@ -163,7 +155,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
 
 @signals.task_success.connect
 def _on_success(sender: Any = None, **_: Any) -> None:
-    store, job = store_for(sender.app), _job_of(sender.request)
+    store, job = store_for(sender.app), job_of(sender.request)
     if store is not None and job is not None and not _settled_already(job):
         store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "succeeded"))
 
@@ -180,7 +172,7 @@ def _on_failure(
     if store is None or exception is None:
         return
     request = sender.request
-    job = _job_of(request) if getattr(request, "id", None) == task_id else None
+    job = job_of(request) if getattr(request, "id", None) == task_id else None
     if job is not None and _settled_already(job):
         return
     error = describe_error(exception)
@@ -198,7 +190,7 @@ def _on_failure(
 @signals.task_retry.connect
 def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any) -> None:
     # The task's own retry already put its job back in the queue (publish); the attempt joins the history.
-    store, job = store_for(sender.app), _job_of(request)
+    store, job = store_for(sender.app), job_of(request)
     if store is None or job is None or _settled_already(job):
         return
     error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
@@ -223,7 +215,7 @@ def _on_revoked(
     signum: Any = None,
     **_: Any,
 ) -> None:
-    store, job = store_for(sender.app), _job_of(request)
+    store, job = store_for(sender.app), job_of(request)
     if store is None or job is None or _settled_already(job):
         return
     reason = revoke_reason(terminated, expired, signum)
@@ -289,7 +281,7 @@ class _ScrubSecrets(logging.Filter):
 def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     from celery import current_app
 
-    url = _bbmongo_url(current_app)
+    url = broker_url(current_app)
     secrets = connection.parse_broker_url(url).secrets if url else ()
     if logger is None or not secrets:
         return

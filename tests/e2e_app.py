@@ -148,3 +148,9 @@ def big_result(self, size):
 def note_error(self, failed_task_id):
     # An errback taking only the failed task's id: Celery sends it as a task of its own.
     record(self, failed=failed_task_id)
+
+
+@app.task
+def note_failure(request, exc, traceback):
+    # A new-style errback: Celery calls it in the failing task's process with its request, exception and traceback.
+    runs().insert_one({"name": "note_failure", "failed": request.id, "error": str(exc), "at": time.time()})

@@ -188,6 +188,12 @@ def test_an_errback_runs_once_after_the_last_attempt(results_app, results_worker
     wait_for(lambda: db.runs.count_documents({"name": T + "note_error"}) == 1, message="the errback")
     assert db.runs.find_one({"name": T + "note_error"})["failed"] == result.id
     assert db.runs.count_documents({"name": T + "always_fails"}) == 3
+    inline = results_app.send_task(T + "always_fails", link_error=sig(results_app, "note_failure"))
+    with pytest.raises(ValueError):
+        inline.get(timeout=90)
+    wait_for(lambda: db.runs.count_documents({"name": "note_failure"}) == 1, message="the inline errback")
+    assert db.runs.find_one({"name": "note_failure"})["failed"] == inline.id
+    assert db.runs.count_documents({"name": T + "always_fails"}) == 6
 
 
 def test_a_chord_of_a_hundred(results_app, results_worker, db: Database):
