@@ -147,6 +147,17 @@ def test_a_result_over_the_document_limit_fails_the_job_clearly(results_app, res
     assert doc["state"] == "FAILURE" and len(str(doc["result"])) < 10_000  # nothing half-written
 
 
+def test_a_result_that_fits_alone_but_not_beside_its_arguments(results_app, results_worker, db: Database):
+    results_worker()
+    nine_mb = "x" * (9 * 1024 * 1024)
+    result = results_app.send_task(T + "add", args=(nine_mb, "!"))  # a 9 MB message, a 9 MB result
+    with pytest.raises(bb_broker.ResultTooLarge, match="does not fit in its job document"):
+        result.get(timeout=120)
+    doc = job(db, result.id)
+    assert doc["status"] == "failed" and doc["attempts"] == 1 and "ResultTooLarge" in doc["lastError"]
+    assert len(str(doc["result"])) < 10_000
+
+
 def test_revoke_makes_get_raise(results_app, results_worker):
     results_worker()
     result = results_app.send_task(T + "add", args=(1, 2), countdown=3)
