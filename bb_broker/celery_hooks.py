@@ -184,15 +184,16 @@ def _on_failure(
         )
     elif task_id:
         # A hard time limit is reported by the main process, without the task's request.
-        store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable)
+        worker = getattr(request, "hostname", None) or socket.gethostname()
+        store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable, worker=worker)
 
 
 @signals.task_retry.connect
 def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any) -> None:
     # The task's own retry already put its job back in the queue (publish); the attempt joins the history.
     store, job = store_for(sender.app), job_of(request)
-    if store is None or job is None or _settled_already(job):
-        return
+    if store is None or job is None or _settled_already(job) or reason is None:
+        return  # no reason: Celery cancelled the task as its worker stops, and the release records the attempt
     error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
     trace = getattr(einfo, "traceback", None)
     store.annotate(*job, {}, attempt=attempt_for(store, request, job[1], "retry", error, trace))

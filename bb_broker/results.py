@@ -309,7 +309,9 @@ class JobResultBackend(BaseBackend):
         if held is not None:
             store, job = held
             attempt = None
-            if state == states.RETRY:
+            # A Retry as the exception is Celery cancelling the task as its worker stops (no retry of the task's
+            # own): the attempt's entry comes from the release of the worker's jobs.
+            if state == states.RETRY and not (isinstance(result, dict) and result.get("exc_type") == "Retry"):
                 error = _described(result)
                 attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
                 celery_hooks.settled_by_backend(job)  # the task_retry signal must not add this attempt again

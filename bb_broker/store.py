@@ -427,15 +427,28 @@ class JobStore:
     ) -> bool:
         """Set result fields (a STARTED or custom state, a Celery retry) on the job's current attempt, any status."""
         current = {"_id": job_id, "attempts": attempts}
-        update = {"$set": fields, **_pushed(attempt)}
+        update = {**({"$set": fields} if fields else {}), **_pushed(attempt)}  # MongoDB refuses an empty $set
+        if not update:
+            return False
         return self._through_outages(lambda: self.coll.update_one(current, update)).modified_count == 1
 
-    def fail_running_task(self, task_id: str, owner: str, error: str, *, retryable: bool = True) -> Outcome | None:
+    def fail_running_task(
+        self, task_id: str, owner: str, error: str, *, retryable: bool = True, worker: str | None = None
+    ) -> Outcome | None:
         """Fail the running job of a Celery task id that `owner` holds (when only the task id is known)."""
-        doc = self.coll.find_one({"taskId": task_id, "status": RUNNING, "leaseOwner": owner}, {"attempts": 1})
+        running = {"taskId": task_id, "status": RUNNING, "leaseOwner": owner}
+        doc = self.coll.find_one(running, {"attempts": 1, "startedAt": 1})
         if doc is None:
             return None
-        return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable)
+        attempt = attempt_entry(
+            doc["attempts"],
+            worker=worker,
+            started_at=doc.get("startedAt"),
+            finished_at=self.now(),
+            outcome="failed",
+            error=error,
+        )
+        return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)
 
     def explain_failure(
         self, job_id: str, attempts: int, reason: str, *, attempt: dict[str, Any] | None = None
