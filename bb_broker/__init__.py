@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from . import celery_hooks
     from .celery_hooks import is_final_attempt
     from .connection import BrokerURLError
-    from .store import JobTooLarge
+    from .store import JobTooLarge, ResultTooLarge
 
 __all__ = [
     "FAILED",
@@ -26,6 +26,7 @@ __all__ = [
     "SUCCEEDED",
     "BrokerURLError",
     "JobTooLarge",
+    "ResultTooLarge",
     "is_final_attempt",
     "statuses",
     "celery_hooks",
@@ -35,6 +36,7 @@ __all__ = [
 _LAZY = {
     "BrokerURLError": "connection",
     "JobTooLarge": "store",
+    "ResultTooLarge": "store",
     "is_final_attempt": "celery_hooks",
 }
 
@@ -63,12 +65,18 @@ def _register_transport(kombu_transport: ModuleType) -> None:
     kombu_transport.TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport:Transport"
 
 
+def _register_result_backend(celery_backends: ModuleType) -> None:
+    # Celery splits "bbmongo+srv://" at its "+", so the one alias serves both schemes.
+    celery_backends.BACKEND_ALIASES["bbmongo"] = "bb_broker.results:JobResultBackend"
+
+
 def _connect_celery_hooks(_signals: ModuleType) -> None:
     importlib.import_module(f"{__name__}.celery_hooks")  # its receivers connect as it is imported
 
 
-# The alias and the signal receivers are in place before anything can use them: a transport is resolved through
+# The aliases and the signal receivers are in place before anything can use them: a transport is resolved through
 # kombu.transport, a signal is sent through celery.signals. Either is done at once when that module is already
 # imported, or else right after it is; a process that never imports them (`bb-broker --help`) never pays for them.
 wrapt.register_post_import_hook(_register_transport, "kombu.transport")
+wrapt.register_post_import_hook(_register_result_backend, "celery.app.backends")
 wrapt.register_post_import_hook(_connect_celery_hooks, "celery.signals")

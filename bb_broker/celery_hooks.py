@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+from datetime import datetime
 from typing import Any
 
 from celery import signals
@@ -16,15 +18,23 @@ from .clock import ServerClock
 from .leases import add_process_source
 from .lifecycle import Policy, describe_error
 from .payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
-from .store import JobStore
+from .store import JobStore, ResultTooLarge, attempt_entry
 
 logger = logging.getLogger(__name__)
 
 _stores: dict[tuple[int, str, str], JobStore] = {}
 _stores_lock = threading.Lock()
 
+#: When each task this process runs started, on the server's clock: its history entry's `startedAt`.
+_started_at: dict[str, datetime] = {}
+#: Attempts whose settling write the result backend already made (with the result): the signal adds nothing.
+_settled_by_backend: set[tuple[str, int]] = set()
+#: Result fields the backend prepared for the settling write a signal makes (a revoke: the signal knows why).
+_pending_results: dict[tuple[str, int], dict[str, Any]] = {}
 
-def _bbmongo_url(app: Any) -> str | None:
+
+def broker_url(app: Any) -> str | None:
+    """The app's broker URL when it is bbmongo://, else None."""
     url = app.conf.broker_url or ""
     if isinstance(url, (list, tuple)):
         url = url[0] if url else ""
@@ -34,7 +44,7 @@ def _bbmongo_url(app: Any) -> str | None:
 
 def store_for(app: Any) -> JobStore | None:
     """The job store behind an app's broker, or None when the app does not use bbmongo://."""
-    url = _bbmongo_url(app)
+    url = broker_url(app)
     if url is None:
         return None
     options = app.conf.broker_transport_options or {}
@@ -59,7 +69,8 @@ def store_for(app: Any) -> JobStore | None:
     return store
 
 
-def _job_of(request: Any) -> tuple[str, int] | None:
+def job_of(request: Any) -> tuple[str, int] | None:
+    """The (job id, attempt) a task request was delivered as, or None when it did not come through bbmongo://."""
     job_id = getattr(request, JOB_ID_HEADER, None)
     attempts = getattr(request, ATTEMPTS_HEADER, None)
     if job_id is None:
@@ -73,7 +84,7 @@ def _job_of(request: Any) -> tuple[str, int] | None:
 def is_final_attempt(task: Any) -> bool:
     """True when an exception raised now ends the job `failed`: the place for compensation logic."""
     request = task.request
-    job = _job_of(request)
+    job = job_of(request)
     if job is None:
         raise RuntimeError("is_final_attempt() answers only inside a task delivered through bbmongo://")
     if request.retries:
@@ -84,34 +95,116 @@ def is_final_attempt(task: Any) -> bool:
     return policy.is_final_attempt(job[1])
 
 
-def _is_retryable(request: Any, exception: BaseException) -> bool:
-    # A failure after the task's own Celery retries means its retry policy gave up.
+def is_retryable(request: Any, exception: BaseException) -> bool:
+    # A failure after the task's own Celery retries means its retry policy gave up; a result too large always will.
+    if isinstance(exception, ResultTooLarge):
+        return False
     return not (isinstance(exception, MaxRetriesExceededError) or getattr(request, "retries", 0))
+
+
+def settled_by_backend(job: tuple[str, int]) -> None:
+    """The result backend settled this attempt in its own write: the task's signal must not settle it again."""
+    if len(_settled_by_backend) > 1000:  # a signal that never came (a crash between the two) must not leak
+        _settled_by_backend.clear()
+    _settled_by_backend.add(job)
+
+
+def pending_result(job: tuple[str, int], fields: dict[str, Any]) -> None:
+    """Result fields for the settling write the signal of this attempt makes."""
+    if len(_pending_results) > 1000:
+        _pending_results.clear()
+    _pending_results[job] = fields
+
+
+def _settled_already(job: tuple[str, int]) -> bool:
+    if job in _settled_by_backend:
+        _settled_by_backend.discard(job)
+        return True
+    return False
+
+
+def attempt_for(
+    store: JobStore,
+    request: Any,
+    attempts: int,
+    outcome: str,
+    error: str | None = None,
+    traceback: str | None = None,
+) -> dict[str, Any]:
+    """The history entry of the attempt `request` is running, finished now with `outcome`."""
+    task_id = getattr(request, "id", None)
+    return attempt_entry(
+        attempts,
+        worker=getattr(request, "hostname", None) or socket.gethostname(),
+        started_at=_started_at.pop(task_id, None) if task_id else None,
+        finished_at=store.now(),
+        outcome=outcome,
+        error=error,
+        traceback=traceback,
+    )
+
+
+@signals.task_prerun.connect
+def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    store = store_for(sender.app) if sender is not None else None
+    if store is not None and task_id and job_of(sender.request) is not None:
+        if len(_started_at) > 1000:  # entries whose task never settled here (a hard time limit, say)
+            _started_at.clear()
+        _started_at[task_id] = store.now()
 
 
 @signals.task_success.connect
 def _on_success(sender: Any = None, **_: Any) -> None:
-    store, job = store_for(sender.app), _job_of(sender.request)
-    if store is not None and job is not None:
-        store.succeed(*job)
+    store, job = store_for(sender.app), job_of(sender.request)
+    if store is not None and job is not None and not _settled_already(job):
+        store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "succeeded"))
 
 
 @signals.task_failure.connect
 def _on_failure(
-    sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    einfo: Any = None,
+    **_: Any,
 ) -> None:
     store = store_for(sender.app)
     if store is None or exception is None:
         return
     request = sender.request
-    job = _job_of(request) if getattr(request, "id", None) == task_id else None
+    job = job_of(request) if getattr(request, "id", None) == task_id else None
+    if job is not None and _settled_already(job):
+        return
     error = describe_error(exception)
-    retryable = _is_retryable(request, exception) if job else True
+    retryable = is_retryable(request, exception) if job else True
     if job is not None:
-        store.fail(*job, error, retryable=retryable)
+        trace = getattr(einfo, "traceback", None)
+        store.fail(
+            *job, error, retryable=retryable, attempt=attempt_for(store, request, job[1], "failed", error, trace)
+        )
     elif task_id:
         # A hard time limit is reported by the main process, without the task's request.
-        store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable)
+        worker = getattr(request, "hostname", None) or socket.gethostname()
+        store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable, worker=worker)
+
+
+@signals.task_retry.connect
+def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any) -> None:
+    # The task's own retry already put its job back in the queue (publish); the attempt joins the history.
+    store, job = store_for(sender.app), job_of(request)
+    if store is None or job is None or _settled_already(job) or reason is None:
+        return  # no reason: Celery cancelled the task as its worker stops, and the release records the attempt
+    error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
+    trace = getattr(einfo, "traceback", None)
+    store.annotate(*job, {}, attempt=attempt_for(store, request, job[1], "retry", error, trace))
+
+
+def revoke_reason(terminated: bool, expired: bool, signum: Any) -> str:
+    if expired:
+        return "revoked: the task expired before it ran"
+    if terminated:
+        return f"revoked: terminated by signal {signum}"
+    return "revoked before it ran"
 
 
 @signals.task_revoked.connect
@@ -123,16 +216,12 @@ def _on_revoked(
     signum: Any = None,
     **_: Any,
 ) -> None:
-    store, job = store_for(sender.app), _job_of(request)
-    if store is None or job is None:
+    store, job = store_for(sender.app), job_of(request)
+    if store is None or job is None or _settled_already(job):
         return
-    if expired:
-        reason = "revoked: the task expired before it ran"
-    elif terminated:
-        reason = f"revoked: terminated by signal {signum}"
-    else:
-        reason = "revoked before it ran"
-    store.fail(*job, reason, retryable=False)
+    reason = revoke_reason(terminated, expired, signum)
+    entry = attempt_for(store, request, job[1], "revoked", reason)
+    store.fail(*job, reason, retryable=False, attempt=entry, result=_pending_results.pop(job, None))
 
 
 @signals.task_unknown.connect
@@ -150,13 +239,14 @@ def _explain_rejection(consumer: Any, message: Any, reason: str) -> None:
     # Celery rejects the message (which fails the job) before it says why; the why goes in lastError.
     store = store_for(consumer.app)
     job_id, attempts = getattr(message, "job_id", None), getattr(message, "attempts", None)
-    if (
-        store is not None
-        and job_id
-        and attempts is not None
-        and not store.fail(job_id, attempts, reason, retryable=False)
-    ):
-        store.explain_failure(job_id, attempts, reason)
+    if store is None or not job_id or attempts is None:
+        return
+    worker = getattr(consumer, "hostname", None)
+    entry = attempt_entry(
+        attempts, worker=worker, started_at=None, finished_at=store.now(), outcome="failed", error=reason
+    )
+    if not store.fail(job_id, attempts, reason, retryable=False, attempt=entry):
+        store.explain_failure(job_id, attempts, reason, attempt=entry)
 
 
 def _reserved_jobs() -> list[str]:
@@ -192,7 +282,7 @@ class _ScrubSecrets(logging.Filter):
 def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     from celery import current_app
 
-    url = _bbmongo_url(current_app)
+    url = broker_url(current_app)
     secrets = connection.parse_broker_url(url).secrets if url else ()
     if logger is None or not secrets:
         return

@@ -1,4 +1,16 @@
-"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps, counts and operations."""
+"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps, counts and operations.
+
+The job document's record of its attempts and its Celery result (designed once, for the Jobs view and for the
+`bbmongo://` result backend in results.py), written inside writes that exist anyway, never in a round trip of its own:
+
+- `startedAt`: set by the claim (the claim is when an attempt starts holding the job).
+- `history`: the last HISTORY_LIMIT attempts, oldest first, each `{n, worker, startedAt, finishedAt, outcome, error,
+  traceback}`; `outcome` is `succeeded`, `failed`, `retry` (the task's own Celery retry), `revoked` or `lost` (the
+  worker vanished: the stale sweep or its shutdown settled it). Pushed with `$push`/`$slice` by the settling write.
+- The result, set by the settling write when the backend is `bbmongo://` (see results.py): `state` (Celery's state),
+  `result` (the value as BSON when it came as JSON, else the encoded bytes; `resultFormat` says which), `traceback`,
+  `dateDone`, `children`, `groupId`, `parentId`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from kombu.exceptions import EncodeError
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
@@ -19,6 +32,9 @@ from ulid import ULID
 
 from . import lifecycle, metrics
 from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+
+#: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
+RETRY_STATE = "RETRY"
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +51,13 @@ INDEXES = [
 _claiming = threading.Lock()
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+
+#: Attempts kept in a job's `history`, the newest last.
+HISTORY_LIMIT = 10
+#: A traceback in `history` is cut to its last this many characters (where the exception is).
+MAX_HISTORY_TRACEBACK = 4000
+#: Server error codes for an update whose document would exceed the limit (BSONObjectTooLarge and kin).
+DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
 
 #: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
 UNAPPLICABLE_UPDATE = {2, 14}
@@ -53,6 +76,41 @@ FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "l
 
 class JobTooLarge(ValueError):
     """The task message does not fit in one MongoDB document."""
+
+
+class SettleTooLarge(ValueError):
+    """A settling write (with a task's result) would make the job document larger than MongoDB's limit."""
+
+
+class ResultTooLarge(EncodeError):
+    """A task's result does not fit in its job document: the job fails with this as its error, never retried.
+
+    An EncodeError, so that Celery's tracer records it as the task's failure, as it does a result it cannot encode.
+    """
+
+
+def attempt_entry(
+    n: int,
+    *,
+    worker: str | None,
+    started_at: datetime | None,
+    finished_at: datetime,
+    outcome: str,
+    error: str | None = None,
+    traceback: str | None = None,
+) -> dict[str, Any]:
+    """One element of a job's `history`; the traceback is bounded to its end."""
+    entry: dict[str, Any] = {"n": n, "worker": worker, "startedAt": started_at, "finishedAt": finished_at}
+    entry["outcome"] = outcome
+    if error:
+        entry["error"] = error[: lifecycle.MAX_ERROR_LENGTH]
+    if traceback:
+        entry["traceback"] = traceback[-MAX_HISTORY_TRACEBACK:]
+    return entry
+
+
+def _pushed(entry: dict[str, Any] | None) -> dict[str, Any]:
+    return {} if entry is None else {"$push": {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}}
 
 
 @dataclass(frozen=True)
@@ -206,7 +264,10 @@ class JobStore:
                 doc = self._hinted(
                     lambda: self.coll.find_one_and_update(
                         due,
-                        {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
+                        {
+                            "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
+                            "$inc": {"attempts": 1},
+                        },
                         sort=CLAIM_ORDER,
                         hint="bb_claim",
                         return_document=ReturnDocument.AFTER,
@@ -239,7 +300,10 @@ class JobStore:
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
         if not head:
             return []
-        taken = {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}}
+        taken = {
+            "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
+            "$inc": {"attempts": 1},
+        }
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the $or fences each one
         fenced = [{"_id": doc["_id"], "attempts": doc["attempts"]} for doc in head]
         ours = [{"_id": doc["_id"], "attempts": doc["attempts"] + 1} for doc in head]
@@ -307,45 +371,89 @@ class JobStore:
         )
         return result.modified_count
 
-    def succeed(self, job_id: str, attempts: int) -> bool:
+    def succeed(
+        self,
+        job_id: str,
+        attempts: int,
+        *,
+        attempt: dict[str, Any] | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> bool:
+        """Settle a held job `succeeded`, with its history entry and (from the result backend) its result fields."""
         now = self.now()
-        done = self._settle(
-            job_id,
-            attempts,
-            {
-                "$set": {"status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now},
-                "$unset": {"leaseOwner": ""},
-            },
-        )
+        changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **_pushed(attempt)})
         if done:
             metrics.record("succeeded")
         return done
 
-    def fail(self, job_id: str, attempts: int, error: str, *, retryable: bool = True) -> Outcome | None:
-        """Record a failed attempt: back to the queue with backoff, or failed for good."""
+    def fail(
+        self,
+        job_id: str,
+        attempts: int,
+        error: str,
+        *,
+        retryable: bool = True,
+        attempt: dict[str, Any] | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> Outcome | None:
+        """Record a failed attempt: back to the queue with backoff, or failed for good.
+
+        `result` (from the result backend) is stored as it is when the job fails for good; when the job goes back to
+        the queue its `state` becomes RETRY, so a caller waiting on the result waits for the next attempt.
+        """
         now = self.now()
         outcome = lifecycle.after_failure(self.policy, attempts, self._scrub(error), now, retryable=retryable)
         changes: dict[str, Any] = {"status": outcome.status, "lastError": outcome.last_error, "updatedAt": now}
+        if result is not None:
+            changes = {**result, **changes}
+            if outcome.status == QUEUED:
+                changes["state"] = RETRY_STATE
         if outcome.status == QUEUED:
             changes["runAfter"] = outcome.run_after
         else:
             changes["finishedAt"] = now
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}})
+        if attempt is not None:
+            attempt = {k: self._scrub(v) if k in ("error", "traceback") else v for k, v in attempt.items()}
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **_pushed(attempt)})
         if done:
             metrics.record("retried" if outcome.status == QUEUED else "failed")
         return outcome if done else None
 
-    def fail_running_task(self, task_id: str, owner: str, error: str, *, retryable: bool = True) -> Outcome | None:
+    def annotate(
+        self, job_id: str, attempts: int, fields: dict[str, Any], *, attempt: dict[str, Any] | None = None
+    ) -> bool:
+        """Set result fields (a STARTED or custom state, a Celery retry) on the job's current attempt, any status."""
+        current = {"_id": job_id, "attempts": attempts}
+        update = {**({"$set": fields} if fields else {}), **_pushed(attempt)}  # MongoDB refuses an empty $set
+        if not update:
+            return False
+        return self._through_outages(lambda: self.coll.update_one(current, update)).modified_count == 1
+
+    def fail_running_task(
+        self, task_id: str, owner: str, error: str, *, retryable: bool = True, worker: str | None = None
+    ) -> Outcome | None:
         """Fail the running job of a Celery task id that `owner` holds (when only the task id is known)."""
-        doc = self.coll.find_one({"taskId": task_id, "status": RUNNING, "leaseOwner": owner}, {"attempts": 1})
+        running = {"taskId": task_id, "status": RUNNING, "leaseOwner": owner}
+        doc = self.coll.find_one(running, {"attempts": 1, "startedAt": 1})
         if doc is None:
             return None
-        return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable)
+        attempt = attempt_entry(
+            doc["attempts"],
+            worker=worker,
+            started_at=doc.get("startedAt"),
+            finished_at=self.now(),
+            outcome="failed",
+            error=error,
+        )
+        return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)
 
-    def explain_failure(self, job_id: str, attempts: int, reason: str) -> bool:
-        """Give a job that already failed on this attempt a more precise lastError."""
+    def explain_failure(
+        self, job_id: str, attempts: int, reason: str, *, attempt: dict[str, Any] | None = None
+    ) -> bool:
+        """Give a job that already failed on this attempt a more precise lastError (and its history entry)."""
         failed = {"_id": job_id, "status": FAILED, "attempts": attempts}
-        change = {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}}
+        change = {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}, **_pushed(attempt)}
         return self._through_outages(lambda: self.coll.update_one(failed, change)).modified_count == 1
 
     def release(self, job_id: str, attempts: int) -> bool:
@@ -356,14 +464,21 @@ class JobStore:
             {
                 "$set": {"status": QUEUED, "updatedAt": self.now()},
                 "$inc": {"attempts": -1},
-                "$unset": {"leaseOwner": ""},
+                "$unset": {"leaseOwner": "", "startedAt": ""},
             },
         )
 
     def _settle(self, job_id: str, attempts: int, update: dict[str, Any]) -> bool:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
         fenced = {"_id": job_id, "status": RUNNING, "attempts": attempts}
-        return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
+        try:
+            return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
+        except DocumentTooLarge as exc:
+            raise SettleTooLarge(f"the job document would exceed {MAX_DOCUMENT_BYTES} bytes: {exc}") from None
+        except OperationFailure as exc:
+            if exc.code not in DOCUMENT_TOO_LARGE:
+                raise
+            raise SettleTooLarge(f"the job document would exceed MongoDB's {MAX_DOCUMENT_BYTES} bytes") from None
 
     def _through_outages(self, write: Callable[[], Any]) -> Any:
         """Retry a write on a held job through a failover or a restart: losing a settle would run the task again."""
@@ -379,7 +494,9 @@ class JobStore:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def _scrub(self, text: str) -> str:
+    def _scrub(self, text: Any) -> Any:
+        if not isinstance(text, str):
+            return text
         for secret in self._secrets:
             text = text.replace(secret, "**")
         return text
@@ -399,28 +516,34 @@ class JobStore:
 
     def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
         now = self.now()
+
+        def settled_lost(status: str, last_error: str) -> list[dict[str, Any]]:
+            # A pipeline update, so that each job's history entry takes its own attempt number, owner and start.
+            lost = {
+                "n": "$attempts",
+                "worker": "$leaseOwner",
+                "startedAt": "$startedAt",
+                "finishedAt": now,
+                "outcome": "lost",
+                "error": {"$literal": last_error},
+            }
+            history = {"$concatArrays": [{"$ifNull": ["$history", []]}, [lost]]}
+            changes: dict[str, Any] = {"status": status, "lastError": {"$literal": last_error}, "updatedAt": now}
+            changes["runAfter" if status == QUEUED else "finishedAt"] = now
+            changes["history"] = {"$slice": [history, -HISTORY_LIMIT]}
+            return [{"$set": changes}, {"$unset": ["leaseOwner"]}]
+
         retry = self._hinted(
             lambda: self.coll.update_many(
                 {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
-                {
-                    "$set": {"status": QUEUED, "lastError": reason, "runAfter": now, "updatedAt": now},
-                    "$unset": {"leaseOwner": ""},
-                },
+                settled_lost(QUEUED, reason),
                 hint=hint,
             )
         )
         give_up = self._hinted(
             lambda: self.coll.update_many(
                 {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
-                {
-                    "$set": {
-                        "status": FAILED,
-                        "lastError": f"{reason}, and no attempt is left",
-                        "updatedAt": now,
-                        "finishedAt": now,
-                    },
-                    "$unset": {"leaseOwner": ""},
-                },
+                settled_lost(FAILED, f"{reason}, and no attempt is left"),
                 hint=hint,
             )
         )

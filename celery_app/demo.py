@@ -167,13 +167,16 @@ def main() -> int:
         from celery_app import app
         from celery_app.tasks import add, always_fails, flaky, long_running
 
-        app.conf.broker_url = url  # `python -m celery_app.demo` imported the app before the URL was known
+        # `python -m celery_app.demo` imported the app before the URL was known
+        app.conf.update(broker_url=url, result_backend=url)
         sample = [add.delay(2, 3), flaky.delay("flaky"), always_fails.delay("doomed"), long_running.delay(3)]
         ids = [result.id for result in sample]
         with MongoClient(target.mongo_uri, serverSelectionTimeoutMS=5000, tz_aware=True) as client:
             db = client[target.database]
             last = None
             say("Ctrl-C stops everything the demo started")
+            # The result backend is the jobs collection too: .get() reads the result off add's job document.
+            say(f"add.delay(2, 3).get() = {sample[0].get(timeout=300)!r}")
             while True:
                 for child in children:
                     child.check()

@@ -21,6 +21,11 @@ app.conf.update(
     worker_hijack_root_logger=True,
     result_backend=os.environ.get("BB_RESULT_BACKEND"),  # "rpc://": results come back through the broker
 )
+if os.environ.get("BB_RESULT_BACKEND"):
+    # The result backend on the job documents (tests/test_results_e2e.py; "broker" means the broker's URL, to run
+    # any other test with results on); other tests run without one.
+    backend = os.environ["BB_RESULT_BACKEND"]
+    app.conf.result_backend = app.conf.broker_url if backend == "broker" else backend
 
 
 def runs():
@@ -111,3 +116,48 @@ def echo(self, value):
 def raise_message(self, text):
     record(self)
     raise RuntimeError(text)
+
+
+@app.task(bind=True)
+def tsum(self, values):
+    record(self, values=values)
+    return sum(values)
+
+
+@app.task(bind=True, track_started=True)
+def started_then_sleep(self, seconds):
+    record(self, phase="start")
+    time.sleep(seconds)
+    return "slept"
+
+
+@app.task(bind=True)
+def progress(self, steps, pause):
+    for step in range(steps):
+        self.update_state(state="PROGRESS", meta={"step": step + 1, "of": steps})
+        time.sleep(pause)
+    return steps
+
+
+@app.task(bind=True, ignore_result=True)
+def ignored(self):
+    record(self)
+    return "not kept"
+
+
+@app.task(bind=True)
+def big_result(self, size):
+    record(self)
+    return "x" * size
+
+
+@app.task(bind=True)
+def note_error(self, failed_task_id):
+    # An errback taking only the failed task's id: Celery sends it as a task of its own.
+    record(self, failed=failed_task_id)
+
+
+@app.task
+def note_failure(request, exc, traceback):
+    # A new-style errback: Celery calls it in the failing task's process with its request, exception and traceback.
+    runs().insert_one({"name": "note_failure", "failed": request.id, "error": str(exc), "at": time.time()})

@@ -37,6 +37,7 @@ def test_the_demo_runs_the_sample_jobs_to_the_end(broker_url, db) -> None:
     env = demo_env(BB_BROKER_URL=broker_url, BB_DEMO_ONCE="1")
     demo = subprocess.run(DEMO, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "demo: add.delay(2, 3).get() = 5" in demo.stdout
     final = final_counts(demo.stdout)
     assert final == {"queued": 0, "running": 0, "succeeded": 3, "failed": 1}
     doomed = db.jobs.find_one({"kind": "celery_app.tasks.always_fails"})

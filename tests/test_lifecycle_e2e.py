@@ -9,6 +9,11 @@ import bb_broker
 from tests.workers import job, send, settled, wait_for
 
 
+def outcomes(db, task_id: str) -> list[str]:
+    """The outcome of each attempt in the job's history."""
+    return [attempt["outcome"] for attempt in job(db, task_id).get("history", [])]
+
+
 def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> None:
     worker_factory()
     ok = send(app, "add", 2, 3)
@@ -25,6 +30,13 @@ def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> N
     starts = [r["at"] for r in db.runs.find({"taskId": doomed}).sort("attempt")]
     assert starts[1] - starts[0] >= 0.5 and starts[2] - starts[1] >= 1.0
     assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": 2, "failed": 1}
+    # Each attempt in the job's history, written by the settling writes themselves.
+    assert outcomes(db, ok) == ["succeeded"] and outcomes(db, flaky) == ["failed", "succeeded"]
+    history = job(db, doomed)["history"]
+    assert [(a["n"], a["outcome"], a["error"]) for a in history] == [
+        (n, "failed", "ValueError: always fails") for n in (1, 2, 3)
+    ]
+    assert all("always fails" in a["traceback"] and a["startedAt"] <= a["finishedAt"] for a in history)
     assert db.jobs.count_documents({}) == 3  # events and remote control never become jobs
 
 
@@ -48,6 +60,7 @@ def test_self_retry_keeps_one_document_with_its_eta(app, db, worker_factory) -> 
     assert all(b["at"] - a["at"] >= 0.9 for a, b in zip(runs, runs[1:], strict=False))  # countdown=1 honoured
     assert db.jobs.count_documents({"taskId": task_id}) == 1
     assert failed["attempts"] == 3 and "not yet" in failed["lastError"]
+    assert outcomes(db, task_id) == ["retry", "retry", "failed"]
 
 
 def test_autoretry_is_honoured_and_its_final_attempt_known(app, db, worker_factory) -> None:
@@ -63,7 +76,10 @@ def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
     worker_factory()
     task_id = app.send_task("nobody.has.this", args=(1,)).id
     failed = wait_for(settled(db, task_id, "failed"), message="unknown task failed")
-    assert failed["attempts"] == 1 and "nobody.has.this" in failed["lastError"]
+    assert failed["attempts"] == 1
+    # Celery rejects the message before it says why: the reason and the attempt come in a second write.
+    wait_for(lambda: outcomes(db, task_id) == ["failed"], message="the attempt in the history")
+    assert "nobody.has.this" in job(db, task_id)["lastError"]
 
 
 def test_revoke_ends_failed(app, db, worker_factory) -> None:
@@ -78,6 +94,7 @@ def test_revoke_ends_failed(app, db, worker_factory) -> None:
     terminated = wait_for(settled(db, running, "failed"), message="revoked while running")
     assert "revoked" in terminated["lastError"] and "terminated" in terminated["lastError"]
     assert db.runs.count_documents({"taskId": waiting}) == 0
+    assert outcomes(db, waiting) == ["revoked"] and outcomes(db, running) == ["revoked"]
 
 
 def test_time_limit_counts_as_a_failure(app, db, worker_factory) -> None:
@@ -87,6 +104,8 @@ def test_time_limit_counts_as_a_failure(app, db, worker_factory) -> None:
     failed = wait_for(settled(db, task_id, "failed"), timeout=90, message="overrun failed")
     assert failed["attempts"] == 2 and "TimeLimitExceeded" in failed["lastError"]
     assert db.runs.count_documents({"taskId": task_id}) == 2
+    assert outcomes(db, task_id) == ["failed", "failed"]
+    assert all("TimeLimitExceeded" in a["error"] for a in job(db, task_id)["history"])
 
 
 def test_warm_shutdown_finishes_and_records_running_tasks(app, db, worker_factory) -> None:
@@ -107,6 +126,8 @@ def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) ->
     worker.wait(60)
     doc = job(db, task_id)
     assert doc["status"] == "queued" and doc["lastError"], doc
+    [cut_short] = doc["history"]
+    assert cut_short["outcome"] == "lost" and cut_short["n"] == 1 and cut_short["error"] == doc["lastError"]
 
 
 def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, worker_factory) -> None:
@@ -117,6 +138,7 @@ def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, wo
         failed = wait_for(settled(db, doomed, "failed"), timeout=120, message="the process killer failed")
         assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"]
     assert "SIGSEGV" in job(db, segfaults)["lastError"]
+    assert outcomes(db, exits) == ["failed"] * 3 and outcomes(db, segfaults) == ["failed"] * 3
     assert job(db, fine)["status"] == "succeeded"
 
 
@@ -129,6 +151,9 @@ def test_worker_killed_mid_task_its_job_is_requeued_and_run_again(app, db, worke
     worker_factory(options={"stale_after": 3})
     done = wait_for(settled(db, task_id, "succeeded"), timeout=60, message="re-run after the crash")
     assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 2
+    lost, rerun = done["history"]
+    assert (lost["n"], lost["outcome"], rerun["n"], rerun["outcome"]) == (1, "lost", 2, "succeeded")
+    assert "no heartbeat" in lost["error"] and lost["worker"].count(":") == 2  # the lease owner host:pid:ulid
 
 
 def test_a_live_job_is_never_requeued_however_long_it_runs(app, db, worker_factory) -> None:

@@ -59,6 +59,9 @@ def main() -> int:
             mongo_broker("bbmongo", "bbmongo", mongo.url, mongo, ops),
             mongo_broker("mongodb", "mongodb", mongo.url, mongo, ops),
             redis_broker(redis_server, rops),
+            # Results on: bbmongo:// on the job documents, against mongodb:// with Celery's MongoDB backend.
+            mongo_broker("bbmongo_results", "bbmongo", mongo.url, mongo, ops, results=True),
+            mongo_broker("mongodb_results", "mongodb", mongo.url, mongo, ops, results=True),
         ]
         wanted = os.environ.get("BENCH_BROKERS")
         if wanted:

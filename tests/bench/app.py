@@ -26,6 +26,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
 )
+if os.environ.get("BENCH_RESULT_BACKEND"):
+    # The "with results" rounds: every task's result stored (bbmongo:// on its job, mongodb:// in celery_taskmeta).
+    app.conf.update(result_backend=os.environ["BENCH_RESULT_BACKEND"], task_ignore_result=False)
 
 _started: dict[str, tuple[str, float, float]] = {}
 

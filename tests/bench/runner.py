@@ -108,9 +108,16 @@ class Broker:
     reset: Callable[[int], None]
     server_pid: Callable[[], int]
     check: Callable[[int, int], dict[str, Any]] = field(default=lambda rep, expected: {})
+    #: The workers' result_backend for a round, or None: results ignored (the bench app's default).
+    result_backend: Callable[[int], str] | None = None
 
 
-def mongo_broker(name: str, scheme: str, url: str, server: Server, counter: MongoOps) -> Broker:
+def mongo_broker(
+    name: str, scheme: str, url: str, server: Server, counter: MongoOps, *, results: bool = False
+) -> Broker:
+    """A MongoDB broker; with `results`, the same URL is also the result backend: bb_broker.results for bbmongo://,
+    Celery's own MongoDB backend (a `celery_taskmeta` document per task) for mongodb://."""
+
     def database(rep: int) -> str:
         return f"bench_{name}_{rep}"
 
@@ -132,6 +139,11 @@ def mongo_broker(name: str, scheme: str, url: str, server: Server, counter: Mong
         # Every task succeeded and is still there; the warm-up job waits in a queue nobody consumes.
         if counts != {"succeeded": expected, "queued": 1}:
             raise AssertionError(f"bbmongo:// statuses after the round: {counts}, expected {expected} succeeded")
+        if results:
+            db = counter.client[database(rep)]
+            stored = db["jobs"].count_documents({"status": "succeeded", "state": "SUCCESS"})
+            if stored != expected or "celery_taskmeta" in db.list_collection_names():
+                raise AssertionError(f"results on the jobs: {stored} of {expected}, or a celery_taskmeta appeared")
         return {"statuses": counts}
 
     return Broker(
@@ -143,6 +155,7 @@ def mongo_broker(name: str, scheme: str, url: str, server: Server, counter: Mong
         producer_url=lambda rep: with_database(url, database(rep), scheme) + f"?{quiet}",
         reset=reset,
         check=check,
+        result_backend=(lambda rep: with_database(url, database(rep), scheme)) if results else None,
     )
 
 
@@ -269,6 +282,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     app = producer(broker.producer_url(rep))
     commands = workdir / f"{broker.name}-{rep}.commands"
     diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
+    results = {"BENCH_RESULT_BACKEND": broker.result_backend(rep)} if broker.result_backend else {}
 
     def worker_with(prefetch: int, name: str) -> Worker:
         return Worker(
@@ -278,7 +292,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
             concurrency=settings.concurrency,
             app="tests.bench.app",
             extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}"),
-            env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(prefetch), **diagnosis},
+            env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(prefetch), **diagnosis, **results},
         )
 
     worker = worker_with(settings.prefetch, f"{broker.name}-{rep}")

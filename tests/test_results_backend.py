@@ -1,0 +1,154 @@
+"""The result backend's own writes and reads against the real server, called directly (no worker)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from bson import Binary
+from celery import Celery, states
+from celery.app.task import Context
+from pymongo.database import Database
+
+import bb_broker
+from bb_broker.lifecycle import Policy
+from bb_broker.results import JobFailed, JobResultBackend
+from bb_broker.store import HISTORY_LIMIT, JobStore, attempt_entry
+from tests.workers import producer
+
+
+@pytest.fixture
+def app(broker_url: str):
+    app = producer(broker_url)
+    app.conf.result_backend = broker_url
+    app.conf.result_expires = 3600
+    yield app
+    app.close()
+
+
+def tsum(app: Celery):
+    return app.signature("tests.e2e_app.tsum")
+
+
+def part(task_id: str, group_id: str, index: int, callback) -> Context:
+    return Context({"id": task_id, "group": group_id, "group_index": index, "chord": callback})
+
+
+def test_a_chord_part_that_runs_again_is_counted_once(app: Celery, db: Database):
+    backend = app.backend
+    backend.apply_chord(("g1", [app.AsyncResult("t0"), app.AsyncResult("t1")]), tsum(app))
+    backend.set_chord_size("g1", 2)
+    callback = tsum(app)
+    backend.on_chord_part_return(part("t0", "g1", 0, callback), states.SUCCESS, 5)
+    backend.on_chord_part_return(part("t0", "g1", 0, callback), states.SUCCESS, 5)  # its worker died, it ran again
+    assert db.bb_results.find_one({"_id": "chord:g1"})["count"] == 1
+    assert db.jobs.count_documents({"kind": "tests.e2e_app.tsum"}) == 0
+    backend.on_chord_part_return(part("t1", "g1", 1, callback), states.SUCCESS, 7)
+    backend.on_chord_part_return(part("t1", "g1", 1, callback), states.SUCCESS, 7)
+    [sent] = db.jobs.find({"kind": "tests.e2e_app.tsum"})
+    assert sent["payload"]["args"] == [[5, 7]]  # in header order, the callback sent once
+
+
+def test_parts_completing_together_send_the_callback_once(app: Celery, db: Database):
+    size = 8
+    app.backend.apply_chord(("g2", [app.AsyncResult(f"t{i}") for i in range(size)]), tsum(app))
+    app.backend.set_chord_size("g2", size)
+    barrier = threading.Barrier(size)
+
+    def complete(i: int) -> None:
+        backend = JobResultBackend(app, url=app.conf.result_backend)  # a backend per thread, as Celery has
+        barrier.wait()
+        backend.on_chord_part_return(part(f"t{i}", "g2", i, tsum(app)), states.SUCCESS, i)
+
+    threads = [threading.Thread(target=complete, args=(i,)) for i in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    [sent] = db.jobs.find({"kind": "tests.e2e_app.tsum"})
+    assert sent["payload"]["args"] == [list(range(size))]
+
+
+def test_values_json_cannot_hold_as_bson_are_kept_encoded(app: Celery, db: Database):
+    backend = app.backend
+    big = 2**70  # JSON has it, BSON's integers do not
+    backend.store_result("t-big", {"n": big, "$key": 1}, states.SUCCESS)
+    doc = db.bb_results.find_one({"_id": "task:t-big"})
+    assert isinstance(doc["result"], bytes | Binary) and doc["resultFormat"] == "encoded:json"
+    assert backend.get_task_meta("t-big", cache=False)["result"] == {"n": big, "$key": 1}
+    backend.store_result("t-plain", {"a": [1, "b", None]}, states.SUCCESS)
+    assert db.bb_results.find_one({"_id": "task:t-plain"})["result"] == {"a": [1, "b", None]}  # readable as BSON
+
+
+def test_results_without_a_job_expire_with_result_expires(app: Celery, db: Database):
+    app.backend.store_result("t-side", 1, states.SUCCESS)
+    doc = db.bb_results.find_one({"_id": "task:t-side"})
+    assert timedelta(minutes=59) < doc["expiresAt"] - doc["dateDone"] <= timedelta(hours=1, seconds=5)
+    index = {ix["name"]: ix for ix in db.bb_results.list_indexes()}["bb_expiry"]
+    assert index["expireAfterSeconds"] == 0
+
+
+def test_a_success_is_never_overwritten(app: Celery):
+    app.backend.store_result("t-done", 1, states.SUCCESS)
+    app.backend.store_result("t-done", RuntimeError("late"), states.FAILURE)
+    assert app.backend.get_task_meta("t-done", cache=False)["status"] == states.SUCCESS
+
+
+def test_jobs_that_failed_without_a_celery_result_read_as_failures(app: Celery, db: Database):
+    now = datetime.now(UTC)
+    base = {"kind": "k", "queue": "celery", "attempts": 1, "createdAt": now, "updatedAt": now, "runAfter": now}
+    db.jobs.insert_many(
+        [
+            {**base, "_id": "j1", "taskId": "lost", "status": "failed", "lastError": "worker lost: no heartbeat"},
+            {**base, "_id": "j2", "taskId": "revoked", "status": "failed", "lastError": "revoked before it ran"},
+            {**base, "_id": "j3", "taskId": "waiting", "status": "queued"},
+        ]
+    )
+    lost = app.AsyncResult("lost")
+    assert lost.state == states.FAILURE and isinstance(lost.result, JobFailed)
+    with pytest.raises(JobFailed, match="worker lost"):
+        lost.get(timeout=5)
+    assert app.AsyncResult("revoked").state == states.REVOKED
+    assert app.AsyncResult("waiting").state == states.PENDING
+
+
+def test_a_result_over_the_limit_is_refused_before_any_write(app: Celery, db: Database):
+    with pytest.raises(bb_broker.ResultTooLarge, match="16 MB"):
+        app.backend.store_result("t-huge", "x" * (16 * 1024 * 1024), states.SUCCESS)
+    assert db.bb_results.count_documents({}) == 0
+
+
+def test_history_keeps_the_last_attempts_and_the_sweep_records_lost_ones(db: Database):
+    store = JobStore(db, Policy(max_attempts=20, stale_after=1.0))
+    store.ensure_indexes()
+    store.publish(queue="q", kind="k", task_id="t", payload={}, priority=0, run_after=None, is_retry=False)
+    for n in range(1, HISTORY_LIMIT + 3):
+        claimed = store.claim("q", "owner-a")
+        entry = attempt_entry(n, worker="w@h", started_at=None, finished_at=store.now(), outcome="failed", error="e")
+        store.fail(claimed.id, claimed.attempts, "e", attempt=entry)
+        db.jobs.update_one({"_id": claimed.id}, {"$set": {"runAfter": store.now()}})
+    doc = db.jobs.find_one({"_id": claimed.id})
+    assert [a["n"] for a in doc["history"]] == list(range(3, HISTORY_LIMIT + 3))
+    claimed = store.claim("q", "owner-b")
+    db.jobs.update_one({"_id": claimed.id}, {"$set": {"updatedAt": store.now() - timedelta(seconds=5)}})
+    assert store.requeue_stale() == (1, 0)
+    lost = db.jobs.find_one({"_id": claimed.id})["history"][-1]
+    assert lost["n"] == HISTORY_LIMIT + 3 and lost["worker"] == "owner-b" and lost["outcome"] == "lost"
+    assert lost["startedAt"] is not None and "no heartbeat" in lost["error"]
+    assert len(db.jobs.find_one({"_id": claimed.id})["history"]) == HISTORY_LIMIT
+
+
+def test_the_backend_url_never_shows_its_password(app: Celery):
+    backend = JobResultBackend(app, url="bbmongo://ops:s3cret@127.0.0.1:1/db")
+    assert "s3cret" not in backend.as_uri() and backend.as_uri() == "bbmongo://ops:**@127.0.0.1:1/db"
+
+
+def test_a_broker_url_with_other_options_shares_the_jobs(broker_url: str):
+    # Then a worker writes each result in its settling write (it does not fall back to a second write).
+    app = producer(f"{broker_url}?appname=worker")
+    app.conf.result_backend = broker_url
+    try:
+        assert app.backend._store() is not None
+    finally:
+        app.close()
