@@ -16,6 +16,7 @@ from .clock import ServerClock
 from .leases import add_process_source
 from .lifecycle import Policy, describe_error
 from .payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
+from .prefork import guard_pool_queue
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,13 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     for handler in logger.handlers:
         if not any(isinstance(f, _ScrubSecrets) for f in handler.filters):
             handler.addFilter(_ScrubSecrets(secrets))
+
+
+@signals.worker_init.connect
+def _guard_prefork_pool(sender: Any = None, **_: Any) -> None:
+    # Before the pool forks: `pool_shrink` must not wedge a worker (see prefork.py).
+    if _bbmongo_url(sender.app) is not None:
+        guard_pool_queue()
 
 
 @signals.worker_ready.connect
