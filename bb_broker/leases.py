@@ -8,8 +8,10 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 
+import pymongo
 from pymongo.errors import PyMongoError
 
+from .connection import SHUTDOWN_PATIENCE
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,8 @@ class LeaseKeeper:
         if os.getpid() != pid:
             return
         try:
-            self.store.release_owner(self.owner, "the worker shut down while the task ran")
+            with pymongo.timeout(SHUTDOWN_PATIENCE):  # a server that is gone must not hold the exit
+                self.store.release_owner(self.owner, "the worker shut down while the task ran")
         except PyMongoError as exc:
             logger.warning(
                 "could not release this worker's jobs at exit (%s); the stale sweep will", type(exc).__name__

@@ -11,6 +11,7 @@ from queue import Empty
 from time import monotonic, sleep
 from typing import Any
 
+import pymongo
 from celery.worker import state as worker_state
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
@@ -304,7 +305,8 @@ class Channel(virtual.Channel):
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
-        super().close()
+        with pymongo.timeout(connection.SHUTDOWN_PATIENCE):  # a server that is gone must not hold a worker's stop
+            super().close()
 
 
 def _eta(value: Any) -> datetime | None:
