@@ -47,6 +47,9 @@ RETENTION_FILTER = {"status": SUCCEEDED}
 #: Server error codes for an index that exists under the same name with other options.
 INDEX_CONFLICT = {85, 86}
 
+#: Server error codes for a command (or an option of it) the server does not implement: a TTL index, collMod.
+NOT_IMPLEMENTED = {115, 238}
+
 #: What `bb-broker status` can break the counts down by.
 BREAKDOWNS = ("queue", "kind")
 #: The fields an operator reads about a failed job.
@@ -55,6 +58,41 @@ FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "l
 
 class JobTooLarge(ValueError):
     """The task message does not fit in one MongoDB document."""
+
+
+class ServerLacksFeature(RuntimeError):
+    """The server cannot do something the broker cannot safely do without."""
+
+
+_said_no_ttl = threading.Event()
+
+
+def say_no_ttl_once(exc: OperationFailure) -> None:
+    """One log line per process for a server without TTL indexes, however many collections find out."""
+    if not _said_no_ttl.is_set():
+        _said_no_ttl.set()
+        logger.warning(
+            "this server cannot make TTL indexes (code %s): succeeded jobs and plumbing messages are deleted by a "
+            "periodic sweep of the workers instead",
+            exc.code,
+        )
+
+
+def ensure_plain_indexes(coll: MongoCollection, indexes: list[IndexModel]) -> None:
+    """Create indexes the broker needs; a server that cannot, and does not have them already, is refused."""
+    try:
+        coll.create_indexes(indexes)
+    except OperationFailure as exc:
+        if exc.code not in NOT_IMPLEMENTED:
+            raise
+        present = {ix["name"] for ix in coll.list_indexes()}
+        missing = sorted(ix.document["name"] for ix in indexes if ix.document["name"] not in present)
+        if missing:
+            raise ServerLacksFeature(
+                f"the server cannot create the indexes {', '.join(missing)} on {coll.full_name} (createIndexes "
+                f"answered code {exc.code}); claims without them are not safe: create them by hand or use a server "
+                "that supports createIndexes"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -84,6 +122,8 @@ class JobStore:
         self.policy = policy or Policy()
         self.now = clock or (lambda: datetime.now(UTC))
         self._secrets = tuple(secrets)
+        #: Seconds succeeded jobs are kept where the server has no TTL index (set by ensure_indexes), else None.
+        self.retention_sweep: int | None = None
 
     def ensure_indexes(self, *, retention: float | None = None) -> None:
         """Create the indexes; `retention` (seconds, 0 = keep) sets when succeeded jobs expire.
@@ -91,8 +131,22 @@ class JobStore:
         Without `retention` an existing expiry is left as it is, so a producer that does not configure it
         never undoes what the workers set; a new collection gets DEFAULT_RETENTION.
         """
-        self.coll.create_indexes(INDEXES)
-        self._ensure_retention(retention)
+        ensure_plain_indexes(self.coll, INDEXES)
+        try:
+            self._ensure_retention(retention)
+        except OperationFailure as exc:
+            if exc.code not in NOT_IMPLEMENTED:
+                raise
+            say_no_ttl_once(exc)
+            seconds = DEFAULT_RETENTION if retention is None else retention
+            self.retention_sweep = math.ceil(seconds) or None
+
+    def expire_succeeded(self) -> int:
+        """Where the server has no TTL index: delete the succeeded jobs past retention (a worker's periodic sweep)."""
+        if not self.retention_sweep:
+            return 0
+        cutoff = self.now() - timedelta(seconds=self.retention_sweep)
+        return self.coll.delete_many({"status": SUCCEEDED, "finishedAt": {"$lt": cutoff}}).deleted_count
 
     def _ensure_retention(self, retention: float | None) -> None:
         current = next((ix for ix in self.coll.list_indexes() if ix["name"] == RETENTION_INDEX), None)
@@ -129,9 +183,21 @@ class JobStore:
             self._set_retention(seconds)  # another process created it a moment ago with another retention
 
     def _set_retention(self, seconds: int) -> None:
-        self.coll.database.command(
-            "collMod", self.coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds}
-        )
+        try:
+            self.coll.database.command(
+                "collMod", self.coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds}
+            )
+        except OperationFailure as exc:
+            if exc.code not in NOT_IMPLEMENTED:
+                raise
+            # No collMod: the same change as a new index (a server without TTL indexes says so in create_index).
+            self.coll.drop_index(RETENTION_INDEX)
+            self.coll.create_index(
+                [("finishedAt", ASCENDING)],
+                name=RETENTION_INDEX,
+                expireAfterSeconds=seconds,
+                partialFilterExpression=RETENTION_FILTER,
+            )
 
     # --- producing -------------------------------------------------------
 
