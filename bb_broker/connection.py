@@ -108,7 +108,7 @@ SHUTDOWN_PATIENCE = 5.0
 #: Client options a worker gives every client, unless its URL says otherwise: a worker whose server is gone notices
 #: within seconds (and stops within seconds), where pymongo's default waits 30 s on every call. Writes that must
 #: get through an outage retry on their own (see JobStore._through_outages).
-WORKER_CLIENT_OPTIONS = {"serverSelectionTimeoutMS": 5000}
+WORKER_CLIENT_OPTIONS = {"serverSelectionTimeoutMS": 3000}
 _default_options: dict[str, Any] = {}
 
 

@@ -56,6 +56,13 @@ BREAKDOWNS = ("queue", "kind")
 FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 
 
+def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The claim: the filter of `queue`'s due jobs (taken in CLAIM_ORDER) and the update that makes one `owner`'s."""
+    due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+    take = {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}}
+    return due, take
+
+
 class JobTooLarge(ValueError):
     """The task message does not fit in one MongoDB document."""
 
@@ -267,17 +274,12 @@ class JobStore:
 
     def claim(self, queue: str, owner: str) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`."""
-        now = self.now()
-        due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+        due, take = claim_query(queue, owner, self.now())
         try:
             with _claiming:
                 doc = self._hinted(
                     lambda: self.coll.find_one_and_update(
-                        due,
-                        {"$set": {"status": RUNNING, "updatedAt": now, "leaseOwner": owner}, "$inc": {"attempts": 1}},
-                        sort=CLAIM_ORDER,
-                        hint="bb_claim",
-                        return_document=ReturnDocument.AFTER,
+                        due, take, sort=CLAIM_ORDER, hint="bb_claim", return_document=ReturnDocument.AFTER
                     )
                 )
         except OperationFailure as exc:

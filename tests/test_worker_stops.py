@@ -13,9 +13,9 @@ from tests.workers import Worker, producer, send, wait_for
 
 #: Far above a healthy stop on a loaded machine, far below a wedged worker's forever.
 STOP_BOUND = 60.0
-#: A worker whose server is gone stops in about 20 s (a few calls of 5 s each); it used to take one to three
+#: A worker whose server is gone stops in about 10 s (a few calls of 3 s each); it used to take one to three
 #: minutes, every call waiting out 30 s of server selection. A correctness bound, not a benchmark.
-STOP_WITHOUT_SERVER_BOUND = 45.0
+STOP_WITHOUT_SERVER_BOUND = 30.0
 
 
 def stops_on_sigterm(worker: Worker, bound: float = STOP_BOUND) -> int:
