@@ -18,7 +18,7 @@ from . import connection
 from .store import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX, JobStore, claim_query
 from .wakeups import NO_CHANGE_STREAMS
 
-OK, DEGRADED, UNSAFE = "ok", "degraded", "unsafe"
+OK, DEGRADED, UNSAFE, UNKNOWN = "ok", "degraded", "unsafe", "unknown"
 
 #: The race probe: this many claimers take this many documents at once; each must be taken exactly once.
 CLAIMERS = 8
@@ -52,16 +52,21 @@ def diagnose(db: Database, *, collection: str = "jobs", secrets: tuple[str, ...]
         ("jobs indexes", lambda: _jobs_indexes(db, collection)),
     ]
     verdicts = []
+    for name, check in checks:
+        try:
+            verdicts.append(check())
+        except PyMongoError as exc:
+            verdicts.append(Verdict(name, UNKNOWN, f"the check failed: {_describe(exc, secrets)}"))
     try:
-        for name, check in checks:
-            try:
-                verdicts.append(check())
-            except PyMongoError as exc:
-                detail = connection.scrub(str(exc).splitlines()[0] if str(exc) else "", secrets)
-                verdicts.append(Verdict(name, UNSAFE, f"the check failed: {type(exc).__name__}: {detail[:200]}"))
-    finally:
         scratch.drop()
+    except PyMongoError as exc:
+        verdicts.append(Verdict("cleanup", UNKNOWN, f"drop {scratch.full_name} by hand: {_describe(exc, secrets)}"))
     return verdicts
+
+
+def _describe(exc: PyMongoError, secrets: tuple[str, ...]) -> str:
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {connection.scrub(first_line, secrets)[:200]}"
 
 
 def _atomic_claims(db: Database, scratch: str) -> Verdict:
@@ -187,7 +192,8 @@ def _jobs_indexes(db: Database, collection: str) -> Verdict:
 
 
 def run(broker: str, collection: str, echo: Callable[[str], None]) -> int:
-    """The command's body: 0 when the server can carry the broker (degraded is allowed), 2 when it is unsafe."""
+    """The command's body: 0 when the server can carry the broker (degraded included), 2 when it is unsafe, 1 when
+    it cannot be reached or a check could not finish."""
     try:
         target = connection.parse_broker_url(broker)
     except connection.BrokerURLError as exc:
@@ -197,8 +203,7 @@ def run(broker: str, collection: str, echo: Callable[[str], None]) -> int:
     try:
         db.client.admin.command("ping")
     except PyMongoError as exc:
-        detail = connection.scrub(str(exc).splitlines()[0] if str(exc) else "", target.secrets)
-        echo(f"bb-broker: cannot reach {target.display}: {type(exc).__name__}: {detail[:200]}")
+        echo(f"bb-broker: cannot reach {target.display}: {_describe(exc, target.secrets)}")
         return 1
     echo(f"checking {target.display} (database {target.database})")
     verdicts = diagnose(db, collection=collection, secrets=target.secrets)
@@ -208,6 +213,10 @@ def run(broker: str, collection: str, echo: Callable[[str], None]) -> int:
     if unsafe:
         echo(f"verdict: unsafe ({', '.join(unsafe)})")
         return 2
+    unknown = [v.capability for v in verdicts if v.status == UNKNOWN]
+    if unknown:
+        echo(f"verdict: unknown ({', '.join(unknown)} could not be checked)")
+        return 1
     degraded = [v.capability for v in verdicts if v.status == DEGRADED]
     echo(f"verdict: {'usable, degraded: ' + ', '.join(degraded) if degraded else 'ok'}")
     return 0
