@@ -18,6 +18,7 @@ from .clock import ServerClock
 from .leases import add_process_source
 from .lifecycle import Policy, describe_error
 from .payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
+from .prefork import guard_pool_queue
 from .store import JobStore, ResultTooLarge, attempt_entry
 
 logger = logging.getLogger(__name__)
@@ -289,6 +290,15 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     for handler in logger.handlers:
         if not any(isinstance(f, _ScrubSecrets) for f in handler.filters):
             handler.addFilter(_ScrubSecrets(secrets))
+
+
+@signals.worker_init.connect
+def _prepare_worker(sender: Any = None, **_: Any) -> None:
+    # Before the pool forks and before the first client: `pool_shrink` must not wedge a worker (see prefork.py),
+    # and a worker whose server is gone must stop within seconds.
+    if broker_url(sender.app) is not None:
+        guard_pool_queue()
+        connection.use_worker_client_options()
 
 
 @signals.worker_ready.connect

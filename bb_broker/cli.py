@@ -362,6 +362,16 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
     click.echo(f"purged {count} job{'' if count == 1 else 's'}")
 
 
+@main.command()
+@broker_option
+@collection_option
+def doctor(broker: str, collection: str) -> None:
+    """Check whether a server can carry the broker safely: one verdict per capability; exit 2 when unsafe."""
+    from . import doctor as checks  # imported here: the other commands do not pay for it
+
+    sys.exit(checks.run(broker, collection, echo=click.echo))
+
+
 @main.command("serve-metrics")
 @broker_option
 @collection_option

@@ -8,8 +8,10 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 
+import pymongo
 from pymongo.errors import PyMongoError
 
+from .connection import SHUTDOWN_PATIENCE
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class LeaseKeeper:
         self.store = store
         self.owner = owner
         self._sources: list[LiveJobs] = []
+        self._expiries: list[Callable[[], int]] = []  # deletions a server without TTL indexes leaves to us
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bb-broker-leases", daemon=True)
         self._thread.start()
@@ -54,11 +57,17 @@ class LeaseKeeper:
         if os.getpid() != pid:
             return
         try:
-            self.store.release_owner(self.owner, "the worker shut down while the task ran")
+            with pymongo.timeout(SHUTDOWN_PATIENCE):  # a server that is gone must not hold the exit
+                self.store.release_owner(self.owner, "the worker shut down while the task ran")
         except PyMongoError as exc:
             logger.warning(
                 "could not release this worker's jobs at exit (%s); the stale sweep will", type(exc).__name__
             )
+
+    def add_expiry(self, expire: Callable[[], int]) -> None:
+        """Run `expire` with each stale sweep: where the server has no TTL indexes, the sweep does their deletes."""
+        if expire not in self._expiries:
+            self._expiries.append(expire)
 
     def add_source(self, source: LiveJobs) -> None:
         self._sources.append(source)
@@ -80,6 +89,8 @@ class LeaseKeeper:
         self.store.heartbeat(self.live_jobs(), self.owner)
         if sweep:
             self.store.requeue_stale()
+            for expire in list(self._expiries):
+                expire()
 
     def _run(self) -> None:
         policy = self.store.policy

@@ -16,8 +16,10 @@ from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection
 from pymongo.database import Database
+from pymongo.errors import OperationFailure
 
 from .connection import scrub
+from .store import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
 
 
 class BindingsWatch:
@@ -143,15 +145,23 @@ class MessageStore:
         self.secrets = secret_forms(secrets)
         self._table_cache: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
         self._watch = BindingsWatch.of(self.bindings)
+        #: True where the server has no TTL index, so a worker's periodic sweep deletes expired messages.
+        self.expiry_sweep = False
 
     def ensure_indexes(self) -> None:
-        self.messages.create_indexes(
-            [
-                IndexModel([("queue", ASCENDING), ("priority", DESCENDING), ("_id", ASCENDING)], name="bb_fetch"),
-                IndexModel([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0),
-            ]
-        )
-        self.bindings.create_indexes(
+        fetch = IndexModel([("queue", ASCENDING), ("priority", DESCENDING), ("_id", ASCENDING)], name="bb_fetch")
+        try:
+            self.messages.create_indexes(
+                [fetch, IndexModel([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0)]
+            )
+        except OperationFailure as exc:
+            if exc.code not in NOT_IMPLEMENTED:
+                raise
+            ensure_plain_indexes(self.messages, [fetch])
+            say_no_ttl_once(exc)
+            self.expiry_sweep = True
+        ensure_plain_indexes(
+            self.bindings,
             [
                 IndexModel(
                     [("exchange", ASCENDING), ("routing_key", ASCENDING), ("queue", ASCENDING)],
@@ -159,8 +169,14 @@ class MessageStore:
                     unique=True,
                 ),
                 IndexModel([("queue", ASCENDING)], name="bb_binding_queue"),
-            ]
+            ],
         )
+
+    def expire(self) -> int:
+        """Where the server has no TTL index: delete the messages past their expiry (a worker's periodic sweep)."""
+        if not self.expiry_sweep:
+            return 0
+        return self.messages.delete_many({"expiresAt": {"$lt": datetime.now(UTC)}}).deleted_count
 
     def put(self, queue: str, message: dict[str, Any], priority: int) -> None:
         if self.secrets:

@@ -70,8 +70,21 @@ RETENTION_FILTER = {"status": SUCCEEDED}
 #: Server error codes for an index that exists under the same name with other options.
 INDEX_CONFLICT = {85, 86}
 
+#: Server error codes for a command (or an option of it) the server does not implement: a TTL index, collMod.
+NOT_IMPLEMENTED = {115, 238}
+
 #: The fields an operator reads about a failed job.
 FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
+
+
+def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The claim: the filter of `queue`'s due jobs (taken in CLAIM_ORDER) and the update that makes one `owner`'s."""
+    due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+    take = {
+        "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
+        "$inc": {"attempts": 1},
+    }
+    return due, take
 
 
 class JobTooLarge(ValueError):
@@ -113,6 +126,41 @@ def _pushed(entry: dict[str, Any] | None) -> dict[str, Any]:
     return {} if entry is None else {"$push": {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}}
 
 
+class ServerLacksFeature(RuntimeError):
+    """The server cannot do something the broker cannot safely do without."""
+
+
+_said_no_ttl = threading.Event()
+
+
+def say_no_ttl_once(exc: OperationFailure) -> None:
+    """One log line per process for a server without TTL indexes, however many collections find out."""
+    if not _said_no_ttl.is_set():
+        _said_no_ttl.set()
+        logger.warning(
+            "this server cannot make TTL indexes (code %s): succeeded jobs and plumbing messages are deleted by a "
+            "periodic sweep of the workers instead",
+            exc.code,
+        )
+
+
+def ensure_plain_indexes(coll: MongoCollection, indexes: list[IndexModel]) -> None:
+    """Create indexes the broker needs; a server that cannot, and does not have them already, is refused."""
+    try:
+        coll.create_indexes(indexes)
+    except OperationFailure as exc:
+        if exc.code not in NOT_IMPLEMENTED:
+            raise
+        present = {ix["name"] for ix in coll.list_indexes()}
+        missing = sorted(ix.document["name"] for ix in indexes if ix.document["name"] not in present)
+        if missing:
+            raise ServerLacksFeature(
+                f"the server cannot create the indexes {', '.join(missing)} on {coll.full_name} (createIndexes "
+                f"answered code {exc.code}); claims without them are not safe: create them by hand or use a server "
+                "that supports createIndexes"
+            ) from None
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A job a worker now holds: `attempts` is its fencing token for every later write."""
@@ -140,6 +188,8 @@ class JobStore:
         self.policy = policy or Policy()
         self.now = clock or (lambda: datetime.now(UTC))
         self._secrets = tuple(secrets)
+        #: Seconds succeeded jobs are kept where the server has no TTL index (set by ensure_indexes), else None.
+        self.retention_sweep: int | None = None
 
     def ensure_indexes(self, *, retention: float | None = None) -> None:
         """Create the indexes; `retention` (seconds, 0 = keep) sets when succeeded jobs expire.
@@ -147,8 +197,22 @@ class JobStore:
         Without `retention` an existing expiry is left as it is, so a producer that does not configure it
         never undoes what the workers set; a new collection gets DEFAULT_RETENTION.
         """
-        self.coll.create_indexes(INDEXES)
-        self._ensure_retention(retention)
+        ensure_plain_indexes(self.coll, INDEXES)
+        try:
+            self._ensure_retention(retention)
+        except OperationFailure as exc:
+            if exc.code not in NOT_IMPLEMENTED:
+                raise
+            say_no_ttl_once(exc)
+            seconds = DEFAULT_RETENTION if retention is None else retention
+            self.retention_sweep = math.ceil(seconds) or None
+
+    def expire_succeeded(self) -> int:
+        """Where the server has no TTL index: delete the succeeded jobs past retention (a worker's periodic sweep)."""
+        if not self.retention_sweep:
+            return 0
+        cutoff = self.now() - timedelta(seconds=self.retention_sweep)
+        return self.coll.delete_many({"status": SUCCEEDED, "finishedAt": {"$lt": cutoff}}).deleted_count
 
     def _ensure_retention(self, retention: float | None) -> None:
         current = next((ix for ix in self.coll.list_indexes() if ix["name"] == RETENTION_INDEX), None)
@@ -185,9 +249,21 @@ class JobStore:
             self._set_retention(seconds)  # another process created it a moment ago with another retention
 
     def _set_retention(self, seconds: int) -> None:
-        self.coll.database.command(
-            "collMod", self.coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds}
-        )
+        try:
+            self.coll.database.command(
+                "collMod", self.coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds}
+            )
+        except OperationFailure as exc:
+            if exc.code not in NOT_IMPLEMENTED:
+                raise
+            # No collMod: the same change as a new index (a server without TTL indexes says so in create_index).
+            self.coll.drop_index(RETENTION_INDEX)
+            self.coll.create_index(
+                [("finishedAt", ASCENDING)],
+                name=RETENTION_INDEX,
+                expireAfterSeconds=seconds,
+                partialFilterExpression=RETENTION_FILTER,
+            )
 
     # --- producing -------------------------------------------------------
 
@@ -257,20 +333,12 @@ class JobStore:
 
     def claim(self, queue: str, owner: str) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`."""
-        now = self.now()
-        due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+        due, take = claim_query(queue, owner, self.now())
         try:
             with _claiming:
                 doc = self._hinted(
                     lambda: self.coll.find_one_and_update(
-                        due,
-                        {
-                            "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
-                            "$inc": {"attempts": 1},
-                        },
-                        sort=CLAIM_ORDER,
-                        hint="bb_claim",
-                        return_document=ReturnDocument.AFTER,
+                        due, take, sort=CLAIM_ORDER, hint="bb_claim", return_document=ReturnDocument.AFTER
                     )
                 )
         except OperationFailure as exc:
@@ -293,17 +361,12 @@ class JobStore:
         if limit <= 1:
             job = self.claim(queue, owner)
             return [] if job is None else [job]
-        now = self.now()
-        due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+        due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(lambda: list(self.coll.find(due, sort=CLAIM_ORDER, hint="bb_claim", limit=limit)))
         if not all(type(doc.get("attempts")) is int for doc in head):
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
         if not head:
             return []
-        taken = {
-            "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
-            "$inc": {"attempts": 1},
-        }
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the $or fences each one
         fenced = [{"_id": doc["_id"], "attempts": doc["attempts"]} for doc in head]
         ours = [{"_id": doc["_id"], "attempts": doc["attempts"] + 1} for doc in head]

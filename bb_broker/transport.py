@@ -6,11 +6,13 @@ import logging
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from queue import Empty
 from time import monotonic, sleep
 from typing import Any
 
+import pymongo
 from celery.worker import state as worker_state
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
@@ -36,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 REJECTED = "the worker rejected the task without running it"
 
-_indexed: set[tuple[str, str, str]] = set()
+#: Per (server, database, jobs collection) indexed by this process: the deletes its server's missing TTL indexes
+#: leave to the workers' periodic sweep.
+_indexed: dict[tuple[str, str, str], list[Callable[[], int]]] = {}
 _indexed_lock = threading.Lock()
 
 
@@ -148,7 +152,8 @@ class Channel(virtual.Channel):
                 retention = None if self.retention is None else float(self.retention)
                 self.jobs.ensure_indexes(retention=retention)
                 self.plumbing.ensure_indexes()
-                _indexed.add(key)
+                expiries = [self.jobs.expire_succeeded] if self.jobs.retention_sweep else []
+                _indexed[key] = expiries + ([self.plumbing.expire] if self.plumbing.expiry_sweep else [])
 
     # --- queues -------------------------------------------------------------
 
@@ -226,6 +231,8 @@ class Channel(virtual.Channel):
         if queue not in self._plain_queues and self._keeper is None:
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
             self._keeper.add_source(self._live_jobs)
+            for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.jobs_collection), []):
+                self._keeper.add_expiry(expire)
         self.connection.watch(self)
         return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
 
@@ -304,7 +311,8 @@ class Channel(virtual.Channel):
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
-        super().close()
+        with pymongo.timeout(connection.SHUTDOWN_PATIENCE):  # a server that is gone must not hold a worker's stop
+            super().close()
 
 
 def _eta(value: Any) -> datetime | None:
