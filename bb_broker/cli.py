@@ -17,7 +17,8 @@ from pymongo.errors import PyMongoError
 from . import connection, embedded, metrics
 from .clock import ServerClock
 from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy
-from .store import BREAKDOWNS, JobStore
+from .operations import BREAKDOWNS, Operations
+from .store import JobStore
 
 DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 
@@ -120,8 +121,9 @@ def serve(host: str, port: int, data: str) -> None:
 def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
     """Jobs per status (with --json, the same object as bb_broker.statuses()), per queue and per kind."""
     with _jobs(broker, collection) as store:
+        operations = Operations(store)
         if by is not None:
-            rows = store.breakdown(by)
+            rows = operations.breakdown(by)
             click.echo(json.dumps(rows) if as_json else _table(by, rows))
             return
         counts = store.statuses()
@@ -131,10 +133,17 @@ def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
         for name, count in counts.items():
             click.echo(f"{name:<10} {count}")
         for breakdown in BREAKDOWNS:
-            rows = store.breakdown(breakdown)
+            rows = operations.breakdown(breakdown)
             if rows:
                 click.echo("")
                 click.echo(_table(breakdown, rows))
+        paused = operations.paused()
+        if paused:
+            click.echo("")
+            for name, control in sorted(paused.items()):
+                since = control.get("pausedAt")
+                when = f" since {since:%Y-%m-%d %H:%M:%S} UTC" if since else ""
+                click.echo(f"paused queue {name} (by {control.get('pausedBy')}{when}): its jobs wait")
 
 
 def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
@@ -165,7 +174,7 @@ def failed(
 ) -> None:
     """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
     with _jobs(broker, collection) as store:
-        docs = store.failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
+        docs = Operations(store).failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
     jobs = [
         {
             "id": doc["_id"],
@@ -204,18 +213,23 @@ def failed(
 @main.command()
 @broker_option
 @collection_option
-@click.option("--id", "ids", multiple=True, help="A failed job's id (repeatable).")
+@click.option("--id", "ids", multiple=True, help="A failed job's id or Celery task id (repeatable).")
 @click.option("--kind", help="Every failed job of this task name.")
 @click.option("--all", "retry_all", is_flag=True, help="Every failed job.")
 def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, retry_all: bool) -> None:
-    """Failed jobs back to queued, due now, with their attempts reset to 0."""
+    """Failed jobs back to queued, due now, with their attempts reset to 0; an --id of no failed job is an error."""
     if retry_all and (ids or kind):
         _fail("retry: --all cannot be combined with --id or --kind", 2)
     if not (retry_all or ids or kind):
         _fail("retry: say which failed jobs: --id ID (repeatable), --kind NAME, or --all", 2)
     with _jobs(broker, collection) as store:
-        count = store.retry_failed(ids=list(ids) if ids else None, kind=kind)
+        operations = Operations(store)
+        retried = operations.retry(list(ids) if ids else None, kind=kind, by=_operator())
+        problems = [_not_failed(operations, identifier) for identifier in retried.unmatched]
+    count = retried.count
     click.echo(f"retried {count} failed job{'' if count == 1 else 's'}")
+    if problems:
+        _fail("retry: " + "; ".join(problems))
 
 
 @main.command("requeue-stale")
@@ -262,7 +276,7 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
     if unfinished and not force:
         _fail(f"purge: refusing to delete {' and '.join(unfinished)} jobs (work not done yet) without --force", 2)
     with _jobs(broker, collection) as store:
-        count = store.purge(set(statuses), older_than=older_than)
+        count = Operations(store).purge(set(statuses), older_than=older_than)
     click.echo(f"purged {count} job{'' if count == 1 else 's'}")
 
 
@@ -300,6 +314,97 @@ def flower_command(celery_app: str, flower_args: tuple[str, ...]) -> None:
     from celery.bin.celery import celery
 
     celery.main(args=["-A", celery_app, "flower", *flower_args], prog_name="celery", auto_envvar_prefix="CELERY")
+
+
+def _operator() -> str:
+    """Who an action from this command is recorded as: the local user at this host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container, say)
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()} (bb-broker)"
+
+
+def _not_failed(operations: Operations, identifier: str) -> str:
+    doc = operations.find(identifier)
+    if doc is None:
+        return f"no job has the id or task id {identifier!r}"
+    return f"job {doc['_id']} is {doc.get('status')}, not failed"
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("identifier", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
+def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
+    """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
+    from .operations import describe_job
+
+    with _jobs(broker, collection) as store:
+        doc = Operations(store).find(identifier)
+    if doc is None:
+        _fail(f"show: no job has the id or task id {identifier!r}")
+    if as_json:
+        click.echo(json.dumps(doc, default=_json_value, indent=2))
+        return
+    for label, value in describe_job(doc):
+        click.echo(f"{label + ':':<14}{value}" if label else f"  {value}")
+
+
+def _json_value(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("identifiers", metavar="ID...", nargs=-1, required=True)
+def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
+    """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
+    from .operations import ActionRefused
+
+    problems = []
+    with _jobs(broker, collection) as store:
+        operations = Operations(store)
+        for identifier in identifiers:
+            try:
+                doc = operations.act("cancel", identifier, by=_operator())
+            except ActionRefused as exc:
+                problems.append(str(exc))
+            else:
+                click.echo(f"cancelled job {doc['_id']} ({doc.get('kind')})")
+    if problems:
+        _fail("cancel: " + "; ".join(problems))
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("queue")
+def pause(broker: str, collection: str, queue: str) -> None:
+    """Pause a queue for every worker, now and later: its jobs stay queued until `resume`."""
+    if not queue.strip():
+        _fail("pause: the queue name is empty", 2)
+    with _jobs(broker, collection) as store:
+        changed = Operations(store).pause(queue, by=_operator())
+    click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("queue")
+def resume(broker: str, collection: str, queue: str) -> None:
+    """Resume a paused queue: workers claim its jobs again."""
+    if not queue.strip():
+        _fail("resume: the queue name is empty", 2)
+    with _jobs(broker, collection) as store:
+        changed = Operations(store).resume(queue, by=_operator())
+    click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")
 
 
 if __name__ == "__main__":

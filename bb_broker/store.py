@@ -1,4 +1,4 @@
-"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps, counts and operations."""
+"""The hot path's queries on `jobs`: publish, claim, settle, leases, sweeps, counts (the operator's: operations.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,6 +29,10 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
+    # The operator's lists (bb_broker.operations), newest first by job id, filtered by status, queue or kind.
+    IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
+    IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
+    IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
 ]
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
@@ -46,11 +50,6 @@ RETENTION_INDEX = "bb_retention"
 RETENTION_FILTER = {"status": SUCCEEDED}
 #: Server error codes for an index that exists under the same name with other options.
 INDEX_CONFLICT = {85, 86}
-
-#: What `bb-broker status` can break the counts down by.
-BREAKDOWNS = ("queue", "kind")
-#: The fields an operator reads about a failed job.
-FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 
 
 class JobTooLarge(ValueError):
@@ -456,100 +455,6 @@ class JobStore:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
-
-    # --- flower ------------------------------------------------------------
-
-    def queue_depths(self, queues: Iterable[str]) -> dict[str, dict[str, int]]:
-        """Queued, running and failed jobs of each named queue (zeros for an empty one), from one aggregation."""
-        names = list(queues)
-        shown = (QUEUED, RUNNING, FAILED)
-        depths = {name: dict.fromkeys(shown, 0) for name in names}
-        for row in self.coll.aggregate(
-            [
-                {"$match": {"status": {"$in": list(shown)}, "queue": {"$in": names}}},
-                {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}},
-            ],
-            **self._hint_if_indexed("bb_claim"),
-        ):
-            depths[row["_id"]["queue"]][row["_id"]["status"]] = row["n"]
-        return depths
-
-    # --- operations ---------------------------------------------------------
-
-    def breakdown(self, by: str) -> dict[str, dict[str, int]]:
-        """Counts per status for each queue (or each kind), all four keys per row, sorted by name."""
-        if by not in BREAKDOWNS:
-            raise ValueError(f"cannot break the counts down by {by!r}: one of {', '.join(BREAKDOWNS)}")
-        rows: dict[str, dict[str, int]] = {}
-        for row in self.coll.aggregate(
-            [
-                {"$match": {"status": {"$in": list(STATUSES)}}},
-                {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
-            ],
-            **self._hint_if_indexed("bb_status_updated"),
-        ):
-            name = row["_id"].get("name")
-            counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
-            counts[row["_id"]["status"]] = row["n"]
-        return dict(sorted(rows.items()))
-
-    def failed_jobs(
-        self,
-        *,
-        kind: str | None = None,
-        older_than: timedelta | None = None,
-        newer_than: timedelta | None = None,
-        limit: int = 0,
-    ) -> list[dict[str, Any]]:
-        """Failed jobs, the most recently failed first (a failed job's updatedAt is when it failed); 0 = no limit."""
-        query: dict[str, Any] = {"status": FAILED, **self._age(older_than, newer_than)}
-        if kind is not None:
-            query["kind"] = str(kind)
-        cursor = self.coll.find(
-            query,
-            FAILED_FIELDS,
-            sort=[("updatedAt", DESCENDING)],
-            limit=max(limit, 0),
-            **self._hint_if_indexed("bb_status_updated"),
-        )
-        return list(cursor)
-
-    def retry_failed(self, *, ids: Iterable[str] | None = None, kind: str | None = None) -> int:
-        """Failed jobs back to queued, due now, with all their attempts again; no selector means every one."""
-        query: dict[str, Any] = {"status": FAILED}
-        if ids is not None:
-            query["_id"] = {"$in": [str(job_id) for job_id in ids]}
-        if kind is not None:
-            query["kind"] = str(kind)
-        now = self.now()
-        # lastError stays: it says why the job needed a retry until its next attempt settles.
-        update = {
-            "$set": {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now},
-            "$unset": {"finishedAt": ""},
-        }
-        hint = {"hint": "_id_"} if ids is not None else self._hint_if_indexed("bb_status_updated")
-        return self.coll.update_many(query, update, **hint).modified_count
-
-    def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
-        """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""
-        if not statuses or not set(statuses) <= set(STATUSES):
-            raise ValueError(f"purge needs statuses among {', '.join(STATUSES)}, got {sorted(statuses)!r}")
-        query = {"status": {"$in": sorted(statuses)}, **self._age(older_than, None)}
-        return self.coll.delete_many(query, **self._hint_if_indexed("bb_status_updated")).deleted_count
-
-    def _hint_if_indexed(self, index: str) -> dict[str, str]:
-        # An operator may look at a database no worker has indexed yet, where a hint would be an error.
-        return {"hint": index} if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
-
-    def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
-        # Ages are measured on self.now (the server's clock in a worker or the CLI), like due times and leases.
-        now = self.now()
-        window: dict[str, datetime] = {}
-        if older_than is not None:
-            window["$lt"] = now - older_than
-        if newer_than is not None:
-            window["$gte"] = now - newer_than
-        return {"updatedAt": window} if window else {}
 
 
 def _transient(exc: ConnectionFailure | OperationFailure) -> bool:

@@ -15,6 +15,7 @@ from pymongo.database import Database
 from bb_broker import statuses
 from bb_broker.cli import main
 from bb_broker.lifecycle import Policy
+from bb_broker.operations import Operations
 from bb_broker.store import JobStore
 from tests.servers import free_port
 from tests.workers import ROOT, Worker, wait_for
@@ -123,8 +124,12 @@ def test_retry_by_id_kind_or_all_resets_attempts(store: JobStore, db: Database, 
     assert bb(broker_url, "retry", "--all", "--kind", "app.a").exit_code == 2
     assert statuses(db)["failed"] == 3
 
+    # The failed one is retried; the one that is not failed is an error, said on stderr (exit status 1).
     result = bb(broker_url, "retry", "--id", a1, "--id", done)
-    assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n"
+    assert result.exit_code == 1 and result.stdout == "retried 1 failed job\n"
+    assert result.stderr == f"bb-broker: retry: job {done} is succeeded, not failed\n"
+    missing = bb(broker_url, "retry", "--id", "nosuchjob")
+    assert missing.exit_code == 1 and missing.stderr == "bb-broker: retry: no job has the id or task id 'nosuchjob'\n"
     doc = db.jobs.find_one({"_id": a1})
     assert doc["status"] == "queued" and doc["attempts"] == 0 and "finishedAt" not in doc
     assert doc["runAfter"] <= datetime.now(UTC) + timedelta(seconds=1)
@@ -253,21 +258,23 @@ def test_operations_read_through_an_index(mongo_url: str, db: Database) -> None:
         for i in range(4):
             add_job(store, f"app.k{i}", outcome="failed")
         log.commands.clear()
-        store.failed_jobs(kind="app.k1", older_than=timedelta(0), limit=10)
-        store.retry_failed(kind="app.k2")
-        store.retry_failed(ids=["nope"])
-        store.purge({"failed"}, older_than=timedelta(0))
-        store.breakdown("queue")
-    assert [next(iter(c)) for c in log.commands] == ["find", "update", "update", "delete", "aggregate"]
+        operations = Operations(store)
+        operations.failed_jobs(kind="app.k1", older_than=timedelta(0), limit=10)
+        operations.retry(kind="app.k2")
+        operations.retry(["nope"])
+        operations.purge({"failed"}, older_than=timedelta(0))
+        operations.breakdown("queue")
+    assert [next(iter(c)) for c in log.commands] == ["find", "find", "update", "find", "find", "delete", "aggregate"]
     listing = {k: log.commands[0][k] for k in ("find", "filter", "sort", "hint")}
     plan = str(db.command("explain", listing))
     # Newest first is the status index read backwards. (The stand-in's explain of a sorted find reports a
     # SORT stage even for the claim query's exact shape, so the scan's direction is what is checked here.)
     assert "'indexName': 'bb_status_updated'" in plan and "'direction': 'backward'" in plan, plan
     assert "COLLSCAN" not in plan, plan
-    for command in log.commands[1:4]:  # each write's own selection, as a find with the same filter and hint
-        spec = (command.get("updates") or command.get("deletes"))[0]
-        plan = str(db.command("explain", {"find": "jobs", "filter": spec["q"], "hint": spec.get("hint")}))
+    for command in log.commands[1:6]:  # each read, and each write's own selection as a find with its filter and hint
+        spec = command if "find" in command else (command.get("updates") or command.get("deletes"))[0]
+        query = {"find": "jobs", "filter": spec.get("filter", spec.get("q"))}
+        plan = str(db.command("explain", {**query, **({"hint": spec["hint"]} if spec.get("hint") else {})}))
         assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
         assert "'stage': 'SORT'" not in plan, plan
 
