@@ -8,7 +8,10 @@ other scheme still reaches Flower's own code. Importing this module installs it,
 * `bb-broker flower -A myapp [flower options]`, or
 * `import bb_broker.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
 
-`tests/test_flower_broker.py` fails when the Flower internals this relies on move.
+The queues listed are those of the collection (every queue holding queued, running or failed jobs, and every paused
+one) together with those Flower's workers consume, so none is missing however Flower was started. Importing this
+module also adds the Jobs tab (bb_broker.jobs_view). `tests/test_flower.py` fails when the Flower internals this
+relies on move.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from typing import Any
 
 from flower.utils import broker as flower_broker
 
+from . import jobs_view
 from .connection import get_database, parse_broker_url
 from .lifecycle import FAILED, QUEUED, RUNNING
+from .operations import Operations
 from .store import JobStore
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
@@ -39,16 +44,17 @@ class JobQueues:
     def __init__(self, broker_url: str, *_: Any, broker_options: dict[str, Any] | None = None, **__: Any) -> None:
         collection = (broker_options or {}).get("jobs_collection", "jobs")
         self.store = JobStore(get_database(parse_broker_url(broker_url)), collection=collection)
+        self.operations = Operations(self.store)
 
     async def queues(self, names: Iterable[str]) -> list[dict[str, Any]]:
-        names = list(names)
-        # Flower's handlers run on its event loop: the query goes to a thread so pages stay responsive.
-        depths = await asyncio.get_running_loop().run_in_executor(None, self.store.queue_depths, names)
-        return [_row(name, depths[name]) for name in names]
+        """A row for each queue the workers consume (`names`) and each queue the collection knows."""
+        # Flower's handlers run on its event loop: the queries go to a thread so pages stay responsive.
+        rows = await asyncio.get_running_loop().run_in_executor(None, self.operations.queues, list(names))
+        return [_row(name, row) for name, row in rows.items()]
 
 
-def _row(name: str, depth: dict[str, int]) -> dict[str, Any]:
-    return {
+def _row(name: str, depth: dict[str, Any]) -> dict[str, Any]:
+    row = {
         "name": name,
         "messages": depth[QUEUED] + depth[RUNNING],
         "messages_ready": depth[QUEUED],
@@ -56,7 +62,13 @@ def _row(name: str, depth: dict[str, int]) -> dict[str, Any]:
         QUEUED: depth[QUEUED],
         RUNNING: depth[RUNNING],
         FAILED: depth[FAILED],
+        "paused": depth["paused"],
     }
+    if depth["paused"]:
+        row["pausedBy"] = depth.get("pausedBy")
+        at = depth.get("pausedAt")
+        row["pausedAt"] = at.isoformat() if hasattr(at, "isoformat") else at
+    return row
 
 
 def install() -> None:
@@ -77,3 +89,4 @@ def install() -> None:
 
 
 install()
+jobs_view.install()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -38,6 +39,7 @@ class FlowerProcess:
         extra_args: tuple[str, ...] = (),
         inspect_timeout_ms: int = 10_000,
         cwd: Path = ROOT,
+        auth: tuple[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
@@ -51,6 +53,7 @@ class FlowerProcess:
         else:
             raise ValueError(f"unknown launcher {launcher!r}")
         self.cwd = cwd
+        self.auth = auth  # the basic-auth user the helpers below send, unless a request says otherwise
         self.env = {
             **os.environ,
             **FLOWER_ENV,
@@ -79,10 +82,17 @@ class FlowerProcess:
         except OSError:
             return False
 
-    def request(self, method: str, path: str, form: dict[str, Any] | None = None) -> tuple[int, str]:
-        """The status and body of one request; an HTTP error status is returned, not raised."""
+    def request(
+        self, method: str, path: str, form: dict[str, Any] | None = None, auth: tuple[str, str] | None | bool = True
+    ) -> tuple[int, str]:
+        """The status and body of one request; an HTTP error status is returned, not raised. `auth` is a basic-auth
+        (user, password), True for this process's own, or None for none."""
         data = urllib.parse.urlencode(form or {}).encode() if method == "POST" else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
+        user = self.auth if auth is True else auth
+        if user:
+            token = base64.b64encode(f"{user[0]}:{user[1]}".encode()).decode()
+            req.add_header("Authorization", f"Basic {token}")
         try:
             with urllib.request.urlopen(req, timeout=30) as response:
                 return response.status, response.read().decode()

@@ -275,10 +275,11 @@ def test_the_factory_answers_bbmongo_with_job_queues(broker_url: str) -> None:
 
 
 def test_queue_depths_count_per_queue_through_an_index(db: Database) -> None:
+    from bb_broker.operations import Operations
     from bb_broker.store import JobStore
 
-    store = JobStore(db)
-    store.ensure_indexes()
+    store = Operations(JobStore(db))
+    store.store.ensure_indexes()
     rows = [("celery", "queued")] * 3 + [("celery", "running")] * 2 + [("celery", "failed"), ("celery", "succeeded")]
     rows += [("reports", "queued"), ("reports", "failed"), ("other", "queued")]
     db.jobs.insert_many([{"_id": str(i), "queue": q, "status": s} for i, (q, s) in enumerate(rows)])
@@ -320,8 +321,12 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
             send(app, "add", i, i, queue=queue)
 
     expected = {
-        "celery": dict(messages=4, messages_ready=3, messages_unacknowledged=1, queued=3, running=1, failed=1),
-        "reports": dict(messages=3, messages_ready=3, messages_unacknowledged=0, queued=3, running=0, failed=1),
+        "celery": dict(
+            messages=4, messages_ready=3, messages_unacknowledged=1, queued=3, running=1, failed=1, paused=False
+        ),
+        "reports": dict(
+            messages=3, messages_ready=3, messages_unacknowledged=0, queued=3, running=0, failed=1, paused=False
+        ),
     }
     config = tmp_path / "flowerconfig.py"
     config.write_text("import bb_broker.flower  # noqa: F401  (Flower's Broker tab for bbmongo://)\n")
@@ -337,8 +342,8 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
         page = flower.page("/broker")
         assert "not supported" not in page
         assert broker_rows(page) == {
-            "celery": ["celery", "4", "1", "3", "—", "—"],
-            "reports": ["reports", "3", "0", "3", "—", "—"],
+            "celery": ["celery", "4", "1", "3", "—", "—", "—"],  # the last column: paused or not
+            "reports": ["reports", "3", "0", "3", "—", "—", "—"],
         }
 
 
