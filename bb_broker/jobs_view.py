@@ -168,7 +168,11 @@ class _JobsHandler(BaseHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = (kwargs.get("exc_info") or (None, None))[1]
-        if self.json_errors and isinstance(exc, tornado.web.HTTPError) and status_code != 401:
+        if status_code == 401:
+            # Flower's page answer, with the basic-auth challenge (its API's answer has none, so clients cannot retry).
+            BaseHandler.write_error(self, status_code, **kwargs)
+            return
+        if self.json_errors and isinstance(exc, tornado.web.HTTPError):
             self.set_header("Content-Type", "application/json; charset=UTF-8")
             self.finish({"error": exc.log_message or self._reason})
             return

@@ -104,3 +104,12 @@ def overrun(self):
 def raise_message(self, text):
     record(self)
     raise RuntimeError(text)
+
+
+@app.task(bind=True)
+def fails_until_fixed(self, key):
+    """Fails while nobody has fixed `key` (a document in `fixes`): a bug, fixed, then the job retried."""
+    record(self)
+    if runs().database.fixes.find_one({"_id": key}) is None:
+        raise RuntimeError(f"{key} is broken (attempt {self.request.bb_attempts})")
+    return "fixed"
