@@ -262,5 +262,8 @@ def assert_lists_read_through_an_index(ops: Operations, db: Database, log) -> No
     ops.find(some.jobs[0]["taskId"])
     ops.find("nothing")
     ops.statuses()
-    assert [next(iter(c)) for c in log.commands] == ["find"] * 11 + ["aggregate"]
+    ops.count(JobFilter(queue="mail", status="failed"), "retry")
+    ops.breakdown("queue")
+    ops.queue_depths()
+    assert [next(iter(c)) for c in log.commands] == ["find"] * 11 + ["aggregate"] * 4
     assert_each_reads_through_an_index(db, log.commands)
