@@ -26,6 +26,7 @@ from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 from tornado.web import url
 
+from .lifecycle import STATUSES
 from .operations import (
     ACTIONS,
     MAX_PAGE,
@@ -259,7 +260,7 @@ class JobsPage(_JobsHandler):
             "bb_jobs.html",
             filters=job_filter.as_dict(),
             raw_filters={name: self.get_argument(name, default="", escape=False) for name in FILTERS},
-            statuses=list(ACTIONS_BY_STATUS),
+            statuses=list(STATUSES),
             can_act=can_act(self),
             user=user_name(self),
         )
@@ -320,10 +321,6 @@ class JobPage(_JobsHandler):
             can_act=can_act(self),
             jsonable=jsonable,
         )
-
-
-#: The statuses in the order the page shows them.
-ACTIONS_BY_STATUS = ("queued", "running", "succeeded", "failed")
 
 
 # --- the JSON API (Flower's API authentication: its handlers refuse unauthenticated use unless allowed) ------------

@@ -443,10 +443,9 @@ class Operations:
             }
             return self.coll.update_many(selected, update, **options).modified_count
         # delete: nothing is left to record it on, so the log says who deleted what
-        ids = [doc["_id"] for doc in self.coll.find(selected, {"_id": 1}, **options)]
-        deleted = self.coll.delete_many({"_id": {"$in": ids}, "status": {"$in": list(ACTIONS["delete"])}})
-        logger.info("%s deleted %d finished job(s): %s", by, deleted.deleted_count, ", ".join(ids[:50]))
-        return deleted.deleted_count
+        deleted = self.coll.delete_many(selected, **options).deleted_count
+        logger.info("%s deleted %d finished job(s) matching %s", by, deleted, selected)
+        return deleted
 
     def _action_query(self, query: dict[str, Any], action: str | None) -> dict[str, Any]:
         """The query narrowed to the jobs `action` applies to (fenced on their status)."""

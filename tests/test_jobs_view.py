@@ -26,7 +26,8 @@ AUTH_ARGS = ("--basic-auth=admin:s3cret,viewer:peek", "--jobs_admins=admin")
 @pytest.fixture
 def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator[Callable]:
     def build(n: int, **kwargs: Any) -> FlowerProcess:
-        return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", launcher="bb-broker", **kwargs)
+        kwargs.setdefault("launcher", "bb-broker")
+        return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", **kwargs)
 
     yield from process_factory(request, build, FlowerProcess.stop)
 
@@ -266,3 +267,17 @@ def test_flower_internals_the_jobs_tab_relies_on_are_still_there() -> None:
     from tornado.options import options
 
     assert "read_only" in options and "jobs_admins" in options
+
+
+def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStore, tmp_path, flower_factory) -> None:
+    seed(store)
+    config = tmp_path / "flowerconfig.py"
+    config.write_text(
+        "import bb_broker.flower  # noqa: F401  (the Broker and Jobs tabs for bbmongo://)\n"
+        "basic_auth = ['admin:s3cret', 'viewer:peek']\n"
+        "jobs_admins = ['admin']\n"
+    )
+    flower = flower_factory(launcher="celery", extra_args=(f"--conf={config}",), auth=VIEWER)
+    assert data(flower, "/api/jobs")[0] == 200
+    assert act(flower, "/api/queues/celery/pause")[0] == 403
+    assert act(flower, "/api/queues/celery/pause", auth=ADMIN)[0] == 200
