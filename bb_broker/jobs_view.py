@@ -35,6 +35,7 @@ from .operations import (
     JobFilter,
     Operations,
     arguments,
+    as_text,
     attempts_of,
     describe_job,
 )
@@ -320,6 +321,7 @@ class JobPage(_JobsHandler):
             actions=[name for name, statuses in ACTIONS.items() if doc.get("status") in statuses],
             can_act=can_act(self),
             jsonable=jsonable,
+            as_text=as_text,
         )
 
 

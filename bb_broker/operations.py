@@ -607,13 +607,13 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
     lines: list[tuple[str, str]] = []
     for name in SUMMARY_FIELDS:
         if name in doc and doc[name] not in (None, ""):
-            lines.append(("id" if name == "_id" else name, _text(doc[name])))
+            lines.append(("id" if name == "_id" else name, as_text(doc[name])))
     if doc.get("status") == QUEUED and doc.get("attempts"):
-        lines.append(("next attempt", _text(doc.get("runAfter"))))
+        lines.append(("next attempt", as_text(doc.get("runAfter"))))
     for name, value in arguments(doc).items():
-        lines.append((name, _text(value)))
+        lines.append((name, as_text(value)))
     for row in attempts_of(doc):
-        when = f"{_text(row.get('startedAt'))} -> {_text(row.get('finishedAt'))}"
+        when = f"{as_text(row.get('startedAt'))} -> {as_text(row.get('finishedAt'))}"
         duration = f" ({row['duration']:.3f} s)" if "duration" in row else ""
         worker = row.get("worker") or "?"
         lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
@@ -621,14 +621,14 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
             lines.append(("", str(row["error"])))
     for action in doc.get("actions") or []:
         if isinstance(action, dict):
-            lines.append(("action", f"{action.get('action')} by {action.get('by')} at {_text(action.get('at'))}"))
+            lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
     for name, value in doc.items():
         if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS:
-            lines.append((name, _text(value)))
+            lines.append((name, as_text(value)))
     return lines
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
     if isinstance(value, datetime):
         return _aware(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
     if isinstance(value, (dict, list)):

@@ -43,6 +43,7 @@ def job(i: int, clock: FakeClock) -> dict:
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1800)  # inserting 100k jobs into eight indexes takes minutes on the Python stand-in
 def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: str, db: Database) -> None:
     clock = FakeClock()
     store = JobStore(db, Policy(stale_after=300.0), clock=clock)
