@@ -232,17 +232,17 @@ class _JobsHandler(BaseHandler):
             message = f"queue {queue} was not paused"
         return {"message": message, "queue": queue, "changed": changed}
 
-    async def summary(self) -> dict[str, Any]:
+    async def summary(self, *, breakdowns: bool = True) -> dict[str, Any]:
+        """Counts per status and each queue's depths; per queue and per kind too unless `breakdowns` is False (the
+        page asks for those only while they are shown: on a large collection they cost a scan of an index)."""
         operations = _operations(self)
         consumed = self.get_active_queue_names()
 
         def read() -> dict[str, Any]:
-            return {
-                "statuses": operations.statuses(),
-                "byQueue": operations.breakdown("queue"),
-                "byKind": operations.breakdown("kind"),
-                "queues": jsonable(operations.queues(consumed)),
-            }
+            body = {"statuses": operations.statuses(), "queues": jsonable(operations.queues(consumed))}
+            if breakdowns:
+                body |= {"byQueue": operations.breakdown("queue"), "byKind": operations.breakdown("kind")}
+            return body
 
         return await _run(read)
 
@@ -273,7 +273,7 @@ class JobsData(_JobsHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         body = await self.list_body()
-        body.update(await self.summary())
+        body.update(await self.summary(breakdowns=self.get_argument("breakdowns", "", escape=False) == "1"))
         body["canAct"] = can_act(self)
         self.write(body)
 

@@ -89,6 +89,10 @@ def test_lists_counts_and_look_ups(store: JobStore, db: Database, flower_factory
     assert body["byQueue"]["mail"] == {"queued": 1, "running": 1, "succeeded": 0, "failed": 0}
     assert body["byKind"]["app.flaky"]["failed"] == 1 and body["next"] is None
     assert set(body["queues"]) == {"celery", "mail"} and body["queues"]["mail"]["running"] == 1
+    # The page's live data: the breakdowns only when it shows them (a scan of an index on a large collection).
+    live = data(flower, "/jobs/data")[1]
+    assert live["statuses"] == body["statuses"] and "byQueue" not in live and live["canAct"] is False
+    assert data(flower, "/jobs/data?breakdowns=1")[1]["byKind"] == body["byKind"]
 
     first = data(flower, "/api/jobs?limit=3")[1]
     rest = data(flower, f"/api/jobs?limit=3&after={first['next']}")[1]
