@@ -195,6 +195,12 @@ class _JobsHandler(BaseHandler):
             "stoppedEarly": page.stopped_early,
         }
 
+    async def count(self, job_filter: JobFilter, action: str) -> int:
+        try:
+            return await _run(_operations(self).count, job_filter, action)
+        except FilterError as exc:
+            raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
+
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
         try:
@@ -213,7 +219,7 @@ class _JobsHandler(BaseHandler):
         operations = _operations(self)
         expected_text = self.get_argument("expected", default=None, escape=False)
         if expected_text is not None:
-            count = await _run(operations.count, job_filter, action)
+            count = await self.count(job_filter, action)
             if str(count) != expected_text.strip():
                 raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected_text}: confirm again")
         changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self))
@@ -282,7 +288,7 @@ class JobsBulkCount(_JobsHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
         job_filter = self.job_filter()
-        count = await _run(_operations(self).count, job_filter, action)
+        count = await self.count(job_filter, action)
         self.write({"action": action, "count": count, "filter": job_filter.as_dict()})
 
 
@@ -361,7 +367,7 @@ class BulkApi(_ApiHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
         job_filter = self.job_filter()
-        self.write({"action": action, "count": await _run(_operations(self).count, job_filter, action)})
+        self.write({"action": action, "count": await self.count(job_filter, action)})
 
     @tornado.web.authenticated
     async def post(self, action: str) -> None:

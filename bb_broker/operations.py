@@ -296,11 +296,19 @@ class Operations:
         jobs = jobs[:limit]
         return Page(jobs, jobs[-1]["_id"] if more else None)
 
-    def count(self, job_filter: JobFilter, action: str | None = None) -> int:
-        """How many jobs the filter holds (those `action` would touch, when it is given)."""
-        return self.coll.count_documents(
-            self._action_query(job_filter.query(), action), **self._hint_if_indexed(job_filter.hint)
-        )
+    def count(self, job_filter: JobFilter, action: str | None = None, *, search_ms: int = 5 * SEARCH_MAX_MS) -> int:
+        """How many jobs the filter holds (those `action` would touch, when it is given). A search in lastError
+        may scan: past `search_ms` it raises FilterError rather than keep the server busy."""
+        options = self._hint_if_indexed(job_filter.hint)
+        if job_filter.error:
+            options["maxTimeMS"] = search_ms
+        try:
+            return self.coll.count_documents(self._action_query(job_filter.query(), action), **options)
+        except ExecutionTimeout:
+            raise FilterError(
+                f"counting the jobs whose last error contains {job_filter.error!r} took over {search_ms} ms: "
+                "narrow the filter (status, queue, kind or time)"
+            ) from None
 
     def failed_jobs(
         self,

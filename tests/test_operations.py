@@ -267,3 +267,11 @@ def assert_lists_read_through_an_index(ops: Operations, db: Database, log) -> No
     ops.queue_depths()
     assert [next(iter(c)) for c in log.commands] == ["find"] * 11 + ["aggregate"] * 4
     assert_each_reads_through_an_index(db, log.commands)
+
+
+def test_counting_a_search_that_takes_too_long_is_refused(ops: Operations, db: Database) -> None:
+    docs = [{"_id": f"{i:026d}", "status": "failed", "queue": "q", "lastError": "x" * 500} for i in range(3000)]
+    db.jobs.insert_many(docs)
+    with pytest.raises(FilterError, match="took over 1 ms: narrow the filter"):
+        ops.count(JobFilter(error="not there"), "retry", search_ms=1)
+    assert ops.count(JobFilter(error="not there"), "retry") == 0
