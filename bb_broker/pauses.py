@@ -48,23 +48,31 @@ class QueueControls:
         return {doc.pop("_id"): doc for doc in self.coll.find({"paused": True})}
 
 
-class PausedQueues:
-    """What a consumer knows of the paused queues: read again at most every `max_age` seconds, or at once when
-    `version()` changes (the change stream saw a queue paused or resumed)."""
+#: Seconds a consumer trusts its read of the paused queues while a live change stream would report any change.
+WATCHED_MAX_AGE = 60.0
 
-    def __init__(self, controls: QueueControls, *, max_age: float, version: Callable[[], int] = lambda: 0) -> None:
+
+class PausedQueues:
+    """What a consumer knows of the paused queues, read again when `version()` changes (its change stream saw a
+    queue paused or resumed, or came back after an outage) and otherwise after `max_age` seconds, or after
+    WATCHED_MAX_AGE while `version()` is not None (a live change stream would have said)."""
+
+    def __init__(
+        self, controls: QueueControls, *, max_age: float, version: Callable[[], int | None] = lambda: None
+    ) -> None:
         self.controls = controls
         self.max_age = max_age
         self._version = version
         self._lock = threading.Lock()
         self._names: frozenset[str] = frozenset()
         self._read_at = float("-inf")
-        self._read_version = -1
+        self._read_version: int | None = -1
 
     def __contains__(self, queue: str) -> bool:
         now, version = time.monotonic(), self._version()
+        max_age = self.max_age if version is None else max(self.max_age, WATCHED_MAX_AGE)
         with self._lock:
-            if now - self._read_at >= self.max_age or version != self._read_version:
+            if now - self._read_at >= max_age or version != self._read_version:
                 # Read the version first: a change after it is seen at the next check.
                 self._names = frozenset(self.controls.paused())
                 self._read_at, self._read_version = now, version

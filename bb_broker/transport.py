@@ -125,7 +125,8 @@ class Channel(virtual.Channel):
     #: Seconds between polls of a queue that the change stream says nothing about: a safety net.
     safety_poll_interval = 10.0
 
-    #: Seconds a consumer trusts what it read of the paused queues (a change stream makes it read again at once).
+    #: Seconds a consumer trusts what it read of the paused queues without a change stream (with one, it reads
+    #: again when the stream reports a change, and at least every minute).
     pause_check_interval = 1.0
 
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
@@ -292,9 +293,9 @@ class Channel(virtual.Channel):
             message["redelivered"] = job.attempts > 1
             return message
 
-    def _controls_version(self) -> int:
+    def _controls_version(self) -> int | None:
         wakeups = self.connection.wakeups
-        return wakeups.controls_version if wakeups is not None and wakeups.available else 0
+        return wakeups.controls_version if wakeups is not None and wakeups.available else None
 
     def _batch_size(self, queue: str) -> int:
         # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never

@@ -163,6 +163,7 @@ class Wakeups:
     def _went_live(self) -> None:
         with self._lock:
             self._last_poll.clear()  # anything may have happened while we were not watching
+            self.controls_version += 1  # a queue paused or resumed meanwhile, too
         if self._bindings_watch is not None:
             self._bindings_watch.went_live()  # tables read before now are read again once
         self.available = True

@@ -275,3 +275,20 @@ def test_counting_a_search_that_takes_too_long_is_refused(ops: Operations, db: D
     with pytest.raises(FilterError, match="took over 1 ms: narrow the filter"):
         ops.count(JobFilter(error="not there"), "retry", search_ms=1)
     assert ops.count(JobFilter(error="not there"), "retry") == 0
+
+
+def test_a_consumers_view_of_the_pauses_follows_the_change_stream_or_the_clock(db: Database, clock: FakeClock) -> None:
+    from bb_broker.pauses import PausedQueues, QueueControls
+    from tests.workers import wait_for
+
+    controls = QueueControls(db)
+    controls.pause("mail", by="t", now=clock.now)
+    polled = PausedQueues(controls, max_age=0.05)  # no change stream: read again every max_age
+    version = [1]
+    watched = PausedQueues(controls, max_age=0.05, version=lambda: version[0])
+    assert "mail" in polled and "mail" in watched and "celery" not in polled
+    controls.resume("mail", by="t", now=clock.now)
+    wait_for(lambda: "mail" not in polled, message="the polled view sees the resume")
+    assert "mail" in watched  # a live stream would have reported it: no read until it does
+    version[0] += 1
+    assert "mail" not in watched
