@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from kombu.transport import TRANSPORT_ALIASES
-from pymongo.database import Database
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from . import celery_hooks
-from .celery_hooks import is_final_attempt
-from .connection import BrokerURLError, get_database, parse_broker_url
+import wrapt
+
 from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from .store import JobStore, JobTooLarge
 
-TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport:Transport"
-TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport:Transport"
+if TYPE_CHECKING:
+    from pymongo.database import Database
+
+    from . import celery_hooks
+    from .celery_hooks import is_final_attempt
+    from .connection import BrokerURLError
+    from .store import JobTooLarge
 
 __all__ = [
     "FAILED",
@@ -27,8 +31,44 @@ __all__ = [
     "celery_hooks",
 ]
 
+#: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
+_LAZY = {
+    "BrokerURLError": "connection",
+    "JobTooLarge": "store",
+    "is_final_attempt": "celery_hooks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    if name == "celery_hooks":
+        return importlib.import_module(f"{__name__}.celery_hooks")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def statuses(target: str | Database, *, collection: str = "jobs") -> dict[str, int]:
     """Jobs per status, all four keys: `target` is a bbmongo:// or mongodb:// URL, or a pymongo Database."""
+    from pymongo.database import Database
+
+    from .connection import get_database, parse_broker_url
+    from .store import JobStore
+
     db = target if isinstance(target, Database) else get_database(parse_broker_url(target))
     return JobStore(db, collection=collection).statuses()
+
+
+def _register_transport(kombu_transport: ModuleType) -> None:
+    kombu_transport.TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport:Transport"
+    kombu_transport.TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport:Transport"
+
+
+def _connect_celery_hooks(_signals: ModuleType) -> None:
+    importlib.import_module(f"{__name__}.celery_hooks")  # its receivers connect as it is imported
+
+
+# The alias and the signal receivers are in place before anything can use them: a transport is resolved through
+# kombu.transport, a signal is sent through celery.signals. Either is done at once when that module is already
+# imported, or else right after it is; a process that never imports them (`bb-broker --help`) never pays for them.
+wrapt.register_post_import_hook(_register_transport, "kombu.transport")
+wrapt.register_post_import_hook(_connect_celery_hooks, "celery.signals")

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from pymongo.errors import PyMongoError
 
-from . import connection, embedded, metrics
-from .clock import ServerClock
-from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy
-from .operations import BREAKDOWNS, Operations
-from .store import JobStore
+from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy
+
+if TYPE_CHECKING:
+    from .store import JobStore
+
+# pymongo, Celery, Kombu and Flower are imported by the commands that use them: `--help` answers at once.
 
 DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 
@@ -26,40 +31,68 @@ DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 _QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
 
 
-def _store(
-    broker: str, collection: str = "jobs", policy: Policy | None = None
-) -> tuple[JobStore, connection.BrokerTarget]:
+def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) -> JobStore:
+    from pymongo import MongoClient
+
+    from . import connection
+    from .clock import ServerClock
+    from .store import JobStore
+
     target = connection.parse_broker_url(broker)
     in_url = target.mongo_uri.lower()
     options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
-    db = connection.get_database(target, **options)
+    # A client of the command's own, closed when it is done: else pymongo's exit waits up to a second for its
+    # monitor, blocked in an awaited `hello`.
+    db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **options)[target.database]
     # Ages, due times and the stale cutoff on the server's clock, as the workers measure them.
-    return JobStore(db, policy, clock=ServerClock(db), collection=collection, secrets=target.secrets), target
+    return JobStore(db, policy, clock=ServerClock(db), collection=collection, secrets=target.secrets)
 
 
 @contextmanager
-def _jobs(broker: str, collection: str, policy: Policy | None = None) -> Iterator[JobStore]:
-    """The job store, with a wrong URL or an unreachable server turned into one line on stderr and exit 1."""
-    target = None
+def _jobs(broker: str, collection: str, policy: Policy | None = None, *, keep_open: bool = False) -> Iterator[JobStore]:
+    """The job store, with a wrong URL or a server that cannot be used turned into one line on stderr and exit 1;
+    its client is closed at the end of the block unless `keep_open`."""
+    from pymongo.errors import PyMongoError
+
+    from . import connection
+
+    store = None
     try:
-        store, target = _store(broker, collection, policy)
+        store = _store(broker, collection, policy)
         store.coll.database.client.admin.command("ping")  # one timeout, not one per query
+        _warn_if_missing(store)
         yield store
     except connection.BrokerURLError as exc:
         _fail(str(exc))
     except PyMongoError as exc:
-        _fail(_unreachable(exc, store_target=target))
+        _fail(connection.describe_failure(exc, broker))
+    finally:
+        if store is not None and not keep_open:
+            store.coll.database.client.close()
+
+
+def _warn_if_missing(store: JobStore) -> None:
+    from pymongo.errors import OperationFailure
+
+    db, name = store.coll.database, store.coll.name
+    try:
+        exists = name in db.list_collection_names(filter={"name": name}, authorizedCollections=True)
+    except OperationFailure:  # a user who may not list collections: nothing to say
+        return
+    if not exists:
+        _warn(
+            f"database {db.name} has no collection {name!r}: no job was ever published there "
+            "(check the database in --broker and --collection)"
+        )
+
+
+def _warn(message: str) -> None:
+    click.echo(f"bb-broker: warning: {message}", err=True)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"bb-broker: {message}", err=True)
     sys.exit(code)
-
-
-def _unreachable(exc: PyMongoError, store_target: Any) -> str:
-    where = store_target.display if store_target is not None else "the broker"
-    detail = connection.scrub(str(exc).splitlines()[0], store_target.secrets if store_target else ())
-    return f"cannot read jobs from {where}: {type(exc).__name__}: {detail[:300]}"
 
 
 broker_option = click.option(
@@ -99,14 +132,46 @@ def main() -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=27017, show_default=True, type=int)
+@click.option("--port", default=27017, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--data", default="./bb-data", show_default=True, help="Data directory, or :memory:.")
 def serve(host: str, port: int, data: str) -> None:
     """Run the embedded MongoDB-compatible server (SecantusDB) for development and demos."""
+    from . import embedded
+
+    try:
+        with socket.create_server((host, port)):
+            pass  # free now; the server binds it next
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        _fail(f"cannot listen on {host}:{port}: {reason} (another server there? choose --port)")
+    where = "in memory: gone when the server stops" if data == ":memory:" else f"in {Path(data).resolve()}"
+    announce = [
+        f"listening on {host}:{port}; broker URL bbmongo://{_connectable(host)}:{port}/bountyboard",
+        f"data {where}",
+        "stop it with Ctrl-C (or SIGTERM)",
+    ]
+    threading.Thread(target=_announce_when_listening, args=(host, port, announce), daemon=True).start()
     try:
         sys.exit(embedded.run_daemon(embedded.daemon_argv(host, port, data)))
     except embedded.EmbeddedServerMissing as exc:
         _fail(str(exc))
+
+
+def _connectable(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
+
+
+def _announce_when_listening(host: str, port: int, lines: list[str]) -> None:
+    """Say where the server is once it accepts connections (it prints nothing of its own)."""
+    address = _connectable(host).strip("[]")
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.1)
+    for line in lines:
+        click.echo(f"bb-broker: {line}")
 
 
 @main.command()
@@ -120,6 +185,8 @@ def serve(host: str, port: int, data: str) -> None:
 )
 def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
     """Jobs per status (with --json, the same object as bb_broker.statuses()), per queue and per kind."""
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
         operations = Operations(store)
         if by is not None:
@@ -173,6 +240,8 @@ def failed(
     as_json: bool,
 ) -> None:
     """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
         docs = Operations(store).failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
     jobs = [
@@ -213,23 +282,26 @@ def failed(
 @main.command()
 @broker_option
 @collection_option
-@click.option("--id", "ids", multiple=True, help="A failed job's id or Celery task id (repeatable).")
+@click.option("--id", "ids", multiple=True, help="A failed job's id (repeatable).")
 @click.option("--kind", help="Every failed job of this task name.")
 @click.option("--all", "retry_all", is_flag=True, help="Every failed job.")
 def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, retry_all: bool) -> None:
-    """Failed jobs back to queued, due now, with their attempts reset to 0; an --id of no failed job is an error."""
+    """Failed jobs back to queued, due now, with their attempts reset to 0."""
     if retry_all and (ids or kind):
         _fail("retry: --all cannot be combined with --id or --kind", 2)
     if not (retry_all or ids or kind):
         _fail("retry: say which failed jobs: --id ID (repeatable), --kind NAME, or --all", 2)
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
         operations = Operations(store)
-        retried = operations.retry(list(ids) if ids else None, kind=kind, by=_operator())
-        problems = [_not_failed(operations, identifier) for identifier in retried.unmatched]
-    count = retried.count
+        retried = operations.retry(list(dict.fromkeys(ids)) if ids else None, kind=kind, by=_operator())
+        missed = {identifier: operations.why_not_retried(identifier, kind) for identifier in retried.unmatched}
+        count = retried.count
     click.echo(f"retried {count} failed job{'' if count == 1 else 's'}")
-    if problems:
-        _fail("retry: " + "; ".join(problems))
+    if missed:
+        reasons = ", ".join(f"{job_id} ({why})" for job_id, why in missed.items())
+        _fail(f"retry: {len(missed)} id{'' if len(missed) == 1 else 's'} matched no failed job: {reasons}")
 
 
 @main.command("requeue-stale")
@@ -249,10 +321,33 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
     type=click.IntRange(min=1),
     help="A lost job with this many attempts used ends failed (the max_attempts option).",
 )
-def requeue_stale(broker: str, collection: str, stale_after: float, max_attempts: int) -> None:
+@click.option(
+    "--heartbeat-interval",
+    default=Policy().heartbeat_interval,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="How often the workers refresh the leases of their jobs: their stale_after / 5.",
+)
+def requeue_stale(
+    broker: str, collection: str, stale_after: float, max_attempts: int, heartbeat_interval: float
+) -> None:
     """Run the stale sweep now: lost running jobs back to queued, or failed when no attempt is left."""
+    # A live job's lease is refreshed once per heartbeat interval; two of them give a late heartbeat its chance.
+    if stale_after < 2 * heartbeat_interval:
+        _fail(
+            f"requeue-stale: --stale-after {stale_after:g} s is less than two heartbeat intervals of the workers "
+            f"(2 x {heartbeat_interval:g} s): jobs whose workers are alive would be re-queued. Use at least "
+            f"{2 * heartbeat_interval:g} s, or pass --heartbeat-interval (your workers' stale_after / 5)",
+            2,
+        )
     with _jobs(broker, collection, Policy(max_attempts=max_attempts, stale_after=stale_after)) as store:
-        requeued, failed_count = store.requeue_stale()
+        sweep_log = logging.getLogger("bb_broker.store")
+        level = sweep_log.level
+        sweep_log.setLevel(logging.ERROR)  # its "recovered lost jobs" line would repeat what is printed below
+        try:
+            requeued, failed_count = store.requeue_stale()
+        finally:
+            sweep_log.setLevel(level)
     click.echo(f"re-queued {requeued}, failed {failed_count}")
 
 
@@ -275,6 +370,8 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
     unfinished = sorted({QUEUED, RUNNING} & set(statuses))
     if unfinished and not force:
         _fail(f"purge: refusing to delete {' and '.join(unfinished)} jobs (work not done yet) without --force", 2)
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
         count = Operations(store).purge(set(statuses), older_than=older_than)
     click.echo(f"purged {count} job{'' if count == 1 else 's'}")
@@ -287,7 +384,9 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
 @click.option("--port", default=9808, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
     """Serve /metrics (Prometheus) and /statuses (the statuses() JSON) until stopped."""
-    with _jobs(broker, collection) as store:
+    from . import metrics
+
+    with _jobs(broker, collection, keep_open=True) as store:
         store.statuses()  # a collection that cannot be read fails here, in one line, not at each scrape
     try:
         server = metrics.make_metrics_server(store, host, port)
@@ -302,15 +401,53 @@ def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
         server.server_close()
 
 
+_NO_AUTH_NOTE = (
+    "bb-broker: Flower runs WITHOUT authentication (--no-auth): anyone who can reach {where} sees every task and its "
+    "arguments. Its API, and the buttons that use it, answer 401 unless FLOWER_UNAUTHENTICATED_API=true is set, "
+    "which also lets any web page your browser opens read it. Use --basic-auth=USER:PASSWORD for anything but a "
+    "private machine."
+)
+
+
 @main.command("flower", context_settings={"ignore_unknown_options": True})
 @click.option("-A", "--app", "celery_app", required=True, help="The Celery app, as `celery -A` takes it.")
+@click.option(
+    "--no-auth",
+    is_flag=True,
+    help="Serve Flower without authentication, for local use; without it Flower must be given --basic-auth, "
+    "--auth (OAuth), or their FLOWER_* variables or flowerconfig.py settings.",
+)
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
-def flower_command(celery_app: str, flower_args: tuple[str, ...]) -> None:
-    """Run Flower (`celery -A APP flower FLOWER_ARGS...`) with a Broker tab showing each queue's jobs."""
+def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...]) -> None:
+    """Run Flower (`celery -A APP flower FLOWER_ARGS...`) with a Broker tab showing each queue's jobs.
+
+    Flower must authenticate its users (--basic-auth=USER:PASSWORD, or --auth with an OAuth provider), unless
+    --no-auth says it is for local use.
+    """
     try:
-        from . import flower as _adapter  # noqa: F401  (importing it gives Flower's Broker tab bbmongo://)
+        from . import flower as adapter  # importing it gives Flower's Broker tab bbmongo://
     except ImportError as exc:
         _fail(f"Flower is not installed ({exc}): pip install 'bb_broker[flower]'")
+    from tornado.options import Error as FlowerOptionError
+
+    try:
+        scheme = adapter.authentication(flower_args)
+    except (FlowerOptionError, ValueError, OSError) as exc:  # a bad value, or a --conf file that is not there
+        _fail(f"flower: {exc}", 2)
+    if scheme is None and not no_auth:
+        _fail(
+            "flower: refusing to serve Flower without authentication. Pass --basic-auth=USER:PASSWORD "
+            "(or set FLOWER_BASIC_AUTH), or --auth=EMAIL_REGEX with an OAuth provider (FLOWER_AUTH, "
+            "FLOWER_OAUTH2_KEY/SECRET/REDIRECT_URI), or set basic_auth/auth in flowerconfig.py; "
+            "--no-auth serves it to anyone who can reach it, for local use only.",
+            2,
+        )
+    if scheme is not None and no_auth:
+        _fail(f"flower: --no-auth contradicts the {scheme} authentication Flower is configured with", 2)
+    if no_auth:
+        from tornado.options import options
+
+        click.echo(_NO_AUTH_NOTE.format(where=f"{options.address or '0.0.0.0'}:{options.port}"), err=True)
     from celery.bin.celery import celery
 
     celery.main(args=["-A", celery_app, "flower", *flower_args], prog_name="celery", auto_envvar_prefix="CELERY")
@@ -319,20 +456,12 @@ def flower_command(celery_app: str, flower_args: tuple[str, ...]) -> None:
 def _operator() -> str:
     """Who an action from this command is recorded as: the local user at this host."""
     import getpass
-    import socket
 
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container, say)
         user = f"uid {os.getuid()}"
     return f"{user}@{socket.gethostname()} (bb-broker)"
-
-
-def _not_failed(operations: Operations, identifier: str) -> str:
-    doc = operations.find(identifier)
-    if doc is None:
-        return f"no job has the id or task id {identifier!r}"
-    return f"job {doc['_id']} is {doc.get('status')}, not failed"
 
 
 @main.command()
@@ -342,7 +471,7 @@ def _not_failed(operations: Operations, identifier: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
 def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
     """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
-    from .operations import describe_job
+    from .operations import Operations, describe_job
 
     with _jobs(broker, collection) as store:
         doc = Operations(store).find(identifier)
@@ -365,7 +494,7 @@ def _json_value(value: Any) -> Any:
 @click.argument("identifiers", metavar="ID...", nargs=-1, required=True)
 def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
     """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
-    from .operations import ActionRefused
+    from .operations import ActionRefused, Operations
 
     problems = []
     with _jobs(broker, collection) as store:
@@ -389,6 +518,8 @@ def pause(broker: str, collection: str, queue: str) -> None:
     """Pause a queue for every worker, now and later: its jobs stay queued until `resume`."""
     if not queue.strip():
         _fail("pause: the queue name is empty", 2)
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
         changed = Operations(store).pause(queue, by=_operator())
     click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
@@ -402,6 +533,8 @@ def resume(broker: str, collection: str, queue: str) -> None:
     """Resume a paused queue: workers claim its jobs again."""
     if not queue.strip():
         _fail("resume: the queue name is empty", 2)
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
         changed = Operations(store).resume(queue, by=_operator())
     click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")

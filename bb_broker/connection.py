@@ -14,7 +14,7 @@ from typing import Any
 
 from pymongo import MongoClient
 from pymongo.database import Database
-from pymongo.errors import ConfigurationError, InvalidURI
+from pymongo.errors import ConfigurationError, InvalidURI, OperationFailure, PyMongoError
 from pymongo.uri_parser import parse_uri
 from ulid import ULID
 
@@ -98,6 +98,80 @@ def scrub(text: str, secrets: tuple[str, ...]) -> str:
     for secret in secrets:
         text = text.replace(secret, "**")
     return text
+
+
+#: Server error codes: AuthenticationFailed, and Unauthorized (a command needs a user the URL did not give).
+AUTHENTICATION_FAILED = 18
+UNAUTHORIZED = 13
+
+#: One server's error inside a ServerSelectionTimeoutError's text: "host:port: what happened".
+_SERVER_ERROR = re.compile(r"(?:^|,)(?P<address>[^\s,]+:\d+): (?P<error>.+?)(?=,[^\s,]+:\d+: |$)")
+_CONFIGURED_TIMEOUTS = re.compile(r" \(configured timeouts: [^)]*\)")
+_GAVE_UP_AFTER = re.compile(r", Timeout: (?P<seconds>[\d.]+)s, Topology Description: .*$", re.S)
+_NAME_NOT_RESOLVED = ("Name or service not known", "nodename nor servname", "name resolution", "No address associated")
+
+
+def describe_failure(exc: PyMongoError, url: str) -> str:
+    """One line that says in words why talking to the server at `url` failed, with the URL as written, masked."""
+    secrets = _userinfo_secrets(url)
+    if isinstance(exc, OperationFailure) and exc.code == AUTHENTICATION_FAILED:
+        user, database = _auth_identity(url)
+        return f"authentication failed for user {user} on database {database}"
+    shown = redact_url(url)
+    if isinstance(exc, OperationFailure) and exc.code == UNAUTHORIZED:
+        user, database = _auth_identity(url)
+        if user is None:
+            return f"the server at {shown} requires authentication: put user:password@ in the broker URL"
+        reason = scrub(str((exc.details or {}).get("errmsg") or "not authorized"), secrets)
+        return f"user {user} (database {database}) may not do this on {shown}: {reason}"
+    if isinstance(exc, OperationFailure):
+        reason = scrub(str((exc.details or {}).get("errmsg") or exc.__class__.__name__), secrets)
+        return f"the server at {shown} refused: {_shorten(reason)} (code {exc.code})"
+    text = scrub(str(exc), secrets)
+    gave_up = _GAVE_UP_AFTER.search(text)
+    causes = [
+        _cause_in_words(match.group("address"), _CONFIGURED_TIMEOUTS.sub("", match.group("error")))
+        for match in _SERVER_ERROR.finditer(text[: gave_up.start()] if gave_up else text)
+    ]
+    cause = "; ".join(dict.fromkeys(causes)) or _shorten(
+        _CONFIGURED_TIMEOUTS.sub("", text[: gave_up.start()] if gave_up else text)
+    )
+    waited = f" (gave up after {float(gave_up.group('seconds')):g} s)" if gave_up else ""
+    return f"cannot reach the server at {shown}: {cause}{waited}"
+
+
+def _cause_in_words(address: str, error: str) -> str:
+    host = address.rsplit(":", 1)[0]
+    if "Connection refused" in error:
+        return f"nothing listens at {address} (connection refused): is the server running?"
+    if any(words in error for words in _NAME_NOT_RESOLVED):
+        return f"the host name {host} does not resolve"
+    if "timed out" in error:
+        return f"no answer from {address} (timed out)"
+    if "Got response id" in error or "ProtocolError" in error:
+        return f"{address} answered, but not as a MongoDB server"
+    if "SSL" in error or "certificate" in error.lower() or "TLS" in error:
+        return f"TLS with {address} failed: {_shorten(error)}"
+    return f"{address}: {_shorten(error)}"
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    """One line, cut at a word boundary when long."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
+
+
+def _auth_identity(url: str) -> tuple[str | None, str]:
+    """The user a URL logs in as, and the database it authenticates against (authSource, else the path)."""
+    try:
+        parsed = parse_uri(parse_broker_url(url).mongo_uri, validate=False, warn=False)
+    except (BrokerURLError, InvalidURI, ConfigurationError, ValueError):
+        return None, "admin"
+    options = {name.lower(): value for name, value in parsed["options"].items()}
+    database = options.get("authsource") or parsed.get("database") or "admin"
+    return parsed.get("username"), database
 
 
 _clients: dict[tuple[int, str, tuple[tuple[str, Any], ...]], MongoClient] = {}

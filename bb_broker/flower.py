@@ -8,22 +8,40 @@ other scheme still reaches Flower's own code. Importing this module installs it,
 * `bb-broker flower -A myapp [flower options]`, or
 * `import bb_broker.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
 
+Flower itself reports a broker it cannot use (a wrong password, a server that is down) only in its log, while its
+pages say "No workers are available" under a green "Updated". So `install()` also gives Flower (through the
+`template_loader` setting Tornado documents and Flower passes on) a base template with a banner naming the broker's
+error, kept current by a ping every few seconds (`BrokerHealth`), and makes the Workers table's refresh fail while
+the error lasts, so that its dot turns red.
+
 The queues listed are those of the collection (every queue holding queued, running or failed jobs, and every paused
 one) together with those Flower's workers consume, so none is missing however Flower was started. Importing this
-module also adds the Jobs tab (bb_broker.jobs_view). `tests/test_flower.py` fails when the Flower internals this
-relies on move.
+module also adds the Jobs tab (bb_broker.jobs_view), whose templates the same loader serves.
+
+`authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
+
+`tests/test_flower.py` fails when the Flower internals this relies on move.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+import tornado.template
+import tornado.web
+from celery import Celery, signals
+from flower import urls as flower_urls
 from flower.utils import broker as flower_broker
+from flower.views.workers import WorkersView
+from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
+from pymongo.uri_parser import parse_uri
 
 from . import jobs_view
-from .connection import get_database, parse_broker_url
+from .connection import BrokerTarget, get_database, parse_broker_url, redact_url, scrub
 from .lifecycle import FAILED, QUEUED, RUNNING
 from .operations import Operations
 from .store import JobStore
@@ -31,6 +49,130 @@ from .store import JobStore
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
 _MARK = "_bb_broker_jobs"
+
+#: A check answers within seconds when the server is down (unless the URL sets its own timeouts).
+_QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
+
+
+def describe(exc: PyMongoError, target: BrokerTarget) -> str:
+    """The error in words an operator acts on, with no password and none of the server's raw reply."""
+    if isinstance(exc, OperationFailure) and exc.code == 18:  # AuthenticationFailed
+        parsed = parse_uri(target.mongo_uri, validate=False)
+        source = parsed["options"].get("authSource") or target.database
+        return f"authentication failed for user {parsed['username']!r} on database {source!r}"
+    if isinstance(exc, ServerSelectionTimeoutError):
+        return "no server answered: " + scrub(str(exc).split(", Timeout:")[0], target.secrets)
+    if isinstance(exc, OperationFailure):
+        return scrub(str((exc.details or {}).get("errmsg") or exc), target.secrets)
+    return scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", target.secrets)
+
+
+class BrokerHealth:
+    """Whether Flower's broker answers: a ping every `interval` seconds, in a thread of its own, one per broker URL."""
+
+    interval = 5.0
+    _monitors: dict[str, BrokerHealth] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, broker_url: str) -> None:
+        self.shown_url = redact_url(broker_url)  # as the user wrote it, the password masked
+        self.target = parse_broker_url(broker_url)
+        in_url = self.target.mongo_uri.lower()
+        self._options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
+        self.problem: str | None = None
+        self.checked = threading.Event()
+        self._wake = threading.Event()
+
+    @classmethod
+    def of(cls, broker_url: str) -> BrokerHealth:
+        """The monitor of this broker, started on first use."""
+        with cls._lock:
+            monitor = cls._monitors.get(broker_url)
+            if monitor is None:
+                monitor = cls._monitors[broker_url] = cls(broker_url)
+                threading.Thread(target=monitor._run, name="bb-broker-health", daemon=True).start()
+            return monitor
+
+    def check(self) -> str | None:
+        """Ping the broker's database now (authenticating, as every connection does); its problem, or None."""
+        try:
+            get_database(self.target, **self._options).command("ping")
+            self.problem = None
+        except PyMongoError as exc:
+            self.problem = describe(exc, self.target)
+        self.checked.set()
+        return self.problem
+
+    def _run(self) -> None:
+        while True:
+            self.check()
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def banner(self) -> str | None:
+        """What Flower's pages say while the broker fails; None while it answers."""
+        problem = self.problem
+        if problem is None:
+            return None
+        return (
+            f"Flower cannot use the broker {self.shown_url}: {problem}. "
+            "Workers, tasks and queues shown here may be missing or out of date."
+        )
+
+
+def _is_ours(broker_url: str | None) -> bool:
+    return bool(broker_url) and broker_url.partition("://")[0].lower() in SCHEMES
+
+
+def broker_banner(handler: tornado.web.RequestHandler) -> str | None:
+    """The banner for the broker of the Flower app serving `handler` (the base template calls this)."""
+    broker_url = handler.application.broker_uri_with_password
+    if not _is_ours(broker_url):
+        return None
+    monitor = BrokerHealth.of(broker_url)
+    monitor.checked.wait(1.0)  # the first page after start waits for the first verdict, briefly
+    return monitor.banner()
+
+
+#: Where the banner goes in Flower's base template, and the banner (escaped, as every value the template shows).
+_BANNER_ANCHOR = b'<main class="app-content" id="main-content">'
+_BANNER = b"""
+{% from bb_broker.flower import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
+{% if bb_broker_banner %}
+<div class="alert alert-danger m-3" role="alert" id="bb-broker-error">{{ bb_broker_banner }}</div>
+{% end %}
+"""
+
+
+class BannerLoader(tornado.template.Loader):
+    """Flower's templates, with the broker banner in the base template every page extends, and the Jobs tab's."""
+
+    def _create_template(self, name: str) -> tornado.template.Template:
+        jobs_tab = jobs_view.template_source(self.root, name)
+        if jobs_tab is not None:
+            return tornado.template.Template(jobs_tab, name, self)
+        if name != "base.html":
+            return super()._create_template(name)
+        source = Path(self.root, name).read_bytes()
+        # Should a Flower release move the anchor, its pages show no banner (tests/test_flower.py says so).
+        return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
+
+
+def _workers_prepare(self: WorkersView) -> None:
+    """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated"."""
+    if self.get_argument("json", default=False, type=bool) and (banner := broker_banner(self)):
+        raise tornado.web.HTTPError(503, "%s", banner)
+
+
+@signals.import_modules.connect
+def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
+    # Flower imports its app's modules as it starts: the check starts then, not at the first page.
+    if sender is None:
+        return
+    with sender.connection() as conn:
+        broker_url = conn.as_uri(include_password=True)
+    if _is_ours(broker_url):
+        BrokerHealth.of(broker_url)
 
 
 class JobQueues:
@@ -71,15 +213,40 @@ def _row(name: str, depth: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def authentication(flower_args: Iterable[str]) -> str | None:
+    """How Flower started with these arguments authenticates its users: "basic", "oauth", or None for nobody.
+
+    Flower's own parsers read its FLOWER_* environment, its configuration file (`--conf`, or flowerconfig.py in the
+    working directory) and the arguments, in its order of precedence, into Tornado's global options; Flower parses
+    them again when it starts, to the same values.
+    """
+    from flower.command import apply_env_options, apply_options
+    from tornado.options import options
+
+    apply_env_options()
+    apply_options("flower", list(flower_args))
+    if options.basic_auth:
+        return "basic"
+    if options.auth:
+        return "oauth"
+    return None
+
+
 def install() -> None:
-    """Make Flower's Broker factory answer `bbmongo://` URLs with `JobQueues`; calling it twice changes nothing."""
+    """Make Flower's Broker factory answer `bbmongo://` URLs with `JobQueues`, and its pages show the broker's error;
+    calling it twice changes nothing."""
+    if not isinstance(flower_urls.settings.get("template_loader"), BannerLoader):
+        flower_urls.settings["template_loader"] = BannerLoader(flower_urls.settings["template_path"])
+    if WorkersView.prepare is not _workers_prepare:
+        WorkersView.prepare = _workers_prepare  # type: ignore[method-assign]
+    jobs_view.install()
     factory = flower_broker.Broker
     if getattr(factory.__new__, _MARK, False):
         return
     flowers_new = factory.__new__
 
     def __new__(cls: type, broker_url: str, *args: Any, **kwargs: Any) -> Any:
-        if broker_url.partition("://")[0].lower() in SCHEMES:
+        if _is_ours(broker_url):
             return JobQueues(broker_url, *args, **kwargs)
         return flowers_new(cls, broker_url, *args, **kwargs)
 
@@ -89,4 +256,3 @@ def install() -> None:
 
 
 install()
-jobs_view.install()

@@ -1,10 +1,11 @@
 """Flower's Jobs tab and its JSON API: the `jobs` collection listed, counted, looked up and acted on, in Flower's app.
 
 The handlers join Flower's own Tornado application (so Flower's `--basic-auth`, OAuth and `--url_prefix` apply to
-them) by being inserted into `flower.urls.handlers` before Flower's catch-all; a template loader adds the Jobs link
-to Flower's navigation bar and a Paused column to its Broker tab. `install()` does both, once; bb_broker.flower calls
-it. Who may act: Flower's `--read_only` stops every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets
-only those users act (basic-auth user names or OAuth e-mail addresses); everyone else reads, and gets a 403 to act.
+them) by being inserted into `flower.urls.handlers` before Flower's catch-all (`install()`, which bb_broker.flower
+calls); bb_broker.flower's template loader serves our templates and, through `template_source()`, adds the Jobs
+link to Flower's navigation bar and a Paused column to its Broker tab. Who may act: Flower's `--read_only` stops
+every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
+OAuth e-mail addresses); everyone else reads, and gets a 403 to act.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-import tornado.template
 import tornado.web
-from flower import app as flower_app
 from flower import urls as flower_urls
 from flower.api import BaseApiHandler
 from flower.views import BaseHandler
@@ -48,7 +47,6 @@ T = TypeVar("T")
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html")
 FILTERS = ("status", "queue", "kind", "since", "until", "error")
-_MARK = "_bb_broker_jobs_view"
 
 #: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
 NAVBAR_ANCHOR = "Broker</a>\n        </li>"
@@ -398,26 +396,24 @@ HANDLERS = [
 ]
 
 
-class JobsTemplates(tornado.template.Loader):
-    """Flower's templates, with the Jobs link in its navigation bar and a Paused column on its Broker tab; and ours."""
-
-    def _create_template(self, name: str) -> tornado.template.Template:
-        if name in OUR_TEMPLATES:
-            return tornado.template.Template((TEMPLATES / name).read_bytes(), name=name, loader=self)
-        path = Path(self.root) / name
-        text = path.read_text()
-        if name == "navbar.html":
-            text = text.replace(NAVBAR_ANCHOR, NAVBAR_ANCHOR + NAVBAR_LINK, 1)
-        elif name == "broker.html":
-            text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
-            text = text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1)
-        return tornado.template.Template(text, name=name, loader=self)
+def template_source(root: str, name: str) -> bytes | None:
+    """The source of one of our templates, or of Flower's navigation bar with the Jobs link and its Broker tab with
+    the Paused column (from Flower's template directory `root`); None for any other template."""
+    if name in OUR_TEMPLATES:
+        return (TEMPLATES / name).read_bytes()
+    if name == "navbar.html":
+        text = (Path(root) / name).read_text()
+        return text.replace(NAVBAR_ANCHOR, NAVBAR_ANCHOR + NAVBAR_LINK, 1).encode()
+    if name == "broker.html":
+        text = (Path(root) / name).read_text()
+        text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
+        return text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1).encode()
+    return None
 
 
 def install() -> None:
-    """Add the Jobs tab to every Flower app made from now on; calling it twice changes nothing."""
-    if getattr(flower_app.Flower, _MARK, False):
-        return
+    """Add the Jobs tab's handlers and its `jobs_admins` option to Flower (bb_broker.flower's template loader serves
+    its templates); calling it twice changes nothing."""
     if "jobs_admins" not in tornado_options:
         tornado_options.define(
             "jobs_admins",
@@ -427,15 +423,7 @@ def install() -> None:
             help="bb_broker Jobs tab: the users who may act on jobs and queues (everyone else reads only)",
         )
     handlers = flower_urls.handlers
+    if any(getattr(handler, "name", None) == "jobs" for handler in handlers):
+        return
     catch_all = next(i for i, h in enumerate(handlers) if isinstance(h, tuple) and h[0] == r".*")
     handlers[catch_all:catch_all] = HANDLERS
-    flowers_init = flower_app.Flower.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        root = kwargs.get("template_path") or flower_urls.settings["template_path"]
-        kwargs.setdefault("template_loader", JobsTemplates(root))
-        flowers_init(self, *args, **kwargs)
-
-    __init__.flowers_init = flowers_init  # type: ignore[attr-defined]
-    flower_app.Flower.__init__ = __init__  # type: ignore[method-assign]
-    setattr(flower_app.Flower, _MARK, True)

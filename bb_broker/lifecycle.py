@@ -10,6 +10,8 @@ RUNNING = "running"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED)
+#: What the counts per status can be broken down by (`bb-broker status --by`).
+BREAKDOWNS = ("queue", "kind")
 
 #: lastError is for people to read; a whole traceback belongs in the logs.
 MAX_ERROR_LENGTH = 2000

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from kombu import compression, serialization
+from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection
 from pymongo.database import Database
+
+from .connection import scrub
 
 
 class BindingsWatch:
@@ -58,13 +64,83 @@ def _forget_parent_watches() -> None:
 os.register_at_fork(after_in_child=_forget_parent_watches)
 
 
-class MessageStore:
-    """Transient messages: deleted when fetched, expired by a TTL index when nobody fetches them."""
+def secret_forms(secrets: Iterable[str]) -> tuple[str, ...]:
+    """Each secret as it may appear inside a repr() (an exception's, in an event) as well as plain, longest first."""
+    forms = set()
+    for secret in secrets:
+        escaped = secret.replace("\\", "\\\\")
+        forms |= {secret, escaped, escaped.replace("'", "\\'"), escaped.replace('"', '\\"')}
+    return tuple(sorted(forms, key=len, reverse=True))
 
-    def __init__(self, db: Database, *, ttl: float = 300.0, prefix: str = "bb_") -> None:
+
+def _scrubbed(value: Any, secrets: tuple[str, ...]) -> Any:
+    if isinstance(value, str):
+        return scrub(value, secrets)
+    if isinstance(value, dict):
+        return {_scrubbed(key, secrets): _scrubbed(item, secrets) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_scrubbed(item, secrets) for item in value)
+    if isinstance(value, BaseException):  # a pickled result's exception
+        value.args = _scrubbed(value.args, secrets)
+    return value
+
+
+def _mentions(raw: bytes, secrets: tuple[str, ...]) -> bool:
+    """Whether JSON text may hold a secret: as UTF-8, or as JSON escapes it (quotes, backslashes, non-ASCII)."""
+    spellings = {json.dumps(secret, ensure_ascii=ascii)[1:-1] for secret in secrets for ascii in (True, False)}
+    return any(spelling.encode() in raw for spelling in spellings | set(secrets))
+
+
+def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str, Any]:
+    """The Kombu message with every secret masked in its body (any registered serializer) and its headers.
+
+    The body is decoded as the virtual transport encoded it (base64, compression, serializer), cleaned as data, and
+    encoded again the same way; a JSON message that mentions no secret is returned as it is.
+    """
+    headers = message.get("headers") or {}
+    properties = message.get("properties") or {}
+    encoding = properties.get("body_encoding")
+    body = message["body"]
+    raw = virtual.Channel.codecs[encoding].decode(body) if encoding else body
+    raw = raw.encode(message.get("content-encoding") or "utf-8") if isinstance(raw, str) else raw
+    if headers.get("compression"):
+        raw = compression.decompress(raw, headers["compression"])
+    content_type = message.get("content-type") or ""
+    # JSON (events, replies and results by default) is searched first; other serializers spell text their own way.
+    if content_type == "application/json" and not _mentions(raw + dumps(headers).encode(), secrets):
+        return message
+    serializer = serialization.registry.type_to_name.get(content_type)
+    clean = None
+    if serializer is not None:
+        try:
+            data = serialization.loads(raw, content_type, message.get("content-encoding"), accept=[content_type])
+            _, _, clean = serialization.dumps(_scrubbed(data, secrets), serializer=serializer)
+        except Exception:  # not what its content type says: masked as text below
+            clean = None
+    if clean is None:  # a body no registered serializer reads: masked as text
+        clean = scrub(raw.decode("utf-8", "surrogateescape"), secrets).encode("utf-8", "surrogateescape")
+    clean = clean.encode("utf-8") if isinstance(clean, str) else clean
+    if headers.get("compression"):
+        clean = compression.compress(clean, headers["compression"])[0]
+    if encoding:
+        clean = virtual.Channel.codecs[encoding].encode(clean)
+    elif isinstance(body, str):
+        clean = clean.decode(message.get("content-encoding") or "utf-8")
+    return {**message, "body": clean, "headers": _scrubbed(headers, secrets)}
+
+
+class MessageStore:
+    """Transient messages: deleted when fetched, expired by a TTL index when nobody fetches them.
+
+    `secrets` (the broker URL's password) are masked in every message stored: events carry a task's exception,
+    traceback and result, replies and RPC results carry what tasks return, and all of them reach Flower and logs.
+    """
+
+    def __init__(self, db: Database, *, ttl: float = 300.0, prefix: str = "bb_", secrets: Iterable[str] = ()) -> None:
         self.messages = db[f"{prefix}messages"]
         self.bindings = db[f"{prefix}bindings"]
         self.ttl = ttl
+        self.secrets = secret_forms(secrets)
         self._table_cache: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
         self._watch = BindingsWatch.of(self.bindings)
 
@@ -87,6 +163,8 @@ class MessageStore:
         )
 
     def put(self, queue: str, message: dict[str, Any], priority: int) -> None:
+        if self.secrets:
+            message = scrub_message(message, self.secrets)
         expires = datetime.now(UTC) + timedelta(seconds=self.ttl)
         self.messages.insert_one(
             {"queue": queue, "priority": priority, "payload": dumps(message), "expiresAt": expires}

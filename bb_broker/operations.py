@@ -15,14 +15,12 @@ from pymongo import DESCENDING, UpdateOne
 from pymongo.errors import ExecutionTimeout
 from ulid import ULID
 
-from .lifecycle import FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
+from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from .pauses import QueueControls
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
 
-#: What the counts can be broken down by.
-BREAKDOWNS = ("queue", "kind")
 #: The fields an operator reads about a failed job.
 FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 #: The fields of a row in a list of jobs (the payload and the history stay on the detail page).
@@ -384,6 +382,15 @@ class Operations:
             found = {doc["_id"] for doc in docs} | {doc.get("taskId") for doc in docs}
             unmatched = [identifier for identifier in wanted if identifier not in found]
         return Retried(job_ids, unmatched)
+
+    def why_not_retried(self, identifier: str, kind: str | None = None) -> str:
+        """Why a job id or task id given to retry() is in its `unmatched`."""
+        doc = self.find(identifier)
+        if doc is None:
+            return "no such job"
+        if doc.get("status") != FAILED:
+            return f"it is {doc.get('status')}, not failed"
+        return f"its kind is {doc.get('kind')}, not {kind}"
 
     def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
         """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""

@@ -140,7 +140,7 @@ class Channel(virtual.Channel):
         self.jobs = JobStore(
             db, self.policy, clock=ServerClock(db), collection=self.jobs_collection, secrets=self.target.secrets
         )
-        self.plumbing = MessageStore(db, ttl=float(self.message_ttl))
+        self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)
         self.paused = PausedQueues(
             self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
@@ -408,7 +408,7 @@ class Transport(virtual.Transport):
     def _idle(self, remaining: float | None) -> None:
         wakeups = self.wakeups
         if wakeups is not None and wakeups.available and self._can_consume():
-            wait = wakeups.seconds_until_next_poll()
+            wait = wakeups.seconds_until_next_poll(self._consumed_queues())
             if self._at_prefetch_limit():
                 # News for a consumer at its limit stays unread, so it must not mean "poll now" (that spins); and a
                 # finished task frees a slot without an ack, so without a poke: with work waiting, look again soon.
@@ -424,6 +424,9 @@ class Transport(virtual.Transport):
             wakeups.event.wait(wait)
         else:
             sleep(wait)
+
+    def _consumed_queues(self) -> set[str]:
+        return {queue for channel in self.channels for queue in channel._active_queues}
 
     def _can_consume(self) -> bool:
         return any(channel._consumers and channel.qos.can_consume() for channel in self.channels)

@@ -6,7 +6,7 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime
 from typing import Any
 
@@ -92,11 +92,12 @@ class Wakeups:
         """Something changed in this process (a prefetch slot freed): look again."""
         self.event.set()
 
-    def seconds_until_next_poll(self) -> float:
+    def seconds_until_next_poll(self, consumed: Collection[str]) -> float:
+        """How long the consumer of `consumed` may wait: news for a queue it does not consume is not its business."""
         now = time.monotonic()
         with self._lock:
             self._inflight.clear()  # the consumer is about to wait: its polls have all come back
-            if self._dirty:
+            if not self._dirty.isdisjoint(consumed):
                 return 0.0
             candidates = [due - now for due, _ in self._timers[:1]]
             candidates += [last + self._safety - now for last in self._last_poll.values()]

@@ -1,89 +1,245 @@
-"""`make demo`: embedded server, a worker, Flower and sample jobs, with the statuses printed as they change."""
+"""`make demo`: embedded server, a worker, Flower and sample jobs, with the statuses printed as they change.
+
+Environment: BB_BROKER_URL uses that server instead of starting one (its data is left alone); BB_DEMO_KEEP_DATA=1
+keeps the embedded server's data of the last run (by default each run starts empty); BB_DEMO_DATA is where the
+data and logs go (./bb-data); BB_DEMO_SERVER_PORT and BB_DEMO_FLOWER_PORT are the ports wanted (27017, 5555),
+a taken one is replaced by a free one; BB_DEMO_ONCE=1 stops once the sample jobs are settled.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 import bb_broker
-from bb_broker.connection import get_database, parse_broker_url
+from bb_broker.connection import describe_failure, parse_broker_url, redact_url
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_URL = "bbmongo://127.0.0.1:27017/bountyboard"
+HOST = "127.0.0.1"
+#: How long each child gets to stop on SIGTERM before it is killed: a warm worker shutdown finishes its task.
+STOP_TIMEOUT = 10.0
 
 
-def _wait_for_server(mongo_uri: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+class DemoFailed(Exception):
+    """Something the demo started did not come up or died: the message says what and where its log is."""
+
+
+class Stopped(Exception):
+    """SIGTERM: stop like Ctrl-C does."""
+
+
+class Child:
+    """A process the demo started, in a session of its own (Ctrl-C reaches the demo only, which stops it)."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log = log
+        self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
+        say(f"started {name} (pid {self.process.pid}; log {_shown(log)})")
+
+    def check(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise DemoFailed(f"the {self.name} {how}; its log {_shown(self.log)} ends:\n{self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        text = self.log.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(f"    {line}" for line in text) or "    (empty)"
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait_or_kill(self, deadline: float) -> None:
         try:
-            with MongoClient(mongo_uri, serverSelectionTimeoutMS=500) as client:
-                client.admin.command("ping")
-            return
-        except PyMongoError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"demo: no MongoDB answered at the broker URL within {timeout:.0f}s") from None
-            time.sleep(0.3)
+            self.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            say(f"the {self.name} did not stop in time: killing it")
+        # Whatever is left of its session (a worker's pool processes) goes with it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
-def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    print(f"demo: {' '.join(argv[2:] if argv[0] == sys.executable else argv)}  (log: {log.relative_to(ROOT)})")
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+def flower_command(address: str, port: int) -> list[str]:
+    """`bb-broker flower` for the demo's app, with the Broker tab; its credentials come in FLOWER_BASIC_AUTH."""
+    return [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "celery_app", f"--address={address}",
+            f"--port={port}"]  # fmt: skip
+
+
+def say(message: str) -> None:
+    print(f"demo: {message}", flush=True)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _port(wanted: int, what: str) -> int:
+    """`wanted` when it is free, else a free one, said out loud."""
+    for port in (wanted, 0):
+        try:
+            with socket.create_server((HOST, port)) as sock:
+                chosen = sock.getsockname()[1]
+        except OSError:
+            continue
+        if chosen != wanted:
+            say(f"port {wanted} is taken: the {what} listens on {HOST}:{chosen} instead")
+        return chosen
+    raise DemoFailed(f"no free port for the {what}")
+
+
+def _wait_until(ready: Any, child: Child | None, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if child is not None:
+            child.check()
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"{what} did not come up within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def _pings(client: MongoClient) -> bool:
+    try:
+        return client.admin.command("ping").get("ok") == 1
+    except PyMongoError:
+        return False
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _on_sigterm(_signum: int, _frame: Any) -> None:
+    raise Stopped
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
     once = os.environ.get("BB_DEMO_ONCE") == "1"
-    embedded = "BB_BROKER_URL" not in os.environ
-    url = os.environ.get("BB_BROKER_URL", DEFAULT_URL)
-    target = parse_broker_url(url)
-    os.environ["BB_BROKER_URL"] = url
-    logs = ROOT / "bb-data" / "logs"
+    data_root = Path(os.environ.get("BB_DEMO_DATA", ROOT / "bb-data")).resolve()
+    logs = data_root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    children: list[subprocess.Popen[bytes]] = []
-    if embedded:
-        children.append(_start([sys.executable, "-m", "bb_broker.cli", "serve", "--port", "27017",
-                                "--data", str(ROOT / "bb-data" / "db")], logs / "server.log"))  # fmt: skip
+    children: list[Child] = []
+    code = 0
     try:
-        _wait_for_server(target.mongo_uri)
-        celery = [sys.executable, "-m", "celery", "-A", "celery_app"]
-        children.append(_start([*celery, "worker", "-c", "2", "-E", "--loglevel", "INFO"], logs / "worker.log"))
-        flower = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "celery_app"]  # with the Broker tab
-        children.append(_start([*flower, "--address=127.0.0.1", "--port=5555"], logs / "flower.log"))
-        print("demo: Flower on http://127.0.0.1:5555")
+        url = os.environ.get("BB_BROKER_URL")
+        if url is None:
+            url = _start_server(data_root / "db", children, logs)
+        else:
+            say(f"using the server of BB_BROKER_URL={redact_url(url)}: the counts are of every job there")
+        target = parse_broker_url(url)
+        with MongoClient(target.mongo_uri, serverSelectionTimeoutMS=5000) as client:
+            _check_server(client, url, children)
+        os.environ["BB_BROKER_URL"] = url  # the children's broker
 
+        celery = [sys.executable, "-m", "celery", "-A", "celery_app"]
+        children.append(
+            Child("worker", [*celery, "worker", "-c", "2", "-E", "--loglevel", "INFO"], logs / "worker.log")
+        )
+        flower_port = _port(int(os.environ.get("BB_DEMO_FLOWER_PORT", "5555")), "Flower")
+        password = secrets.token_urlsafe(9)
+        # The password travels in Flower's own variable, out of the process list.
+        flower_env = {**os.environ, "FLOWER_BASIC_AUTH": f"demo:{password}"}
+        children.append(Child("flower", flower_command(HOST, flower_port), logs / "flower.log", flower_env))
+        _wait_until(lambda: _accepts(flower_port), children[-1], "Flower")
+        say(f"Flower on http://{HOST}:{flower_port} (user demo, password {password})")
+
+        from celery_app import app
         from celery_app.tasks import add, always_fails, flaky, long_running
 
+        app.conf.broker_url = url  # `python -m celery_app.demo` imported the app before the URL was known
         sample = [add.delay(2, 3), flaky.delay("flaky"), always_fails.delay("doomed"), long_running.delay(3)]
         ids = [result.id for result in sample]
-        jobs = get_database(target)["jobs"]
-        last = None
-        while True:
-            counts = bb_broker.statuses(url)
-            if counts != last:
-                print(f"demo: {json.dumps(counts)}", flush=True)
-                last = counts
-            settled = jobs.count_documents({"taskId": {"$in": ids}, "status": {"$in": ["succeeded", "failed"]}})
-            if once and settled == len(ids):
-                print(json.dumps(counts), flush=True)
-                return 0
-            time.sleep(1)
-    except KeyboardInterrupt:
+        with MongoClient(target.mongo_uri, serverSelectionTimeoutMS=5000, tz_aware=True) as client:
+            db = client[target.database]
+            last = None
+            say("Ctrl-C stops everything the demo started")
+            while True:
+                for child in children:
+                    child.check()
+                _check_server(client, url, children)
+                counts = bb_broker.statuses(db)
+                if counts != last:
+                    say(json.dumps(counts))
+                    last = counts
+                settled = db.jobs.count_documents({"taskId": {"$in": ids}, "status": {"$in": ["succeeded", "failed"]}})
+                if once and settled == len(ids):
+                    print(json.dumps(counts), flush=True)
+                    return 0
+                time.sleep(1)
+    except (KeyboardInterrupt, Stopped):
         return 0
+    except DemoFailed as exc:
+        say(str(exc))
+        code = 1
     finally:
-        for child in reversed(children):
-            child.send_signal(signal.SIGTERM)
-        for child in reversed(children):
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        _stop(children)
+    return code
+
+
+def _check_server(client: MongoClient, url: str, children: list[Child]) -> None:
+    """The server answers; if not, say why in words (and which child died, if one did)."""
+    try:
+        client.admin.command("ping")
+    except PyMongoError as exc:
+        for child in children:
+            child.check()
+        raise DemoFailed(describe_failure(exc, url)) from None
+
+
+def _start_server(data: Path, children: list[Child], logs: Path) -> str:
+    if os.environ.get("BB_DEMO_KEEP_DATA") == "1":
+        say(f"data in {data}, kept from the last run (BB_DEMO_KEEP_DATA=1)")
+    else:
+        shutil.rmtree(data, ignore_errors=True)
+        say(f"data in {data}, emptied first (BB_DEMO_KEEP_DATA=1 keeps it)")
+    port = _port(int(os.environ.get("BB_DEMO_SERVER_PORT", "27017")), "server")
+    server = Child("server", [sys.executable, "-m", "bb_broker.cli", "serve", "--host", HOST, "--port", str(port),
+                              "--data", str(data)], logs / "server.log")  # fmt: skip
+    children.append(server)
+    url = f"bbmongo://{HOST}:{port}/bountyboard"
+    with MongoClient(f"mongodb://{HOST}:{port}", serverSelectionTimeoutMS=500) as client:
+        _wait_until(lambda: _pings(client), server, "the server")
+    say(f"server ready: {url}")
+    return url
+
+
+def _stop(children: list[Child]) -> None:
+    """Everything the demo started, the server last (the worker releases its jobs there), within seconds."""
+    if not children:
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not leave processes behind
+    started = time.monotonic()
+    say("stopping " + ", ".join(child.name for child in reversed(children)))
+    server = [child for child in children if child.name == "server"]
+    for group in ([child for child in children if child not in server], server):
+        for child in group:
+            child.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for child in group:
+            child.wait_or_kill(deadline)
+    say(f"stopped in {time.monotonic() - started:.1f} s")
 
 
 if __name__ == "__main__":

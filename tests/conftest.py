@@ -51,6 +51,24 @@ def db(mongo_client: MongoClient, db_name: str) -> Iterator[Database]:
     mongo_client.drop_database(db_name)
 
 
+#: The password of the user `auth_server` creates.
+AUTH_PASSWORD = "s3cret-pw"
+
+
+@pytest.fixture
+def auth_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """A server of this test's own that asks for a password: user `bb`, AUTH_PASSWORD, root on admin."""
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    with MongoClient(server.url) as client:
+        client.admin.command("createUser", "bb", pwd=AUTH_PASSWORD, roles=[{"role": "root", "db": "admin"}])
+    server.stop()
+    server.auth = True
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def broker_url(mongo_url: str, db: Database) -> str:
     return with_database(mongo_url, db.name)

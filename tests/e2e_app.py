@@ -19,6 +19,7 @@ app.conf.update(
     task_time_limit=600,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
+    result_backend=os.environ.get("BB_RESULT_BACKEND"),  # "rpc://": results come back through the broker
 )
 
 
@@ -98,6 +99,12 @@ def autoretry(self):
 def overrun(self):
     record(self)
     time.sleep(30)
+
+
+@app.task(bind=True)
+def echo(self, value):
+    record(self)
+    return value
 
 
 @app.task(bind=True)

@@ -26,7 +26,11 @@ FLOWER_ENV = {"FLOWER_UNAUTHENTICATED_API": "true"}
 
 
 class FlowerProcess:
-    """`celery -A tests.e2e_app flower` (or `bb-broker flower -A ...`) on a free port, stopped by `stop()`."""
+    """`celery -A tests.e2e_app flower` (or `bb-broker flower -A ...`) on a free port, stopped by `stop()`.
+
+    With `basic_auth` ("user:password") Flower asks for those credentials and every request here sends them;
+    without it, `bb-broker flower` gets `--no-auth` and Flower's API is opened by FLOWER_UNAUTHENTICATED_API.
+    """
 
     def __init__(
         self,
@@ -39,27 +43,35 @@ class FlowerProcess:
         extra_args: tuple[str, ...] = (),
         inspect_timeout_ms: int = 10_000,
         cwd: Path = ROOT,
-        auth: tuple[str, str] | None = None,
+        basic_auth: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
         # A directed inspect returns at its one reply; the long timeout only matters on a loaded machine.
         flower_args = ["--address=127.0.0.1", f"--port={self.port}", f"--inspect_timeout={inspect_timeout_ms}"]
         flower_args += extra_args
+        self.basic_auth = basic_auth
+        # The "name:password" requests send by default: the first of basic_auth's users unless told.
+        self.user = user or (basic_auth.split(",")[0] if basic_auth else None)
+        if basic_auth:
+            flower_args.append(f"--basic-auth={basic_auth}")
         if launcher == "celery":
             self.argv = [sys.executable, "-m", "celery", "-A", app, "flower", *flower_args]
         elif launcher == "bb-broker":
-            self.argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", app, *flower_args]
+            no_auth = [] if basic_auth else ["--no-auth"]
+            self.argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", app, *no_auth, *flower_args]
         else:
             raise ValueError(f"unknown launcher {launcher!r}")
         self.cwd = cwd
-        self.auth = auth  # the basic-auth user the helpers below send, unless a request says otherwise
         self.env = {
-            **os.environ,
-            **FLOWER_ENV,
+            **{name: value for name, value in os.environ.items() if not name.startswith("FLOWER_")},
+            **({} if basic_auth else FLOWER_ENV),
             "BB_BROKER_URL": broker_url,
             "BB_TRANSPORT_OPTIONS": json.dumps(FAST_OPTIONS),
             "PYTHONPATH": str(ROOT),
+            **(env or {}),
         }
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -83,16 +95,21 @@ class FlowerProcess:
             return False
 
     def request(
-        self, method: str, path: str, form: dict[str, Any] | None = None, auth: tuple[str, str] | None | bool = True
+        self,
+        method: str,
+        path: str,
+        form: dict[str, Any] | None = None,
+        *,
+        credentials: bool = True,
+        user: str | None = None,
     ) -> tuple[int, str]:
-        """The status and body of one request; an HTTP error status is returned, not raised. `auth` is a basic-auth
-        (user, password), True for this process's own, or None for none."""
+        """The status and body of one request, as `user` ("name:password", else this process's own) or without
+        credentials if told; an HTTP error status is returned, not raised."""
         data = urllib.parse.urlencode(form or {}).encode() if method == "POST" else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
-        user = self.auth if auth is True else auth
-        if user:
-            token = base64.b64encode(f"{user[0]}:{user[1]}".encode()).decode()
-            req.add_header("Authorization", f"Basic {token}")
+        who = user or self.user
+        if who and credentials:
+            req.add_header("Authorization", "Basic " + base64.b64encode(who.encode()).decode())
         try:
             with urllib.request.urlopen(req, timeout=30) as response:
                 return response.status, response.read().decode()

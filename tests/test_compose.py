@@ -23,16 +23,22 @@ from typing import Any
 import click
 import pytest
 import yaml
+from pymongo import MongoClient
 from pymongo.uri_parser import parse_uri
 
 from bb_broker.connection import parse_broker_url
+from tests.conftest import AUTH_PASSWORD
 from tests.servers import free_port
 from tests.workers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
-BROKER_URL = "bbmongo://mongo:27017/bountyboard?replicaSet=rs0"
+#: The broker URL as the file writes it, and the example user and password it takes from compose/.env.
+BROKER_URL_TEMPLATE = (
+    "bbmongo://${BB_MONGO_USER:?set BB_MONGO_USER in compose/.env}:${BB_MONGO_PASSWORD:?set BB_MONGO_PASSWORD in "
+    "compose/.env}@mongo:27017/bountyboard?replicaSet=rs0"
+)
 APP_SERVICES = ("worker", "flower", "metrics", "producer")
 #: How each service's command starts: the entry point and subcommand the README documents.
 ENTRY_POINTS = {
@@ -87,6 +93,8 @@ RAW = yaml.safe_load(RAW_TEXT)
 #: The file as compose would run it with the variables of .env.example.
 COMPOSE = interpolate(RAW, ENV_EXAMPLE)
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+BROKER_URL = COMPOSE["x-broker-url"]
+INIT_SCRIPT = COMPOSE_DIR / "mongo-init.js"
 
 
 def option(argv: list[str], name: str) -> str:
@@ -127,22 +135,76 @@ def test_mongo_is_the_official_image_as_a_single_node_replica_set_on_a_named_vol
     assert "mongo-data:/data/db" in mongo["volumes"]
     assert "mongo-data" in COMPOSE["volumes"]
     script = mongo["healthcheck"]["test"][-1]
-    assert mongo["healthcheck"]["test"][:2] == ["CMD", "mongosh"]
+    assert mongo["healthcheck"]["test"][0] == "CMD-SHELL" and script.startswith("mongosh ")
     # Idempotent: it initiates only while the set is not yet initiated, so every later run just checks.
     assert re.search(r'if \(e\.codeName !== "NotYetInitialized"\) throw e;\s*rs\.initiate\(', script)
     assert "db.hello().isWritablePrimary" in script
     initiated = re.search(r'rs\.initiate\(\{_id: "(\w+)", members: \[\{_id: 0, host: "([\w.-]+:\d+)"\}\]\}\)', script)
     assert initiated, script
     assert initiated.group(1) == option(mongo["command"], "--replSet")
-    assert "ports" not in mongo, "MongoDB runs without authentication here: keep it off the host's network"
+    assert "ports" not in mongo, "MongoDB stays off the host's network"
+
+
+def test_mongo_asks_for_a_password_and_its_healthcheck_gives_the_administrators() -> None:
+    mongo = SERVICES["mongo"]
+    raw_env = RAW["services"]["mongo"]["environment"]
+    # The image creates the administrator on the first run, and then starts mongod with --auth every time.
+    assert raw_env["MONGO_INITDB_ROOT_USERNAME"].startswith("${MONGO_ROOT_USER:?")
+    assert raw_env["MONGO_INITDB_ROOT_PASSWORD"].startswith("${MONGO_ROOT_PASSWORD:?")
+    with pytest.raises(MissingVariable):
+        interpolate(raw_env, {**ENV_EXAMPLE, "MONGO_ROOT_PASSWORD": ""})
+    # A replica set with --auth needs a key file: the entrypoint writes it, readable by mongod's user alone, and
+    # hands over to the image's own entrypoint with the command as its arguments.
+    key_file = option(mongo["command"], "--keyFile")
+    bash, dash_c, script, arg0 = mongo["entrypoint"]
+    assert (bash, dash_c) == ("bash", "-c") and arg0
+    assert f"> {key_file}\n" in script and f"chown mongodb:mongodb {key_file}" in script
+    assert f"chmod 400 {key_file}" in script
+    assert script.rstrip().endswith('exec docker-entrypoint.sh "$@"')
+    # The healthcheck initiates the set as the administrator, with the credentials from the container's environment.
+    check = mongo["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL"
+    assert '--username "$MONGO_INITDB_ROOT_USERNAME" --password "$MONGO_INITDB_ROOT_PASSWORD"' in check[1]
+    assert "--authenticationDatabase admin" in check[1]
+
+
+def init_script_roles() -> list[str]:
+    """The roles compose/mongo-init.js gives the broker's user, each on the database the script runs in."""
+    script = INIT_SCRIPT.read_text()
+    assert "user: process.env.BB_MONGO_USER," in script and "pwd: process.env.BB_MONGO_PASSWORD," in script
+    roles = re.findall(r'\{ role: "(\w+)", db: db\.getName\(\) \}', script)
+    assert roles and "roles: [" in script, script
+    return roles
+
+
+def test_every_service_connects_as_the_broker_user_the_init_script_creates() -> None:
+    mongo = SERVICES["mongo"]
+    assert f"./{INIT_SCRIPT.name}:/docker-entrypoint-initdb.d/bb-broker-user.js:ro" in mongo["volumes"]
+    assert set(init_script_roles()) == {"readWrite", "dbAdmin"}
+    # The script reads the user from the mongo service's environment: the same variables the URL is written with.
+    raw_env = RAW["services"]["mongo"]["environment"]
+    assert raw_env["BB_MONGO_USER"].startswith("${BB_MONGO_USER:?")
+    assert raw_env["BB_MONGO_PASSWORD"].startswith("${BB_MONGO_PASSWORD:?")
+    parsed = parse_uri(parse_broker_url(BROKER_URL).mongo_uri)
+    assert (parsed["username"], parsed["password"]) == (ENV_EXAMPLE["BB_MONGO_USER"], ENV_EXAMPLE["BB_MONGO_PASSWORD"])
+    # The user lives where the script runs, which is the URL's database: the URL needs no authSource.
+    assert parsed["database"] == mongo["environment"]["MONGO_INITDB_DATABASE"] == "bountyboard"
+    assert "authsource" not in {name.lower() for name in parsed["options"]}
+    # The passwords travel in a URL as they are written: the example keeps to characters a URL carries unchanged.
+    for name in ("BB_MONGO_PASSWORD", "MONGO_ROOT_PASSWORD", "BB_MONGO_USER"):
+        assert re.fullmatch(r"[A-Za-z0-9._~-]+", ENV_EXAMPLE[name]), name
+    # No command line carries a database password (a process list shows command lines).
+    for name, service in SERVICES.items():
+        for secret in (ENV_EXAMPLE["BB_MONGO_PASSWORD"], ENV_EXAMPLE["MONGO_ROOT_PASSWORD"]):
+            assert secret not in " ".join(service["command"]), name
 
 
 def test_the_broker_url_is_written_once_and_every_app_service_uses_it() -> None:
     assert RAW_TEXT.count("bbmongo://") == 1, "the broker URL belongs in one place (the x-broker-url anchor)"
-    assert RAW["x-broker-url"] == BROKER_URL
+    assert RAW["x-broker-url"] == BROKER_URL_TEMPLATE
     for name in APP_SERVICES:
         assert SERVICES[name]["environment"]["BB_BROKER_URL"] == BROKER_URL, name
-    assert option(SERVICES["metrics"]["command"], "--broker") == BROKER_URL
+    assert "--broker" not in SERVICES["metrics"]["command"], "the metrics command reads BB_BROKER_URL"
     # The URL reaches the replica set compose starts: same set name, same member address.
     target = parse_broker_url(BROKER_URL)
     assert target.database == "bountyboard"
@@ -234,7 +296,6 @@ def test_the_metrics_command_is_a_registered_bb_broker_command() -> None:
     command = main.get_command(ctx, argv[1])
     assert command is not None, f"bb_broker.cli.main has no `{argv[1]}` command yet"
     params = command.make_context(argv[1], list(argv[2:]), parent=ctx).params
-    assert params["broker"] == BROKER_URL
     assert params["host"] == "0.0.0.0"
     assert int(params["port"]) == 9808
 
@@ -250,15 +311,19 @@ def test_the_producer_command_is_the_produce_module_with_valid_options() -> None
     assert str(args.heartbeat) in SERVICES["producer"]["healthcheck"]["test"][-1]
 
 
-def test_published_ports_are_the_ports_the_commands_listen_on() -> None:
+def test_only_flower_is_published_and_the_metrics_stay_inside_the_compose_network() -> None:
     for name, service in SERVICES.items():
         command = service["command"]
         listens = {int(option(command, "--port"))} if any(t.startswith("--port") for t in command) else set()
-        assert published_container_ports(service) == listens, name
+        # What a service listens on is published (flower, which asks for a password) or only exposed to the
+        # other containers (metrics, which asks nobody).
+        assert published_container_ports(service) | {int(port) for port in service.get("expose", [])} == listens
         for port in listens:
             assert f"http://localhost:{port}/" in " ".join(service["healthcheck"]["test"]), name
+    assert {name for name, service in SERVICES.items() if service.get("ports")} == {"flower"}
     assert published_container_ports(SERVICES["flower"]) == {5555}
-    assert published_container_ports(SERVICES["metrics"]) == {9808}
+    assert "--basic-auth" in " ".join(SERVICES["flower"]["command"])
+    assert SERVICES["metrics"]["expose"] == ["9808"] and "ports" not in SERVICES["metrics"]
     assert "/statuses" in SERVICES["metrics"]["healthcheck"]["test"][-1]
 
 
@@ -318,8 +383,10 @@ def running(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subproc
 
 
 def app_env(broker_url: str, **extra: str) -> dict[str, str]:
-    """The container's environment here: the test database as the broker, this venv's programs on PATH."""
-    return {**os.environ, "BB_BROKER_URL": broker_url, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", **extra}
+    """The container's environment here: the test database as the broker, this venv's programs on PATH, and the
+    example app on PYTHONPATH (the image's /app: the package does not install it)."""
+    path = {"PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "BB_BROKER_URL": broker_url, **path, **extra}
 
 
 def with_port(argv: list[str], old: int, new: int) -> list[str]:
@@ -371,7 +438,6 @@ def test_the_metrics_healthcheck_reads_statuses(broker_url: str, tmp_path: Path)
     port = free_port()
     env = app_env(broker_url)
     argv = with_port(SERVICES["metrics"]["command"], 9808, port)
-    argv[argv.index("--broker") + 1] = broker_url  # the test database instead of the compose network's
     log = tmp_path / "metrics.log"
     with running(argv, env, log) as metrics:
         wait_for(lambda: metrics.poll() is not None or listening(port), 60, "the metrics endpoint to listen")
@@ -395,3 +461,29 @@ def test_the_producer_healthcheck_follows_its_heartbeat(broker_url: str, tmp_pat
     stale = time.time() - 3600
     os.utime(heartbeat, (stale, stale))
     assert probe(check, env).returncode != 0
+
+
+def test_the_broker_user_the_init_script_creates_runs_the_worker_producer_and_metrics(auth_server, tmp_path) -> None:
+    """On a server that checks roles, the user as compose/mongo-init.js creates it does all the broker needs."""
+    database = SERVICES["mongo"]["environment"]["MONGO_INITDB_DATABASE"]
+    user, password = ENV_EXAMPLE["BB_MONGO_USER"], ENV_EXAMPLE["BB_MONGO_PASSWORD"]
+    with MongoClient(f"mongodb://bb:{AUTH_PASSWORD}@127.0.0.1:{auth_server.port}/?authSource=admin") as admin:
+        roles = [{"role": role, "db": database} for role in init_script_roles()]
+        admin[database].command("createUser", user, pwd=password, roles=roles)
+        # The compose URL, pointed at this server (one member, no replica set); its credentials as compose gives them.
+        url = BROKER_URL.replace("@mongo:27017/", f"@127.0.0.1:{auth_server.port}/").split("?")[0]
+        env = app_env(url)
+        with running(SERVICES["worker"]["command"], env, tmp_path / "worker.log"):
+            producer = [*SERVICES["producer"]["command"], "--count", "1"]
+            with running(producer, env, tmp_path / "producer.log") as sending:
+                assert sending.wait(60) == 0, (tmp_path / "producer.log").read_text()[-3000:]
+            jobs = admin[database].jobs
+            wait_for(lambda: jobs.count_documents({"status": "succeeded"}) >= 2, 120, "the round's jobs to succeed")
+        port = free_port()
+        with running(with_port(SERVICES["metrics"]["command"], 9808, port), env, tmp_path / "metrics.log") as metrics:
+            wait_for(lambda: metrics.poll() is not None or listening(port), 60, "the metrics endpoint to listen")
+            assert metrics.poll() is None, (tmp_path / "metrics.log").read_text()[-3000:]
+            result = probe(with_port(probe_argv("metrics"), 9808, port), env)
+            assert result.returncode == 0, result.stdout + result.stderr
+    for log in tmp_path.glob("*.log"):
+        assert password not in log.read_text(), log.name

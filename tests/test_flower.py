@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import inspect
 import os
 import re
 import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.connection import redact_url
-from tests.conftest import ARTIFACTS
+from tests.conftest import ARTIFACTS, AUTH_PASSWORD
 from tests.flower_process import FlowerProcess, chromium
-from tests.workers import job, process_factory, send, settled, wait_for
+from tests.servers import free_port, with_database
+from tests.workers import ROOT, job, process_factory, send, settled, wait_for
 
 HOST = socket.gethostname()
 
@@ -235,7 +242,10 @@ def test_queues_pool_and_rate_limit_from_flower(app, db, worker_factory, flower_
 
 def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
     """Fails when a Flower release moves what bb_broker.flower hooks, before any user sees a broken Broker tab."""
+    import flower.command
+    import flower.urls
     import flower.views
+    import flower.views.workers
     from flower.api.tasks import GetQueueLengths
     from flower.utils import broker as flower_broker
     from flower.views.broker import BrokerView
@@ -258,6 +268,18 @@ def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
     template = (Path(flower.views.__file__).parent.parent / "templates" / "broker.html").read_text()
     for key in ("name", "messages", "messages_unacknowledged", "messages_ready"):
         assert f"queue.get('{key}')" in template or f"queue['{key}']" in template
+
+    # The broker banner: Flower hands its `settings` to Tornado (where `template_loader` is a documented setting),
+    # every page extends base.html, which has the anchor, and the Workers table turns its dot red on a failed refresh.
+    assert "Flower(capp=app, options=options, **settings)" in inspect.getsource(flower.command.flower.callback)
+    assert isinstance(flower.urls.settings["template_loader"], adapter.BannerLoader)
+    base = (Path(flower.views.__file__).parent.parent / "templates" / "base.html").read_bytes()
+    assert base.count(adapter._BANNER_ANCHOR) == 1
+    script = (Path(flower.views.__file__).parent.parent / "static" / "js" / "flower.js").read_text()
+    assert re.search(r"url: url_prefix\(\) \+ '/workers\?json=1',.*?error: function \(\) \{\s*"
+                     r"updateWorkerRefreshStatus\(false\);", script, re.S)  # fmt: skip
+    assert "def prepare" not in inspect.getsource(flower.views.workers) + inspect.getsource(flower.views.BaseHandler)
+    assert flower.views.workers.WorkersView.prepare is adapter._workers_prepare
 
     adapter.install()  # again: still one wrapper around Flower's own factory
     assert not getattr(flower_broker.Broker.__new__.flowers_new, "_bb_broker_jobs", False)
@@ -379,3 +401,163 @@ def test_tasks_page_in_headless_chromium(app, db, worker_factory, flower_factory
             "--virtual-time-budget=10000", f"--screenshot={path}", "--window-size=1400,900", f"{flower.url}/{page}"
         )
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+# --- authentication -----------------------------------------------------------------------------------------
+
+
+def flower_env(**extra: str) -> dict[str, str]:
+    """This environment without any FLOWER_* setting, plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("FLOWER_")}, "PYTHONPATH": str(ROOT), **extra}
+
+
+def bb_broker_flower(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "tests.e2e_app", *args]
+    return subprocess.run(argv, cwd=cwd, env=flower_env(**env), capture_output=True, text=True, timeout=60)
+
+
+def test_bb_broker_flower_refuses_to_start_without_authentication(broker_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    refused = bb_broker_flower("--address=127.0.0.1", f"--port={port}", cwd=tmp_path, BB_BROKER_URL=broker_url)
+    assert refused.returncode == 2, refused.stderr
+    message = refused.stderr.strip()
+    assert len(message.splitlines()) == 1 and "refusing to serve Flower without authentication" in message
+    assert "--basic-auth=USER:PASSWORD" in message and "FLOWER_BASIC_AUTH" in message and "--no-auth" in message
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "nothing may listen"
+    # --no-auth says the opposite of a configured authentication: refused as well.
+    both = bb_broker_flower("--no-auth", cwd=tmp_path, BB_BROKER_URL=broker_url, FLOWER_BASIC_AUTH="ops:pw")
+    assert both.returncode == 2 and "--no-auth contradicts the basic authentication" in both.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "config", "expected"),
+    [
+        ((), {}, None, None),
+        (("--basic-auth=ops:pw",), {}, None, "basic"),
+        ((), {"FLOWER_BASIC_AUTH": "ops:pw"}, None, "basic"),
+        ((), {}, "basic_auth = ['ops:pw']\n", "basic"),
+        (("--auth=.*@example\\.com", "--auth_provider=flower.views.auth.GithubLoginHandler"), {}, None, "oauth"),
+        ((), {"FLOWER_AUTH": ".*@example\\.com"}, None, "oauth"),
+        ((), {}, "auth = '.*@example\\\\.com'\n", "oauth"),
+    ],
+)
+def test_authentication_is_read_as_flower_reads_it(args, env, config, expected, tmp_path: Path) -> None:
+    if config is not None:
+        (tmp_path / "flowerconfig.py").write_text(config)  # the file Flower reads from its working directory
+    script = "import sys; from bb_broker.flower import authentication; print(authentication(sys.argv[1:]))"
+    found = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=tmp_path, env=flower_env(**env), capture_output=True, text=True
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(expected)
+
+
+def test_flower_with_basic_auth_asks_every_page_and_api_call_for_the_credentials(app, flower_factory) -> None:
+    flower = flower_factory(launcher="bb-broker", basic_auth="ops:s3cret")
+    assert "FLOWER_UNAUTHENTICATED_API" not in flower.env  # the credentials open the API, not this variable
+    for path in ("/", "/tasks", "/broker", "/api/workers", "/api/tasks"):
+        assert flower.request("GET", path, credentials=False)[0] == 401, path
+        assert flower.request("GET", path)[0] == 200, path
+    task_id = send(app, "add", 1, 2, countdown=600)
+    assert flower.request("POST", f"/api/task/revoke/{task_id}", credentials=False)[0] == 401
+    # What Flower's Revoke button sends, with the browser's credentials: it works without FLOWER_UNAUTHENTICATED_API.
+    assert flower.post(f"/api/task/revoke/{task_id}") == {"message": f"Revoked '{task_id}'"}
+    assert flower.request("GET", "/healthcheck")[0] == 200
+
+
+def test_flower_with_no_auth_serves_pages_says_so_and_keeps_its_api_closed(flower_factory) -> None:
+    flower = flower_factory(launcher="bb-broker", env={"FLOWER_UNAUTHENTICATED_API": "false"})
+    assert flower.request("GET", "/workers")[0] == 200
+    status, body = flower.request("GET", "/api/workers")
+    assert status == 401 and "FLOWER_UNAUTHENTICATED_API" in body
+    note = wait_for(lambda: "WITHOUT authentication" in flower.log() and flower.log(), message="the --no-auth note")
+    assert "FLOWER_UNAUTHENTICATED_API=true" in note and "--basic-auth=USER:PASSWORD" in note
+
+
+def test_the_demos_flower_starts_with_the_credentials_the_demo_prints(broker_url: str, tmp_path: Path) -> None:
+    from celery_app.demo import flower_command
+
+    port = free_port()
+    env = flower_env(BB_BROKER_URL=broker_url, FLOWER_BASIC_AUTH="demo:pw-the-demo-printed")
+    log = tmp_path / "demo-flower.log"
+    with log.open("wb") as out:
+        demo_flower = subprocess.Popen(
+            flower_command("127.0.0.1", port), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        url = f"http://127.0.0.1:{port}/workers"
+
+        def status(credentials: str | None) -> int | None:
+            headers = (
+                {"Authorization": "Basic " + base64.b64encode(credentials.encode()).decode()} if credentials else {}
+            )
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+            except OSError:
+                return None
+
+        wait_for(lambda: demo_flower.poll() is not None or status(None), 90, "the demo's Flower answering")
+        assert demo_flower.poll() is None, log.read_text()[-3000:]
+        assert status(None) == 401 and status("demo:pw-the-demo-printed") == 200
+    finally:
+        demo_flower.terminate()
+        demo_flower.wait(30)
+
+
+# --- a broker Flower cannot use ---------------------------------------------------------------------------
+
+
+def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_server, tmp_path: Path) -> None:
+    wrong = with_database(f"mongodb://bb:wrong-pw-123@127.0.0.1:{auth_server.port}/?authSource=admin", "flowerdb")
+    flower = FlowerProcess(wrong, log_dir=tmp_path, launcher="bb-broker")
+    flower.start()
+    try:
+        expected = "authentication failed for user 'bb' on database 'admin'"
+        # Flower's first ping of the broker starts with Flower; a page waits for its verdict only briefly.
+        wait_for(lambda: expected in html.unescape(flower.page("/")), message="the broker's error on Flower's page")
+        for path in ("/", "/workers", "/tasks", "/broker"):
+            page = html.unescape(flower.page(path))
+            assert 'id="bb-broker-error"' in page and expected in page, path
+            assert f"bbmongo://bb:**@127.0.0.1:{auth_server.port}/flowerdb" in page, path
+            assert "wrong-pw-123" not in page, path
+        # The Workers table's refresh fails with the reason, so that its dot does not say "Updated".
+        status, body = flower.request("GET", "/workers?json=1")
+        assert status == 503 and "authentication failed for user 'bb'" in body and "wrong-pw-123" not in body
+
+        # In a real browser, after the page's scripts ran: the banner, and the red dot.
+        dom = html.unescape(chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/workers"))
+        assert expected in dom and "Update failed" in dom and "status-dot-error" in dom
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "flower-broker-error.png"
+        shot.unlink(missing_ok=True)
+        chromium("--virtual-time-budget=10000", f"--screenshot={shot}", "--window-size=1400,900", f"{flower.url}/")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+        # The password becomes right (the server's side changes): the banner goes, the table refreshes again.
+        with MongoClient(f"mongodb://bb:{AUTH_PASSWORD}@127.0.0.1:{auth_server.port}/?authSource=admin") as admin:
+            admin.admin.command("updateUser", "bb", pwd="wrong-pw-123")
+        wait_for(lambda: "bb-broker-error" not in flower.page("/workers"), message="the banner gone")
+        assert flower.request("GET", "/workers?json=1")[0] == 200
+        dom = chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/workers")
+        assert "Updated " in dom and "status-dot-error" not in dom
+        assert "wrong-pw-123" not in flower.log()
+    finally:
+        flower.stop()
+
+
+def test_a_broker_nobody_answers_is_named_in_words(tmp_path: Path) -> None:
+    from bb_broker.flower import BrokerHealth
+
+    port = free_port()  # nothing listens there
+    health = BrokerHealth(f"bbmongo://bb:pw-xyz@127.0.0.1:{port}/db?serverSelectionTimeoutMS=300")
+    problem = health.check()
+    assert problem is not None and problem.startswith(f"no server answered: 127.0.0.1:{port}")
+    assert "pw-xyz" not in problem and "Topology" not in problem
+    assert (
+        health.banner() == f"Flower cannot use the broker bbmongo://bb:**@127.0.0.1:{port}/db?"
+        f"serverSelectionTimeoutMS=300: {problem}. Workers, tasks and queues shown here may be missing or out of date."
+    )

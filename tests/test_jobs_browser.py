@@ -43,7 +43,7 @@ def shot(page: Page, name: str) -> None:
 
 def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, flower_factory, browser) -> None:
     worker_factory(extra_args=("-Q", "celery,other"))
-    flower = flower_factory(extra_args=("--basic-auth=admin:s3cret,viewer:peek", "--jobs_admins=admin"))
+    flower = flower_factory(basic_auth="admin:s3cret,viewer:peek", extra_args=("--jobs_admins=admin",))
     broken = send(app, "fails_until_fixed", "invoice-42")
     for i in range(3):
         wait_for(settled(db, send(app, "add", i, i), "succeeded"), message="a few jobs ran")

@@ -18,9 +18,10 @@ from tests.flower_process import FlowerProcess
 from tests.test_flower import broker_rows
 from tests.workers import process_factory
 
-ADMIN = ("admin", "s3cret")
-VIEWER = ("viewer", "peek")
-AUTH_ARGS = ("--basic-auth=admin:s3cret,viewer:peek", "--jobs_admins=admin")
+ADMIN = "admin:s3cret"
+VIEWER = "viewer:peek"
+USERS = f"{ADMIN},{VIEWER}"
+AUTH_ARGS = ("--jobs_admins=admin",)
 
 
 @pytest.fixture
@@ -68,19 +69,26 @@ def seed(store: JobStore) -> dict[str, str]:
     return jobs
 
 
-def data(flower: FlowerProcess, path: str, *, auth: Any = True) -> tuple[int, Any]:
-    status, body = flower.request("GET", path, auth=auth)
+def call(flower: FlowerProcess, method: str, path: str, form: Any = None, auth: str | bool | None = True) -> Any:
+    """One request as `auth` ("name:password"), as the process's own user (True), or without credentials (None)."""
+    if auth is None:
+        return flower.request(method, path, form, credentials=False)
+    return flower.request(method, path, form, user=None if auth is True else auth)
+
+
+def data(flower: FlowerProcess, path: str, *, auth: str | bool | None = True) -> tuple[int, Any]:
+    status, body = call(flower, "GET", path, auth=auth)
     return status, json.loads(body) if body.startswith("{") else body
 
 
-def act(flower: FlowerProcess, path: str, *, auth: Any = True, **form: Any) -> tuple[int, Any]:
-    status, body = flower.request("POST", path, form, auth=auth)
+def act(flower: FlowerProcess, path: str, *, auth: str | bool | None = True, **form: Any) -> tuple[int, Any]:
+    status, body = call(flower, "POST", path, form, auth=auth)
     return status, json.loads(body) if body.startswith("{") else body
 
 
 def test_lists_counts_and_look_ups(store: JobStore, db: Database, flower_factory) -> None:
     jobs = seed(store)
-    flower = flower_factory(extra_args=AUTH_ARGS, auth=VIEWER)
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS, user=VIEWER)
 
     status, body = data(flower, "/api/jobs?counts=1")
     newest_first = [jobs[k] for k in ("queued", "running", "succeeded", "failed")]
@@ -123,7 +131,7 @@ BAD_FILTERS = [
 
 
 def test_bad_filters_are_a_clear_400(store: JobStore, flower_factory) -> None:
-    flower = flower_factory(extra_args=AUTH_ARGS, auth=VIEWER)
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS, user=VIEWER)
     for query, error in BAD_FILTERS:
         assert data(flower, f"/api/jobs?{query}") == (400, {"error": error}), query
         assert data(flower, f"/jobs/data?{query}") == (400, {"error": error}), query
@@ -133,12 +141,12 @@ def test_bad_filters_are_a_clear_400(store: JobStore, flower_factory) -> None:
 
 def test_every_action_and_every_refusal(store: JobStore, db: Database, flower_factory) -> None:
     jobs = seed(store)
-    flower = flower_factory(extra_args=AUTH_ARGS, auth=ADMIN)
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
 
     # No credentials: Flower's own 401, for the API and the pages.
     assert act(flower, f"/api/jobs/{jobs['queued']}/cancel", auth=None)[0] == 401
     assert data(flower, "/api/jobs", auth=None)[0] == 401
-    assert flower.request("GET", "/jobs", auth=None)[0] == 401
+    assert call(flower, "GET", "/jobs", auth=None)[0] == 401
     # A read-only user: reads, and a clear 403 for every action.
     assert data(flower, "/api/jobs", auth=VIEWER)[0] == 200
     refused = "viewer may read the jobs but not act on them (see --jobs_admins)"
@@ -216,11 +224,11 @@ def test_the_pages_show_counts_attempts_and_links(store: JobStore, db: Database,
         for n in (1, 2, 3)
     ]  # fmt: skip
     db.jobs.update_one({"_id": jobs["failed"]}, {"$set": {"history": history}})
-    flower = flower_factory(extra_args=AUTH_ARGS, auth=ADMIN)
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
 
     page = flower.page("/jobs")
     assert 'href="/jobs"' in page and "Jobs</a>" in page and 'id="bulk"' in page  # the tab, and actions for admins
-    viewer_page = flower.request("GET", "/jobs", auth=VIEWER)[1]
+    viewer_page = call(flower, "GET", "/jobs", auth=VIEWER)[1]
     assert 'id="read-only"' in viewer_page and 'id="bulk"' not in viewer_page
     assert "Jobs</a>" in flower.page("/workers")  # the link is in Flower's own navigation bar
 
@@ -228,7 +236,7 @@ def test_the_pages_show_counts_attempts_and_links(store: JobStore, db: Database,
     assert f"Job {jobs['failed']}" in detail and 'href="/task/task-failed"' in detail
     assert detail.count('<tr class="attempt">') == 3 and "RuntimeError: attempt 2" in detail and "3.000 s" in detail
     assert '"args": [1, 2]' in detail and 'data-action="retry"' in detail
-    assert 'data-action="retry"' not in flower.request("GET", f"/jobs/{jobs['failed']}", auth=VIEWER)[1]
+    assert 'data-action="retry"' not in call(flower, "GET", f"/jobs/{jobs['failed']}", auth=VIEWER)[1]
     missing = flower.request("GET", "/jobs/nope")
     assert missing[0] == 404 and "no job has the id or task id" in html.unescape(missing[1])
 
@@ -252,15 +260,19 @@ def test_flower_internals_the_jobs_tab_relies_on_are_still_there() -> None:
     from flower.api import BaseApiHandler
     from flower.views import BaseHandler
 
+    from bb_broker import flower as adapter
     from bb_broker import jobs_view
 
     jobs_view.install()
-    jobs_view.install()  # twice: still one set of handlers, one wrapper
+    adapter.install()  # twice each: still one set of handlers
     patterns = [(h[0] if isinstance(h, tuple) else h.regex.pattern).rstrip("$") for h in flower.urls.handlers]
     assert patterns.count("/jobs") == 1 and patterns.count("/api/jobs") == 1 and patterns[-1] == ".*"
-    # Flower builds its app from that very list, and passes its settings to Tornado (where the loader goes).
+    # Flower builds its app from that very list; bb_broker.flower's loader (in the settings Flower passes on to
+    # Tornado) serves our templates and Flower's patched ones.
     assert "from .urls import handlers as default_handlers" in inspecting.getsource(flower.app)
-    assert "super().__init__(**kwargs)" in inspecting.getsource(flower.app.Flower.__init__.flowers_init)
+    loader = flower.urls.settings["template_loader"]
+    assert isinstance(loader, adapter.BannerLoader)
+    assert "reverse_url('jobs')" in loader.load("navbar.html").code and loader.load("bb_jobs.html")
     templates = Path(flower.urls.settings["template_path"])
     assert jobs_view.NAVBAR_ANCHOR in (templates / "navbar.html").read_text()
     broker = (templates / "broker.html").read_text()
@@ -281,7 +293,7 @@ def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStor
         "basic_auth = ['admin:s3cret', 'viewer:peek']\n"
         "jobs_admins = ['admin']\n"
     )
-    flower = flower_factory(launcher="celery", extra_args=(f"--conf={config}",), auth=VIEWER)
+    flower = flower_factory(launcher="celery", extra_args=(f"--conf={config}",), user=VIEWER)
     assert data(flower, "/api/jobs")[0] == 200
     assert act(flower, "/api/queues/celery/pause")[0] == 403
     assert act(flower, "/api/queues/celery/pause", auth=ADMIN)[0] == 200

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+from kombu import Connection, Consumer, Queue
+
 from tests.workers import producer, send, settled, wait_for
 
 
@@ -28,3 +31,26 @@ def test_without_change_streams_the_worker_polls(broker_url, db, worker_factory)
     task_ids = [send(app, "add", 1, 1), send(app, "fail_until", 2), send(app, "add", 2, 2, countdown=1)]
     for task_id in task_ids:
         wait_for(settled(db, task_id, "succeeded"), timeout=60, message=f"{task_id} succeeded by polling")
+
+
+def test_news_for_a_queue_it_does_not_consume_leaves_a_consumer_idle(broker_url, db) -> None:
+    # Flower consumes only its events queue: a job published to `celery` used to mark a queue no poll of it would
+    # ever clear, and its event thread spun through drain_events at a core's worth of CPU.
+    with Connection(broker_url) as conn:
+        channel = conn.channel()
+        polls = []
+        real_get = channel._get
+        channel._get = lambda queue, timeout=None: polls.append(queue) or real_get(queue, timeout)
+        consumer = Consumer(channel, queues=[Queue("mine")], accept=["json"], callbacks=[lambda *_: None])
+        consumer.consume()
+        wakeups = wait_for(lambda: conn.transport.wakeups if conn.transport.wakeups.available else None,
+                           message="the change stream is live")  # fmt: skip
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)  # the first look at its queue
+        wakeups.event.clear()
+        send(producer(broker_url), "add", 1, 1)  # to `celery`, which this consumer does not consume
+        wait_for(wakeups.event.is_set, message="the change stream reported the new job")
+        polls.clear()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=2)
+    assert len(polls) < 20, f"{len(polls)} polls of {set(polls)} in 2 s of idling: the consumer spins"

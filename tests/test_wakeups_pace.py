@@ -89,7 +89,7 @@ def test_news_for_a_quiet_queue_wakes_while_another_is_busy(watched, db: Databas
 def test_a_queue_polled_empty_is_news_again(watched, db: Database) -> None:
     wakeups, _ = watched
     assert wakeups.should_poll("q", job_queue=True)  # a poll that comes back empty: no found()
-    assert wakeups.seconds_until_next_poll() > 0  # the consumer goes idle
+    assert wakeups.seconds_until_next_poll({"q"}) > 0  # the consumer goes idle
     publish(db, "q")
     wait_for(lambda: wakeups.should_poll("q", job_queue=True), message="the new job's wake-up")
 

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.bench import report
+from tests.bench import report, startup
 from tests.bench.runner import Broker, MongoOps, RedisOps, Settings, mongo_broker, redis_broker, run_rounds
 from tests.bench.servers import RedisServer, Server, mongo_server
+from tests.servers import with_database
 
 HOW_OPS_ARE_COUNTED = (
     "MongoDB: serverStatus opcounters (all six summed) read before and after each window by the bench's own "
@@ -48,6 +49,9 @@ def main() -> int:
     try:
         mongo.start()
         redis_server.start()
+        # Before the rounds, on a quiet machine: what an operator waits for each time.
+        startup_repeat = int(os.environ.get("BENCH_STARTUP_REPEAT", "5"))
+        cli_startup = startup.measure(with_database(mongo.url, "bb_bench_startup"), startup_repeat)
         ops = MongoOps(mongo.url)
         rops = RedisOps(redis_server.url)
         counters += [ops, rops]
@@ -71,6 +75,7 @@ def main() -> int:
     rat = report.ratios(rounds)
     tgt = report.targets(med, rat)
     print(report.table(med, servers, rat, tgt))
+    print(startup.table(cli_startup, startup_repeat))
     print(f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s; logs in {workdir}")
     line = {
         "bench": "bb_broker",
@@ -81,6 +86,7 @@ def main() -> int:
         "median": med,
         "ratios": rat,
         "targets": tgt,
+        "cli_startup": cli_startup,
         "rounds": rounds,
         "seconds": round(time.monotonic() - started, 1),
     }
