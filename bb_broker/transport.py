@@ -113,7 +113,6 @@ class Channel(virtual.Channel):
         "message_ttl",
         "jobs_collection",
         "max_claim_batch",
-        "pause_check_interval",
         "retention",
         "safety_poll_interval",
         "use_change_streams",
@@ -126,7 +125,7 @@ class Channel(virtual.Channel):
     safety_poll_interval = 10.0
 
     #: Seconds a consumer trusts what it read of the paused queues without a change stream (with one, it reads
-    #: again when the stream reports a change, and at least every minute).
+    #: again when the stream reports a change, and at least every minute). Not a transport option (yet).
     pause_check_interval = 1.0
 
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
