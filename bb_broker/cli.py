@@ -185,9 +185,12 @@ def _announce_when_listening(host: str, port: int, lines: list[str]) -> None:
 )
 def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
     """Jobs per status (with --json, the same object as bb_broker.statuses()), per queue and per kind."""
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
+        operations = Operations(store)
         if by is not None:
-            rows = store.breakdown(by)
+            rows = operations.breakdown(by)
             click.echo(json.dumps(rows) if as_json else _table(by, rows))
             return
         counts = store.statuses()
@@ -197,10 +200,17 @@ def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
         for name, count in counts.items():
             click.echo(f"{name:<10} {count}")
         for breakdown in BREAKDOWNS:
-            rows = store.breakdown(breakdown)
+            rows = operations.breakdown(breakdown)
             if rows:
                 click.echo("")
                 click.echo(_table(breakdown, rows))
+        paused = operations.paused()
+        if paused:
+            click.echo("")
+            for name, control in sorted(paused.items()):
+                since = control.get("pausedAt")
+                when = f" since {since:%Y-%m-%d %H:%M:%S} UTC" if since else ""
+                click.echo(f"paused queue {name} (by {control.get('pausedBy')}{when}): its jobs wait")
 
 
 def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
@@ -230,8 +240,10 @@ def failed(
     as_json: bool,
 ) -> None:
     """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
-        docs = store.failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
+        docs = Operations(store).failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
     jobs = [
         {
             "id": doc["_id"],
@@ -279,12 +291,13 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
         _fail("retry: --all cannot be combined with --id or --kind", 2)
     if not (retry_all or ids or kind):
         _fail("retry: say which failed jobs: --id ID (repeatable), --kind NAME, or --all", 2)
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
-        if ids:
-            retried, missed = store.retry_failed_ids(ids, kind=kind)
-            count = len(retried)
-        else:
-            count, missed = store.retry_failed(kind=kind), {}
+        operations = Operations(store)
+        retried = operations.retry(list(dict.fromkeys(ids)) if ids else None, kind=kind, by=_operator())
+        missed = {identifier: operations.why_not_retried(identifier, kind) for identifier in retried.unmatched}
+        count = retried.count
     click.echo(f"retried {count} failed job{'' if count == 1 else 's'}")
     if missed:
         reasons = ", ".join(f"{job_id} ({why})" for job_id, why in missed.items())
@@ -357,8 +370,10 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
     unfinished = sorted({QUEUED, RUNNING} & set(statuses))
     if unfinished and not force:
         _fail(f"purge: refusing to delete {' and '.join(unfinished)} jobs (work not done yet) without --force", 2)
+    from .operations import Operations
+
     with _jobs(broker, collection) as store:
-        count = store.purge(set(statuses), older_than=older_than)
+        count = Operations(store).purge(set(statuses), older_than=older_than)
     click.echo(f"purged {count} job{'' if count == 1 else 's'}")
 
 
@@ -446,6 +461,93 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
     from celery.bin.celery import celery
 
     celery.main(args=["-A", celery_app, "flower", *flower_args], prog_name="celery", auto_envvar_prefix="CELERY")
+
+
+def _operator() -> str:
+    """Who an action from this command is recorded as: the local user at this host."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container, say)
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()} (bb-broker)"
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("identifier", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
+def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
+    """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
+    from .operations import Operations, describe_job
+
+    with _jobs(broker, collection) as store:
+        doc = Operations(store).find(identifier)
+    if doc is None:
+        _fail(f"show: no job has the id or task id {identifier!r}")
+    if as_json:
+        click.echo(json.dumps(doc, default=_json_value, indent=2))
+        return
+    for label, value in describe_job(doc):
+        click.echo(f"{label + ':':<14}{value}" if label else f"  {value}")
+
+
+def _json_value(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("identifiers", metavar="ID...", nargs=-1, required=True)
+def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
+    """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
+    from .operations import ActionRefused, Operations
+
+    problems = []
+    with _jobs(broker, collection) as store:
+        operations = Operations(store)
+        for identifier in identifiers:
+            try:
+                doc = operations.act("cancel", identifier, by=_operator())
+            except ActionRefused as exc:
+                problems.append(str(exc))
+            else:
+                click.echo(f"cancelled job {doc['_id']} ({doc.get('kind')})")
+    if problems:
+        _fail("cancel: " + "; ".join(problems))
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("queue")
+def pause(broker: str, collection: str, queue: str) -> None:
+    """Pause a queue for every worker, now and later: its jobs stay queued until `resume`."""
+    if not queue.strip():
+        _fail("pause: the queue name is empty", 2)
+    from .operations import Operations
+
+    with _jobs(broker, collection) as store:
+        changed = Operations(store).pause(queue, by=_operator())
+    click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("queue")
+def resume(broker: str, collection: str, queue: str) -> None:
+    """Resume a paused queue: workers claim its jobs again."""
+    if not queue.strip():
+        _fail("resume: the queue name is empty", 2)
+    from .operations import Operations
+
+    with _jobs(broker, collection) as store:
+        changed = Operations(store).resume(queue, by=_operator())
+    click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")
 
 
 if __name__ == "__main__":

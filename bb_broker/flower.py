@@ -14,6 +14,10 @@ pages say "No workers are available" under a green "Updated". So `install()` als
 error, kept current by a ping every few seconds (`BrokerHealth`), and makes the Workers table's refresh fail while
 the error lasts, so that its dot turns red.
 
+The queues listed are those of the collection (every queue holding queued, running or failed jobs, and every paused
+one) together with those Flower's workers consume, so none is missing however Flower was started. Importing this
+module also adds the Jobs tab (bb_broker.jobs_view), whose templates the same loader serves.
+
 `authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
 
 `tests/test_flower.py` fails when the Flower internals this relies on move.
@@ -36,8 +40,10 @@ from flower.views.workers import WorkersView
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
 
+from . import jobs_view
 from .connection import BrokerTarget, get_database, parse_broker_url, redact_url, scrub
 from .lifecycle import FAILED, QUEUED, RUNNING
+from .operations import Operations
 from .store import JobStore
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
@@ -139,9 +145,12 @@ _BANNER = b"""
 
 
 class BannerLoader(tornado.template.Loader):
-    """Flower's templates, with the broker banner in the base template every page extends."""
+    """Flower's templates, with the broker banner in the base template every page extends, and the Jobs tab's."""
 
     def _create_template(self, name: str) -> tornado.template.Template:
+        jobs_tab = jobs_view.template_source(self.root, name)
+        if jobs_tab is not None:
+            return tornado.template.Template(jobs_tab, name, self)
         if name != "base.html":
             return super()._create_template(name)
         source = Path(self.root, name).read_bytes()
@@ -177,16 +186,17 @@ class JobQueues:
     def __init__(self, broker_url: str, *_: Any, broker_options: dict[str, Any] | None = None, **__: Any) -> None:
         collection = (broker_options or {}).get("jobs_collection", "jobs")
         self.store = JobStore(get_database(parse_broker_url(broker_url)), collection=collection)
+        self.operations = Operations(self.store)
 
     async def queues(self, names: Iterable[str]) -> list[dict[str, Any]]:
-        names = list(names)
-        # Flower's handlers run on its event loop: the query goes to a thread so pages stay responsive.
-        depths = await asyncio.get_running_loop().run_in_executor(None, self.store.queue_depths, names)
-        return [_row(name, depths[name]) for name in names]
+        """A row for each queue the workers consume (`names`) and each queue the collection knows."""
+        # Flower's handlers run on its event loop: the queries go to a thread so pages stay responsive.
+        rows = await asyncio.get_running_loop().run_in_executor(None, self.operations.queues, list(names))
+        return [_row(name, row) for name, row in rows.items()]
 
 
-def _row(name: str, depth: dict[str, int]) -> dict[str, Any]:
-    return {
+def _row(name: str, depth: dict[str, Any]) -> dict[str, Any]:
+    row = {
         "name": name,
         "messages": depth[QUEUED] + depth[RUNNING],
         "messages_ready": depth[QUEUED],
@@ -194,7 +204,13 @@ def _row(name: str, depth: dict[str, int]) -> dict[str, Any]:
         QUEUED: depth[QUEUED],
         RUNNING: depth[RUNNING],
         FAILED: depth[FAILED],
+        "paused": depth["paused"],
     }
+    if depth["paused"]:
+        row["pausedBy"] = depth.get("pausedBy")
+        at = depth.get("pausedAt")
+        row["pausedAt"] = at.isoformat() if hasattr(at, "isoformat") else at
+    return row
 
 
 def authentication(flower_args: Iterable[str]) -> str | None:
@@ -223,6 +239,7 @@ def install() -> None:
         flower_urls.settings["template_loader"] = BannerLoader(flower_urls.settings["template_path"])
     if WorkersView.prepare is not _workers_prepare:
         WorkersView.prepare = _workers_prepare  # type: ignore[method-assign]
+    jobs_view.install()
     factory = flower_broker.Broker
     if getattr(factory.__new__, _MARK, False):
         return

@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter
@@ -18,9 +18,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from pymongo.errors import PyMongoError
 
 from .lifecycle import FAILED, QUEUED, RUNNING
-
-if TYPE_CHECKING:
-    from .store import JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +44,12 @@ TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 _warned = False
 
 
+class StatusSource(Protocol):
+    """What the gauges read: a JobStore (store.py records the counters here, so this module never imports it)."""
+
+    def statuses(self) -> dict[str, int]: ...
+
+
 def record(event: Event, amount: int = 1) -> None:
     """Count an event that has happened in this process; a metrics problem never fails a job's write."""
     global _warned
@@ -68,7 +71,7 @@ def multiprocess_dir() -> str | None:
 class StatusGauges:
     """jobs_queued, jobs_running and jobs_failed, counted in the collection whenever Prometheus scrapes."""
 
-    def __init__(self, store: JobStore) -> None:
+    def __init__(self, store: StatusSource) -> None:
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
@@ -82,7 +85,7 @@ class StatusGauges:
             yield GaugeMetricFamily(f"jobs_{status}", help_text, value=counts[status])
 
 
-def registry_for(store: JobStore) -> CollectorRegistry:
+def registry_for(store: StatusSource) -> CollectorRegistry:
     """The counters (of every process sharing PROMETHEUS_MULTIPROC_DIR, when it is set) and the gauges."""
     registry = CollectorRegistry()
     directory = multiprocess_dir()
@@ -98,7 +101,7 @@ def registry_for(store: JobStore) -> CollectorRegistry:
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def make_app(store: JobStore) -> WSGIApp:
+def make_app(store: StatusSource) -> WSGIApp:
     """`/metrics` in Prometheus text format and `/statuses` as the statuses() JSON."""
     registry = registry_for(store)
 
@@ -132,12 +135,12 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes every few seconds would flood the log."""
 
 
-def make_metrics_server(store: JobStore, host: str, port: int) -> WSGIServer:
+def make_metrics_server(store: StatusSource, host: str, port: int) -> WSGIServer:
     """A bound (not yet serving) HTTP server; port 0 picks a free one, see `server_port`."""
     return make_server(host, port, make_app(store), server_class=_Server, handler_class=_QuietHandler)
 
 
-def serve_in_background(store: JobStore, host: str, port: int) -> WSGIServer:
+def serve_in_background(store: StatusSource, host: str, port: int) -> WSGIServer:
     """Serve from a daemon thread of this process (a worker's main process, say)."""
     server = make_metrics_server(store, host, port)
     threading.Thread(target=server.serve_forever, name="bb-broker-metrics", daemon=True).start()

@@ -1,4 +1,4 @@
-"""Every MongoDB query on the `jobs` collection: publish, claim, settle, leases, sweeps, counts and operations.
+"""The hot path's queries on `jobs`: publish, claim, settle, leases, sweeps, counts (the operator's: operations.py).
 
 The job document's record of its attempts and its Celery result (designed once, for the Jobs view and for the
 `bbmongo://` result backend in results.py), written inside writes that exist anyway, never in a round trip of its own:
@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -31,7 +31,7 @@ from pymongo.errors import ConnectionFailure, DocumentTooLarge, OperationFailure
 from ulid import ULID
 
 from . import lifecycle, metrics
-from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
 RETRY_STATE = "RETRY"
@@ -45,6 +45,10 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
+    # The operator's lists (bb_broker.operations), newest first by job id, filtered by status, queue or kind.
+    IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
+    IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
+    IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
 ]
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
@@ -72,9 +76,6 @@ INDEX_CONFLICT = {85, 86}
 
 #: Server error codes for a command (or an option of it) the server does not implement: a TTL index, collMod.
 NOT_IMPLEMENTED = {115, 238}
-
-#: The fields an operator reads about a failed job.
-FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 
 
 def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -640,124 +641,6 @@ class JobStore:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
-
-    # --- flower ------------------------------------------------------------
-
-    def queue_depths(self, queues: Iterable[str]) -> dict[str, dict[str, int]]:
-        """Queued, running and failed jobs of each named queue (zeros for an empty one), from one aggregation."""
-        names = list(queues)
-        shown = (QUEUED, RUNNING, FAILED)
-        depths = {name: dict.fromkeys(shown, 0) for name in names}
-        for row in self.coll.aggregate(
-            [
-                {"$match": {"status": {"$in": list(shown)}, "queue": {"$in": names}}},
-                {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}},
-            ],
-            **self._hint_if_indexed("bb_claim"),
-        ):
-            depths[row["_id"]["queue"]][row["_id"]["status"]] = row["n"]
-        return depths
-
-    # --- operations ---------------------------------------------------------
-
-    def breakdown(self, by: str) -> dict[str, dict[str, int]]:
-        """Counts per status for each queue (or each kind), all four keys per row, sorted by name."""
-        if by not in BREAKDOWNS:
-            raise ValueError(f"cannot break the counts down by {by!r}: one of {', '.join(BREAKDOWNS)}")
-        rows: dict[str, dict[str, int]] = {}
-        for row in self.coll.aggregate(
-            [
-                {"$match": {"status": {"$in": list(STATUSES)}}},
-                {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
-            ],
-            **self._hint_if_indexed("bb_status_updated"),
-        ):
-            name = row["_id"].get("name")
-            counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
-            counts[row["_id"]["status"]] = row["n"]
-        return dict(sorted(rows.items()))
-
-    def failed_jobs(
-        self,
-        *,
-        kind: str | None = None,
-        older_than: timedelta | None = None,
-        newer_than: timedelta | None = None,
-        limit: int = 0,
-    ) -> list[dict[str, Any]]:
-        """Failed jobs, the most recently failed first (a failed job's updatedAt is when it failed); 0 = no limit."""
-        query: dict[str, Any] = {"status": FAILED, **self._age(older_than, newer_than)}
-        if kind is not None:
-            query["kind"] = str(kind)
-        cursor = self.coll.find(
-            query,
-            FAILED_FIELDS,
-            sort=[("updatedAt", DESCENDING)],
-            limit=max(limit, 0),
-            **self._hint_if_indexed("bb_status_updated"),
-        )
-        return list(cursor)
-
-    def retry_failed(self, *, kind: str | None = None) -> int:
-        """Failed jobs back to queued, due now, with all their attempts again: those of `kind`, or every one."""
-        query: dict[str, Any] = {"status": FAILED}
-        if kind is not None:
-            query["kind"] = str(kind)
-        return self.coll.update_many(
-            query, self._retry_update(), **self._hint_if_indexed("bb_status_updated")
-        ).modified_count
-
-    def retry_failed_ids(self, ids: Iterable[str], *, kind: str | None = None) -> tuple[list[str], dict[str, str]]:
-        """Retry these failed jobs (of `kind`, if given); returns the ids retried and, for each other id, why not."""
-        wanted = list(dict.fromkeys(str(job_id) for job_id in ids))
-        retried = []
-        for job_id in wanted:  # one by one, an operator's few ids: each answer says whether that job was retried
-            query: dict[str, Any] = {"_id": job_id, "status": FAILED}
-            if kind is not None:
-                query["kind"] = str(kind)
-            if self.coll.update_one(query, self._retry_update(), hint="_id_").modified_count:
-                retried.append(job_id)
-        missed = [job_id for job_id in wanted if job_id not in retried]
-        found = {doc["_id"]: doc for doc in self.coll.find({"_id": {"$in": missed}}, {"status": 1, "kind": 1})}
-        why = {}
-        for job_id in missed:
-            doc = found.get(job_id)
-            if doc is None:
-                why[job_id] = "no such job"
-            elif doc.get("status") != FAILED:
-                why[job_id] = f"it is {doc.get('status')}, not failed"
-            else:
-                why[job_id] = f"its kind is {doc.get('kind')}, not {kind}"
-        return retried, why
-
-    def _retry_update(self) -> dict[str, Any]:
-        now = self.now()
-        # lastError stays: it says why the job needed a retry until its next attempt settles.
-        return {
-            "$set": {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now},
-            "$unset": {"finishedAt": ""},
-        }
-
-    def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
-        """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""
-        if not statuses or not set(statuses) <= set(STATUSES):
-            raise ValueError(f"purge needs statuses among {', '.join(STATUSES)}, got {sorted(statuses)!r}")
-        query = {"status": {"$in": sorted(statuses)}, **self._age(older_than, None)}
-        return self.coll.delete_many(query, **self._hint_if_indexed("bb_status_updated")).deleted_count
-
-    def _hint_if_indexed(self, index: str) -> dict[str, str]:
-        # An operator may look at a database no worker has indexed yet, where a hint would be an error.
-        return {"hint": index} if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
-
-    def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
-        # Ages are measured on self.now (the server's clock in a worker or the CLI), like due times and leases.
-        now = self.now()
-        window: dict[str, datetime] = {}
-        if older_than is not None:
-            window["$lt"] = now - older_than
-        if newer_than is not None:
-            window["$gte"] = now - newer_than
-        return {"updatedAt": window} if window else {}
 
 
 def _transient(exc: ConnectionFailure | OperationFailure) -> bool:

@@ -23,6 +23,8 @@ from .clock import ServerClock
 from .leases import LeaseKeeper
 from .lifecycle import Policy
 from .messages import MessageStore
+from .operations import Operations, revoked_task_ids
+from .pauses import PausedQueues, QueueControls
 from .payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
@@ -126,6 +128,10 @@ class Channel(virtual.Channel):
     #: Seconds between polls of a queue that the change stream says nothing about: a safety net.
     safety_poll_interval = 10.0
 
+    #: Seconds a consumer trusts what it read of the paused queues without a change stream (with one, it reads
+    #: again when the stream reports a change, and at least every minute). Not a transport option (yet).
+    pause_check_interval = 1.0
+
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
     topic_table_max_age = 1.0
 
@@ -138,6 +144,10 @@ class Channel(virtual.Channel):
             db, self.policy, clock=ServerClock(db), collection=self.jobs_collection, secrets=self.target.secrets
         )
         self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
+        self.queue_controls = QueueControls(db)
+        self.paused = PausedQueues(
+            self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
+        )
         self.owner = connection.lease_owner()
         self._plain_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
@@ -215,9 +225,18 @@ class Channel(virtual.Channel):
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
+        self._revoke_durably(message)
         priority = self._get_message_priority(message)
         for queue in {queue for _, _, queue in self.get_table(exchange)}:
             self.plumbing.put(queue, message, priority)
+
+    def _revoke_durably(self, message: dict[str, Any]) -> None:
+        """A revoke broadcast (app.control.revoke, Flower's button) fails the tasks' queued jobs before it goes out,
+        here in the revoker's process: workers keep revokes in memory only, and may all be down or restart first."""
+        properties = message.get("properties") or {}
+        task_ids = revoked_task_ids(message, self.decode_body(message.get("body"), properties.get("body_encoding")))
+        if task_ids:
+            Operations(self.jobs, self.queue_controls).revoke_queued(task_ids, by=f"revoke from {self.owner}")
 
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:
@@ -258,6 +277,8 @@ class Channel(virtual.Channel):
         held = self._held.setdefault(queue, deque())
         while True:
             if not held:
+                if queue in self.paused:
+                    raise Empty()
                 wanted = self._batch_size(queue)
                 held.extend(self.jobs.claim_many(queue, self.owner, wanted))
                 if len(held) < wanted:
@@ -277,6 +298,10 @@ class Channel(virtual.Channel):
             message["properties"]["delivery_tag"] = job.id
             message["redelivered"] = job.attempts > 1
             return message
+
+    def _controls_version(self) -> int | None:
+        wakeups = self.connection.wakeups
+        return wakeups.controls_version if wakeups is not None and wakeups.available else None
 
     def _batch_size(self, queue: str) -> int:
         # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never
@@ -360,6 +385,7 @@ class Transport(virtual.Transport):
                 jobs=channel.jobs.coll.name,
                 messages=channel.plumbing.messages.name,
                 bindings=channel.plumbing.bindings.name,
+                controls=channel.queue_controls.coll.name,
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
             )

@@ -40,6 +40,7 @@ class Wakeups:
         jobs: str,
         messages: str,
         bindings: str | None = None,
+        controls: str | None = None,
         clock: Callable[[], datetime],
         safety_poll_interval: float,
         busy_pace: float = BUSY_PACE,
@@ -51,6 +52,9 @@ class Wakeups:
         self._messages = messages
         self._bindings = bindings
         self._bindings_watch = BindingsWatch.of(db[bindings]) if bindings else None
+        self._controls = controls
+        #: Goes up at each change to the queue controls (a queue paused or resumed): cached pauses are read again.
+        self.controls_version = 0
         self._clock = clock
         self._safety = safety_poll_interval
         self._busy_pace = busy_pace
@@ -119,6 +123,7 @@ class Wakeups:
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
                 {"ns.coll": messages, "operationType": "insert"},
                 *([{"ns.coll": self._bindings}] if self._bindings else []),
+                *([{"ns.coll": self._controls}] if self._controls else []),
             ]}},
             {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
                           "updateDescription.updatedFields.runAfter": 1}},
@@ -161,6 +166,7 @@ class Wakeups:
     def _went_live(self) -> None:
         with self._lock:
             self._last_poll.clear()  # anything may have happened while we were not watching
+            self.controls_version += 1  # a queue paused or resumed meanwhile, too
         if self._bindings_watch is not None:
             self._bindings_watch.went_live()  # tables read before now are read again once
         self.available = True
@@ -179,6 +185,12 @@ class Wakeups:
         if self._bindings_watch is not None and (change.get("ns") or {}).get("coll") == self._bindings:
             self._bindings_watch.changed()
             return True  # rare, and nothing to poll
+        if self._controls is not None and (change.get("ns") or {}).get("coll") == self._controls:
+            with self._lock:
+                self.controls_version += 1
+                self._jobs_touched_at = now  # a resumed queue has work to claim
+            self.event.set()
+            return True
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")

@@ -161,3 +161,12 @@ def note_error(self, failed_task_id):
 def note_failure(request, exc, traceback):
     # A new-style errback: Celery calls it in the failing task's process with its request, exception and traceback.
     runs().insert_one({"name": "note_failure", "failed": request.id, "error": str(exc), "at": time.time()})
+
+
+@app.task(bind=True)
+def fails_until_fixed(self, key):
+    """Fails while nobody has fixed `key` (a document in `fixes`): a bug, fixed, then the job retried."""
+    record(self)
+    if runs().database.fixes.find_one({"_id": key}) is None:
+        raise RuntimeError(f"{key} is broken (attempt {self.request.bb_attempts})")
+    return "fixed"

@@ -45,6 +45,7 @@ class FlowerProcess:
         cwd: Path = ROOT,
         basic_auth: str | None = None,
         env: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
@@ -52,6 +53,8 @@ class FlowerProcess:
         flower_args = ["--address=127.0.0.1", f"--port={self.port}", f"--inspect_timeout={inspect_timeout_ms}"]
         flower_args += extra_args
         self.basic_auth = basic_auth
+        # The "name:password" requests send by default: the first of basic_auth's users unless told.
+        self.user = user or (basic_auth.split(",")[0] if basic_auth else None)
         if basic_auth:
             flower_args.append(f"--basic-auth={basic_auth}")
         if launcher == "celery":
@@ -92,14 +95,21 @@ class FlowerProcess:
             return False
 
     def request(
-        self, method: str, path: str, form: dict[str, Any] | None = None, *, credentials: bool = True
+        self,
+        method: str,
+        path: str,
+        form: dict[str, Any] | None = None,
+        *,
+        credentials: bool = True,
+        user: str | None = None,
     ) -> tuple[int, str]:
-        """The status and body of one request (without the basic-auth credentials if told); an HTTP error status is
-        returned, not raised."""
+        """The status and body of one request, as `user` ("name:password", else this process's own) or without
+        credentials if told; an HTTP error status is returned, not raised."""
         data = urllib.parse.urlencode(form or {}).encode() if method == "POST" else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
-        if self.basic_auth and credentials:
-            req.add_header("Authorization", "Basic " + base64.b64encode(self.basic_auth.encode()).decode())
+        who = user or self.user
+        if who and credentials:
+            req.add_header("Authorization", "Basic " + base64.b64encode(who.encode()).decode())
         try:
             with urllib.request.urlopen(req, timeout=30) as response:
                 return response.status, response.read().decode()

@@ -15,6 +15,7 @@ from pymongo.database import Database
 from bb_broker import statuses
 from bb_broker.cli import main
 from bb_broker.lifecycle import Policy
+from bb_broker.operations import Operations
 from bb_broker.store import JobStore
 from tests.servers import free_port
 from tests.workers import ROOT, Worker, wait_for
@@ -244,6 +245,10 @@ COMMANDS = [
     ["status", "--json"],
     ["failed"],
     ["retry", "--all"],
+    ["show", "some-id"],
+    ["cancel", "some-id"],
+    ["pause", "celery"],
+    ["resume", "celery"],
     ["requeue-stale"],
     ["purge", "--status", "succeeded"],
     ["serve-metrics", "--port", "0"],
@@ -357,22 +362,23 @@ def test_operations_read_through_an_index(mongo_url: str, db: Database) -> None:
         for i in range(4):
             add_job(store, f"app.k{i}", outcome="failed")
         log.commands.clear()
-        store.failed_jobs(kind="app.k1", older_than=timedelta(0), limit=10)
-        store.retry_failed(kind="app.k2")
-        store.retry_failed_ids(["nope"])
-        store.purge({"failed"}, older_than=timedelta(0))
-        store.breakdown("queue")
-    assert [next(iter(c)) for c in log.commands] == ["find", "update", "update", "find", "delete", "aggregate"]
+        operations = Operations(store)
+        operations.failed_jobs(kind="app.k1", older_than=timedelta(0), limit=10)
+        operations.retry(kind="app.k2")
+        operations.retry(["nope"])
+        operations.purge({"failed"}, older_than=timedelta(0))
+        operations.breakdown("queue")
+    assert [next(iter(c)) for c in log.commands] == ["find", "find", "update", "find", "find", "delete", "aggregate"]
     listing = {k: log.commands[0][k] for k in ("find", "filter", "sort", "hint")}
     plan = str(db.command("explain", listing))
     # Newest first is the status index read backwards. (The stand-in's explain of a sorted find reports a
     # SORT stage even for the claim query's exact shape, so the scan's direction is what is checked here.)
     assert "'indexName': 'bb_status_updated'" in plan and "'direction': 'backward'" in plan, plan
     assert "COLLSCAN" not in plan, plan
-    writes = [command for command in log.commands if next(iter(command)) in ("update", "delete")]
-    for command in writes:  # each write's own selection, as a find with the same filter and hint
-        spec = (command.get("updates") or command.get("deletes"))[0]
-        plan = str(db.command("explain", {"find": "jobs", "filter": spec["q"], "hint": spec.get("hint")}))
+    for command in log.commands[1:6]:  # each read, and each write's own selection as a find with its filter and hint
+        spec = command if "find" in command else (command.get("updates") or command.get("deletes"))[0]
+        query = {"find": "jobs", "filter": spec.get("filter", spec.get("q"))}
+        plan = str(db.command("explain", {**query, **({"hint": spec["hint"]} if spec.get("hint") else {})}))
         assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
         assert "'stage': 'SORT'" not in plan, plan
 
@@ -413,3 +419,55 @@ def test_celerys_own_commands_work_against_bbmongo(db: Database, broker_url: str
     assert pong.returncode == 0 and "pong" in pong.stdout, pong
     limited = celery("control", "rate_limit", "tests.e2e_app.add", "10/m", "--timeout", "10")
     assert limited.returncode == 0 and "new rate limit set" in limited.stdout, limited
+
+
+def test_show_a_job_by_job_id_or_task_id(store: JobStore, db: Database, broker_url: str) -> None:
+    job_id = add_job(store, "app.show", outcome="failed")
+    task_id = db.jobs.find_one({"_id": job_id})["taskId"]
+    for identifier in (job_id, task_id):
+        result = bb(broker_url, "show", identifier)
+        assert result.exit_code == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == f"id:           {job_id}" and f"taskId:       {task_id}" in lines
+        assert "status:       failed" in lines and "lastError:    app.show broke" in lines
+    whole = json.loads(bb(broker_url, "show", task_id, "--json").stdout)
+    assert whole["_id"] == job_id and whole["payload"] == {"args": []}
+    missing = bb(broker_url, "show", "nope")
+    assert missing.exit_code == 1 and missing.stderr == "bb-broker: show: no job has the id or task id 'nope'\n"
+
+
+def test_cancel_queued_jobs_and_refuse_the_rest(store: JobStore, db: Database, broker_url: str) -> None:
+    waiting = add_job(store, "app.wait")
+    done = add_job(store, "app.done", outcome="succeeded")
+    result = bb(broker_url, "cancel", waiting, done, "nope")
+    assert result.exit_code == 1 and result.stdout == f"cancelled job {waiting} (app.wait)\n"
+    assert result.stderr == (
+        f"bb-broker: cancel: job {done} is succeeded: cancel needs it queued; no job has the id or task id 'nope'\n"
+    )
+    doc = db.jobs.find_one({"_id": waiting})
+    assert (
+        doc["status"] == "failed" and doc["lastError"].startswith("cancelled by ") and "(bb-broker)" in doc["lastError"]
+    )
+    assert doc["actions"][0]["action"] == "cancel"
+    assert store.claim("celery", "w") is None  # no worker takes a cancelled job
+
+
+def test_pause_resume_and_status_shows_paused_queues(store: JobStore, db: Database, broker_url: str) -> None:
+    add_job(store, "app.mail", queue="mail")
+    assert bb(broker_url, "pause", "mail").stdout == "paused queue mail\n"
+    assert bb(broker_url, "pause", "mail").stdout == "queue mail was already paused\n"
+    assert db.bb_queues.find_one({"_id": "mail"})["paused"] is True
+    status = bb(broker_url, "status").stdout
+    assert "paused queue mail (by " in status and "its jobs wait" in status
+    assert bb(broker_url, "resume", "mail").stdout == "resumed queue mail\n"
+    assert bb(broker_url, "resume", "mail").stdout == "queue mail was not paused\n"
+    assert "paused queue" not in bb(broker_url, "status").stdout
+    assert bb(broker_url, "pause", " ").exit_code == 2
+
+
+def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url: str) -> None:
+    job_id = add_job(store, "app.again", outcome="failed")
+    task_id = db.jobs.find_one({"_id": job_id})["taskId"]
+    result = bb(broker_url, "retry", "--id", task_id)
+    assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n"
+    assert db.jobs.find_one({"_id": job_id})["status"] == "queued"

@@ -25,6 +25,7 @@ def test_the_wheel_ships_bb_broker_only(tmp_path: Path) -> None:
     distribution, version = wheel.name.split("-")[:2]
     assert {name.split("/")[0] for name in names} == {"bb_broker", f"{distribution}-{version}.dist-info"}
     assert "bb_broker/cli.py" in names and "bb_broker/transport.py" in names
+    assert {"bb_broker/templates/bb_jobs.html", "bb_broker/templates/bb_job.html"} <= set(names)  # the Jobs tab
     assert not [name for name in names if name.startswith(("celery_app", "tests"))]
 
 

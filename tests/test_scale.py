@@ -1,4 +1,5 @@
-"""At 100k jobs, the claims, the stale sweep and statuses() still read through an index, with no in-memory sort."""
+"""At 100k jobs, the claims, the stale sweep, statuses() and the operator's lists and look-ups read through an index,
+with no in-memory sort."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
+from bb_broker.operations import Operations
 from bb_broker.store import JobStore
+from tests.test_operations import assert_lists_read_through_an_index
 from tests.test_store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
 JOBS = 100_000
@@ -40,6 +43,7 @@ def job(i: int, clock: FakeClock) -> dict:
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1800)  # inserting 100k jobs into eight indexes takes minutes on the Python stand-in
 def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: str, db: Database) -> None:
     clock = FakeClock()
     store = JobStore(db, Policy(stale_after=300.0), clock=clock)
@@ -61,3 +65,8 @@ def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: 
     names = [c["findAndModify"] if "findAndModify" in c else next(iter(c)) for c in log.commands]
     assert names == ["jobs", "find", "update", "update", "update", "aggregate"], names
     assert_each_reads_through_an_index(db, log.commands)
+
+    # The Jobs tab's lists (every filter shape), look-ups by job id and task id, and counts.
+    lists = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[lists], tz_aware=True) as client:
+        assert_lists_read_through_an_index(Operations(JobStore(client[db.name], clock=clock)), db, lists)

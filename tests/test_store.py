@@ -12,6 +12,7 @@ from pymongo.database import Database
 
 from bb_broker import statuses
 from bb_broker.lifecycle import Policy
+from bb_broker.operations import Operations
 from bb_broker.store import JobStore, JobTooLarge
 
 
@@ -298,7 +299,7 @@ def test_a_dropped_collection_gets_its_indexes_back_on_the_next_claim(store: Job
 
 def test_queue_depths_answer_before_any_worker_created_the_indexes(db: Database) -> None:
     db.jobs.insert_one({"_id": "x", "status": "queued", "queue": "celery"})
-    assert JobStore(db).queue_depths(["celery", "empty"]) == {
+    assert Operations(JobStore(db)).queue_depths(["celery", "empty"]) == {
         "celery": {"queued": 1, "running": 0, "failed": 0},
         "empty": {"queued": 0, "running": 0, "failed": 0},
     }

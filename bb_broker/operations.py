@@ -1,0 +1,675 @@
+"""The operator's queries and actions on `jobs`: counts, lists, look-ups, retry/cancel/requeue/delete, revoke, pause."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pymongo import DESCENDING, UpdateOne
+from pymongo.errors import ExecutionTimeout
+from ulid import ULID
+
+from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
+from .pauses import QueueControls
+from .store import JobStore
+
+logger = logging.getLogger(__name__)
+
+#: The fields an operator reads about a failed job.
+FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
+#: The fields of a row in a list of jobs (the payload and the history stay on the detail page).
+LIST_FIELDS = {
+    name: 1
+    for name in (
+        "kind", "queue", "status", "attempts", "taskId", "lastError", "priority",
+        "createdAt", "updatedAt", "finishedAt", "runAfter", "leaseOwner",
+    )
+}  # fmt: skip
+#: What a retry reads of each job it sends back.
+RETRY_FIELDS = {"_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1}
+#: The most rows one page of a list holds.
+MAX_PAGE = 200
+#: How long a search in lastError may scan before it answers with what it found.
+SEARCH_MAX_MS = 2000
+#: The most operator actions a job keeps a record of (the oldest go first).
+ACTIONS_KEPT = 20
+#: The lastError of a job revoked while it was still queued (as a worker's own revoke says it).
+REVOKED = "revoked before it ran"
+#: The longest filter value taken (queue and kind names, search text).
+MAX_FILTER_LENGTH = 200
+
+#: Each action: the statuses it applies to.
+ACTIONS: dict[str, tuple[str, ...]] = {
+    "retry": (FAILED,),
+    "cancel": (QUEUED,),
+    "requeue": (RUNNING,),
+    "delete": (SUCCEEDED, FAILED),
+}
+
+#: The index each filtered list reads through, by the most selective field it filters on (see JobFilter.hint).
+LIST_INDEXES = {"kind": "bb_list_kind", "queue": "bb_list_queue", "status": "bb_list_status"}
+
+
+class FilterError(ValueError):
+    """A filter value that cannot be used: the message says which and why."""
+
+
+class ActionRefused(Exception):
+    """An action that does not apply: `reason` is "not found" or "conflict" (the job is not in a fitting status)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(value: str) -> timedelta:
+    """30s, 30m, 2h, 7d, 1w, or a number of seconds."""
+    match = _DURATION.match(str(value).lower())
+    if not match:
+        raise FilterError(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d")
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def parse_moment(value: str, now: datetime) -> datetime:
+    """An ISO 8601 time (UTC unless it says otherwise), or a duration meaning that long ago."""
+    try:
+        moment = datetime.fromisoformat(value.strip())
+    except ValueError:
+        try:
+            return now - parse_duration(value)
+        except FilterError:
+            raise FilterError(f"{value!r} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _ulid_bound(moment: datetime, *, upper: bool) -> str:
+    """The smallest (or largest) job id created at `moment`: a job id is a ULID, which starts with its time."""
+    millis = min(max(int(moment.timestamp() * 1000), 0), 2**48 - 1)
+    return str(ULID(millis.to_bytes(6, "big") + (b"\xff" if upper else b"\x00") * 10))
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """Which jobs a list, a count or a bulk action is about; `since`/`until` bound the creation time."""
+
+    status: str | None = None
+    queue: str | None = None
+    kind: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    error: str | None = None  # text searched in lastError, case-insensitive
+
+    @classmethod
+    def parse(cls, values: dict[str, str | None], now: datetime) -> JobFilter:
+        """A filter from request or command-line strings; a bad value raises FilterError saying which."""
+        clean = {name: (value.strip() if isinstance(value, str) else value) for name, value in values.items()}
+        clean = {name: value for name, value in clean.items() if value}
+        unknown = set(clean) - {"status", "queue", "kind", "since", "until", "error"}
+        if unknown:
+            raise FilterError(f"unknown filter {sorted(unknown)[0]!r}: use status, queue, kind, since, until, error")
+        for name in ("queue", "kind", "error"):
+            if len(clean.get(name) or "") > MAX_FILTER_LENGTH:
+                raise FilterError(f"{name} is longer than {MAX_FILTER_LENGTH} characters")
+        status = clean.get("status")
+        if status is not None and status not in STATUSES:
+            raise FilterError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+        since = parse_moment(clean["since"], now) if "since" in clean else None
+        until = parse_moment(clean["until"], now) if "until" in clean else None
+        if since and until and since > until:
+            raise FilterError("since is after until")
+        return cls(status, clean.get("queue"), clean.get("kind"), since, until, clean.get("error"))
+
+    def query(self) -> dict[str, Any]:
+        """The find filter; without a status, every status is named so that an index on (field, status, _id)
+        still gives the jobs in id order (the server merges one scan per status)."""
+        query: dict[str, Any] = {}
+        if self.kind is not None:
+            query["kind"] = self.kind
+        if self.queue is not None:
+            query["queue"] = self.queue
+        if self.status is not None:
+            query["status"] = self.status
+        elif query:
+            query["status"] = {"$in": list(STATUSES)}
+        ids = {}
+        if self.since is not None:
+            ids["$gte"] = _ulid_bound(self.since, upper=False)
+        if self.until is not None:
+            ids["$lte"] = _ulid_bound(self.until, upper=True)
+        if ids:
+            query["_id"] = ids
+        if self.error:
+            query["lastError"] = {"$regex": re.escape(self.error), "$options": "i"}
+        return query
+
+    @property
+    def hint(self) -> str:
+        for name, index in LIST_INDEXES.items():
+            if getattr(self, name) is not None:
+                return index
+        return "_id_"
+
+    def as_dict(self) -> dict[str, str]:
+        values = {"status": self.status, "queue": self.queue, "kind": self.kind, "error": self.error}
+        values |= {"since": self.since and self.since.isoformat(), "until": self.until and self.until.isoformat()}
+        return {name: value for name, value in values.items() if value}
+
+
+@dataclass
+class Page:
+    """One page of a list, newest first: `next` is the key of the following page (None on the last)."""
+
+    jobs: list[dict[str, Any]]
+    next: str | None
+    stopped_early: bool = False
+
+
+@dataclass
+class Retried:
+    """What a retry did: the jobs sent back to the queue, and the identifiers given that matched no failed job."""
+
+    job_ids: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.job_ids)
+
+
+class Operations:
+    """An operator's view of one jobs collection and its queue controls."""
+
+    def __init__(self, store: JobStore, controls: QueueControls | None = None) -> None:
+        self.store = store
+        self.coll = store.coll
+        self.controls = controls or QueueControls(store.coll.database)
+
+    def now(self) -> datetime:
+        return self.store.now()
+
+    # --- counts --------------------------------------------------------------
+
+    def statuses(self) -> dict[str, int]:
+        return self.store.statuses()
+
+    def breakdown(self, by: str) -> dict[str, dict[str, int]]:
+        """Counts per status for each queue (or each kind), all four keys per row, sorted by name."""
+        if by not in BREAKDOWNS:
+            raise ValueError(f"cannot break the counts down by {by!r}: one of {', '.join(BREAKDOWNS)}")
+        rows: dict[str, dict[str, int]] = {}
+        for row in self.coll.aggregate(
+            [
+                {"$match": {"status": {"$in": list(STATUSES)}}},
+                {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
+            ],
+            **self._hint_if_indexed("bb_status_updated"),
+        ):
+            name = row["_id"].get("name")
+            counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
+            counts[row["_id"]["status"]] = row["n"]
+        return dict(sorted(rows.items()))
+
+    def queue_depths(self, queues: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
+        """Queued, running and failed jobs per queue, from one aggregation: of the named queues (zeros for an empty
+        one), or of every queue holding such jobs when `queues` is None."""
+        shown = (QUEUED, RUNNING, FAILED)
+        match: dict[str, Any] = {"status": {"$in": list(shown)}}
+        depths: dict[str, dict[str, int]] = {}
+        if queues is not None:
+            names = list(queues)
+            match["queue"] = {"$in": names}
+            depths = {name: dict.fromkeys(shown, 0) for name in names}
+        for row in self.coll.aggregate(
+            [{"$match": match}, {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}}],
+            **self._hint_if_indexed("bb_claim"),
+        ):
+            queue = row["_id"].get("queue")
+            if isinstance(queue, str):
+                depths.setdefault(queue, dict.fromkeys(shown, 0))[row["_id"]["status"]] = row["n"]
+        return depths
+
+    def queues(self, consumed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+        """Every queue holding queued, running or failed jobs, every queue named in `consumed` (what workers
+        consume) and every paused queue: its depths and whether it is paused, sorted by name."""
+        depths = self.queue_depths()
+        paused = self.controls.paused()
+        rows: dict[str, dict[str, Any]] = {}
+        for name in sorted({*depths, *consumed, *paused}):
+            rows[name] = {**depths.get(name, dict.fromkeys((QUEUED, RUNNING, FAILED), 0)), "paused": name in paused}
+            if name in paused:
+                rows[name]["pausedBy"] = paused[name].get("pausedBy")
+                rows[name]["pausedAt"] = paused[name].get("pausedAt")
+        return rows
+
+    # --- reading jobs ----------------------------------------------------------
+
+    def find(self, identifier: str) -> dict[str, Any] | None:
+        """The job with this job id, or else the (newest) job of this Celery task id."""
+        identifier = str(identifier)
+        doc = self.coll.find_one({"_id": identifier})
+        if doc is None:
+            doc = self.coll.find_one({"taskId": identifier}, **self._hint_if_indexed("bb_task_id"))
+        return doc
+
+    def list_jobs(
+        self, job_filter: JobFilter, *, after: str | None = None, limit: int = 50, search_ms: int = SEARCH_MAX_MS
+    ) -> Page:
+        """A page of jobs, newest first, by key: `after` is the previous page's `next`. A search in lastError
+        stops after `search_ms` and says so (`stopped_early`), keeping what it found."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise FilterError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
+        query = job_filter.query()
+        if after is not None:
+            if not after or len(after) > 64:
+                raise FilterError("after must be a job id (the `next` of the previous page)")
+            ids = dict(query.get("_id", {}))
+            ids["$lt"] = after
+            query["_id"] = ids
+        options: dict[str, Any] = {"sort": [("_id", DESCENDING)], "limit": limit + 1}
+        options |= self._hint_if_indexed(job_filter.hint)
+        if job_filter.error:
+            options |= {"max_time_ms": search_ms, "batch_size": 10}  # small batches: what is found comes back
+        jobs: list[dict[str, Any]] = []
+        stopped_early = False
+        try:
+            for doc in self.coll.find(query, LIST_FIELDS, **options):
+                jobs.append(doc)
+        except ExecutionTimeout:
+            if not job_filter.error:
+                raise
+            stopped_early = True
+        if stopped_early:
+            return Page(jobs, jobs[-1]["_id"] if jobs else after, stopped_early=True)
+        more = len(jobs) > limit
+        jobs = jobs[:limit]
+        return Page(jobs, jobs[-1]["_id"] if more else None)
+
+    def count(self, job_filter: JobFilter, action: str | None = None, *, search_ms: int = 5 * SEARCH_MAX_MS) -> int:
+        """How many jobs the filter holds (those `action` would touch, when it is given). A search in lastError
+        may scan: past `search_ms` it raises FilterError rather than keep the server busy."""
+        options = self._hint_if_indexed(job_filter.hint)
+        if job_filter.error:
+            options["maxTimeMS"] = search_ms
+        try:
+            return self.coll.count_documents(self._action_query(job_filter.query(), action), **options)
+        except ExecutionTimeout:
+            raise FilterError(
+                f"counting the jobs whose last error contains {job_filter.error!r} took over {search_ms} ms: "
+                "narrow the filter (status, queue, kind or time)"
+            ) from None
+
+    def failed_jobs(
+        self,
+        *,
+        kind: str | None = None,
+        older_than: timedelta | None = None,
+        newer_than: timedelta | None = None,
+        limit: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Failed jobs, the most recently failed first (a failed job's updatedAt is when it failed); 0 = no limit."""
+        query: dict[str, Any] = {"status": FAILED, **self._age(older_than, newer_than)}
+        if kind is not None:
+            query["kind"] = str(kind)
+        cursor = self.coll.find(
+            query,
+            FAILED_FIELDS,
+            sort=[("updatedAt", DESCENDING)],
+            limit=max(limit, 0),
+            **self._hint_if_indexed("bb_status_updated"),
+        )
+        return list(cursor)
+
+    # --- actions ---------------------------------------------------------------
+
+    def act(self, action: str, identifier: str, *, by: str) -> dict[str, Any]:
+        """Apply one action to one job (by job id or Celery task id): the job afterwards.
+
+        Raises ActionRefused when there is no such job, or it is not in a status the action applies to."""
+        if action not in ACTIONS:
+            raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
+        doc = self.find(identifier)
+        if doc is None:
+            raise ActionRefused("not found", f"no job has the id or task id {identifier!r}")
+        job_filter = {"_id": doc["_id"]}
+        if doc.get("status") not in ACTIONS[action]:
+            wanted = " or ".join(ACTIONS[action])
+            raise ActionRefused("conflict", f"job {doc['_id']} is {doc.get('status')}: {action} needs it {wanted}")
+        if action == "requeue" and not self._lease_expired(doc):
+            raise ActionRefused("conflict", f"job {doc['_id']} is running with a live lease: its worker holds it")
+        done = self._apply(action, job_filter, by=by)
+        if not done:
+            raise ActionRefused("conflict", f"job {doc['_id']} changed meanwhile: look again")
+        return self.find(doc["_id"]) or {"_id": doc["_id"], "deleted": True}
+
+    def act_on_filter(self, action: str, job_filter: JobFilter, *, by: str) -> int:
+        """Apply an action to every job of the filter it applies to; how many it changed."""
+        if action not in ACTIONS:
+            raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
+        return self._apply(action, job_filter.query(), by=by, hint=job_filter.hint)
+
+    def retry(
+        self, identifiers: Iterable[str] | None = None, *, kind: str | None = None, by: str = "operator"
+    ) -> Retried:
+        """Failed jobs back to queued, due now, with all their attempts again: those with these job ids or Celery
+        task ids, of this kind, or (no selector) every one. `unmatched` lists the identifiers of no failed job."""
+        selector: dict[str, Any] = {"status": FAILED}
+        if kind is not None:
+            selector["kind"] = str(kind)
+        wanted = None if identifiers is None else [str(i) for i in identifiers]
+        if wanted is None:
+            docs = list(self.coll.find(selector, RETRY_FIELDS))
+        else:
+            # By job id, then by task id: two indexed reads (an $or of both is not one everywhere).
+            by_id = {"_id": {"$in": wanted}, **selector}
+            by_task = {"taskId": {"$in": wanted}, **selector}
+            docs = list(self.coll.find(by_id, RETRY_FIELDS, hint="_id_"))
+            seen = {doc["_id"] for doc in docs}
+            more = self.coll.find(by_task, RETRY_FIELDS, **self._hint_if_indexed("bb_task_id"))
+            docs += [doc for doc in more if doc["_id"] not in seen]
+        job_ids = self._retry_docs(docs, by=by)
+        unmatched = []
+        if wanted is not None:
+            found = {doc["_id"] for doc in docs} | {doc.get("taskId") for doc in docs}
+            unmatched = [identifier for identifier in wanted if identifier not in found]
+        return Retried(job_ids, unmatched)
+
+    def why_not_retried(self, identifier: str, kind: str | None = None) -> str:
+        """Why a job id or task id given to retry() is in its `unmatched`."""
+        doc = self.find(identifier)
+        if doc is None:
+            return "no such job"
+        if doc.get("status") != FAILED:
+            return f"it is {doc.get('status')}, not failed"
+        return f"its kind is {doc.get('kind')}, not {kind}"
+
+    def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
+        """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""
+        if not statuses or not set(statuses) <= set(STATUSES):
+            raise ValueError(f"purge needs statuses among {', '.join(STATUSES)}, got {sorted(statuses)!r}")
+        query = {"status": {"$in": sorted(statuses)}, **self._age(older_than, None)}
+        return self.coll.delete_many(query, **self._hint_if_indexed("bb_status_updated")).deleted_count
+
+    def revoke_queued(self, task_ids: Iterable[str], *, by: str) -> int:
+        """The jobs of revoked Celery tasks that are still queued end failed at once, so no worker runs them later
+        (a worker's own list of revoked ids lives in its memory). Running jobs are left to the workers."""
+        ids = [str(task_id) for task_id in task_ids]
+        if not ids:
+            return 0
+        now = self.now()
+        result = self.coll.update_many(
+            {"taskId": {"$in": ids}, "status": QUEUED},
+            {
+                "$set": {"status": FAILED, "lastError": REVOKED, "updatedAt": now, "finishedAt": now, "revokedAt": now},
+                "$push": _record("revoke", by, now),
+            },
+            **self._hint_if_indexed("bb_task_id"),
+        )
+        if result.modified_count:
+            logger.info("revoked %d queued job(s) of task(s) %s (%s)", result.modified_count, ", ".join(ids), by)
+        return result.modified_count
+
+    # --- queue controls --------------------------------------------------------
+
+    def pause(self, queue: str, *, by: str) -> bool:
+        return self.controls.pause(_queue_name(queue), by=by, now=self.now())
+
+    def resume(self, queue: str, *, by: str) -> bool:
+        return self.controls.resume(_queue_name(queue), by=by, now=self.now())
+
+    def paused(self) -> dict[str, dict[str, Any]]:
+        return self.controls.paused()
+
+    # --- helpers -----------------------------------------------------------------
+
+    def _apply(self, action: str, query: dict[str, Any], *, by: str, hint: str | None = None) -> int:
+        now = self.now()
+        selected = self._action_query(query, action)
+        options = self._hint_if_indexed(hint) if hint else {}
+        if action == "retry":
+            docs = self.coll.find(selected, RETRY_FIELDS, **options)
+            return len(self._retry_docs(docs, by=by))
+        if action == "cancel":
+            update = {
+                "$set": {
+                    "status": FAILED,
+                    "lastError": f"cancelled by {by}"[:MAX_ERROR_LENGTH],
+                    "updatedAt": now,
+                    "finishedAt": now,
+                },
+                "$push": _record("cancel", by, now),
+            }
+            return self.coll.update_many(selected, update, **options).modified_count
+        if action == "requeue":
+            reason = f"requeued by {by}: its lease had expired"[:MAX_ERROR_LENGTH]
+            update = {
+                "$set": {"status": QUEUED, "runAfter": now, "updatedAt": now, "lastError": reason},
+                "$unset": {"leaseOwner": ""},
+                "$push": _record("requeue", by, now),
+            }
+            return self.coll.update_many(selected, update, **options).modified_count
+        # delete: nothing is left to record it on, so the log says who deleted what
+        deleted = self.coll.delete_many(selected, **options).deleted_count
+        logger.info("%s deleted %d finished job(s) matching %s", by, deleted, selected)
+        return deleted
+
+    def _action_query(self, query: dict[str, Any], action: str | None) -> dict[str, Any]:
+        """The query narrowed to the jobs `action` applies to (fenced on their status)."""
+        if action is None:
+            return query
+        statuses = ACTIONS[action]
+        wanted = query.get("status")
+        if isinstance(wanted, str):
+            allowed = [wanted] if wanted in statuses else []
+        else:
+            allowed = [status for status in statuses if wanted is None or status in wanted.get("$in", statuses)]
+        narrowed = {**query, "status": allowed[0] if len(allowed) == 1 else {"$in": allowed}}
+        if action == "requeue":
+            narrowed["updatedAt"] = {"$lt": self.now() - timedelta(seconds=self.store.policy.stale_after)}
+        return narrowed
+
+    def _retry_docs(self, docs: Iterable[dict[str, Any]], *, by: str) -> list[str]:
+        """Each failed job back to queued, fenced on its status. A revoked job gets a new Celery task id: every
+        worker that saw the revoke keeps the old id in memory and would discard it unrun."""
+        now = self.now()
+        retried: list[str] = []
+        batch: list[tuple[str, UpdateOne]] = []
+        for doc in docs:
+            changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
+            record = _record("retry", by, now)
+            headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
+            if isinstance(headers, dict) and headers.get("eta"):
+                changes["payload.headers.eta"] = None  # due now: a worker would otherwise hold it until the old ETA
+            if doc.get("revokedAt") or str(doc.get("lastError", "")).startswith("revoked"):
+                new_id = str(uuid.uuid4())
+                changes |= self._renamed(doc["_id"], new_id)
+                record = _record("retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id)
+            # lastError stays: it says why the job needed a retry until its next attempt settles.
+            update = {"$set": changes, "$unset": {"finishedAt": "", "revokedAt": ""}, "$push": record}
+            batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
+            if len(batch) >= 500:
+                retried += self._write_batch(batch)
+                batch = []
+        if batch:
+            retried += self._write_batch(batch)
+        return retried
+
+    def _write_batch(self, batch: list[tuple[str, UpdateOne]]) -> list[str]:
+        result = self.coll.bulk_write([op for _, op in batch], ordered=False)
+        ids = [job_id for job_id, _ in batch]
+        if result.modified_count == len(batch):
+            return ids
+        # Some changed meanwhile: the ones that are now queued by this write are ours.
+        return [doc["_id"] for doc in self.coll.find({"_id": {"$in": ids}, "status": QUEUED}, {"_id": 1})]
+
+    def _renamed(self, job_id: str, task_id: str) -> dict[str, Any]:
+        """The fields that give a job's stored message a new Celery task id."""
+        payload = (self.coll.find_one({"_id": job_id}, {"payload": 1}) or {}).get("payload")
+        changes: dict[str, Any] = {"taskId": task_id}
+        if not isinstance(payload, dict):
+            return changes
+        if "raw" in payload:
+            try:
+                message = json.loads(payload["raw"])
+                message["headers"]["id"] = task_id
+                message.setdefault("properties", {})["correlation_id"] = task_id
+                changes["payload.raw"] = json.dumps(message)
+            except (ValueError, TypeError, KeyError):
+                pass
+            return changes
+        if isinstance(payload.get("headers"), dict):
+            changes["payload.headers.id"] = task_id
+        if isinstance(payload.get("properties"), dict):
+            changes["payload.properties.correlation_id"] = task_id
+        return changes
+
+    def _lease_expired(self, doc: dict[str, Any]) -> bool:
+        updated = doc.get("updatedAt")
+        cutoff = self.now() - timedelta(seconds=self.store.policy.stale_after)
+        return isinstance(updated, datetime) and _aware(updated) < cutoff
+
+    def _hint_if_indexed(self, index: str) -> dict[str, str]:
+        # An operator may look at a database no worker has indexed yet, where a hint would be an error.
+        if index == "_id_":
+            return {}
+        return {"hint": index} if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
+
+    def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
+        # Ages are measured on the store's clock (the server's in a worker or the CLI), like due times and leases.
+        now = self.now()
+        window: dict[str, datetime] = {}
+        if older_than is not None:
+            window["$lt"] = now - older_than
+        if newer_than is not None:
+            window["$gte"] = now - newer_than
+        return {"updatedAt": window} if window else {}
+
+
+def _record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any]:
+    """The $push that records an operator's action on a job, keeping the last ACTIONS_KEPT."""
+    entry = {"action": action, "by": by, "at": at, **{k: v for k, v in details.items() if v is not None}}
+    return {"actions": {"$each": [entry], "$slice": -ACTIONS_KEPT}}
+
+
+def _queue_name(queue: str) -> str:
+    queue = str(queue).strip()
+    if not queue or len(queue) > MAX_FILTER_LENGTH:
+        raise FilterError(f"a queue name must be 1 to {MAX_FILTER_LENGTH} characters")
+    return queue
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+# --- presenting a job ---------------------------------------------------------------------------------------------
+
+#: The fields shown first, in this order; the rest of the document follows.
+SUMMARY_FIELDS = (
+    "_id", "taskId", "kind", "queue", "status", "attempts", "priority", "createdAt", "startedAt", "updatedAt",
+    "runAfter", "finishedAt", "leaseOwner", "lastError",
+)  # fmt: skip
+#: Fields shown in sections of their own.
+SECTION_FIELDS = ("payload", "history", "actions")
+
+
+def arguments(doc: dict[str, Any]) -> dict[str, Any]:
+    """A job's args and kwargs, readable: as stored when the body is JSON, else Celery's argsrepr/kwargsrepr."""
+    payload = doc.get("payload")
+    if not isinstance(payload, dict):
+        return {}
+    if "args" in payload:
+        return {"args": payload.get("args"), "kwargs": payload.get("kwargs")}
+    headers = payload.get("headers") if isinstance(payload.get("headers"), dict) else {}
+    if "raw" in payload:
+        try:
+            headers = json.loads(payload["raw"]).get("headers") or {}
+        except (ValueError, AttributeError):
+            headers = {}
+    shown = {"args": headers.get("argsrepr"), "kwargs": headers.get("kwargsrepr")}
+    return {name: value for name, value in shown.items() if value is not None}
+
+
+def attempts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's recorded attempts (its `history`, when the writer keeps one), each with its duration."""
+    history = doc.get("history")
+    if not isinstance(history, list):
+        return []
+    rows = []
+    for entry in history:
+        if not isinstance(entry, dict):
+            continue
+        row = dict(entry)
+        started, finished = entry.get("startedAt"), entry.get("finishedAt")
+        if isinstance(started, datetime) and isinstance(finished, datetime):
+            row["duration"] = (_aware(finished) - _aware(started)).total_seconds()
+        rows.append(row)
+    return rows
+
+
+def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) lines for a person: the summary fields, the arguments, each attempt, each action, the rest;
+    a line with an empty label continues the one above."""
+    lines: list[tuple[str, str]] = []
+    for name in SUMMARY_FIELDS:
+        if name in doc and doc[name] not in (None, ""):
+            lines.append(("id" if name == "_id" else name, as_text(doc[name])))
+    if doc.get("status") == QUEUED and doc.get("attempts"):
+        lines.append(("next attempt", as_text(doc.get("runAfter"))))
+    for name, value in arguments(doc).items():
+        lines.append((name, as_text(value)))
+    for row in attempts_of(doc):
+        when = f"{as_text(row.get('startedAt'))} -> {as_text(row.get('finishedAt'))}"
+        duration = f" ({row['duration']:.3f} s)" if "duration" in row else ""
+        worker = row.get("worker") or "?"
+        lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
+        if row.get("error"):
+            lines.append(("", str(row["error"])))
+    for action in doc.get("actions") or []:
+        if isinstance(action, dict):
+            lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
+    for name, value in doc.items():
+        if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS:
+            lines.append((name, as_text(value)))
+    return lines
+
+
+def as_text(value: Any) -> str:
+    if isinstance(value, datetime):
+        return _aware(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def revoked_task_ids(message: dict[str, Any], body: Any) -> list[str]:
+    """The task ids of a Celery `revoke` control broadcast (any other message: none). Only JSON is read."""
+    from kombu.exceptions import ContentDisallowed, DecodeError
+    from kombu.serialization import loads
+
+    if message.get("content-type") != "application/json" or body is None:
+        return []
+    try:
+        decoded = loads(
+            body, "application/json", message.get("content-encoding") or "utf-8", accept={"application/json"}
+        )
+    except (ContentDisallowed, DecodeError, ValueError, TypeError):
+        return []
+    if not isinstance(decoded, dict) or decoded.get("method") != "revoke":
+        return []
+    arguments = decoded.get("arguments")
+    task_ids = arguments.get("task_id") if isinstance(arguments, dict) else None
+    if isinstance(task_ids, str):
+        return [task_ids]
+    if isinstance(task_ids, list):
+        return [str(task_id) for task_id in task_ids if isinstance(task_id, str)]
+    return []

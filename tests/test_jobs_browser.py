@@ -1,0 +1,122 @@
+"""The Jobs tab in a real browser (Playwright driving Debian's Chromium): an operator's round, with real workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+from pymongo.database import Database
+
+from tests.conftest import ARTIFACTS
+from tests.flower_process import CHROMIUM, FlowerProcess
+from tests.workers import job, process_factory, send, settled, wait_for
+
+ADMIN = {"username": "admin", "password": "s3cret"}
+VIEWER = {"username": "viewer", "password": "peek"}
+
+
+@pytest.fixture
+def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator[Callable]:
+    def build(n: int, **kwargs: Any) -> FlowerProcess:
+        return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", launcher="bb-broker", **kwargs)
+
+    yield from process_factory(request, build, FlowerProcess.stop)
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        raise AssertionError("Chromium is not installed: `make browser` installs Debian's `chromium` package")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield browser
+        browser.close()
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"jobs-{name}.png"), full_page=True)
+
+
+def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, flower_factory, browser) -> None:
+    worker_factory(extra_args=("-Q", "celery,other"))
+    flower = flower_factory(basic_auth="admin:s3cret,viewer:peek", extra_args=("--jobs_admins=admin",))
+    broken = send(app, "fails_until_fixed", "invoice-42")
+    for i in range(3):
+        wait_for(settled(db, send(app, "add", i, i), "succeeded"), message="a few jobs ran")
+    failed = wait_for(settled(db, broken, "failed"), message="the broken job out of attempts")
+    assert failed["attempts"] == 3
+    waiting = send(app, "add", 5, 5, countdown=600)
+
+    # Log in (basic auth) and filter to the failed jobs.
+    context = browser.new_context(http_credentials=ADMIN, viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())  # every confirmation: yes
+    page.goto(f"{flower.url}/jobs")
+    expect(page.locator("#count-failed")).to_have_text("failed 1")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(5)
+    shot(page, "list")
+    page.select_option("#f-status", "failed")
+    page.click("#apply-filters")
+    rows = page.locator("#jobs-table tbody tr[data-job]")
+    expect(rows).to_have_count(1)
+    expect(rows.first.locator(".job-status")).to_have_text("failed")
+
+    # Open it: its attempts, each with its error, as the job document records them.
+    rows.first.locator("a").click()
+    expect(page.locator("#job-status")).to_have_text("failed")
+    history = db.jobs.find_one({"taskId": broken}).get("history") or []
+    expect(page.locator("tr.attempt")).to_have_count(len(history))
+    for entry in history:
+        expect(page.locator("#job-attempts")).to_contain_text(entry["error"])
+    expect(page.locator("#job-fields")).to_contain_text("invoice-42 is broken (attempt 3)")
+    expect(page.locator("#flower-task")).to_have_attribute("href", f"/task/{broken}")
+    shot(page, "failed-job")
+
+    # Fix the bug, retry it, and watch it succeed.
+    db.fixes.insert_one({"_id": "invoice-42"})
+    page.click("[data-action=retry]")
+    expect(page.locator("#job-action-log")).to_contain_text("retry")  # the page reloads itself after an action
+    wait_for(settled(db, broken, "succeeded"), message="the retried job succeeded")
+    page.goto(f"{flower.url}/jobs/{broken}")
+    expect(page.locator("#job-status")).to_have_text("succeeded")
+
+    # Cancel a queued countdown job: it ends failed, said who cancelled it.
+    page.goto(f"{flower.url}/jobs/{waiting}")
+    page.click("[data-action=cancel]")
+    expect(page.locator("#job-status")).to_have_text("failed")
+    expect(page.locator("#job-fields")).to_contain_text("cancelled by admin")
+    assert job(db, waiting)["lastError"] == "cancelled by admin"
+
+    # Pause a queue: new jobs wait while the worker runs others; resume it and they run.
+    page.goto(f"{flower.url}/jobs")
+    celery_row = page.locator("#queue-controls tr[data-queue=celery]")
+    celery_row.locator("button[data-change=pause]").click()
+    expect(celery_row.locator(".queue-state")).to_have_text("paused by admin")
+    held = send(app, "add", 7, 7)
+    wait_for(settled(db, send(app, "add", 8, 8, queue="other"), "succeeded"), message="the other queue ran")
+    assert job(db, held)["status"] == "queued"
+    expect(page.locator("#jobs-table tbody tr[data-job]").first).to_have_attribute("data-status", "succeeded")
+    shot(page, "paused")
+    celery_row.locator("button[data-change=resume]").click()
+    expect(celery_row.locator(".queue-state")).to_have_text("active")
+    wait_for(settled(db, held, "succeeded"), message="the held job ran after the resume")
+    page.select_option("#f-status", "")
+    shot(page, "after")
+    context.close()
+
+    # A read-only user sees everything and can do nothing: no buttons, and a 403 if they try anyway.
+    viewer = browser.new_context(http_credentials=VIEWER).new_page()
+    viewer.goto(f"{flower.url}/jobs")
+    expect(viewer.locator("#read-only")).to_be_visible()
+    expect(viewer.locator("#jobs-table tbody tr[data-job]").first).to_be_visible()
+    expect(viewer.locator("#bulk")).to_have_count(0)
+    expect(viewer.locator("#queue-controls button")).to_have_count(0)
+    viewer.goto(f"{flower.url}/jobs/{broken}")
+    expect(viewer.locator("[data-action]")).to_have_count(0)
+    refused = viewer.request.post(f"{flower.url}/api/queues/celery/pause")
+    assert refused.status == 403 and "viewer may read the jobs but not act" in refused.json()["error"]
+    shot(viewer, "read-only")

@@ -1,0 +1,299 @@
+"""The Jobs tab and its JSON API in a real Flower, over HTTP: every read, every action, every refusal."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo.database import Database
+
+from bb_broker.lifecycle import Policy
+from bb_broker.store import JobStore
+from tests.flower_process import FlowerProcess
+from tests.test_flower import broker_rows
+from tests.workers import process_factory
+
+ADMIN = "admin:s3cret"
+VIEWER = "viewer:peek"
+USERS = f"{ADMIN},{VIEWER}"
+AUTH_ARGS = ("--jobs_admins=admin",)
+
+
+@pytest.fixture
+def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Path) -> Iterator[Callable]:
+    def build(n: int, **kwargs: Any) -> FlowerProcess:
+        kwargs.setdefault("launcher", "bb-broker")
+        return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", **kwargs)
+
+    yield from process_factory(request, build, FlowerProcess.stop)
+
+
+@pytest.fixture
+def store(db: Database) -> JobStore:
+    store = JobStore(db, Policy(max_attempts=1, stale_after=60.0))
+    store.ensure_indexes()
+    return store
+
+
+def publish(store: JobStore, task_id: str, *, queue: str = "celery", kind: str = "app.add") -> str:
+    payload = {"args": [1, 2], "kwargs": {"x": "y"}, "options": {}, "headers": {"id": task_id}, "properties": {}}
+    return store.publish(queue=queue, kind=kind, task_id=task_id, payload=payload, priority=0, run_after=None,
+                         is_retry=False)  # fmt: skip
+
+
+def settle(store: JobStore, queue: str, outcome: str) -> str:
+    job = store.claim(queue, "worker-1")
+    assert job is not None
+    if outcome == "succeeded":
+        store.succeed(job.id, job.attempts)
+    elif outcome == "failed":
+        store.fail(job.id, job.attempts, f"ValueError: {job.task_id} broke")
+    return job.id
+
+
+def seed(store: JobStore) -> dict[str, str]:
+    """One job in each status, in two queues: their ids by what they are."""
+    jobs = {}
+    jobs["failed"] = publish(store, "task-failed", kind="app.flaky")
+    settle(store, "celery", "failed")
+    jobs["succeeded"] = publish(store, "task-succeeded")
+    settle(store, "celery", "succeeded")
+    jobs["running"] = publish(store, "task-running", queue="mail")
+    settle(store, "mail", "running")
+    jobs["queued"] = publish(store, "task-queued", queue="mail", kind="app.mail")
+    return jobs
+
+
+def call(flower: FlowerProcess, method: str, path: str, form: Any = None, auth: str | bool | None = True) -> Any:
+    """One request as `auth` ("name:password"), as the process's own user (True), or without credentials (None)."""
+    if auth is None:
+        return flower.request(method, path, form, credentials=False)
+    return flower.request(method, path, form, user=None if auth is True else auth)
+
+
+def data(flower: FlowerProcess, path: str, *, auth: str | bool | None = True) -> tuple[int, Any]:
+    status, body = call(flower, "GET", path, auth=auth)
+    return status, json.loads(body) if body.startswith("{") else body
+
+
+def act(flower: FlowerProcess, path: str, *, auth: str | bool | None = True, **form: Any) -> tuple[int, Any]:
+    status, body = call(flower, "POST", path, form, auth=auth)
+    return status, json.loads(body) if body.startswith("{") else body
+
+
+def test_lists_counts_and_look_ups(store: JobStore, db: Database, flower_factory) -> None:
+    jobs = seed(store)
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS, user=VIEWER)
+
+    status, body = data(flower, "/api/jobs?counts=1")
+    newest_first = [jobs[k] for k in ("queued", "running", "succeeded", "failed")]
+    assert status == 200 and [job["id"] for job in body["jobs"]] == newest_first
+    assert body["statuses"] == {"queued": 1, "running": 1, "succeeded": 1, "failed": 1}
+    assert body["byQueue"]["mail"] == {"queued": 1, "running": 1, "succeeded": 0, "failed": 0}
+    assert body["byKind"]["app.flaky"]["failed"] == 1 and body["next"] is None
+    assert set(body["queues"]) == {"celery", "mail"} and body["queues"]["mail"]["running"] == 1
+    # The page's live data: the breakdowns only when it shows them (a scan of an index on a large collection).
+    live = data(flower, "/jobs/data")[1]
+    assert live["statuses"] == body["statuses"] and "byQueue" not in live and live["canAct"] is False
+    assert data(flower, "/jobs/data?breakdowns=1")[1]["byKind"] == body["byKind"]
+
+    first = data(flower, "/api/jobs?limit=3")[1]
+    rest = data(flower, f"/api/jobs?limit=3&after={first['next']}")[1]
+    assert [j["id"] for j in first["jobs"] + rest["jobs"]] == [j["id"] for j in body["jobs"]]
+    assert [j["id"] for j in data(flower, "/api/jobs?queue=mail&status=queued")[1]["jobs"]] == [jobs["queued"]]
+    assert [j["id"] for j in data(flower, "/api/jobs?kind=app.flaky")[1]["jobs"]] == [jobs["failed"]]
+    assert [j["id"] for j in data(flower, "/api/jobs?error=TASK-FAILED%20broke")[1]["jobs"]] == [jobs["failed"]]
+    since = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    assert data(flower, f"/api/jobs?since={since.replace('+', '%2B')}")[1]["jobs"] == []
+    assert len(data(flower, "/api/jobs?since=1h")[1]["jobs"]) == 4
+
+    for identifier in (jobs["failed"], "task-failed"):
+        status, job = data(flower, f"/api/jobs/{identifier}")
+        assert status == 200 and job["id"] == jobs["failed"] and job["status"] == "failed"
+        assert job["arguments"] == {"args": [1, 2], "kwargs": {"x": "y"}} and job["lastError"].endswith("broke")
+    assert data(flower, "/api/jobs/nope") == (404, {"error": "no job has the id or task id 'nope'"})
+
+
+BAD_FILTERS = [
+    ("status=done", "bad filter: status 'done' is not one of queued, running, succeeded, failed"),
+    ("since=yesterday", "bad filter: 'yesterday' is neither an ISO 8601 time nor a duration like 30m or 7d"),
+    ("since=1h&until=2h", "bad filter: since is after until"),
+    ("limit=lots", "bad filter: limit 'lots' is not a number"),
+    ("limit=1000", "bad filter: limit must be between 1 and 200"),
+    ("after=" + "x" * 65, "bad filter: after must be a job id (the `next` of the previous page)"),
+    ("queue=" + "q" * 201, "bad filter: queue is longer than 200 characters"),
+]
+
+
+def test_bad_filters_are_a_clear_400(store: JobStore, flower_factory) -> None:
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS, user=VIEWER)
+    for query, error in BAD_FILTERS:
+        assert data(flower, f"/api/jobs?{query}") == (400, {"error": error}), query
+        assert data(flower, f"/jobs/data?{query}") == (400, {"error": error}), query
+        status, page = flower.request("GET", f"/jobs?{query}")
+        assert status == 400 and html.unescape(page) == error, (query, page)
+
+
+def test_every_action_and_every_refusal(store: JobStore, db: Database, flower_factory) -> None:
+    jobs = seed(store)
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+
+    # No credentials: Flower's own 401, for the API and the pages.
+    assert act(flower, f"/api/jobs/{jobs['queued']}/cancel", auth=None)[0] == 401
+    assert data(flower, "/api/jobs", auth=None)[0] == 401
+    assert call(flower, "GET", "/jobs", auth=None)[0] == 401
+    # A read-only user: reads, and a clear 403 for every action.
+    assert data(flower, "/api/jobs", auth=VIEWER)[0] == 200
+    refused = "viewer may read the jobs but not act on them (see --jobs_admins)"
+    for path in (f"/api/jobs/{jobs['queued']}/cancel", "/api/jobs/bulk/retry", "/api/queues/mail/pause",
+                 f"/jobs/{jobs['queued']}/cancel", "/jobs/queue/mail/pause", "/jobs/bulk/delete"):  # fmt: skip
+        assert act(flower, path, auth=VIEWER) == (403, {"error": refused}), path
+    assert db.jobs.find_one({"_id": jobs["queued"]})["status"] == "queued" and db.bb_queues.count_documents({}) == 0
+    # Unknown id, wrong status, a live lease.
+    assert act(flower, "/api/jobs/nope/retry") == (404, {"error": "no job has the id or task id 'nope'"})
+    wrong = (409, {"error": f"job {jobs['succeeded']} is succeeded: retry needs it failed"})
+    assert act(flower, f"/api/jobs/{jobs['succeeded']}/retry") == wrong
+    status, answer = act(flower, f"/api/jobs/{jobs['running']}/requeue")
+    assert status == 409 and "live lease" in answer["error"]
+    assert act(flower, f"/api/jobs/{jobs['queued']}/delete")[0] == 409
+    assert flower.request("POST", f"/api/jobs/{jobs['queued']}/explode")[0] == 404
+
+    # Each action, and what it left in the collection, with who did it.
+    status, answer = act(flower, f"/api/jobs/{jobs['queued']}/cancel")
+    assert status == 200 and answer["job"]["status"] == "failed" and answer["job"]["lastError"] == "cancelled by admin"
+    assert store.claim("mail", "w") is None
+    assert act(flower, "/api/jobs/task-failed/retry")[1]["job"]["status"] == "queued"
+    db.jobs.update_one({"_id": jobs["running"]}, {"$set": {"updatedAt": datetime.now(UTC) - timedelta(hours=1)}})
+    assert act(flower, f"/api/jobs/{jobs['running']}/requeue")[1]["job"]["status"] == "queued"
+    assert act(flower, f"/api/jobs/{jobs['succeeded']}/delete")[1]["job"] == {"id": jobs["succeeded"], "deleted": True}
+    assert db.jobs.find_one({"_id": jobs["succeeded"]}) is None
+    for key, action in (("queued", "cancel"), ("failed", "retry"), ("running", "requeue")):
+        record = db.jobs.find_one({"_id": jobs[key]})["actions"][-1]
+        assert record["action"] == action and record["by"] == "admin" and record["at"]
+
+    # Bulk on a filter: the count first; a count that no longer holds is refused.
+    assert data(flower, "/api/jobs/bulk/cancel?queue=mail") == (200, {"action": "cancel", "count": 1})
+    assert act(flower, "/api/jobs/bulk/cancel?queue=mail&expected=5") == (
+        409,
+        {"error": "1 jobs match now, not 5: confirm again"},
+    )
+    assert act(flower, "/api/jobs/bulk/cancel?queue=mail&expected=1") == (
+        200,
+        {"message": "cancel: 1 job", "count": 1},
+    )
+    assert act(flower, "/jobs/bulk/retry?status=failed")[1]["count"] == 2  # the page's own endpoint
+    assert act(flower, "/api/jobs/bulk/retry?status=bogus") == (
+        400,
+        {"error": "bad filter: status 'bogus' is not one of queued, running, succeeded, failed"},
+    )
+
+    # Queue pause and resume, kept in the database, shown in /api/queues/length and the Broker tab.
+    assert act(flower, "/api/queues/mail/pause") == (
+        200,
+        {"message": "queue mail paused", "queue": "mail", "changed": True},
+    )
+    assert db.bb_queues.find_one({"_id": "mail"})["pausedBy"] == "admin"
+    lengths = {row["name"]: row for row in flower.get("/api/queues/length")["active_queues"]}
+    assert lengths["mail"]["paused"] is True and lengths["celery"]["paused"] is False
+    assert broker_rows(flower.page("/broker"))["mail"][-1] == "paused by admin"
+    assert act(flower, "/jobs/queue/mail/resume")[1]["message"] == "queue mail resumed"
+    assert act(flower, "/api/queues/mail/resume")[1]["message"] == "queue mail was not paused"
+
+
+def test_flowers_read_only_mode_stops_every_action(store: JobStore, db: Database, flower_factory) -> None:
+    jobs = seed(store)
+    flower = flower_factory(extra_args=("--read_only",))
+    error = {"error": "Flower is read-only (--read_only): no job or queue can be changed"}
+    assert act(flower, f"/api/jobs/{jobs['queued']}/cancel") == (403, error)
+    assert act(flower, "/api/queues/celery/pause") == (403, error)
+    assert db.jobs.find_one({"_id": jobs["queued"]})["status"] == "queued"
+    assert "read only" in flower.page("/jobs") and 'id="bulk"' not in flower.page("/jobs")
+
+
+def test_the_pages_show_counts_attempts_and_links(store: JobStore, db: Database, flower_factory) -> None:
+    jobs = seed(store)
+    started = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+    history = [
+        {"n": n, "worker": "w1@host", "startedAt": started, "finishedAt": started + timedelta(seconds=n),
+         "outcome": "failed", "error": f"RuntimeError: attempt {n}", "traceback": f"Traceback ... attempt {n}"}
+        for n in (1, 2, 3)
+    ]  # fmt: skip
+    db.jobs.update_one({"_id": jobs["failed"]}, {"$set": {"history": history}})
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+
+    page = flower.page("/jobs")
+    assert 'href="/jobs"' in page and "Jobs</a>" in page and 'id="bulk"' in page  # the tab, and actions for admins
+    viewer_page = call(flower, "GET", "/jobs", auth=VIEWER)[1]
+    assert 'id="read-only"' in viewer_page and 'id="bulk"' not in viewer_page
+    assert "Jobs</a>" in flower.page("/workers")  # the link is in Flower's own navigation bar
+
+    detail = html.unescape(flower.page("/jobs/task-failed"))
+    assert f"Job {jobs['failed']}" in detail and 'href="/task/task-failed"' in detail
+    assert detail.count('<tr class="attempt">') == 3 and "RuntimeError: attempt 2" in detail and "3.000 s" in detail
+    assert '"args": [1, 2]' in detail and 'data-action="retry"' in detail
+    assert 'data-action="retry"' not in call(flower, "GET", f"/jobs/{jobs['failed']}", auth=VIEWER)[1]
+    missing = flower.request("GET", "/jobs/nope")
+    assert missing[0] == 404 and "no job has the id or task id" in html.unescape(missing[1])
+
+
+def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_factory) -> None:
+    seed(store)
+    publish(store, "task-reports", queue="reports")
+    flower = flower_factory()  # no worker: Flower knows only the app's default queue
+    names = [row["name"] for row in flower.get("/api/queues/length")["active_queues"]]
+    assert names == ["celery", "mail", "reports"]
+    rows = broker_rows(flower.page("/broker"))
+    assert rows["mail"] == ["mail", "2", "1", "1", "—", "—", "—"] and rows["reports"][:4] == ["reports", "1", "0", "1"]
+
+
+def test_flower_internals_the_jobs_tab_relies_on_are_still_there() -> None:
+    """Fails when a Flower release moves what bb_broker.jobs_view hooks, before any user sees a broken Jobs tab."""
+    import inspect as inspecting
+
+    import flower.app
+    import flower.urls
+    from flower.api import BaseApiHandler
+    from flower.views import BaseHandler
+
+    from bb_broker import flower as adapter
+    from bb_broker import jobs_view
+
+    jobs_view.install()
+    adapter.install()  # twice each: still one set of handlers
+    patterns = [(h[0] if isinstance(h, tuple) else h.regex.pattern).rstrip("$") for h in flower.urls.handlers]
+    assert patterns.count("/jobs") == 1 and patterns.count("/api/jobs") == 1 and patterns[-1] == ".*"
+    # Flower builds its app from that very list; bb_broker.flower's loader (in the settings Flower passes on to
+    # Tornado) serves our templates and Flower's patched ones.
+    assert "from .urls import handlers as default_handlers" in inspecting.getsource(flower.app)
+    loader = flower.urls.settings["template_loader"]
+    assert isinstance(loader, adapter.BannerLoader)
+    assert "reverse_url('jobs')" in loader.load("navbar.html").code and loader.load("bb_jobs.html")
+    templates = Path(flower.urls.settings["template_path"])
+    assert jobs_view.NAVBAR_ANCHOR in (templates / "navbar.html").read_text()
+    broker = (templates / "broker.html").read_text()
+    assert jobs_view.BROKER_HEADER_ANCHOR in broker and jobs_view.BROKER_CELL_ANCHOR in broker
+    # What the handlers use of Flower's: its user, its read-only option, its API's authentication rule.
+    assert "def get_current_user" in inspecting.getsource(BaseHandler)
+    assert "unauthenticated_api" in inspecting.getsource(BaseApiHandler.prepare)
+    from tornado.options import options
+
+    assert "read_only" in options and "jobs_admins" in options
+
+
+def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStore, tmp_path, flower_factory) -> None:
+    seed(store)
+    config = tmp_path / "flowerconfig.py"
+    config.write_text(
+        "import bb_broker.flower  # noqa: F401  (the Broker and Jobs tabs for bbmongo://)\n"
+        "basic_auth = ['admin:s3cret', 'viewer:peek']\n"
+        "jobs_admins = ['admin']\n"
+    )
+    flower = flower_factory(launcher="celery", extra_args=(f"--conf={config}",), user=VIEWER)
+    assert data(flower, "/api/jobs")[0] == 200
+    assert act(flower, "/api/queues/celery/pause")[0] == 403
+    assert act(flower, "/api/queues/celery/pause", auth=ADMIN)[0] == 200
