@@ -58,7 +58,9 @@ def test_the_release_at_exit_gives_up_on_a_server_that_is_gone_within_seconds(tm
     server = EmbeddedServer(tmp_path / "data")
     server.start()
     db = MongoClient(server.url, tz_aware=True).gone
-    keeper = LeaseKeeper(JobStore(db, clock=ServerClock(db)), owner="w0")
+    store = JobStore(db, clock=ServerClock(db))
+    store.now()  # a worker has long measured the server's clock by the time it stops
+    keeper = LeaseKeeper(store, owner="w0")
     atexit.unregister(keeper._release_at_exit)  # released here, not again when pytest exits
     keeper.remove_source(lambda: [])
     server.stop()
