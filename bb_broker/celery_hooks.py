@@ -293,12 +293,10 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
 
 
 @signals.worker_init.connect
-def _prepare_worker(sender: Any = None, **_: Any) -> None:
-    # Before the pool forks and before the first client: `pool_shrink` must not wedge a worker (see prefork.py),
-    # and a worker whose server is gone must stop within seconds.
+def _guard_prefork_pool(sender: Any = None, **_: Any) -> None:
+    # Before the pool forks: `pool_shrink` must not wedge a worker (see prefork.py).
     if broker_url(sender.app) is not None:
         guard_pool_queue()
-        connection.use_worker_client_options()
 
 
 @signals.worker_ready.connect

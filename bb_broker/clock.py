@@ -20,6 +20,7 @@ class ServerClock:
         self._offset = timedelta(0)
         self._synced_at: float | None = None
         self._lock = threading.Lock()
+        self._measured = False
 
     def __call__(self) -> datetime:
         if self._synced_at is None or time.monotonic() - self._synced_at > self.resync_every:
@@ -27,7 +28,12 @@ class ServerClock:
         return datetime.now(UTC) + self._offset
 
     def _sync(self) -> None:
-        with self._lock:
+        # One measurement at a time. Once there is an offset nobody waits for a new one: a thread stuck measuring an
+        # unreachable server must not hold up another's call (a release at exit with its own deadline), which uses
+        # the last offset meanwhile. Before the first, everyone waits: local time may be far off the server's.
+        if not self._lock.acquire(blocking=not self._measured):
+            return
+        try:
             before = datetime.now(UTC)
             try:
                 server_time = self._db.client.admin.command("hello")["localTime"]
@@ -40,3 +46,6 @@ class ServerClock:
                 server_time = server_time.replace(tzinfo=UTC)
             self._offset = server_time - (before + (after - before) / 2)
             self._synced_at = time.monotonic()
+            self._measured = True
+        finally:
+            self._lock.release()

@@ -179,27 +179,12 @@ def _auth_identity(url: str) -> tuple[str | None, str]:
 SHUTDOWN_PATIENCE = 5.0
 
 
-#: Client options a worker gives every client, unless its URL says otherwise: a worker whose server is gone notices
-#: within seconds (and stops within seconds), where pymongo's default waits 30 s on every call. Writes that must
-#: get through an outage retry on their own (see JobStore._through_outages).
-WORKER_CLIENT_OPTIONS = {"serverSelectionTimeoutMS": 3000}
-_default_options: dict[str, Any] = {}
-
-
-def use_worker_client_options() -> None:
-    """Called where a Celery worker starts, before its first client: later clients of the process use them."""
-    _default_options.update(WORKER_CLIENT_OPTIONS)
-
-
 _clients: dict[tuple[int, str, tuple[tuple[str, Any], ...]], MongoClient] = {}
 _clients_lock = threading.Lock()
 
 
 def get_database(target: BrokerTarget, **client_options: Any) -> Database:
     """This process's client for the target: pymongo clients must not cross a fork."""
-    in_url = target.mongo_uri.lower()
-    defaults = {name: value for name, value in _default_options.items() if f"{name.lower()}=" not in in_url}
-    client_options = {**defaults, **client_options}
     key = (os.getpid(), target.mongo_uri, tuple(sorted(client_options.items())))
     with _clients_lock:
         client = _clients.get(key)
