@@ -344,12 +344,6 @@ class JobStore:
             return None
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable)
 
-    def explain_failure(self, job_id: str, attempts: int, reason: str) -> bool:
-        """Give a job that already failed on this attempt a more precise lastError."""
-        failed = {"_id": job_id, "status": FAILED, "attempts": attempts}
-        change = {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}}
-        return self._through_outages(lambda: self.coll.update_one(failed, change)).modified_count == 1
-
     def release(self, job_id: str, attempts: int) -> bool:
         """Give back a job that never started (prefetched, then the worker stopped): no attempt used."""
         return self._settle(

@@ -34,7 +34,10 @@ from .wakeups import Wakeups
 
 logger = logging.getLogger(__name__)
 
-REJECTED = "the worker rejected the task without running it"
+#: lastError of a job rejected without a reason given (Celery gives one for the messages it refuses).
+REJECTED = "the worker rejected the message without requeue"
+
+_delivering = threading.local()
 
 _indexed: set[tuple[str, str, str]] = set()
 _indexed_lock = threading.Lock()
@@ -48,10 +51,16 @@ class JobMessage(virtual.Message):
         headers = self.headers or {}
         self.job_id: str | None = headers.get(JOB_ID_HEADER)
         self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
+        #: Why the consumer refused it, when it says (celery_hooks does, from task_unknown and task_rejected).
+        self.rejection_reason: str | None = None
 
 
 class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rejected_in_delivery: list[JobMessage] = []
 
     def ack(self, delivery_tag: str) -> None:
         super().ack(delivery_tag)
@@ -63,10 +72,24 @@ class JobQoS(virtual.QoS):
             return super().reject(delivery_tag, requeue=requeue)
         if requeue:
             self.channel.jobs.fail(message.job_id, message.attempts, "the worker rejected the task and requeued it")
+        elif getattr(_delivering, "active", False):
+            # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
+            # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
+            self._rejected_in_delivery.append(message)
         else:
-            self.channel.jobs.fail(message.job_id, message.attempts, REJECTED, retryable=False)
+            self._fail_rejected(message)
         self._quick_ack(delivery_tag)
         self.channel.connection.poke()
+
+    def settle_rejections(self) -> None:
+        """Fail the jobs rejected during the delivery that just ended."""
+        while self._rejected_in_delivery:
+            self._fail_rejected(self._rejected_in_delivery.pop(0))
+        self.channel.connection.poke()
+
+    def _fail_rejected(self, message: JobMessage) -> None:
+        reason = message.rejection_reason or REJECTED
+        self.channel.jobs.fail(message.job_id, message.attempts, reason, retryable=False)
 
     def live_jobs(self) -> list[str]:
         return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
@@ -355,6 +378,16 @@ class Transport(virtual.Transport):
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
             )
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        _delivering.active = True
+        try:
+            super()._deliver(message, queue)
+        finally:
+            _delivering.active = False
+            for channel in list(self.channels):
+                if channel.qos._rejected_in_delivery:
+                    channel.qos.settle_rejections()
 
     def poke(self) -> None:
         if self.wakeups is not None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 
 import bb_broker
-from tests.workers import job, send, settled, wait_for
+from tests.workers import failing_write, job, send, settled, wait_for
 
 
 def test_a_serializer_the_worker_refuses_fails_the_job_and_nothing_else(app, db, worker_factory) -> None:
     worker_factory()
-    refused = app.send_task("tests.e2e_app.add", args=(1, 2), serializer="pickle").id
+    with db.jobs.watch([{"$match": {"operationType": "update"}}]) as changes:
+        refused = app.send_task("tests.e2e_app.add", args=(1, 2), serializer="pickle").id
+        fields = failing_write(changes)
+    assert "ContentDisallowed" in fields["lastError"]  # in the write that failed it: no reader saw a placeholder
     failed = wait_for(settled(db, refused, "failed"), message="pickled task refused")
-    assert failed["attempts"] == 1 and "ContentDisallowed" in failed["lastError"]
+    assert failed["attempts"] == 1 and failed["lastError"] == fields["lastError"]
     assert failed["payload"]["headers"]["task"] == "tests.e2e_app.add" and failed["payload"]["bodyFormat"] == "base64"
     fine = send(app, "add", 1, 2)
     wait_for(settled(db, fine, "succeeded"), message="the worker keeps running")

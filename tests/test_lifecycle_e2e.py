@@ -6,7 +6,7 @@ import signal
 from datetime import timedelta
 
 import bb_broker
-from tests.workers import job, send, settled, wait_for
+from tests.workers import failing_write, job, send, settled, wait_for
 
 
 def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> None:
@@ -61,9 +61,12 @@ def test_autoretry_is_honoured_and_its_final_attempt_known(app, db, worker_facto
 
 def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
     worker_factory()
-    task_id = app.send_task("nobody.has.this", args=(1,)).id
+    with db.jobs.watch([{"$match": {"operationType": "update"}}]) as changes:
+        task_id = app.send_task("nobody.has.this", args=(1,)).id
+        fields = failing_write(changes)
+    assert "nobody.has.this" in fields["lastError"]  # in the write that failed it: no reader saw a placeholder
     failed = wait_for(settled(db, task_id, "failed"), message="unknown task failed")
-    assert failed["attempts"] == 1 and "nobody.has.this" in failed["lastError"]
+    assert failed["attempts"] == 1 and failed["lastError"] == fields["lastError"]
 
 
 def test_revoke_ends_failed(app, db, worker_factory) -> None:
