@@ -323,10 +323,14 @@ class JobStore:
             metrics.record("succeeded")
         return done
 
-    def fail(self, job_id: str, attempts: int, error: str, *, retryable: bool = True) -> Outcome | None:
-        """Record a failed attempt: back to the queue with backoff, or failed for good."""
+    def fail(
+        self, job_id: str, attempts: int, error: str, *, retryable: bool = True, backoff: bool = True
+    ) -> Outcome | None:
+        """Record a failed attempt: back to the queue (with backoff unless told otherwise), or failed for good."""
         now = self.now()
-        outcome = lifecycle.after_failure(self.policy, attempts, self._scrub(error), now, retryable=retryable)
+        outcome = lifecycle.after_failure(
+            self.policy, attempts, self._scrub(error), now, retryable=retryable, backoff=backoff
+        )
         changes: dict[str, Any] = {"status": outcome.status, "lastError": outcome.last_error, "updatedAt": now}
         if outcome.status == QUEUED:
             changes["runAfter"] = outcome.run_after
