@@ -32,6 +32,9 @@ SUITE_TIMEOUT = {"kombu": 900, "tasks": 1500, "canvas": 2400}
 #: Seconds one test may take (pytest-timeout), so a hung test costs one test, not the suite.
 TEST_TIMEOUT = {"kombu": 60, "tasks": 180, "canvas": 300}
 
+#: How many of the slowest tests the report compares with the baseline.
+SLOWEST = 8
+
 PYTEST_INI = """[pytest]
 python_classes = test_* Test*
 markers =
@@ -48,6 +51,7 @@ class Run:
     suite: str
     broker: str
     outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed/failed/skipped
+    seconds: dict[str, float] = field(default_factory=dict)  # test id -> its duration
     note: str = ""
 
     def count(self, outcome: str) -> int:
@@ -108,24 +112,26 @@ def run_pytest(run: Run, args: list[str], cwd: Path, env: dict[str, str], work: 
             process.wait()
             run.note = f"stopped after {limit:.0f} s"
     if report.exists():
-        run.outcomes = read_junit(report)
+        run.outcomes, run.seconds = read_junit(report)
     elif not run.note:
         run.note = f"no report (exit {process.returncode}); see {log}"
     run.note = run.note or f"{time.monotonic() - started:.0f} s"
     return run
 
 
-def read_junit(report: Path) -> dict[str, str]:
+def read_junit(report: Path) -> tuple[dict[str, str], dict[str, float]]:
     outcomes: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        seconds[name] = float(case.get("time") or 0)
         if case.find("failure") is not None or case.find("error") is not None:
             outcomes[name] = "failed"
         elif case.find("skipped") is not None:
             outcomes[name] = "skipped"
         else:
             outcomes[name] = "passed"
-    return outcomes
+    return outcomes, seconds
 
 
 def print_table(runs: list[Run]) -> None:
@@ -149,6 +155,11 @@ def print_table(runs: list[Run]) -> None:
         print(f"\n{suite}: failing only on bbmongo:// ({len(only_ours)})")
         for name in only_ours:
             print(f"  - {name}")
+        if baseline is not None:
+            slowest = sorted(ours.seconds, key=lambda name: ours.seconds[name], reverse=True)[:SLOWEST]
+            print(f"{suite}: the slowest on bbmongo:// (seconds, bbmongo:// / redis://)")
+            for name in slowest:
+                print(f"  - {name}: {ours.seconds[name]:.1f} / {baseline.seconds.get(name, float('nan')):.1f}")
 
 
 def main() -> int:
