@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -31,6 +32,9 @@ HERE = Path(__file__).resolve().parent
 SUITE_TIMEOUT = {"kombu": 900, "tasks": 1500, "canvas": 2400}
 #: Seconds one test may take (pytest-timeout), so a hung test costs one test, not the suite.
 TEST_TIMEOUT = {"kombu": 60, "tasks": 180, "canvas": 300}
+
+#: Seconds an interrupted suite gets to write its report before it is killed.
+INTERRUPT_GRACE = 120
 
 #: How many of the slowest tests the report compares with the baseline.
 SLOWEST = 8
@@ -108,8 +112,13 @@ def run_pytest(run: Run, args: list[str], cwd: Path, env: dict[str, str], work: 
         try:
             process.wait(limit)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
+            # Interrupted, pytest still writes the report of what ran; killed, it would write nothing.
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(INTERRUPT_GRACE)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
             run.note = f"stopped after {limit:.0f} s"
     if report.exists():
         run.outcomes, run.seconds = read_junit(report)
