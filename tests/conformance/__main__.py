@@ -2,8 +2,9 @@
 
 Kombu's integration classes run against bbmongo://; Celery's test_tasks.py and test_canvas.py against bbmongo://
 and against Redis (the baseline, as Celery's CI runs them), with a Redis result backend for both. Each suite runs
-in its own pytest process, bounded in time. CONFORMANCE_SUITES (kombu,tasks,canvas) and CONFORMANCE_K (a -k
-expression for the Celery suites) narrow a run while iterating; CONFORMANCE_SUITE_TIMEOUT (seconds) caps each suite.
+in its own pytest process, bounded in time. While iterating, CONFORMANCE_SUITES (kombu,tasks,canvas),
+CONFORMANCE_BROKERS (bbmongo,redis) and CONFORMANCE_K (a -k expression for the Celery suites) narrow a run, and
+CONFORMANCE_SUITE_TIMEOUT (seconds) caps each suite.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def print_table(runs: list[Run]) -> None:
 def main() -> int:
     suites = [s.strip() for s in os.environ.get("CONFORMANCE_SUITES", "kombu,tasks,canvas").split(",") if s.strip()]
     k = os.environ.get("CONFORMANCE_K", "")
+    brokers = os.environ.get("CONFORMANCE_BROKERS", "bbmongo,redis").split(",")
     kombu_tree = fetch("kombu")
     celery_tree = fetch("celery")
     work = Path(tempfile.mkdtemp(prefix="run-", dir=CACHE))
@@ -194,6 +196,8 @@ def main() -> int:
             target = f"t/integration/test_{suite}.py"
             args = ["-p", "celery.contrib.pytest", target, *(["-k", k] if k else [])]
             for broker, url in (("bbmongo", with_database(mongo.url, f"celery_{suite}")), ("redis", redis.url)):
+                if broker not in brokers:
+                    continue
                 env = {**redis_env, "TEST_BROKER": url, "TEST_BACKEND": redis.url, "PYTHONPATH": str(celery_tree)}
                 print(f"running {suite} on {broker} ...", flush=True)
                 runs.append(run_pytest(Run(suite, broker), args, celery_tree, env, work))
