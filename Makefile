@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-heavy bench lint browser
+.PHONY: install demo test test-heavy bench lint browser conformance
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,10 @@ test-heavy: install
 bench: install
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	$(PY) -m tests.bench
+
+# Kombu's and Celery's own integration suites (sources of the installed versions, fetched into build/conformance)
+# against bbmongo://, Celery's also against Redis; prints passed/failed per suite and broker. Takes about an hour.
+conformance: install
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	@$(PY) -c "import pydantic" 2>/dev/null || $(PY) -m pip install --quiet pydantic
+	$(PY) -m tests.conformance

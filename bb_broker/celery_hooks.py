@@ -227,27 +227,20 @@ def _on_revoked(
 
 @signals.task_unknown.connect
 def _on_unknown(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
-    _explain_rejection(sender, message, f"unknown task {name!r}: no worker has it registered")
+    _explain_rejection(message, f"unknown task {name!r}: no worker has it registered")
 
 
 @signals.task_rejected.connect
 def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
     reason = describe_error(exc) if exc is not None else "not a task message this worker understands"
-    _explain_rejection(sender, message, f"invalid task message: {reason}")
+    _explain_rejection(message, f"invalid task message: {reason}")
 
 
-def _explain_rejection(consumer: Any, message: Any, reason: str) -> None:
-    # Celery rejects the message (which fails the job) before it says why; the why goes in lastError.
-    store = store_for(consumer.app)
-    job_id, attempts = getattr(message, "job_id", None), getattr(message, "attempts", None)
-    if store is None or not job_id or attempts is None:
-        return
-    worker = getattr(consumer, "hostname", None)
-    entry = attempt_entry(
-        attempts, worker=worker, started_at=None, finished_at=store.now(), outcome="failed", error=reason
-    )
-    if not store.fail(job_id, attempts, reason, retryable=False, attempt=entry):
-        store.explain_failure(job_id, attempts, reason, attempt=entry)
+def _explain_rejection(message: Any, reason: str) -> None:
+    # Celery sends this just after rejecting the message, inside its delivery: the transport fails the job with
+    # this reason when the delivery returns, in the one write that fails it.
+    if hasattr(message, "rejection_reason"):
+        message.rejection_reason = reason
 
 
 def _reserved_jobs() -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, unquote
 
 from pymongo import MongoClient
 from pymongo.database import Database
@@ -62,6 +63,54 @@ def join_password(url: str, password: str | None) -> str:
     return f"{match.group('scheme')}{match.group('userinfo')[:-2]}{password}@{url[match.end() :]}"
 
 
+def client_url(client: Any) -> str:
+    """The broker URL, password included, that a Kombu connection's fields stand for.
+
+    Kombu hands the first URL over whole (we parse our own URLs: replica sets, options, +srv), and a failover
+    URL from `Connection.switch()` in parts (hostname, port, userid, password, virtual_host): both come here.
+    """
+    hostname = client.hostname or "localhost"
+    if "://" in hostname:
+        url = join_password(hostname, client.password)
+        prefix = getattr(client, "uri_prefix", None)
+        return f"{prefix}+{url}" if prefix and not url.startswith(f"{prefix}+") else url
+    userinfo = ""
+    if client.userid:
+        userinfo = quote(str(client.userid), safe="")
+        if client.password:
+            userinfo += ":" + quote(str(client.password), safe="")
+        userinfo += "@"
+    host = f"[{hostname}]" if ":" in hostname and not hostname.startswith("[") and "," not in hostname else hostname
+    port = f":{client.port}" if client.port else ""
+    return f"bbmongo://{userinfo}{host}{port}/{client.virtual_host or ''}"
+
+
+def expose_as_kombu_does(client: Any, url: str) -> None:
+    """Set a connection's hostname, port, userid, password and virtual_host from our URL as Kombu sets them for
+    every other transport (Celery's worker stats and Flower show them); the database, with any ?options, is the
+    virtual host. A +srv URL names no host and port: it stays whole, its password masked."""
+    scheme, _, rest = url.partition("://")
+    if scheme.lower().endswith("+srv"):
+        client.hostname, client.password = split_password(url.partition("+")[2])
+        return
+    match = _USERINFO.match(url)
+    userid = password = None
+    if match:
+        user, _, secret = match.group("userinfo").partition(":")
+        userid, password = unquote(user) or None, unquote(secret) or None
+        rest = url[match.end() :]
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    hosts, path = rest[:cut], rest[cut:].removeprefix("/")
+    host, port = hosts, None
+    if "," not in hosts:
+        head, colon, tail = hosts.rpartition(":")
+        if colon and tail.isdigit() and (not head.startswith("[") or head.endswith("]")):
+            host, port = head, int(tail)
+        host = host.strip("[]")
+    client.hostname, client.port, client.userid, client.password = host, port, userid, password
+    client.virtual_host = path or None
+
+
 def parse_broker_url(url: str) -> BrokerTarget:
     """Turn a `bbmongo://` (or `mongodb://`) URL into a pymongo URI and a database name."""
     scheme, sep, rest = url.partition("://")
@@ -87,8 +136,6 @@ def _userinfo_secrets(uri: str) -> tuple[str, ...]:
     match = _USERINFO.match(uri)
     if not match or ":" not in match.group("userinfo"):
         return ()
-    from urllib.parse import unquote
-
     raw = match.group("userinfo").split(":", 1)[1]
     return tuple(s for s in {raw, unquote(raw)} if s)
 

@@ -60,11 +60,13 @@ class Outcome:
     run_after: datetime | None = None
 
 
-def after_failure(policy: Policy, attempts: int, error: str, now: datetime, *, retryable: bool = True) -> Outcome:
-    """A failed attempt goes back to the queue with backoff until the attempts are used up."""
+def after_failure(
+    policy: Policy, attempts: int, error: str, now: datetime, *, retryable: bool = True, backoff: bool = True
+) -> Outcome:
+    """A failed attempt goes back to the queue (with backoff unless told otherwise) until the attempts are used up."""
     error = error[:MAX_ERROR_LENGTH]
     if retryable and not policy.is_final_attempt(attempts):
-        return Outcome(QUEUED, error, now + policy.backoff(attempts))
+        return Outcome(QUEUED, error, now + policy.backoff(attempts) if backoff else now)
     return Outcome(FAILED, error)
 
 

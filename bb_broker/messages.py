@@ -178,20 +178,23 @@ class MessageStore:
             return 0
         return self.messages.delete_many({"expiresAt": {"$lt": datetime.now(UTC)}}).deleted_count
 
-    def put(self, queue: str, message: dict[str, Any], priority: int) -> None:
+    def put(self, queue: str, message: dict[str, Any], priority: int, *, ttl: float | None = None) -> None:
+        """Store a message for `queue`; `ttl` (seconds, the message's own expiration) shortens the store's."""
         if self.secrets:
             message = scrub_message(message, self.secrets)
-        expires = datetime.now(UTC) + timedelta(seconds=self.ttl)
+        expires = datetime.now(UTC) + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
         self.messages.insert_one(
             {"queue": queue, "priority": priority, "payload": dumps(message), "expiresAt": expires}
         )
 
     def get(self, queue: str) -> dict[str, Any] | None:
-        doc = self.messages.find_one_and_delete({"queue": queue}, sort=[("priority", DESCENDING), ("_id", ASCENDING)])
+        # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
+        live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}}
+        doc = self.messages.find_one_and_delete(live, sort=[("priority", DESCENDING), ("_id", ASCENDING)])
         return None if doc is None else loads(doc["payload"])
 
     def size(self, queue: str) -> int:
-        return self.messages.count_documents({"queue": queue})
+        return self.messages.count_documents({"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}})
 
     def purge(self, queue: str) -> int:
         return self.messages.delete_many({"queue": queue}).deleted_count

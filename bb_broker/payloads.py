@@ -6,6 +6,8 @@ import base64
 import json
 from typing import Any
 
+from kombu.utils import json as kombu_json
+
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
 JOB_ID_HEADER = "bb_job_id"
 ATTEMPTS_HEADER = "bb_attempts"
@@ -37,9 +39,14 @@ def to_document(message: dict[str, Any], decoded_body: bytes) -> dict[str, Any]:
         "contentEncoding": message.get("content-encoding"),
     }
     if not _bson_safe(envelope):
-        # Headers BSON cannot hold faithfully: keep the whole message as kombu encodes it.
-        return {"raw": json.dumps({**message, "headers": headers, "properties": properties, "body": None}),
-                "body": base64.b64encode(decoded_body).decode("ascii")}  # fmt: skip
+        # Headers or properties BSON cannot hold faithfully: keep the whole message as Kombu's own transports do,
+        # in Kombu's JSON, which gives datetimes, UUIDs, decimals and bytes back as they were.
+        raw = {**message, "headers": headers, "properties": properties, "body": None}
+        try:
+            text = kombu_json.dumps(raw)
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"the message's headers or properties cannot be stored: {exc}") from None
+        return {"raw": text, "body": base64.b64encode(decoded_body).decode("ascii")}
     readable = _readable_body(message, decoded_body)
     if readable is None:
         readable = {"body": base64.b64encode(decoded_body).decode("ascii"), "bodyFormat": "base64"}
@@ -88,7 +95,7 @@ def to_message(payload: Any) -> dict[str, Any]:
         raise PayloadError(f"payload is a {type(payload).__name__}, not a document")
     try:
         if "raw" in payload:
-            message = json.loads(payload["raw"])
+            message = kombu_json.loads(payload["raw"])
             message["body"] = _binary_body(payload["body"], message.get("content-encoding"))
         else:
             if "args" in payload:

@@ -458,16 +458,19 @@ class JobStore:
         error: str,
         *,
         retryable: bool = True,
+        backoff: bool = True,
         attempt: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None,
     ) -> Outcome | None:
-        """Record a failed attempt: back to the queue with backoff, or failed for good.
+        """Record a failed attempt: back to the queue (with backoff unless told otherwise), or failed for good.
 
         `result` (from the result backend) is stored as it is when the job fails for good; when the job goes back to
         the queue its `state` becomes RETRY, so a caller waiting on the result waits for the next attempt.
         """
         now = self.now()
-        outcome = lifecycle.after_failure(self.policy, attempts, self._scrub(error), now, retryable=retryable)
+        outcome = lifecycle.after_failure(
+            self.policy, attempts, self._scrub(error), now, retryable=retryable, backoff=backoff
+        )
         changes: dict[str, Any] = {"status": outcome.status, "lastError": outcome.last_error, "updatedAt": now}
         if result is not None:
             changes = {**result, **changes}
@@ -511,14 +514,6 @@ class JobStore:
             error=error,
         )
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)
-
-    def explain_failure(
-        self, job_id: str, attempts: int, reason: str, *, attempt: dict[str, Any] | None = None
-    ) -> bool:
-        """Give a job that already failed on this attempt a more precise lastError (and its history entry)."""
-        failed = {"_id": job_id, "status": FAILED, "attempts": attempts}
-        change = {"$set": {"lastError": self._scrub(reason)[: lifecycle.MAX_ERROR_LENGTH]}, **_pushed(attempt)}
-        return self._through_outages(lambda: self.coll.update_one(failed, change)).modified_count == 1
 
     def release(self, job_id: str, attempts: int) -> bool:
         """Give back a job that never started (prefetched, then the worker stopped): no attempt used."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -33,12 +34,20 @@ from .payloads import (
     to_document,
     to_message,
 )
-from .store import Claimed, JobStore
+from .store import Claimed, JobStore, attempt_entry
 from .wakeups import Wakeups
 
 logger = logging.getLogger(__name__)
 
-REJECTED = "the worker rejected the task without running it"
+#: lastError of a job rejected without a reason given (Celery gives one for the messages it refuses).
+REJECTED = "the worker rejected the message without requeue"
+
+REQUEUED = "the worker rejected the task and requeued it"
+
+#: Seconds between looks at the topology while a new channel waits for its server.
+REACHABLE_SLICE = 0.25
+
+_delivering = threading.local()
 
 #: Per (server, database, jobs collection) indexed by this process: the deletes its server's missing TTL indexes
 #: leave to the workers' periodic sweep.
@@ -54,10 +63,16 @@ class JobMessage(virtual.Message):
         headers = self.headers or {}
         self.job_id: str | None = headers.get(JOB_ID_HEADER)
         self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
+        #: Why the consumer refused it, when it says (celery_hooks does, from task_unknown and task_rejected).
+        self.rejection_reason: str | None = None
 
 
 class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rejected_in_delivery: list[JobMessage] = []
 
     def ack(self, delivery_tag: str) -> None:
         super().ack(delivery_tag)
@@ -68,11 +83,39 @@ class JobQoS(virtual.QoS):
         if not (isinstance(message, JobMessage) and message.job_id):
             return super().reject(delivery_tag, requeue=requeue)
         if requeue:
-            self.channel.jobs.fail(message.job_id, message.attempts, "the worker rejected the task and requeued it")
+            # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message
+            # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever.
+            self._fail(message, REQUEUED, backoff=False)
+        elif getattr(_delivering, "active", False):
+            # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
+            # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
+            self._rejected_in_delivery.append(message)
         else:
-            self.channel.jobs.fail(message.job_id, message.attempts, REJECTED, retryable=False)
+            self._fail_rejected(message)
         self._quick_ack(delivery_tag)
         self.channel.connection.poke()
+
+    def settle_rejections(self) -> None:
+        """Fail the jobs rejected during the delivery that just ended."""
+        while self._rejected_in_delivery:
+            self._fail_rejected(self._rejected_in_delivery.pop(0))
+        self.channel.connection.poke()
+
+    def _fail_rejected(self, message: JobMessage) -> None:
+        self._fail(message, message.rejection_reason or REJECTED, retryable=False)
+
+    def _fail(self, message: JobMessage, reason: str, **how: bool) -> None:
+        # The attempt goes in the job's history in the same write; it never ran, so it has no start.
+        jobs = self.channel.jobs
+        entry = attempt_entry(
+            message.attempts,
+            worker=self.channel.owner,
+            started_at=None,
+            finished_at=jobs.now(),
+            outcome="failed",
+            error=reason,
+        )
+        jobs.fail(message.job_id, message.attempts, reason, attempt=entry, **how)
 
     def live_jobs(self) -> list[str]:
         return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
@@ -149,11 +192,28 @@ class Channel(virtual.Channel):
             self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
         )
         self.owner = connection.lease_owner()
+        #: Queues declared here as auto-delete or bound to a fanout exchange: messages, not jobs, are expected
+        #: there. Only a hint for the order of the reads and for wake-ups: every queue reads both collections.
         self._plain_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
         self._keeper: LeaseKeeper | None = None
+        self._check_reachable(db, connection_.client)
         self._ensure_indexes()
+
+    def _check_reachable(self, db: Any, client: Any) -> None:
+        # A dead server is refused within the connect timeout the user set (Kombu's connect_timeout, Celery's
+        # broker_connection_timeout), not after server selection timed out for each index this channel creates;
+        # and at once when every server refused the connection, so that a failover URL list moves on.
+        deadline = monotonic() + float(getattr(client, "connect_timeout", None) or 5)
+        while True:
+            try:
+                with pymongo.timeout(min(max(deadline - monotonic(), 0.01), REACHABLE_SLICE)):
+                    db.command("ping")
+                return
+            except PyMongoError:
+                if monotonic() >= deadline or _every_server_refused(db.client):
+                    raise
 
     def _ensure_indexes(self) -> None:
         key = (self.target.mongo_uri, self.target.database, self.jobs_collection)
@@ -175,18 +235,19 @@ class Channel(virtual.Channel):
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return True
 
+    # Where a message is stored is decided by the message alone (a Celery task message is a job, anything else a
+    # plain message), so every queue reads, counts and purges both collections: what a queue holds never depends
+    # on which channel, connection or process declared it.
+
     def _size(self, queue: str) -> int:
-        if queue in self._plain_queues:
-            return self.plumbing.size(queue)
-        return self.jobs.queued_count(queue)
+        return self.plumbing.size(queue) + self.jobs.queued_count(queue)
 
     def _purge(self, queue: str) -> int:
-        if queue in self._plain_queues:
-            return self.plumbing.purge(queue)
-        return self.jobs.purge_queued(queue)
+        return self.plumbing.purge(queue) + self.jobs.purge_queued(queue)
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         self.plumbing.delete_queue(queue)
+        self.jobs.purge_queued(queue)
         self._plain_queues.discard(queue)
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
@@ -207,7 +268,7 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
-            self.plumbing.put(queue, message, priority)
+            self.plumbing.put(queue, message, priority, ttl=_expiration(message))
             return
         properties = message["properties"]
         body = self.decode_body(message["body"], properties.get("body_encoding"))
@@ -228,7 +289,7 @@ class Channel(virtual.Channel):
         self._revoke_durably(message)
         priority = self._get_message_priority(message)
         for queue in {queue for _, _, queue in self.get_table(exchange)}:
-            self.plumbing.put(queue, message, priority)
+            self.plumbing.put(queue, message, priority, ttl=_expiration(message))
 
     def _revoke_durably(self, message: dict[str, Any]) -> None:
         """A revoke broadcast (app.control.revoke, Flower's button) fails the tasks' queued jobs before it goes out,
@@ -241,8 +302,13 @@ class Channel(virtual.Channel):
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:
             self.jobs.release(message.job_id, message.attempts)
-        else:
-            super()._restore(message)
+            return
+        # Kombu's own restore, with `redelivered` where Kombu and Celery read it.
+        delivery_info = message.delivery_info
+        payload = message.serializable()
+        payload["properties"].setdefault("delivery_info", {})["redelivered"] = True
+        for queue in self._lookup(delivery_info["exchange"], delivery_info["routing_key"]):
+            self._put(queue, payload)
 
     # --- consuming ----------------------------------------------------------
 
@@ -262,10 +328,16 @@ class Channel(virtual.Channel):
         wakeups = self.connection.wakeups
         if wakeups is not None and not wakeups.should_poll(queue, job_queue=not plain):
             raise Empty()
-        message = self._fetch_plain(queue) if plain else self._claim(queue)
-        if wakeups is not None:
-            wakeups.found(queue)
-        return message
+        reads = (self._fetch_plain, self._claim) if plain else (self._claim, self._fetch_plain)
+        for read in reads:
+            try:
+                message = read(queue)
+            except Empty:
+                continue
+            if wakeups is not None:
+                wakeups.found(queue)
+            return message
+        raise Empty()
 
     def _fetch_plain(self, queue: str) -> dict[str, Any]:
         message = self.plumbing.get(queue)
@@ -296,7 +368,8 @@ class Channel(virtual.Channel):
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
             message["properties"]["delivery_tag"] = job.id
-            message["redelivered"] = job.attempts > 1
+            # Where Kombu's messages and Celery's requests read it (delivery_info), as Kombu's Redis sets it.
+            message["properties"]["delivery_info"]["redelivered"] = job.attempts > 1
             return message
 
     def _controls_version(self) -> int | None:
@@ -340,6 +413,22 @@ class Channel(virtual.Channel):
             super().close()
 
 
+def _every_server_refused(client: Any) -> bool:
+    servers = list(client.topology_description.server_descriptions().values())
+    return bool(servers) and all(server.error is not None for server in servers)
+
+
+def _expiration(message: dict[str, Any]) -> float | None:
+    """Seconds a message may wait for a consumer: Kombu's `expiration` property (milliseconds, as in AMQP)."""
+    value = (message.get("properties") or {}).get("expiration")
+    if value is None:
+        return None
+    try:
+        return max(float(value) / 1000.0, 0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"message has an unreadable expiration property {value!r}") from None
+
+
 def _eta(value: Any) -> datetime | None:
     if not value:
         return None
@@ -370,10 +459,8 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
-        # Kombu keeps a parsed-by-us URL whole in `hostname`, which Celery shows (worker stats, Flower): keep the
-        # password where Kombu keeps every transport's, in `password`, which Celery never shows.
-        self.broker_url = connection.join_password(client.hostname, client.password)
-        client.hostname, client.password = connection.split_password(self.broker_url)
+        self.broker_url = connection.client_url(client)
+        connection.expose_as_kombu_does(client, self.broker_url)
         self.wakeups: Wakeups | None = None
         self._pause = self.min_polling_interval
 
@@ -389,6 +476,24 @@ class Transport(virtual.Transport):
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
             )
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        _delivering.active = True
+        try:
+            super()._deliver(message, queue)
+        finally:
+            _delivering.active = False
+            for channel in list(self.channels):
+                if channel.qos._rejected_in_delivery:
+                    channel.qos.settle_rejections()
+
+    def register_with_event_loop(self, connection_: Any, loop: Any) -> None:
+        # No socket to watch: Kombu's hub polls the queues on a timer (Celery's worker uses its own loop).
+        loop.call_repeatedly(self.min_polling_interval, self._drain_nowait)
+
+    def _drain_nowait(self) -> None:
+        with contextlib.suppress(Empty):
+            self.cycle.get(self._deliver, timeout=0)
 
     def poke(self) -> None:
         if self.wakeups is not None:
@@ -447,4 +552,5 @@ class Transport(virtual.Transport):
         return pymongo.version
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        return connection.join_password(uri, self.client.password) if include_password else connection.redact_url(uri)
+        url = connection.client_url(self.client)
+        return url if include_password else connection.redact_url(url)

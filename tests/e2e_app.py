@@ -170,3 +170,30 @@ def fails_until_fixed(self, key):
     if runs().database.fixes.find_one({"_id": key}) is None:
         raise RuntimeError(f"{key} is broken (attempt {self.request.bb_attempts})")
     return "fixed"
+
+
+@app.task(bind=True, acks_late=True)
+def reject_once(self):
+    """Rejected with requeue on its first delivery; succeeds once the delivery says it is a redelivery."""
+    from celery.exceptions import Reject
+
+    redelivered = bool(self.request.delivery_info.get("redelivered"))
+    record(self, redelivered=redelivered)
+    if not redelivered:
+        raise Reject("first delivery", requeue=True)
+    return "second pass"
+
+
+@app.task(bind=True, acks_late=True)
+def reject_always(self):
+    """A poison pill: every worker rejects it with requeue."""
+    from celery.exceptions import Reject
+
+    record(self)
+    raise Reject("never", requeue=True)
+
+
+@app.task(bind=True)
+def header_value(self, name):
+    record(self, value=repr(self.request.get(name)))
+    return repr(self.request.get(name))

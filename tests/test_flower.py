@@ -76,6 +76,10 @@ def test_every_worker_answers_flowers_inspect(app, db, broker_url, worker_factor
         info = workers[node(worker)]
         assert info["stats"]["pid"] == worker.process.pid
         assert info["stats"]["broker"]["transport"] == "bbmongo"
+        # the worker page's Broker section: the host and port the server listens on, the database as virtual host
+        hosts, database = broker_url.split("://", 1)[1].split("/", 1)
+        shown = info["stats"]["broker"]
+        assert (shown["hostname"], str(shown["port"]), shown["virtual_host"]) == (*hosts.rsplit(":", 1), database)
         assert "tests.e2e_app.add" in info["registered"]
         assert [q["name"] for q in info["active_queues"]] == ["celery"]
         assert info["conf"]["broker_url"] == redact_url(broker_url)  # as Celery shows it: password masked

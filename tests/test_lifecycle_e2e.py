@@ -6,7 +6,7 @@ import signal
 from datetime import timedelta
 
 import bb_broker
-from tests.workers import job, send, settled, wait_for
+from tests.workers import failing_write, job, send, settled, wait_for
 
 
 def outcomes(db, task_id: str) -> list[str]:
@@ -74,12 +74,13 @@ def test_autoretry_is_honoured_and_its_final_attempt_known(app, db, worker_facto
 
 def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
     worker_factory()
-    task_id = app.send_task("nobody.has.this", args=(1,)).id
+    with db.jobs.watch([{"$match": {"operationType": "update"}}]) as changes:
+        task_id = app.send_task("nobody.has.this", args=(1,)).id
+        fields = failing_write(changes)
+    assert "nobody.has.this" in fields["lastError"]  # in the write that failed it: no reader saw a placeholder
     failed = wait_for(settled(db, task_id, "failed"), message="unknown task failed")
-    assert failed["attempts"] == 1
-    # Celery rejects the message before it says why: the reason and the attempt come in a second write.
-    wait_for(lambda: outcomes(db, task_id) == ["failed"], message="the attempt in the history")
-    assert "nobody.has.this" in job(db, task_id)["lastError"]
+    assert failed["attempts"] == 1 and failed["lastError"] == fields["lastError"]
+    assert outcomes(db, task_id) == ["failed"]  # its attempt is recorded by that same write
 
 
 def test_revoke_ends_failed(app, db, worker_factory) -> None:

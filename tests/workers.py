@@ -136,3 +136,19 @@ def process_factory(request: Any, build: Callable[..., Any], stop: Callable[[Any
     if report is not None and report.failed:
         for process in started:
             print(f"----- {process.log_path.name} (last lines) -----\n{process.log()[-4000:]}")
+
+
+def failing_write(changes: Any, timeout: float = 60.0) -> dict[str, Any]:
+    """The fields set by the update that failed a job, read from a change stream opened on `jobs` beforehand.
+
+    A job's lastError must be right in that very write: a reader between two writes would see a placeholder.
+    """
+
+    def next_failure() -> dict[str, Any] | None:
+        while (change := changes.try_next()) is not None:
+            fields = (change.get("updateDescription") or {}).get("updatedFields") or {}
+            if fields.get("status") == "failed":
+                return fields
+        return None
+
+    return wait_for(next_failure, timeout, "the write that failed the job")

@@ -1,0 +1,1 @@
+"""`make conformance`: Kombu's and Celery's own integration suites against bbmongo:// (and Redis as the baseline)."""

@@ -1,0 +1,162 @@
+"""Plain Kombu and Celery on bbmongo:// as on any Kombu transport: routing, expiry, requeue, failover, URLs."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import uuid
+from contextlib import closing
+from decimal import Decimal
+
+import kombu
+import pytest
+from pymongo.database import Database
+
+import bb_broker  # noqa: F401 (registers bbmongo://)
+from bb_broker.payloads import PayloadError, to_document, to_message
+from tests.workers import job, send, settled, wait_for
+
+
+def dead_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def consume_one(conn: kombu.Connection, queue: kombu.Queue, timeout: float = 30.0) -> tuple[object, kombu.Message]:
+    got: list[tuple[object, kombu.Message]] = []
+
+    def on_message(body: object, message: kombu.Message) -> None:
+        got.append((body, message))
+        message.ack()
+
+    with kombu.Consumer(conn, [queue], callbacks=[on_message], accept=["json"]):
+        wait_for(lambda: got or conn.drain_events(timeout=0.5) or got, timeout, f"a message on {queue.name}")
+    return got[0]
+
+
+@pytest.fixture(autouse=True)
+def _no_drain_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # drain_events(timeout) raises socket.timeout when nothing came: for wait_for that is "not yet".
+    original = kombu.Connection.drain_events
+
+    def drain(self: kombu.Connection, **kwargs: object) -> None:
+        try:
+            original(self, **kwargs)
+        except TimeoutError:
+            return None
+
+    monkeypatch.setattr(kombu.Connection, "drain_events", drain)
+
+
+def test_plain_kombu_message_on_a_durable_queue_reaches_a_consumer_on_another_connection(broker_url: str) -> None:
+    queue = kombu.Queue("plain_durable", kombu.Exchange("plain_direct", type="direct"), routing_key="plain")
+    with kombu.Connection(broker_url) as producer_conn, kombu.Connection(broker_url) as consumer_conn:
+        kombu.Producer(producer_conn.channel()).publish(
+            {"hello": "world"}, exchange=queue.exchange, routing_key="plain", declare=[queue]
+        )
+        body, message = consume_one(consumer_conn, queue)
+    assert body == {"hello": "world"}
+    assert message.delivery_info["routing_key"] == "plain"
+
+
+def test_fanout_bound_on_one_connection_reaches_a_consumer_that_only_names_its_queue(broker_url: str) -> None:
+    exchange = kombu.Exchange("fan_elsewhere", type="fanout")
+    with kombu.Connection(broker_url) as declarer:
+        kombu.Queue("fan_member", exchange).declare(channel=declarer.channel())
+    with kombu.Connection(broker_url) as producer_conn, kombu.Connection(broker_url) as consumer_conn:
+        kombu.Producer(producer_conn.channel(), exchange=exchange).publish({"to": "all"})
+        body, _ = consume_one(consumer_conn, kombu.Queue("fan_member"))
+    assert body == {"to": "all"}
+
+
+def test_failover_from_a_dead_url_to_a_live_one(broker_url: str) -> None:
+    database = broker_url.rsplit("/", 1)[1]
+    dead = dead_port()
+    live_port = int(broker_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    conn = kombu.Connection(f"bbmongo://127.0.0.1:{dead}/{database};{broker_url}", connect_timeout=2)
+    with conn:
+        conn.ensure_connection(max_retries=3, interval_start=0, interval_step=0)
+        assert (conn.hostname, conn.port, conn.virtual_host) == ("127.0.0.1", live_port, database)
+        with closing(conn.SimpleQueue("after_failover")) as queue:
+            queue.put({"n": 1})
+            assert queue.get(timeout=30).payload == {"n": 1}
+
+
+def test_a_message_past_its_expiration_is_never_delivered(broker_url: str, db: Database) -> None:
+    with kombu.Connection(broker_url) as conn, closing(conn.SimpleQueue("expiring")) as queue:
+        queue.put({"n": "expired"}, expiration=0.001)
+        queue.put({"n": "kept"})
+        expired = db.bb_messages.find_one({"queue": "expiring"}, sort=[("_id", 1)])
+        wait_for(lambda: datetime.datetime.now(datetime.UTC) > expired["expiresAt"], message="the first expired")
+        message = queue.get(timeout=30)
+        assert message.payload == {"n": "kept"}
+        message.ack()
+        assert queue.qsize() == 0
+
+
+def test_a_requeued_plain_message_comes_back_marked_redelivered(broker_url: str) -> None:
+    with kombu.Connection(broker_url) as conn, closing(conn.SimpleQueue("requeued")) as queue:
+        queue.put({"n": 1})
+        first = queue.get(timeout=30)
+        assert not first.delivery_info.get("redelivered")
+        first.requeue()
+        second = queue.get(timeout=30)
+        assert second.payload == {"n": 1} and second.delivery_info["redelivered"] is True
+        second.ack()
+
+
+def test_reject_with_requeue_redelivers_at_once_marked_redelivered(app, db, worker_factory) -> None:
+    # backoff_base 600: a requeue that waited out a backoff would not be back within the test.
+    worker_factory(options={"backoff_base": 600})
+    task_id = send(app, "reject_once")
+    done = wait_for(settled(db, task_id, "succeeded"), message="the redelivery succeeded")
+    runs = list(db.runs.find({"taskId": task_id}).sort("at"))
+    assert [r["redelivered"] for r in runs] == [False, True]
+    assert done["attempts"] == 2
+
+
+def test_a_task_every_worker_requeues_fails_after_max_attempts(app, db, worker_factory) -> None:
+    worker_factory(options={"backoff_base": 600, "max_attempts": 3})
+    task_id = send(app, "reject_always")
+    failed = wait_for(settled(db, task_id, "failed"), message="the poison pill failed")
+    assert failed["attempts"] == 3 and "requeued" in failed["lastError"]
+    assert db.runs.count_documents({"taskId": task_id}) == 3
+
+
+def test_headers_json_cannot_hold_are_stored_and_delivered_as_they_were(app, db, worker_factory) -> None:
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    task_id = app.send_task("tests.e2e_app.header_value", args=("when",), headers={"when": when}).id
+    assert "raw" in job(db, task_id)["payload"]
+    worker_factory()
+    wait_for(settled(db, task_id, "succeeded"), message="the task ran")
+    assert db.runs.find_one({"taskId": task_id})["value"] == repr(when)
+
+
+def test_payload_round_trip_keeps_kombu_json_types_and_names_what_cannot_be_stored() -> None:
+    odd = {"when": datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC), "id": uuid.uuid4(), "amount": Decimal("1.5")}
+    message = {
+        "body": b"[[], {}, {}]",
+        "headers": {"task": "t", "id": "1", **odd},
+        "properties": {"correlation_id": "1", "blob": b"\x00\xff"},
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+    }
+    back = to_message(to_document(message, message["body"]))
+    assert {k: back["headers"][k] for k in odd} == odd and back["properties"]["blob"] == b"\x00\xff"
+    with pytest.raises(PayloadError, match="cannot be stored"):
+        to_document({**message, "headers": {"task": "t", "id": "1", "x": object()}}, message["body"])
+
+
+def test_kombu_and_celery_see_host_port_and_database_not_the_url(broker_url: str) -> None:
+    hosts = broker_url.split("://", 1)[1].split("/", 1)[0]
+    host, port = hosts.rsplit(":", 1)
+    secret_url = broker_url.replace("://", "://someone:s3cret@", 1)
+    conn = kombu.Connection(secret_url)
+    conn.transport  # noqa: B018 (the transport takes the URL apart)
+    info = conn.info()
+    assert (info["hostname"], info["port"], info["userid"]) == (host, int(port), "someone")
+    assert info["virtual_host"] == broker_url.rsplit("/", 1)[1]
+    assert conn.as_uri() == secret_url.replace("s3cret", "**")
+    assert conn.as_uri(include_password=True) == secret_url
+    conn.release()
