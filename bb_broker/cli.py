@@ -526,13 +526,7 @@ def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
 @click.argument("queue")
 def pause(broker: str, collection: str, queue: str) -> None:
     """Pause a queue for every worker, now and later: its jobs stay queued until `resume`."""
-    if not queue.strip():
-        _fail("pause: the queue name is empty", 2)
-    from .operations import Operations
-
-    with _jobs(broker, collection) as store:
-        changed = Operations(store).pause(queue, by=_operator())
-    click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
+    _set_paused(broker, collection, queue, paused=True)
 
 
 @main.command()
@@ -541,13 +535,22 @@ def pause(broker: str, collection: str, queue: str) -> None:
 @click.argument("queue")
 def resume(broker: str, collection: str, queue: str) -> None:
     """Resume a paused queue: workers claim its jobs again."""
+    _set_paused(broker, collection, queue, paused=False)
+
+
+def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> None:
+    command = "pause" if paused else "resume"
     if not queue.strip():
-        _fail("resume: the queue name is empty", 2)
+        _fail(f"{command}: the queue name is empty", 2)
     from .operations import Operations
 
     with _jobs(broker, collection) as store:
-        changed = Operations(store).resume(queue, by=_operator())
-    click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")
+        operations = Operations(store)
+        changed = (operations.pause if paused else operations.resume)(queue, by=_operator())
+    if paused:
+        click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
+    else:
+        click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,13 @@ def worker_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Pa
         return Worker(broker_url, log_dir=tmp_path, name=f"w{n}", **kwargs)
 
     yield from process_factory(request, build, Worker.kill)
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """A server of this test's own, to stop, restart or give fail points: the embedded one, even under
+    BB_TEST_MONGO_URL."""
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    yield server
+    server.stop()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from kombu import Connection
@@ -15,20 +13,11 @@ import bb_broker  # noqa: F401  (registers bbmongo://)
 from bb_broker.messages import MessageStore
 from bb_broker.store import JobStore, ServerLacksFeature
 from bb_broker.wakeups import Wakeups
-from tests.servers import EmbeddedServer, with_database
+from tests.servers import with_database
 from tests.workers import Worker, producer, send, settled, wait_for
 
 NOT_IMPLEMENTED = 238
 NO_TTL_LINE = "this server cannot make TTL indexes"
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    """The embedded server, even under BB_TEST_MONGO_URL: its fail points are switched on for good."""
-    server = EmbeddedServer(tmp_path / "data")
-    server.start()
-    yield server
-    server.stop()
 
 
 def refuse(client: MongoClient, commands: list[str], code: int) -> None:

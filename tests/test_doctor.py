@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from click.testing import CliRunner
 from pymongo import MongoClient
 
 from bb_broker.cli import main
 from bb_broker.store import JobStore
-from tests.servers import EmbeddedServer, with_database
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    """The embedded server, even under BB_TEST_MONGO_URL: one test switches its fail points on for good."""
-    server = EmbeddedServer(tmp_path / "data")
-    server.start()
-    yield server
-    server.stop()
+from tests.servers import with_database
 
 
 def doctor(url: str) -> tuple[int, dict[str, str], str]:

@@ -7,25 +7,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from pymongo import MongoClient
 
 import bb_broker
 from bb_broker.store import JobStore
 from tests.servers import EmbeddedServer, with_database
 from tests.workers import Worker, producer, send, settled, wait_for
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    """A server this test may stop and restart on the same data: the embedded one, even under BB_TEST_MONGO_URL."""
-    server = EmbeddedServer(tmp_path / "data")
-    server.start()
-    yield server
-    server.stop()
 
 
 def start_worker(url: str, tmp_path: Path, name: str, **kwargs) -> Worker:
