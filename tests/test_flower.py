@@ -232,7 +232,9 @@ def test_queues_pool_and_rate_limit_from_flower(app, db, worker_factory, flower_
     events_flowing(flower, name)
     answer = flower.post("/api/task/rate-limit/tests.e2e_app.add", ratelimit="1/m", workername=name)
     assert answer == {"message": "new rate limit set successfully"}
-    assert "tests.e2e_app.add [rate_limit=1/m]" in flower.worker(name)["registered"]
+    # Flower answers from its last inspect, which a loaded machine may have cut short: wait for a fresh one.
+    wait_for(lambda: "tests.e2e_app.add [rate_limit=1/m]" in flower.worker(name)["registered"],
+             message="the worker's registry shows the rate limit")  # fmt: skip
     pair = [send(app, "add", 1, 1), send(app, "add", 2, 2)]
     ran = wait_for(lambda: db.jobs.find_one({"taskId": {"$in": pair}, "status": "succeeded"}), message="one add ran")
     other = next(task_id for task_id in pair if task_id != ran["taskId"])  # sent together: either may go first
