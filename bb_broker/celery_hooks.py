@@ -285,6 +285,11 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
             handler.addFilter(_ScrubSecrets(secrets))
 
 
+@signals.worker_shutting_down.connect
+def _stopping(**_: Any) -> None:
+    connection.begin_shutdown()
+
+
 @signals.worker_init.connect
 def _guard_prefork_pool(sender: Any = None, **_: Any) -> None:
     # Before the pool forks: `pool_shrink` must not wedge a worker (see prefork.py).

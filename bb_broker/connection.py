@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
+import pymongo
 from pymongo import MongoClient
 from pymongo.database import Database
 from pymongo.errors import ConfigurationError, InvalidURI, OperationFailure, PyMongoError
@@ -224,6 +225,31 @@ def _auth_identity(url: str) -> tuple[str | None, str]:
 #: Seconds the cleanup a stopping process does (release its jobs, give back a batch, drop its reply queues) may
 #: wait for the server: what it cannot do in that time, the stale sweep and the TTL indexes finish.
 SHUTDOWN_PATIENCE = 5.0
+
+_stopping = threading.Event()
+_gone_at_shutdown = threading.Event()
+
+
+def begin_shutdown() -> None:
+    """The worker was told to stop: from now on a server that stops answering is not waited for again."""
+    _stopping.set()
+
+
+def server_gone_at_shutdown() -> bool:
+    """True once a call of a stopping process ran out of patience: the server is gone, later calls need not try."""
+    return _gone_at_shutdown.is_set()
+
+
+@contextmanager
+def shutdown_patience() -> Iterator[None]:
+    """Bound the server calls inside to SHUTDOWN_PATIENCE (nothing, once the server was found gone at shutdown)."""
+    try:
+        with pymongo.timeout(0.001 if server_gone_at_shutdown() else SHUTDOWN_PATIENCE):
+            yield
+    except PyMongoError as exc:
+        if exc.timeout and _stopping.is_set():
+            _gone_at_shutdown.set()
+        raise
 
 
 _clients: dict[tuple[int, str, tuple[tuple[str, Any], ...]], MongoClient] = {}

@@ -8,10 +8,9 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 
-import pymongo
 from pymongo.errors import PyMongoError
 
-from .connection import SHUTDOWN_PATIENCE
+from .connection import shutdown_patience
 from .store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ class LeaseKeeper:
         if os.getpid() != pid:
             return
         try:
-            with pymongo.timeout(SHUTDOWN_PATIENCE):  # a server that is gone must not hold the exit
+            with shutdown_patience():  # a server that is gone must not hold the exit
                 self.store.release_owner(self.owner, "the worker shut down while the task ran")
         except PyMongoError as exc:
             logger.warning(

@@ -265,6 +265,20 @@ class Channel(virtual.Channel):
 
     # --- publishing -------------------------------------------------------
 
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any) -> Any:
+        if is_task_message(message):
+            return super().basic_publish(message, exchange, routing_key, **kwargs)
+        # Events, replies and control messages are best-effort: each try waits for the server a bounded time (Kombu
+        # retries what it must), and a stopping worker whose server is gone drops them rather than wait again.
+        try:
+            with connection.shutdown_patience():
+                return super().basic_publish(message, exchange, routing_key, **kwargs)
+        except PyMongoError:
+            if not connection.server_gone_at_shutdown():
+                raise
+            _say_once("the worker is stopping and its server does not answer: its last events are not sent")
+            return None
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
@@ -409,8 +423,17 @@ class Channel(virtual.Channel):
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
-        with pymongo.timeout(connection.SHUTDOWN_PATIENCE):  # a server that is gone must not hold a worker's stop
+        with connection.shutdown_patience():  # a server that is gone must not hold a worker's stop
             super().close()
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning(message)
 
 
 def _every_server_refused(client: Any) -> bool:

@@ -71,3 +71,23 @@ def test_the_release_at_exit_gives_up_on_a_server_that_is_gone_within_seconds(tm
     assert not release.is_alive(), f"the release at exit still waits after {RELEASE_WITHOUT_SERVER_BOUND}s"
     # What it could not release is the stale sweep's, said once.
     assert caplog.text.count("could not release this worker's jobs at exit") == 1
+
+
+#: A whole idle worker with its server gone, asked to stop: it used to take ~180 s (every call at shutdown waited out
+#: 30 s of server selection). A correctness bound well below that, not a benchmark.
+STOP_WITHOUT_SERVER_BOUND = 30.0
+
+
+def test_an_idle_worker_whose_server_is_gone_stops_within_seconds(own_server: EmbeddedServer, tmp_path: Path):
+    url = own_server.url.replace("mongodb://", "bbmongo://") + "/gone"
+    worker = Worker(url, log_dir=tmp_path, name="orphan", extra_args=("-E",))
+    worker.start()
+    app = producer(url)
+    wait_for(lambda: app.control.inspect(timeout=1).ping(), message="the worker answers")
+    app.close()
+    own_server.stop()
+    code = stops_on_sigterm(worker, STOP_WITHOUT_SERVER_BOUND)
+    log = worker.log()
+    assert code == 0, log[-3000:]
+    # What it could not hand back is left to the stale sweep, said once.
+    assert log.count("could not release this worker's jobs at exit") == 1, log[-3000:]
