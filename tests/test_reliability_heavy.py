@@ -11,7 +11,7 @@ import pytest
 from pymongo import MongoClient
 
 from tests.servers import with_database
-from tests.test_faults import crash_repeatedly, own_server, start_worker  # noqa: F401 (own_server: a fixture)
+from tests.test_faults import crash_repeatedly, start_worker
 from tests.workers import producer, send, wait_for
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1800)]
