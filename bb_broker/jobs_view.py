@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html")
+OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html")
 FILTERS = ("status", "queue", "kind", "since", "until", "error")
 
 #: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
@@ -355,27 +355,22 @@ class JobApi(_ApiHandler):
         self.write(job_json(doc))
 
 
-class JobActionApi(_ApiHandler):
-    @tornado.web.authenticated
-    async def post(self, identifier: str, action: str) -> None:
-        self.write(await self.act_on(action, identifier))
+# The API's actions are the page's, under the API's authentication rules.
 
 
-class BulkApi(_ApiHandler):
+class JobActionApi(JobAction, _ApiHandler):
+    pass
+
+
+class BulkApi(JobsBulkAction, _ApiHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
         job_filter = self.job_filter()
         self.write({"action": action, "count": await self.count(job_filter, action)})
 
-    @tornado.web.authenticated
-    async def post(self, action: str) -> None:
-        self.write(await self.act_on_filter(action))
 
-
-class QueueActionApi(_ApiHandler):
-    @tornado.web.authenticated
-    async def post(self, queue: str, change: str) -> None:
-        self.write(await self.queue_control(queue, change))
+class QueueActionApi(QueueAction, _ApiHandler):
+    pass
 
 
 ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
