@@ -249,9 +249,6 @@ def _reserved_jobs() -> list[str]:
     return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
 
 
-add_process_source(_reserved_jobs)
-
-
 class _ScrubSecrets(logging.Filter):
     """Masks the broker's credentials in every record, tracebacks included, whoever wrote them."""
 
@@ -291,10 +288,13 @@ def _stopping(**_: Any) -> None:
 
 
 @signals.worker_init.connect
-def _guard_prefork_pool(sender: Any = None, **_: Any) -> None:
+def _become_worker(sender: Any = None, **_: Any) -> None:
+    if broker_url(sender.app) is None:
+        return
     # Before the pool forks: `pool_shrink` must not wedge a worker (see prefork.py).
-    if broker_url(sender.app) is not None:
-        guard_pool_queue()
+    guard_pool_queue()
+    # The requests this worker holds keep their leases, and what it still holds at exit is released.
+    add_process_source(_reserved_jobs)
 
 
 @signals.worker_ready.connect

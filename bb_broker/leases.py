@@ -55,6 +55,8 @@ class LeaseKeeper:
         # Whatever this process still holds when it exits (a cold shutdown killed its pool, say) was cut short.
         if os.getpid() != pid:
             return
+        if self._done.is_set() and not _process_sources:
+            return  # every consumer closed and gave its jobs back, and no Celery worker ran here
         try:
             with shutdown_patience():  # a server that is gone must not hold the exit
                 self.store.release_owner(self.owner, "the worker shut down while the task ran")

@@ -12,6 +12,7 @@ from pathlib import Path
 from pymongo import MongoClient
 from pymongo.database import Database
 
+from bb_broker import leases
 from bb_broker.clock import ServerClock
 from bb_broker.leases import LeaseKeeper
 from bb_broker.store import JobStore
@@ -54,7 +55,10 @@ def test_pool_grow_then_shrink_leaves_a_worker_that_runs_every_task_and_stops(br
     assert stops_on_sigterm(worker) == 0
 
 
-def test_the_release_at_exit_gives_up_on_a_server_that_is_gone_within_seconds(tmp_path: Path, caplog) -> None:
+def test_the_release_at_exit_gives_up_on_a_server_that_is_gone_within_seconds(
+    tmp_path: Path, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(leases, "_process_sources", [lambda: []])  # a Celery worker's requests: it ran here
     server = EmbeddedServer(tmp_path / "data")
     server.start()
     db = MongoClient(server.url, tz_aware=True).gone
@@ -71,6 +75,20 @@ def test_the_release_at_exit_gives_up_on_a_server_that_is_gone_within_seconds(tm
     assert not release.is_alive(), f"the release at exit still waits after {RELEASE_WITHOUT_SERVER_BOUND}s"
     # What it could not release is the stale sweep's, said once.
     assert caplog.text.count("could not release this worker's jobs at exit") == 1
+
+
+def test_a_process_whose_consumers_all_closed_has_nothing_to_release_at_exit(tmp_path: Path, caplog) -> None:
+    # A plain Kombu consumer (or a test process) closed its channels, which gave their jobs back: its exit must not
+    # wait on, or warn about, a server that has gone since.
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    db = MongoClient(server.url, tz_aware=True).closed
+    keeper = LeaseKeeper(JobStore(db, clock=ServerClock(db)), owner="w0")
+    atexit.unregister(keeper._release_at_exit)
+    keeper.remove_source(lambda: [])
+    server.stop()
+    keeper._release_at_exit(os.getpid())
+    assert "could not release" not in caplog.text
 
 
 #: A whole idle worker with its server gone, asked to stop: it used to take ~180 s (every call at shutdown waited out
