@@ -76,8 +76,9 @@ def main() -> int:
     servers = {b.name: b.server for b in brokers}
     med = {name: report.medians(rs) for name, rs in rounds.items()}
     rat = report.ratios(rounds)
+    spread = report.round_ratios(rounds)
     tgt = report.targets(med, rat)
-    print(report.table(med, servers, rat, tgt))
+    print(report.table(med, servers, rat, tgt, spread))
     print(startup.table(cli_startup, startup_repeat))
     print(f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s; logs in {workdir}")
     line = {
@@ -88,6 +89,7 @@ def main() -> int:
         "ops_counted": HOW_OPS_ARE_COUNTED,
         "median": med,
         "ratios": rat,
+        "round_ratios": spread,
         "targets": tgt,
         "cli_startup": cli_startup,
         "rounds": rounds,

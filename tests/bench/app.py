@@ -15,6 +15,8 @@ import bb_broker  # noqa: F401 (registers bbmongo://)
 QUEUE = "bench"
 PROBE_QUEUE = "probe"
 TASK = "bench.stamp"
+#: A task that keeps its pool process busy while a flag file exists (the saturated worker's ping figure).
+HOLD_TASK = "bench.hold"
 
 app = Celery("bench")
 app.conf.update(
@@ -78,3 +80,12 @@ def _finished(task_id: str | None = None, **_: Any) -> None:
     if stamped is not None:
         tag, sent_at, started = stamped
         os.write(_stamps(), f"{tag} {sent_at:.6f} {started:.6f} {time.time():.6f}\n".encode())
+
+
+@app.task(name=HOLD_TASK)
+def hold(flag: str) -> None:
+    """Busy until `flag` is removed; stamped `h` when it starts, so the bench knows when every process is taken."""
+    started = time.time()
+    os.write(_stamps(), f"h {started:.6f} {started:.6f} {started:.6f}\n".encode())
+    while os.path.exists(flag):
+        time.sleep(0.02)

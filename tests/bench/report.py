@@ -14,6 +14,9 @@ METRICS: list[tuple[str, str, str]] = [
     ("idle_latency_p95_ms", "enqueue→start idle p95", "ms"),
     ("load_latency_p50_ms", "enqueue→start under load p50", "ms"),
     ("load_latency_p95_ms", "enqueue→start under load p95", "ms"),
+    ("ping_saturated_p50_ms", "ping a saturated worker p50", "ms"),
+    ("ping_saturated_p95_ms", "ping a saturated worker p95", "ms"),
+    ("ping_saturated_unanswered", "  pings unanswered in the timeout", "probes"),
     ("ops_per_task", "server ops per task, under load", "ops"),
     ("publish_ops_per_task", "  of which publishing", "ops"),
     ("ops_per_task_celery_prefetch", "  with Celery's prefetch (4)", "ops"),
@@ -31,10 +34,12 @@ RATIOS = [
     ("bbmongo", "mongodb", "ops_per_task"),
     ("bbmongo", "mongodb", "ops_per_task_celery_prefetch"),
     ("bbmongo", "mongodb", "idle_ops_per_s"),
+    ("bbmongo", "mongodb", "ping_saturated_p50_ms"),
     ("bbmongo", "redis", "drain_tps"),
     ("bbmongo", "redis", "drain_tps_celery_prefetch"),
     ("bbmongo", "redis", "publish_tps"),
     ("bbmongo", "redis", "idle_latency_p50_ms"),
+    ("bbmongo", "redis", "ping_saturated_p50_ms"),
     ("bbmongo_results", "mongodb_results", "drain_tps"),
     ("bbmongo_results", "mongodb_results", "ops_per_task"),
     ("bbmongo_results", "mongodb_results", "ops_per_task_celery_prefetch"),
@@ -59,15 +64,20 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def ratios(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
-    """The median over rounds of each round's own ratio: both figures measured minutes apart, not runs apart."""
-    out: dict[str, float] = {}
+def round_ratios(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Each round's own ratio: both figures measured minutes apart, not runs apart."""
+    out: dict[str, list[float]] = {}
     for top, bottom, metric in RATIOS:
         pairs = zip(rounds.get(top, []), rounds.get(bottom, []), strict=False)
         values = [a / b for a, b in ((_value(x, metric), _value(y, metric)) for x, y in pairs) if a and b]
         if values:
-            out[f"{top}/{bottom} {metric}"] = statistics.median(values)
+            out[f"{top}/{bottom} {metric}"] = values
     return out
+
+
+def ratios(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """The median over rounds of each round's own ratio."""
+    return {key: statistics.median(values) for key, values in round_ratios(rounds).items()}
 
 
 def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str, dict[str, Any]]:
@@ -85,6 +95,8 @@ def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str
         "server ops per task <= 3 (prefetch 1)": (bb.get("ops_per_task"), lambda v: v <= 3),
         "server ops per task <= 3 (prefetch 4)": (bb.get("ops_per_task_celery_prefetch"), lambda v: v <= 3),
         "idle worker <= 2 ops/s": (bb.get("idle_ops_per_s"), lambda v: v <= 2),
+        "publish >= 1.0x mongodb://": (rat.get("bbmongo/mongodb publish_tps"), lambda v: v >= 1.0),
+        "saturated worker answers ping, p95 < 1000 ms": (bb.get("ping_saturated_p95_ms"), lambda v: v < 1000),
         "server ops per task, results on, <= 3 (prefetch 1)": (bb_results.get("ops_per_task"), lambda v: v <= 3),
     }
     return {
@@ -99,7 +111,13 @@ def _fmt(value: float | None) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
 
 
-def table(med: dict[str, dict[str, float]], servers: dict[str, str], rat: dict[str, float], tgt: dict) -> str:
+def table(
+    med: dict[str, dict[str, float]],
+    servers: dict[str, str],
+    rat: dict[str, float],
+    tgt: dict,
+    spread: dict[str, list[float]] | None = None,
+) -> str:
     names = list(med)
     width = max(len(label) for _, label, _ in METRICS) + 8
     lines = ["", f"{'median of rounds':<{width}}" + "".join(f"{n + ':// ':>20}" for n in names)]
@@ -111,9 +129,11 @@ def table(med: dict[str, dict[str, float]], servers: dict[str, str], rat: dict[s
     for name in names:
         lines.append(f"  {name}:// ran on {servers[name]}")
     lines.append("")
-    lines.append("same-round ratios (median over rounds)")
+    lines.append("same-round ratios (median over rounds, and the lowest and highest round)")
     for key, value in rat.items():
-        lines.append(f"  {key:<52}{value:>8.2f}x")
+        values = (spread or {}).get(key, [])
+        span = f"  ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
+        lines.append(f"  {key:<52}{value:>8.2f}x{span}")
     lines.append("")
     lines.append("targets (bbmongo://)")
     for name, result in tgt.items():

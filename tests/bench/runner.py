@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from celery.utils.nodenames import host_format
 from pymongo import MongoClient
 
-from tests.bench.app import PROBE_QUEUE, QUEUE, TASK
+from tests.bench.app import HOLD_TASK, PROBE_QUEUE, QUEUE, TASK
 from tests.bench.servers import Server
 from tests.servers import with_database
 from tests.workers import Worker
@@ -27,6 +28,8 @@ from tests.workers import Worker
 QUIET_CLIENT = {"serverMonitoringMode": "poll", "heartbeatFrequencyMS": 3_600_000}
 #: Celery's own worker_prefetch_multiplier, for a second drain figure.
 DEFAULT_PREFETCH = 4
+#: Held tasks queued behind the ones that take every pool process, while the saturated worker is pinged.
+QUEUED_BEHIND = 4
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class Settings:
     prefetch: int = 1
     #: Log every command the workers send and break the loaded window's down per task (BENCH_DIAGNOSE=1).
     diagnose: bool = False
+    #: `ping` round trips to a worker whose every pool process is busy (0: not measured), each waiting this long.
+    ping_probes: int = 10
+    ping_timeout: float = 5.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -49,6 +55,8 @@ class Settings:
             probes=int(os.environ.get("BENCH_PROBES", "20")),
             prefetch=int(os.environ.get("BENCH_PREFETCH", "1")),
             diagnose=os.environ.get("BENCH_DIAGNOSE", "") not in ("", "0"),
+            ping_probes=int(os.environ.get("BENCH_PING_PROBES", "10")),
+            ping_timeout=float(os.environ.get("BENCH_PING_TIMEOUT", "5")),
         )
 
 
@@ -110,6 +118,8 @@ class Broker:
     check: Callable[[int, int], dict[str, Any]] = field(default=lambda rep, expected: {})
     #: The workers' result_backend for a round, or None: results ignored (the bench app's default).
     result_backend: Callable[[int], str] | None = None
+    #: Whether the round pings a saturated worker (the rounds with results on skip it: nothing there differs).
+    ping: bool = True
 
 
 def mongo_broker(
@@ -156,6 +166,7 @@ def mongo_broker(
         reset=reset,
         check=check,
         result_backend=(lambda rep: with_database(url, database(rep), scheme)) if results else None,
+        ping=not results,
     )
 
 
@@ -260,6 +271,45 @@ def send(app: Celery, tag: str, queue: str = QUEUE) -> None:
     app.send_task(TASK, args=[time.time(), tag], queue=queue)
 
 
+def saturated_ping(app: Celery, worker: Worker, stamps: Stamps, settings: Settings, flag: Path) -> dict[str, Any]:
+    """`ping` round trips to a worker whose every pool process runs a held task, with more queued behind them.
+
+    Only Celery's API is used (`app.control.ping` to that one worker, which returns at its reply): the figure means
+    the same whichever loop the worker runs. A probe unanswered within the timeout counts as the timeout.
+    """
+    destination = [host_format(f"{worker.name}@%h")]
+    deadline = time.monotonic() + 60
+    while not app.control.ping(destination=destination, timeout=settings.ping_timeout):  # the reply queue set up
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{destination[0]} does not answer ping even when idle")
+    held = settings.concurrency + QUEUED_BEHIND
+    flag.touch()
+    try:
+        for _ in range(held):
+            app.send_task(HOLD_TASK, args=[str(flag)], queue=QUEUE)
+        stamps.wait("h", settings.concurrency, timeout=60)
+        rounds: list[float] = []
+        unanswered = 0
+        for _ in range(settings.ping_probes):
+            time.sleep(random.uniform(0.05, 0.2))
+            started = time.perf_counter()
+            answered = app.control.ping(destination=destination, timeout=settings.ping_timeout)
+            rounds.append(time.perf_counter() - started if answered else settings.ping_timeout)
+            unanswered += not answered
+        busy = len(stamps.of("h"))
+    finally:
+        flag.unlink()
+    if busy != settings.concurrency:
+        raise AssertionError(f"{busy} held tasks had started while pinging: the pool was not saturated throughout")
+    stamps.wait("h", held, timeout=60)  # the queued ones start and end at once now
+    return {
+        "ping_saturated_p50_ms": percentile(rounds, 50) * 1000,
+        "ping_saturated_p95_ms": percentile(rounds, 95) * 1000,
+        "ping_saturated_unanswered": unanswered,
+        "held_tasks": held,
+    }
+
+
 def stop_worker(worker: Worker) -> None:
     """A warm shutdown, then SIGKILL to the whole group if it lingers."""
     process = worker.process
@@ -330,6 +380,9 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         result["idle_latency_p50_ms"] = percentile(idle, 50) * 1000
         result["idle_latency_p95_ms"] = percentile(idle, 95) * 1000
 
+        if broker.ping and settings.ping_probes:
+            result |= saturated_ping(app, worker, stamps, settings, workdir / f"{broker.name}-{rep}.hold")
+
         # Under load: a backlog of n in the task queue, probes on the probe queue while it drains.
         before, window_start = counter.total(), time.time()
         server_cpu = cpu_seconds(broker.server_pid())
@@ -368,7 +421,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
             send(app, "y")
         stamps.wait("y", n, timeout=120 + n / 2)
         result["ops_per_task_celery_prefetch"] = counter.delta(before, counter.total()) / n
-        result.update(broker.check(rep, 4 * n + settings.probes + probes))
+        result.update(broker.check(rep, 4 * n + settings.probes + probes + result.get("held_tasks", 0)))
     finally:
         stop_worker(worker)
         app.close()
