@@ -14,6 +14,8 @@ ATTEMPTS_HEADER = "bb_attempts"
 DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER)
 
 _INT64 = (-(2**63), 2**63 - 1)
+#: Values BSON stores and JSON gives back as they are (int is not here: it must fit in 64 bits).
+_PLAIN_SCALARS = frozenset({str, float, bool, type(None)})
 
 
 class PayloadError(ValueError):
@@ -74,19 +76,32 @@ def _readable_body(message: dict[str, Any], body: bytes) -> dict[str, Any] | Non
 
 
 def _bson_safe(value: Any) -> bool:
-    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints."""
-    if isinstance(value, dict):
-        return all(
-            isinstance(k, str) and k and not k.startswith("$") and "." not in k and "\x00" not in k and _bson_safe(v)
-            for k, v in value.items()
-        )
-    if isinstance(value, list):
-        return all(_bson_safe(v) for v in value)
-    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
-        return True
-    if isinstance(value, int):
-        return _INT64[0] <= value <= _INT64[1]
-    return False
+    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints.
+
+    Runs on every publish, so it walks the value with a stack and tests the exact built-in types first (a message is
+    made of them); subclasses take the isinstance tests after.
+    """
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if kind is dict or (kind is not list and isinstance(item, dict)):
+            for key in item:
+                if not isinstance(key, str) or not key or key[0] == "$" or "." in key or "\x00" in key:
+                    return False
+            pending.extend(item.values())
+        elif kind is list or isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, (str, float, bool)):
+            continue
+        elif isinstance(item, int):
+            if not _INT64[0] <= item <= _INT64[1]:
+                return False
+        else:
+            return False
+    return True
 
 
 def to_message(payload: Any) -> dict[str, Any]:

@@ -1,0 +1,288 @@
+"""`python -m tests.bench.publish`: what one publish costs, part by part, on `bbmongo://` and on Kombu's `mongodb://`.
+
+Three measurements, each repeated in rounds that alternate the variants so that drift on a shared machine hits
+each alike (medians, with every round's figure kept):
+
+- `send_task` end to end, as `make bench`'s publish figure, with the commands each publish sent (by name and
+  collection, from a pymongo command listener in this process);
+- the client-side parts, in µs per call: Celery and Kombu alone (`send_task` on `memory://`), then each step of
+  our `Channel._put` (payload conversion, job id, clock, metrics) against the built-in's own (`dumps` of the
+  message);
+- the server's part: `JobStore.publish` (our insert, round trip included) into a collection with the indexes as
+  shipped, with only `_id`, and with each secondary index left out in turn, against the built-in's insert into a
+  collection with its own index.
+
+BENCH_N (inserts per variant per round, 300), BENCH_REPEAT (rounds, 3) and BENCH_SERVER (python forces the Python
+stand-in) as in `make bench`; BENCH_PROFILE=1 adds a cProfile of the `bbmongo://` publish loop, by own time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bson import encode
+from celery import Celery
+from kombu.utils.json import dumps
+from pymongo import ASCENDING, MongoClient, monitoring
+from pymongo.collection import Collection
+from ulid import ULID
+
+import bb_broker  # noqa: F401 (registers bbmongo://)
+from bb_broker import metrics, payloads
+from bb_broker.clock import ServerClock
+from bb_broker.store import INDEXES, JobStore
+from tests.bench.app import QUEUE, TASK
+from tests.bench.runner import QUIET_CLIENT
+from tests.bench.servers import mongo_server
+from tests.servers import with_database
+
+SCHEMES = ("bbmongo", "mongodb")
+
+
+class Commands(monitoring.CommandListener):
+    """The commands this process sends while `on`, by name and collection."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.counts: Counter[str] = Counter()
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if self.on:
+            target = event.command.get(event.command_name)
+            self.counts[f"{event.command_name} {target if isinstance(target, str) else '-'}"] += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _producer(url: str) -> Celery:
+    app = Celery("bench-publish", broker=url, set_as_current=False)
+    app.conf.update(task_ignore_result=True, broker_connection_retry_on_startup=True)
+    return app
+
+
+def _send(app: Celery) -> None:
+    app.send_task(TASK, args=[time.time(), "d"], queue=QUEUE)
+
+
+def send_task_rounds(mongo_url: str, n: int, repeat: int, commands: Commands, profile: bool) -> dict[str, Any]:
+    """`send_task` n times per scheme per round, as `make bench` publishes; the commands each publish sent."""
+    rounds: dict[str, list[float]] = {scheme: [] for scheme in SCHEMES}
+    sent: dict[str, dict[str, float]] = {}
+    quiet = "&".join(f"{k}={v}" for k, v in QUIET_CLIENT.items())
+    for rep in range(repeat):
+        for scheme in SCHEMES[rep % 2 :] + SCHEMES[: rep % 2]:
+            app = _producer(with_database(mongo_url, f"publish_{scheme}_{rep}", scheme) + f"?{quiet}")
+            try:
+                _send(app)  # connect, declare and index outside the timed loop
+                commands.counts.clear()
+                commands.on = True
+                started = time.perf_counter()
+                for _ in range(n):
+                    _send(app)
+                elapsed = time.perf_counter() - started
+                commands.on = False
+                rounds[scheme].append(elapsed / n * 1e6)
+                sent[scheme] = {name: count / n for name, count in commands.counts.items()}
+            finally:
+                app.close()
+    figures: dict[str, Any] = {
+        "send_task_us": {scheme: statistics.median(values) for scheme, values in rounds.items()},
+        "send_task_us_rounds": rounds,
+        "ratio_rounds": [m / b for b, m in zip(rounds["bbmongo"], rounds["mongodb"], strict=True)],
+        "commands_per_publish": sent,
+    }
+    figures["ratio"] = statistics.median(figures["ratio_rounds"])  # bbmongo's publish rate over the built-in's
+    if profile:
+        app = _producer(with_database(mongo_url, "publish_profile", "bbmongo") + f"?{quiet}")
+        try:
+            _send(app)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(n):
+                _send(app)
+            profiler.disable()
+        finally:
+            app.close()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+        figures["profile"] = out.getvalue()
+    return figures
+
+
+def _micros(call: Callable[[], Any], number: int = 2000) -> float:
+    """The best of five runs, in µs per call: the call's own cost, with the least of the machine's noise."""
+    return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
+
+
+def client_parts(mongo_url: str) -> dict[str, float]:
+    """Each client-side step of a publish, in µs per call."""
+    app = Celery("bench-parts", broker="memory://", set_as_current=False)
+    app.conf.update(task_ignore_result=True)
+    parts = {"send_task on memory:// (Celery and Kombu alone)": _micros(lambda: _send(app), 500)}
+    channel = app.connection().default_channel
+    message = channel._get(QUEUE)
+    body = channel.decode_body(message["body"], message["properties"].get("body_encoding"))
+    body = body.encode() if isinstance(body, str) else body
+    document = payloads.to_document(message, body)
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True)
+    try:
+        clock = ServerClock(client.get_database("publish_parts"))
+        clock()
+        now = datetime.now(UTC)
+        job = {
+            "_id": str(ULID()), "kind": TASK, "taskId": message["headers"]["id"], "queue": QUEUE, "priority": 0,
+            "payload": document, "status": "queued", "attempts": 0, "runAfter": now, "createdAt": now, "updatedAt": now,
+        }  # fmt: skip
+        builtin = {"payload": dumps(message), "queue": QUEUE, "priority": 9}
+        parts |= {
+            "bbmongo: payloads.to_document": _micros(lambda: payloads.to_document(message, body)),
+            "bbmongo: job id (ULID)": _micros(lambda: str(ULID())),
+            "bbmongo: server clock": _micros(clock),
+            "bbmongo: metrics.record": _micros(lambda: metrics.record("enqueued")),
+            "bbmongo: BSON of the job document": _micros(lambda: encode(job)),
+            "mongodb: kombu dumps(message)": _micros(lambda: dumps(message)),
+            "mongodb: BSON of the message document": _micros(lambda: encode(builtin)),
+        }
+        parts["bytes: job document"] = len(encode(job))
+        parts["bytes: built-in message document"] = len(encode(builtin))
+    finally:
+        client.close()
+        app.close()
+    return parts
+
+
+def _variants(message: dict[str, Any], document: dict[str, Any]) -> dict[str, Callable[[Collection], Callable]]:
+    """Each collection shape: how to set it up, returning the insert it measures."""
+
+    def ours(drop: str | None = None, plain: bool = False) -> Callable[[Collection], Callable]:
+        def setup(coll: Collection) -> Callable:
+            store = JobStore(coll.database, collection=coll.name)
+            if not plain:
+                store.ensure_indexes()
+                if drop:
+                    coll.drop_index(drop)
+            else:
+                coll.database.create_collection(coll.name)
+            task = message["headers"]["id"]
+            return lambda: store.publish(
+                queue=QUEUE, kind=TASK, task_id=task, payload=document, priority=0, run_after=None, is_retry=False
+            )
+
+        return setup
+
+    def builtin(coll: Collection) -> Callable:
+        # What kombu.transport.mongodb does per publish (its message index; the TTL one only when ttl is set).
+        coll.create_index([("queue", ASCENDING), ("priority", ASCENDING), ("_id", ASCENDING)])
+        return lambda: coll.insert_one({"payload": dumps(message), "queue": QUEUE, "priority": 9})
+
+    variants = {"bbmongo: indexes as shipped": ours(), "bbmongo: _id only": ours(plain=True)}
+    variants |= {f"bbmongo: without {ix.document['name']}": ours(drop=ix.document["name"]) for ix in INDEXES}
+    variants["mongodb: its insert and index"] = builtin
+    return variants
+
+
+def server_parts(mongo_url: str, n: int, repeat: int) -> dict[str, Any]:
+    """µs per insert, round trip included, for each collection shape; rounds rotate the order."""
+    app = Celery("bench-parts", broker="memory://", set_as_current=False)
+    app.conf.update(task_ignore_result=True)
+    _send(app)
+    channel = app.connection().default_channel
+    message = channel._get(QUEUE)
+    body = channel.decode_body(message["body"], message["properties"].get("body_encoding"))
+    document = payloads.to_document(message, body.encode() if isinstance(body, str) else body)
+    app.close()
+    variants = _variants(message, document)
+    names = list(variants)
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True, **QUIET_CLIENT)
+    try:
+        for rep in range(repeat):
+            db = client.get_database(f"publish_server_{rep}")
+            for k, name in enumerate(names[rep % len(names) :] + names[: rep % len(names)]):
+                coll = db[f"c{k}"]
+                insert = variants[name](coll)
+                for _ in range(20):  # warm: the collection and its indexes exist, the connection is checked out once
+                    insert()
+                started = time.perf_counter()
+                for _ in range(n):
+                    insert()
+                rounds[name].append((time.perf_counter() - started) / n * 1e6)
+            client.drop_database(db.name)
+    finally:
+        client.close()
+    median = {name: statistics.median(values) for name, values in rounds.items()}
+    shipped = median["bbmongo: indexes as shipped"]
+    marginal = {ix.document["name"]: shipped - median[f"bbmongo: without {ix.document['name']}"] for ix in INDEXES}
+    return {"insert_us": median, "insert_us_rounds": rounds, "index_marginal_us": marginal}
+
+
+def table(server: str, send: dict[str, Any], client: dict[str, float], inserts: dict[str, Any]) -> str:
+    lines = [f"\npublish, part by part, on {server}"]
+    lines.append("send_task, end to end (µs per publish, median of rounds; each round's figures)")
+    for scheme in SCHEMES:
+        rounds = ", ".join(f"{v:.0f}" for v in send["send_task_us_rounds"][scheme])
+        lines.append(f"  {scheme + '://':<12}{send['send_task_us'][scheme]:>8.0f}   ({rounds})")
+        lines.append(f"  {'':<12}commands per publish: {send['commands_per_publish'].get(scheme)}")
+    spread = ", ".join(f"{r:.2f}" for r in send["ratio_rounds"])
+    lines.append(f"  bbmongo/mongodb publish rate: {send['ratio']:.2f}x  (rounds: {spread})")
+    lines.append("client side (µs per call, best of 5)")
+    for name, value in client.items():
+        lines.append(f"  {name:<52}{value:>8.1f}")
+    lines.append("one insert, round trip included (µs, median of rounds; each round's figures)")
+    for name, value in inserts["insert_us"].items():
+        rounds = ", ".join(f"{v:.0f}" for v in inserts["insert_us_rounds"][name])
+        lines.append(f"  {name:<52}{value:>8.0f}   ({rounds})")
+    lines.append("each secondary index's share of an insert (as shipped − without it, µs)")
+    for name, value in inserts["index_marginal_us"].items():
+        lines.append(f"  {name:<52}{value:>8.0f}")
+    if "profile" in send:
+        lines.append(send["profile"])
+    return "\n".join(lines)
+
+
+def main() -> int:
+    n = int(os.environ.get("BENCH_N", "300"))
+    repeat = int(os.environ.get("BENCH_REPEAT", "3"))
+    commands = Commands()
+    monitoring.register(commands)  # before any client exists: the producers' clients report too
+    workdir = Path(tempfile.mkdtemp(prefix="bb-bench-publish-"))
+    server = mongo_server(workdir)
+    server.start()
+    try:
+        _log(f"publish bench: N={n}, {repeat} rounds, on {server.label}")
+        send = send_task_rounds(server.url, n, repeat, commands, os.environ.get("BENCH_PROFILE", "") not in ("", "0"))
+        client = client_parts(server.url)
+        inserts = server_parts(server.url, n, repeat)
+    finally:
+        server.stop()
+    print(table(server.label, send, client, inserts))
+    line = {"bench": "bb_broker publish", "server": server.label, "n": n, "repeat": repeat}
+    line |= {"send_task": {k: v for k, v in send.items() if k != "profile"}, "client_us": client, "server": inserts}
+    print(json.dumps(line, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
