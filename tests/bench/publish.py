@@ -4,7 +4,8 @@ Three measurements, each repeated in rounds that alternate the variants so that 
 each alike (medians, with every round's figure kept):
 
 - `send_task` end to end, as `make bench`'s publish figure, with the commands each publish sent (by name and
-  collection, from a pymongo command listener in this process);
+  collection, from a pymongo command listener in this process); a third producer publishes with `bbmongo://` into
+  a jobs collection whose secondary indexes it dropped after the warm-up, to show what their upkeep costs;
 - the client-side parts, in µs per call: Celery and Kombu alone (`send_task` on `memory://`), then each step of
   our `Channel._put` (payload conversion, job id, clock, metrics) against the built-in's own (`dumps` of the
   message);
@@ -44,13 +45,19 @@ from ulid import ULID
 import bb_broker  # noqa: F401 (registers bbmongo://)
 from bb_broker import metrics, payloads
 from bb_broker.clock import ServerClock
-from bb_broker.store import INDEXES, JobStore
+from bb_broker.store import INDEXES, RETENTION_INDEX, JobStore
 from tests.bench.app import QUEUE, TASK
 from tests.bench.runner import QUIET_CLIENT
 from tests.bench.servers import mongo_server
 from tests.servers import with_database
 
 SCHEMES = ("bbmongo", "mongodb")
+#: A measuring device, not a configuration: `bbmongo://` publishing into a jobs collection whose secondary indexes
+#: were dropped after the warm-up, to show what index maintenance costs a publish end to end.
+UNINDEXED = "bbmongo_unindexed"
+INDEX_NAMES = [ix.document["name"] for ix in INDEXES]
+#: Publishes in one turn of one producer (send_task_rounds).
+BLOCK = 25
 
 
 class Commands(monitoring.CommandListener):
@@ -87,33 +94,58 @@ def _send(app: Celery) -> None:
 
 
 def send_task_rounds(mongo_url: str, n: int, repeat: int, commands: Commands, profile: bool) -> dict[str, Any]:
-    """`send_task` n times per scheme per round, as `make bench` publishes; the commands each publish sent."""
-    rounds: dict[str, list[float]] = {scheme: [] for scheme in SCHEMES}
-    sent: dict[str, dict[str, float]] = {}
+    """`send_task` n times per scheme per round, as `make bench` publishes; the commands each publish sent.
+
+    The producers stay open and take turns in blocks of BLOCK publishes, in a rotating order, so that a busy
+    moment on the shared machine lands on each alike; a round's ratio is of its summed times.
+    """
+    schemes = (*SCHEMES, UNINDEXED)
+    rounds: dict[str, list[float]] = {scheme: [] for scheme in schemes}
+    sent: dict[str, Counter[str]] = {scheme: Counter() for scheme in schemes}
     quiet = "&".join(f"{k}={v}" for k, v in QUIET_CLIENT.items())
+    blocks = max(n // BLOCK, 1)
+    admin: MongoClient = MongoClient(mongo_url, **QUIET_CLIENT)
     for rep in range(repeat):
-        for scheme in SCHEMES[rep % 2 :] + SCHEMES[: rep % 2]:
-            app = _producer(with_database(mongo_url, f"publish_{scheme}_{rep}", scheme) + f"?{quiet}")
-            try:
+        apps = {
+            s: _producer(with_database(mongo_url, f"publish_{s}_{rep}", s.partition("_")[0]) + f"?{quiet}")
+            for s in schemes
+        }
+        try:
+            for app in apps.values():
                 _send(app)  # connect, declare and index outside the timed loop
-                commands.counts.clear()
-                commands.on = True
-                started = time.perf_counter()
-                for _ in range(n):
-                    _send(app)
-                elapsed = time.perf_counter() - started
-                commands.on = False
-                rounds[scheme].append(elapsed / n * 1e6)
-                sent[scheme] = {name: count / n for name, count in commands.counts.items()}
-            finally:
+            unindexed = admin[f"publish_{UNINDEXED}_{rep}"]["jobs"]
+            unindexed.drop_indexes()  # a producer never makes them again (a worker's claim would)
+            spent = dict.fromkeys(schemes, 0.0)
+            for block in range(blocks):
+                for scheme in schemes[block % 3 :] + schemes[: block % 3]:
+                    app = apps[scheme]
+                    commands.counts.clear()
+                    commands.on = True
+                    started = time.perf_counter()
+                    for _ in range(BLOCK):
+                        _send(app)
+                    spent[scheme] += time.perf_counter() - started
+                    commands.on = False
+                    sent[scheme] += commands.counts
+            if [ix["name"] for ix in unindexed.list_indexes()] != ["_id_"]:
+                raise AssertionError("the unindexed jobs collection got its indexes back during the round")
+            for scheme in schemes:
+                rounds[scheme].append(spent[scheme] / (blocks * BLOCK) * 1e6)
+        finally:
+            for app in apps.values():
                 app.close()
+    admin.close()
+    total = repeat * blocks * BLOCK
     figures: dict[str, Any] = {
         "send_task_us": {scheme: statistics.median(values) for scheme, values in rounds.items()},
         "send_task_us_rounds": rounds,
+        # each one's publish rate over the built-in's, round by round
         "ratio_rounds": [m / b for b, m in zip(rounds["bbmongo"], rounds["mongodb"], strict=True)],
-        "commands_per_publish": sent,
+        "unindexed_ratio_rounds": [m / b for b, m in zip(rounds[UNINDEXED], rounds["mongodb"], strict=True)],
+        "commands_per_publish": {s: {name: c / total for name, c in sent[s].items()} for s in schemes},
     }
-    figures["ratio"] = statistics.median(figures["ratio_rounds"])  # bbmongo's publish rate over the built-in's
+    figures["ratio"] = statistics.median(figures["ratio_rounds"])
+    figures["unindexed_ratio"] = statistics.median(figures["unindexed_ratio_rounds"])
     if profile:
         app = _producer(with_database(mongo_url, "publish_profile", "bbmongo") + f"?{quiet}")
         try:
@@ -176,7 +208,7 @@ def client_parts(mongo_url: str) -> dict[str, float]:
 def _variants(message: dict[str, Any], document: dict[str, Any]) -> dict[str, Callable[[Collection], Callable]]:
     """Each collection shape: how to set it up, returning the insert it measures."""
 
-    def ours(drop: str | None = None, plain: bool = False) -> Callable[[Collection], Callable]:
+    def ours(drop: str | None = None, plain: bool = False, stored: Any = document) -> Callable[[Collection], Callable]:
         def setup(coll: Collection) -> Callable:
             store = JobStore(coll.database, collection=coll.name)
             if not plain:
@@ -187,24 +219,32 @@ def _variants(message: dict[str, Any], document: dict[str, Any]) -> dict[str, Ca
                 coll.database.create_collection(coll.name)
             task = message["headers"]["id"]
             return lambda: store.publish(
-                queue=QUEUE, kind=TASK, task_id=task, payload=document, priority=0, run_after=None, is_retry=False
+                queue=QUEUE, kind=TASK, task_id=task, payload=stored, priority=0, run_after=None, is_retry=False
             )
 
         return setup
 
-    def builtin(coll: Collection) -> Callable:
-        # What kombu.transport.mongodb does per publish (its message index; the TTL one only when ttl is set).
-        coll.create_index([("queue", ASCENDING), ("priority", ASCENDING), ("_id", ASCENDING)])
-        return lambda: coll.insert_one({"payload": dumps(message), "queue": QUEUE, "priority": 9})
+    def builtin(indexed: bool) -> Callable[[Collection], Callable]:
+        def setup(coll: Collection) -> Callable:
+            # What kombu.transport.mongodb does per publish (its message index; the TTL one only when ttl is set).
+            if indexed:
+                coll.create_index([("queue", ASCENDING), ("priority", ASCENDING), ("_id", ASCENDING)])
+            else:
+                coll.database.create_collection(coll.name)
+            return lambda: coll.insert_one({"payload": dumps(message), "queue": QUEUE, "priority": 9})
+
+        return setup
 
     variants = {"bbmongo: indexes as shipped": ours(), "bbmongo: _id only": ours(plain=True)}
-    variants |= {f"bbmongo: without {ix.document['name']}": ours(drop=ix.document["name"]) for ix in INDEXES}
-    variants["mongodb: its insert and index"] = builtin
+    variants["bbmongo: _id only, payload as one JSON string"] = ours(plain=True, stored=dumps(message))
+    variants |= {f"bbmongo: without {name}": ours(drop=name) for name in (*INDEX_NAMES, RETENTION_INDEX)}
+    variants["mongodb: its insert and index"] = builtin(indexed=True)
+    variants["mongodb: its insert, _id only"] = builtin(indexed=False)
     return variants
 
 
 def server_parts(mongo_url: str, n: int, repeat: int) -> dict[str, Any]:
-    """µs per insert, round trip included, for each collection shape; rounds rotate the order."""
+    """µs per insert, round trip included, for each collection shape, the shapes taking turns in blocks."""
     app = Celery("bench-parts", broker="memory://", set_as_current=False)
     app.conf.update(task_ignore_result=True)
     _send(app)
@@ -217,36 +257,44 @@ def server_parts(mongo_url: str, n: int, repeat: int) -> dict[str, Any]:
     names = list(variants)
     rounds: dict[str, list[float]] = {name: [] for name in names}
     client: MongoClient = MongoClient(mongo_url, tz_aware=True, **QUIET_CLIENT)
+    blocks = max(n // BLOCK, 1)
     try:
         for rep in range(repeat):
             db = client.get_database(f"publish_server_{rep}")
-            for k, name in enumerate(names[rep % len(names) :] + names[: rep % len(names)]):
-                coll = db[f"c{k}"]
-                insert = variants[name](coll)
+            inserts = {name: variants[name](db[f"c{k}"]) for k, name in enumerate(names)}
+            for insert in inserts.values():
                 for _ in range(20):  # warm: the collection and its indexes exist, the connection is checked out once
                     insert()
-                started = time.perf_counter()
-                for _ in range(n):
-                    insert()
-                rounds[name].append((time.perf_counter() - started) / n * 1e6)
+            spent = dict.fromkeys(names, 0.0)
+            for block in range(blocks):  # variants take turns, in a rotating order, BLOCK inserts each
+                for name in names[block % len(names) :] + names[: block % len(names)]:
+                    insert = inserts[name]
+                    started = time.perf_counter()
+                    for _ in range(BLOCK):
+                        insert()
+                    spent[name] += time.perf_counter() - started
+            for name in names:
+                rounds[name].append(spent[name] / (blocks * BLOCK) * 1e6)
             client.drop_database(db.name)
     finally:
         client.close()
     median = {name: statistics.median(values) for name, values in rounds.items()}
     shipped = median["bbmongo: indexes as shipped"]
-    marginal = {ix.document["name"]: shipped - median[f"bbmongo: without {ix.document['name']}"] for ix in INDEXES}
+    marginal = {name: shipped - median[f"bbmongo: without {name}"] for name in (*INDEX_NAMES, RETENTION_INDEX)}
     return {"insert_us": median, "insert_us_rounds": rounds, "index_marginal_us": marginal}
 
 
 def table(server: str, send: dict[str, Any], client: dict[str, float], inserts: dict[str, Any]) -> str:
     lines = [f"\npublish, part by part, on {server}"]
     lines.append("send_task, end to end (µs per publish, median of rounds; each round's figures)")
-    for scheme in SCHEMES:
+    for scheme in (*SCHEMES, UNINDEXED):
         rounds = ", ".join(f"{v:.0f}" for v in send["send_task_us_rounds"][scheme])
-        lines.append(f"  {scheme + '://':<12}{send['send_task_us'][scheme]:>8.0f}   ({rounds})")
-        lines.append(f"  {'':<12}commands per publish: {send['commands_per_publish'].get(scheme)}")
+        lines.append(f"  {scheme:<20}{send['send_task_us'][scheme]:>8.0f}   ({rounds})")
+        lines.append(f"  {'':<20}commands per publish: {send['commands_per_publish'].get(scheme)}")
     spread = ", ".join(f"{r:.2f}" for r in send["ratio_rounds"])
     lines.append(f"  bbmongo/mongodb publish rate: {send['ratio']:.2f}x  (rounds: {spread})")
+    spread = ", ".join(f"{r:.2f}" for r in send["unindexed_ratio_rounds"])
+    lines.append(f"  the same, jobs without secondary indexes: {send['unindexed_ratio']:.2f}x  (rounds: {spread})")
     lines.append("client side (µs per call, best of 5)")
     for name, value in client.items():
         lines.append(f"  {name:<52}{value:>8.1f}")

@@ -17,6 +17,7 @@ METRICS: list[tuple[str, str, str]] = [
     ("ping_saturated_p50_ms", "ping a saturated worker p50", "ms"),
     ("ping_saturated_p95_ms", "ping a saturated worker p95", "ms"),
     ("ping_saturated_unanswered", "  pings unanswered in the timeout", "probes"),
+    ("ping_idle_unanswered", "  idle worker never answered ping", "1 = so"),
     ("ops_per_task", "server ops per task, under load", "ops"),
     ("publish_ops_per_task", "  of which publishing", "ops"),
     ("ops_per_task_celery_prefetch", "  with Celery's prefetch (4)", "ops"),

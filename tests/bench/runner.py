@@ -28,6 +28,8 @@ from tests.workers import Worker
 QUIET_CLIENT = {"serverMonitoringMode": "poll", "heartbeatFrequencyMS": 3_600_000}
 #: Celery's own worker_prefetch_multiplier, for a second drain figure.
 DEFAULT_PREFETCH = 4
+#: Pings an idle worker gets to answer one before the saturated figure is given up for that round.
+IDLE_PINGS = 3
 #: Held tasks queued behind the ones that take every pool process, while the saturated worker is pinged.
 QUEUED_BEHIND = 4
 
@@ -278,10 +280,9 @@ def saturated_ping(app: Celery, worker: Worker, stamps: Stamps, settings: Settin
     the same whichever loop the worker runs. A probe unanswered within the timeout counts as the timeout.
     """
     destination = [host_format(f"{worker.name}@%h")]
-    deadline = time.monotonic() + 60
-    while not app.control.ping(destination=destination, timeout=settings.ping_timeout):  # the reply queue set up
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{destination[0]} does not answer ping even when idle")
+    # Idle first (this also sets up the reply queue): a worker that never answers is said so, not pinged busy.
+    if not any(app.control.ping(destination=destination, timeout=settings.ping_timeout) for _ in range(IDLE_PINGS)):
+        return {"ping_idle_unanswered": 1}
     held = settings.concurrency + QUEUED_BEHIND
     flag.touch()
     try:
@@ -306,6 +307,7 @@ def saturated_ping(app: Celery, worker: Worker, stamps: Stamps, settings: Settin
         "ping_saturated_p50_ms": percentile(rounds, 50) * 1000,
         "ping_saturated_p95_ms": percentile(rounds, 95) * 1000,
         "ping_saturated_unanswered": unanswered,
+        "ping_idle_unanswered": 0,
         "held_tasks": held,
     }
 
