@@ -65,6 +65,9 @@ def test_a_json_task_message_is_stored_readable_and_comes_back_equal() -> None:
         [[2**70], {}, {}],  # BSON has no integers that wide
         [[], {"$where": "sleep(1)"}, {}],  # an operator-shaped key must stay a value
         [[], {"a.b": 1}, {}],
+        [[-(2**63) - 1], {}, {}],
+        [[], {"": 1}, {}],
+        [[{"deep": [{"a\x00b": 1}]}], {}, {}],
     ],
 )
 def test_what_bson_cannot_hold_faithfully_is_kept_whole(body: object) -> None:
@@ -72,6 +75,29 @@ def test_what_bson_cannot_hold_faithfully_is_kept_whole(body: object) -> None:
     doc = to_document(message, message["body"].encode())
     assert "args" not in doc and ("raw" in doc or doc["bodyFormat"] == "base64")
     assert json.loads(to_message(doc)["body"]) == body
+
+
+def test_the_widest_64_bit_integers_and_every_json_scalar_stay_readable() -> None:
+    body = [[2**63 - 1, -(2**63), 1.5, True, None, "s"], {"k": [{"n": False}]}, {}]
+    doc = to_document(celery_message(body), json.dumps(body).encode())
+    assert doc["args"] == body[0] and doc["kwargs"] == body[1]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"when": datetime(2026, 1, 2, tzinfo=UTC)},  # BSON keeps it, JSON would give a string back
+        {"pair": (1, 2)},
+        {"big": 2**64},
+        {"nested": {"a.b": 1}},
+        {"keys": {1: "one"}},
+    ],
+)
+def test_headers_bson_cannot_hold_faithfully_keep_the_whole_message(header: dict) -> None:
+    message = celery_message([[1], {}, {}], **header)
+    doc = to_document(message, message["body"].encode())
+    assert "raw" in doc and "args" not in doc
+    assert json.loads(to_message(doc)["body"]) == [[1], {}, {}]
 
 
 def test_binary_bodies_round_trip() -> None:
