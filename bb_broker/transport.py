@@ -14,7 +14,6 @@ from time import monotonic, sleep
 from typing import Any
 
 import pymongo
-from celery.worker import state as worker_state
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
@@ -35,7 +34,7 @@ from .payloads import (
     to_message,
 )
 from .store import Claimed, JobStore, attempt_entry
-from .wakeups import Wakeups
+from .wakeups import Doorbell, Wakeups
 
 logger = logging.getLogger(__name__)
 
@@ -121,21 +120,14 @@ class JobQoS(virtual.QoS):
         return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
 
     def claimable(self) -> int:
-        """How many more jobs this consumer could start now: a batch claim takes no more."""
+        """How many more messages the prefetch limit lets this consumer take now: a batch claim takes no more.
+
+        Celery sets the limit (worker_prefetch_multiplier × pool size) and grows and shrinks it with the pool; a
+        Celery worker acks a task message when a pool process starts it, which makes room for the next."""
         limit = self.prefetch_count
         if not limit:
             return sys.maxsize
-        taken = max(len(self._delivered) - len(self._dirty), len(worker_state.reserved_requests))
-        return max(limit - taken, 0)
-
-    def can_consume(self) -> bool:
-        # Without an event loop, a Celery worker handed a job while every pool process is busy blocks its main
-        # thread until one frees: no remote control, inspect or revoke is answered meanwhile. So the requests it
-        # holds (running, or acked and waiting) count against the prefetch limit as unacked messages do.
-        if not super().can_consume():
-            return False
-        limit = self.prefetch_count
-        return not limit or len(worker_state.reserved_requests) < limit
+        return max(limit - (len(self._delivered) - len(self._dirty)), 0)
 
 
 class Channel(virtual.Channel):
@@ -333,7 +325,13 @@ class Channel(virtual.Channel):
             for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.jobs_collection), []):
                 self._keeper.add_expiry(expire)
         self.connection.watch(self)
-        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        tag = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.connection.poke()  # a new queue to look at
+        return tag
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> None:
+        super().basic_qos(*args, **kwargs)
+        self.connection.poke()  # Celery raises the limit as its pool grows: room to take more
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         if self._held.get(queue):
@@ -473,12 +471,18 @@ class Transport(virtual.Transport):
 
     connection_errors = virtual.Transport.connection_errors + (mongo_errors.ConnectionFailure,)
     channel_errors = virtual.Transport.channel_errors + (mongo_errors.ConnectionFailure, mongo_errors.OperationFailure)
-    implements = virtual.Transport.implements.extend(exchange_type=frozenset(["direct", "topic", "fanout"]))
+    # Asynchronous: a Celery worker runs its event loop (asynloop) on this transport, as on Redis and RabbitMQ,
+    # and registers it with the loop (register_with_event_loop). The blocking drain_events serves everyone else.
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True, exchange_type=frozenset(["direct", "topic", "fanout"])
+    )
 
     #: The pause after a poll that found work; it doubles up to polling_interval while queues stay empty.
     min_polling_interval = 0.05
-    #: How soon a consumer at its prefetch limit, with work waiting, looks again for a freed slot (no server call).
-    saturated_recheck = 0.005
+    #: The most messages one turn of the event loop delivers before the loop's other readers and timers get theirs.
+    loop_delivery_limit = 64
+    #: The least an event loop waits after a look that delivered nothing: never a spin, whatever the wake-ups say.
+    loop_idle_floor = 0.005
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
@@ -486,6 +490,11 @@ class Transport(virtual.Transport):
         connection.expose_as_kombu_does(client, self.broker_url)
         self.wakeups: Wakeups | None = None
         self._pause = self.min_polling_interval
+        # On an event loop: the loop, the doorbell it watches, and the timer entry of the next poll that falls due.
+        self._loop: Any = None
+        self._bell: Doorbell | None = None
+        self._timer: Any = None
+        self._timer_due = float("inf")
 
     def watch(self, channel: Channel) -> None:
         """Start the change stream that wakes this connection's consumers (once, for the first consumer)."""
@@ -498,6 +507,7 @@ class Transport(virtual.Transport):
                 controls=channel.queue_controls.coll.name,
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
+                on_news=self._ring,
             )
 
     def _deliver(self, message: Any, queue: str) -> None:
@@ -510,17 +520,80 @@ class Transport(virtual.Transport):
                 if channel.qos._rejected_in_delivery:
                     channel.qos.settle_rejections()
 
-    def register_with_event_loop(self, connection_: Any, loop: Any) -> None:
-        # No socket to watch: Kombu's hub polls the queues on a timer (Celery's worker uses its own loop).
-        loop.call_repeatedly(self.min_polling_interval, self._drain_nowait)
+    # --- Celery's event loop (asynloop) ----------------------------------------
 
-    def _drain_nowait(self) -> None:
-        with contextlib.suppress(Empty):
-            self.cycle.get(self._deliver, timeout=0)
+    def register_with_event_loop(self, connection_: Any, loop: Any) -> None:
+        """Join Celery's hub, as Kombu's qpid transport does: pymongo has no socket for the hub to watch, so a pipe
+        (the doorbell) is rung whenever a consumer has something to do (news from the change stream, room made by
+        an ack, a new consumer) and the hub reads it; a timer brings the due times and the safety polls."""
+        self._leave_event_loop()
+        self._loop = loop
+        self._bell = Doorbell()
+        loop.add_reader(self._bell.fileno(), self._on_readable)
+        self._bell.ring()  # the first look, once the worker's consumers are declared
+
+    def _on_readable(self) -> None:
+        bell = self._bell
+        if bell is None:
+            return
+        bell.drain()  # first: a ring from here on calls this again
+        delivered = 0
+        while delivered < self.loop_delivery_limit:
+            try:
+                self.cycle.get(self._deliver, timeout=0)
+            except Empty:
+                break
+            delivered += 1
+        else:
+            bell.ring()  # more may be waiting: after the loop's other work
+            return
+        self._arm_timer(self._next_poll_in(found=bool(delivered)), delivered)
+
+    def _arm_timer(self, wait: float | None, delivered: int) -> None:
+        if wait is None or self._loop is None:
+            return  # every consumer is at its prefetch limit: only an ack makes room, and it rings
+        if not delivered:
+            wait = max(wait, self.loop_idle_floor)
+        due = monotonic() + wait
+        if self._timer is not None and not self._timer.canceled and self._timer_due <= due:
+            return  # an earlier look is set already (if it finds nothing to do, it sets the next)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_due = self._loop.call_later(wait, self._on_timer), due
+
+    def _on_timer(self) -> None:
+        # The look itself happens in the reader, where the hub hands a lost connection to Celery to reconnect.
+        self._timer, self._timer_due = None, float("inf")
+        self._ring()
+
+    def _ring(self) -> None:
+        bell = self._bell
+        if bell is not None:
+            bell.ring()
+
+    def _leave_event_loop(self) -> None:
+        loop, bell, timer = self._loop, self._bell, self._timer
+        self._loop = self._bell = self._timer = None
+        if timer is not None:
+            timer.cancel()
+        if loop is not None and bell is not None:
+            with contextlib.suppress(Exception):  # a hub that was reset already forgot it
+                loop.remove_reader(bell.fileno())
+        if bell is not None:
+            bell.close()
+
+    def close_connection(self, connection_: Any) -> None:
+        self._leave_event_loop()
+        super().close_connection(connection_)
 
     def poke(self) -> None:
+        """Something changed in this process (an ack made room): the consumers look again."""
         if self.wakeups is not None:
             self.wakeups.poke()
+        else:
+            self._ring()
+
+    # --- the blocking loop (drain_events) ------------------------------------
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         # Kombu's loop, waiting for a wake-up (or adapting its pause) instead of sleeping a fixed interval.
@@ -541,33 +614,40 @@ class Transport(virtual.Transport):
             self._idle(remaining)
 
     def _idle(self, remaining: float | None) -> None:
-        wakeups = self.wakeups
-        if wakeups is not None and wakeups.available and self._can_consume():
-            wait = wakeups.seconds_until_next_poll(self._consumed_queues())
-            if self._at_prefetch_limit():
-                # News for a consumer at its limit stays unread, so it must not mean "poll now" (that spins); and a
-                # finished task frees a slot without an ack, so without a poke: with work waiting, look again soon.
-                wait = self.saturated_recheck if wait == 0 else min(wait, self.polling_interval)
-        elif wakeups is not None and not self._can_consume():
-            wait = self.polling_interval  # every prefetch slot is taken: only an ack (a poke) makes room
-        else:
-            wait = self._pause
-            self._pause = min(self._pause * 2, self.polling_interval)
+        wait = self._next_poll_in(found=False)
+        if wait is None:
+            wait = self.polling_interval  # only an ack (a poke) makes room
         if remaining is not None:
             wait = min(wait, remaining)
-        if wakeups is not None:
-            wakeups.event.wait(wait)
+        if self.wakeups is not None:
+            self.wakeups.event.wait(wait)
         else:
             sleep(wait)
 
-    def _consumed_queues(self) -> set[str]:
-        return {queue for channel in self.channels for queue in channel._active_queues}
+    # --- both loops ----------------------------------------------------------
 
-    def _can_consume(self) -> bool:
-        return any(channel._consumers and channel.qos.can_consume() for channel in self.channels)
+    def _next_poll_in(self, *, found: bool) -> float | None:
+        """Seconds until the consumers should look again; None when every one is at its prefetch limit."""
+        pollable = self._pollable_queues()
+        if not pollable:
+            return None
+        wakeups = self.wakeups
+        if wakeups is not None and wakeups.available:
+            return wakeups.seconds_until_next_poll(pollable)
+        # Polling, as Kombu's virtual transports do, pausing longer while the queues stay empty.
+        if found:
+            self._pause = self.min_polling_interval
+        wait, self._pause = self._pause, min(self._pause * 2, self.polling_interval)
+        return wait
 
-    def _at_prefetch_limit(self) -> bool:
-        return any(channel._consumers and not channel.qos.can_consume() for channel in self.channels)
+    def _pollable_queues(self) -> set[str]:
+        """The queues of the consumers with room for more: those a look may take from."""
+        return {
+            queue
+            for channel in self.channels
+            if channel._consumers and channel.qos.can_consume()
+            for queue in channel._active_queues
+        }
 
     def driver_version(self) -> str:
         import pymongo

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -44,9 +46,12 @@ class Wakeups:
         clock: Callable[[], datetime],
         safety_poll_interval: float,
         busy_pace: float = BUSY_PACE,
+        on_news: Callable[[], None] | None = None,
     ) -> None:
         self.available = False
+        #: Set at each piece of news: the blocking loop waits on it; an event loop is told through `on_news`.
         self.event = threading.Event()
+        self._on_news = on_news
         self._db = db
         self._jobs = jobs
         self._messages = messages
@@ -92,26 +97,40 @@ class Wakeups:
 
     def poke(self) -> None:
         """Something changed in this process (a prefetch slot freed): look again."""
-        self.event.set()
+        self._notify()
 
     def seconds_until_next_poll(self, consumed: Collection[str]) -> float:
-        """How long the consumer of `consumed` may wait: news for a queue it does not consume is not its business."""
+        """How long the consumer may wait before it polls again; `consumed` are the queues it can take from now.
+
+        News, due times and safety polls of the queues it cannot take from (a consumer at its prefetch limit) are
+        not its business: they wait for the room an ack makes, and must not make it wake (or spin) meanwhile.
+        """
         now = time.monotonic()
         with self._lock:
             self._inflight.clear()  # the consumer is about to wait: its polls have all come back
-            if not self._dirty.isdisjoint(consumed):
+            fired = self._fire_timers(now)
+            if not self._dirty.isdisjoint(consumed) or None in fired:
                 return 0.0
             candidates = [due - now for due, _ in self._timers[:1]]
-            candidates += [last + self._safety - now for last in self._last_poll.values()]
+            candidates += [self._last_poll.get(queue, float("-inf")) + self._safety - now for queue in consumed]
         return max(0.0, min(candidates, default=self._safety))
 
-    def _fire_timers(self, now: float) -> None:
+    def _fire_timers(self, now: float) -> set[str | None]:
+        """Turn the due times that have come into news; the queues they were for (None: every job queue)."""
+        fired: set[str | None] = set()
         while self._timers and self._timers[0][0] <= now:
             _, queue = heapq.heappop(self._timers)
+            fired.add(queue)
             if queue is None:
                 self._jobs_touched_at = now
             else:
                 self._dirty.add(queue)
+        return fired
+
+    def _notify(self) -> None:
+        self.event.set()
+        if self._on_news is not None:
+            self._on_news()
 
     # --- the watcher --------------------------------------------------------
 
@@ -170,13 +189,13 @@ class Wakeups:
         if self._bindings_watch is not None:
             self._bindings_watch.went_live()  # tables read before now are read again once
         self.available = True
-        self.event.set()
+        self._notify()
 
     def _went_dark(self, pause: float) -> None:
         if self._bindings_watch is not None:
             self._bindings_watch.went_dark()
         self.available = False
-        self.event.set()
+        self._notify()
         time.sleep(pause)
 
     def _on_change(self, change: dict[str, Any]) -> bool:
@@ -189,7 +208,7 @@ class Wakeups:
             with self._lock:
                 self.controls_version += 1
                 self._jobs_touched_at = now  # a resumed queue has work to claim
-            self.event.set()
+            self._notify()
             return True
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
@@ -207,7 +226,7 @@ class Wakeups:
             else:
                 news = True
                 self._jobs_touched_at = now
-        self.event.set()
+        self._notify()
         return news
 
     def _seconds_until(self, due: Any) -> float:
@@ -222,3 +241,45 @@ def _buffered(stream: Any) -> int | None:
     # it the watcher never paces, which costs getMores, never wake-ups.
     data = getattr(getattr(stream, "_cursor", None), "_data", None)
     return None if data is None else len(data)
+
+
+class Doorbell:
+    """A pipe an event loop watches: any thread rings it when a consumer has something to do, the loop drains it."""
+
+    def __init__(self) -> None:
+        self._reader, self._writer = os.pipe()
+        os.set_blocking(self._reader, False)
+        os.set_blocking(self._writer, False)
+        self._lock = threading.Lock()  # a ring never writes to a closed (and maybe reused) descriptor
+        self._rung = False  # a byte waits in the pipe: more rings add nothing
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._reader
+
+    def ring(self) -> None:
+        if self._rung:
+            return
+        with self._lock:
+            if self._closed or self._rung:
+                return
+            self._rung = True
+            with contextlib.suppress(BlockingIOError):  # a full pipe: the loop has reading to do already
+                os.write(self._writer, b"\0")
+
+    def drain(self) -> None:
+        """Empty the pipe (without blocking). Call before doing the work: a ring from now on is not lost."""
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError):  # empty now
+                while os.read(self._reader, 4096):
+                    pass
+            self._rung = False
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._reader)
+                os.close(self._writer)

@@ -7,6 +7,7 @@ import os
 import time
 
 from celery import Celery
+from celery.worker.control import inspect_command
 
 import bb_broker
 from bb_broker.connection import get_database, parse_broker_url
@@ -26,6 +27,12 @@ if os.environ.get("BB_RESULT_BACKEND"):
     # any other test with results on); other tests run without one.
     backend = os.environ["BB_RESULT_BACKEND"]
     app.conf.result_backend = app.conf.broker_url if backend == "broker" else backend
+
+
+@inspect_command()
+def consumer_loop(state) -> dict:
+    """Which of Celery's loops this worker's consumer runs: `asynloop` on its event loop, `synloop` blocking."""
+    return {"loop": state.consumer.loop.__name__, "hub": state.consumer.hub is not None}
 
 
 def runs():

@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from datetime import timedelta
 
+import pytest
+
 import bb_broker
-from tests.workers import failing_write, job, send, settled, wait_for
+from tests.workers import Worker, failing_write, job, send, settled, wait_for
+
+#: prefork and threads run Celery's event loop (asynloop) on bbmongo://, gevent its blocking loop (synloop).
+POOLS = ["prefork", "threads", "gevent"]
+#: For what only a pool of processes does (a task that kills its process, a hard time limit).
+PREFORK_ONLY = pytest.mark.parametrize("worker_factory", ["prefork"], indirect=True)
+#: Celery's thread pool cannot end a running task (no kill_job): no terminating revoke, no cold shutdown.
+CAN_TERMINATE = pytest.mark.parametrize("worker_factory", ["prefork", "gevent"], indirect=True)
+
+
+@pytest.fixture(params=POOLS)
+def worker_factory(request: pytest.FixtureRequest, worker_factory: Callable[..., Worker]) -> Callable[..., Worker]:
+    """The lifecycle suite, once per pool (and so on both of Celery's loops)."""
+
+    def make(**kwargs) -> Worker:
+        return worker_factory(**{"pool": request.param, **kwargs})
+
+    return make
 
 
 def outcomes(db, task_id: str) -> list[str]:
@@ -83,6 +103,7 @@ def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
     assert outcomes(db, task_id) == ["failed"]  # its attempt is recorded by that same write
 
 
+@CAN_TERMINATE
 def test_revoke_ends_failed(app, db, worker_factory) -> None:
     worker_factory()
     waiting = send(app, "add", 1, 2, countdown=2)
@@ -100,6 +121,7 @@ def test_revoke_ends_failed(app, db, worker_factory) -> None:
     assert outcomes(db, running) == ["revoked"]
 
 
+@PREFORK_ONLY
 def test_time_limit_counts_as_a_failure(app, db, worker_factory) -> None:
     # a retry that lands while billiard still replaces the killed pool process can be lost in the pool
     worker_factory(options={"max_attempts": 2, "backoff_base": 1.5})
@@ -121,6 +143,7 @@ def test_warm_shutdown_finishes_and_records_running_tasks(app, db, worker_factor
     assert db.runs.count_documents({"taskId": task_id, "phase": "end"}) == 1
 
 
+@CAN_TERMINATE
 def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) -> None:
     worker = worker_factory()
     task_id = send(app, "sleep", 60)
@@ -133,6 +156,7 @@ def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) ->
     assert cut_short["outcome"] == "lost" and cut_short["n"] == 1 and cut_short["error"] == doc["lastError"]
 
 
+@PREFORK_ONLY
 def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, worker_factory) -> None:
     worker_factory()
     exits, segfaults = send(app, "exit_process"), send(app, "segfault")

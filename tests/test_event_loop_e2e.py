@@ -1,0 +1,57 @@
+"""A Celery worker runs its event loop on bbmongo:// and Celery's own flow control decides what it claims."""
+
+from __future__ import annotations
+
+import pytest
+from pymongo.database import Database
+
+from tests.workers import send, settled, wait_for
+
+#: Long enough that a worker blocked behind these tasks could not answer anything while they run.
+BUSY_SECONDS = 120
+
+
+def consumer_loops(app) -> dict[str, dict]:
+    """What each worker's Celery consumer reports about its loop (tests/e2e_app.py's inspect command)."""
+    replies = app.control.broadcast("consumer_loop", reply=True, timeout=10) or []
+    return {name: answer for reply in replies for name, answer in reply.items()}
+
+
+@pytest.mark.parametrize(
+    ("pool", "loop"),
+    [("prefork", "asynloop"), ("threads", "asynloop"), ("gevent", "synloop"), ("solo", "asynloop")],
+)
+def test_the_worker_runs_celerys_event_loop_except_on_a_green_pool(app, worker_factory, pool, loop) -> None:
+    worker_factory(pool=pool)
+    [answer] = wait_for(lambda: list(consumer_loops(app).values()), message="the worker's consumer loop")
+    assert answer == {"loop": loop, "hub": loop == "asynloop"}
+
+
+def test_a_saturated_worker_answers_remote_control_and_its_revokes_take_effect(
+    app, db: Database, worker_factory
+) -> None:
+    # Every pool process busy for longer than the test, and jobs claimed behind them (Celery's default prefetch).
+    worker_factory(concurrency=2, env={"BB_PREFETCH_MULTIPLIER": "4"})
+    busy = [send(app, "sleep", BUSY_SECONDS) for _ in range(2)]
+    waiting = [send(app, "add", i, i) for i in range(2)]
+    wait_for(lambda: db.runs.count_documents({"taskId": {"$in": busy}}) == 2, message="both processes busy")
+
+    # Remote control is answered while no process is free: ping, and the requests waiting in the worker.
+    assert wait_for(lambda: app.control.ping(timeout=2), timeout=30, message="a ping answer")
+    reserved = wait_for(
+        lambda: {r["id"] for rs in (app.control.inspect(timeout=2).reserved() or {}).values() for r in rs},
+        timeout=30,
+        message="the reserved requests",
+    )
+    assert reserved == set(waiting)
+
+    # A revoke of a waiting request and one that terminates a running task: both answered and both take effect,
+    # the freed process then runs what was not revoked.
+    assert app.control.revoke(waiting[0], reply=True, timeout=10)
+    assert app.control.revoke(busy[0], terminate=True, reply=True, timeout=10)
+    terminated = wait_for(settled(db, busy[0], "failed"), message="the terminated task failed")
+    assert "terminated" in terminated["lastError"]
+    assert wait_for(settled(db, waiting[1], "succeeded"), message="the task behind it ran")
+    revoked = wait_for(settled(db, waiting[0], "failed"), message="the revoked waiting task failed")
+    assert revoked["lastError"] == "revoked before it ran"
+    assert db.runs.count_documents({"taskId": waiting[0]}) == 0
