@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 from collections import Counter
 
@@ -10,7 +11,7 @@ import pytest
 from kombu import Connection, Consumer, Queue
 from pymongo.database import Database
 
-from tests.workers import producer, send, wait_for
+from tests.workers import consumer_loops, producer, send, wait_for
 
 
 @pytest.mark.parametrize("ending", ["cancel", "close"])
@@ -69,15 +70,17 @@ def test_celerys_default_prefetch_drains_a_backlog_once_each_and_shuts_down_clea
 
 
 def test_a_worker_killed_holding_a_batch_loses_none_of_it(app, db: Database, worker_factory) -> None:
-    slow = [send(app, "sleep", 1) for _ in range(6)]
+    slow = [send(app, "sleep", 3) for _ in range(6)]
     victim = worker_factory(concurrency=1, options={"stale_after": 3}, env={"BB_PREFETCH_MULTIPLIER": "4"})
-    wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 4, message="the worker holds four jobs")
+    assert consumer_loops(app) == {"w0@" + socket.gethostname(): {"loop": "asynloop", "hub": True}}
+    # On Celery's event loop: one task started, and the four its prefetch lets it take behind it, in a batch.
+    wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 5, message="the worker holds five jobs")
     victim.kill()
     runs = list(db.runs.find({"taskId": {"$in": slow}}))
     cut_short = {r["taskId"] for r in runs if r["phase"] == "start"} - {
         r["taskId"] for r in runs if r["phase"] == "end"
     }
-    assert db.jobs.count_documents({"status": "running"}) == 4  # stranded with the dead worker
+    assert db.jobs.count_documents({"status": "running"}) == 5  # stranded with the dead worker
 
     worker_factory(options={"stale_after": 3})  # its sweep gives them back, and it runs them
     wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == 6, timeout=120, message="all six ran")

@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 from pymongo.database import Database
 
-from tests.workers import send, settled, wait_for
+from tests.workers import consumer_loops, send, settled, wait_for
 
 #: Long enough that a worker blocked behind these tasks could not answer anything while they run.
 BUSY_SECONDS = 120
-
-
-def consumer_loops(app) -> dict[str, dict]:
-    """What each worker's Celery consumer reports about its loop (tests/e2e_app.py's inspect command)."""
-    replies = app.control.broadcast("consumer_loop", reply=True, timeout=10) or []
-    return {name: answer for reply in replies for name, answer in reply.items()}
 
 
 @pytest.mark.parametrize(
@@ -55,3 +49,18 @@ def test_a_saturated_worker_answers_remote_control_and_its_revokes_take_effect(
     revoked = wait_for(settled(db, waiting[0], "failed"), message="the revoked waiting task failed")
     assert revoked["lastError"] == "revoked before it ran"
     assert db.runs.count_documents({"taskId": waiting[0]}) == 0
+
+
+def test_pool_grow_raises_what_the_worker_claims_as_celerys_prefetch_says(app, db: Database, worker_factory) -> None:
+    # One process and a prefetch multiplier of 1: a task running and one claimed behind it, the rest stay queued.
+    busy = [send(app, "sleep", BUSY_SECONDS) for _ in range(10)]
+    worker_factory(concurrency=1)
+    started = {"taskId": {"$in": busy}, "phase": "start"}
+    wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 2, message="one running, one claimed")
+    assert db.runs.count_documents(started) == 1
+
+    # Two more processes: Celery raises the prefetch to three, which the transport follows.
+    assert app.control.pool_grow(2, reply=True, limit=1, timeout=10)
+    wait_for(lambda: db.runs.count_documents(started) == 3, message="three running")
+    wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 6, message="three running, three claimed")
+    assert db.jobs.count_documents({"status": "queued"}) == 4

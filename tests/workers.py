@@ -109,6 +109,13 @@ def send(app: Celery, name: str, *args: Any, **options: Any) -> str:
     return app.send_task(f"tests.e2e_app.{name}", args=args, **options).id
 
 
+def consumer_loops(app: Celery, workers: int = 1) -> dict[str, dict[str, Any]]:
+    """What the workers' Celery consumers say about their loop (tests/e2e_app.py's `consumer_loop` command):
+    `asynloop` on Celery's event loop, `synloop` on the blocking one. Returns once `workers` answered."""
+    replies = app.control.broadcast("consumer_loop", reply=True, timeout=10, limit=workers) or []
+    return {name: answer for reply in replies for name, answer in reply.items()}
+
+
 def job(db: Database, task_id: str) -> dict[str, Any]:
     return db.jobs.find_one({"taskId": task_id}) or {}
 
