@@ -46,6 +46,9 @@ REQUEUED = "the worker rejected the task and requeued it"
 #: Seconds between looks at the topology while a new channel waits for its server.
 REACHABLE_SLICE = 0.25
 
+#: The fewest jobs a batch claim takes: it costs two round trips, so it pays from three jobs up.
+BATCH_MIN = 3
+
 _delivering = threading.local()
 
 #: Per (server, database, jobs collection) indexed by this process: the deletes its server's missing TTL indexes
@@ -69,9 +72,13 @@ class JobMessage(virtual.Message):
 class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
 
+    #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
+    batch_patience = 0.05
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rejected_in_delivery: list[JobMessage] = []
+        self._waiting_for_batch_since: float | None = None
 
     def ack(self, delivery_tag: str) -> None:
         super().ack(delivery_tag)
@@ -127,7 +134,33 @@ class JobQoS(virtual.QoS):
         limit = self.prefetch_count
         if not limit:
             return sys.maxsize
-        return max(limit - (len(self._delivered) - len(self._dirty)), 0)
+        return max(limit - self._unacked(), 0)
+
+    def _unacked(self) -> int:
+        return len(self._delivered) - len(self._dirty)
+
+    def can_consume(self) -> bool:
+        return super().can_consume() and self.batch_wait() == 0.0
+
+    def batch_wait(self) -> float:
+        """Seconds this consumer should let room build up before it claims again; 0 when it should claim now.
+
+        Working through a backlog, a consumer whose prefetch holds a batch lets one or two freed slots wait while
+        messages it took still wait in the worker (Celery acks each as a pool process starts it): the next claim
+        then takes a batch, not a job per round trip. Never longer than batch_patience, for a consumer that acks
+        only once it has more."""
+        room = self.claimable()
+        if not (0 < room < BATCH_MIN <= self.prefetch_count and self._unacked() and self.channel.is_backlogged()):
+            self._waiting_for_batch_since = None
+            return 0.0
+        now = monotonic()
+        if self._waiting_for_batch_since is None:
+            self._waiting_for_batch_since = now
+        return max(self._waiting_for_batch_since + self.batch_patience - now, 0.0)
+
+    def claimed(self) -> None:
+        """A claim was made: the next wait for a batch starts afresh."""
+        self._waiting_for_batch_since = None
 
 
 class Channel(virtual.Channel):
@@ -365,6 +398,7 @@ class Channel(virtual.Channel):
                     raise Empty()
                 wanted = self._batch_size(queue)
                 held.extend(self.jobs.claim_many(queue, self.owner, wanted))
+                self.qos.claimed()
                 if len(held) < wanted:
                     self._backlogged.discard(queue)
                 else:
@@ -395,7 +429,11 @@ class Channel(virtual.Channel):
             return 1
         held = sum(len(jobs) for jobs in self._held.values())
         size = min(self.qos.claimable() - held, int(self.max_claim_batch))
-        return size if size >= 3 else 1  # a batch costs two round trips: it pays from three jobs up
+        return size if size >= BATCH_MIN else 1
+
+    def is_backlogged(self) -> bool:
+        """Whether a queue this channel consumes had more jobs than its last claim took."""
+        return not self._backlogged.isdisjoint(self._active_queues)
 
     def _live_jobs(self) -> list[str]:
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
@@ -628,17 +666,20 @@ class Transport(virtual.Transport):
 
     def _next_poll_in(self, *, found: bool) -> float | None:
         """Seconds until the consumers should look again; None when every one is at its prefetch limit."""
+        # A consumer letting room build up for a batch claims when its patience ends, whatever else happens.
+        batch_waits = [wait for channel in self.channels if channel._consumers and (wait := channel.qos.batch_wait())]
         pollable = self._pollable_queues()
         if not pollable:
-            return None
+            return min(batch_waits, default=None)  # else every consumer is at its limit: an ack makes room (a poke)
         wakeups = self.wakeups
         if wakeups is not None and wakeups.available:
-            return wakeups.seconds_until_next_poll(pollable)
-        # Polling, as Kombu's virtual transports do, pausing longer while the queues stay empty.
-        if found:
-            self._pause = self.min_polling_interval
-        wait, self._pause = self._pause, min(self._pause * 2, self.polling_interval)
-        return wait
+            wait = wakeups.seconds_until_next_poll(pollable)
+        else:
+            # Polling, as Kombu's virtual transports do, pausing longer while the queues stay empty.
+            if found:
+                self._pause = self.min_polling_interval
+            wait, self._pause = self._pause, min(self._pause * 2, self.polling_interval)
+        return min([wait, *batch_waits])
 
     def _pollable_queues(self) -> set[str]:
         """The queues of the consumers with room for more: those a look may take from."""

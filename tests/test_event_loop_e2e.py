@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from kombu import Connection, Consumer, Queue
+from kombu.asynchronous import Hub
 from pymongo.database import Database
 
-from tests.workers import consumer_loops, send, settled, wait_for
+from tests.workers import consumer_loops, producer, send, settled, wait_for
 
 #: Long enough that a worker blocked behind these tasks could not answer anything while they run.
 BUSY_SECONDS = 120
@@ -64,3 +66,27 @@ def test_pool_grow_raises_what_the_worker_claims_as_celerys_prefetch_says(app, d
     wait_for(lambda: db.runs.count_documents(started) == 3, message="three running")
     wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 6, message="three running, three claimed")
     assert db.jobs.count_documents({"status": "queued"}) == 4
+
+
+def test_a_kombu_consumer_on_a_hub_is_woken_by_news_and_by_its_acks_and_leaves_the_hub_clean(
+    broker_url: str, db: Database
+) -> None:
+    hub = Hub()
+    delivered: list[str] = []
+
+    def on_message(body, message) -> None:
+        delivered.append(message.job_id)
+        message.ack()  # with prefetch 1, only this ack lets the next one in
+
+    with Connection(broker_url) as conn:
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        [doorbell] = hub.readers
+        consumer = Consumer(conn.channel(), queues=[Queue("celery")], accept=["json"], prefetch_count=1,
+                            callbacks=[on_message])  # fmt: skip
+        consumer.consume()
+        loop = hub.create_loop()
+        ids = [send(producer(broker_url), "add", i, i) for i in range(3)]  # published after the consumer waits
+        wait_for(lambda: next(loop) or len(delivered) == 3, message="three deliveries on the hub")
+        assert sorted(delivered) == sorted(d["_id"] for d in db.jobs.find({"taskId": {"$in": ids}}))
+    # Closing the connection takes its doorbell off the hub.
+    assert doorbell not in hub.readers
