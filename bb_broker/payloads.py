@@ -12,6 +12,9 @@ from kombu.utils import json as kombu_json
 JOB_ID_HEADER = "bb_job_id"
 ATTEMPTS_HEADER = "bb_attempts"
 DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER)
+#: The job ids a task message's publish chose, per queue, kept in the producer's properties (Kombu retries a
+#: publish with the same properties dict), never stored in the payload.
+PUBLISH_ID_PROPERTY = "bb_publish_id"
 
 _INT64 = (-(2**63), 2**63 - 1)
 #: Values BSON stores and JSON gives back as they are (int is not here: it must fit in 64 bits).
@@ -34,6 +37,7 @@ def to_document(message: dict[str, Any], decoded_body: bytes) -> dict[str, Any]:
     properties = dict(message.get("properties") or {})
     properties.pop("body_encoding", None)
     properties.pop("delivery_tag", None)
+    properties.pop(PUBLISH_ID_PROPERTY, None)
     envelope = {
         "headers": headers,
         "properties": properties,

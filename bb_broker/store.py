@@ -27,7 +27,7 @@ from kombu.exceptions import EncodeError
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
-from pymongo.errors import ConnectionFailure, DocumentTooLarge, OperationFailure
+from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure
 from ulid import ULID
 
 from . import lifecycle, metrics
@@ -172,6 +172,11 @@ class Claimed:
     payload: Any
 
 
+def new_job_id() -> str:
+    """A job's id: a ULID, so that ids sort by creation time (the operator's lists page by it)."""
+    return str(ULID())
+
+
 class JobStore:
     #: Seconds a settling write keeps trying through an outage before it gives up to the stale sweep.
     settle_patience = 60.0
@@ -278,8 +283,12 @@ class JobStore:
         priority: int,
         run_after: datetime | None,
         is_retry: bool,
+        job_id: str | None = None,
     ) -> str:
-        """Insert a queued job; a Celery retry reschedules the job that is running instead."""
+        """Insert a queued job; a Celery retry reschedules the job that is running instead.
+
+        `job_id`, when given, makes the insert safe to repeat: a second publish of the same message under the same
+        id (a producer retrying a write whose answer it never got) finds the first and writes nothing."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -302,25 +311,29 @@ class JobStore:
             if updated is not None:
                 metrics.record("retried")
                 return updated["_id"]
-        job_id = str(ULID())
-        self._write(
-            self.coll.insert_one,
-            {
-                "_id": job_id,
-                "kind": kind,
-                "taskId": task_id,
-                "queue": queue,
-                "priority": priority,
-                "payload": payload,
-                "status": QUEUED,
-                "attempts": 0,
-                "runAfter": due,
-                "createdAt": now,
-                "updatedAt": now,
-            },
-        )
+        job = {
+            "_id": job_id or new_job_id(),
+            "kind": kind,
+            "taskId": task_id,
+            "queue": queue,
+            "priority": priority,
+            "payload": payload,
+            "status": QUEUED,
+            "attempts": 0,
+            "runAfter": due,
+            "createdAt": now,
+            "updatedAt": now,
+        }
+        try:
+            self._write(self.coll.insert_one, job)
+        except DuplicateKeyError:
+            first = self.coll.find_one({"_id": job["_id"]}, {"taskId": 1, "queue": 1})
+            if first is not None and (first.get("taskId"), first.get("queue")) == (task_id, queue):
+                return job["_id"]  # the earlier try landed
+            job["_id"] = new_job_id()  # the id came with another task (a reused properties dict): a job of its own
+            self._write(self.coll.insert_one, job)
         metrics.record("enqueued")
-        return job_id
+        return job["_id"]
 
     def _write(self, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:

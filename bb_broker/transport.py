@@ -28,12 +28,13 @@ from .pauses import PausedQueues, QueueControls
 from .payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
+    PUBLISH_ID_PROPERTY,
     PayloadError,
     is_task_message,
     to_document,
     to_message,
 )
-from .store import Claimed, JobStore, attempt_entry
+from .store import Claimed, JobStore, attempt_entry, new_job_id
 from .wakeups import Doorbell, Wakeups
 
 logger = logging.getLogger(__name__)
@@ -314,6 +315,10 @@ class Channel(virtual.Channel):
         if isinstance(body, str):
             body = body.encode(message.get("content-encoding") or "utf-8")
         headers = message["headers"]
+        # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
+        # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
+        # inserts that landed instead of writing twins.
+        job_id = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, new_job_id())
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],
@@ -322,6 +327,7 @@ class Channel(virtual.Channel):
             priority=priority,
             run_after=_eta(headers.get("eta")),
             is_retry=bool(headers.get("retries")),
+            job_id=job_id,
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:

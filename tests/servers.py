@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,3 +88,66 @@ class EmbeddedServer:
 
 def external_url() -> str | None:
     return os.environ.get("BB_TEST_MONGO_URL") or None
+
+
+class AnswerDroppingProxy:
+    """A TCP proxy in front of a server that, once armed, lets commands matching `needle` through to the server
+    and drops the client's connection instead of passing the server's answer back: a write that landed unseen,
+    as when the network fails between a server and its client."""
+
+    def __init__(self, upstream_url: str) -> None:
+        host, _, port = upstream_url.removeprefix("mongodb://").rstrip("/").partition(":")
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"mongodb://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._needle = b""
+        self._drops_left = 0
+        self.dropped = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def drop_the_answers_to(self, needle: bytes, times: int) -> None:
+        self._needle, self._drops_left = needle, times
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            server = socket.create_connection(self.upstream)
+            watched: set[int] = set()  # request ids whose answer is to be dropped
+            threading.Thread(target=self._requests, args=(client, server, watched), daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client, watched), daemon=True).start()
+
+    def _requests(self, client: socket.socket, server: socket.socket, watched: set[int]) -> None:
+        with contextlib.suppress(OSError):
+            while message := _read_message(client):
+                if self._drops_left and self._needle in message:
+                    self._drops_left -= 1
+                    watched.add(int.from_bytes(message[4:8], "little"))
+                server.sendall(message)
+
+    def _answers(self, server: socket.socket, client: socket.socket, watched: set[int]) -> None:
+        with contextlib.suppress(OSError):
+            while message := _read_message(server):
+                if int.from_bytes(message[8:12], "little") in watched:
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    self.dropped += 1
+                    return
+                client.sendall(message)
+
+
+def _read_message(sock: socket.socket) -> bytes:
+    """One MongoDB wire message (its header's first field is its length), or b"" when the peer closed."""
+    header = _read_exactly(sock, 4)
+    if not header:
+        return b""
+    return header + _read_exactly(sock, int.from_bytes(header, "little") - 4)
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks = b""
+    while len(chunks) < size:
+        chunk = sock.recv(size - len(chunks))
+        if not chunk:
+            return b""
+        chunks += chunk
+    return chunks

@@ -13,7 +13,7 @@ from pymongo import MongoClient
 
 import bb_broker
 from bb_broker.store import JobStore
-from tests.servers import EmbeddedServer, with_database
+from tests.servers import AnswerDroppingProxy, EmbeddedServer, with_database
 from tests.workers import Worker, producer, send, settled, wait_for
 
 
@@ -95,6 +95,20 @@ def test_a_batch_claim_whose_write_outlived_the_client_still_knows_its_jobs(own_
     docs = list(client.batch.jobs.find())
     assert {(d["status"], d["attempts"], d["leaseOwner"]) for d in docs} == {("running", 1, "w")}
     assert store.claim_many("celery", "other", 4) == []
+
+
+def test_a_publish_retried_after_its_insert_landed_unseen_makes_one_job(own_server) -> None:
+    client = MongoClient(own_server.url, tz_aware=True)
+    proxy = AnswerDroppingProxy(own_server.url)
+    app = producer(with_database(proxy.url, "twins") + "?directConnection=true")  # through the proxy only
+    send(app, "add", 0, 0)  # connected and indexes made
+    # The server carries out the publish's insert and its answer is lost, twice: pymongo's own retry of the write
+    # (which the server knows for the same write) and then Kombu's retry of the publish (a new write).
+    proxy.drop_the_answers_to(b"jobs", times=2)
+    task_id = send(app, "add", 1, 1)
+    assert proxy.dropped == 2
+    assert client.twins.jobs.count_documents({"taskId": task_id}) == 1  # not a twin per try
+    assert client.twins.jobs.count_documents({}) == 2
 
 
 def crash_repeatedly(broker_url, db, tmp_path, *, jobs: int, task_seconds: float, kills: int, starts_per_kill: int,

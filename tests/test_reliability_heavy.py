@@ -75,7 +75,10 @@ def test_three_outages_while_producing_and_working(own_server, tmp_path) -> None
              message="every published job succeeded")  # fmt: skip
     starts = starts_per_task(db)
     assert set(published) <= set(starts)
-    assert db.jobs.count_documents({}) == len(published)  # no job written twice or left half-written
+    task_ids = [doc["taskId"] for doc in db.jobs.find({}, {"taskId": 1})]
+    assert len(task_ids) == len(set(task_ids))  # no task written twice (a publish retried after its write landed)
+    # A publish whose every try failed was reported to its caller; its write may still have landed, and it runs.
+    assert len(set(task_ids) - set(published)) <= len(refused)
     report("three 10 s outages", outages=3, published=len(published), publish_errors_raised=len(refused),
            lost=0, ran_twice=sum(1 for n in starts.values() if n > 1))  # fmt: skip
 
