@@ -35,6 +35,8 @@ class BindingsWatch:
     def __init__(self) -> None:
         self.live_since: float | None = None  # monotonic; None while no change stream covers the collection
         self.changed_at = 0.0
+        self._live: set[int] = set()  # the watchers (one per consuming connection) whose stream is live
+        self._guard = threading.Lock()
 
     @classmethod
     def of(cls, bindings: Collection) -> BindingsWatch:
@@ -42,11 +44,17 @@ class BindingsWatch:
         with cls._lock:
             return cls._watched.setdefault(key, cls())
 
-    def went_live(self) -> None:
-        self.live_since = time.monotonic()
+    def went_live(self, watcher: object) -> None:
+        with self._guard:
+            self._live.add(id(watcher))
+            self.live_since = time.monotonic()
 
-    def went_dark(self) -> None:
-        self.live_since = None
+    def went_dark(self, watcher: object) -> None:
+        """`watcher`'s stream is down or stopped: the tables are vouched for while another one is live."""
+        with self._guard:
+            self._live.discard(id(watcher))
+            if not self._live:
+                self.live_since = None
 
     def changed(self) -> None:
         self.changed_at = time.monotonic()

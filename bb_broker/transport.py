@@ -629,6 +629,10 @@ class Transport(virtual.Transport):
     def close_connection(self, connection_: Any) -> None:
         self._leave_event_loop()
         super().close_connection(connection_)
+        # Its wake-ups end with it (a connection re-established later subscribes again).
+        wakeups, self.wakeups = self.wakeups, None
+        if wakeups is not None:
+            wakeups.stop()
 
     def poke(self) -> None:
         """Something changed in this process (an ack made room): the consumers look again."""

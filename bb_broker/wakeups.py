@@ -53,8 +53,6 @@ class Wakeups:
         self.event = threading.Event()
         self._on_news = on_news
         self._db = db
-        self._jobs = jobs
-        self._messages = messages
         self._bindings = bindings
         self._bindings_watch = BindingsWatch.of(db[bindings]) if bindings else None
         self._controls = controls
@@ -62,15 +60,22 @@ class Wakeups:
         self.controls_version = 0
         self._clock = clock
         self._safety = safety_poll_interval
-        self._busy_pace = busy_pace
         self._lock = threading.Lock()
         self._dirty: set[str] = set()
         self._inflight: set[str] = set()  # queues being polled: what a poll finds leads to the next poll
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
-        self._thread = threading.Thread(target=self._watch, name="bb-broker-wakeups", daemon=True)
-        self._thread.start()
+        self._feed = _Feed.subscribe(self, db, (jobs, messages, bindings, controls), busy_pace)
+
+    @property
+    def _thread(self) -> threading.Thread:
+        return self._feed.thread
+
+    def stop(self) -> None:
+        """The connection closed: no more wake-ups for it (the process's change stream ends with its last one)."""
+        self._feed.unsubscribe(self)
+        self.available = False
 
     # --- the consumer's side ------------------------------------------------
 
@@ -132,71 +137,18 @@ class Wakeups:
         if self._on_news is not None:
             self._on_news()
 
-    # --- the watcher --------------------------------------------------------
-
-    def _pipeline(self) -> list[dict[str, Any]]:
-        jobs, messages = self._jobs, self._messages
-        return [
-            {"$match": {"$or": [
-                {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
-                {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
-                {"ns.coll": messages, "operationType": "insert"},
-                *([{"ns.coll": self._bindings}] if self._bindings else []),
-                *([{"ns.coll": self._controls}] if self._controls else []),
-            ]}},
-            {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
-                          "updateDescription.updatedFields.runAfter": 1}},
-        ]  # fmt: skip
-
-    def _watch(self) -> None:
-        resume_token = None
-        backoff = 0.5
-        while True:
-            try:
-                with self._db.watch(
-                    self._pipeline(), max_await_time_ms=AWAIT_MS, batch_size=CHANGE_BATCH, resume_after=resume_token
-                ) as stream:
-                    self._went_live()
-                    backoff = 0.5
-                    changes, news = 0, False
-                    while stream.alive:
-                        change = stream.try_next()  # the buffered batch, or one getMore (awaiting AWAIT_MS)
-                        resume_token = stream.resume_token
-                        if change is not None:
-                            changes += 1
-                            news = self._on_change(change) or news
-                        if _buffered(stream) == 0:  # the next try_next is a getMore
-                            if changes and not news and changes < CHANGE_BATCH:
-                                time.sleep(self._busy_pace)  # the consumer is busy with these queues already
-                            changes, news = 0, False
-            except OperationFailure as exc:
-                if exc.code in NO_CHANGE_STREAMS:
-                    logger.info("no change streams on this deployment (%s): polling instead", exc.code)
-                    if self._bindings_watch is not None:
-                        self._bindings_watch.went_dark()
-                    self.available = False
-                    return
-                resume_token = None  # the history may be gone: start afresh, polling everything once
-                self._went_dark(backoff)
-            except PyMongoError:
-                self._went_dark(backoff)
-            backoff = min(backoff * 2, 10.0)
+    # --- what the process's change stream reports ---------------------------
 
     def _went_live(self) -> None:
         with self._lock:
             self._last_poll.clear()  # anything may have happened while we were not watching
             self.controls_version += 1  # a queue paused or resumed meanwhile, too
-        if self._bindings_watch is not None:
-            self._bindings_watch.went_live()  # tables read before now are read again once
         self.available = True
         self._notify()
 
-    def _went_dark(self, pause: float) -> None:
-        if self._bindings_watch is not None:
-            self._bindings_watch.went_dark()
+    def _went_dark(self) -> None:
         self.available = False
         self._notify()
-        time.sleep(pause)
 
     def _on_change(self, change: dict[str, Any]) -> bool:
         """Note a change; True when it is news (a queue not already marked), False when it repeats."""
@@ -233,6 +185,145 @@ class Wakeups:
         if not isinstance(due, datetime):
             return 0.0
         return (due - self._clock()).total_seconds()
+
+
+class _Feed:
+    """The change stream of one process, client and database, shared by every connection consuming there.
+
+    One watcher per connection kept a pooled connection each, for good once the connection closed: a process that
+    opened connections one after another (an inspect each, say) ran its client's pool dry. Now a closed connection
+    only unsubscribes, and the stream ends after the wait it is in once nobody is subscribed.
+    """
+
+    _feeds: dict[tuple[Any, ...], _Feed] = {}
+    _registry = threading.Lock()
+
+    @classmethod
+    def subscribe(cls, wakeups: Wakeups, db: Database, names: tuple[str | None, ...], busy_pace: float) -> _Feed:
+        key = (id(db.client), db.name, *names)
+        with cls._registry:
+            feed = cls._feeds.get(key)
+            if feed is None:
+                feed = cls._feeds[key] = cls(key, db, names, busy_pace)
+                feed.subscribers.append(wakeups)
+                feed.thread.start()
+                return feed
+            feed.subscribers.append(wakeups)
+            if feed.live:  # told here, under the lock, so that a dark turn that follows reaches it after this
+                wakeups._went_live()
+        return feed
+
+    def __init__(self, key: tuple[Any, ...], db: Database, names: tuple[str | None, ...], busy_pace: float) -> None:
+        self._key = key
+        self._db = db
+        self._jobs, self._messages, self._bindings, self._controls = names
+        self._bindings_watch = BindingsWatch.of(db[self._bindings]) if self._bindings else None
+        self._busy_pace = busy_pace
+        self.subscribers: list[Wakeups] = []
+        self.live = False
+        self._idle = threading.Event()  # set when the last subscriber left: pauses end early
+        self.thread = threading.Thread(target=self._watch, name="bb-broker-wakeups", daemon=True)
+
+    def unsubscribe(self, wakeups: Wakeups) -> None:
+        with self._registry:
+            if wakeups in self.subscribers:
+                self.subscribers.remove(wakeups)
+            if not self.subscribers:
+                self._idle.set()
+
+    def _wanted(self) -> bool:
+        """True while someone is subscribed; else the feed leaves the registry (a newcomer starts another)."""
+        with self._registry:
+            if self.subscribers:
+                self._idle.clear()
+                return True
+            if self._feeds.get(self._key) is self:
+                del self._feeds[self._key]
+            return False
+
+    def _each(self) -> list[Wakeups]:
+        with self._registry:
+            return list(self.subscribers)
+
+    def _pipeline(self) -> list[dict[str, Any]]:
+        jobs, messages = self._jobs, self._messages
+        return [
+            {"$match": {"$or": [
+                {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
+                {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
+                {"ns.coll": messages, "operationType": "insert"},
+                *([{"ns.coll": self._bindings}] if self._bindings else []),
+                *([{"ns.coll": self._controls}] if self._controls else []),
+            ]}},
+            {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
+                          "updateDescription.updatedFields.runAfter": 1}},
+        ]  # fmt: skip
+
+    def _watch(self) -> None:
+        resume_token = None
+        backoff = 0.5
+        while self._wanted():
+            try:
+                with self._db.watch(
+                    self._pipeline(), max_await_time_ms=AWAIT_MS, batch_size=CHANGE_BATCH, resume_after=resume_token
+                ) as stream:
+                    self._went_live()
+                    backoff = 0.5
+                    changes, news = 0, False
+                    while stream.alive and self._wanted():
+                        change = stream.try_next()  # the buffered batch, or one getMore (awaiting AWAIT_MS)
+                        resume_token = stream.resume_token
+                        if change is not None:
+                            changes += 1
+                            news = self._on_change(change) or news
+                        if _buffered(stream) == 0:  # the next try_next is a getMore
+                            if changes and not news and changes < CHANGE_BATCH:
+                                self._idle.wait(self._busy_pace)  # the consumer is busy with these queues already
+                            changes, news = 0, False
+            except OperationFailure as exc:
+                if exc.code in NO_CHANGE_STREAMS:
+                    logger.info("no change streams on this deployment (%s): polling instead", exc.code)
+                    break
+                resume_token = None  # the history may be gone: start afresh, polling everything once
+                self._went_dark(backoff)
+            except PyMongoError:
+                self._went_dark(backoff)
+            backoff = min(backoff * 2, 10.0)
+        with self._registry:
+            if self._feeds.get(self._key) is self:
+                del self._feeds[self._key]
+        self._went_dark(0.0)
+
+    def _went_live(self) -> None:
+        if self._bindings_watch is not None:
+            self._bindings_watch.went_live(self)  # tables read before now are read again once
+        self.live = True
+        for wakeups in self._each():
+            wakeups._went_live()
+
+    def _went_dark(self, pause: float) -> None:
+        if self._bindings_watch is not None:
+            self._bindings_watch.went_dark(self)
+        self.live = False
+        for wakeups in self._each():
+            wakeups._went_dark()
+        if pause:
+            self._idle.wait(pause)
+
+    def _on_change(self, change: dict[str, Any]) -> bool:
+        news = False
+        for wakeups in self._each():
+            news = wakeups._on_change(change) or news
+        return news
+
+
+def _forget_parent_feeds() -> None:
+    # The parent's watcher threads do not follow a fork: a child that consumes starts its own.
+    _Feed._feeds = {}
+    _Feed._registry = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_feeds)
 
 
 def _buffered(stream: Any) -> int | None:

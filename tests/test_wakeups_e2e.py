@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
-from kombu import Connection, Consumer, Queue
+from kombu import Connection, Consumer, Producer, Queue
 
 from tests.workers import producer, send, settled, wait_for
 
@@ -54,3 +56,27 @@ def test_news_for_a_queue_it_does_not_consume_leaves_a_consumer_idle(broker_url,
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=2)
     assert len(polls) < 20, f"{len(polls)} polls of {set(polls)} in 2 s of idling: the consumer spins"
+
+
+def test_connections_opened_and_closed_one_after_another_never_run_the_pool_dry(broker_url) -> None:
+    # Celery's test manager opens a connection per test to inspect the worker. Each consuming connection started a
+    # change-stream watcher that outlived it and kept a pooled connection for good: after maxPoolSize of them every
+    # read of the process waited for a pool slot (pymongo's "Timed out while checking out a connection").
+    url = f"{broker_url}?maxPoolSize=3&waitQueueTimeoutMS=5000"
+    for round_ in range(6):
+        with Connection(url) as conn, Consumer(conn, [Queue(f"reply.{round_}", auto_delete=True)], accept=["json"]):
+            wait_for(lambda: conn.transport.wakeups.available, timeout=30, message=f"round {round_}'s change stream")
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)  # nobody answers: the consumer looks and waits, as an inspect does
+    with Connection(url) as conn:
+        queue = Queue("reply.last", auto_delete=True)
+        got: list[object] = []
+        with Consumer(conn, [queue], accept=["json"], callbacks=[lambda body, message: got.append(body)]):
+            Producer(conn.channel()).publish({"hello": "again"}, routing_key=queue.name)
+            wait_for(lambda: got or _drain(conn), timeout=30, message="the message on the last connection")
+    assert got == [{"hello": "again"}]
+
+
+def _drain(conn: Connection) -> None:
+    with contextlib.suppress(TimeoutError):
+        conn.drain_events(timeout=0.5)
