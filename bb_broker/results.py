@@ -21,8 +21,11 @@ cancel) reads as FAILURE with `JobFailed(lastError)`, or REVOKED when it was rev
 
 Chords use a native counter: each header task's part is one `findAndModify` on `chord:<group id>` that adds its
 result and `$inc`s the count, guarded by the part's key so a task that runs again (its worker was killed) is
-counted once; the part that completes the count claims the callback with a fenced update, so it is sent once. The
-part is counted before the task's own settle, so a worker killed in between loses no part. No `chord_unlock`.
+counted once. The part is counted before the task's own settle, so a worker killed in between loses no part: the
+job is re-queued and its rerun finds its part counted. The part that completes the count claims the callback
+(recording the task id of the callback's first message), sends it, then marks it sent; a worker killed between
+the claim and the mark leaves its part's job running, and the rerun of that part (the same key) takes the claim
+over: it sends the callback with the claimed id unless a job of that id exists already. No `chord_unlock`.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from datetime import timedelta
 from typing import Any
 
 from bson import Binary
-from celery import maybe_signature, states
+from celery import chord, group, maybe_signature, states
 from celery.backends.base import BaseBackend, decompress_payload
+from celery.canvas import _chain
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import GroupResult, allow_join_result, result_from_tuple
@@ -45,6 +49,7 @@ from celery.utils.functional import _regen
 from kombu.serialization import loads
 from kombu.serialization import registry as serializers
 from kombu.utils.encoding import ensure_bytes
+from kombu.utils.uuid import uuid
 from pymongo import ASCENDING, DESCENDING, ReturnDocument
 from pymongo.collection import Collection
 from pymongo.errors import OperationFailure
@@ -96,6 +101,14 @@ def _described(encoded: Any) -> str:
         text = " ".join(map(str, message)) if isinstance(message, list | tuple) else str(message or "")
         return f"{encoded['exc_type']}: {text}" if text else str(encoded["exc_type"])
     return str(encoded)
+
+
+def _first_message(signature: Any) -> Any:
+    """The signature whose message a canvas sends first: a chain's first step, a group's or chord's first task."""
+    while isinstance(signature, _chain | group | chord) and signature.tasks:
+        tasks = signature.tasks
+        signature = maybe_signature(tasks[0] if isinstance(tasks, list | tuple) else next(iter(tasks)))
+    return signature
 
 
 class JobFailed(Exception):
@@ -549,42 +562,78 @@ class JobResultBackend(BaseBackend):
         key = f"{task_id}:{index}"
         value, fmt = self._stored(self.encode_result(result, state))
         part = {"key": key, "i": index, "id": task_id, "state": state, "value": value, "format": fmt}
-        chord_id = f"chord:{group_id}"
-        counts = {"parts": 0, "members": 0}
-        counter = self.side.find_one_and_update(
-            {"_id": chord_id, "members": {"$ne": key}},
-            {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}},
-            projection=counts,
-            return_document=ReturnDocument.AFTER,
-        )
+        counter = self._count_part(group_id, key, part)
         if counter is None:
-            # This part was counted before (the task ran again after its worker died), or the chord is unknown.
-            counter = self.side.find_one({"_id": chord_id}, counts)
-            if counter is None:
-                logger.error("chord %s has no counter (expired, or never applied): part %s ignored", group_id, key)
-                return
+            logger.error("chord %s has no counter (expired, or never applied): part %s ignored", group_id, key)
+            return
         size = counter.get("size")
         if size is None:
             size = (request.chord or {}).get("chord_size")
-        if size is None or counter["count"] < size + counter.get("extra", 0) or counter.get("dispatched"):
+        if size is None or counter["count"] < size + counter.get("extra", 0) or counter.get("sent"):
             return
-        # The count is complete: exactly one part sends the callback.
-        claimed = self.side.update_one(
-            {"_id": chord_id, "dispatched": {"$exists": False}}, {"$set": {"dispatched": self.app.now()}}
-        ).modified_count
-        if not claimed:
-            return
+        # The count is complete: the part that claims the callback sends it.
         callback = maybe_signature(request.chord, app=self.app)
+        first = _first_message(callback)
+        if not self._claim_callback(group_id, key, first, counter.get("callback")):
+            return
         try:
-            values = self._chord_values(group_id, self.side.find_one({"_id": chord_id}, {"parts": 1})["parts"])
+            values = self._chord_values(
+                group_id, self.side.find_one({"_id": f"chord:{group_id}"}, {"parts": 1})["parts"]
+            )
         except ChordError as exc:
             logger.error("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, exc)
-            return
         except Exception as exc:
             logger.exception("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, ChordError(f"Join error: {exc!r}"))
-            return
+        else:
+            self._send_callback(group_id, callback, values)
+        self.side.update_one({"_id": f"chord:{group_id}"}, {"$set": {"sent": self.app.now()}})
+
+    def _count_part(self, group_id: str, key: str, part: dict[str, Any]) -> dict[str, Any] | None:
+        """Add a part to the chord's counter, once per key; the counter as it stands (None: no such chord)."""
+        chord_id = f"chord:{group_id}"
+        small = {"parts": 0, "members": 0}
+        counter = self.side.find_one_and_update(
+            {"_id": chord_id, "members": {"$ne": key}},
+            {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}},
+            projection=small,
+            return_document=ReturnDocument.AFTER,
+        )
+        # None: this part was counted before (the task ran again after its worker died), or the chord is unknown.
+        return counter if counter is not None else self.side.find_one({"_id": chord_id}, small)
+
+    def _claim_callback(self, group_id: str, key: str, first: Any, claim: dict[str, Any] | None) -> bool:
+        """Whether this part sends the callback: the first to claim it, or the same part run again after its
+        worker died holding the claim, and then only when the callback's first message was not sent already.
+
+        The claim records the task id of the callback's first message, so that a part run again sends it with
+        the same id and can look for its job first: the callback is sent once whichever side of the send the
+        worker died on.
+        """
+        chord_id = f"chord:{group_id}"
+        if claim is None:
+            first_id = first.options.get("task_id") or uuid()
+            claim = {"by": key, "firstId": first_id, "at": self.app.now()}
+            taken = self.side.update_one(
+                {"_id": chord_id, "callback": {"$exists": False}}, {"$set": {"callback": claim}}
+            )
+            if taken.modified_count:
+                first.set(task_id=first_id)
+                return True
+            claim = (self.side.find_one({"_id": chord_id}, {"callback": 1, "sent": 1}) or {}).get("callback")
+        if claim is None or claim.get("by") != key:
+            return False  # another part sends it
+        # This part claimed it before and ran again: its worker died between the claim and the end of the send.
+        first.set(task_id=claim["firstId"])
+        if self.jobs.find_one({"taskId": claim["firstId"]}, {"_id": 1}) is not None:
+            logger.warning("chord %s: the callback was sent before its sender died; not sent again", group_id)
+            self.side.update_one({"_id": chord_id}, {"$set": {"sent": self.app.now()}})
+            return False
+        logger.warning("chord %s: its callback's sender died before sending it; sending it now", group_id)
+        return True
+
+    def _send_callback(self, group_id: str, callback: Any, values: list[Any]) -> None:
         try:
             callback.delay(values)
         except Exception as exc:

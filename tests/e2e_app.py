@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 from celery import Celery
@@ -33,6 +34,33 @@ if os.environ.get("BB_RESULT_BACKEND"):
 def consumer_loop(state) -> dict:
     """Which of Celery's loops this worker's consumer runs: `asynloop` on its event loop, `synloop` blocking."""
     return {"loop": state.consumer.loop.__name__, "hub": state.consumer.hub is not None}
+
+
+def _crash_at(point: str) -> None:
+    """Fault injection for tests/test_results_e2e.py: the whole worker is SIGKILLed at one step of a chord's
+    completion (`part-counted`: a part counted, its job not settled; `callback-claimed`: the last part claimed the
+    callback, not sent; `callback-sent`: sent, not marked sent), as a crash there would."""
+    from bb_broker.results import JobResultBackend
+
+    def crash() -> None:
+        runs().insert_one({"name": "crash", "point": point, "pid": os.getpid(), "at": time.time()})
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # the main process and the whole pool at once
+
+    steps = {"part-counted": "_count_part", "callback-claimed": "_send_callback", "callback-sent": "_send_callback"}
+    original = getattr(JobResultBackend, steps[point])
+
+    def crashing(*args, **kwargs):
+        if point == "callback-claimed":
+            crash()
+        done = original(*args, **kwargs)
+        crash()
+        return done
+
+    setattr(JobResultBackend, steps[point], crashing)
+
+
+if os.environ.get("BB_TEST_CRASH_AT"):
+    _crash_at(os.environ["BB_TEST_CRASH_AT"])
 
 
 def runs():

@@ -270,6 +270,31 @@ def test_a_worker_killed_in_the_middle_of_a_chord(results_app, results_worker, d
     assert db.jobs.count_documents({"kind": "celery.chord_unlock"}) == 0
 
 
+@pytest.mark.parametrize("crash_at", ["part-counted", "callback-claimed", "callback-sent"])
+def test_a_worker_killed_at_each_step_of_a_chords_completion(crash_at, results_app, results_worker, db: Database):
+    # The first worker SIGKILLs itself and its pool at `crash_at` (tests/e2e_app.py): the job of the part it held
+    # stays running until the second worker's sweep re-queues it, and that part runs again.
+    options = {"stale_after": 4.0}
+    first = results_worker(concurrency=1, options=options, env={"BB_TEST_CRASH_AT": crash_at})
+    result = chord(sig(results_app, "add", i, i) for i in range(3))(sig(results_app, "tsum"))
+    wait_for(lambda: first.process.poll() is not None, message=f"the worker killed at {crash_at}")
+    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
+    results_worker(concurrency=1, options=options)
+    assert result.get(timeout=120) == 6
+    header = {"kind": T + "add", "status": "succeeded"}
+    wait_for(lambda: db.jobs.count_documents(header) == 3, message="every header job settled")
+    # The part that was cut short ran again, and is counted once; the callback was sent and ran once.
+    [rerun] = db.jobs.find({"kind": T + "add", "history.outcome": "lost"})
+    assert [attempt["outcome"] for attempt in rerun["history"]] == ["lost", "succeeded"]
+    counter = db.bb_results.find_one({"_id": f"chord:{result.parent.id}"})
+    assert counter["count"] == 3 and sorted(part["i"] for part in counter["parts"]) == [0, 1, 2]
+    assert counter["sent"] and counter["callback"]["firstId"] == result.id
+    assert db.jobs.count_documents({"kind": T + "tsum"}) == 1
+    assert db.runs.find_one({"name": T + "tsum"})["values"] == [0, 2, 4]
+    wait_for(lambda: db.jobs.count_documents({"kind": T + "tsum", "status": "succeeded"}) == 1, message="callback")
+    assert db.runs.count_documents({"name": T + "tsum"}) == 1
+
+
 def test_urls_that_differ_only_in_options_share_the_jobs(broker_url: str, worker_factory, db: Database):
     # The worker's broker URL carries an option its result backend's does not, and the client's neither:
     # the result still goes on the job (one write) and the client reads it there.
