@@ -1,10 +1,12 @@
 """Fetch Kombu's and Celery's sources for the installed versions, run their integration suites, print the table.
 
-Kombu's integration classes run against bbmongo://; Celery's test_tasks.py and test_canvas.py against bbmongo://
-and against Redis (the baseline, as Celery's CI runs them), with a Redis result backend for both. Each suite runs
-in its own pytest process, bounded in time. While iterating, CONFORMANCE_SUITES (kombu,tasks,canvas),
-CONFORMANCE_BROKERS (bbmongo,redis) and CONFORMANCE_K (a -k expression for the Celery suites) narrow a run, and
-CONFORMANCE_SUITE_TIMEOUT (seconds) caps each suite.
+Kombu's integration classes run against bbmongo://; Celery's test_tasks.py and test_canvas.py in three columns:
+bbmongo:// as broker with a Redis result backend, Redis as both (the baseline, as Celery's CI runs them), and
+bbmongo:// as both broker and result backend (`bbmongo+results`, no Redis at all; its table row says whether a
+`celery_taskmeta` collection appeared, which it must not). Each suite runs in its own pytest process, bounded in
+time. While iterating, CONFORMANCE_SUITES (kombu,tasks,canvas), CONFORMANCE_BROKERS (bbmongo,redis,bbmongo+results)
+and CONFORMANCE_K (a -k expression for the Celery suites) narrow a run, and CONFORMANCE_SUITE_TIMEOUT (seconds)
+caps each suite.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
+
+from pymongo import MongoClient
 
 from tests.bench.servers import RedisServer, mongo_server
 from tests.servers import with_database
@@ -40,6 +45,9 @@ INTERRUPT_GRACE = 120
 #: How many of the slowest tests the report compares with the baseline.
 SLOWEST = 8
 
+#: Each column of the Celery suites, and the column it is compared with.
+BASELINE = {"bbmongo": "redis", "bbmongo+results": "redis"}
+
 PYTEST_INI = """[pytest]
 python_classes = test_* Test*
 markers =
@@ -57,7 +65,10 @@ class Run:
     broker: str
     outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed/failed/skipped
     seconds: dict[str, float] = field(default_factory=dict)  # test id -> its duration
+    skips: dict[str, str] = field(default_factory=dict)  # test id -> why it was skipped
     note: str = ""
+    #: Checked once the suite has run: the note says what it found (no celery_taskmeta, for one).
+    after: Callable[[], str] | None = None
 
     def count(self, outcome: str) -> int:
         return sum(1 for value in self.outcomes.values() if value == outcome)
@@ -122,26 +133,41 @@ def run_pytest(run: Run, args: list[str], cwd: Path, env: dict[str, str], work: 
                 process.wait()
             run.note = f"stopped after {limit:.0f} s"
     if report.exists():
-        run.outcomes, run.seconds = read_junit(report)
+        run.outcomes, run.seconds, run.skips = read_junit(report)
     elif not run.note:
         run.note = f"no report (exit {process.returncode}); see {log}"
     run.note = run.note or f"{time.monotonic() - started:.0f} s"
+    if run.after is not None:
+        run.note = f"{run.note}; {run.after()}"
     return run
 
 
-def read_junit(report: Path) -> tuple[dict[str, str], dict[str, float]]:
+def read_junit(report: Path) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
     outcomes: dict[str, str] = {}
     seconds: dict[str, float] = {}
+    skips: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         seconds[name] = float(case.get("time") or 0)
         if case.find("failure") is not None or case.find("error") is not None:
             outcomes[name] = "failed"
-        elif case.find("skipped") is not None:
+        elif (skipped := case.find("skipped")) is not None:
             outcomes[name] = "skipped"
+            skips[name] = (skipped.get("message") or "").strip()[:160]
         else:
             outcomes[name] = "passed"
-    return outcomes, seconds
+    return outcomes, seconds, skips
+
+
+def no_taskmeta(mongo_url: str, database: str) -> Callable[[], str]:
+    """A check for after the run: Celery's MongoDB backend's collection must not appear beside the jobs."""
+
+    def check() -> str:
+        with MongoClient(mongo_url, serverSelectionTimeoutMS=10_000) as client:
+            names = client[database].list_collection_names()
+        return "celery_taskmeta APPEARED" if "celery_taskmeta" in names else "no celery_taskmeta"
+
+    return check
 
 
 def print_table(runs: list[Run]) -> None:
@@ -155,27 +181,41 @@ def print_table(runs: list[Run]) -> None:
     for run in runs:
         by_suite.setdefault(run.suite, {})[run.broker] = run
     for suite, brokers in by_suite.items():
-        ours, baseline = brokers.get("bbmongo"), brokers.get("redis")
-        if ours is None:
-            continue
-        only_ours = sorted(
-            name for name, outcome in ours.outcomes.items()
-            if outcome == "failed" and (baseline is None or baseline.outcomes.get(name) == "passed")
-        )  # fmt: skip
-        print(f"\n{suite}: failing only on bbmongo:// ({len(only_ours)})")
-        for name in only_ours:
-            print(f"  - {name}")
-        if baseline is not None:
-            slowest = sorted(ours.seconds, key=lambda name: ours.seconds[name], reverse=True)[:SLOWEST]
-            print(f"{suite}: the slowest on bbmongo:// (seconds, bbmongo:// / redis://)")
-            for name in slowest:
-                print(f"  - {name}: {ours.seconds[name]:.1f} / {baseline.seconds.get(name, float('nan')):.1f}")
+        for column, base in BASELINE.items():
+            ours, baseline = brokers.get(column), brokers.get(base)
+            if ours is None:
+                continue
+            compare(suite, column, ours, baseline)
+
+
+def compare(suite: str, column: str, ours: Run, baseline: Run | None) -> None:
+    """What fails in `column` but passes in the baseline; what the baseline runs that `column` skips; the slowest."""
+    only_ours = sorted(
+        name for name, outcome in ours.outcomes.items()
+        if outcome == "failed" and (baseline is None or baseline.outcomes.get(name) == "passed")
+    )  # fmt: skip
+    print(f"\n{suite}: failing only on {column} ({len(only_ours)})")
+    for name in only_ours:
+        print(f"  - {name}")
+    if baseline is None:
+        return
+    skipped_here = sorted(
+        name for name, outcome in ours.outcomes.items()
+        if outcome == "skipped" and baseline.outcomes.get(name) == "passed"
+    )  # fmt: skip
+    print(f"{suite}: skipped on {column} but passed on {baseline.broker} ({len(skipped_here)})")
+    for name in skipped_here:
+        print(f"  - {name}: {ours.skips.get(name, '')}")
+    slowest = sorted(ours.seconds, key=lambda name: ours.seconds[name], reverse=True)[:SLOWEST]
+    print(f"{suite}: the slowest on {column} (seconds, {column} / {baseline.broker})")
+    for name in slowest:
+        print(f"  - {name}: {ours.seconds[name]:.1f} / {baseline.seconds.get(name, float('nan')):.1f}")
 
 
 def main() -> int:
     suites = [s.strip() for s in os.environ.get("CONFORMANCE_SUITES", "kombu,tasks,canvas").split(",") if s.strip()]
     k = os.environ.get("CONFORMANCE_K", "")
-    brokers = os.environ.get("CONFORMANCE_BROKERS", "bbmongo,redis").split(",")
+    brokers = os.environ.get("CONFORMANCE_BROKERS", "bbmongo,redis,bbmongo+results").split(",")
     kombu_tree = fetch("kombu")
     celery_tree = fetch("celery")
     work = Path(tempfile.mkdtemp(prefix="run-", dir=CACHE))
@@ -195,12 +235,19 @@ def main() -> int:
                 continue
             target = f"t/integration/test_{suite}.py"
             args = ["-p", "celery.contrib.pytest", target, *(["-k", k] if k else [])]
-            for broker, url in (("bbmongo", with_database(mongo.url, f"celery_{suite}")), ("redis", redis.url)):
+            ours = with_database(mongo.url, f"celery_{suite}")
+            alone = with_database(mongo.url, f"celery_{suite}_results")
+            columns = (
+                ("bbmongo", ours, redis.url, None),
+                ("redis", redis.url, redis.url, None),
+                ("bbmongo+results", alone, alone, no_taskmeta(mongo.url, f"celery_{suite}_results")),
+            )
+            for broker, url, backend, after in columns:
                 if broker not in brokers:
                     continue
-                env = {**redis_env, "TEST_BROKER": url, "TEST_BACKEND": redis.url, "PYTHONPATH": str(celery_tree)}
+                env = {**redis_env, "TEST_BROKER": url, "TEST_BACKEND": backend, "PYTHONPATH": str(celery_tree)}
                 print(f"running {suite} on {broker} ...", flush=True)
-                runs.append(run_pytest(Run(suite, broker), args, celery_tree, env, work))
+                runs.append(run_pytest(Run(suite, broker, after=after), args, celery_tree, env, work))
                 subprocess.run(["redis-cli", "-p", str(redis.port), "flushall"], capture_output=True, timeout=30)
     finally:
         redis.stop()
