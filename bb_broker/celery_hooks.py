@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from celery import signals
-from celery.exceptions import MaxRetriesExceededError
+from celery.exceptions import MaxRetriesExceededError, Reject
 from celery.worker import state as worker_state
 
 from . import connection, metrics
@@ -97,8 +97,9 @@ def is_final_attempt(task: Any) -> bool:
 
 
 def is_retryable(request: Any, exception: BaseException) -> bool:
-    # A failure after the task's own Celery retries means its retry policy gave up; a result too large always will.
-    if isinstance(exception, ResultTooLarge):
+    # A failure after the task's own Celery retries means its retry policy gave up; a result too large always will;
+    # a task that rejects its message without requeue asks never to run again.
+    if isinstance(exception, ResultTooLarge) or (isinstance(exception, Reject) and not exception.requeue):
         return False
     return not (isinstance(exception, MaxRetriesExceededError) or getattr(request, "retries", 0))
 

@@ -232,3 +232,12 @@ def reject_always(self):
 def header_value(self, name):
     record(self, value=repr(self.request.get(name)))
     return repr(self.request.get(name))
+
+
+@app.task(bind=True)
+def reject_for_good(self):
+    """Rejects its message without requeue: it must never run again."""
+    from celery.exceptions import Reject
+
+    record(self)
+    raise Reject("bad input", requeue=False)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from celery import Celery, chain, chord, group
-from celery.exceptions import ChordError, TaskRevokedError
+from celery.exceptions import ChordError, Reject, TaskRevokedError
 from celery.result import AsyncResult, GroupResult
 from pymongo import monitoring
 from pymongo.database import Database
@@ -156,6 +156,17 @@ def test_a_result_that_fits_alone_but_not_beside_its_arguments(results_app, resu
     doc = job(db, result.id)
     assert doc["status"] == "failed" and doc["attempts"] == 1 and "ResultTooLarge" in doc["lastError"]
     assert len(str(doc["result"])) < 10_000
+
+
+def test_a_reject_without_requeue_fails_at_once(results_app, results_worker, db: Database):
+    results_worker()
+    result = results_app.send_task(T + "reject_for_good")
+    with pytest.raises(Reject, match="bad input"):
+        result.get(timeout=60)
+    assert result.state == "FAILURE"
+    doc = job(db, result.id)
+    assert doc["status"] == "failed" and doc["attempts"] == 1 and "bad input" in doc["lastError"]
+    assert db.runs.count_documents({"name": T + "reject_for_good"}) == 1  # never run again
 
 
 def test_revoke_makes_get_raise(results_app, results_worker):
