@@ -462,8 +462,6 @@ class JobResultBackend(BaseBackend):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise CeleryTimeoutError(f"Operation timed out ({timeout})")
-                if on_interval is not None:
-                    on_interval()
                 iterations += 1
                 if max_iterations and iterations >= max_iterations:
                     return
@@ -476,6 +474,10 @@ class JobResultBackend(BaseBackend):
                     if stream is not None:
                         continue  # read again at once: a change between the read and the watch is not missed
                 self._pause(stream, interval, remaining)
+                if on_interval is not None:
+                    # After the wait and before the next read, as Redis's consumer does: a parent's error (a
+                    # chord's revoked header task) is raised before the failure it caused downstream.
+                    on_interval()
         finally:
             if stream is not None:
                 stream.close()

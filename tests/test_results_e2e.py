@@ -230,8 +230,15 @@ def test_a_chord_of_a_hundred(results_app, results_worker, db: Database):
 def test_a_chord_whose_header_task_fails(results_app, results_worker, db: Database):
     results_worker()
     result = chord([sig(results_app, "add", 1, 1), sig(results_app, "always_fails")])(sig(results_app, "tsum"))
-    with pytest.raises(ChordError, match="always fails"):
+    # As with Redis, get() raises the header task's own error (it checks the chord's parents while it waits);
+    # the callback's result is the ChordError.
+    with pytest.raises(ValueError, match="always fails"):
         result.get(timeout=120)
+    callback = wait_for(lambda: db.bb_results.find_one({"_id": f"task:{result.id}"}), message="the callback's result")
+    assert callback["state"] == "FAILURE" and callback["result"]["exc_type"] == "ChordError"
+    assert "always fails" in str(callback["result"]["exc_message"])
+    with pytest.raises(ChordError, match="always fails"):
+        result.get(timeout=10, follow_parents=False)
     assert db.runs.count_documents({"name": T + "tsum"}) == 0
 
 
