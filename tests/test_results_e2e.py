@@ -13,7 +13,7 @@ from pymongo import monitoring
 from pymongo.database import Database
 
 import bb_broker
-from bb_broker.results import JobResultBackend
+from bb_broker.results import JobFailed, JobResultBackend
 from tests.workers import job, producer, wait_for
 
 T = "tests.e2e_app."
@@ -311,6 +311,20 @@ def test_a_worker_killed_at_each_step_of_a_chords_completion(crash_at, results_a
     assert db.runs.find_one({"name": T + "tsum"})["values"] == [0, 2, 4]
     wait_for(lambda: db.jobs.count_documents({"kind": T + "tsum", "status": "succeeded"}) == 1, message="callback")
     assert db.runs.count_documents({"name": T + "tsum"}) == 1
+
+
+def test_a_header_task_killed_on_its_last_attempt_fails_the_chords_get(results_app, results_worker, db: Database):
+    # No attempt left: the sweep fails the job without a part, so the callback never runs; get() on the chord
+    # does not hang, it raises the lost header task's failure (it checks the chord's parents while it waits).
+    options = {"stale_after": 4.0, "max_attempts": 1}
+    first = results_worker(concurrency=2, options=options)
+    result = chord([sig(results_app, "add", 1, 1), sig(results_app, "sleep", 60)])(sig(results_app, "tsum"))
+    wait_for(lambda: db.runs.count_documents({"name": T + "sleep", "phase": "start"}) == 1, message="sleep runs")
+    first.kill()
+    results_worker(concurrency=1, options=options)
+    with pytest.raises(JobFailed, match="worker lost"):
+        result.get(timeout=120)
+    assert db.runs.count_documents({"name": T + "tsum"}) == 0
 
 
 def test_urls_that_differ_only_in_options_share_the_jobs(broker_url: str, worker_factory, db: Database):
