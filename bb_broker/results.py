@@ -628,7 +628,8 @@ class JobResultBackend(BaseBackend):
             return False  # another part sends it
         # This part claimed it before and ran again: its worker died between the claim and the end of the send.
         first.set(task_id=claim["firstId"])
-        if self.jobs.find_one({"taskId": claim["firstId"]}, {"_id": 1}) is not None:
+        sent = self.jobs.find_one({"taskId": claim["firstId"]}, {"_id": 1}) is not None
+        if sent or self._side_state(claim["firstId"]) is not None:  # a job, or the chord's error stored
             logger.warning("chord %s: the callback was sent before its sender died; not sent again", group_id)
             self.side.update_one({"_id": chord_id}, {"$set": {"sent": self.app.now()}})
             return False

@@ -152,3 +152,37 @@ def test_a_broker_url_with_other_options_shares_the_jobs(broker_url: str):
         assert app.backend._store() is not None
     finally:
         app.close()
+
+
+class Killed(BaseException):
+    """Stands for the SIGKILL of the worker at that point (the e2e test kills real workers there)."""
+
+
+@pytest.mark.parametrize("dies", ["before the send", "after the send"])
+def test_the_part_that_claimed_the_callback_takes_it_over_when_it_runs_again(
+    app: Celery, db: Database, monkeypatch: pytest.MonkeyPatch, dies: str
+):
+    backend = app.backend
+    backend.apply_chord(("g4", [app.AsyncResult("t0"), app.AsyncResult("t1")]), tsum(app))
+    backend.set_chord_size("g4", 2)
+    backend.on_chord_part_return(part("t0", "g4", 0, tsum(app)), states.SUCCESS, 5)
+    send = JobResultBackend._send_callback
+
+    def dying_send(self, *args):
+        if dies == "after the send":
+            send(self, *args)
+        raise Killed
+
+    monkeypatch.setattr(JobResultBackend, "_send_callback", dying_send)
+    with pytest.raises(Killed):
+        backend.on_chord_part_return(part("t1", "g4", 1, tsum(app)), states.SUCCESS, 7)
+    monkeypatch.setattr(JobResultBackend, "_send_callback", send)
+    claim = db.bb_results.find_one({"_id": "chord:g4"})["callback"]
+    assert claim["by"] == "t1:1"
+    # Another part completing late changes nothing; the claiming part's rerun sends it, with the claimed id.
+    backend.on_chord_part_return(part("t0", "g4", 0, tsum(app)), states.SUCCESS, 5)
+    backend.on_chord_part_return(part("t1", "g4", 1, tsum(app)), states.SUCCESS, 7)
+    backend.on_chord_part_return(part("t1", "g4", 1, tsum(app)), states.SUCCESS, 7)
+    [sent] = db.jobs.find({"kind": "tests.e2e_app.tsum"})
+    assert sent["taskId"] == claim["firstId"] and sent["payload"]["args"] == [[5, 7]]
+    assert db.bb_results.find_one({"_id": "chord:g4"})["sent"]
