@@ -302,8 +302,9 @@ def test_a_worker_killed_at_each_step_of_a_chords_completion(crash_at, results_a
     header = {"kind": T + "add", "status": "succeeded"}
     wait_for(lambda: db.jobs.count_documents(header) == 3, message="every header job settled")
     # The part that was cut short ran again, and is counted once; the callback was sent and ran once.
-    [rerun] = db.jobs.find({"kind": T + "add", "history.outcome": "lost"})
-    assert [attempt["outcome"] for attempt in rerun["history"]] == ["lost", "succeeded"]
+    # (The killed worker may also have held the next header job, claimed but not started: it is re-queued too.)
+    reruns = list(db.jobs.find({"kind": T + "add", "history.outcome": "lost"}))
+    assert reruns and all([a["outcome"] for a in rerun["history"]] == ["lost", "succeeded"] for rerun in reruns)
     counter = db.bb_results.find_one({"_id": f"chord:{result.parent.id}"})
     assert counter["count"] == 3 and sorted(part["i"] for part in counter["parts"]) == [0, 1, 2]
     assert counter["sent"] and counter["callback"]["firstId"] == result.id
