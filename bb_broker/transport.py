@@ -365,6 +365,7 @@ class Channel(virtual.Channel):
                 self._keeper.add_expiry(expire)
         self.connection.watch(self)
         tag = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.connection.consumers_changed()
         self.connection.poke()  # a new queue to look at
         return tag
 
@@ -457,6 +458,8 @@ class Channel(virtual.Channel):
         # Also how close() ends each consumer: jobs are held only for a queue being consumed.
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
+        if self.connection is not None:  # None once the channel closed (a consumer cancelled at shutdown)
+            self.connection.consumers_changed()
         if queue is not None:
             self._give_back(queue)
         return result
@@ -552,6 +555,13 @@ class Transport(virtual.Transport):
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
                 on_news=self._ring,
+            )
+
+    def consumers_changed(self) -> None:
+        """Tell the change stream which queues this connection's consumers read now: only their changes are news."""
+        if self.wakeups is not None:
+            self.wakeups.consume_only(
+                {queue for channel in list(self.channels) if channel._consumers for queue in channel._active_queues}
             )
 
     def _deliver(self, message: Any, queue: str) -> None:

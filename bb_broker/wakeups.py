@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import heapq
 import logging
 import os
@@ -66,11 +67,22 @@ class Wakeups:
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
+        #: The queues this connection's consumers read: only their changes are news or repeats to it. The rest
+        #: (its own replies and events, other workers' queues) are marked, in case it consumes them later, and else
+        #: only pace the watcher while they keep coming.
+        self._consumed: frozenset[str] = frozenset()
+        #: How many changes this connection has been told of.
+        self.changes_seen = 0
         self._feed = _Feed.subscribe(self, db, (jobs, messages, bindings, controls), busy_pace)
 
     @property
     def _thread(self) -> threading.Thread:
         return self._feed.thread
+
+    @property
+    def paces(self) -> int:
+        """How many times the process's watcher has paced its reads (a count for tests and diagnosis)."""
+        return self._feed.paces
 
     def stop(self) -> None:
         """The connection closed: no more wake-ups for it (the process's change stream ends with its last one)."""
@@ -99,6 +111,15 @@ class Wakeups:
         """A poll found a message: there may be more behind it."""
         with self._lock:
             self._dirty.add(queue)
+
+    def consume_only(self, queues: Collection[str]) -> None:
+        """The queues this connection's consumers read from now on."""
+        consumed = frozenset(queues)
+        with self._lock:
+            added = consumed - self._consumed
+            self._consumed = consumed
+        if added:
+            self._feed.cut_pace()  # the newcomer's news must not wait behind a pace
 
     def poke(self) -> None:
         """Something changed in this process (a prefetch slot freed): look again."""
@@ -150,18 +171,19 @@ class Wakeups:
         self.available = False
         self._notify()
 
-    def _on_change(self, change: dict[str, Any]) -> bool:
-        """Note a change; True when it is news (a queue not already marked), False when it repeats."""
+    def _on_change(self, change: dict[str, Any]) -> Seen:
+        """Note a change, and say what it is to this connection's consumers."""
         now = time.monotonic()
+        self.changes_seen += 1
         if self._bindings_watch is not None and (change.get("ns") or {}).get("coll") == self._bindings:
             self._bindings_watch.changed()
-            return True  # rare, and nothing to poll
+            return Seen.NEWS  # rare, and nothing to poll
         if self._controls is not None and (change.get("ns") or {}).get("coll") == self._controls:
             with self._lock:
                 self.controls_version += 1
                 self._jobs_touched_at = now  # a resumed queue has work to claim
             self._notify()
-            return True
+            return Seen.NEWS
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")
@@ -171,15 +193,19 @@ class Wakeups:
         with self._lock:
             if delay > 0:
                 heapq.heappush(self._timers, (now + delay, queue))
-                news = False  # a timer: nothing to poll before it fires
-            elif queue is not None:
-                news = queue not in self._dirty and queue not in self._inflight
-                self._dirty.add(queue)
-            else:
-                news = True
+                seen = Seen.REPEAT  # a timer: nothing to poll before it fires
+            elif queue is None:
+                seen = Seen.NEWS
                 self._jobs_touched_at = now
-        self._notify()
-        return news
+            elif queue not in self._consumed:
+                seen = Seen.OTHER
+                self._dirty.add(queue)  # a consumer that starts on it later looks at once
+            else:
+                seen = Seen.REPEAT if queue in self._dirty or queue in self._inflight else Seen.NEWS
+                self._dirty.add(queue)
+        if seen is not Seen.OTHER:
+            self._notify()
+        return seen
 
     def _seconds_until(self, due: Any) -> float:
         if not isinstance(due, datetime):
@@ -221,7 +247,10 @@ class _Feed:
         self._busy_pace = busy_pace
         self.subscribers: list[Wakeups] = []
         self.live = False
-        self._idle = threading.Event()  # set when the last subscriber left: pauses end early
+        #: Set when the last subscriber left, or a consumer started reading a queue: pauses end early.
+        self._idle = threading.Event()
+        #: How many times the watcher paced its reads.
+        self.paces = 0
         self.thread = threading.Thread(target=self._watch, name="bb-broker-wakeups", daemon=True)
 
     def unsubscribe(self, wakeups: Wakeups) -> None:
@@ -230,6 +259,9 @@ class _Feed:
                 self.subscribers.remove(wakeups)
             if not self.subscribers:
                 self._idle.set()
+
+    def cut_pace(self) -> None:
+        self._idle.set()
 
     def _wanted(self) -> bool:
         """True while someone is subscribed; else the feed leaves the registry (a newcomer starts another)."""
@@ -269,17 +301,20 @@ class _Feed:
                 ) as stream:
                     self._went_live()
                     backoff = 0.5
-                    changes, news = 0, False
+                    batch: set[Seen] = set()
+                    changes, others_before = 0, False
                     while stream.alive and self._wanted():
                         change = stream.try_next()  # the buffered batch, or one getMore (awaiting AWAIT_MS)
                         resume_token = stream.resume_token
                         if change is not None:
                             changes += 1
-                            news = self._on_change(change) or news
+                            batch.add(self._on_change(change))
                         if _buffered(stream) == 0:  # the next try_next is a getMore
-                            if changes and not news and changes < CHANGE_BATCH:
-                                self._idle.wait(self._busy_pace)  # the consumer is busy with these queues already
-                            changes, news = 0, False
+                            if changes < CHANGE_BATCH and _worth_a_pace(batch, others_before):
+                                self.paces += 1
+                                self._idle.wait(self._busy_pace)  # the consumers know of these changes already
+                            others_before = batch == {Seen.OTHER}
+                            batch, changes = set(), 0
             except OperationFailure as exc:
                 if exc.code in NO_CHANGE_STREAMS:
                     logger.info("no change streams on this deployment (%s): polling instead", exc.code)
@@ -310,11 +345,10 @@ class _Feed:
         if pause:
             self._idle.wait(pause)
 
-    def _on_change(self, change: dict[str, Any]) -> bool:
-        news = False
-        for wakeups in self._each():
-            news = wakeups._on_change(change) or news
-        return news
+    def _on_change(self, change: dict[str, Any]) -> Seen:
+        """What a change is to the process: news to any connection, else a repeat to any, else nobody's business."""
+        seen = {wakeups._on_change(change) for wakeups in self._each()}
+        return next((kind for kind in (Seen.NEWS, Seen.REPEAT) if kind in seen), Seen.OTHER)
 
 
 def _forget_parent_feeds() -> None:
@@ -324,6 +358,26 @@ def _forget_parent_feeds() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_parent_feeds)
+
+
+class Seen(enum.Enum):
+    """What a change is to a connection's consumers."""
+
+    NEWS = "news"  # a queue it reads has work it did not know of: read on at once
+    REPEAT = "repeat"  # work it knows of already (a queue marked, a due time set): no hurry
+    OTHER = "other"  # a queue it does not read: its own replies and events, other workers' queues
+
+
+def _worth_a_pace(batch: set[Seen], others_before: bool) -> bool:
+    """Whether the watcher should wait before its next read, having read `batch` (every change of a getMore).
+
+    Pacing saves a getMore per change while changes tell the consumers nothing new; it is never the consumers' news
+    that waits, nor, once, news after a change they do not read (a ping's reply, after the ping it answers): only
+    changes to queues nobody here reads that keep coming (other workers' busy queues) pace the watcher.
+    """
+    if not batch or Seen.NEWS in batch:
+        return False
+    return Seen.REPEAT in batch or others_before
 
 
 def _buffered(stream: Any) -> int | None:

@@ -33,6 +33,10 @@ class GetMores(monitoring.CommandListener):
         pass
 
 
+#: The queues the watched connection's consumers read.
+READ = {"busy", "last", "quiet", "q", "mine"}
+
+
 @pytest.fixture
 def watched(mongo_url: str, db: Database) -> Iterator[tuple[Wakeups, GetMores]]:
     listener = GetMores()
@@ -45,6 +49,7 @@ def watched(mongo_url: str, db: Database) -> Iterator[tuple[Wakeups, GetMores]]:
             clock=lambda: datetime.now(UTC),
             safety_poll_interval=3600,
         )
+        wakeups.consume_only(READ)
         wait_for(lambda: wakeups.available, message="the change stream is live")
         yield wakeups, listener
 
@@ -92,6 +97,28 @@ def test_a_queue_polled_empty_is_news_again(watched, db: Database) -> None:
     assert wakeups.seconds_until_next_poll({"q"}) > 0  # the consumer goes idle
     publish(db, "q")
     wait_for(lambda: wakeups.should_poll("q", job_queue=True), message="the new job's wake-up")
+
+
+def put_message(db: Database, queue: str) -> None:
+    db.bb_messages.insert_one({"queue": queue, "payload": "{}"})
+
+
+def test_changes_to_a_queue_it_does_not_read_never_hold_back_its_news(watched, db: Database) -> None:
+    # A worker sends ping replies and events to queues only other processes read, and a producer its pings: those
+    # queues stay marked (nobody here polls them), so each further change to them looked like a repeat, and the
+    # watcher paced its next read with the ping (or its reply) waiting behind it.
+    wakeups, _ = watched
+    mine = seen(wakeups, "mine")
+    put_message(db, "their.reply")  # the first reply marks the caller's queue here
+    publish(db, "mine")  # the next ping
+    wait_for(mine, message="the first news")
+    paces = wakeups.paces
+    changes = wakeups.changes_seen
+    put_message(db, "their.reply")  # the reply to it, alone in its getMore
+    wait_for(lambda: wakeups.changes_seen > changes, message="the change after the reply")
+    publish(db, "mine")  # the ping after: whatever the watcher decided about the reply is decided by now
+    wait_for(mine, message="the news after the reply")
+    assert wakeups.paces == paces, "a change to a queue nobody here reads paced the watcher"
 
 
 EVENTS = ("worker.#", "worker.#", "monitor")
