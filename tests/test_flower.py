@@ -90,11 +90,11 @@ def test_every_worker_answers_flowers_inspect(app, db, broker_url, worker_factor
     waiting = send(app, "sleep", 60)
     delayed = send(app, "add", 1, 2, countdown=120)
 
-    # Its only process is busy and a job is waiting: the worker still answers (it claims only what it can start).
+    # Its only process is busy and the next job waits in it, as Celery's prefetch allows: it still answers.
+    wait_for(lambda: job(db, waiting).get("status") == "running", message="the next job prefetched")
     info = flower.worker(node(busy))
-    assert ids(info["active"]) == {running} and info["reserved"] == []
+    assert ids(info["active"]) == {running} and ids(info["reserved"]) == {waiting}
     assert info["active"][0]["worker_pid"] in info["stats"]["pool"]["processes"]
-    assert job(db, waiting)["status"] == "queued"
     # An ETA task waits in MongoDB until it is due, not in a worker's memory: nothing is scheduled there.
     assert info["scheduled"] == [] and job(db, delayed)["status"] == "queued"
     # Busy as it is, it obeys a terminate, and the waiting job gets the freed process.
@@ -346,19 +346,28 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
         wait_for(settled(db, send(app, "always_fails", queue=queue), "failed"), message=f"a failure in {queue}")
     running = send(app, "sleep", 60)
     wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")
-    # Its only process is busy: these stay queued.
+    # Its only process is busy: one of these waits in the worker (Celery's prefetch), the rest stay queued.
     for queue, count in (("celery", 3), ("reports", 3)):
         for i in range(count):
             send(app, "add", i, i, queue=queue)
+    wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 2, message="the next job prefetched")
+
+    def in_queue(queue: str, status: str) -> int:
+        return db.jobs.count_documents({"queue": queue, "status": status})
 
     expected = {
-        "celery": dict(
-            messages=4, messages_ready=3, messages_unacknowledged=1, queued=3, running=1, failed=1, paused=False
-        ),
-        "reports": dict(
-            messages=3, messages_ready=3, messages_unacknowledged=0, queued=3, running=0, failed=1, paused=False
-        ),
+        queue: dict(
+            messages=in_queue(queue, "queued") + in_queue(queue, "running"),
+            messages_ready=in_queue(queue, "queued"),
+            messages_unacknowledged=in_queue(queue, "running"),
+            queued=in_queue(queue, "queued"),
+            running=in_queue(queue, "running"),
+            failed=1,
+            paused=False,
+        )
+        for queue in ("celery", "reports")
     }
+    assert sum(row["queued"] for row in expected.values()) == 5
     config = tmp_path / "flowerconfig.py"
     config.write_text("import bb_broker.flower  # noqa: F401  (Flower's Broker tab for bbmongo://)\n")
     # The two documented ways: the bb-broker command, and Flower's own config file.
@@ -372,9 +381,9 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
         # Messages, Unacked, Ready, Consumers, Idle since: the columns of Flower's table.
         page = flower.page("/broker")
         assert "not supported" not in page
-        assert broker_rows(page) == {
-            "celery": ["celery", "4", "1", "3", "—", "—", "—"],  # the last column: paused or not
-            "reports": ["reports", "3", "0", "3", "—", "—", "—"],
+        assert broker_rows(page) == {  # the last column: paused or not
+            queue: [queue, str(row["messages"]), str(row["running"]), str(row["queued"]), "—", "—", "—"]
+            for queue, row in expected.items()
         }
 
 
