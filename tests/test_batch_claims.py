@@ -52,10 +52,12 @@ def test_celerys_default_prefetch_drains_a_backlog_once_each_and_shuts_down_clea
     app, db: Database, worker_factory
 ) -> None:
     ids = [send(app, "add", i, i) for i in range(40)]
-    worker_factory(env={"BB_PREFETCH_MULTIPLIER": "4"})  # two processes, eight jobs at a time
+    drainer = worker_factory(env={"BB_PREFETCH_MULTIPLIER": "4"})  # two processes, eight jobs at a time
     wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == 40, timeout=120, message="the backlog")
     assert {d["attempts"] for d in db.jobs.find()} == {1}
     assert sorted(r["taskId"] for r in db.runs.find()) == sorted(ids)  # each ran once
+    drainer.signal(signal.SIGTERM)  # the next part is about one worker alone
+    assert drainer.wait(60) == 0
 
     # A warm shutdown with jobs claimed ahead of a busy process: the running one finishes, the rest go back.
     slow = [send(app, "sleep", 1) for _ in range(6)]
