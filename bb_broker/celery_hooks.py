@@ -6,18 +6,20 @@ import logging
 import os
 import socket
 import threading
+import traceback
 from datetime import datetime
+from functools import wraps
 from typing import Any
 
 from celery import signals
-from celery.exceptions import MaxRetriesExceededError, Reject
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
 
 from . import connection, metrics
 from .clock import ServerClock
 from .leases import add_process_source
-from .lifecycle import Policy, describe_error
-from .payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
+from .lifecycle import Policy, describe_error, retry_countdown
+from .payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
 from .prefork import guard_pool_queue
 from .store import JobStore, ResultTooLarge, attempt_entry
 
@@ -32,6 +34,8 @@ _started_at: dict[str, datetime] = {}
 _settled_by_backend: set[tuple[str, int]] = set()
 #: Result fields the backend prepared for the settling write a signal makes (a revoke: the signal knows why).
 _pending_results: dict[tuple[str, int], dict[str, Any]] = {}
+#: Attempts the broker retried, their failure already recorded: Celery's retry that follows records nothing more.
+_retried_by_broker: set[tuple[str, int]] = set()
 
 
 def broker_url(app: Any) -> str | None:
@@ -82,15 +86,29 @@ def job_of(request: Any) -> tuple[str, int] | None:
     return str(job_id), int(attempts)
 
 
+def broker_retries(request: Any) -> int:
+    """How many of the request's Celery retries were the broker running a failed attempt again."""
+    count = getattr(request, BROKER_RETRIES_HEADER, None)
+    if count is None:
+        count = (getattr(request, "headers", None) or {}).get(BROKER_RETRIES_HEADER)
+    return int(count or 0)
+
+
+def own_retries(request: Any) -> int:
+    """The task's own Celery retries (`self.retry`, `autoretry_for`) behind this request, the broker's left out."""
+    return max(0, int(getattr(request, "retries", 0) or 0) - broker_retries(request))
+
+
 def is_final_attempt(task: Any) -> bool:
     """True when an exception raised now ends the job `failed`: the place for compensation logic."""
     request = task.request
     job = job_of(request)
     if job is None:
         raise RuntimeError("is_final_attempt() answers only inside a task delivered through bbmongo://")
-    if request.retries:
+    retries = own_retries(request)
+    if retries:
         # The task drives its own Celery retries; its max_retries has the last word.
-        return task.max_retries is not None and request.retries >= task.max_retries
+        return task.max_retries is not None and retries >= task.max_retries
     store = store_for(task.app)
     policy = store.policy if store is not None else Policy()
     return policy.is_final_attempt(job[1])
@@ -101,7 +119,65 @@ def is_retryable(request: Any, exception: BaseException) -> bool:
     # a task that rejects its message without requeue asks never to run again.
     if isinstance(exception, ResultTooLarge) or (isinstance(exception, Reject) and not exception.requeue):
         return False
-    return not (isinstance(exception, MaxRetriesExceededError) or getattr(request, "retries", 0))
+    return not (isinstance(exception, MaxRetriesExceededError) or own_retries(request))
+
+
+def retry_failed_attempts(app: Any) -> None:
+    """Make a failed attempt the broker runs again a Celery retry, in every task of a bbmongo:// worker's app.
+
+    As Celery's `autoretry_for` does it (celery/app/autoretry.py): Celery then stores RETRY, not FAILURE, runs no
+    errback, chain failure or chord error, and Flower shows RETRY; the last attempt's failure propagates as ever."""
+    if store_for(app) is None:
+        return
+    for task in list(app.tasks.values()):
+        if not getattr(task.run, "bb_broker_retries", False):
+            task.run = _with_broker_retries(task, task.run)
+
+
+def _with_broker_retries(task: Any, run: Any) -> Any:
+    @wraps(run)
+    def run_with_broker_retries(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except (Ignore, Reject, Retry):
+            raise  # the task's own decisions
+        except Exception as exc:
+            retry = _broker_retry(task, exc)
+            if retry is None:
+                raise
+            raise retry from exc  # the RETRY state's traceback shows the failure
+
+    run_with_broker_retries.bb_broker_retries = True  # type: ignore[attr-defined]
+    return run_with_broker_retries
+
+
+def _broker_retry(task: Any, exc: Exception) -> Retry | None:
+    """The Retry that runs this failed attempt again (published already), or None when the failure is final."""
+    request = task.request
+    store, job = store_for(task.app), job_of(request)
+    if store is None or job is None or request.is_eager:
+        return None
+    countdown = retry_countdown(store.policy, job[1], retryable=is_retryable(request, exc))
+    if countdown is None:
+        return None
+    error = describe_error(exc)
+    trace = "".join(traceback.format_exception(exc))
+    store.record_failed_attempt(*job, error, attempt=attempt_for(store, request, job[1], "failed", error, trace))
+    if len(_retried_by_broker) > 1000:  # a retry whose publish failed leaves its entry
+        _retried_by_broker.clear()
+    _retried_by_broker.add(job)
+    headers = {k: v for k, v in (request.headers or {}).items() if k not in DELIVERY_HEADERS}
+    headers[BROKER_RETRIES_HEADER] = broker_retries(request) + 1
+    try:
+        # max_retries: never Celery's limit (the task's, 3 by default) but the broker's, checked above.
+        return task.retry(exc=exc, countdown=countdown, max_retries=request.retries + 1, headers=headers, throw=False)
+    finally:
+        task.__dict__.pop("override_max_retries", None)  # task.retry leaves it on the task for autoretry to read
+
+
+def retried_by_broker(job: tuple[str, int]) -> bool:
+    """True when this attempt's failure was recorded by the broker's retry (Celery's RETRY then adds no attempt)."""
+    return job in _retried_by_broker
 
 
 def settled_by_backend(job: tuple[str, int]) -> None:
@@ -194,6 +270,9 @@ def _on_failure(
 def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any) -> None:
     # The task's own retry already put its job back in the queue (publish); the attempt joins the history.
     store, job = store_for(sender.app), job_of(request)
+    if job is not None and job in _retried_by_broker:
+        _retried_by_broker.discard(job)
+        return  # the broker's retry recorded the failed attempt before it published the task again
     if store is None or job is None or _settled_already(job) or reason is None:
         return  # no reason: Celery cancelled the task as its worker stops, and the release records the attempt
     error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
@@ -288,12 +367,21 @@ def _stopping(**_: Any) -> None:
     connection.begin_shutdown()
 
 
+@signals.import_modules.connect
+def _tasks_imported(sender: Any = None, **_: Any) -> None:
+    # A pool process started afresh (spawn, execv) imports the tasks and builds its tracers without worker_init.
+    if sender is not None:
+        retry_failed_attempts(sender)
+
+
 @signals.worker_init.connect
 def _become_worker(sender: Any = None, **_: Any) -> None:
     if broker_url(sender.app) is None:
         return
     # Before the pool forks: `pool_shrink` must not wedge a worker (see prefork.py).
     guard_pool_queue()
+    # Before the pool forks and the consumer builds its tracers (each takes `task.run` as it is then).
+    retry_failed_attempts(sender.app)
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
 

@@ -70,6 +70,13 @@ def after_failure(
     return Outcome(FAILED, error)
 
 
+def retry_countdown(policy: Policy, attempts: int, *, retryable: bool = True) -> float | None:
+    """Seconds until the next attempt when the broker runs a failed attempt again, None when the failure is final."""
+    if retryable and not policy.is_final_attempt(attempts):
+        return policy.backoff(attempts).total_seconds()
+    return None
+
+
 def describe_error(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

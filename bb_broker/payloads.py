@@ -12,6 +12,9 @@ from kombu.utils import json as kombu_json
 JOB_ID_HEADER = "bb_job_id"
 ATTEMPTS_HEADER = "bb_attempts"
 DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER)
+#: How many of a task's Celery retries are the broker's (a failed attempt run again), so that `request.retries`
+#: minus this is the task's own retries. Kept in the payload: each attempt's message carries it on.
+BROKER_RETRIES_HEADER = "bb_broker_retries"
 #: The job ids a task message's publish chose, per queue, kept in the producer's properties (Kombu retries a
 #: publish with the same properties dict), never stored in the payload.
 PUBLISH_ID_PROPERTY = "bb_publish_id"

@@ -6,7 +6,9 @@ Where things are kept:
   `result`/`resultFormat`, `traceback`, `dateDone`, `children`, `groupId`, `parentId`; see store.py), written by the
   settling write the worker makes anyway: success and final failure cost no operation more than without results.
   A failure the broker retries stores `state: RETRY` (a caller's `get()` waits for the next attempt) and fires no
-  errback, chain failure or chord part: those belong to the failure that ends the job.
+  errback, chain failure or chord part: those belong to the failure that ends the job. A task's exception is a
+  Celery retry then (celery_hooks.retry_failed_attempts); a failure Celery reports from outside the task (a hard
+  time limit) comes to mark_as_failure, which keeps it from Celery's failure path the same way.
 - `STARTED` (`task_track_started`), custom states (`update_state`) and Celery's own retries are one write each on
   the job's current attempt; `ignore_result` tasks write nothing beyond the settle.
 - `bb_results` (same database) holds what has no job: saved groups (`group:<id>`), chord counters (`chord:<id>`),
@@ -283,7 +285,7 @@ class JobResultBackend(BaseBackend):
                 store.fail(*job, describe_error(reason), retryable=False, attempt=attempt, result=fields)
             celery_hooks.settled_by_backend(job)
         if not final:
-            return  # the broker runs the task again: its chord part, chain and errbacks wait for the last failure
+            return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
         if request.chord:
             self.on_chord_part_return(request, state, exc)
         self._fail_chain(getattr(request, "chain", None), exc, traceback, store_result=store_result, state=state)
@@ -324,7 +326,9 @@ class JobResultBackend(BaseBackend):
             attempt = None
             # A Retry as the exception is Celery cancelling the task as its worker stops (no retry of the task's
             # own): the attempt's entry comes from the release of the worker's jobs.
-            if state == states.RETRY and not (isinstance(result, dict) and result.get("exc_type") == "Retry"):
+            # A broker's retry recorded its failed attempt itself (see celery_hooks.retry_failed_attempts).
+            cancelled = isinstance(result, dict) and result.get("exc_type") == "Retry"
+            if state == states.RETRY and not cancelled and not celery_hooks.retried_by_broker(job):
                 error = _described(result)
                 attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
                 celery_hooks.settled_by_backend(job)  # the task_retry signal must not add this attempt again

@@ -5,8 +5,9 @@ The job document's record of its attempts and its Celery result (designed once, 
 
 - `startedAt`: set by the claim (the claim is when an attempt starts holding the job).
 - `history`: the last HISTORY_LIMIT attempts, oldest first, each `{n, worker, startedAt, finishedAt, outcome, error,
-  traceback}`; `outcome` is `succeeded`, `failed`, `retry` (the task's own Celery retry), `revoked` or `lost` (the
-  worker vanished: the stale sweep or its shutdown settled it). Pushed with `$push`/`$slice` by the settling write.
+  traceback}`; `outcome` is `succeeded`, `failed` (the broker's retries included), `retry` (the task's own Celery
+  retry), `revoked` or `lost` (the worker vanished: the stale sweep or its shutdown settled it). Pushed with
+  `$push`/`$slice` by the settling write (a failed attempt the broker retries: just before its retry's publish).
 - The result, set by the settling write when the backend is `bbmongo://` (see results.py): `state` (Celery's state),
   `result` (the value as BSON when it came as JSON, else the encoded bytes; `resultFormat` says which), `traceback`,
   `dateDone`, `children`, `groupId`, `parentId`.
@@ -493,12 +494,24 @@ class JobStore:
             changes["runAfter"] = outcome.run_after
         else:
             changes["finishedAt"] = now
-        if attempt is not None:
-            attempt = {k: self._scrub(v) if k in ("error", "traceback") else v for k, v in attempt.items()}
+        attempt = self._scrubbed(attempt)
         done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **_pushed(attempt)})
         if done:
             metrics.record("retried" if outcome.status == QUEUED else "failed")
         return outcome if done else None
+
+    def record_failed_attempt(self, job_id: str, attempts: int, error: str, *, attempt: dict[str, Any]) -> bool:
+        """Record the failure of the attempt a Celery retry is about to run again, while this worker still holds it.
+
+        The retry's publish then puts the job back in the queue (see publish): written first, the failure is never
+        late for an attempt another worker already claimed."""
+        changes = {"lastError": self._scrub(error)[: lifecycle.MAX_ERROR_LENGTH], "updatedAt": self.now()}
+        return self._settle(job_id, attempts, {"$set": changes, **_pushed(self._scrubbed(attempt))})
+
+    def _scrubbed(self, attempt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if attempt is None:
+            return None
+        return {k: self._scrub(v) if k in ("error", "traceback") else v for k, v in attempt.items()}
 
     def annotate(
         self, job_id: str, attempts: int, fields: dict[str, Any], *, attempt: dict[str, Any] | None = None

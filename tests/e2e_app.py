@@ -95,6 +95,24 @@ def fail_until(self, succeed_on_attempt):
     return "ok"
 
 
+class NotesItsHooks(app.Task):
+    """Records the hooks Celery calls on a failed attempt: what its tracer decided (and Flower's events show)."""
+
+    def on_retry(self, exc, task_id, args, kwargs, einfo):
+        runs().insert_one({"name": "on_retry", "taskId": task_id, "error": str(exc), "at": time.time()})
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        runs().insert_one({"name": "on_failure", "taskId": task_id, "error": str(exc), "at": time.time()})
+
+
+@app.task(bind=True, base=NotesItsHooks)
+def noted_fail_until(self, succeed_on_attempt):
+    record(self, final=bb_broker.is_final_attempt(self))
+    if self.request.bb_attempts < succeed_on_attempt:
+        raise RuntimeError(f"failing attempt {self.request.bb_attempts}")
+    return "ok"
+
+
 @app.task(bind=True)
 def always_fails(self):
     record(self, final=bb_broker.is_final_attempt(self))

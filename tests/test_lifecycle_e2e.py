@@ -11,6 +11,8 @@ import pytest
 import bb_broker
 from tests.workers import Worker, failing_write, job, send, settled, wait_for
 
+T = "tests.e2e_app."
+
 #: prefork and threads run Celery's event loop (asynloop) on bbmongo://, gevent its blocking loop (synloop).
 POOLS = ["prefork", "threads", "gevent"]
 #: For what only a pool of processes does (a task that kills its process, a hard time limit).
@@ -58,6 +60,38 @@ def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> N
     ]
     assert all("always fails" in a["traceback"] and a["startedAt"] <= a["finishedAt"] for a in history)
     assert db.jobs.count_documents({}) == 3  # events and remote control never become jobs
+
+
+def test_a_failed_attempt_the_broker_runs_again_is_a_celery_retry(app, db, worker_factory) -> None:
+    """Celery sees RETRY for each failed attempt but the last: no errback, no on_failure (Flower: task-retried)."""
+    worker_factory()
+    errback = app.signature(T + "note_error")
+    flaky = send(app, "noted_fail_until", 3, link_error=errback)
+    doomed = send(app, "noted_fail_until", 99, link_error=errback)
+
+    done = wait_for(settled(db, flaky, "succeeded"), message="flaky succeeded at its third attempt")
+    assert done["attempts"] == 3 and done["lastError"] == ""
+    assert [(a["n"], a["outcome"], a.get("error")) for a in done["history"]] == [
+        (1, "failed", "RuntimeError: failing attempt 1"),
+        (2, "failed", "RuntimeError: failing attempt 2"),
+        (3, "succeeded", None),
+    ]
+    assert all(f"failing attempt {a['n']}" in a["traceback"] for a in done["history"][:2])
+    failed = wait_for(settled(db, doomed, "failed"), message="doomed failed after its attempts")
+    assert failed["attempts"] == 3 and failed["lastError"] == "RuntimeError: failing attempt 3"
+    assert [a["outcome"] for a in failed["history"]] == ["failed", "failed", "failed"]
+    wait_for(lambda: db.runs.count_documents({"name": T + "note_error"}) == 1, message="the errback of doomed")
+
+    def hooks(task_id: str) -> list[str]:
+        return [r["name"] for r in db.runs.find({"taskId": task_id, "name": {"$in": ["on_retry", "on_failure"]}})]
+
+    assert sorted(hooks(flaky)) == ["on_retry", "on_retry"]
+    assert sorted(hooks(doomed)) == ["on_failure", "on_retry", "on_retry"]
+    assert [r["failed"] for r in db.runs.find({"name": T + "note_error"})] == [doomed]  # never for flaky
+    # Celery counts the broker's retries in request.retries; the task's own retry policy does not.
+    runs = list(db.runs.find({"taskId": doomed, "name": T + "noted_fail_until"}).sort("attempt"))
+    assert [(r["attempt"], r["retries"], r["final"]) for r in runs] == [(1, 0, False), (2, 1, False), (3, 2, True)]
+    assert db.jobs.count_documents({"taskId": {"$in": [flaky, doomed]}}) == 2
 
 
 def test_eta_waits_in_mongodb_not_in_a_worker(app, db, worker_factory) -> None:

@@ -93,6 +93,24 @@ def test_a_task_retried_twice_by_the_broker_gets_its_final_result(results_app, r
     assert "failing attempt 1" in doc["history"][0]["traceback"]
 
 
+def test_another_result_backend_sees_retry_between_attempts_not_failure(broker_url: str, worker_factory):
+    """Celery's own backends (rpc:// here, Redis alike) store RETRY for a failed attempt the broker runs again."""
+    app = producer(broker_url)
+    app.conf.result_backend = "rpc://"
+    worker_factory(env={"BB_RESULT_BACKEND": "rpc://"}, options={"backoff_base": 2.0})  # 4 s, then 8 s
+    try:
+        flaky = app.send_task(T + "fail_until", args=(3,))
+        wait_for(lambda: flaky.state == "RETRY", message="RETRY while the job waits for its next attempt")
+        assert isinstance(flaky.info, RuntimeError) and not flaky.ready()
+        assert flaky.get(timeout=90) == "ok" and flaky.state == "SUCCESS"
+        doomed = app.send_task(T + "always_fails")
+        with pytest.raises(ValueError, match="always fails"):
+            doomed.get(timeout=90)
+        assert doomed.state == "FAILURE"
+    finally:
+        app.close()
+
+
 def test_a_final_failure_raises_with_its_traceback(results_app, results_worker, db: Database):
     results_worker()
     result = results_app.send_task(T + "always_fails")
