@@ -65,9 +65,10 @@ def after_failure(
 ) -> Outcome:
     """A failed attempt goes back to the queue (with backoff unless told otherwise) until the attempts are used up."""
     error = error[:MAX_ERROR_LENGTH]
-    if retryable and not policy.is_final_attempt(attempts):
-        return Outcome(QUEUED, error, now + policy.backoff(attempts) if backoff else now)
-    return Outcome(FAILED, error)
+    countdown = retry_countdown(policy, attempts, retryable=retryable)
+    if countdown is None:
+        return Outcome(FAILED, error)
+    return Outcome(QUEUED, error, now + timedelta(seconds=countdown) if backoff else now)
 
 
 def retry_countdown(policy: Policy, attempts: int, *, retryable: bool = True) -> float | None:

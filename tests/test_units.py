@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from bb_broker.connection import BrokerURLError, parse_broker_url, redact_url, scrub
-from bb_broker.lifecycle import FAILED, QUEUED, Policy, after_failure
+from bb_broker.lifecycle import FAILED, QUEUED, Policy, after_failure, retry_countdown
 from bb_broker.payloads import PayloadError, to_document, to_message
 
 
@@ -122,6 +122,9 @@ def test_lifecycle_rules() -> None:
     assert after_failure(policy, 3, "x", now).status == FAILED
     assert after_failure(policy, 1, "x", now, retryable=False).status == FAILED
     assert len(after_failure(policy, 1, "e" * 10_000, now).last_error) == 2000
+    # The countdown of the Celery retry that runs a failed attempt again: the same backoff, none after the last.
+    assert [retry_countdown(policy, n) for n in (1, 2, 3)] == [10.0, 20.0, None]
+    assert retry_countdown(policy, 1, retryable=False) is None
     assert policy.heartbeat_interval < policy.sweep_interval < policy.stale_after
     for bad in ({"max_attempts": 0}, {"backoff_base": -1}, {"stale_after": 0}):
         with pytest.raises(ValueError):
