@@ -139,7 +139,7 @@ def test_task_states_and_details_arrive_through_events(app, db, worker_factory, 
     assert done["args"] == "(2, 3)" and done["result"] == "5" and done["worker"] == node(worker)
     assert done["received"] and done["started"] and done["succeeded"]
 
-    # The broker retries it (three attempts); Flower shows each delivery and ends on the last failure.
+    # The broker retries it (three attempts) as Celery retries: Flower shows RETRY between them, FAILURE at the end.
     wait_for(settled(db, doomed, "failed"), message="always_fails failed")
     last_run = db.runs.find_one({"taskId": doomed, "attempt": 3})["at"]
     info = wait_for(
@@ -147,6 +147,7 @@ def test_task_states_and_details_arrive_through_events(app, db, worker_factory, 
         message="the last failure in Flower",
     )
     assert info["exception"] == "ValueError('always fails')" and "always fails" in info["traceback"]
+    assert info["retried"] and info["retries"] == 2  # two task-retried events, no task-failed before the last
 
     # Celery's own retries: task-retried events, then the final failure after max_retries=2.
     wait_for(settled(db, retried, "failed"), message="retry_self gave up")
