@@ -7,7 +7,7 @@ import logging
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from queue import Empty
 from time import monotonic, sleep
@@ -164,6 +164,69 @@ class JobQoS(virtual.QoS):
         self._waiting_for_batch_since = None
 
 
+class ClaimOnItsWay(Empty):
+    """Nothing to deliver yet: a claim for the queue is on its way, and rings the event loop when it lands."""
+
+
+class ClaimsAhead:
+    """On Celery's event loop, the claims of a backlogged queue run on a thread of their own: the loop keeps handing
+    the jobs it has to the pool while the server answers, instead of waiting for it between batches."""
+
+    def __init__(self, claim: Callable[[str, int], None], ring: Callable[[], None]) -> None:
+        self._claim = claim
+        self._ring = ring
+        self._wanted: tuple[str, int] | None = None  # the claim on its way
+        self._error: BaseException | None = None
+        self._ready = threading.Condition()
+        self._closed = False
+        # A daemon: a claim stuck on a server that is gone must not hold the process at exit.
+        threading.Thread(target=self._run, name="bb-claims-ahead", daemon=True).start()
+
+    def busy_with(self, queue: str) -> bool:
+        wanted = self._wanted
+        return wanted is not None and wanted[0] == queue
+
+    @property
+    def pending(self) -> int:
+        """Jobs the claim on its way may bring."""
+        wanted = self._wanted
+        return 0 if wanted is None else wanted[1]
+
+    def start(self, queue: str, wanted: int) -> None:
+        """Claim up to `wanted` jobs of `queue` in the background (unless a claim is on its way); rings when done."""
+        with self._ready:
+            if self._wanted is None and not self._closed:
+                self._wanted = (queue, wanted)
+                self._ready.notify()
+
+    def raise_error(self) -> None:
+        """The error the last claim met, raised where the event loop hands it to Celery (to reconnect)."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while self._wanted is None and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return
+                queue, wanted = self._wanted
+            try:
+                self._claim(queue, wanted)
+            except BaseException as exc:  # noqa: BLE001 (handed to the loop's thread, which raises it)
+                self._error = exc
+            finally:
+                self._wanted = None
+                self._ring()
+
+
 class Channel(virtual.Channel):
     QoS = JobQoS
     Message = JobMessage
@@ -223,6 +286,8 @@ class Channel(virtual.Channel):
         self._plain_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
+        self._held_lock = threading.Lock()  # a claim landing from ClaimsAhead against a consumer being cancelled
+        self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
         self._keeper: LeaseKeeper | None = None
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
@@ -374,8 +439,12 @@ class Channel(virtual.Channel):
         self.connection.poke()  # Celery raises the limit as its pool grows: room to take more
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        if self._ahead is not None:
+            self._ahead.raise_error()
         if self._held.get(queue):
             return self._claim(queue)
+        if self._ahead is not None and self._ahead.busy_with(queue):
+            raise ClaimOnItsWay()
         plain = queue in self._plain_queues
         wakeups = self.connection.wakeups
         if wakeups is not None and not wakeups.should_poll(queue, job_queue=not plain):
@@ -384,6 +453,8 @@ class Channel(virtual.Channel):
         for read in reads:
             try:
                 message = read(queue)
+            except ClaimOnItsWay:
+                break  # the claim rings when its jobs are here: the next look reads on from there
             except Empty:
                 continue
             if wakeups is not None:
@@ -404,12 +475,12 @@ class Channel(virtual.Channel):
                 if queue in self.paused:
                     raise Empty()
                 wanted = self._batch_size(queue)
-                held.extend(self.jobs.claim_many(queue, self.owner, wanted))
-                self.qos.claimed()
-                if len(held) < wanted:
-                    self._backlogged.discard(queue)
-                else:
-                    self._backlogged.add(queue)
+                ahead = self._claims_ahead(queue)
+                if ahead is not None:
+                    ahead.start(queue, wanted)
+                    self.qos.claimed()
+                    raise ClaimOnItsWay()
+                self._take(queue, wanted)
                 if not held:
                     raise Empty()
             job = held.popleft()
@@ -429,12 +500,37 @@ class Channel(virtual.Channel):
         wakeups = self.connection.wakeups
         return wakeups.controls_version if wakeups is not None and wakeups.available else None
 
+    def _take(self, queue: str, wanted: int, *, ahead: bool = False) -> None:
+        """Claim up to `wanted` jobs of `queue` into the held ones; `ahead`: from ClaimsAhead's thread."""
+        jobs = self.jobs.claim_many(queue, self.owner, wanted)
+        with self._held_lock:
+            if len(jobs) < wanted:
+                self._backlogged.discard(queue)
+            else:
+                self._backlogged.add(queue)
+            # A consumer cancelled while its claim was on the way gets nothing: those jobs go back at once.
+            keep = not ahead or queue in self._active_queues
+            if keep:
+                self._held.setdefault(queue, deque()).extend(jobs)
+        if not keep:
+            self._release(jobs)
+        elif ahead and jobs and self.connection.wakeups is not None:
+            self.connection.wakeups.found(queue)  # as a look that finds a message says: there may be more behind
+
+    def _claims_ahead(self, queue: str) -> ClaimsAhead | None:
+        """The background claimer, for a backlogged queue consumed on an event loop; None: claim here and now."""
+        if queue not in self._backlogged or self.connection is None or not self.connection.on_event_loop:
+            return None
+        if self._ahead is None:
+            self._ahead = ClaimsAhead(lambda queue, wanted: self._take(queue, wanted, ahead=True), self.connection.ring)
+        return self._ahead
+
     def _batch_size(self, queue: str) -> int:
         # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never
         # more than the consumer can start: a claimed job must not wait behind a busy pool.
         if queue not in self._backlogged or queue not in self._active_queues:
             return 1
-        held = sum(len(jobs) for jobs in self._held.values())
+        held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
         size = min(self.qos.claimable() - held, int(self.max_claim_batch))
         return size if size >= BATCH_MIN else 1
 
@@ -446,9 +542,12 @@ class Channel(virtual.Channel):
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
 
     def _give_back(self, queue: str) -> None:
-        held = self._held.pop(queue, None)
-        while held:
-            job = held.popleft()
+        with self._held_lock:
+            held = self._held.pop(queue, None)
+        self._release(held or [])
+
+    def _release(self, jobs: Collection[Claimed]) -> None:
+        for job in jobs:
             try:
                 self.jobs.release(job.id, job.attempts)
             except PyMongoError as exc:
@@ -465,6 +564,8 @@ class Channel(virtual.Channel):
         return result
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
@@ -554,7 +655,7 @@ class Transport(virtual.Transport):
                 controls=channel.queue_controls.coll.name,
                 clock=channel.jobs.now,
                 safety_poll_interval=float(channel.safety_poll_interval),
-                on_news=self._ring,
+                on_news=self.ring,
             )
 
     def consumers_changed(self) -> None:
@@ -618,12 +719,16 @@ class Transport(virtual.Transport):
     def _on_timer(self) -> None:
         # The look itself happens in the reader, where the hub hands a lost connection to Celery to reconnect.
         self._timer, self._timer_due = None, float("inf")
-        self._ring()
+        self.ring()
 
-    def _ring(self) -> None:
+    def ring(self) -> None:
         bell = self._bell
         if bell is not None:
             bell.ring()
+
+    @property
+    def on_event_loop(self) -> bool:
+        return self._bell is not None
 
     def _leave_event_loop(self) -> None:
         loop, bell, timer = self._loop, self._bell, self._timer
@@ -649,7 +754,7 @@ class Transport(virtual.Transport):
         if self.wakeups is not None:
             self.wakeups.poke()
         else:
-            self._ring()
+            self.ring()
 
     # --- the blocking loop (drain_events) ------------------------------------
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+
 import pytest
 from kombu import Connection, Consumer, Queue
 from kombu.asynchronous import Hub
+from pymongo import MongoClient, monitoring
 from pymongo.database import Database
+from pymongo.errors import OperationFailure
 
+from tests.servers import with_database
 from tests.workers import consumer_loops, producer, send, settled, wait_for
 
 #: Long enough that a worker blocked behind these tasks could not answer anything while they run.
@@ -99,3 +105,127 @@ def test_a_kombu_consumer_on_a_hub_is_woken_by_news_and_by_its_acks_and_leaves_t
         assert sorted(delivered) == sorted(d["_id"] for d in db.jobs.find({"taskId": {"$in": ids}}))
     # Closing the connection takes its doorbell off the hub.
     assert doorbell not in hub.readers
+
+
+class ClaimWrites(monitoring.CommandListener):
+    """The batch claims' writes (an update of queued jobs) this process sends, and the thread that sent each; with a
+    gate, each waits there (before it reaches the server) until the test opens it."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.gate: threading.Event | None = None
+        self.arrived = threading.Event()
+        self.landed = threading.Event()
+        self.listening = False
+        self._requests: set[int] = set()
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        updates = event.command.get("updates") if event.command_name == "update" else None
+        if not (self.listening and updates and updates[0].get("q", {}).get("status") == "queued"):
+            return
+        self.threads.append(threading.current_thread().name)
+        self._requests.add(event.request_id)
+        self.arrived.set()
+        if self.gate is not None:
+            self.gate.wait(30)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        if event.request_id in self._requests:
+            self.landed.set()
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+CLAIM_WRITES = ClaimWrites()
+monitoring.register(CLAIM_WRITES)  # for the clients made from here on; it records only while a test listens
+
+
+@pytest.fixture
+def claim_writes() -> Iterator[ClaimWrites]:
+    CLAIM_WRITES.__init__()
+    CLAIM_WRITES.listening = True
+    yield CLAIM_WRITES
+    CLAIM_WRITES.listening = False
+    if CLAIM_WRITES.gate is not None:
+        CLAIM_WRITES.gate.set()
+
+
+def consume_on_hub(conn: Connection, hub: Hub, on_message, prefetch_count: int) -> Consumer:
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    consumer = Consumer(conn.channel(), queues=[Queue("celery")], accept=["json"], prefetch_count=prefetch_count,
+                        callbacks=[on_message])  # fmt: skip
+    consumer.consume()
+    return consumer
+
+
+def test_a_backlog_is_claimed_off_the_event_loops_thread_and_each_job_delivered_once(
+    broker_url: str, db: Database, claim_writes: ClaimWrites
+) -> None:
+    # The event loop hands the jobs it holds to the pool while the server answers the next claim: it never waits
+    # on the server for a queue known to have work.
+    ids = [send(producer(broker_url), "add", i, i) for i in range(30)]
+    hub, delivered, unacked = Hub(), [], []
+
+    def on_message(body, message) -> None:
+        delivered.append(message.job_id)
+        unacked.append(message)
+
+    def turn() -> bool:
+        while unacked:  # acked between turns, as Celery acks when a pool process starts a task
+            unacked.pop().ack()
+        next(loop)
+        return len(delivered) == len(ids)
+
+    with Connection(broker_url, transport_options={"safety_poll_interval": 3600}) as conn:
+        consume_on_hub(conn, hub, on_message, prefetch_count=8)
+        loop = hub.create_loop()
+        wait_for(turn, message="the backlog delivered on the hub")
+    assert sorted(delivered) == sorted(d["_id"] for d in db.jobs.find({"taskId": {"$in": ids}}))
+    assert claim_writes.threads and set(claim_writes.threads) == {"bb-claims-ahead"}
+
+
+def test_what_a_claim_brings_for_a_consumer_cancelled_meanwhile_goes_back_to_the_queue(
+    broker_url: str, db: Database, claim_writes: ClaimWrites
+) -> None:
+    ids = [send(producer(broker_url), "add", i, i) for i in range(12)]
+    hub, delivered = Hub(), []
+    claim_writes.gate = threading.Event()  # the batch claim waits, on its way to the server, until opened
+
+    def on_message(body, message) -> None:
+        delivered.append(message)  # never acked: it stays held, as a task waiting in a worker
+
+    with Connection(broker_url, transport_options={"safety_poll_interval": 3600}) as conn:
+        consumer = consume_on_hub(conn, hub, on_message, prefetch_count=8)
+        loop = hub.create_loop()
+        wait_for(lambda: next(loop) or claim_writes.arrived.is_set(), message="a batch claim on its way")
+        consumer.cancel()  # the worker stops consuming while the claim is out
+        claim_writes.gate.set()
+        wait_for(claim_writes.landed.is_set, message="the batch claim carried out")
+        # The claim lands (its jobs are taken on the server) and, with nobody to hand them to, gives them back:
+        # only the one delivered job is held, the rest wait for another worker, no attempt used.
+        wait_for(lambda: db.jobs.count_documents({"status": "queued", "attempts": 0}) == len(ids) - len(delivered),
+                 message="the batch given back")  # fmt: skip
+        assert len(delivered) == 1 and db.jobs.count_documents({"status": "running"}) == 1
+
+
+def test_an_error_a_claim_meets_off_the_loop_is_raised_on_the_loop(own_server, claim_writes: ClaimWrites) -> None:
+    # Celery learns of a broken connection from what the loop raises: a claim on another thread must not hide it.
+    url = with_database(own_server.url, "ahead_error")
+    for i in range(12):
+        send(producer(url), "add", i, i)
+    hub, delivered = Hub(), []
+    claim_writes.gate = threading.Event()
+    client = MongoClient(own_server.url)
+    with Connection(url, transport_options={"safety_poll_interval": 3600}) as conn:
+        consume_on_hub(conn, hub, lambda body, message: delivered.append(message), prefetch_count=8)
+        loop = hub.create_loop()
+        wait_for(lambda: next(loop) or claim_writes.arrived.is_set(), message="a batch claim on its way")
+        # Its write is refused with an error no retry can mend.
+        client.admin.command("configureFailPoint", "failCommand", mode={"times": 1},
+                             data={"failCommands": ["update"], "errorCode": 2})  # fmt: skip
+        claim_writes.gate.set()
+        with pytest.raises(OperationFailure) as raised:
+            wait_for(lambda: next(loop) and False, message="the claim's error raised on the loop")
+    assert raised.value.code == 2
+    assert len(delivered) == 1
