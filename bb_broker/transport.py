@@ -35,7 +35,7 @@ from .payloads import (
     to_message,
 )
 from .store import Claimed, JobStore, attempt_entry, new_job_id
-from .wakeups import Doorbell, Wakeups
+from .wakeups import Doorbell, Look, Wakeups
 
 logger = logging.getLogger(__name__)
 
@@ -447,20 +447,33 @@ class Channel(virtual.Channel):
             raise ClaimOnItsWay()
         plain = queue in self._plain_queues
         wakeups = self.connection.wakeups
-        if wakeups is not None and not wakeups.should_poll(queue, job_queue=not plain):
+        look = Look() if wakeups is None else wakeups.look(queue, job_queue=not plain)
+        if look is None:
             raise Empty()
-        reads = (self._fetch_plain, self._claim) if plain else (self._claim, self._fetch_plain)
-        for read in reads:
-            try:
-                message = read(queue)
-            except ClaimOnItsWay:
-                break  # the claim rings when its jobs are here: the next look reads on from there
-            except Empty:
-                continue
+        # Each collection is read only where the change stream told of something there (or on a safety poll):
+        # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
+        reads = (("messages", self._fetch_plain), ("jobs", self._claim))
+        try:
+            for source, read in reads if plain else reversed(reads):
+                if not getattr(look, source):
+                    continue
+                try:
+                    message = read(queue)
+                except ClaimOnItsWay:
+                    break  # the look's news stays news: it is read on once the claim lands (and rings)
+                except Empty:
+                    look.took(source, 0, all_there_was=True)
+                    continue
+                if source == "jobs":  # one claim may have taken a batch, and found the queue empty doing it
+                    taken = 1 + len(self._held.get(queue, ()))
+                    look.took(source, taken, all_there_was=queue not in self._backlogged)
+                else:
+                    look.took(source, 1, all_there_was=False)
+                return message
+            raise Empty()
+        finally:
             if wakeups is not None:
-                wakeups.found(queue)
-            return message
-        raise Empty()
+                wakeups.looked(queue, look)
 
     def _fetch_plain(self, queue: str) -> dict[str, Any]:
         message = self.plumbing.get(queue)
@@ -514,8 +527,9 @@ class Channel(virtual.Channel):
                 self._held.setdefault(queue, deque()).extend(jobs)
         if not keep:
             self._release(jobs)
-        elif ahead and jobs and self.connection.wakeups is not None:
-            self.connection.wakeups.found(queue)  # as a look that finds a message says: there may be more behind
+        elif ahead and self.connection.wakeups is not None:
+            # What the look that sent it counted is left as news until here: the claim took its share of it.
+            self.connection.wakeups.claimed(queue, len(jobs), all_there_was=len(jobs) < wanted)
 
     def _claims_ahead(self, queue: str) -> ClaimsAhead | None:
         """The background claimer, for a backlogged queue consumed on an event loop; None: claim here and now."""
@@ -813,6 +827,7 @@ class Transport(virtual.Transport):
             for channel in self.channels
             if channel._consumers and channel.qos.can_consume()
             for queue in channel._active_queues
+            if not (channel._ahead and channel._ahead.busy_with(queue))  # its claim rings when it lands
         }
 
     def driver_version(self) -> str:

@@ -6,10 +6,12 @@ import contextlib
 import enum
 import heapq
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -33,6 +35,21 @@ BUSY_PACE = 0.25
 CHANGE_BATCH = 1000
 
 
+@dataclass
+class Look:
+    """What one look at a queue reads: how many messages the changes told of, per collection (`jobs` and the plain
+    `messages`), since the last look; 0 skips that read, math.inf (unknown) makes it. The consumer takes off what
+    each read took, and what is left when the look ends (`Wakeups.looked`) is news for the next."""
+
+    jobs: float = math.inf
+    messages: float = math.inf
+
+    def took(self, source: str, count: int, *, all_there_was: bool) -> None:
+        """A read of `source` ("jobs" or "messages") took `count`; `all_there_was` when it found the queue empty."""
+        left = 0.0 if all_there_was else max(getattr(self, source) - count, 0.0)
+        setattr(self, source, left)
+
+
 class Wakeups:
     """Which queues are worth polling now: those with news, those due by the clock, and all now and then."""
 
@@ -54,6 +71,7 @@ class Wakeups:
         self.event = threading.Event()
         self._on_news = on_news
         self._db = db
+        self._messages = messages
         self._bindings = bindings
         self._bindings_watch = BindingsWatch.of(db[bindings]) if bindings else None
         self._controls = controls
@@ -62,8 +80,10 @@ class Wakeups:
         self._clock = clock
         self._safety = safety_poll_interval
         self._lock = threading.Lock()
-        self._dirty: set[str] = set()
-        self._inflight: set[str] = set()  # queues being polled: what a poll finds leads to the next poll
+        self._dirty: set[str] = set()  # queues with news since their last look
+        #: What the news of each dirty queue told of, counted per collection (math.inf: an unknown amount).
+        self._news: dict[str, Look] = {}
+        self._inflight: set[str] = set()  # queues being looked at: a change to one is no news to the consumer
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
@@ -91,26 +111,48 @@ class Wakeups:
 
     # --- the consumer's side ------------------------------------------------
 
-    def should_poll(self, queue: str, *, job_queue: bool) -> bool:
+    def look(self, queue: str, *, job_queue: bool) -> Look | None:
+        """Whether the consumer should look at `queue` now, and if so what to read there: None when nothing is
+        known to be waiting. A look reads only what the changes told of, except on a safety poll (everything)."""
         if not self.available:
-            return True  # no change stream: plain polling
+            return Look()  # no change stream: plain polling, of both collections
         now = time.monotonic()
         with self._lock:
             self._fire_timers(now)
             last = self._last_poll.get(queue, float("-inf"))
-            wanted = queue in self._dirty or (job_queue and self._jobs_touched_at >= last) or now - last >= self._safety
-            if wanted:
-                self._dirty.discard(queue)
-                self._inflight.add(queue)
-                self._last_poll[queue] = now
-            else:
+            touched = job_queue and self._jobs_touched_at >= last
+            safety = now - last >= self._safety
+            if not (queue in self._dirty or touched or safety):
                 self._inflight.discard(queue)
-            return wanted
+                return None
+            self._dirty.discard(queue)
+            self._inflight.add(queue)
+            self._last_poll[queue] = now
+            news = self._news.pop(queue, None) or Look(jobs=0.0, messages=0.0)
+        if safety:
+            return Look()
+        if touched:
+            news.jobs = math.inf  # a job went back to queued somewhere (a retry, a release), or a queue resumed
+        return news
 
-    def found(self, queue: str) -> None:
-        """A poll found a message: there may be more behind it."""
+    def looked(self, queue: str, look: Look) -> None:
+        """A look at `queue` is over: what it did not take of the news it read for is still news."""
+        if self.available and (look.jobs or look.messages):
+            with self._lock:
+                self._add_news(queue, jobs=look.jobs, messages=look.messages)
+
+    def claimed(self, queue: str, count: int, *, all_there_was: bool) -> None:
+        """A claim made after its look ended (on another thread: ClaimsAhead) took `count` jobs of `queue`'s news."""
         with self._lock:
-            self._dirty.add(queue)
+            news = self._news.get(queue)
+            if news is not None:
+                news.took("jobs", count, all_there_was=all_there_was)
+
+    def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
+        news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))
+        news.jobs += jobs
+        news.messages += messages
+        self._dirty.add(queue)
 
     def consume_only(self, queues: Collection[str]) -> None:
         """The queues this connection's consumers read from now on."""
@@ -150,7 +192,7 @@ class Wakeups:
             if queue is None:
                 self._jobs_touched_at = now
             else:
-                self._dirty.add(queue)
+                self._add_news(queue, jobs=1.0)  # the job inserted with that due time
         return fired
 
     def _notify(self) -> None:
@@ -184,6 +226,7 @@ class Wakeups:
                 self._jobs_touched_at = now  # a resumed queue has work to claim
             self._notify()
             return Seen.NEWS
+        in_messages = (change.get("ns") or {}).get("coll") == self._messages
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")
@@ -197,12 +240,15 @@ class Wakeups:
             elif queue is None:
                 seen = Seen.NEWS
                 self._jobs_touched_at = now
-            elif queue not in self._consumed:
-                seen = Seen.OTHER
-                self._dirty.add(queue)  # a consumer that starts on it later looks at once
             else:
-                seen = Seen.REPEAT if queue in self._dirty or queue in self._inflight else Seen.NEWS
-                self._dirty.add(queue)
+                if queue not in self._consumed:
+                    seen = Seen.OTHER  # marked all the same: a consumer that starts on it later looks at once
+                else:
+                    seen = Seen.REPEAT if queue in self._dirty or queue in self._inflight else Seen.NEWS
+                if in_messages:
+                    self._add_news(queue, messages=1.0)
+                else:
+                    self._add_news(queue, jobs=1.0)
         if seen is not Seen.OTHER:
             self._notify()
         return seen

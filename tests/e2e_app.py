@@ -9,6 +9,7 @@ import time
 
 from celery import Celery
 from celery.worker.control import inspect_command
+from pymongo import monitoring
 
 import bb_broker
 from bb_broker.connection import get_database, parse_broker_url
@@ -28,6 +29,33 @@ if os.environ.get("BB_RESULT_BACKEND"):
     # any other test with results on); other tests run without one.
     backend = os.environ["BB_RESULT_BACKEND"]
     app.conf.result_backend = app.conf.broker_url if backend == "broker" else backend
+
+
+class ReadLog(monitoring.CommandListener):
+    """BB_TEST_READ_LOG: a line per read of a queue this process sends (`findAndModify` or `find`, the collection,
+    the queue), for tests/test_wakeups_e2e.py to count what a task costs the worker."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        name = event.command_name
+        if name not in ("findAndModify", "find"):
+            return
+        query = event.command.get("query" if name == "findAndModify" else "filter") or {}
+        queue = query.get("queue")
+        if isinstance(queue, str):
+            os.write(self.fd, f"{name} {event.command[name]} {queue}\n".encode())
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+if os.environ.get("BB_TEST_READ_LOG"):
+    monitoring.register(ReadLog(os.environ["BB_TEST_READ_LOG"]))  # before any client, so the worker's reports
 
 
 @inspect_command()

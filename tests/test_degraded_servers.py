@@ -12,7 +12,7 @@ from pymongo import MongoClient
 import bb_broker  # noqa: F401  (registers bbmongo://)
 from bb_broker.messages import MessageStore
 from bb_broker.store import JobStore, ServerLacksFeature
-from bb_broker.wakeups import Wakeups
+from bb_broker.wakeups import Look, Wakeups
 from tests.servers import with_database
 from tests.workers import Worker, producer, send, settled, wait_for
 
@@ -64,5 +64,5 @@ def test_a_server_refusing_change_streams_means_polling_not_retrying(own_server,
                       safety_poll_interval=10.0)  # fmt: skip
     # Recognised: the watcher gives up for good and consumers poll. Before, it retried with backoff forever.
     wait_for(lambda: not wakeups._thread.is_alive(), message="the watcher to give up")
-    assert not wakeups.available and wakeups.should_poll("celery", job_queue=True)
+    assert not wakeups.available and wakeups.look("celery", job_queue=True) == Look()  # both collections
     assert f"no change streams on this deployment ({code}): polling instead" in caplog.text

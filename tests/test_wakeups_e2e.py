@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import socket
+from collections import Counter
 
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
@@ -80,3 +82,39 @@ def test_connections_opened_and_closed_one_after_another_never_run_the_pool_dry(
 def _drain(conn: Connection) -> None:
     with contextlib.suppress(TimeoutError):
         conn.drain_events(timeout=0.5)
+
+
+LONE_TASKS = 4
+
+
+def test_a_lone_task_costs_an_idle_worker_one_claim_and_no_read_of_plain_messages(
+    broker_url, db, worker_factory, tmp_path
+) -> None:
+    # What the change stream told of is what the worker reads: a task's insert is one job in `celery`, so the claim
+    # that takes it is the only read; a read of bb_messages, or a second claim finding `celery` empty, came back
+    # with every lone task (the bench's probes) before. Safety polls (which read everything) are out of the way.
+    log = tmp_path / "reads.log"
+    worker = worker_factory(options={"safety_poll_interval": 3600}, env={"BB_TEST_READ_LOG": str(log)})
+    app = producer(broker_url)
+    pidbox = f"{worker.name}@{socket.gethostname()}.celery.pidbox"
+
+    def ping() -> None:  # a round trip through the worker's loop: what it did before the reply is done
+        wait_for(lambda: app.control.ping(destination=[pidbox.split(".celery.")[0]], timeout=2), message="a pong")
+
+    def reads() -> Counter[tuple[str, str, str]]:
+        return Counter(tuple(line.split()) for line in log.read_text().splitlines())
+
+    ping()  # the worker's first looks at its queues (everything, once) are behind this
+    first = send(app, "add", 0, 0)
+    wait_for(settled(db, first, "succeeded"), message="the first task")
+    ping()
+    before = reads()
+    for n in range(LONE_TASKS):
+        task_id = send(app, "add", n, n)
+        wait_for(settled(db, task_id, "succeeded"), message=f"lone task {n}")
+    ping()
+    window = reads() - before
+    assert window == {
+        ("findAndModify", "jobs", "celery"): LONE_TASKS,  # one claim per task, nothing else on `celery`
+        ("findAndModify", "bb_messages", pidbox): 1,  # the last ping, and no claim there
+    }, window

@@ -11,7 +11,7 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker.messages import MessageStore
-from bb_broker.wakeups import Wakeups
+from bb_broker.wakeups import Look, Wakeups
 from tests.workers import wait_for
 
 
@@ -59,15 +59,20 @@ def publish(db: Database, queue: str) -> None:
 
 
 def seen(wakeups: Wakeups, queue: str) -> Callable[[], bool]:
-    assert wakeups.should_poll(queue, job_queue=False)  # the first look at a queue; from now on only news
-    assert not wakeups.should_poll(queue, job_queue=False)
-    return lambda: wakeups.should_poll(queue, job_queue=False)
+    assert wakeups.look(queue, job_queue=False)  # the first look at a queue; from now on only news
+    assert wakeups.look(queue, job_queue=False) is None
+    return lambda: wakeups.look(queue, job_queue=False) is not None
+
+
+def draining(wakeups: Wakeups, queue: str) -> None:
+    """The consumer looks at `queue` and takes a message of an unknown number there: more jobs there are no news."""
+    assert wakeups.look(queue, job_queue=True)
+    wakeups.looked(queue, Look())
 
 
 def test_a_busy_queue_costs_far_fewer_getmores_than_jobs(watched, db: Database) -> None:
     wakeups, getmores = watched
-    assert wakeups.should_poll("busy", job_queue=True)
-    wakeups.found("busy")  # the consumer is draining it: more jobs there are no news
+    draining(wakeups, "busy")
     last = seen(wakeups, "last")
     before = getmores.count
     jobs = 300
@@ -80,8 +85,7 @@ def test_a_busy_queue_costs_far_fewer_getmores_than_jobs(watched, db: Database) 
 
 def test_news_for_a_quiet_queue_wakes_while_another_is_busy(watched, db: Database) -> None:
     wakeups, _ = watched
-    assert wakeups.should_poll("busy", job_queue=True)
-    wakeups.found("busy")
+    draining(wakeups, "busy")
     quiet = seen(wakeups, "quiet")
     for _ in range(50):
         publish(db, "busy")
@@ -93,10 +97,10 @@ def test_news_for_a_quiet_queue_wakes_while_another_is_busy(watched, db: Databas
 
 def test_a_queue_polled_empty_is_news_again(watched, db: Database) -> None:
     wakeups, _ = watched
-    assert wakeups.should_poll("q", job_queue=True)  # a poll that comes back empty: no found()
+    assert wakeups.look("q", job_queue=True)  # a look that comes back empty: nothing left
     assert wakeups.seconds_until_next_poll({"q"}) > 0  # the consumer goes idle
     publish(db, "q")
-    wait_for(lambda: wakeups.should_poll("q", job_queue=True), message="the new job's wake-up")
+    wait_for(lambda: wakeups.look("q", job_queue=True) is not None, message="the new job's wake-up")
 
 
 def put_message(db: Database, queue: str) -> None:
@@ -148,3 +152,37 @@ def test_unwatched_or_uncacheable_tables_are_read_every_time(mongo_url: str, wat
         unwatched.table("celeryev", max_age=ANY_AGE)
         unwatched.table("celeryev", max_age=ANY_AGE)
     assert other.binding_reads == 2
+
+
+def test_a_look_reads_what_the_news_told_of_and_only_that(watched, db: Database) -> None:
+    # A consumer that claimed the one job a change told of, in a queue of jobs, reads neither bb_messages nor the
+    # queue again; what a look did not take is news for the next look; a safety poll reads everything.
+    wakeups, _ = watched
+    assert wakeups.look("q", job_queue=True) == Look()  # the first look at a queue reads both collections
+    last = seen(wakeups, "last")
+
+    def news_of(*writes: Callable[[], None]) -> Look:
+        for write in writes:
+            write()
+        publish(db, "last")  # the stream is ordered: once this is seen, every change before it was
+        wait_for(last, message="the change after the writes")
+        look = wakeups.look("q", job_queue=True)
+        assert look is not None
+        return look
+
+    look = news_of(lambda: publish(db, "q"))
+    assert look == Look(jobs=1, messages=0)
+    look.took("jobs", 1, all_there_was=False)
+    wakeups.looked("q", look)
+    assert wakeups.look("q", job_queue=True) is None  # the job told of was taken: no second claim
+
+    look = news_of(lambda: put_message(db, "q"), lambda: publish(db, "q"), lambda: publish(db, "q"))
+    assert look == Look(jobs=2, messages=1)
+    look.took("jobs", 1, all_there_was=False)  # a claim of one job, not the second
+    wakeups.looked("q", look)
+    assert wakeups.look("q", job_queue=True) == Look(jobs=1, messages=1)  # left unread, or untaken: still news
+
+    look = news_of(lambda: publish(db, "q"), lambda: publish(db, "q"))
+    look.took("jobs", 1, all_there_was=True)  # the claim found fewer than it asked for: the queue is empty
+    wakeups.looked("q", look)
+    assert wakeups.look("q", job_queue=True) is None
