@@ -65,7 +65,8 @@ def test_pool_grow_raises_what_the_worker_claims_as_celerys_prefetch_says(app, d
     worker_factory(concurrency=1)
     started = {"taskId": {"$in": busy}, "phase": "start"}
     wait_for(lambda: db.jobs.count_documents({"status": "running"}) == 2, message="one running, one claimed")
-    assert db.runs.count_documents(started) == 1
+    wait_for(lambda: db.runs.count_documents(started) == 1, message="the pool process started its task")
+    assert db.jobs.count_documents({"status": "running"}) == 2
 
     # Two more processes: Celery raises the prefetch to three, which the transport follows.
     assert app.control.pool_grow(2, reply=True, limit=1, timeout=10)
