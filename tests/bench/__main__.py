@@ -78,7 +78,8 @@ def main() -> int:
     rat = report.ratios(rounds)
     spread = report.round_ratios(rounds)
     tgt = report.targets(med, rat)
-    print(report.table(med, servers, rat, tgt, spread))
+    errors = report.events_errors(rounds)
+    print(report.table(med, servers, rat, tgt, spread, errors))
     print(startup.table(cli_startup, startup_repeat))
     print(f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s; logs in {workdir}")
     line = {
@@ -91,6 +92,7 @@ def main() -> int:
         "ratios": rat,
         "round_ratios": spread,
         "targets": tgt,
+        "events_errors": errors,
         "cli_startup": cli_startup,
         "rounds": rounds,
         "seconds": round(time.monotonic() - started, 1),

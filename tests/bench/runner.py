@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from pymongo import MongoClient
 from tests.bench.app import HOLD_TASK, PROBE_QUEUE, QUEUE, TASK
 from tests.bench.servers import Server
 from tests.servers import with_database
-from tests.workers import Worker
+from tests.workers import ROOT, Worker, wait_for
 
 #: Options for the bench's own MongoDB clients (the measuring one and the producer): no background
 #: monitoring traffic during a measured window, so the server's counters see the workers' operations only.
@@ -32,6 +34,10 @@ DEFAULT_PREFETCH = 4
 IDLE_PINGS = 3
 #: Held tasks queued behind the ones that take every pool process, while the saturated worker is pinged.
 QUEUED_BEHIND = 4
+#: An events-on drain that makes no progress for this long is given up and reported, not waited on for minutes.
+EVENTS_STALL_SECONDS = 30.0
+#: How long the monitor may take, after the last events-on worker stopped, to have read every task's events.
+EVENTS_CATCH_UP_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class Settings:
     #: `ping` round trips to a worker whose every pool process is busy (0: not measured), each waiting this long.
     ping_probes: int = 10
     ping_timeout: float = 5.0
+    #: The drains with task events on and an event monitor reading them (BENCH_EVENTS=0: not measured).
+    events: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -59,6 +67,7 @@ class Settings:
             diagnose=os.environ.get("BENCH_DIAGNOSE", "") not in ("", "0"),
             ping_probes=int(os.environ.get("BENCH_PING_PROBES", "10")),
             ping_timeout=float(os.environ.get("BENCH_PING_TIMEOUT", "5")),
+            events=os.environ.get("BENCH_EVENTS", "1") not in ("", "0"),
         )
 
 
@@ -122,6 +131,8 @@ class Broker:
     result_backend: Callable[[int], str] | None = None
     #: Whether the round pings a saturated worker (the rounds with results on skip it: nothing there differs).
     ping: bool = True
+    #: Whether the round drains with task events on (the rounds with results on skip it, as the ping).
+    events: bool = True
 
 
 def mongo_broker(
@@ -169,6 +180,7 @@ def mongo_broker(
         check=check,
         result_backend=(lambda rep: with_database(url, database(rep), scheme)) if results else None,
         ping=not results,
+        events=not results,
     )
 
 
@@ -210,14 +222,22 @@ class Stamps:
     def of(self, tag: str) -> list[tuple[str, float, float, float]]:
         return [row for row in self.refresh() if row[0] == tag]
 
-    def wait(self, tag: str, count: int, timeout: float) -> list[tuple[str, float, float, float]]:
+    def wait(
+        self, tag: str, count: int, timeout: float, stall: float | None = None
+    ) -> list[tuple[str, float, float, float]]:
+        """Until `count` tasks of `tag` ran; given up after `timeout`, or after `stall` seconds with none more."""
         deadline = time.monotonic() + timeout
+        progress, progressed_at = -1, time.monotonic()
         while True:
             rows = self.of(tag)
             if len(rows) >= count:
                 return rows
+            if len(rows) != progress:
+                progress, progressed_at = len(rows), time.monotonic()
             if time.monotonic() > deadline:
                 raise AssertionError(f"{len(rows)} of {count} '{tag}' tasks ran within {timeout:.0f}s")
+            if stall is not None and time.monotonic() - progressed_at > stall:
+                raise AssertionError(f"{len(rows)} of {count} '{tag}' tasks ran, then none for {stall:.0f}s")
             time.sleep(0.002)
 
 
@@ -312,6 +332,61 @@ def saturated_ping(app: Celery, worker: Worker, stamps: Stamps, settings: Settin
     }
 
 
+class EventMonitor:
+    """tests/bench/monitor.py in a process of its own: Celery's event Receiver consuming every event, as Flower."""
+
+    def __init__(self, url: str, workdir: Path, name: str) -> None:
+        self.url = url
+        self.counts_path = workdir / f"{name}.events.json"
+        self.log_path = workdir / f"monitor-{name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Returns once the receiver consumes (its counts file exists), so a worker started next is watched."""
+        self.counts_path.unlink(missing_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.bench.monitor", self.url, str(self.counts_path)],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        wait_for(lambda: self.exited() or self.counts_path.exists(), timeout, "the event monitor to consume")
+        if self.exited():
+            raise AssertionError(f"the event monitor exited with {self.process.returncode}: {self.log_tail()}")
+
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def counts(self) -> dict[str, int]:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            return json.loads(self.counts_path.read_text())
+        return {}
+
+    def task_events(self) -> int:
+        return sum(count for kind, count in self.counts().items() if kind.startswith("task-"))
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-1500:] if self.log_path.exists() else ""
+
+    def stop(self) -> int | None:
+        """SIGTERM (the receiver stops within a second and writes its counts), SIGKILL if it lingers."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(30)
+        return self.process.returncode
+
+
 def stop_worker(worker: Worker) -> None:
     """A warm shutdown, then SIGKILL to the whole group if it lingers."""
     process = worker.process
@@ -336,14 +411,14 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
     results = {"BENCH_RESULT_BACKEND": broker.result_backend(rep)} if broker.result_backend else {}
 
-    def worker_with(prefetch: int, name: str) -> Worker:
+    def worker_with(prefetch: int, name: str, events: bool = False) -> Worker:
         return Worker(
             broker.worker_url(rep),
             log_dir=workdir,
             name=name,
             concurrency=settings.concurrency,
             app="tests.bench.app",
-            extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}"),
+            extra_args=("-Q", f"{QUEUE},{PROBE_QUEUE}", *(("-E",) if events else ())),
             env={"BENCH_STAMPS": str(stamps_path), "BENCH_PREFETCH": str(prefetch), **diagnosis, **results},
         )
 
@@ -423,11 +498,70 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
             send(app, "y")
         stamps.wait("y", n, timeout=120 + n / 2)
         result["ops_per_task_celery_prefetch"] = counter.delta(before, counter.total()) / n
-        result.update(broker.check(rep, 4 * n + settings.probes + probes + result.get("held_tasks", 0)))
+        stop_worker(worker)
+
+        ran_with_events = 0
+        if settings.events and broker.events:
+            ran_with_events = events_drains(broker, settings, rep, workdir, app, stamps, worker_with, result)
+        if "events_error" not in result:  # a stalled events-on drain leaves its backlog queued: nothing to check
+            expected = 4 * n + settings.probes + probes + result.get("held_tasks", 0) + ran_with_events
+            result.update(broker.check(rep, expected))
     finally:
         stop_worker(worker)
         app.close()
     return result
+
+
+def events_drains(
+    broker: Broker,
+    settings: Settings,
+    rep: int,
+    workdir: Path,
+    app: Celery,
+    stamps: Stamps,
+    worker_with: Callable[..., Worker],
+    result: dict[str, Any],
+) -> int:
+    """The drain again with task events on (`-E`) and a monitor reading them, at the bench's prefetch and at
+    Celery's: events are routed, stored and read on every broker, as where an operator runs Flower.
+
+    Fills `result` with the drain figures, the task events the monitor read per task, and `events_error` when a
+    drain stalls or the monitor fails (reported, not waited on). Returns how many tasks ran.
+    """
+    n, started = settings.n, time.monotonic()
+    monitor = EventMonitor(broker.worker_url(rep), workdir, f"{broker.name}-{rep}")
+    ran = 0
+    try:
+        monitor.start()
+        for prefetch, tag, figure in (
+            (settings.prefetch, "e", "drain_tps_events"),
+            (DEFAULT_PREFETCH, "f", "drain_tps_events_celery_prefetch"),
+        ):
+            for _ in range(n):
+                send(app, tag)
+            worker = worker_with(prefetch, f"{broker.name}-{rep}-events-prefetch{prefetch}", events=True)
+            try:
+                worker.start()
+                drained = stamps.wait(tag, n, timeout=120 + n / 2, stall=EVENTS_STALL_SECONDS)
+            finally:
+                stop_worker(worker)
+            result[figure] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
+            ran += n
+            if monitor.exited():
+                raise AssertionError(f"the event monitor exited with {monitor.process.returncode}")
+        # Each task sends task-received, -started and -succeeded; the monitor reads what is still on its way.
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: monitor.task_events() >= 3 * ran, EVENTS_CATCH_UP_SECONDS, "the monitor's events")
+    except AssertionError as error:
+        result["events_error"] = f"{error}; monitor: {monitor.log_tail()[-500:]}"
+    finally:
+        exit_code = monitor.stop()
+        result["events_read_per_task"] = monitor.task_events() / ran if ran else 0.0
+        result["events_read"] = monitor.counts()
+        if exit_code not in (0, None) and "events_error" not in result:
+            result["events_error"] = f"the event monitor exited with {exit_code}: {monitor.log_tail()[-500:]}"
+        result["events_seconds"] = round(time.monotonic() - started, 1)
+    return ran
 
 
 def run_rounds(brokers: list[Broker], settings: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
