@@ -81,7 +81,11 @@ def main() -> int:
     errors = report.events_errors(rounds)
     print(report.table(med, servers, rat, tgt, spread, errors))
     print(startup.table(cli_startup, startup_repeat))
-    print(f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s; logs in {workdir}")
+    events_seconds = sum(r.get("events_seconds", 0.0) for rs in rounds.values() for r in rs)
+    print(
+        f"\n{settings.repeat} rounds of N={settings.n} in {time.monotonic() - started:.0f}s "
+        f"(of which the drains with task events on: {events_seconds:.0f}s); logs in {workdir}"
+    )
     line = {
         "bench": "bb_broker",
         "command": _command(),
