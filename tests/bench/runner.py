@@ -368,6 +368,10 @@ class EventMonitor:
     def task_events(self) -> int:
         return sum(count for kind, count in self.counts().items() if kind.startswith("task-"))
 
+    def has_read(self, task_events: int) -> Callable[[], bool]:
+        """A wait_for condition: the monitor has read that many task events."""
+        return lambda: self.task_events() >= task_events
+
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-1500:] if self.log_path.exists() else ""
 
@@ -533,30 +537,35 @@ def events_drains(
     ran = 0
     try:
         monitor.start()
-        for prefetch, tag, figure in (
-            (settings.prefetch, "e", "drain_tps_events"),
-            (DEFAULT_PREFETCH, "f", "drain_tps_events_celery_prefetch"),
-        ):
+        for prefetch, tag, suffix in ((settings.prefetch, "e", ""), (DEFAULT_PREFETCH, "f", "_celery_prefetch")):
             for _ in range(n):
                 send(app, tag)
             worker = worker_with(prefetch, f"{broker.name}-{rep}-events-prefetch{prefetch}", events=True)
             try:
+                # What the server serves from the worker's start until the monitor has read the drain's events:
+                # claims, settles, the events' writes and the monitor's reads (and the worker's start-up).
+                before, server_cpu = broker.counter.total(), cpu_seconds(broker.server_pid())
                 worker.start()
                 drained = stamps.wait(tag, n, timeout=120 + n / 2, stall=EVENTS_STALL_SECONDS)
+                # Each task sends task-received, -started and -succeeded; the monitor reads those on their way.
+                with contextlib.suppress(AssertionError):
+                    wait_for(monitor.has_read(3 * (ran + n)), EVENTS_CATCH_UP_SECONDS, "the monitor's events")
+                result[f"ops_per_task_events{suffix}"] = broker.counter.delta(before, broker.counter.total()) / n
+                result[f"server_cpu_ms_per_task_events{suffix}"] = (
+                    (cpu_seconds(broker.server_pid()) - server_cpu) * 1000 / n
+                )
             finally:
                 stop_worker(worker)
-            result[figure] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
+            result[f"drain_tps_events{suffix}"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
             ran += n
             if monitor.exited():
                 raise AssertionError(f"the event monitor exited with {monitor.process.returncode}")
-        # Each task sends task-received, -started and -succeeded; the monitor reads what is still on its way.
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: monitor.task_events() >= 3 * ran, EVENTS_CATCH_UP_SECONDS, "the monitor's events")
     except AssertionError as error:
         result["events_error"] = f"{error}; monitor: {monitor.log_tail()[-500:]}"
     finally:
         exit_code = monitor.stop()
-        result["events_read_per_task"] = monitor.task_events() / ran if ran else 0.0
+        if ran:
+            result["events_read_per_task"] = monitor.task_events() / ran
         result["events_read"] = monitor.counts()
         if exit_code not in (0, None) and "events_error" not in result:
             result["events_error"] = f"the event monitor exited with {exit_code}: {monitor.log_tail()[-500:]}"
