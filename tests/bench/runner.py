@@ -335,8 +335,9 @@ def saturated_ping(app: Celery, worker: Worker, stamps: Stamps, settings: Settin
 class EventMonitor:
     """tests/bench/monitor.py in a process of its own: Celery's event Receiver consuming every event, as Flower."""
 
-    def __init__(self, url: str, workdir: Path, name: str) -> None:
+    def __init__(self, url: str, workdir: Path, name: str, env: dict[str, str] | None = None) -> None:
         self.url = url
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.counts_path = workdir / f"{name}.events.json"
         self.log_path = workdir / f"monitor-{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -348,7 +349,7 @@ class EventMonitor:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "tests.bench.monitor", self.url, str(self.counts_path)],
                 cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -533,7 +534,9 @@ def events_drains(
     drain stalls or the monitor fails (reported, not waited on). Returns how many tasks ran.
     """
     n, started = settings.n, time.monotonic()
-    monitor = EventMonitor(broker.worker_url(rep), workdir, f"{broker.name}-{rep}")
+    commands = workdir / f"{broker.name}-{rep}.commands"
+    diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
+    monitor = EventMonitor(broker.worker_url(rep), workdir, f"{broker.name}-{rep}", diagnosis)
     ran = 0
     try:
         monitor.start()
@@ -545,6 +548,7 @@ def events_drains(
                 # What the server serves from the worker's start until the monitor has read the drain's events:
                 # claims, settles, the events' writes and the monitor's reads (and the worker's start-up).
                 before, server_cpu = broker.counter.total(), cpu_seconds(broker.server_pid())
+                window_start = time.time()
                 worker.start()
                 drained = stamps.wait(tag, n, timeout=120 + n / 2, stall=EVENTS_STALL_SECONDS)
                 # Each task sends task-received, -started and -succeeded; the monitor reads those on their way.
@@ -554,6 +558,9 @@ def events_drains(
                 result[f"server_cpu_ms_per_task_events{suffix}"] = (
                     (cpu_seconds(broker.server_pid()) - server_cpu) * 1000 / n
                 )
+                if settings.diagnose and commands.exists():  # the worker's and the monitor's, start-up included
+                    sent = per_task(commands, window_start, time.time(), n)
+                    result[f"worker_commands_per_task_events{suffix}"] = sent
             finally:
                 stop_worker(worker)
             result[f"drain_tps_events{suffix}"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
