@@ -31,6 +31,10 @@ AWAIT_MS = 10_000
 #: Seconds between getMores while the changes only repeat what the consumer knows (its queues are already
 #: marked): a busy queue would otherwise cost a getMore per job; news for a quiet queue waits at most this.
 BUSY_PACE = 0.25
+#: The first pace after news: paces double from here up to BUSY_PACE while repeats keep coming, so that a burst
+#: (a few tasks queued for a saturated worker) costs a few getMores and holds back the news after it (a ping) by
+#: milliseconds, while a stream of repeats still costs at most one getMore per BUSY_PACE.
+FIRST_PACE = 0.005
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
 
@@ -103,6 +107,11 @@ class Wakeups:
     def paces(self) -> int:
         """How many times the process's watcher has paced its reads (a count for tests and diagnosis)."""
         return self._feed.paces
+
+    @property
+    def pace(self) -> float:
+        """Seconds the watcher's last pace lasted, 0 once a read brought news or nothing (for tests and diagnosis)."""
+        return self._feed.pace
 
     def stop(self) -> None:
         """The connection closed: no more wake-ups for it (the process's change stream ends with its last one)."""
@@ -295,8 +304,9 @@ class _Feed:
         self.live = False
         #: Set when the last subscriber left, or a consumer started reading a queue: pauses end early.
         self._idle = threading.Event()
-        #: How many times the watcher paced its reads.
+        #: How many times the watcher paced its reads, and how long its last pace was (0 once news came).
         self.paces = 0
+        self.pace = 0.0
         self.thread = threading.Thread(target=self._watch, name="bb-broker-wakeups", daemon=True)
 
     def unsubscribe(self, wakeups: Wakeups) -> None:
@@ -357,8 +367,11 @@ class _Feed:
                             batch.add(self._on_change(change))
                         if _buffered(stream) == 0:  # the next try_next is a getMore
                             if changes < CHANGE_BATCH and _worth_a_pace(batch, others_before):
+                                self.pace = min(max(self.pace * 2, FIRST_PACE), self._busy_pace)
                                 self.paces += 1
-                                self._idle.wait(self._busy_pace)  # the consumers know of these changes already
+                                self._idle.wait(self.pace)  # the consumers know of these changes already
+                            elif not batch or Seen.NEWS in batch:
+                                self.pace = 0.0  # the repeats stopped: the next pace starts short again
                             others_before = batch == {Seen.OTHER}
                             batch, changes = set(), 0
             except OperationFailure as exc:

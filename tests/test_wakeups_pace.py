@@ -1,5 +1,5 @@
-"""The change stream's cost: a busy queue's jobs do not cost a getMore each, news still wakes at once, and a
-watched topic table is read again only when a binding changes."""
+"""The change stream's cost: a busy queue's jobs do not cost a getMore each, news still wakes at once (a short
+burst of repeats does not hold it back), and a watched topic table is read again only when a binding changes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker.messages import MessageStore
-from bb_broker.wakeups import Look, Wakeups
+from bb_broker.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
 from tests.workers import wait_for
 
 
@@ -186,3 +186,24 @@ def test_a_look_reads_what_the_news_told_of_and_only_that(watched, db: Database)
     look.took("jobs", 1, all_there_was=True)  # the claim found fewer than it asked for: the queue is empty
     wakeups.looked("q", look)
     assert wakeups.look("q", job_queue=True) is None
+
+
+def test_a_short_burst_of_repeats_is_paced_briefly_and_news_ends_the_pacing(watched, db: Database) -> None:
+    # Tasks queued for a worker whose pool is busy repeat what it knows; a long pace after them held back the
+    # ping that came next by up to BUSY_PACE (the saturated ping's p95). Paces start short and grow only while
+    # repeats keep coming; news (or a quiet read) starts them short again.
+    wakeups, _ = watched
+    draining(wakeups, "busy")  # the consumer knows the queue has work: its jobs are repeats
+    quiet = seen(wakeups, "quiet")
+    paces = wakeups.paces
+    publish(db, "busy")
+    wait_for(lambda: wakeups.paces > paces, message="a pace after the repeat")
+    assert wakeups.pace == FIRST_PACE
+    publish(db, "quiet")
+    wait_for(quiet, message="news for the quiet queue")
+    wait_for(lambda: wakeups.pace == 0.0, message="news ends the pacing")
+    for _ in range(3):  # repeats that keep coming, each in its own read: the paces grow
+        paces = wakeups.paces
+        publish(db, "busy")
+        wait_for(lambda: wakeups.paces > paces, message="a pace after each repeat")  # noqa: B023
+    assert FIRST_PACE < wakeups.pace <= BUSY_PACE
