@@ -9,9 +9,10 @@ from collections import Counter
 
 import pytest
 from kombu import Connection, Consumer, Queue
+from pymongo import monitoring
 from pymongo.database import Database
 
-from tests.workers import consumer_loops, producer, send, wait_for
+from tests.workers import ClaimCommands, consumer_loops, producer, send, wait_for
 
 
 @pytest.mark.parametrize("ending", ["cancel", "close"])
@@ -88,3 +89,34 @@ def test_a_worker_killed_holding_a_batch_loses_none_of_it(app, db: Database, wor
     wait_for(lambda: db.jobs.count_documents({"status": "succeeded"}) == 6, timeout=120, message="all six ran")
     starts = Counter(r["taskId"] for r in db.runs.find({"phase": "start"}))
     assert {t: starts[t] for t in slow} == {t: 2 if t in cut_short else 1 for t in slow}
+
+
+def test_a_consumer_working_through_a_backlog_lets_room_build_up_for_a_batch(broker_url: str, db: Database) -> None:
+    # Celery acks each task as a pool process starts it: claiming at each ack would take one job per round trip.
+    # While jobs it took still wait in the worker, the consumer lets freed slots wait (batch_patience) and claims
+    # a batch once there is room for one.
+    commands = ClaimCommands(db.name)
+    monitoring.register(commands)
+    app = producer(broker_url)
+    for i in range(12):
+        send(app, "add", i, i)
+    delivered: list = []
+    with Connection(broker_url) as conn:
+        channel = conn.channel()
+        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=4,
+                            callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
+        consumer.consume()
+        while len(delivered) < 4:  # one job, then a batch of the three more it may take
+            conn.drain_events(timeout=30)
+        assert db.jobs.count_documents({"status": "running"}) == 4
+        channel.qos.batch_patience = 3600.0  # a consumer as slow as it likes: the batch waits for room, not time
+        with commands.recorded() as sent:
+            delivered.pop(0).ack()  # room for one while three wait in the worker: not worth a claim yet
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.2)
+            assert sent == []
+            delivered.pop(0).ack()
+            delivered.pop(0).ack()  # room for three: one batch
+            conn.drain_events(timeout=30)
+        assert db.jobs.count_documents({"status": "running"}) == 7  # an ack leaves the job to Celery's signals
+        assert ("findAndModify", "jobs") not in sent and ("update", "jobs") in sent, sent

@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from celery import Celery
+from pymongo import monitoring
 from pymongo.database import Database
 
 T = TypeVar("T")
@@ -159,3 +161,37 @@ def failing_write(changes: Any, timeout: float = 60.0) -> dict[str, Any]:
         return None
 
     return wait_for(next_failure, timeout, "the write that failed the job")
+
+
+class ClaimCommands(monitoring.CommandListener):
+    """The commands one thread sends to the jobs and bb_messages collections of one database, while it records
+    (the consumer's looks and claims: not the watcher's getMores, nor the lease keeper's heartbeats and sweeps).
+
+    Registered with pymongo.monitoring.register, it hears the clients made from then on, which include the
+    transport's client for a test's own database (a client per broker URL)."""
+
+    def __init__(self, database: str) -> None:
+        self.database = database
+        self.recording: int | None = None  # the thread recorded
+        self.sent: list[tuple[str, str]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        target = event.command.get(event.command_name)
+        if threading.get_ident() != self.recording or event.database_name != self.database:
+            return
+        if target in ("jobs", "bb_messages"):
+            self.sent.append((event.command_name, target))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[list[tuple[str, str]]]:
+        self.sent, self.recording = [], threading.get_ident()
+        try:
+            yield self.sent
+        finally:
+            self.recording = None
