@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -14,6 +15,23 @@ class ServerClock:
     """Local time corrected by the offset to the MongoDB server's clock, re-measured every minute."""
 
     resync_every = 60.0
+
+    _shared: dict[tuple[int, int, str], ServerClock] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, db: Database) -> ServerClock:
+        """The process's clock for a client's database: whatever judges a due time in it judges by the same one.
+
+        Each measurement is off by a millisecond or so; the change stream that says a job is due and the claim
+        that takes it must not disagree by that much, or the claim finds nothing and the job waits a safety poll.
+        """
+        key = (os.getpid(), id(db.client), db.name)
+        with cls._shared_lock:
+            clock = cls._shared.get(key)
+            if clock is None or clock._db.client is not db.client:
+                clock = cls._shared[key] = cls(db)
+            return clock
 
     def __init__(self, db: Database) -> None:
         self._db = db
@@ -49,3 +67,12 @@ class ServerClock:
             self._measured = True
         finally:
             self._lock.release()
+
+
+def _forget_parent_clocks() -> None:
+    # A lock another thread held at the fork would never be released in the child; the clocks are the parent's.
+    ServerClock._shared = {}
+    ServerClock._shared_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_clocks)

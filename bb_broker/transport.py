@@ -273,7 +273,7 @@ class Channel(virtual.Channel):
         db = connection.get_database(self.target)
         self.policy = Policy(int(self.max_attempts), float(self.backoff_base), float(self.stale_after))
         self.jobs = JobStore(
-            db, self.policy, clock=ServerClock(db), collection=self.jobs_collection, secrets=self.target.secrets
+            db, self.policy, clock=ServerClock.of(db), collection=self.jobs_collection, secrets=self.target.secrets
         )
         self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)

@@ -4,15 +4,16 @@ burst of repeats does not hold it back), and a watched topic table is read again
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
+from kombu import Connection, Consumer, Queue
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker.messages import MessageStore
 from bb_broker.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
-from tests.workers import wait_for
+from tests.workers import producer, send, wait_for
 
 
 class GetMores(monitoring.CommandListener):
@@ -207,3 +208,24 @@ def test_a_short_burst_of_repeats_is_paced_briefly_and_news_ends_the_pacing(watc
         publish(db, "busy")
         wait_for(lambda: wakeups.paces > paces, message="a pace after each repeat")  # noqa: B023
     assert FIRST_PACE < wakeups.pace <= BUSY_PACE
+
+
+def test_the_wake_ups_and_the_claims_judge_a_due_time_by_one_clock(broker_url: str, db: Database) -> None:
+    # Each channel measured its own offset to the server's clock (to the millisecond, once a minute), and the change
+    # stream judged due times by the first consuming channel's: when it was ahead of the claiming channel's, a new
+    # task was news, the claim found it not yet due, and it waited for the safety poll (idle probes of 10 s).
+    delivered: list[str] = []
+    with Connection(broker_url, transport_options={"safety_poll_interval": 3600}) as conn:
+        replies = conn.channel()  # the first to consume, as Celery's remote control may be
+        Consumer(replies, queues=[Queue("replies", auto_delete=True)], accept=["json"]).consume()
+        tasks = conn.channel()
+        Consumer(tasks, queues=[Queue("celery")], accept=["json"],
+                 callbacks=[lambda body, message: delivered.append(message.job_id)]).consume()  # fmt: skip
+        wakeups = wait_for(lambda: conn.transport.wakeups, message="the change stream")
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+        clock = tasks.jobs.now
+        clock()  # measured
+        clock._offset -= timedelta(seconds=1)  # the claiming channel's reading a second behind the other's
+        send(producer(broker_url), "add", 1, 1)
+        conn.drain_events(timeout=30)  # due a second later by the claims' clock, and woken then
+    assert len(delivered) == 1
