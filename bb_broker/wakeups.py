@@ -35,6 +35,9 @@ BUSY_PACE = 0.25
 #: (a few tasks queued for a saturated worker) costs a few getMores and holds back the news after it (a ping) by
 #: milliseconds, while a stream of repeats still costs at most one getMore per BUSY_PACE.
 FIRST_PACE = 0.005
+#: Repeats a paced read should bring: while they come fast (a burst of inserts), the pace is no longer than it
+#: takes this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached.
+PACED_CHANGES = 16
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
 
@@ -359,6 +362,7 @@ class _Feed:
                     backoff = 0.5
                     batch: set[Seen] = set()
                     changes, others_before = 0, False
+                    last_batch = time.monotonic()
                     while stream.alive and self._wanted():
                         change = stream.try_next()  # the buffered batch, or one getMore (awaiting AWAIT_MS)
                         resume_token = stream.resume_token
@@ -366,13 +370,16 @@ class _Feed:
                             changes += 1
                             batch.add(self._on_change(change))
                         if _buffered(stream) == 0:  # the next try_next is a getMore
+                            now = time.monotonic()
                             if changes < CHANGE_BATCH and _worth_a_pace(batch, others_before):
-                                self.pace = min(max(self.pace * 2, FIRST_PACE), self._busy_pace)
+                                coming = PACED_CHANGES * (now - last_batch) / max(changes, 1)
+                                self.pace = max(FIRST_PACE, min(self.pace * 2, self._busy_pace, coming))
                                 self.paces += 1
                                 self._idle.wait(self.pace)  # the consumers know of these changes already
                             elif not batch or Seen.NEWS in batch:
                                 self.pace = 0.0  # the repeats stopped: the next pace starts short again
                             others_before = batch == {Seen.OTHER}
+                            last_batch = now
                             batch, changes = set(), 0
             except OperationFailure as exc:
                 if exc.code in NO_CHANGE_STREAMS:
