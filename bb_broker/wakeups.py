@@ -33,10 +33,11 @@ AWAIT_MS = 10_000
 BUSY_PACE = 0.25
 #: The first pace after news: paces double from here up to BUSY_PACE while repeats keep coming, so that a burst
 #: (a few tasks queued for a saturated worker) costs a few getMores and holds back the news after it (a ping) by
-#: milliseconds, while a stream of repeats still costs at most one getMore per BUSY_PACE.
+#: milliseconds, not by a whole BUSY_PACE.
 FIRST_PACE = 0.005
-#: Repeats a paced read should bring: while they come fast (a burst of inserts), the pace is no longer than it
-#: takes this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached.
+#: Repeats a paced read should bring: while they come fast (a burst of inserts), a pace is no longer than it takes
+#: this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached. A stream
+#: of repeats costs a getMore per this many repeats, or per BUSY_PACE when they come slower than that.
 PACED_CHANGES = 16
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
