@@ -151,7 +151,10 @@ class JobQoS(virtual.QoS):
         then takes a batch, not a job per round trip. Never longer than batch_patience, for a consumer that acks
         only once it has more."""
         room = self.claimable()
-        if not (0 < room < BATCH_MIN <= self.prefetch_count and self._unacked() and self.channel.is_backlogged()):
+        holding = self.channel.is_holding()  # jobs claimed already are handed out at once, whatever the room
+        if holding or not (
+            0 < room < BATCH_MIN <= self.prefetch_count and self._unacked() and self.channel.is_backlogged()
+        ):
             self._waiting_for_batch_since = None
             return 0.0
         now = monotonic()
@@ -547,6 +550,10 @@ class Channel(virtual.Channel):
         held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
         size = min(self.qos.claimable() - held, int(self.max_claim_batch))
         return size if size >= BATCH_MIN else 1
+
+    def is_holding(self) -> bool:
+        """Whether jobs claimed in a batch wait here to be delivered."""
+        return any(self._held.values())
 
     def is_backlogged(self) -> bool:
         """Whether a queue this channel consumes had more jobs than its last claim took."""

@@ -103,13 +103,13 @@ def test_a_consumer_working_through_a_backlog_lets_room_build_up_for_a_batch(bro
     delivered: list = []
     with Connection(broker_url) as conn:
         channel = conn.channel()
+        channel.qos.batch_patience = 3600.0  # a consumer as slow as it likes: the batch waits for room, not time
         consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=4,
                             callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
         consumer.consume()
-        while len(delivered) < 4:  # one job, then a batch of the three more it may take
+        while len(delivered) < 4:  # one job, then a batch of the three more it may take, all handed out at once
             conn.drain_events(timeout=30)
         assert db.jobs.count_documents({"status": "running"}) == 4
-        channel.qos.batch_patience = 3600.0  # a consumer as slow as it likes: the batch waits for room, not time
         with commands.recorded() as sent:
             delivered.pop(0).ack()  # room for one while three wait in the worker: not worth a claim yet
             with pytest.raises(TimeoutError):
