@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from bson import ObjectId
 from kombu import compression, serialization
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
@@ -139,6 +140,17 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str
     return {**message, "body": clean, "headers": _scrubbed(headers, secrets)}
 
 
+#: The order a queue's messages are delivered in: higher priority first, then the oldest.
+FETCH_ORDER = [("priority", DESCENDING), ("_id", ASCENDING)]
+#: The field marking messages a consumer is taking in a batch (see MessageStore.take).
+TAKER = "takenBy"
+
+
+def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """The Kombu message a stored document holds."""
+    return loads(doc["payload"])
+
+
 class MessageStore:
     """Transient messages: deleted when fetched, expired by a TTL index when nobody fetches them.
 
@@ -196,10 +208,38 @@ class MessageStore:
         )
 
     def get(self, queue: str) -> dict[str, Any] | None:
+        taken, _ = self.take(queue, 1)
+        return payload_of(taken[0]) if taken else None
+
+    def take(self, queue: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Take up to `limit` of `queue`'s messages, in order, each to one taker: their stored documents (to deliver,
+        `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip for one;
+        for more, a read, a mark and a delete."""
         # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
-        live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}}
-        doc = self.messages.find_one_and_delete(live, sort=[("priority", DESCENDING), ("_id", ASCENDING)])
-        return None if doc is None else loads(doc["payload"])
+        live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}, TAKER: {"$exists": False}}
+        if limit <= 1:
+            doc = self.messages.find_one_and_delete(live, sort=FETCH_ORDER)
+            return ([], True) if doc is None else ([doc], False)
+        while True:
+            head = list(self.messages.find(live, sort=FETCH_ORDER, limit=limit))
+            if not head:
+                return [], True
+            # Marked first, so that of messages another consumer reads at the same time each goes to one of them.
+            taker, ids = ObjectId(), [doc["_id"] for doc in head]
+            marking = {"_id": {"$in": ids}, TAKER: {"$exists": False}}
+            marked = self.messages.update_many(marking, {"$set": {TAKER: taker}}).modified_count
+            if marked < len(head):
+                mine = {doc["_id"] for doc in self.messages.find({"_id": {"$in": ids}, TAKER: taker}, {"_id": 1})}
+                head = [doc for doc in head if doc["_id"] in mine]
+            if head:  # else another consumer took them all: read on
+                self.messages.delete_many({"_id": {"$in": [doc["_id"] for doc in head]}, TAKER: taker})
+                return head, len(ids) < limit
+
+    def give_back(self, taken: Iterable[dict[str, Any]]) -> None:
+        """Store again messages taken and never delivered (their consumer stopped first), as they were."""
+        docs = [{key: value for key, value in doc.items() if key != TAKER} for doc in taken]
+        if docs:
+            self.messages.insert_many(docs, ordered=False)
 
     def size(self, queue: str) -> int:
         return self.messages.count_documents({"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}})

@@ -22,7 +22,7 @@ from . import connection
 from .clock import ServerClock
 from .leases import LeaseKeeper
 from .lifecycle import Policy
-from .messages import MessageStore
+from .messages import MessageStore, payload_of
 from .operations import Operations, revoked_task_ids
 from .pauses import PausedQueues, QueueControls
 from .payloads import (
@@ -288,6 +288,8 @@ class Channel(virtual.Channel):
         #: there. Only a hint for the order of the reads and for wake-ups: every queue reads both collections.
         self._plain_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
+        self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
+        self._plain_taken, self._plain_exhausted = 0, False  # of the last plain read: taken, and all there was
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
         self._held_lock = threading.Lock()  # a claim landing from ClaimsAhead against a consumer being cancelled
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
@@ -446,6 +448,8 @@ class Channel(virtual.Channel):
             self._ahead.raise_error()
         if self._held.get(queue):
             return self._claim(queue)
+        if self._held_plain.get(queue):
+            return self._fetch_plain(queue)
         if self._ahead is not None and self._ahead.busy_with(queue):
             raise ClaimOnItsWay()
         plain = queue in self._plain_queues
@@ -455,7 +459,7 @@ class Channel(virtual.Channel):
             raise Empty()
         # Each collection is read only where the change stream told of something there (or on a safety poll):
         # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
-        reads = (("messages", self._fetch_plain), ("jobs", self._claim))
+        reads = (("messages", lambda queue: self._fetch_plain(queue, look.messages)), ("jobs", self._claim))
         try:
             for source, read in reads if plain else reversed(reads):
                 if not getattr(look, source):
@@ -471,18 +475,27 @@ class Channel(virtual.Channel):
                     taken = 1 + len(self._held.get(queue, ()))
                     look.took(source, taken, all_there_was=queue not in self._backlogged)
                 else:
-                    look.took(source, 1, all_there_was=False)
+                    look.took(source, self._plain_taken, all_there_was=self._plain_exhausted)
                 return message
             raise Empty()
         finally:
             if wakeups is not None:
                 wakeups.looked(queue, look)
 
-    def _fetch_plain(self, queue: str) -> dict[str, Any]:
-        message = self.plumbing.get(queue)
-        if message is None:
-            raise Empty()
-        return message
+    def _fetch_plain(self, queue: str, told: float = 0) -> dict[str, Any]:
+        """The next plain message of `queue`: one held from a batch, else a batch of up to what the news `told` of
+        (math.inf: unknown) and the consumer has room for."""
+        held = self._held_plain.setdefault(queue, deque())
+        if not held:
+            # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
+            room = self.qos.claimable() if queue in self._active_queues else 1
+            wanted = int(max(min(told, room, self.max_claim_batch), 1))
+            taken, self._plain_exhausted = self.plumbing.take(queue, wanted)
+            held.extend(taken)
+            self._plain_taken = len(taken)
+            if not held:
+                raise Empty()
+        return payload_of(held.popleft())
 
     def _claim(self, queue: str) -> dict[str, Any]:
         held = self._held.setdefault(queue, deque())
@@ -566,6 +579,12 @@ class Channel(virtual.Channel):
         with self._held_lock:
             held = self._held.pop(queue, None)
         self._release(held or [])
+        plain = self._held_plain.pop(queue, None)
+        if plain:
+            try:
+                self.plumbing.give_back(plain)
+            except PyMongoError as exc:
+                logger.warning("could not give back %d messages of %s (%s)", len(plain), queue, type(exc).__name__)
 
     def _release(self, jobs: Collection[Claimed]) -> None:
         for job in jobs:

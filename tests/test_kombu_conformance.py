@@ -4,17 +4,41 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import uuid
 from contextlib import closing
 from decimal import Decimal
 
 import kombu
 import pytest
+from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
+from bb_broker import connection
+from bb_broker.messages import MessageStore, payload_of
 from bb_broker.payloads import PayloadError, to_document, to_message
 from tests.workers import job, send, settled, wait_for
+
+
+class MessageReads(monitoring.CommandListener):
+    """The reads and writes of queued messages this process sends, by collection."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in ("find", "findAndModify", "update", "delete"):
+            self.commands.append(str(event.command.get(event.command_name)))
+
+    def of(self, collection: str) -> int:
+        return self.commands.count(collection)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
 
 
 def dead_port() -> int:
@@ -160,3 +184,63 @@ def test_kombu_and_celery_see_host_port_and_database_not_the_url(broker_url: str
     assert conn.as_uri() == secret_url.replace("s3cret", "**")
     assert conn.as_uri(include_password=True) == secret_url
     conn.release()
+
+
+def test_plain_messages_read_in_batches_by_racing_takers_each_go_to_one(db: Database) -> None:
+    # Two consumers in different processes take from one queue at once: a batch read must not hand a message to both.
+    host, port = db.client.address
+    stores = [MessageStore(MongoClient(host, port, tz_aware=True)[db.name]) for _ in range(2)]
+    for i in range(300):
+        stores[0].put("shared", {"body": str(i), "properties": {}}, 0)
+    taken: list[list[str]] = [[], []]
+
+    start = threading.Barrier(2)
+
+    def take_all(k: int) -> None:
+        start.wait()
+        while True:
+            batch, exhausted = stores[k].take("shared", 7)
+            taken[k].extend(payload_of(doc)["body"] for doc in batch)
+            if exhausted:
+                return
+
+    threads = [threading.Thread(target=take_all, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(taken[0] + taken[1], key=int) == [str(i) for i in range(300)]
+    assert taken[0] and taken[1]  # both took some: the race happened
+    assert db.bb_messages.count_documents({}) == 0
+
+
+def test_a_consumer_reads_plain_messages_in_batches_and_gives_back_what_it_did_not_deliver(
+    broker_url: str, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = kombu.Queue("batched", kombu.Exchange("batched", type="direct"), routing_key="b")
+    reads = MessageReads()
+    monitoring.register(reads)
+    monkeypatch.setattr(connection, "_clients", {})  # clients of this test's own, made with the listener on
+    with kombu.Connection(broker_url) as producer_conn:
+        producer = kombu.Producer(producer_conn.channel())
+        for i in range(20):
+            producer.publish({"n": i}, exchange=queue.exchange, routing_key="b", declare=[queue])
+    delivered: list[int] = []
+    with kombu.Connection(broker_url) as conn:
+        consumer = kombu.Consumer(conn, [queue], callbacks=[lambda body, message: delivered.append(body["n"])],
+                                  accept=["json"], no_ack=True)  # fmt: skip
+        consumer.consume()
+        wait_for(lambda: conn.drain_events(timeout=0.5) or delivered, message="the first message")
+        consumer.cancel()  # the rest of its batch goes back, as it was
+    assert delivered == [0]
+    assert db.bb_messages.count_documents({"queue": "batched"}) == 19
+    reads.commands.clear()
+    with (
+        kombu.Connection(broker_url) as conn,
+        kombu.Consumer(
+            conn, [queue], callbacks=[lambda body, message: delivered.append(body["n"])], accept=["json"], no_ack=True
+        ),
+    ):
+        wait_for(lambda: conn.drain_events(timeout=0.5) or len(delivered) == 20, message="the rest")
+    assert delivered == list(range(20))  # each once, in order
+    assert 0 < reads.of("bb_messages") < 10  # in batches, not a read per message
