@@ -467,7 +467,10 @@ class Channel(virtual.Channel):
                 try:
                     message = read(queue)
                 except ClaimOnItsWay:
-                    break  # the look's news stays news: it is read on once the claim lands (and rings)
+                    # The claim takes the look's news of jobs with it (news that comes meanwhile stays news), and
+                    # rings when it lands.
+                    look.took(source, 0, all_there_was=True)
+                    break
                 except Empty:
                     look.took(source, 0, all_there_was=True)
                     continue
@@ -504,7 +507,7 @@ class Channel(virtual.Channel):
                 if queue in self.paused:
                     raise Empty()
                 wanted = self._batch_size(queue)
-                ahead = self._claims_ahead(queue)
+                ahead = self._claims_ahead(queue) if wanted > 1 else None  # a batch; one job is one round trip
                 if ahead is not None:
                     ahead.start(queue, wanted)
                     self.qos.claimed()
@@ -543,9 +546,9 @@ class Channel(virtual.Channel):
                 self._held.setdefault(queue, deque()).extend(jobs)
         if not keep:
             self._release(jobs)
-        elif ahead and self.connection.wakeups is not None:
-            # What the look that sent it counted is left as news until here: the claim took its share of it.
-            self.connection.wakeups.claimed(queue, len(jobs), all_there_was=len(jobs) < wanted)
+        elif ahead and len(jobs) == wanted and self.connection.wakeups is not None:
+            # The look that sent this claim handed its news to it: a full batch says there may be more.
+            self.connection.wakeups.more_jobs_may_wait(queue)
 
     def _claims_ahead(self, queue: str) -> ClaimsAhead | None:
         """The background claimer, for a backlogged queue consumed on an event loop; None: claim here and now."""

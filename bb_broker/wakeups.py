@@ -154,12 +154,11 @@ class Wakeups:
             with self._lock:
                 self._add_news(queue, jobs=look.jobs, messages=look.messages)
 
-    def claimed(self, queue: str, count: int, *, all_there_was: bool) -> None:
-        """A claim made after its look ended (on another thread: ClaimsAhead) took `count` jobs of `queue`'s news."""
-        with self._lock:
-            news = self._news.get(queue)
-            if news is not None:
-                news.took("jobs", count, all_there_was=all_there_was)
+    def more_jobs_may_wait(self, queue: str) -> None:
+        """A claim made after its look ended (ClaimsAhead's) came back full: the next look at `queue` claims again."""
+        if self.available:
+            with self._lock:
+                self._add_news(queue, jobs=math.inf)
 
     def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
         news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))

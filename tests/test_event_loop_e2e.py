@@ -230,3 +230,22 @@ def test_an_error_a_claim_meets_off_the_loop_is_raised_on_the_loop(own_server, c
             wait_for(lambda: next(loop) and False, message="the claim's error raised on the loop")
     assert raised.value.code == 2
     assert len(delivered) == 1
+
+
+def test_a_job_queued_while_a_batch_claim_is_out_is_delivered_without_waiting_for_a_safety_poll(
+    broker_url: str, db: Database, claim_writes: ClaimWrites
+) -> None:
+    app = producer(broker_url)
+    ids = [send(app, "add", i, i) for i in range(4)]
+    hub, delivered = Hub(), []
+    claim_writes.gate = threading.Event()
+    with Connection(broker_url, transport_options={"safety_poll_interval": 3600}) as conn:
+        consume_on_hub(conn, hub, lambda body, message: delivered.append(message.job_id), prefetch_count=8)
+        loop = hub.create_loop()
+        # One job claimed on the loop, then a batch claim of the rest sent off it, held on its way to the server.
+        wait_for(lambda: next(loop) or claim_writes.arrived.is_set(), message="a batch claim on its way")
+        late = send(app, "add", 9, 9)  # read by no claim out: only the change stream tells of it
+        wait_for(lambda: db.jobs.count_documents({"taskId": late}) == 1, message="the late job stored")
+        claim_writes.gate.set()  # the claim lands with the three it read, fewer than it had room for
+        wait_for(lambda: next(loop) or len(delivered) == 5, message="every job, the late one too")
+    assert sorted(delivered) == sorted(d["_id"] for d in db.jobs.find({"taskId": {"$in": [*ids, late]}}))
