@@ -386,8 +386,10 @@ class JobResultBackend(BaseBackend):
             if last_error.startswith("revoked"):
                 return self._meta(task_id, states.REVOKED, TaskRevokedError(last_error))
             return self._meta(task_id, states.FAILURE, JobFailed(last_error))
-        if status == SUCCEEDED and state != states.SUCCESS:
-            return {"status": states.PENDING, "result": None, "task_id": task_id}  # ignore_result, or forgotten
+        if status == SUCCEEDED and (state is None or state in states.UNREADY_STATES):
+            # ignore_result, or forgotten. A state a task set before it raised Ignore (a custom one, or FAILURE as
+            # Celery's docs show) stays what it reads, as in Celery's other backends.
+            return {"status": states.PENDING, "result": None, "task_id": task_id}
         if status in (QUEUED, RUNNING) and (state is None or state in states.READY_STATES):
             return {"status": states.PENDING, "result": None, "task_id": task_id}  # an outcome from an earlier run
         return self._meta_of(doc, task_id)

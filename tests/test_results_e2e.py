@@ -146,6 +146,18 @@ def test_started_and_custom_states(results_app, results_worker, db: Database):
     assert job(db, progress.id)["state"] == "SUCCESS"
 
 
+def test_a_state_set_before_ignore_stays_and_a_replaced_task_gets_its_replacements_result(
+    results_app, results_worker, db: Database
+):
+    results_worker()
+    replaced = results_app.send_task(T + "replaced_by_add", args=(2, 3))
+    assert replaced.get(timeout=60) == 5
+    noted = results_app.send_task(T + "noted_then_ignored", args=("kept",))
+    wait_for(lambda: job(db, noted.id).get("status") == "succeeded", message="the ignored task's job settled")
+    assert [a["outcome"] for a in job(db, noted.id)["history"]] == ["ignored"]
+    assert noted.state == "NOTED" and noted.info == {"note": "kept"}
+
+
 def test_ignore_result_writes_nothing_extra(results_app, results_worker, db: Database):
     results_worker()
     result = results_app.send_task(T + "ignored")
