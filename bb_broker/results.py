@@ -46,7 +46,7 @@ from celery.backends.base import BaseBackend, decompress_payload
 from celery.canvas import _chain
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import GroupResult, allow_join_result, result_from_tuple
+from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
 from celery.utils.functional import _regen
 from kombu.serialization import loads
 from kombu.serialization import registry as serializers
@@ -660,11 +660,22 @@ class JobResultBackend(BaseBackend):
                 raise error
         header = GroupResult.restore(group_id, backend=self)
         if header is not None:
-            # Nested groups in the header: join it for the structure the callback expects.
-            header.on_ready()
-            with allow_join_result():
-                return header.join_native(timeout=self.app.conf.result_chord_join_timeout, propagate=True)
+            # Nested groups in the header: the callback gets their structure, each task's value from its part. Not a
+            # join: the part completing the count is counted before its own result is stored, so joining a header
+            # that holds it would wait on itself for ever.
+            by_task = {part["id"]: part for part in parts}
+            return [self._nested_value(result, by_task) for result in header.results]
         return [self._loaded(part["value"], part["format"]) for part in ordered]
+
+    def _nested_value(self, result: Any, parts: dict[str, dict[str, Any]]) -> Any:
+        """A header member's value as a join gives it: a list for a group, nested as the groups are."""
+        if isinstance(result, ResultSet):
+            return [self._nested_value(child, parts) for child in result.results]
+        part = parts.get(result.id)
+        if part is None:  # not one of the chord's parts: its result, as a join reads it
+            with allow_join_result():
+                return result.get(timeout=self.app.conf.result_chord_join_timeout, propagate=True)
+        return self._loaded(part["value"], part["format"])
 
     # --- the rest of Celery's backend interface ----------------------------------------------
 

@@ -257,6 +257,19 @@ def test_a_chord_of_a_hundred(results_app, results_worker, db: Database):
     assert "celery_taskmeta" not in db.list_collection_names()
 
 
+def test_a_chord_whose_last_part_is_in_a_group_nested_in_its_header(results_app, results_worker):
+    # The last part counted is a task of the nested group: the callback's values must not wait for that task's own
+    # result, which it stores only after it is counted (Celery's test_nested_group_chain hung there).
+    results_worker(concurrency=1)
+
+    def add(x: int, y: int):
+        return sig(results_app, "add", x, y).set(immutable=True)
+
+    header = group(add(1, 100), chain(add(1, 200), group(add(1, 1000), add(1, 2000))))
+    result = chord(header)(sig(results_app, "echo"))
+    assert result.get(timeout=120) == [101, [1001, 2001]]
+
+
 def test_a_chord_whose_header_task_fails(results_app, results_worker, db: Database):
     results_worker()
     result = chord([sig(results_app, "add", 1, 1), sig(results_app, "always_fails")])(sig(results_app, "tsum"))
