@@ -476,7 +476,7 @@ class JobResultBackend(BaseBackend):
                 if self._change_streams and (jobs, unknown) != watched:
                     if stream is not None:
                         stream.close()
-                    stream, watched = self._watch(jobs, unknown), (jobs, unknown)
+                    stream, watched = self._watch(jobs, unknown, pending), (jobs, unknown)
                     if stream is not None:
                         continue  # read again at once: a change between the read and the watch is not missed
                 self._pause(stream, interval, remaining)
@@ -488,14 +488,15 @@ class JobResultBackend(BaseBackend):
             if stream is not None:
                 stream.close()
 
-    def _watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str]) -> Any:
-        """A change stream on what can change these results: their jobs, a job inserted for a task id not seen
-        yet, and bb_results documents of tasks without a job. None where the deployment has no change streams."""
+    def _watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str], task_ids: Iterable[str]) -> Any:
+        """A change stream on what can change these results: their jobs, a new job for any of the task ids (a
+        replaced task's id comes back on its replacement's job, a task id not seen yet on its first), and
+        bb_results documents of tasks without a job. None where the deployment has no change streams."""
         unknown = list(unknown_task_ids)
         jobs = self.jobs_collection
         watched = [
             {"ns.coll": jobs, "documentKey._id": {"$in": list(job_ids)}},
-            {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": unknown}},
+            {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": list(task_ids)}},
             {"ns.coll": RESULTS_COLLECTION, "documentKey._id": {"$in": [f"task:{task_id}" for task_id in unknown]}},
         ]
         try:
