@@ -11,7 +11,7 @@ from datetime import datetime
 from functools import wraps
 from typing import Any
 
-from celery import signals
+from celery import signals, states
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
 
@@ -264,6 +264,17 @@ def _on_failure(
         # A hard time limit is reported by the main process, without the task's request.
         worker = getattr(request, "hostname", None) or socket.gethostname()
         store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable, worker=worker)
+
+
+@signals.task_postrun.connect
+def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    # A task that raised Ignore (Task.replace does: its replacement is a new message with the same task id) gets
+    # no success or failure signal. Its job is done, not lost: left running, the stale sweep would run it again.
+    if state != states.IGNORED or sender is None:
+        return
+    store, job = store_for(sender.app), job_of(sender.request)
+    if store is not None and job is not None and not _settled_already(job):
+        store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "ignored"))
 
 
 @signals.task_retry.connect

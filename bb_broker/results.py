@@ -46,7 +46,7 @@ from celery.backends.base import BaseBackend, decompress_payload
 from celery.canvas import _chain
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import GroupResult, allow_join_result, result_from_tuple
+from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
 from celery.utils.functional import _regen
 from kombu.serialization import loads
 from kombu.serialization import registry as serializers
@@ -386,8 +386,10 @@ class JobResultBackend(BaseBackend):
             if last_error.startswith("revoked"):
                 return self._meta(task_id, states.REVOKED, TaskRevokedError(last_error))
             return self._meta(task_id, states.FAILURE, JobFailed(last_error))
-        if status == SUCCEEDED and state != states.SUCCESS:
-            return {"status": states.PENDING, "result": None, "task_id": task_id}  # ignore_result, or forgotten
+        if status == SUCCEEDED and (state is None or state in states.UNREADY_STATES):
+            # ignore_result, or forgotten. A state a task set before it raised Ignore (a custom one, or FAILURE as
+            # Celery's docs show) stays what it reads, as in Celery's other backends.
+            return {"status": states.PENDING, "result": None, "task_id": task_id}
         if status in (QUEUED, RUNNING) and (state is None or state in states.READY_STATES):
             return {"status": states.PENDING, "result": None, "task_id": task_id}  # an outcome from an earlier run
         return self._meta_of(doc, task_id)
@@ -474,7 +476,7 @@ class JobResultBackend(BaseBackend):
                 if self._change_streams and (jobs, unknown) != watched:
                     if stream is not None:
                         stream.close()
-                    stream, watched = self._watch(jobs, unknown), (jobs, unknown)
+                    stream, watched = self._watch(jobs, unknown, pending), (jobs, unknown)
                     if stream is not None:
                         continue  # read again at once: a change between the read and the watch is not missed
                 self._pause(stream, interval, remaining)
@@ -486,14 +488,15 @@ class JobResultBackend(BaseBackend):
             if stream is not None:
                 stream.close()
 
-    def _watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str]) -> Any:
-        """A change stream on what can change these results: their jobs, a job inserted for a task id not seen
-        yet, and bb_results documents of tasks without a job. None where the deployment has no change streams."""
+    def _watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str], task_ids: Iterable[str]) -> Any:
+        """A change stream on what can change these results: their jobs, a new job for any of the task ids (a
+        replaced task's id comes back on its replacement's job, a task id not seen yet on its first), and
+        bb_results documents of tasks without a job. None where the deployment has no change streams."""
         unknown = list(unknown_task_ids)
         jobs = self.jobs_collection
         watched = [
             {"ns.coll": jobs, "documentKey._id": {"$in": list(job_ids)}},
-            {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": unknown}},
+            {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": list(task_ids)}},
             {"ns.coll": RESULTS_COLLECTION, "documentKey._id": {"$in": [f"task:{task_id}" for task_id in unknown]}},
         ]
         try:
@@ -658,11 +661,22 @@ class JobResultBackend(BaseBackend):
                 raise error
         header = GroupResult.restore(group_id, backend=self)
         if header is not None:
-            # Nested groups in the header: join it for the structure the callback expects.
-            header.on_ready()
-            with allow_join_result():
-                return header.join_native(timeout=self.app.conf.result_chord_join_timeout, propagate=True)
+            # Nested groups in the header: the callback gets their structure, each task's value from its part. Not a
+            # join: the part completing the count is counted before its own result is stored, so joining a header
+            # that holds it would wait on itself for ever.
+            by_task = {part["id"]: part for part in parts}
+            return [self._nested_value(result, by_task) for result in header.results]
         return [self._loaded(part["value"], part["format"]) for part in ordered]
+
+    def _nested_value(self, result: Any, parts: dict[str, dict[str, Any]]) -> Any:
+        """A header member's value as a join gives it: a list for a group, nested as the groups are."""
+        if isinstance(result, ResultSet):
+            return [self._nested_value(child, parts) for child in result.results]
+        part = parts.get(result.id)
+        if part is None:  # not one of the chord's parts: its result, as a join reads it
+            with allow_join_result():
+                return result.get(timeout=self.app.conf.result_chord_join_timeout, propagate=True)
+        return self._loaded(part["value"], part["format"])
 
     # --- the rest of Celery's backend interface ----------------------------------------------
 

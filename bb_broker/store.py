@@ -6,7 +6,8 @@ The job document's record of its attempts and its Celery result (designed once, 
 - `startedAt`: set by the claim (the claim is when an attempt starts holding the job).
 - `history`: the last HISTORY_LIMIT attempts, oldest first, each `{n, worker, startedAt, finishedAt, outcome, error,
   traceback}`; `outcome` is `succeeded`, `failed` (the broker's retries included), `retry` (the task's own Celery
-  retry), `revoked` or `lost` (the worker vanished: the stale sweep or its shutdown settled it). Pushed with
+  retry), `ignored` (the task raised Celery's `Ignore`, as `Task.replace` does: the job ends `succeeded`), `revoked`
+  or `lost` (the worker vanished: the stale sweep or its shutdown settled it). Pushed with
   `$push`/`$slice` by the settling write (a failed attempt the broker retries: just before its retry's publish).
 - The result, set by the settling write when the backend is `bbmongo://` (see results.py): `state` (Celery's state),
   `result` (the value as BSON when it came as JSON, else the encoded bytes; `resultFormat` says which), `traceback`,

@@ -8,6 +8,7 @@ import signal
 import time
 
 from celery import Celery
+from celery.exceptions import Ignore
 from celery.worker.control import inspect_command
 from pymongo import monitoring
 
@@ -218,6 +219,19 @@ def progress(self, steps, pause):
         self.update_state(state="PROGRESS", meta={"step": step + 1, "of": steps})
         time.sleep(pause)
     return steps
+
+
+@app.task(bind=True)
+def replaced_by_add(self, x, y):
+    record(self)
+    raise self.replace(add.s(x, y))
+
+
+@app.task(bind=True)
+def noted_then_ignored(self, note):
+    record(self)
+    self.update_state(state="NOTED", meta={"note": note})
+    raise Ignore()
 
 
 @app.task(bind=True, ignore_result=True)

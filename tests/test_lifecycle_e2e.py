@@ -94,6 +94,22 @@ def test_a_failed_attempt_the_broker_runs_again_is_a_celery_retry(app, db, worke
     assert db.jobs.count_documents({"taskId": {"$in": [flaky, doomed]}}) == 2
 
 
+def test_a_replaced_task_ends_its_job_and_runs_once(app, db, worker_factory) -> None:
+    # Task.replace raises Ignore: Celery sends no success or failure signal, yet the job is done. Left running,
+    # the stale sweep, or the worker's release at exit, would run the replaced task again.
+    worker = worker_factory()
+    task_id = send(app, "replaced_by_add", 2, 3)
+    both = {"taskId": task_id, "status": "succeeded"}
+    wait_for(lambda: db.jobs.count_documents(both) == 2, message="the replaced job and its replacement succeeded")
+    replaced, replacement = db.jobs.find({"taskId": task_id}).sort("_id", 1)
+    assert [a["outcome"] for a in replaced["history"]] == ["ignored"]
+    assert [a["outcome"] for a in replacement["history"]] == ["succeeded"]
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert db.jobs.count_documents(both) == 2
+    assert [r["name"] for r in db.runs.find({"taskId": task_id}).sort("at")] == [T + "replaced_by_add", T + "add"]
+
+
 def test_eta_waits_in_mongodb_not_in_a_worker(app, db, worker_factory) -> None:
     worker_factory()
     task_id = send(app, "add", 1, 1, countdown=3)

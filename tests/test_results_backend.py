@@ -15,7 +15,7 @@ import bb_broker
 from bb_broker.lifecycle import Policy
 from bb_broker.results import JobFailed, JobResultBackend
 from bb_broker.store import HISTORY_LIMIT, JobStore, attempt_entry
-from tests.workers import producer
+from tests.workers import producer, wait_for
 
 
 @pytest.fixture
@@ -186,3 +186,20 @@ def test_the_part_that_claimed_the_callback_takes_it_over_when_it_runs_again(
     [sent] = db.jobs.find({"kind": "tests.e2e_app.tsum"})
     assert sent["taskId"] == claim["firstId"] and sent["payload"]["args"] == [[5, 7]]
     assert db.bb_results.find_one({"_id": "chord:g4"})["sent"]
+
+
+def test_a_waiting_get_is_woken_by_a_new_job_of_a_task_id_it_knows(app: Celery, db: Database):
+    # Task.replace: the replaced task's id comes back on its replacement's job (for a chain, only once the chain's
+    # earlier steps ran), while the job the waiter knows has settled and changes no more.
+    backend = app.backend
+    now = datetime.now(UTC)
+    replaced = {"_id": "job-replaced", "taskId": "t-replaced", "status": "succeeded", "createdAt": now}
+    db.jobs.insert_one(replaced)
+    assert backend._metas(["t-replaced"])["t-replaced"]["status"] == states.PENDING
+    stream = backend._watch(["job-replaced"], [], ["t-replaced"])
+    try:
+        db.jobs.insert_one({"_id": "job-replacement", "taskId": "t-replaced", "status": "queued", "createdAt": now})
+        change = wait_for(stream.try_next, timeout=30, message="the replacement's job woke the waiter")
+        assert change["documentKey"]["_id"] == "job-replacement"
+    finally:
+        stream.close()

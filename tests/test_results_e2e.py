@@ -146,6 +146,18 @@ def test_started_and_custom_states(results_app, results_worker, db: Database):
     assert job(db, progress.id)["state"] == "SUCCESS"
 
 
+def test_a_state_set_before_ignore_stays_and_a_replaced_task_gets_its_replacements_result(
+    results_app, results_worker, db: Database
+):
+    results_worker()
+    replaced = results_app.send_task(T + "replaced_by_add", args=(2, 3))
+    assert replaced.get(timeout=60) == 5
+    noted = results_app.send_task(T + "noted_then_ignored", args=("kept",))
+    wait_for(lambda: job(db, noted.id).get("status") == "succeeded", message="the ignored task's job settled")
+    assert [a["outcome"] for a in job(db, noted.id)["history"]] == ["ignored"]
+    assert noted.state == "NOTED" and noted.info == {"note": "kept"}
+
+
 def test_ignore_result_writes_nothing_extra(results_app, results_worker, db: Database):
     results_worker()
     result = results_app.send_task(T + "ignored")
@@ -243,6 +255,19 @@ def test_a_chord_of_a_hundred(results_app, results_worker, db: Database):
     assert db.runs.count_documents({"name": T + "tsum"}) == 1
     assert db.runs.find_one({"name": T + "tsum"})["values"] == [2 * i for i in range(100)]
     assert "celery_taskmeta" not in db.list_collection_names()
+
+
+def test_a_chord_whose_last_part_is_in_a_group_nested_in_its_header(results_app, results_worker):
+    # The last part counted is a task of the nested group: the callback's values must not wait for that task's own
+    # result, which it stores only after it is counted (Celery's test_nested_group_chain hung there).
+    results_worker(concurrency=1)
+
+    def add(x: int, y: int):
+        return sig(results_app, "add", x, y).set(immutable=True)
+
+    header = group(add(1, 100), chain(add(1, 200), group(add(1, 1000), add(1, 2000))))
+    result = chord(header)(sig(results_app, "echo"))
+    assert result.get(timeout=120) == [101, [1001, 2001]]
 
 
 def test_a_chord_whose_header_task_fails(results_app, results_worker, db: Database):
