@@ -98,10 +98,10 @@ def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str
     bb = med.get("bbmongo", {})
     bb_results = med.get("bbmongo_results", {})
     checks = {
-        "drain >= 1.0x mongodb:// (prefetch 1)": (rat.get("bbmongo/mongodb drain_tps"), lambda v: v >= 1.0),
-        "drain >= 1.0x mongodb:// (prefetch 4)": (
+        "drain >= 1.5x mongodb:// (prefetch 1)": (rat.get("bbmongo/mongodb drain_tps"), lambda v: v >= 1.5),
+        "drain >= 1.5x mongodb:// (prefetch 4)": (
             rat.get("bbmongo/mongodb drain_tps_celery_prefetch"),
-            lambda v: v >= 1.0,
+            lambda v: v >= 1.5,
         ),
         "drain, events on, >= 1.5x mongodb:// (prefetch 1)": (
             rat.get("bbmongo/mongodb drain_tps_events"),
@@ -111,11 +111,11 @@ def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str
             rat.get("bbmongo/mongodb drain_tps_events_celery_prefetch"),
             lambda v: v >= 1.5,
         ),
-        "idle enqueue->start p50 <= 50 ms": (bb.get("idle_latency_p50_ms"), lambda v: v <= 50),
+        "idle enqueue->start p50 <= 10 ms": (bb.get("idle_latency_p50_ms"), lambda v: v <= 10),
         "idle enqueue->start p95 <= 150 ms": (bb.get("idle_latency_p95_ms"), lambda v: v <= 150),
         "server ops per task <= 3 (prefetch 1)": (bb.get("ops_per_task"), lambda v: v <= 3),
         "server ops per task <= 3 (prefetch 4)": (bb.get("ops_per_task_celery_prefetch"), lambda v: v <= 3),
-        "idle worker <= 2 ops/s": (bb.get("idle_ops_per_s"), lambda v: v <= 2),
+        "idle worker <= 1 ops/s": (bb.get("idle_ops_per_s"), lambda v: v <= 1),
         "publish >= 1.0x mongodb://": (rat.get("bbmongo/mongodb publish_tps"), lambda v: v >= 1.0),
         "saturated worker answers ping, p95 < 1000 ms": (bb.get("ping_saturated_p95_ms"), lambda v: v < 1000),
         "server ops per task, results on, <= 3 (prefetch 1)": (bb_results.get("ops_per_task"), lambda v: v <= 3),
