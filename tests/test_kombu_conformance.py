@@ -15,30 +15,9 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
-from bb_broker import connection
 from bb_broker.messages import MessageStore, payload_of
 from bb_broker.payloads import PayloadError, to_document, to_message
-from tests.workers import job, send, settled, wait_for
-
-
-class MessageReads(monitoring.CommandListener):
-    """The reads and writes of queued messages this process sends, by collection."""
-
-    def __init__(self) -> None:
-        self.commands: list[str] = []
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if event.command_name in ("find", "findAndModify", "update", "delete"):
-            self.commands.append(str(event.command.get(event.command_name)))
-
-    def of(self, collection: str) -> int:
-        return self.commands.count(collection)
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+from tests.workers import ClaimCommands, job, send, settled, wait_for
 
 
 def dead_port() -> int:
@@ -215,12 +194,11 @@ def test_plain_messages_read_in_batches_by_racing_takers_each_go_to_one(db: Data
 
 
 def test_a_consumer_reads_plain_messages_in_batches_and_gives_back_what_it_did_not_deliver(
-    broker_url: str, db: Database, monkeypatch: pytest.MonkeyPatch
+    broker_url: str, db: Database
 ) -> None:
     queue = kombu.Queue("batched", kombu.Exchange("batched", type="direct"), routing_key="b")
-    reads = MessageReads()
-    monitoring.register(reads)
-    monkeypatch.setattr(connection, "_clients", {})  # clients of this test's own, made with the listener on
+    commands = ClaimCommands(db.name)
+    monitoring.register(commands)  # before this test's client (one per broker URL) is made
     with kombu.Connection(broker_url) as producer_conn:
         producer = kombu.Producer(producer_conn.channel())
         for i in range(20):
@@ -234,8 +212,8 @@ def test_a_consumer_reads_plain_messages_in_batches_and_gives_back_what_it_did_n
         consumer.cancel()  # the rest of its batch goes back, as it was
     assert delivered == [0]
     assert db.bb_messages.count_documents({"queue": "batched"}) == 19
-    reads.commands.clear()
     with (
+        commands.recorded() as sent,
         kombu.Connection(broker_url) as conn,
         kombu.Consumer(
             conn, [queue], callbacks=[lambda body, message: delivered.append(body["n"])], accept=["json"], no_ack=True
@@ -243,4 +221,4 @@ def test_a_consumer_reads_plain_messages_in_batches_and_gives_back_what_it_did_n
     ):
         wait_for(lambda: conn.drain_events(timeout=0.5) or len(delivered) == 20, message="the rest")
     assert delivered == list(range(20))  # each once, in order
-    assert 0 < reads.of("bb_messages") < 10  # in batches, not a read per message
+    assert 0 < [target for _, target in sent].count("bb_messages") < 10  # in batches, not a read per message
