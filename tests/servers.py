@@ -111,7 +111,11 @@ class AnswerDroppingProxy:
     def _accept(self) -> None:
         while True:
             client, _ = self.listener.accept()
-            server = socket.create_connection(self.upstream)
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:  # the server is gone (its test is over, or stopped it): the client sees its connection end
+                client.close()
+                continue
             watched: set[int] = set()  # request ids whose answer is to be dropped
             threading.Thread(target=self._requests, args=(client, server, watched), daemon=True).start()
             threading.Thread(target=self._answers, args=(server, client, watched), daemon=True).start()
