@@ -60,9 +60,21 @@ def publish(db: Database, queue: str) -> None:
 
 
 def seen(wakeups: Wakeups, queue: str) -> Callable[[], bool]:
+    """A consumer's check for news of `queue`: each look that finds some ends as a consumer's does, by going idle.
+
+    A queue being looked at is in flight, and a change to it then is a repeat, not news: a look left open would make
+    the next job a repeat whenever the watcher sees it before the test's next look, and pace the watcher.
+    """
     assert wakeups.look(queue, job_queue=False)  # the first look at a queue; from now on only news
     assert wakeups.look(queue, job_queue=False) is None
-    return lambda: wakeups.look(queue, job_queue=False) is not None
+
+    def news() -> bool:
+        if wakeups.look(queue, job_queue=False) is None:
+            return False
+        wakeups.seconds_until_next_poll({queue})  # the read came back: the consumer waits for more
+        return True
+
+    return news
 
 
 def draining(wakeups: Wakeups, queue: str) -> None:
