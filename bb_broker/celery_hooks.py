@@ -67,7 +67,7 @@ def store_for(app: Any) -> JobStore | None:
             store = _stores[key] = JobStore(
                 db,
                 policy,
-                clock=ServerClock(db),
+                clock=ServerClock.of(db),
                 collection=options.get("jobs_collection", "jobs"),
                 secrets=target.secrets,
             )

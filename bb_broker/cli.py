@@ -45,7 +45,7 @@ def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) 
     # monitor, blocked in an awaited `hello`.
     db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **options)[target.database]
     # Ages, due times and the stale cutoff on the server's clock, as the workers measure them.
-    return JobStore(db, policy, clock=ServerClock(db), collection=collection, secrets=target.secrets)
+    return JobStore(db, policy, clock=ServerClock.of(db), collection=collection, secrets=target.secrets)
 
 
 @contextmanager

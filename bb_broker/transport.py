@@ -289,7 +289,6 @@ class Channel(virtual.Channel):
         self._plain_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
-        self._plain_taken, self._plain_exhausted = 0, False  # of the last plain read: taken, and all there was
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
         self._held_lock = threading.Lock()  # a claim landing from ClaimsAhead against a consumer being cancelled
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
@@ -459,7 +458,7 @@ class Channel(virtual.Channel):
             raise Empty()
         # Each collection is read only where the change stream told of something there (or on a safety poll):
         # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
-        reads = (("messages", lambda queue: self._fetch_plain(queue, look.messages)), ("jobs", self._claim))
+        reads = (("messages", lambda queue: self._fetch_plain(queue, look)), ("jobs", self._claim))
         try:
             for source, read in reads if plain else reversed(reads):
                 if not getattr(look, source):
@@ -477,25 +476,25 @@ class Channel(virtual.Channel):
                 if source == "jobs":  # one claim may have taken a batch, and found the queue empty doing it
                     taken = 1 + len(self._held.get(queue, ()))
                     look.took(source, taken, all_there_was=queue not in self._backlogged)
-                else:
-                    look.took(source, self._plain_taken, all_there_was=self._plain_exhausted)
                 return message
             raise Empty()
         finally:
             if wakeups is not None:
                 wakeups.looked(queue, look)
 
-    def _fetch_plain(self, queue: str, told: float = 0) -> dict[str, Any]:
-        """The next plain message of `queue`: one held from a batch, else a batch of up to what the news `told` of
-        (math.inf: unknown) and the consumer has room for."""
+    def _fetch_plain(self, queue: str, look: Look | None = None) -> dict[str, Any]:
+        """The next plain message of `queue`: one held from a batch, else a batch of up to what the `look`'s news
+        told of and the consumer has room for (the read is taken off the look)."""
         held = self._held_plain.setdefault(queue, deque())
         if not held:
             # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
             room = self.qos.claimable() if queue in self._active_queues else 1
+            told = look.messages if look is not None else 0
             wanted = int(max(min(told, room, self.max_claim_batch), 1))
-            taken, self._plain_exhausted = self.plumbing.take(queue, wanted)
+            taken, exhausted = self.plumbing.take(queue, wanted)
             held.extend(taken)
-            self._plain_taken = len(taken)
+            if look is not None:
+                look.took("messages", len(taken), all_there_was=exhausted)
             if not held:
                 raise Empty()
         return payload_of(held.popleft())
