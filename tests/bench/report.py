@@ -22,6 +22,7 @@ METRICS: list[tuple[str, str, str]] = [
     ("ping_saturated_unanswered", "  pings unanswered in the timeout", "probes"),
     ("ping_idle_unanswered", "  idle worker never answered ping", "1 = so"),
     ("ops_per_task", "server ops per task, under load", "ops"),
+    ("ops_per_task_with_probes", "  with latency probes in the window", "ops"),
     ("publish_ops_per_task", "  of which publishing", "ops"),
     ("ops_per_task_celery_prefetch", "  with Celery's prefetch (4)", "ops"),
     ("ops_per_task_events", "server ops per task, events drain", "ops"),
