@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
+from bson.errors import InvalidDocument
 from kombu import compression, serialization
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection
 from pymongo.database import Database
-from pymongo.errors import OperationFailure
+from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
 
-from .connection import scrub
+from .connection import SHUTDOWN_PATIENCE, scrub, server_gone_at_shutdown
 from .store import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
+
+logger = logging.getLogger(__name__)
+
+#: The server's code for a duplicate key: an insert tried again after its answer was lost had landed.
+DUPLICATE_KEY = 11000
+#: Seconds the outbox waits before it tries again a write the server did not answer, doubling up to the last.
+OUTBOX_RETRY = (0.05, 5.0)
 
 
 class BindingsWatch:
@@ -140,6 +151,124 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str
     return {**message, "body": clean, "headers": _scrubbed(headers, secrets)}
 
 
+class Outbox:
+    """The plain messages (events, replies) an event loop's thread publishes, stored by a thread of their own.
+
+    Celery's worker sends its task events from its event loop's thread; an insert there held the loop (and the
+    claims, acks and hand-offs behind it) for a round trip per event, as a Redis or AMQP publish does not. Here
+    they are written in the order given, as many as are waiting in one insert, and a write the server did not
+    answer is tried again until it lands (each document has its _id already: one that landed is not written
+    twice). One outbox per process and collection; the process waits for each at exit (a stopping server's
+    patience at most), as a worker stops.
+    """
+
+    _boxes: dict[tuple[int, str], Outbox] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, messages: Collection) -> None:
+        self.messages = messages
+        self._waiting: deque[dict[str, Any]] = deque()
+        self._writing = 0  # documents taken by the writer and not yet stored (or given up)
+        self._changed = threading.Condition()
+        # A daemon: a write stuck on a server that is gone must not hold the process at exit (flush bounds it).
+        self._thread = threading.Thread(target=self._run, name="bb-outbox", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _key(messages: Collection) -> tuple[int, str]:
+        return (id(messages.database.client), messages.full_name)
+
+    @classmethod
+    def of(cls, messages: Collection) -> Outbox:
+        with cls._lock:
+            box = cls._boxes.get(cls._key(messages))
+            if box is None:
+                box = cls._boxes[cls._key(messages)] = cls(messages)
+            return box
+
+    @classmethod
+    def flush_all_at_exit(cls) -> None:
+        """The process ends: what the outboxes hold is stored first, waiting a stopping server's patience at most."""
+        deadline = time.monotonic() + (0.0 if server_gone_at_shutdown() else SHUTDOWN_PATIENCE)
+        for box in list(cls._boxes.values()):
+            left = box.flush(max(deadline - time.monotonic(), 0.0))
+            if left:
+                logger.warning("%d messages (events, replies) were not stored: the server did not answer", left)
+
+    def add(self, document: dict[str, Any]) -> None:
+        with self._changed:
+            self._waiting.append(document)
+            self._changed.notify_all()
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds until every message given so far is stored; how many are still held."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._waiting or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return len(self._waiting) + self._writing
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._waiting:
+                    self._changed.wait()
+                batch = list(self._waiting)
+                self._waiting.clear()
+                self._writing = len(batch)
+            try:
+                self._store(batch)
+            except Exception:  # never seen; the writer must outlive it, or the loop's messages would pile up
+                logger.exception("%d messages could not be stored", len(batch))
+            finally:
+                with self._changed:
+                    self._writing = 0
+                    self._changed.notify_all()
+
+    def _store(self, batch: list[dict[str, Any]]) -> None:
+        pause, said = OUTBOX_RETRY[0], False
+        while batch:
+            try:
+                self.messages.insert_many(batch, ordered=True)
+                return
+            except BulkWriteError as exc:
+                # Stored up to the first refusal; a refused message is never accepted however often it is sent.
+                error = exc.details["writeErrors"][0]
+                if error.get("code") != DUPLICATE_KEY:  # else it landed on a try whose answer was lost
+                    logger.error(
+                        "a message for queue %r was refused by the server and is dropped: %s",
+                        batch[error["index"]]["queue"],
+                        error.get("errmsg"),
+                    )
+                batch = batch[error["index"] + 1 :]
+            except InvalidDocument as exc:  # too large for the server, say: refused before it is sent
+                if len(batch) == 1:
+                    logger.error("a message for queue %r cannot be stored and is dropped: %s", batch[0]["queue"], exc)
+                    return
+                for document in batch:  # the others go on their own
+                    self._store([document])
+                return
+            except PyMongoError as exc:
+                if not said:
+                    logger.warning("%d messages wait for the server (%s); trying again", len(batch), type(exc).__name__)
+                    said = True
+                time.sleep(pause)
+                pause = min(pause * 2, OUTBOX_RETRY[1])
+
+
+def _forget_parent_outboxes() -> None:
+    # The parent's writer thread does not follow a fork (nor should what it held be written twice).
+    Outbox._boxes = {}
+    Outbox._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_outboxes)
+atexit.register(Outbox.flush_all_at_exit)
+
+
 #: The order a queue's messages are delivered in: higher priority first, then the oldest.
 FETCH_ORDER = [("priority", DESCENDING), ("_id", ASCENDING)]
 #: The field marking messages a consumer is taking in a batch (see MessageStore.take).
@@ -198,14 +327,23 @@ class MessageStore:
             return 0
         return self.messages.delete_many({"expiresAt": {"$lt": datetime.now(UTC)}}).deleted_count
 
-    def put(self, queue: str, message: dict[str, Any], priority: int, *, ttl: float | None = None) -> None:
-        """Store a message for `queue`; `ttl` (seconds, the message's own expiration) shortens the store's."""
+    def put(
+        self, queue: str, message: dict[str, Any], priority: int, *, ttl: float | None = None, soon: bool = False
+    ) -> None:
+        """Store a message for `queue`; `ttl` (seconds, the message's own expiration) shortens the store's.
+
+        `soon`: hand it to the process's outbox, which stores it in order with the others it holds, and return
+        at once (an event loop's thread: see Outbox). The message is encoded and masked here either way."""
         if self.secrets:
             message = scrub_message(message, self.secrets)
         expires = datetime.now(UTC) + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
-        self.messages.insert_one(
-            {"queue": queue, "priority": priority, "payload": dumps(message), "expiresAt": expires}
-        )
+        # The _id is given here: it keeps the publishing order, and makes a write tried again idempotent.
+        document = {"_id": ObjectId(), "queue": queue, "priority": priority, "payload": dumps(message)}
+        document["expiresAt"] = expires
+        if soon:
+            Outbox.of(self.messages).add(document)
+        else:
+            self.messages.insert_one(document)
 
     def get(self, queue: str) -> dict[str, Any] | None:
         taken, _ = self.take(queue, 1)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from queue import Empty
@@ -51,6 +52,16 @@ REACHABLE_SLICE = 0.25
 BATCH_MIN = 3
 
 _delivering = threading.local()
+
+#: The threads running an event loop a connection of this process joined (register_with_event_loop), by how many
+#: joined it: the plain messages they publish go through the outbox (MessageStore.put's `soon`).
+_loop_threads: Counter[int] = Counter()
+os.register_at_fork(after_in_child=_loop_threads.clear)  # a pool process runs no loop of its parent's
+
+
+def _on_a_loop_thread() -> bool:
+    return threading.get_ident() in _loop_threads
+
 
 #: Per (server, database, jobs collection) indexed by this process: the deletes its server's missing TTL indexes
 #: leave to the workers' periodic sweep.
@@ -377,7 +388,7 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
-            self.plumbing.put(queue, message, priority, ttl=_expiration(message))
+            self.plumbing.put(queue, message, priority, ttl=_expiration(message), soon=_on_a_loop_thread())
             return
         properties = message["properties"]
         body = self.decode_body(message["body"], properties.get("body_encoding"))
@@ -403,7 +414,7 @@ class Channel(virtual.Channel):
         self._revoke_durably(message)
         priority = self._get_message_priority(message)
         for queue in {queue for _, _, queue in self.get_table(exchange)}:
-            self.plumbing.put(queue, message, priority, ttl=_expiration(message))
+            self.plumbing.put(queue, message, priority, ttl=_expiration(message), soon=_on_a_loop_thread())
 
     def _revoke_durably(self, message: dict[str, Any]) -> None:
         """A revoke broadcast (app.control.revoke, Flower's button) fails the tasks' queued jobs before it goes out,
@@ -682,6 +693,7 @@ class Transport(virtual.Transport):
         self._pause = self.min_polling_interval
         # On an event loop: the loop, the doorbell it watches, and the timer entry of the next poll that falls due.
         self._loop: Any = None
+        self._loop_thread: int | None = None  # the thread the loop runs on (the one that registered it)
         self._bell: Doorbell | None = None
         self._timer: Any = None
         self._timer_due = float("inf")
@@ -725,6 +737,8 @@ class Transport(virtual.Transport):
         an ack, a new consumer) and the hub reads it; a timer brings the due times and the safety polls."""
         self._leave_event_loop()
         self._loop = loop
+        self._loop_thread = threading.get_ident()
+        _loop_threads[self._loop_thread] += 1
         self._bell = Doorbell()
         loop.add_reader(self._bell.fileno(), self._on_readable)
         self._bell.ring()  # the first look, once the worker's consumers are declared
@@ -775,6 +789,11 @@ class Transport(virtual.Transport):
     def _leave_event_loop(self) -> None:
         loop, bell, timer = self._loop, self._bell, self._timer
         self._loop = self._bell = self._timer = None
+        if self._loop_thread is not None:
+            _loop_threads[self._loop_thread] -= 1
+            if _loop_threads[self._loop_thread] <= 0:
+                del _loop_threads[self._loop_thread]
+            self._loop_thread = None
         if timer is not None:
             timer.cancel()
         if loop is not None and bell is not None:

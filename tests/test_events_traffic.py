@@ -1,0 +1,110 @@
+"""Task events on their way from a worker to the monitors: published on the worker's event loop through the outbox
+(the loop never waits on the server for them; none is lost, reordered or stored twice)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from kombu import Connection, Exchange, Producer, Queue
+from kombu.asynchronous import Hub
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from tests.servers import with_database
+from tests.workers import ROOT, producer, send, settled, wait_for
+
+EXCHANGE = Exchange("outbox", type="direct")
+QUEUE = Queue("outbox.q", EXCHANGE, routing_key="outbox")
+
+
+def drained(conn: Connection, queue: Queue, into: list, count: int):
+    """A wait_for condition: read what `queue` holds into `into` until it has `count`."""
+    bound = queue(conn.channel())
+
+    def read() -> bool:
+        while (message := bound.get(no_ack=True)) is not None:
+            into.append(message.payload)
+        return len(into) >= count
+
+    return read
+
+
+def test_a_loop_threads_messages_are_published_while_the_server_is_down_and_stored_when_it_is_back(
+    own_server,
+) -> None:
+    url = with_database(own_server.url, "outbox_down")
+    with Connection(url, transport_options={"safety_poll_interval": 3600}) as conn:
+        conn.transport.register_with_event_loop(conn.connection, Hub())
+        channel = conn.channel()
+        QUEUE(channel).declare()  # bound while the server answers
+        publisher = Producer(channel, exchange=EXCHANGE, routing_key="outbox", auto_declare=False)
+        publisher.publish({"n": 0})
+        own_server.stop()
+        # The event loop's thread goes on: a worker publishing its events does not wait for the server.
+        for n in range(1, 6):
+            publisher.publish({"n": n})
+        own_server.start()
+        with Connection(url) as reader:
+            got: list = []
+            wait_for(drained(reader, QUEUE, got, 6), message="the messages stored once the server is back")
+    assert got == [{"n": n} for n in range(6)]
+
+
+def test_what_a_loop_thread_published_is_stored_in_order_before_its_process_exits(own_server) -> None:
+    # The process publishes on its loop's thread and ends at once, while the server holds its first write back:
+    # its outbox stores everything before the process is gone.
+    broker_url = with_database(own_server.url, "outbox_exit")
+    client = MongoClient(own_server.url)
+    client.admin.command("configureFailPoint", "failCommand", mode={"times": 1},
+                         data={"failCommands": ["insert"], "blockConnection": True, "blockTimeMS": 1500})  # fmt: skip
+    script = textwrap.dedent(f"""
+        from kombu import Connection, Exchange, Producer, Queue
+        from kombu.asynchronous import Hub
+        import bb_broker  # noqa: F401
+        queue = Queue("outbox.q", Exchange("outbox", type="direct"), routing_key="outbox")
+        with Connection({broker_url!r}) as conn:
+            conn.transport.register_with_event_loop(conn.connection, Hub())
+            channel = conn.channel()
+            queue(channel).declare()
+            publisher = Producer(channel, exchange=queue.exchange, routing_key="outbox", auto_declare=False)
+            for n in range(300):
+                publisher.publish({{"n": n}})
+    """)
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=120)
+    assert client.outbox_exit.bb_messages.count_documents({"queue": "outbox.q"}) == 300
+    with Connection(broker_url) as reader:
+        got: list = []
+        wait_for(drained(reader, QUEUE, got, 300), message="the messages")
+    assert got == [{"n": n} for n in range(300)]
+
+
+def test_every_monitor_bound_to_the_events_reads_every_task_event_of_a_worker(
+    broker_url: str, db: Database, worker_factory
+) -> None:
+    monitors = [Queue(f"monitor{n}", Exchange("celeryev", type="topic"), routing_key="task.#") for n in (1, 2)]
+    with Connection(broker_url) as conn:
+        for monitor in monitors:
+            monitor(conn.channel()).declare()
+        worker_factory(extra_args=("-E",))
+        app = producer(broker_url)
+        ids = [send(app, "add", n, n) for n in range(20)]
+        for task_id in ids:
+            wait_for(settled(db, task_id, "succeeded"), message="the tasks")
+        for monitor in monitors:
+            bodies: list = []
+            seen: set = set()
+
+            def read_all(bodies=bodies, seen=seen, monitor=monitor) -> bool:
+                drained(conn, monitor, bodies, 0)()
+                # On Celery's event loop a worker sends its task events in batches: a body is then a list.
+                events = [event for body in bodies for event in (body if isinstance(body, list) else [body])]
+                seen.clear()
+                seen.update((event["type"], event["uuid"]) for event in events)
+                return all((kind, i) in seen for i in ids for kind in ("task-received", "task-succeeded"))
+
+            wait_for(read_all, message=f"{monitor.name}'s events")
+            assert all(("task-started", i) in seen for i in ids)
+            events = [event for body in bodies for event in (body if isinstance(body, list) else [body])]
+            assert len(events) == len(set(map(repr, events))), "an event stored twice"
