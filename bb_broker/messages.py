@@ -273,6 +273,8 @@ atexit.register(Outbox.flush_all_at_exit)
 FETCH_ORDER = [("priority", DESCENDING), ("_id", ASCENDING)]
 #: The field marking messages a consumer is taking in a batch (see MessageStore.take).
 TAKER = "takenBy"
+#: The fewest messages a batched take reads: it costs three round trips, so below that each is taken on its own.
+BATCH_MIN = 3
 
 
 def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
@@ -351,13 +353,18 @@ class MessageStore:
 
     def take(self, queue: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Take up to `limit` of `queue`'s messages, in order, each to one taker: their stored documents (to deliver,
-        `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip for one;
-        for more, a read, a mark and a delete."""
+        `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip each
+        below BATCH_MIN; from there, a read, a mark and a delete for them all."""
         # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
         live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}, TAKER: {"$exists": False}}
-        if limit <= 1:
-            doc = self.messages.find_one_and_delete(live, sort=FETCH_ORDER)
-            return ([], True) if doc is None else ([doc], False)
+        if limit < BATCH_MIN:
+            taken: list[dict[str, Any]] = []
+            while len(taken) < max(limit, 1):
+                doc = self.messages.find_one_and_delete(live, sort=FETCH_ORDER)
+                if doc is None:
+                    return taken, True
+                taken.append(doc)
+            return taken, False
         while True:
             head = list(self.messages.find(live, sort=FETCH_ORDER, limit=limit))
             if not head:

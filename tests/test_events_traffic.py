@@ -1,5 +1,6 @@
 """Task events on their way from a worker to the monitors: published on the worker's event loop through the outbox
-(the loop never waits on the server for them; none is lost, reordered or stored twice)."""
+(the loop never waits on the server for them; none is lost, reordered or stored twice), and read by the monitors
+with as few round trips as the news allows."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import textwrap
 
 from kombu import Connection, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
-from pymongo import MongoClient
+from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
+from bb_broker.messages import MessageStore, payload_of
 from tests.servers import with_database
-from tests.workers import ROOT, producer, send, settled, wait_for
+from tests.workers import ROOT, ClaimCommands, producer, send, settled, wait_for
 
 EXCHANGE = Exchange("outbox", type="direct")
 QUEUE = Queue("outbox.q", EXCHANGE, routing_key="outbox")
@@ -108,3 +110,21 @@ def test_every_monitor_bound_to_the_events_reads_every_task_event_of_a_worker(
             assert all(("task-started", i) in seen for i in ids)
             events = [event for body in bodies for event in (body if isinstance(body, list) else [body])]
             assert len(events) == len(set(map(repr, events))), "an event stored twice"
+
+
+def test_two_waiting_messages_are_taken_with_a_round_trip_each_not_a_batchs_three(db: Database) -> None:
+    # A monitor told of two events takes them with two findAndModify, not with a batch's read, mark and delete.
+    commands = ClaimCommands(db.name)
+    monitoring.register(commands)  # before the store's client is made
+    host, port = db.client.address
+    store = MessageStore(MongoClient(host, port, tz_aware=True)[db.name])
+    for n in range(3):
+        store.put("events", {"body": str(n), "properties": {}}, 0)
+    with commands.recorded() as sent:
+        first, exhausted = store.take("events", 2)
+    assert ([payload_of(doc)["body"] for doc in first], exhausted) == (["0", "1"], False)
+    assert sent == [("findAndModify", "bb_messages")] * 2
+    with commands.recorded() as sent:
+        rest, exhausted = store.take("events", 2)
+    assert ([payload_of(doc)["body"] for doc in rest], exhausted) == (["2"], True)
+    assert sent == [("findAndModify", "bb_messages")] * 2
