@@ -158,7 +158,9 @@ class Outbox:
     claims, acks and hand-offs behind it) for a round trip per event, as a Redis or AMQP publish does not. Here
     they are written in the order given, as many as are waiting in one insert, and a write the server did not
     answer is tried again until it lands (each document has its _id already: one that landed is not written
-    twice). One outbox per process and collection; the process waits for each at exit (a stopping server's
+    twice). A message may also linger a moment for others to be stored with it: Celery's task events, a few per
+    task, then cost the server, and the monitors that read them, an insert, a change and a read per batch rather than
+    per message. One outbox per process and collection; the process waits for each at exit (a stopping server's
     patience at most), as a worker stops.
     """
 
@@ -169,6 +171,7 @@ class Outbox:
         self.messages = messages
         self._waiting: deque[dict[str, Any]] = deque()
         self._writing = 0  # documents taken by the writer and not yet stored (or given up)
+        self._due = float("inf")  # monotonic time by which the waiting documents are to be written
         self._changed = threading.Condition()
         # A daemon: a write stuck on a server that is gone must not hold the process at exit (flush bounds it).
         self._thread = threading.Thread(target=self._run, name="bb-outbox", daemon=True)
@@ -195,15 +198,25 @@ class Outbox:
             if left:
                 logger.warning("%d messages (events, replies) were not stored: the server did not answer", left)
 
-    def add(self, document: dict[str, Any]) -> None:
+    def add(self, document: dict[str, Any], linger: float = 0.0) -> None:
+        """Store `document` soon: at once, or within `linger` seconds with the others given meanwhile."""
         with self._changed:
             self._waiting.append(document)
+            self._due = min(self._due, time.monotonic() + linger)
             self._changed.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Messages given and not yet taken by the writer (for tests and diagnosis)."""
+        with self._changed:
+            return len(self._waiting)
 
     def flush(self, timeout: float) -> int:
         """Wait up to `timeout` seconds until every message given so far is stored; how many are still held."""
         deadline = time.monotonic() + timeout
         with self._changed:
+            self._due = 0.0  # nothing lingers now
+            self._changed.notify_all()
             while self._waiting or self._writing:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -214,11 +227,11 @@ class Outbox:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not self._waiting:
-                    self._changed.wait()
+                while not self._waiting or time.monotonic() < self._due:
+                    self._changed.wait(None if not self._waiting else self._due - time.monotonic())
                 batch = list(self._waiting)
                 self._waiting.clear()
-                self._writing = len(batch)
+                self._writing, self._due = len(batch), float("inf")
             try:
                 self._store(batch)
             except Exception:  # never seen; the writer must outlive it, or the loop's messages would pile up
@@ -330,12 +343,20 @@ class MessageStore:
         return self.messages.delete_many({"expiresAt": {"$lt": datetime.now(UTC)}}).deleted_count
 
     def put(
-        self, queue: str, message: dict[str, Any], priority: int, *, ttl: float | None = None, soon: bool = False
+        self,
+        queue: str,
+        message: dict[str, Any],
+        priority: int,
+        *,
+        ttl: float | None = None,
+        soon: bool = False,
+        linger: float = 0.0,
     ) -> None:
         """Store a message for `queue`; `ttl` (seconds, the message's own expiration) shortens the store's.
 
         `soon`: hand it to the process's outbox, which stores it in order with the others it holds, and return
-        at once (an event loop's thread: see Outbox). The message is encoded and masked here either way."""
+        at once (an event loop's thread: see Outbox); there it may wait `linger` seconds for others to be stored
+        with it. The message is encoded and masked here either way."""
         if self.secrets:
             message = scrub_message(message, self.secrets)
         expires = datetime.now(UTC) + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
@@ -343,7 +364,7 @@ class MessageStore:
         document = {"_id": ObjectId(), "queue": queue, "priority": priority, "payload": dumps(message)}
         document["expiresAt"] = expires
         if soon:
-            Outbox.of(self.messages).add(document)
+            Outbox.of(self.messages).add(document, linger)
         else:
             self.messages.insert_one(document)
 

@@ -266,6 +266,7 @@ class Channel(virtual.Channel):
         "retention",
         "safety_poll_interval",
         "use_change_streams",
+        "events_linger",
     )
 
     #: Wake consumers with a change stream where the deployment has one; polling only when False.
@@ -280,6 +281,10 @@ class Channel(virtual.Channel):
 
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
     topic_table_max_age = 1.0
+
+    #: Seconds a message to a topic exchange (Celery's task events), published on an event loop's thread, may wait
+    #: in the outbox for others to be stored with it; 0 stores each at once.
+    events_linger = 0.02
 
     def __init__(self, connection_: Any, **kwargs: Any) -> None:
         super().__init__(connection_, **kwargs)
@@ -376,19 +381,25 @@ class Channel(virtual.Channel):
             return super().basic_publish(message, exchange, routing_key, **kwargs)
         # Events, replies and control messages are best-effort: each try waits for the server a bounded time (Kombu
         # retries what it must), and a stopping worker whose server is gone drops them rather than wait again.
+        # On an event loop's thread the outbox stores them; what goes to a topic exchange (Celery's task events, a
+        # few per task) may linger there a moment to be stored with others.
+        lingering = bool(exchange) and self.typeof(exchange).type == "topic"
         try:
             with connection.shutdown_patience():
-                return super().basic_publish(message, exchange, routing_key, **kwargs)
+                return super().basic_publish(
+                    message, exchange, routing_key, **kwargs, linger=float(self.events_linger) if lingering else 0.0
+                )
         except PyMongoError:
             if not connection.server_gone_at_shutdown():
                 raise
             _say_once("the worker is stopping and its server does not answer: its last events are not sent")
             return None
 
-    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+    def _put(self, queue: str, message: dict[str, Any], linger: float = 0.0, **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
-            self.plumbing.put(queue, message, priority, ttl=_expiration(message), soon=_on_a_loop_thread())
+            soon = _on_a_loop_thread()
+            self.plumbing.put(queue, message, priority, ttl=_expiration(message), soon=soon, linger=linger)
             return
         properties = message["properties"]
         body = self.decode_body(message["body"], properties.get("body_encoding"))

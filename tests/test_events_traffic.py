@@ -13,12 +13,31 @@ from kombu.asynchronous import Hub
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from bb_broker.messages import MessageStore, payload_of
+from bb_broker.messages import MessageStore, Outbox, payload_of
 from tests.servers import with_database
 from tests.workers import ROOT, ClaimCommands, producer, send, settled, wait_for
 
 EXCHANGE = Exchange("outbox", type="direct")
 QUEUE = Queue("outbox.q", EXCHANGE, routing_key="outbox")
+EVENTS = Queue("outbox.events", Exchange("outbox.ev", type="topic"), routing_key="task.#")
+
+
+class Inserts(monitoring.CommandListener):
+    """How many documents each insert into one database's bb_messages carried, as the process sent them."""
+
+    def __init__(self, database: str) -> None:
+        self.database = database
+        self.sizes: list[int] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.database_name == self.database and event.command.get("insert") == "bb_messages":
+            self.sizes.append(len(event.command["documents"]))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
 
 
 def drained(conn: Connection, queue: Queue, into: list, count: int):
@@ -80,6 +99,33 @@ def test_what_a_loop_thread_published_is_stored_in_order_before_its_process_exit
         got: list = []
         wait_for(drained(reader, QUEUE, got, 300), message="the messages")
     assert got == [{"n": n} for n in range(300)]
+
+
+def test_a_loops_events_linger_to_be_stored_together_and_a_reply_takes_them_along_at_once(
+    broker_url: str, db: Database
+) -> None:
+    inserts = Inserts(db.name)
+    monitoring.register(inserts)  # before this test's client (one per broker URL) is made
+    with Connection(broker_url, transport_options={"events_linger": 3600}) as conn:
+        conn.transport.register_with_event_loop(conn.connection, Hub())
+        channel = conn.channel()
+        for queue in (EVENTS, QUEUE):
+            queue(channel).declare()
+        outbox = Outbox.of(channel.plumbing.messages)
+        events = Producer(channel, exchange=EVENTS.exchange, auto_declare=False)
+        for n in range(5):
+            events.publish({"event": n}, routing_key="task.succeeded")
+            db.command("ping")  # a round trip, in which the outbox's writer could take what waits
+            # Each waits in the outbox for the others: a monitor then reads a burst in one batch, not one by one.
+            assert outbox.waiting == n + 1
+        # A message to a direct exchange (a reply) lingers for nothing, and the events go with it, in order.
+        Producer(channel, exchange=EXCHANGE, routing_key="outbox", auto_declare=False).publish({"reply": 0})
+        wait_for(lambda: db.bb_messages.count_documents({}) == 6, message="the events and the reply stored")
+    assert inserts.sizes == [6]
+    with Connection(broker_url) as reader:
+        got: list = []
+        wait_for(drained(reader, EVENTS, got, 5), message="the events")
+    assert got == [{"event": n} for n in range(5)]
 
 
 def test_every_monitor_bound_to_the_events_reads_every_task_event_of_a_worker(
