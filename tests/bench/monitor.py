@@ -25,12 +25,9 @@ WRITE_EVERY = 0.25
 
 def main(url: str, counts_path: Path) -> int:
     if os.environ.get("BENCH_COMMANDS"):
-        # BENCH_DIAGNOSE: the monitor's reads are logged with the workers' commands, before any client exists.
-        from pymongo import monitoring
-
-        from tests.bench.app import CommandLog
-
-        monitoring.register(CommandLog(os.environ["BENCH_COMMANDS"]))
+        # BENCH_DIAGNOSE: the monitor's reads are logged with the workers' commands, before any client exists. The
+        # bench app registers its CommandLog when imported (registering another logged every command twice).
+        import tests.bench.app  # noqa: F401
     app = Celery("bench-monitor", broker=url, set_as_current=False)
     app.conf.update(broker_connection_retry_on_startup=True)
     counts: dict[str, int] = {}
