@@ -383,14 +383,12 @@ class JobStore:
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
         if not head:
             return []
-        ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the $or fences each one
-        fenced = [{"_id": doc["_id"], "attempts": doc["attempts"]} for doc in head]
-        ours = [{"_id": doc["_id"], "attempts": doc["attempts"] + 1} for doc in head]
-        mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, "$or": ours}
+        ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
+        mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **_fence(head, shift=1)}
 
         def take() -> int:
             return self.coll.update_many(
-                {"_id": ids, "status": QUEUED, "$or": fenced}, taken, hint="_id_"
+                {"_id": ids, "status": QUEUED, **_fence(head)}, taken, hint="_id_"
             ).modified_count
 
         with _claiming:
@@ -663,6 +661,18 @@ class JobStore:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
+
+
+def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
+    """The filter that holds each doc to its own attempts (plus `shift`): `{attempts: n}` when they all share one
+    value, as the head of a queue nearly always does, else one `$in` of ids per value under an `$or`. A server may
+    answer an `$or` by scanning the collection (the Rust stand-in does), where the plain form is a lookup by id."""
+    by_attempts: dict[int, list[Any]] = {}
+    for doc in docs:
+        by_attempts.setdefault(doc["attempts"] + shift, []).append(doc["_id"])
+    if len(by_attempts) == 1:
+        return {"attempts": next(iter(by_attempts))}
+    return {"$or": [{"_id": {"$in": ids}, "attempts": n} for n, ids in by_attempts.items()]}
 
 
 def _transient(exc: ConnectionFailure | OperationFailure) -> bool:

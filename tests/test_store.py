@@ -90,6 +90,46 @@ def test_claim_many_takes_the_head_of_the_queue_in_two_round_trips(mongo_url: st
     assert statuses(db) == {"queued": 2, "running": 4, "succeeded": 0, "failed": 0}
 
 
+class TakenMeanwhile(monitoring.CommandListener):
+    """Once a batch claim has read the head of the queue, another worker takes `job_id` and gives it back failed
+    (attempts up by one, queued and due again), before the claim's write: the race its fence is there for."""
+
+    def __init__(self, mongo_url: str, db_name: str) -> None:
+        self.jobs = MongoClient(mongo_url)[db_name].jobs
+        self.job_id: str | None = None
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        if event.command_name == "find" and self.job_id is not None:
+            job_id, self.job_id = self.job_id, None
+            self.jobs.update_one({"_id": job_id}, {"$inc": {"attempts": 1}})
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.parametrize("head", ["first attempts", "mixed attempts"])
+def test_a_batch_claim_takes_each_job_at_the_attempt_it_read(mongo_url: str, db: Database, clock, head: str) -> None:
+    race = TakenMeanwhile(mongo_url, db.name)
+    with MongoClient(mongo_url, event_listeners=[race], tz_aware=True) as client:
+        store = JobStore(client[db.name], clock=clock)
+        store.ensure_indexes()
+        retried, raced, fresh = (publish(store, name) for name in ("retried", "raced", "fresh"))
+        if head == "mixed attempts":  # one job of the head failed once and is due again
+            job = store.claim("celery", "w")
+            store.fail(job.id, job.attempts, "boom", backoff=False)
+        race.job_id = raced
+        claimed = store.claim_many("celery", "w", 3)
+    first = 2 if head == "mixed attempts" else 1
+    assert [(job.id, job.attempts) for job in claimed] == [(retried, first), (fresh, 1)]
+    for job in claimed:
+        doc = db.jobs.find_one({"_id": job.id})
+        assert (doc["status"], doc["attempts"], doc["leaseOwner"]) == ("running", job.attempts, "w")
+    assert db.jobs.find_one({"_id": raced})["status"] == "queued"  # not taken on the attempt read before the race
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_threads_never_hold_the_same_job(store: JobStore, batch: int) -> None:
     for i in range(60):
