@@ -157,14 +157,17 @@ class JobQoS(virtual.QoS):
     def batch_wait(self) -> float:
         """Seconds this consumer should let room build up before it claims again; 0 when it should claim now.
 
-        Working through a backlog, a consumer whose prefetch holds a batch lets one or two freed slots wait while
-        messages it took still wait in the worker (Celery acks each as a pool process starts it): the next claim
-        then takes a batch, not a job per round trip. Never longer than batch_patience, for a consumer that acks
+        Working through a backlog, a consumer whose prefetch holds a batch lets freed slots wait, up to batch_room,
+        while messages it took still wait in the worker (Celery acks each as a pool process starts it): the next
+        claim then takes a batch, not a job per round trip. Never longer than batch_patience, for a consumer that acks
         only once it has more."""
         room = self.claimable()
         holding = self.channel.is_holding()  # jobs claimed already are handed out at once, whatever the room
         if holding or not (
-            0 < room < BATCH_MIN <= self.prefetch_count and self._unacked() and self.channel.is_backlogged()
+            self.prefetch_count >= BATCH_MIN
+            and 0 < room < self.batch_room()
+            and self._unacked()
+            and self.channel.is_backlogged()
         ):
             self._waiting_for_batch_since = None
             return 0.0
@@ -172,6 +175,12 @@ class JobQoS(virtual.QoS):
         if self._waiting_for_batch_since is None:
             self._waiting_for_batch_since = now
         return max(self._waiting_for_batch_since + self.batch_patience - now, 0.0)
+
+    def batch_room(self) -> int:
+        """The room worth a batch claim: half the prefetch limit (at least BATCH_MIN). Each claim costs the server a
+        read of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps
+        the pool busy while the claim is on its way."""
+        return max(BATCH_MIN, self.prefetch_count // 2)
 
     def claimed(self) -> None:
         """A claim was made: the next wait for a batch starts afresh."""
