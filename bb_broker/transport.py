@@ -177,10 +177,10 @@ class JobQoS(virtual.QoS):
         return max(self._waiting_for_batch_since + self.batch_patience - now, 0.0)
 
     def batch_room(self) -> int:
-        """The room worth a batch claim: half the prefetch limit (at least BATCH_MIN). Each claim costs the server a
-        read of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps
-        the pool busy while the claim is on its way."""
-        return max(BATCH_MIN, self.prefetch_count // 2)
+        """The room worth a batch claim: half the prefetch limit, at least BATCH_MIN, at most what one claim takes.
+        Each claim costs the server a read of the queue's head, so fewer and larger batches; the other half, still
+        waiting in the worker, keeps the pool busy while the claim is on its way."""
+        return max(BATCH_MIN, min(self.prefetch_count // 2, int(self.channel.max_claim_batch)))
 
     def claimed(self) -> None:
         """A claim was made: the next wait for a batch starts afresh."""

@@ -122,32 +122,41 @@ def test_a_consumer_working_through_a_backlog_lets_room_build_up_for_a_batch(bro
         assert ("findAndModify", "jobs") not in sent and ("update", "jobs") in sent, sent
 
 
-def test_a_larger_prefetch_claims_once_half_its_room_is_free(broker_url: str, db: Database) -> None:
+@pytest.mark.parametrize(
+    ("prefetch", "options", "filled"),
+    [
+        (8, {}, 8),  # one job, then a batch of seven
+        (12, {"max_claim_batch": 4}, 9),  # one job, then two batches of four: room for three is not worth a claim
+    ],
+)
+def test_a_larger_prefetch_claims_once_half_its_room_is_free(
+    broker_url: str, db: Database, prefetch: int, options: dict, filled: int
+) -> None:
     # Each claim reads the head of the queue, which costs the server more than the jobs it takes: at Celery's default
     # prefetch (4 per pool process) the consumer claims once half its room is free, while the other half still
-    # waits in the worker for the pool, instead of at every third ack.
+    # waits in the worker for the pool, instead of at every third ack; never once more room than one claim takes.
     commands = ClaimCommands(db.name)
     monitoring.register(commands)
     app = producer(broker_url)
     for i in range(20):
         send(app, "add", i, i)
     delivered: list = []
-    with Connection(broker_url) as conn:
+    with Connection(broker_url, transport_options=options) as conn:
         channel = conn.channel()
         channel.qos.batch_patience = 3600.0  # the batch waits for room, not time
-        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=8,
+        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=prefetch,
                             callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
         consumer.consume()
-        while len(delivered) < 8:
+        while len(delivered) < filled:
             conn.drain_events(timeout=30)
-        assert db.jobs.count_documents({"status": "running"}) == 8
+        assert db.jobs.count_documents({"status": "running"}) == filled
         with commands.recorded() as sent:
-            for _ in range(3):
-                delivered.pop(0).ack()  # room for three while five wait in the worker: not yet
+            while prefetch - len(delivered) < 3:
+                delivered.pop(0).ack()  # room for three while the rest wait in the worker: not yet
             with pytest.raises(TimeoutError):
                 conn.drain_events(timeout=0.2)
             assert sent == []
-            delivered.pop(0).ack()  # half the room: one batch of four
+            delivered.pop(0).ack()  # half the room, or all one claim takes: one batch of four
             conn.drain_events(timeout=30)
-        assert db.jobs.count_documents({"status": "running"}) == 12
+        assert db.jobs.count_documents({"status": "running"}) == filled + 4
         assert ("findAndModify", "jobs") not in sent and sent.count(("update", "jobs")) == 1, sent
