@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 #: Claim order: higher priority first, then the earliest due, then the oldest.
 CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
 
+#: What a worker needs of a job it claims; the job's `history` and result fields stay on the server.
+CLAIMED_FIELDS = {"_id": 1, "attempts": 1, "taskId": 1, "payload": 1}
+
 INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
@@ -354,7 +357,12 @@ class JobStore:
             with _claiming:
                 doc = self._hinted(
                     lambda: self.coll.find_one_and_update(
-                        due, take, sort=CLAIM_ORDER, hint="bb_claim", return_document=ReturnDocument.AFTER
+                        due,
+                        take,
+                        CLAIMED_FIELDS,
+                        sort=CLAIM_ORDER,
+                        hint="bb_claim",
+                        return_document=ReturnDocument.AFTER,
                     )
                 )
         except OperationFailure as exc:
@@ -378,7 +386,9 @@ class JobStore:
             job = self.claim(queue, owner)
             return [] if job is None else [job]
         due, taken = claim_query(queue, owner, self.now())
-        head = self._hinted(lambda: list(self.coll.find(due, sort=CLAIM_ORDER, hint="bb_claim", limit=limit)))
+        head = self._hinted(
+            lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=limit))
+        )
         if not all(type(doc.get("attempts")) is int for doc in head):
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
         if not head:

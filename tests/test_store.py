@@ -343,3 +343,37 @@ def test_queue_depths_answer_before_any_worker_created_the_indexes(db: Database)
         "celery": {"queued": 1, "running": 0, "failed": 0},
         "empty": {"queued": 0, "running": 0, "failed": 0},
     }
+
+
+class ReplyLog(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.replies: dict[str, list[dict]] = {}
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        self.replies.setdefault(event.command_name, []).append(dict(event.reply))
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_a_claim_brings_back_what_the_worker_needs_not_the_jobs_history(mongo_url: str, db: Database) -> None:
+    log = ReplyLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        store = JobStore(client[db.name])
+        store.ensure_indexes()
+        for task_id in ("one", "two", "three"):
+            publish(store, task_id)
+        # As a job retried after a failure carries them: its attempts' history and an earlier result.
+        db.jobs.update_many({}, {"$set": {"history": [{"n": 1, "traceback": "x" * 4000}], "result": "r" * 1000}})
+        single = store.claim("celery", "w")
+        batch = store.claim_many("celery", "w", 2)
+    assert single.payload == {"args": [1], "kwargs": {}} and single.task_id == "one" and single.attempts == 1
+    assert [(job.task_id, job.attempts, job.payload) for job in batch] == [
+        ("two", 1, single.payload),
+        ("three", 1, single.payload),
+    ]
+    sent = [log.replies["findAndModify"][0]["value"], *log.replies["find"][0]["cursor"]["firstBatch"]]
+    assert [set(doc) for doc in sent] == [{"_id", "attempts", "taskId", "payload"}] * 3
