@@ -377,11 +377,18 @@ class Channel(virtual.Channel):
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
         local = self.state.exchanges.get(exchange, {}).get("table", [])
-        exchange_type = self.typeof(exchange).type
-        if local and exchange_type == "direct":
-            return local
-        max_age = self.topic_table_max_age if exchange_type == "topic" else 0.0
+        max_age = self.topic_table_max_age if self.typeof(exchange).type == "topic" else 0.0
         return list({*local, *self.plumbing.table(exchange, max_age=max_age)})
+
+    def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> Any:
+        # A routing key this connection bound itself on a direct exchange (a task queue) is routed without a read;
+        # any other is looked up in the bindings every connection writes: a worker that once bound a reply queue of
+        # its own must still reach the reply queue of each process that asks it something.
+        if exchange and self.typeof(exchange).type == "direct":
+            local = self.state.exchanges.get(exchange, {}).get("table", [])
+            if routed := {queue for key, _, queue in local if key == routing_key}:
+                return routed
+        return super()._lookup(exchange, routing_key, default)
 
     # --- publishing -------------------------------------------------------
 

@@ -73,6 +73,23 @@ def test_fanout_bound_on_one_connection_reaches_a_consumer_that_only_names_its_q
     assert body == {"to": "all"}
 
 
+def test_a_direct_exchange_routes_to_a_queue_another_connection_bound_whatever_this_one_bound(broker_url: str) -> None:
+    # A worker answers each requester's `inspect` on its own reply queue, all bound to one direct exchange: once the
+    # worker's connection had bound a reply queue of its own, it routed by its own bindings only, and every later
+    # reply to another requester was dropped (Celery's test_revoked_by_headers_complex_canvas: inspect got None).
+    exchange = kombu.Exchange("replies_direct", type="direct")
+    mine, theirs = kombu.Queue("mine", exchange, "mine"), kombu.Queue("theirs", exchange, "theirs")
+    with kombu.Connection(broker_url) as publisher_conn, kombu.Connection(broker_url) as requester_conn:
+        producer = kombu.Producer(publisher_conn.channel())
+        producer.publish({"to": "me"}, exchange=exchange, routing_key="mine", declare=[mine])
+        theirs.declare(channel=requester_conn.channel())
+        producer.publish({"to": "them"}, exchange=exchange, routing_key="theirs")
+        producer.publish({"to": "me again"}, exchange=exchange, routing_key="mine")
+        body, message = consume_one(requester_conn, theirs)
+        assert (body, message.delivery_info["routing_key"]) == ({"to": "them"}, "theirs")
+        assert [consume_one(requester_conn, mine)[0] for _ in range(2)] == [{"to": "me"}, {"to": "me again"}]
+
+
 def test_failover_from_a_dead_url_to_a_live_one(broker_url: str) -> None:
     database = broker_url.rsplit("/", 1)[1]
     dead = dead_port()
