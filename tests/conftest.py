@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from celery import Celery
@@ -14,7 +15,13 @@ from pymongo.database import Database
 from tests.servers import EmbeddedServer, external_url, with_database
 from tests.workers import STARTED, Worker, process_factory, producer
 
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
+
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+#: How long a browser check waits for its condition (text shown, class set): generous, for a busy 2-core machine.
+BROWSER_TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="session")
@@ -111,3 +118,17 @@ def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    """Debian's Chromium driven by Playwright; every `expect(...)` waits up to BROWSER_TIMEOUT_MS for its condition."""
+    from playwright.sync_api import expect, sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        raise AssertionError("Chromium is not installed: `make browser` installs Debian's `chromium` package")
+    expect.set_options(timeout=BROWSER_TIMEOUT_MS)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield browser
+        browser.close()

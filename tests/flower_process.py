@@ -1,4 +1,4 @@
-"""A real Flower subprocess for end-to-end tests, its HTTP API, and headless Chromium pointed at it."""
+"""A real Flower subprocess for end-to-end tests and its HTTP API."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ import base64
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -159,38 +157,3 @@ class FlowerProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(15)
         self.process = None
-
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
-
-
-def chromium(*args: str, timeout: float = 120.0) -> str:
-    """Run headless Chromium with a fresh profile and return its stdout; fail clearly when it is not installed."""
-    binary = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
-    if binary is None:
-        raise AssertionError(
-            "Chromium is not installed: `make browser` installs Debian's `chromium` package (apt-get install chromium)"
-        )
-    with tempfile.TemporaryDirectory(prefix="bb-chromium-") as profile:
-        # Its own session, so that its helper processes can be ended with it.
-        process = subprocess.Popen(
-            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out, err = b"", f"no answer within {timeout:g}s".encode()
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    if process.returncode != 0:
-        raise AssertionError(f"chromium exited with {process.returncode}:\n{err.decode(errors='replace')[-3000:]}")
-    return out.decode(errors="replace")

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import Page, expect
 from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.connection import redact_url
 from tests.conftest import ARTIFACTS, AUTH_PASSWORD
-from tests.flower_process import FlowerProcess, chromium
+from tests.flower_process import FlowerProcess
 from tests.servers import free_port, with_database
 from tests.workers import ROOT, job, process_factory, send, settled, wait_for
 
@@ -390,8 +391,19 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
 
 # --- a real browser -----------------------------------------------------------------------------------------
 
+SCREEN = {"width": 1400, "height": 900}
 
-def test_tasks_page_in_headless_chromium(app, db, worker_factory, flower_factory) -> None:
+
+def screenshot(page: Page, name: str) -> None:
+    """A PNG of the page as it is now in test-artifacts/, checked to be one."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    path.unlink(missing_ok=True)
+    page.screenshot(path=str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000, path
+
+
+def test_tasks_page_in_headless_chromium(app, db, worker_factory, flower_factory, browser) -> None:
     worker = worker_factory(extra_args=("-E",))
     flower = flower_factory(launcher="bb-broker")
     events_flowing(flower, node(worker))
@@ -402,21 +414,17 @@ def test_tasks_page_in_headless_chromium(app, db, worker_factory, flower_factory
     for _ in range(2):
         send(app, "add", 0, 0, countdown=600)  # queued in MongoDB: depth on the Broker tab
 
-    # The Tasks page fills its table from /tasks/datatable by script: Chromium runs it.
-    dom = chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/tasks")
-    for task_id in tasks:
-        assert task_id in dom, f"{task_id} not on the Tasks page"
-    assert "tests.e2e_app.add" in dom and "tests.e2e_app.always_fails" in dom
-    broker_dom = chromium("--virtual-time-budget=5000", "--dump-dom", f"{flower.url}/broker")
-    assert broker_rows(broker_dom)["celery"][:4] == ["celery", "2", "0", "2"]
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    for page, path in (("tasks", ARTIFACTS / "flower-tasks.png"), ("broker", ARTIFACTS / "flower-broker.png")):
-        path.unlink(missing_ok=True)
-        chromium(
-            "--virtual-time-budget=10000", f"--screenshot={path}", "--window-size=1400,900", f"{flower.url}/{page}"
-        )
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    # The Tasks page fills its table from /tasks/datatable by script: each check waits for the script's rows.
+    page = browser.new_page(viewport=SCREEN)
+    page.goto(f"{flower.url}/tasks")
+    for text in (*tasks, "tests.e2e_app.add", "tests.e2e_app.always_fails"):
+        expect(page.locator("body")).to_contain_text(text)
+    screenshot(page, "flower-tasks.png")
+    page.goto(f"{flower.url}/broker")
+    celery_cells = page.locator('tr[id="celery"] td')
+    for cell, text in enumerate(["celery", "2", "0", "2"]):
+        expect(celery_cells.nth(cell)).to_have_text(text)
+    screenshot(page, "flower-broker.png")
 
 
 # --- authentication -----------------------------------------------------------------------------------------
@@ -527,7 +535,7 @@ def test_the_demos_flower_starts_with_the_credentials_the_demo_prints(broker_url
 # --- a broker Flower cannot use ---------------------------------------------------------------------------
 
 
-def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_server, tmp_path: Path) -> None:
+def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_server, tmp_path: Path, browser) -> None:
     wrong = with_database(f"mongodb://bb:wrong-pw-123@127.0.0.1:{auth_server.port}/?authSource=admin", "flowerdb")
     flower = FlowerProcess(wrong, log_dir=tmp_path, launcher="bb-broker")
     flower.start()
@@ -544,22 +552,24 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
         status, body = flower.request("GET", "/workers?json=1")
         assert status == 503 and "authentication failed for user 'bb'" in body and "wrong-pw-123" not in body
 
-        # In a real browser, after the page's scripts ran: the banner, and the red dot.
-        dom = html.unescape(chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/workers"))
-        assert expected in dom and "Update failed" in dom and "status-dot-error" in dom
-        ARTIFACTS.mkdir(exist_ok=True)
-        shot = ARTIFACTS / "flower-broker-error.png"
-        shot.unlink(missing_ok=True)
-        chromium("--virtual-time-budget=10000", f"--screenshot={shot}", "--window-size=1400,900", f"{flower.url}/")
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # In a real browser, once the page's scripts ran: the banner, and the red dot.
+        page = browser.new_page(viewport=SCREEN)
+        page.goto(f"{flower.url}/workers")
+        expect(page.locator("#bb-broker-error")).to_contain_text(expected)
+        expect(page.locator("#workers-refresh-status")).to_have_text("Update failed")
+        expect(page.locator("#workers-live-indicator")).to_have_class(re.compile(r"\bstatus-dot-error\b"))
+        page.goto(f"{flower.url}/")
+        expect(page.locator("#bb-broker-error")).to_contain_text(expected)
+        screenshot(page, "flower-broker-error.png")
 
         # The password becomes right (the server's side changes): the banner goes, the table refreshes again.
         with MongoClient(f"mongodb://bb:{AUTH_PASSWORD}@127.0.0.1:{auth_server.port}/?authSource=admin") as admin:
             admin.admin.command("updateUser", "bb", pwd="wrong-pw-123")
         wait_for(lambda: "bb-broker-error" not in flower.page("/workers"), message="the banner gone")
         assert flower.request("GET", "/workers?json=1")[0] == 200
-        dom = chromium("--virtual-time-budget=10000", "--dump-dom", f"{flower.url}/workers")
-        assert "Updated " in dom and "status-dot-error" not in dom
+        page.goto(f"{flower.url}/workers")
+        expect(page.locator("#workers-refresh-status")).to_have_text(re.compile(r"^Updated "))
+        expect(page.locator(".status-dot-error")).to_have_count(0)
         assert "wrong-pw-123" not in flower.log()
     finally:
         flower.stop()

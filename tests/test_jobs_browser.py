@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 from pymongo.database import Database
 
 from tests.conftest import ARTIFACTS
-from tests.flower_process import CHROMIUM, FlowerProcess
+from tests.flower_process import FlowerProcess
 from tests.workers import job, process_factory, send, settled, wait_for
 
 ADMIN = {"username": "admin", "password": "s3cret"}
@@ -24,16 +24,6 @@ def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Pa
         return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", launcher="bb-broker", **kwargs)
 
     yield from process_factory(request, build, FlowerProcess.stop)
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    if not Path(CHROMIUM).exists():
-        raise AssertionError("Chromium is not installed: `make browser` installs Debian's `chromium` package")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        yield browser
-        browser.close()
 
 
 def shot(page: Page, name: str) -> None:
