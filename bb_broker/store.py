@@ -58,9 +58,6 @@ INDEXES = [
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
-#: The start time (to the millisecond, as stored) of the process's last claims, and the jobs they took: with the
-#: owner, what tells a claim carried out unseen from another of the same millisecond (see JobStore.claim).
-_last_stamp: tuple[datetime | None, set[str]] = (None, set())
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
@@ -355,34 +352,19 @@ class JobStore:
 
     def claim(self, queue: str, owner: str) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`."""
+        due, take = claim_query(queue, owner, self.now())
         try:
             with _claiming:
-                now = self.now()
-                due, take = claim_query(queue, owner, now)
-                try:
-                    doc = self._hinted(
-                        lambda: self.coll.find_one_and_update(
-                            due,
-                            take,
-                            CLAIMED_FIELDS,
-                            sort=CLAIM_ORDER,
-                            hint="bb_claim",
-                            return_document=ReturnDocument.AFTER,
-                        )
+                doc = self._hinted(
+                    lambda: self.coll.find_one_and_update(
+                        due,
+                        take,
+                        CLAIMED_FIELDS,
+                        sort=CLAIM_ORDER,
+                        hint="bb_claim",
+                        return_document=ReturnDocument.AFTER,
                     )
-                except (ConnectionFailure, OperationFailure) as exc:
-                    if not _transient(exc):
-                        raise
-                    # pymongo tries the claim twice; both may have been carried out unseen (an outage, a lost
-                    # answer). A job it took would wait out stale_after as nobody's: owner and stamp say which.
-                    mine = {"status": RUNNING, "queue": queue, "leaseOwner": owner, "startedAt": now}
-                    mine["_id"] = {"$nin": sorted(_claimed_at(now))}
-                    doc = self._through_outages(lambda: self.coll.find_one(mine, CLAIMED_FIELDS))
-                    if doc is None:
-                        raise
-                    logger.info("a claim whose answer was lost had taken job %s: it is delivered", doc["_id"])
-                if doc is not None:
-                    _claimed_at(now).add(doc["_id"])
+                )
         except OperationFailure as exc:
             if exc.code not in UNAPPLICABLE_UPDATE:
                 raise
@@ -403,8 +385,7 @@ class JobStore:
         if limit <= 1:
             job = self.claim(queue, owner)
             return [] if job is None else [job]
-        now = self.now()
-        due, taken = claim_query(queue, owner, now)
+        due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
             lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=limit))
         )
@@ -436,7 +417,6 @@ class JobStore:
                     for doc in self._through_outages(lambda: list(self.coll.find(mine, {"_id": 1}, hint="_id_")))
                 }
                 head = [doc for doc in head if doc["_id"] in won]
-            _claimed_at(now).update(doc["_id"] for doc in head)
         return [Claimed(doc["_id"], doc["attempts"] + 1, doc.get("taskId"), doc.get("payload")) for doc in head]
 
     def _hinted(self, query: Callable[[], Any]) -> Any:
@@ -691,15 +671,6 @@ class JobStore:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
-
-
-def _claimed_at(now: datetime) -> set[str]:
-    """The jobs this process's claims stamped `now` (to the millisecond) took; the caller holds _claiming."""
-    global _last_stamp
-    stamp = now.replace(microsecond=now.microsecond // 1000 * 1000)  # as BSON stores it
-    if _last_stamp[0] != stamp:
-        _last_stamp = (stamp, set())
-    return _last_stamp[1]
 
 
 def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
