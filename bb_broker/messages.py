@@ -21,10 +21,10 @@ from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection
 from pymongo.database import Database
-from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
+from pymongo.errors import BulkWriteError, ConnectionFailure, OperationFailure, PyMongoError
 
 from .connection import SHUTDOWN_PATIENCE, scrub, server_gone_at_shutdown
-from .store import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
+from .store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
 
 logger = logging.getLogger(__name__)
 
@@ -245,18 +245,19 @@ class Outbox:
         pause, said = OUTBOX_RETRY[0], False
         while batch:
             try:
-                self.messages.insert_many(batch, ordered=True)
+                # Unordered: a try after a lost answer skips, in one pass, what had landed (duplicate _ids); the
+                # order consumers see is the _ids', given at publish time.
+                self.messages.insert_many(batch, ordered=False)
                 return
             except BulkWriteError as exc:
-                # Stored up to the first refusal; a refused message is never accepted however often it is sent.
-                error = exc.details["writeErrors"][0]
-                if error.get("code") != DUPLICATE_KEY:  # else it landed on a try whose answer was lost
-                    logger.error(
-                        "a message for queue %r was refused by the server and is dropped: %s",
-                        batch[error["index"]]["queue"],
-                        error.get("errmsg"),
-                    )
-                batch = batch[error["index"] + 1 :]
+                for error in exc.details.get("writeErrors") or []:  # none: only the write concern complained
+                    if error.get("code") != DUPLICATE_KEY:  # a duplicate landed on a try whose answer was lost
+                        logger.error(
+                            "a message for queue %r was refused by the server and is dropped: %s",
+                            batch[error["index"]]["queue"],
+                            error.get("errmsg"),
+                        )
+                return
             except InvalidDocument as exc:  # too large for the server, say: refused before it is sent
                 if len(batch) == 1:
                     logger.error("a message for queue %r cannot be stored and is dropped: %s", batch[0]["queue"], exc)
@@ -264,12 +265,17 @@ class Outbox:
                 for document in batch:  # the others go on their own
                     self._store([document])
                 return
-            except PyMongoError as exc:
+            except (ConnectionFailure, OperationFailure) as exc:
+                if not is_transient(exc):
+                    logger.error("%d messages were refused by the server and are dropped (%s)", len(batch), exc)
+                    return
                 if not said:
                     logger.warning("%d messages wait for the server (%s); trying again", len(batch), type(exc).__name__)
                     said = True
                 time.sleep(pause)
                 pause = min(pause * 2, OUTBOX_RETRY[1])
+                now = datetime.now(UTC)
+                batch = [document for document in batch if document["expiresAt"] > now]  # never read once expired
 
 
 def _forget_parent_outboxes() -> None:
@@ -287,7 +293,7 @@ FETCH_ORDER = [("priority", DESCENDING), ("_id", ASCENDING)]
 #: The field marking messages a consumer is taking in a batch (see MessageStore.take).
 TAKER = "takenBy"
 #: The fewest messages a batched take reads: it costs three round trips, so below that each is taken on its own.
-BATCH_MIN = 3
+TAKE_BATCH_MIN = 3
 
 
 def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
@@ -375,13 +381,18 @@ class MessageStore:
     def take(self, queue: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Take up to `limit` of `queue`'s messages, in order, each to one taker: their stored documents (to deliver,
         `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip each
-        below BATCH_MIN; from there, a read, a mark and a delete for them all."""
+        below TAKE_BATCH_MIN; from there, a read, a mark and a delete for them all."""
         # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
         live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}, TAKER: {"$exists": False}}
-        if limit < BATCH_MIN:
+        if limit < TAKE_BATCH_MIN:
             taken: list[dict[str, Any]] = []
             while len(taken) < max(limit, 1):
-                doc = self.messages.find_one_and_delete(live, sort=FETCH_ORDER)
+                try:
+                    doc = self.messages.find_one_and_delete(live, sort=FETCH_ORDER)
+                except PyMongoError:
+                    if not taken:
+                        raise
+                    return taken, False  # what was taken off the server already is delivered, not dropped
                 if doc is None:
                     return taken, True
                 taken.append(doc)

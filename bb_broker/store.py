@@ -405,7 +405,7 @@ class JobStore:
             try:
                 complete = take() == len(head)
             except (ConnectionFailure, OperationFailure) as exc:
-                if not _transient(exc):
+                if not is_transient(exc):
                     raise
                 # pymongo does not retry a multi-document write, and this one may have landed, in part or late:
                 # repeat it (the fence makes that safe), then read what is ours.
@@ -582,7 +582,7 @@ class JobStore:
             try:
                 return write()
             except (ConnectionFailure, OperationFailure) as exc:
-                if not _transient(exc) or time.monotonic() > deadline:
+                if not is_transient(exc) or time.monotonic() > deadline:
                     raise
                 logger.warning("a write on a held job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
                 time.sleep(delay)
@@ -685,6 +685,6 @@ def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
     return {"$or": [{"_id": {"$in": ids}, "attempts": n} for n, ids in by_attempts.items()]}
 
 
-def _transient(exc: ConnectionFailure | OperationFailure) -> bool:
+def is_transient(exc: ConnectionFailure | OperationFailure) -> bool:
     """A failover, a restart or a dropped connection: the same write may be tried again."""
     return isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")

@@ -164,7 +164,7 @@ class JobQoS(virtual.QoS):
         room = self.claimable()
         holding = self.channel.is_holding()  # jobs claimed already are handed out at once, whatever the room
         if holding or not (
-            self.prefetch_count >= BATCH_MIN
+            BATCH_MIN <= self.batch_room() <= self.prefetch_count
             and 0 < room < self.batch_room()
             and self._unacked()
             and self.channel.is_backlogged()
@@ -177,10 +177,11 @@ class JobQoS(virtual.QoS):
         return max(self._waiting_for_batch_since + self.batch_patience - now, 0.0)
 
     def batch_room(self) -> int:
-        """The room worth a batch claim: half the prefetch limit, at least BATCH_MIN, at most what one claim takes.
-        Each claim costs the server a read of the queue's head, so fewer and larger batches; the other half, still
-        waiting in the worker, keeps the pool busy while the claim is on its way."""
-        return max(BATCH_MIN, min(self.prefetch_count // 2, int(self.channel.max_claim_batch)))
+        """The room worth a batch claim: half the prefetch limit, at least BATCH_MIN, at most what one claim takes
+        (below BATCH_MIN no claim is a batch, and nothing is worth waiting for). Each claim costs the server a read
+        of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps the
+        pool busy while the claim is on its way."""
+        return min(max(BATCH_MIN, self.prefetch_count // 2), int(self.channel.max_claim_batch))
 
     def claimed(self) -> None:
         """A claim was made: the next wait for a batch starts afresh."""
@@ -384,9 +385,10 @@ class Channel(virtual.Channel):
         # A routing key this connection bound itself on a direct exchange (a task queue) is routed without a read;
         # any other is looked up in the bindings every connection writes: a worker that once bound a reply queue of
         # its own must still reach the reply queue of each process that asks it something.
-        if exchange and self.typeof(exchange).type == "direct":
+        kind = self.typeof(exchange) if exchange else None
+        if kind is not None and kind.type == "direct":
             local = self.state.exchanges.get(exchange, {}).get("table", [])
-            if routed := {queue for key, _, queue in local if key == routing_key}:
+            if routed := kind.lookup(local, exchange, routing_key, default):
                 return routed
         return super()._lookup(exchange, routing_key, default)
 

@@ -174,3 +174,34 @@ def test_two_waiting_messages_are_taken_with_a_round_trip_each_not_a_batchs_thre
         rest, exhausted = store.take("events", 2)
     assert ([payload_of(doc)["body"] for doc in rest], exhausted) == (["2"], True)
     assert sent == [("findAndModify", "bb_messages")] * 2
+
+
+def test_a_take_of_two_whose_second_read_fails_delivers_the_first(own_server) -> None:
+    # The first findAndModify has deleted its message on the server: an error on the second must not drop it.
+    client = MongoClient(own_server.url, tz_aware=True)
+    store = MessageStore(client.second_read)
+    for n in range(2):
+        store.put("events", {"body": str(n), "properties": {}}, 0)
+    client.admin.command("configureFailPoint", "failCommand", mode={"skip": 1},
+                         data={"failCommands": ["findAndModify"], "errorCode": 2})  # fmt: skip
+    try:
+        taken, exhausted = store.take("events", 2)
+    finally:
+        client.admin.command("configureFailPoint", "failCommand", mode="off")
+    assert ([payload_of(doc)["body"] for doc in taken], exhausted) == (["0"], False)
+    assert [payload_of(doc)["body"] for doc in client.second_read.bb_messages.find()] == ["1"]
+
+
+def test_the_outbox_drops_a_message_the_server_refuses_and_stores_the_next(own_server) -> None:
+    # A refusal is not an outage: trying it again for ever would hold back every event and reply after it.
+    client = MongoClient(own_server.url, tz_aware=True)
+    store = MessageStore(client.refused)
+    box = Outbox.of(store.messages)
+    client.admin.command(
+        "configureFailPoint", "failCommand", mode={"times": 1}, data={"failCommands": ["insert"], "errorCode": 13}
+    )  # fmt: skip  (Unauthorized)
+    store.put("q", {"body": "refused", "properties": {}}, 0, soon=True)
+    assert box.flush(30) == 0
+    store.put("q", {"body": "next", "properties": {}}, 0, soon=True)
+    assert box.flush(30) == 0
+    assert [payload_of(doc)["body"] for doc in client.refused.bb_messages.find()] == ["next"]
