@@ -160,3 +160,22 @@ def test_a_larger_prefetch_claims_once_half_its_room_is_free(
             conn.drain_events(timeout=30)
         assert db.jobs.count_documents({"status": "running"}) == filled + 4
         assert ("findAndModify", "jobs") not in sent and sent.count(("update", "jobs")) == 1, sent
+
+
+def test_no_room_is_waited_for_when_one_claim_takes_less_than_a_batch(broker_url: str, db: Database) -> None:
+    # With max_claim_batch below a batch every claim is one job: letting freed slots wait would gain nothing.
+    app = producer(broker_url)
+    for i in range(12):
+        send(app, "add", i, i)
+    delivered: list = []
+    with Connection(broker_url, transport_options={"max_claim_batch": 2}) as conn:
+        channel = conn.channel()
+        channel.qos.batch_patience = 3600.0
+        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=8,
+                            callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
+        consumer.consume()
+        while len(delivered) < 8:
+            conn.drain_events(timeout=30)
+        delivered.pop(0).ack()
+        conn.drain_events(timeout=30)  # the freed slot is claimed at once
+        assert len(delivered) == 8 and db.jobs.count_documents({"status": "running"}) == 9
