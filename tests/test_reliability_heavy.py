@@ -46,7 +46,7 @@ def test_three_outages_while_producing_and_working(own_server, tmp_path) -> None
     url = with_database(own_server.url, "outages")
     db = MongoClient(own_server.url, tz_aware=True).outages
     # A claim the server carried out as it stopped can be left running in a worker's name, never delivered (seen
-    # in 2 of 9 runs): the stale sweep gives it back after stale_after, which must be well inside this test's wait.
+    # in 2 of 17 runs): the stale sweep gives it back after stale_after, which must be well inside this test's wait.
     options = {"stale_after": 30.0}
     start_worker(url, tmp_path, "w0", options=options)
     start_worker(url, tmp_path, "w1", options=options)
