@@ -91,6 +91,16 @@ def test_a_worker_killed_holding_a_batch_loses_none_of_it(app, db: Database, wor
     assert {t: starts[t] for t in slow} == {t: 2 if t in cut_short else 1 for t in slow}
 
 
+def consume_patiently(conn: Connection, prefetch: int, delivered: list) -> None:
+    """Consume `celery` at `prefetch` into `delivered`, as a consumer as slow as it likes: a batch waits for room, not
+    for time (batch_patience of an hour)."""
+    channel = conn.channel()
+    channel.qos.batch_patience = 3600.0
+    consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=prefetch,
+                        callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
+    consumer.consume()
+
+
 def test_a_consumer_working_through_a_backlog_lets_room_build_up_for_a_batch(broker_url: str, db: Database) -> None:
     # Celery acks each task as a pool process starts it: claiming at each ack would take one job per round trip.
     # While jobs it took still wait in the worker, the consumer lets freed slots wait (batch_patience) and claims
@@ -102,11 +112,7 @@ def test_a_consumer_working_through_a_backlog_lets_room_build_up_for_a_batch(bro
         send(app, "add", i, i)
     delivered: list = []
     with Connection(broker_url) as conn:
-        channel = conn.channel()
-        channel.qos.batch_patience = 3600.0  # a consumer as slow as it likes: the batch waits for room, not time
-        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=4,
-                            callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
-        consumer.consume()
+        consume_patiently(conn, 4, delivered)
         while len(delivered) < 4:  # one job, then a batch of the three more it may take, all handed out at once
             conn.drain_events(timeout=30)
         assert db.jobs.count_documents({"status": "running"}) == 4
@@ -142,11 +148,7 @@ def test_a_larger_prefetch_claims_once_half_its_room_is_free(
         send(app, "add", i, i)
     delivered: list = []
     with Connection(broker_url, transport_options=options) as conn:
-        channel = conn.channel()
-        channel.qos.batch_patience = 3600.0  # the batch waits for room, not time
-        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=prefetch,
-                            callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
-        consumer.consume()
+        consume_patiently(conn, prefetch, delivered)
         while len(delivered) < filled:
             conn.drain_events(timeout=30)
         assert db.jobs.count_documents({"status": "running"}) == filled
@@ -169,11 +171,7 @@ def test_no_room_is_waited_for_when_one_claim_takes_less_than_a_batch(broker_url
         send(app, "add", i, i)
     delivered: list = []
     with Connection(broker_url, transport_options={"max_claim_batch": 2}) as conn:
-        channel = conn.channel()
-        channel.qos.batch_patience = 3600.0
-        consumer = Consumer(channel, queues=[Queue("celery")], accept=["json"], prefetch_count=8,
-                            callbacks=[lambda body, message: delivered.append(message)])  # fmt: skip
-        consumer.consume()
+        consume_patiently(conn, 8, delivered)
         while len(delivered) < 8:
             conn.drain_events(timeout=30)
         delivered.pop(0).ack()
