@@ -32,6 +32,7 @@ over: it sends the callback with the claimed id unless a job of that id exists a
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
+from .messages import _scrubbed
 from .payloads import _bson_safe
 from .store import MAX_DOCUMENT_BYTES, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
@@ -204,6 +206,8 @@ class JobResultBackend(BaseBackend):
         meta = self._get_result_meta(
             result=result, state=state, traceback=traceback, request=request, format_date=False
         )
+        if state in states.EXCEPTION_STATES:
+            result = self._masked(result)  # an error's text, as lastError and the traceback have it
         value, fmt = self._stored(result)
         fields = {
             "state": state,
@@ -217,6 +221,14 @@ class JobResultBackend(BaseBackend):
             if meta.get(celerys):
                 fields[ours] = meta[celerys]
         return fields
+
+    def _masked(self, encoded: Any) -> Any:
+        """An encoded exception with the URL's password masked (a copy: Celery goes on using the exception)."""
+        if not self.target.secrets:
+            return encoded
+        if isinstance(encoded, BaseException):
+            encoded = copy.copy(encoded)
+        return _scrubbed(encoded, self.target.secrets)
 
     # --- writing: where the outcome is known --------------------------------------
 
@@ -569,7 +581,8 @@ class JobResultBackend(BaseBackend):
         if not task_id or not group_id:
             return
         key = f"{task_id}:{index}"
-        value, fmt = self._stored(self.encode_result(result, state))
+        encoded = self.encode_result(result, state)
+        value, fmt = self._stored(self._masked(encoded) if state in states.EXCEPTION_STATES else encoded)
         part = {"key": key, "i": index, "id": task_id, "state": state, "value": value, "format": fmt}
         counter = self._count_part(group_id, key, part)
         if counter is None:

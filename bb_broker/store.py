@@ -527,7 +527,8 @@ class JobStore:
     ) -> bool:
         """Set result fields (a STARTED or custom state, a Celery retry) on the job's current attempt, any status."""
         current = {"_id": job_id, "attempts": attempts}
-        update = {**({"$set": fields} if fields else {}), **_pushed(attempt)}  # MongoDB refuses an empty $set
+        # MongoDB refuses an empty $set
+        update = {**({"$set": fields} if fields else {}), **_pushed(self._scrubbed(attempt))}
         if not update:
             return False
         return self._through_outages(lambda: self.coll.update_one(current, update)).modified_count == 1

@@ -200,6 +200,12 @@ def raise_message(self, text):
     raise RuntimeError(text)
 
 
+@app.task(bind=True, max_retries=1)
+def retry_message(self, text):
+    record(self)
+    raise self.retry(countdown=0, exc=RuntimeError(text))
+
+
 @app.task(bind=True)
 def tsum(self, values):
     record(self, values=values)

@@ -216,6 +216,22 @@ def test_a_password_in_a_task_error_never_reaches_last_error(auth_server, tmp_pa
     assert "s3cret-pw" not in worker.log()  # not even in the traceback Celery logs for the task
 
 
+def test_a_password_in_a_task_error_never_reaches_the_job_s_result_or_history(auth_server, tmp_path) -> None:
+    # With results on the jobs: the stored exception (what get() raises, what the Jobs tab shows) and every history
+    # entry, a task's own self.retry() included, have the password masked as lastError has.
+    good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
+    start_worker(good, tmp_path, "w0", options={"max_attempts": 2}, env={"BB_RESULT_BACKEND": "broker"})
+    app = producer(good)
+    text = f"could not log in to {good}"
+    ids = [send(app, "raise_message", text), send(app, "retry_message", text)]
+    db = MongoClient(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", tz_aware=True).authdb
+    for task_id in ids:
+        failed = wait_for(settled(db, task_id, "failed"), message="the task failed")
+        assert failed["state"] == "FAILURE" and len(failed["history"]) == 2
+        stored = json.dumps({key: failed[key] for key in ("result", "traceback", "history")}, default=str)
+        assert "s3cret-pw" not in stored and "bb:**@127.0.0.1" in stored
+
+
 def test_tls_options_in_the_url_reach_pymongo(tmp_path) -> None:
     import trustme
 
