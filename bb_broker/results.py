@@ -581,8 +581,7 @@ class JobResultBackend(BaseBackend):
         if not task_id or not group_id:
             return
         key = f"{task_id}:{index}"
-        encoded = self.encode_result(result, state)
-        value, fmt = self._stored(self._masked(encoded) if state in states.EXCEPTION_STATES else encoded)
+        value, fmt = self._part_value(result, state)
         part = {"key": key, "i": index, "id": task_id, "state": state, "value": value, "format": fmt}
         counter = self._count_part(group_id, key, part)
         if counter is None:
@@ -611,6 +610,17 @@ class JobResultBackend(BaseBackend):
         else:
             self._send_callback(group_id, callback, values)
         self.side.update_one({"_id": f"chord:{group_id}"}, {"$set": {"sent": self.app.now()}})
+
+    def _part_value(self, result: Any, state: str) -> tuple[Any, str]:
+        """A part's value as the counter keeps it. A failure too large to keep is kept as that (as its job records
+        it), so the chord still fails; a success too large raises, and the task fails on it (then counted so)."""
+        if state not in states.EXCEPTION_STATES:
+            return self._stored(self.encode_result(result, state))
+        try:
+            return self._stored(self._masked(self.encode_result(result, state)))
+        except ResultTooLarge as too_large:
+            reason = ResultTooLarge(f"the task's failure does not fit in its job document: {too_large}")
+            return self._stored(self.encode_result(reason, state))
 
     def _count_part(self, group_id: str, key: str, part: dict[str, Any]) -> dict[str, Any] | None:
         """Add a part to the chord's counter, once per key; the counter as it stands (None: no such chord)."""

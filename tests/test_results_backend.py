@@ -9,9 +9,11 @@ import pytest
 from bson import Binary
 from celery import Celery, states
 from celery.app.task import Context
+from celery.exceptions import ChordError
 from pymongo.database import Database
 
 import bb_broker
+import bb_broker.celery_hooks
 from bb_broker.lifecycle import Policy
 from bb_broker.results import JobFailed, JobResultBackend
 from bb_broker.store import HISTORY_LIMIT, JobStore, attempt_entry
@@ -203,3 +205,38 @@ def test_a_waiting_get_is_woken_by_a_new_job_of_a_task_id_it_knows(app: Celery, 
         assert change["documentKey"]["_id"] == "job-replacement"
     finally:
         stream.close()
+
+
+def held_part(app: Celery, task_id: str, group_id: str, callback) -> Context:
+    """A chord part as a worker holds it: its job claimed (attempt 1 of 1), the request naming job and attempt."""
+    store = bb_broker.celery_hooks.store_for(app)
+    store.ensure_indexes()
+    job_id = store.publish(queue="q", kind="k", task_id=task_id, payload={}, priority=0, run_after=None, is_retry=False)
+    claimed = store.claim("q", "owner-a")
+    assert claimed.id == job_id
+    return Context(
+        {
+            "id": task_id,
+            "group": group_id,
+            "group_index": 0,
+            "chord": callback,
+            "bb_job_id": job_id,
+            "bb_attempts": claimed.attempts,
+            "errbacks": None,
+        }
+    )
+
+
+def test_a_chord_part_whose_failure_is_over_the_limit_still_fails_the_chord(app: Celery, db: Database):
+    app.conf.broker_transport_options = {"max_attempts": 1}
+    callback = tsum(app)
+    app.backend.apply_chord(("g5", [app.AsyncResult("t-huge-error")]), callback)
+    app.backend.set_chord_size("g5", 1)
+    request = held_part(app, "t-huge-error", "g5", callback)
+    app.backend.mark_as_failure("t-huge-error", RuntimeError("x" * (17 * 1024 * 1024)), request=request)
+    doc = db.jobs.find_one({"taskId": "t-huge-error"})
+    assert doc["status"] == "failed" and "ResultTooLarge" in doc["lastError"]
+    # The part is counted, and the callback's result is the chord's error, not a callback that never comes.
+    assert db.bb_results.find_one({"_id": "chord:g5"})["count"] == 1
+    with pytest.raises(ChordError, match="ResultTooLarge"):
+        app.AsyncResult(callback.id).get(timeout=10)
