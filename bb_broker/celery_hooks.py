@@ -151,8 +151,9 @@ def _with_broker_retries(task: Any, run: Any) -> Any:
     return run_with_broker_retries
 
 
-def _broker_retry(task: Any, exc: Exception) -> Retry | None:
-    """The Retry that runs this failed attempt again (published already), or None when the failure is final."""
+def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
+    """The Retry that runs this failed attempt again (published already), None when the failure is final, or Ignore
+    when the attempt lost its job to another."""
     request = task.request
     store, job = store_for(task.app), job_of(request)
     if store is None or job is None or request.is_eager:
@@ -162,7 +163,12 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | None:
         return None
     error = describe_error(exc)
     trace = "".join(traceback.format_exception(exc))
-    store.record_failed_attempt(*job, error, attempt=attempt_for(store, request, job[1], "failed", error, trace))
+    if not store.record_failed_attempt(
+        *job, error, attempt=attempt_for(store, request, job[1], "failed", error, trace)
+    ):
+        # The attempt is no longer the job's (the stale sweep gave it to another worker): its retry's publish would
+        # send the job that attempt holds back to the queue. It ends here, with nothing recorded, as Ignore does.
+        return Ignore()
     if len(_retried_by_broker) > 1000:  # a retry whose publish failed leaves its entry
         _retried_by_broker.clear()
     _retried_by_broker.add(job)

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from celery import Celery
+from celery import Celery, signals
 from celery.exceptions import Ignore
 from celery.worker.control import inspect_command
 from pymongo import monitoring
@@ -271,6 +271,23 @@ def fails_until_fixed(self, key):
     if runs().database.fixes.find_one({"_id": key}) is None:
         raise RuntimeError(f"{key} is broken (attempt {self.request.bb_attempts})")
     return "fixed"
+
+
+@app.task(bind=True)
+def waits_then_fails_first(self, key):
+    """Waits for `<key>:<attempt>` in `fixes`; then the first attempt fails and any later one succeeds."""
+    record(self)
+    while runs().database.fixes.find_one({"_id": f"{key}:{self.request.bb_attempts}"}) is None:
+        time.sleep(0.05)
+    if self.request.bb_attempts == 1:
+        raise RuntimeError("the first attempt fails")
+    return "ok"
+
+
+@signals.task_postrun.connect(sender=waits_then_fails_first)
+def _waited_attempt_done(task_id=None, state=None, **_):
+    # After Celery and the broker dealt with the attempt's outcome (a retry published, say): tests wait for this.
+    record(waits_then_fails_first, phase="postrun", state=state)
 
 
 @app.task(bind=True, acks_late=True)

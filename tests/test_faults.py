@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from pymongo import MongoClient
 import bb_broker
 from bb_broker.store import JobStore
 from tests.servers import AnswerDroppingProxy, EmbeddedServer, with_database
-from tests.workers import Worker, producer, send, settled, wait_for
+from tests.workers import Worker, job, producer, send, settled, wait_for
 
 
 def start_worker(url: str, tmp_path: Path, name: str, **kwargs) -> Worker:
@@ -159,6 +160,25 @@ def test_racing_workers_run_each_job_exactly_once(broker_url, db, tmp_path) -> N
     assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task)
     assert len({run["pid"] for run in db.runs.find()}) > 1  # more than one pool process took part
     assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": len(ids), "failed": 0}
+
+
+def test_a_failed_attempt_whose_job_was_taken_over_leaves_the_new_attempt_alone(broker_url, db, worker_factory) -> None:
+    # The first worker's main process stops (no heartbeats) while its pool process runs attempt 1; the sweep gives
+    # the job to a second worker (attempt 2). Attempt 1 then fails: its broker retry must not send back to the queue
+    # the job attempt 2 holds (its settle would then be fenced out and the task run a third time).
+    options = {"stale_after": 4.0}
+    first = worker_factory(options=options, concurrency=1)
+    task_id = send(producer(broker_url), "waits_then_fails_first", "k")
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 1}), message="attempt 1 runs")
+    first.signal(signal.SIGSTOP)
+    worker_factory(options=options, concurrency=1)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 2}), timeout=60, message="attempt 2 runs")
+    db.fixes.insert_one({"_id": "k:1"})
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "phase": "postrun"}), message="attempt 1 dealt with")
+    assert job(db, task_id)["status"] == "running"
+    db.fixes.insert_one({"_id": "k:2"})
+    done = wait_for(settled(db, task_id, "succeeded"), message="attempt 2 succeeded")
+    assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": None}) == 2
 
 
 def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth_server, tmp_path) -> None:
