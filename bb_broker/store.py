@@ -289,17 +289,21 @@ class JobStore:
         run_after: datetime | None,
         is_retry: bool,
         job_id: str | None = None,
+        retry_of: tuple[str, int] | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
         `job_id`, when given, makes the insert safe to repeat: a second publish of the same message under the same
-        id (a producer retrying a write whose answer it never got) finds the first and writes nothing."""
+        id (a producer retrying a write whose answer it never got) finds the first and writes nothing.
+        `retry_of`, the (job id, attempt) a retry comes from, fences the reschedule on that attempt: the retry of an
+        attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing."""
         now = self.now()
         due = run_after or now
         if is_retry:
+            held = {"taskId": task_id} if retry_of is None else {"_id": retry_of[0], "attempts": retry_of[1]}
             updated = self._write(
                 self.coll.find_one_and_update,
-                {"taskId": task_id, "status": RUNNING},
+                {**held, "status": RUNNING},
                 {
                     "$set": {
                         "status": QUEUED,
@@ -316,6 +320,9 @@ class JobStore:
             if updated is not None:
                 metrics.record("retried")
                 return updated["_id"]
+            if retry_of is not None and self.coll.find_one({"_id": retry_of[0]}, {"_id": 1}) is not None:
+                logger.warning("job %s: a retry from attempt %d, no longer the job's, was dropped", *retry_of)
+                return retry_of[0]
         job = {
             "_id": job_id or new_job_id(),
             "kind": kind,

@@ -437,6 +437,7 @@ class Channel(virtual.Channel):
             run_after=_eta(headers.get("eta")),
             is_retry=bool(headers.get("retries")),
             job_id=job_id,
+            retry_of=_retry_of(headers),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
@@ -678,6 +679,15 @@ def _expiration(message: dict[str, Any]) -> float | None:
         return max(float(value) / 1000.0, 0.0)
     except (TypeError, ValueError):
         raise ValueError(f"message has an unreadable expiration property {value!r}") from None
+
+
+def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:
+    """The (job id, attempt) a task's own Celery retry comes from: its request's delivery headers, which Celery's
+    retry message carries on (the broker's own retries leave them out)."""
+    job_id, attempts = headers.get(JOB_ID_HEADER), headers.get(ATTEMPTS_HEADER)
+    if not headers.get("retries") or job_id is None or attempts is None:
+        return None
+    return str(job_id), int(attempts)
 
 
 def _eta(value: Any) -> datetime | None:

@@ -274,12 +274,15 @@ def fails_until_fixed(self, key):
 
 
 @app.task(bind=True)
-def waits_then_fails_first(self, key):
-    """Waits for `<key>:<attempt>` in `fixes`; then the first attempt fails and any later one succeeds."""
+def waits_then_fails_first(self, key, own_retry=False):
+    """Waits for `<key>:<attempt>` in `fixes`; then the first attempt fails (or retries itself, `own_retry`) and any
+    later one succeeds."""
     record(self)
     while runs().database.fixes.find_one({"_id": f"{key}:{self.request.bb_attempts}"}) is None:
         time.sleep(0.05)
     if self.request.bb_attempts == 1:
+        if own_retry:
+            raise self.retry(countdown=0)
         raise RuntimeError("the first attempt fails")
     return "ok"
 

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from pymongo import MongoClient
 
 import bb_broker
@@ -162,20 +163,23 @@ def test_racing_workers_run_each_job_exactly_once(broker_url, db, tmp_path) -> N
     assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": len(ids), "failed": 0}
 
 
-def test_a_failed_attempt_whose_job_was_taken_over_leaves_the_new_attempt_alone(broker_url, db, worker_factory) -> None:
+@pytest.mark.parametrize("retry", ["the broker's", "the task's own"])
+def test_a_retry_from_an_attempt_whose_job_was_taken_over_leaves_the_new_attempt_alone(
+    retry, broker_url, db, worker_factory
+) -> None:
     # The first worker's main process stops (no heartbeats) while its pool process runs attempt 1; the sweep gives
-    # the job to a second worker (attempt 2). Attempt 1 then fails: its broker retry must not send back to the queue
-    # the job attempt 2 holds (its settle would then be fenced out and the task run a third time).
+    # the job to a second worker (attempt 2). Attempt 1 then fails (a broker retry) or calls self.retry(): neither
+    # may send back to the queue the job attempt 2 holds (its settle would be fenced out, the task run a third time).
     options = {"stale_after": 4.0}
     first = worker_factory(options=options, concurrency=1)
-    task_id = send(producer(broker_url), "waits_then_fails_first", "k")
+    task_id = send(producer(broker_url), "waits_then_fails_first", "k", retry == "the task's own")
     wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 1}), message="attempt 1 runs")
     first.signal(signal.SIGSTOP)
     worker_factory(options=options, concurrency=1)
     wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 2}), timeout=60, message="attempt 2 runs")
     db.fixes.insert_one({"_id": "k:1"})
     wait_for(lambda: db.runs.find_one({"taskId": task_id, "phase": "postrun"}), message="attempt 1 dealt with")
-    assert job(db, task_id)["status"] == "running"
+    assert (job(db, task_id)["status"], job(db, task_id)["attempts"]) == ("running", 2)
     db.fixes.insert_one({"_id": "k:2"})
     done = wait_for(settled(db, task_id, "succeeded"), message="attempt 2 succeeded")
     assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": None}) == 2
