@@ -148,6 +148,19 @@ def scrub(text: str, secrets: tuple[str, ...]) -> str:
     return text
 
 
+def scrub_value(value: Any, secrets: tuple[str, ...]) -> Any:
+    """`scrub` through a value's strings: dict keys and items, list and tuple items, an exception's args."""
+    if isinstance(value, str):
+        return scrub(value, secrets)
+    if isinstance(value, dict):
+        return {scrub_value(key, secrets): scrub_value(item, secrets) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(scrub_value(item, secrets) for item in value)
+    if isinstance(value, BaseException):  # a pickled result's exception
+        value.args = scrub_value(value.args, secrets)
+    return value
+
+
 #: Server error codes: AuthenticationFailed, and Unauthorized (a command needs a user the URL did not give).
 AUTHENTICATION_FAILED = 18
 UNAUTHORIZED = 13

@@ -23,7 +23,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, ConnectionFailure, OperationFailure, PyMongoError
 
-from .connection import SHUTDOWN_PATIENCE, scrub, server_gone_at_shutdown
+from .connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
 from .store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
 
 logger = logging.getLogger(__name__)
@@ -95,18 +95,6 @@ def secret_forms(secrets: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(forms, key=len, reverse=True))
 
 
-def _scrubbed(value: Any, secrets: tuple[str, ...]) -> Any:
-    if isinstance(value, str):
-        return scrub(value, secrets)
-    if isinstance(value, dict):
-        return {_scrubbed(key, secrets): _scrubbed(item, secrets) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_scrubbed(item, secrets) for item in value)
-    if isinstance(value, BaseException):  # a pickled result's exception
-        value.args = _scrubbed(value.args, secrets)
-    return value
-
-
 def _mentions(raw: bytes, secrets: tuple[str, ...]) -> bool:
     """Whether JSON text may hold a secret: as UTF-8, or as JSON escapes it (quotes, backslashes, non-ASCII)."""
     spellings = {json.dumps(secret, ensure_ascii=ascii)[1:-1] for secret in secrets for ascii in (True, False)}
@@ -136,7 +124,7 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str
     if serializer is not None:
         try:
             data = serialization.loads(raw, content_type, message.get("content-encoding"), accept=[content_type])
-            _, _, clean = serialization.dumps(_scrubbed(data, secrets), serializer=serializer)
+            _, _, clean = serialization.dumps(scrub_value(data, secrets), serializer=serializer)
         except Exception:  # not what its content type says: masked as text below
             clean = None
     if clean is None:  # a body no registered serializer reads: masked as text
@@ -148,7 +136,7 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str
         clean = virtual.Channel.codecs[encoding].encode(clean)
     elif isinstance(body, str):
         clean = clean.decode(message.get("content-encoding") or "utf-8")
-    return {**message, "body": clean, "headers": _scrubbed(headers, secrets)}
+    return {**message, "body": clean, "headers": scrub_value(headers, secrets)}
 
 
 class Outbox:

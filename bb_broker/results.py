@@ -60,7 +60,6 @@ from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
-from .messages import _scrubbed
 from .payloads import _bson_safe
 from .store import MAX_DOCUMENT_BYTES, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
@@ -228,7 +227,7 @@ class JobResultBackend(BaseBackend):
             return encoded
         if isinstance(encoded, BaseException):
             encoded = copy.copy(encoded)
-        return _scrubbed(encoded, self.target.secrets)
+        return connection.scrub_value(encoded, self.target.secrets)
 
     # --- writing: where the outcome is known --------------------------------------
 
