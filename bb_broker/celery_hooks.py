@@ -14,6 +14,7 @@ from typing import Any
 from celery import signals, states
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
+from kombu.exceptions import EncodeError
 
 from . import connection, metrics
 from .clock import ServerClock
@@ -21,7 +22,7 @@ from .leases import add_process_source
 from .lifecycle import Policy, describe_error, retry_countdown
 from .payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
 from .prefork import guard_pool_queue
-from .store import JobStore, ResultTooLarge, attempt_entry
+from .store import JobStore, attempt_entry
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +116,10 @@ def is_final_attempt(task: Any) -> bool:
 
 
 def is_retryable(request: Any, exception: BaseException) -> bool:
-    # A failure after the task's own Celery retries means its retry policy gave up; a result too large always will;
-    # a task that rejects its message without requeue asks never to run again.
-    if isinstance(exception, ResultTooLarge) or (isinstance(exception, Reject) and not exception.requeue):
+    # A failure after the task's own Celery retries means its retry policy gave up; a result that cannot be encoded
+    # or stored (ResultTooLarge is one) comes after the task's work is done, and running it again would do the work
+    # again to the same end; a task that rejects its message without requeue asks never to run again.
+    if isinstance(exception, EncodeError) or (isinstance(exception, Reject) and not exception.requeue):
         return False
     return not (isinstance(exception, MaxRetriesExceededError) or own_retries(request))
 

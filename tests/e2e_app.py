@@ -253,6 +253,12 @@ def big_result(self, size):
 
 
 @app.task(bind=True)
+def unencodable_result(self):
+    record(self)
+    return object()  # no serializer Celery accepts by default can encode it
+
+
+@app.task(bind=True)
 def note_error(self, failed_task_id):
     # An errback taking only the failed task's id: Celery sends it as a task of its own.
     record(self, failed=failed_task_id)

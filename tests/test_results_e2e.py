@@ -9,6 +9,7 @@ import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import ChordError, Reject, TaskRevokedError
 from celery.result import AsyncResult, GroupResult
+from kombu.exceptions import EncodeError
 from pymongo import monitoring
 from pymongo.database import Database
 
@@ -186,6 +187,19 @@ def test_a_result_that_fits_alone_but_not_beside_its_arguments(results_app, resu
     doc = job(db, result.id)
     assert doc["status"] == "failed" and doc["attempts"] == 1 and "ResultTooLarge" in doc["lastError"]
     assert len(str(doc["result"])) < 10_000
+
+
+def test_a_result_no_serializer_can_encode_fails_the_job_without_running_it_again(
+    results_app, results_worker, db: Database
+):
+    # The task's work is done and would be done again, to the same end: like a result over the limit, never retried.
+    results_worker()
+    result = results_app.send_task(T + "unencodable_result")
+    with pytest.raises(EncodeError):
+        result.get(timeout=60)
+    doc = job(db, result.id)
+    assert doc["status"] == "failed" and doc["attempts"] == 1 and "EncodeError" in doc["lastError"]
+    assert db.runs.count_documents({"name": T + "unencodable_result"}) == 1
 
 
 def test_a_reject_without_requeue_fails_at_once(results_app, results_worker, db: Database):
