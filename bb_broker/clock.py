@@ -45,6 +45,14 @@ class ServerClock:
             self._sync()
         return datetime.now(UTC) + self._offset
 
+    def from_local(self, moment: datetime) -> datetime:
+        """A time this process's clock gave (Celery's ETA: its `now` plus a countdown), on the server's clock."""
+        self()  # measures the offset when it is due
+        try:
+            return moment + self._offset
+        except OverflowError:
+            return moment  # an ETA at the end of time stays there
+
     def _sync(self) -> None:
         # One measurement at a time. Once there is an offset nobody waits for a new one: a thread stuck measuring an
         # unreachable server must not hold up another's call (a release at exit with its own deadline), which uses

@@ -301,8 +301,9 @@ class Channel(virtual.Channel):
         self.target = connection.parse_broker_url(connection_.broker_url)
         db = connection.get_database(self.target)
         self.policy = Policy(int(self.max_attempts), float(self.backoff_base), float(self.stale_after))
+        self.clock = ServerClock.of(db)
         self.jobs = JobStore(
-            db, self.policy, clock=ServerClock.of(db), collection=self.jobs_collection, secrets=self.target.secrets
+            db, self.policy, clock=self.clock, collection=self.jobs_collection, secrets=self.target.secrets
         )
         self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)
@@ -428,13 +429,15 @@ class Channel(virtual.Channel):
         # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
         # inserts that landed instead of writing twins.
         job_id = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, new_job_id())
+        eta = _eta(headers.get("eta"))
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],
             task_id=str(headers["id"]),
             payload=to_document(message, body),
             priority=priority,
-            run_after=_eta(headers.get("eta")),
+            # Celery's ETA is its countdown added to this process's clock: due by the server's, as every due time.
+            run_after=None if eta is None else self.clock.from_local(eta),
             is_retry=bool(headers.get("retries")),
             job_id=job_id,
             retry_of=_retry_of(headers),

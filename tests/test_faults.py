@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,24 @@ def test_a_worker_whose_clock_runs_a_minute_ahead_steals_no_live_job(broker_url,
     wait_for(settled(db, quick, "succeeded"), message="due work is still claimed")
     assert db.runs.find_one({"taskId": quick})["at"] - time.time() > 50  # it ran there, a minute "ahead"
     assert ahead.process.poll() is None
+
+
+def test_a_worker_whose_clock_runs_behind_still_backs_off_its_failed_attempts(broker_url, db, worker_factory) -> None:
+    # Celery turns the broker's backoff (a countdown) into an ETA on the failing worker's clock: a minute behind the
+    # server's, the retry was due a minute before it was published, and another worker ran it at once.
+    options = {"backoff_base": 5.0}  # 10 s after attempt 1
+    behind = worker_factory(options=options, concurrency=1, env=skewed_clock_env("-60s"))
+    task_id = send(producer(broker_url), "waits_then_fails_first", "k")
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 1}), message="attempt 1 runs")
+    behind.signal(signal.SIGSTOP)  # its pool process goes on (and publishes the retry); its main one claims nothing
+    worker_factory(options=options)
+    db.fixes.insert_many([{"_id": "k:1"}, {"_id": "k:2"}])
+    done = wait_for(settled(db, task_id, "succeeded"), timeout=90, message="attempt 2 succeeded")
+    failed, retried = done["history"]
+    assert (failed["outcome"], retried["outcome"]) == ("failed", "succeeded")
+    # every time here is the server's: the failure's, the due time the retry got, and the start of attempt 2
+    assert done["runAfter"] - failed["finishedAt"] >= timedelta(seconds=9.5), done
+    assert retried["startedAt"] - failed["finishedAt"] >= timedelta(seconds=9.5), done
 
 
 def test_a_password_in_a_task_error_never_reaches_last_error(auth_server, tmp_path) -> None:
