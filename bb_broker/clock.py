@@ -11,8 +11,13 @@ from pymongo.database import Database
 from pymongo.errors import PyMongoError
 
 
+def _monotonic_time() -> datetime:
+    # The monotonic clock as a date: a wall clock stepped by NTP or a resumed VM does not move it.
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(seconds=time.monotonic())
+
+
 class ServerClock:
-    """Local time corrected by the offset to the MongoDB server's clock, re-measured every minute."""
+    """The MongoDB server's time: its reading, re-taken every minute, carried forward by the monotonic clock."""
 
     resync_every = 60.0
 
@@ -35,7 +40,8 @@ class ServerClock:
 
     def __init__(self, db: Database) -> None:
         self._db = db
-        self._offset = timedelta(0)
+        #: The server's time minus the monotonic clock's; until measured, the local wall clock's.
+        self._offset = datetime.now(UTC) - _monotonic_time()
         self._synced_at: float | None = None
         self._lock = threading.Lock()
         self._measured = False
@@ -43,13 +49,12 @@ class ServerClock:
     def __call__(self) -> datetime:
         if self._synced_at is None or time.monotonic() - self._synced_at > self.resync_every:
             self._sync()
-        return datetime.now(UTC) + self._offset
+        return _monotonic_time() + self._offset
 
     def from_local(self, moment: datetime) -> datetime:
         """A time this process's clock gave (Celery's ETA: its `now` plus a countdown), on the server's clock."""
-        self()  # measures the offset when it is due
         try:
-            return moment + self._offset
+            return moment + (self() - datetime.now(UTC))
         except OverflowError:
             return moment  # an ETA at the end of time stays there
 
@@ -60,14 +65,14 @@ class ServerClock:
         if not self._lock.acquire(blocking=not self._measured):
             return
         try:
-            before = datetime.now(UTC)
+            before = _monotonic_time()
             try:
                 server_time = self._db.client.admin.command("hello")["localTime"]
             except (PyMongoError, KeyError):
                 # An unreachable server fails the write that follows; keep the last offset until then.
                 self._synced_at = time.monotonic() - self.resync_every + 5
                 return
-            after = datetime.now(UTC)
+            after = _monotonic_time()
             if server_time.tzinfo is None:
                 server_time = server_time.replace(tzinfo=UTC)
             self._offset = server_time - (before + (after - before) / 2)

@@ -249,6 +249,25 @@ def test_a_worker_whose_clock_runs_behind_still_backs_off_its_failed_attempts(br
     assert retried["startedAt"] - failed["finishedAt"] >= timedelta(seconds=9.5), done
 
 
+def test_a_worker_whose_clock_is_stepped_an_hour_ahead_steals_no_live_job(broker_url, db, worker_factory, tmp_path):
+    # A worker measures its offset to the server's clock once a minute. Its wall clock stepped meanwhile (NTP, a VM
+    # resumed), the offset measured before the step made every lease in the collection an hour old to its sweeps.
+    options = {"stale_after": 3.0}  # a heartbeat every 0.6 s, a sweep every 1.5 s
+    honest = worker_factory(options=options)
+    task_id = send(producer(broker_url), "sleep", 8)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="the long task started")
+    wall_clock = tmp_path / "faketime"
+    wall_clock.write_text("+0\n")
+    env = {**skewed_clock_env("+0"), "FAKETIME_TIMESTAMP_FILE": str(wall_clock)}
+    del env["FAKETIME"]  # libfaketime reads the file at each call: the test steps this worker's clock
+    stepped = worker_factory(options=options, env=env)
+    wall_clock.write_text("+3600s\n")
+    wait_for(settled(db, task_id, "succeeded"), timeout=60, message="the long task succeeded")
+    assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1
+    assert db.jobs.find_one({"taskId": task_id})["attempts"] == 1
+    assert honest.process.poll() is None and stepped.process.poll() is None
+
+
 def test_a_password_in_a_task_error_never_reaches_last_error(auth_server, tmp_path) -> None:
     good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
     worker = start_worker(good, tmp_path, "w0", options={"max_attempts": 1})
