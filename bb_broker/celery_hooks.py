@@ -176,6 +176,9 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
     _retried_by_broker.add(job)
     headers = {k: v for k, v in (request.headers or {}).items() if k not in DELIVERY_HEADERS}
     headers[BROKER_RETRIES_HEADER] = broker_retries(request) + 1
+    # The attempt the retry comes from: its publish is fenced on it (store.publish's `retry_of`), since the job may be
+    # taken over between the write above and the publish.
+    headers.update({JOB_ID_HEADER: job[0], ATTEMPTS_HEADER: job[1]})
     try:
         # max_retries: never Celery's limit (the task's, 3 by default) but the broker's, checked above.
         return task.retry(exc=exc, countdown=countdown, max_retries=request.retries + 1, headers=headers, throw=False)

@@ -685,8 +685,8 @@ def _expiration(message: dict[str, Any]) -> float | None:
 
 
 def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:
-    """The (job id, attempt) a task's own Celery retry comes from: its request's delivery headers, which Celery's
-    retry message carries on (the broker's own retries leave them out)."""
+    """The (job id, attempt) a Celery retry comes from: its request's delivery headers, which Celery's retry message
+    carries on (and the broker's own retries set)."""
     job_id, attempts = headers.get(JOB_ID_HEADER), headers.get(ATTEMPTS_HEADER)
     if not headers.get("retries") or job_id is None or attempts is None:
         return None

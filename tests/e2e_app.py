@@ -92,6 +92,27 @@ if os.environ.get("BB_TEST_CRASH_AT"):
     _crash_at(os.environ["BB_TEST_CRASH_AT"])
 
 
+def _hold_after_recording(key: str) -> None:
+    """Fault injection for tests/test_faults.py: a pool process that recorded its attempt's failure waits for
+    `<key>:go` in `fixes` before the broker's retry is published, as one descheduled on a busy machine would."""
+    from bb_broker.store import JobStore
+
+    record_failed_attempt = JobStore.record_failed_attempt
+
+    def holding(self, *args, **kwargs):
+        recorded = record_failed_attempt(self, *args, **kwargs)
+        runs().insert_one({"name": "recorded", "pid": os.getpid(), "at": time.time()})
+        while runs().database.fixes.find_one({"_id": f"{key}:go"}) is None:
+            time.sleep(0.05)
+        return recorded
+
+    JobStore.record_failed_attempt = holding
+
+
+if os.environ.get("BB_TEST_HOLD_AFTER_RECORDING"):
+    _hold_after_recording(os.environ["BB_TEST_HOLD_AFTER_RECORDING"])
+
+
 def runs():
     return get_database(parse_broker_url(app.conf.broker_url))["runs"]
 

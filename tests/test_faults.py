@@ -186,6 +186,29 @@ def test_a_retry_from_an_attempt_whose_job_was_taken_over_leaves_the_new_attempt
     assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": None}) == 2
 
 
+def test_a_broker_retry_published_after_its_job_was_taken_over_leaves_the_new_attempt_alone(
+    broker_url, db, worker_factory
+) -> None:
+    # Attempt 1 fails and its failure is recorded while it still holds the job; then its pool process waits (a busy
+    # machine) before the retry's publish. Meanwhile its worker's heartbeats stop and the sweep gives the job to a
+    # second worker (attempt 2). The late publish must not send the job attempt 2 holds back to the queue.
+    options = {"stale_after": 4.0}
+    first = worker_factory(options=options, concurrency=1, env={"BB_TEST_HOLD_AFTER_RECORDING": "k"})
+    task_id = send(producer(broker_url), "waits_then_fails_first", "k")
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 1}), message="attempt 1 runs")
+    first.signal(signal.SIGSTOP)
+    db.fixes.insert_one({"_id": "k:1"})
+    wait_for(lambda: db.runs.find_one({"name": "recorded"}), message="attempt 1's failure recorded")
+    worker_factory(options=options, concurrency=1)
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "attempt": 2}), timeout=60, message="attempt 2 runs")
+    db.fixes.insert_one({"_id": "k:go"})
+    wait_for(lambda: db.runs.find_one({"taskId": task_id, "phase": "postrun"}), message="attempt 1 dealt with")
+    assert (job(db, task_id)["status"], job(db, task_id)["attempts"]) == ("running", 2)
+    db.fixes.insert_one({"_id": "k:2"})
+    done = wait_for(settled(db, task_id, "succeeded"), message="attempt 2 succeeded")
+    assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": None}) == 2
+
+
 def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth_server, tmp_path) -> None:
     good = with_database(f"mongodb://bb:s3cret-pw@127.0.0.1:{auth_server.port}/?authSource=admin", "authdb")
     worker = start_worker(good, tmp_path, "w0")
