@@ -268,9 +268,13 @@ def _on_failure(
     retryable = is_retryable(request, exception) if job else True
     if job is not None:
         trace = getattr(einfo, "traceback", None)
-        store.fail(
-            *job, error, retryable=retryable, attempt=attempt_for(store, request, job[1], "failed", error, trace)
-        )
+        ran_here = task_id in _started_at
+        entry: dict[str, Any] | None = attempt_for(store, request, job[1], "failed", error, trace)
+        if not ran_here and store.attempt_recorded(*job):
+            # Another process ran the attempt (a pool process this worker lost): its broker retry recorded the
+            # failure, then the process died before the retry's publish. The attempt has its entry.
+            entry = None
+        store.fail(*job, error, retryable=retryable, attempt=entry)
     elif task_id:
         # A hard time limit is reported by the main process, without the task's request.
         worker = getattr(request, "hostname", None) or socket.gethostname()

@@ -524,6 +524,14 @@ class JobStore:
         changes = {"lastError": self._scrub(error)[: lifecycle.MAX_ERROR_LENGTH], "updatedAt": self.now()}
         return self._settle(job_id, attempts, {"$set": changes, **_pushed(self._scrubbed(attempt))})
 
+    def attempt_recorded(self, job_id: str, attempts: int) -> bool:
+        """Whether the held attempt has its history entry already (its broker retry recorded the failure)."""
+        doc = self.coll.find_one(
+            {"_id": job_id, "status": RUNNING, "attempts": attempts},
+            {"attempts": 1, "startedAt": 1, "history": {"$slice": -1}},
+        )
+        return doc is not None and _has_entry_of_current_attempt(doc)
+
     def _scrubbed(self, attempt: dict[str, Any] | None) -> dict[str, Any] | None:
         if attempt is None:
             return None
@@ -630,9 +638,16 @@ class JobStore:
                 "error": {"$literal": last_error},
             }
             history = {"$concatArrays": [{"$ifNull": ["$history", []]}, [lost]]}
-            changes: dict[str, Any] = {"status": status, "lastError": {"$literal": last_error}, "updatedAt": now}
+            # A broker retry records its attempt's failure, then publishes the retry: a worker lost between the two
+            # left the attempt in the history already. Its entry and error stay; the job goes where the retry would.
+            recorded = _attempt_recorded()
+            changes: dict[str, Any] = {
+                "status": status,
+                "lastError": {"$cond": [recorded, "$lastError", {"$literal": last_error}]},
+                "updatedAt": now,
+            }
             changes["runAfter" if status == QUEUED else "finishedAt"] = now
-            changes["history"] = {"$slice": [history, -HISTORY_LIMIT]}
+            changes["history"] = {"$cond": [recorded, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
             return [{"$set": changes}, {"$unset": ["leaseOwner"]}]
 
         retry = self._hinted(
@@ -679,6 +694,23 @@ class JobStore:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
+
+
+def _attempt_recorded() -> dict[str, Any]:
+    """An aggregation expression: the job's current attempt has its entry in the history already (the last one, with
+    the attempt's number, finished since the attempt's claim: not an entry from before `bb-broker retry`)."""
+    last = {"$arrayElemAt": [{"$ifNull": ["$history", []]}, -1]}
+    current = {"$and": [{"$eq": ["$$last.n", "$attempts"]}, {"$gte": ["$$last.finishedAt", "$startedAt"]}]}
+    return {"$let": {"vars": {"last": last}, "in": current}}
+
+
+def _has_entry_of_current_attempt(doc: dict[str, Any]) -> bool:
+    """What _attempt_recorded says, of a job read with its `attempts`, `startedAt` and last history entry."""
+    last = (doc.get("history") or [None])[-1]
+    if not isinstance(last, dict) or last.get("n") != doc.get("attempts"):
+        return False
+    finished, started = last.get("finishedAt"), doc.get("startedAt")
+    return started is None or (finished is not None and finished >= started)
 
 
 def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -207,6 +208,30 @@ def test_a_broker_retry_published_after_its_job_was_taken_over_leaves_the_new_at
     db.fixes.insert_one({"_id": "k:2"})
     done = wait_for(settled(db, task_id, "succeeded"), message="attempt 2 succeeded")
     assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": None}) == 2
+
+
+@pytest.mark.parametrize("killed", ["the whole worker", "its pool process"])
+def test_an_attempt_killed_between_its_recorded_failure_and_its_retry_has_one_history_entry(
+    killed, broker_url, db, worker_factory
+) -> None:
+    # The broker's retry records the failed attempt, then publishes the retry: a SIGKILL between the two leaves the
+    # job running with its attempt in the history already. Whoever settles it then (the stale sweep, or the worker
+    # whose pool process died) must not add a second entry for that attempt.
+    options = {"stale_after": 4.0}
+    first = worker_factory(options=options, concurrency=1, env={"BB_TEST_HOLD_AFTER_RECORDING": "k"})
+    task_id = send(producer(broker_url), "waits_then_fails_first", "k")
+    db.fixes.insert_one({"_id": "k:1"})
+    recorded = wait_for(lambda: db.runs.find_one({"name": "recorded"}), message="attempt 1's failure recorded")
+    if killed == "the whole worker":
+        first.kill()
+        worker_factory(options=options, concurrency=1)
+    else:
+        os.kill(recorded["pid"], signal.SIGKILL)
+    db.fixes.insert_one({"_id": "k:2"})
+    done = wait_for(settled(db, task_id, "succeeded"), timeout=90, message="attempt 2 succeeded")
+    assert done["attempts"] == 2
+    assert [(a["n"], a["outcome"]) for a in done["history"]] == [(1, "failed"), (2, "succeeded")], done["history"]
+    assert done["history"][0]["error"] == "RuntimeError: the first attempt fails"
 
 
 def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth_server, tmp_path) -> None:

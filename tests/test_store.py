@@ -228,6 +228,31 @@ def test_stale_sweep_requeues_lost_jobs_and_fails_exhausted_ones(store: JobStore
     assert lost and "leaseOwner" not in docs["lost"]
 
 
+def test_the_sweep_adds_no_second_entry_for_an_attempt_a_broker_retry_recorded(store: JobStore, clock, db) -> None:
+    # The broker's retry records the failed attempt, then publishes; a worker lost between the two leaves the entry.
+    job_id = publish(store)
+    job = store.claim("celery", "dead")
+    clock.advance(1)
+    entry = {"n": 1, "worker": "dead", "startedAt": clock.now, "finishedAt": clock.now, "outcome": "failed"}
+    assert store.record_failed_attempt(job_id, job.attempts, "ValueError: boom", attempt=entry)
+    clock.advance(400)
+    assert store.requeue_stale() == (1, 0)
+    doc = db.jobs.find_one({"_id": job_id})
+    assert doc["status"] == "queued" and doc["lastError"] == "ValueError: boom"
+    assert [(a["n"], a["outcome"]) for a in doc["history"]] == [(1, "failed")]
+    # An entry with the same number from before `bb-broker retry` is another attempt's: this one's loss is recorded.
+    store.claim("celery", "dead")
+    assert store.fail(job_id, 2, "ValueError: boom", retryable=False, attempt={**entry, "n": 2}).status == "failed"
+    assert Operations(store).retry([job_id]).job_ids == [job_id]
+    store.claim("celery", "dead")
+    db.jobs.update_one({"_id": job_id}, {"$set": {"history": [{**entry, "n": 1}]}})  # as if the run ended at 1
+    clock.advance(400)
+    assert store.requeue_stale() == (1, 0)
+    doc = db.jobs.find_one({"_id": job_id})
+    assert [(a["n"], a["outcome"]) for a in doc["history"]] == [(1, "failed"), (1, "lost")]
+    assert "worker lost" in doc["lastError"]
+
+
 def test_release_gives_back_an_unstarted_job_without_using_an_attempt(store: JobStore, db: Database) -> None:
     job_id = publish(store)
     job = store.claim("celery", "w")
