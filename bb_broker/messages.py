@@ -345,18 +345,24 @@ class MessageStore:
         ttl: float | None = None,
         soon: bool = False,
         linger: float = 0.0,
+        expires_at: datetime | None = None,
     ) -> None:
         """Store a message for `queue`; `ttl` (seconds, the message's own expiration) shortens the store's.
 
-        `soon`: hand it to the process's outbox, which stores it in order with the others it holds, and return
-        at once (an event loop's thread: see Outbox); there it may wait `linger` seconds for others to be stored
-        with it. The message is encoded and masked here either way."""
+        `expires_at`: the expiry of a message stored before and given back (a requeue keeps it, as on RabbitMQ); one
+        already past it is not stored again. `soon`: hand it to the process's outbox, which stores it in order with
+        the others it holds, and return at once (an event loop's thread: see Outbox); there it may wait `linger`
+        seconds for others to be stored with it. The message is encoded and masked here either way."""
+        now = datetime.now(UTC)
+        if expires_at is not None and expires_at <= now:
+            return
         if self.secrets:
             message = scrub_message(message, self.secrets)
-        expires = datetime.now(UTC) + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
+        if expires_at is None:
+            expires_at = now + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
         # The _id is given here: it keeps the publishing order, and makes a write tried again idempotent.
         document = {"_id": ObjectId(), "queue": queue, "priority": priority, "payload": dumps(message)}
-        document["expiresAt"] = expires
+        document["expiresAt"] = expires_at
         if soon:
             Outbox.of(self.messages).add(document, linger)
         else:

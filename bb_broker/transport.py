@@ -53,6 +53,10 @@ BATCH_MIN = 3
 
 _delivering = threading.local()
 
+#: Where a delivered plain message was stored, (queue, expiresAt), kept beside its Kombu payload: a requeue gives it
+#: back to that queue only, with that expiry (not routed again, which would copy a fanout message to every queue).
+STORED_AS = "bb_stored_as"
+
 #: The threads running an event loop a connection of this process joined (register_with_event_loop), by how many
 #: joined it: the plain messages they publish go through the outbox (MessageStore.put's `soon`).
 _loop_threads: Counter[int] = Counter()
@@ -79,6 +83,8 @@ class JobMessage(virtual.Message):
         self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
         #: Why the consumer refused it, when it says (celery_hooks does, from task_unknown and task_rejected).
         self.rejection_reason: str | None = None
+        #: A plain message's queue and expiry where it was stored (see STORED_AS).
+        self.stored_as: tuple[str, datetime] | None = payload.get(STORED_AS)
 
 
 class JobQoS(virtual.QoS):
@@ -465,6 +471,13 @@ class Channel(virtual.Channel):
         delivery_info = message.delivery_info
         payload = message.serializable()
         payload["properties"].setdefault("delivery_info", {})["redelivered"] = True
+        if isinstance(message, JobMessage) and message.stored_as is not None:
+            # Back to the queue it was read from, expiring when it would have: the other queues an exchange routed it
+            # to have their own copy.
+            queue, expires_at = message.stored_as
+            priority = self._get_message_priority(payload)
+            self.plumbing.put(queue, payload, priority, expires_at=expires_at, soon=_on_a_loop_thread())
+            return
         for queue in self._lookup(delivery_info["exchange"], delivery_info["routing_key"]):
             self._put(queue, payload)
 
@@ -541,7 +554,8 @@ class Channel(virtual.Channel):
                 look.took("messages", len(taken), all_there_was=exhausted)
             if not held:
                 raise Empty()
-        return payload_of(held.popleft())
+        stored = held.popleft()
+        return {**payload_of(stored), STORED_AS: (stored["queue"], stored["expiresAt"])}
 
     def _claim(self, queue: str) -> dict[str, Any]:
         held = self._held.setdefault(queue, deque())

@@ -239,3 +239,36 @@ def test_a_consumer_reads_plain_messages_in_batches_and_gives_back_what_it_did_n
         wait_for(lambda: conn.drain_events(timeout=0.5) or len(delivered) == 20, message="the rest")
     assert delivered == list(range(20))  # each once, in order
     assert 0 < [target for _, target in sent].count("bb_messages") < 10  # in batches, not a read per message
+
+
+def test_a_fanout_message_requeued_by_one_queue_goes_back_to_that_queue_only(broker_url: str, db: Database) -> None:
+    # Each queue bound to a fanout exchange got its copy at publish time: a consumer of one that requeues its copy
+    # must not hand the others a second one (their consumer groups would process the message twice).
+    exchange = kombu.Exchange("fan_requeue", type="fanout")
+    first, second = kombu.Queue("fan_requeue_a", exchange), kombu.Queue("fan_requeue_b", exchange)
+    with kombu.Connection(broker_url) as conn:
+        channel = conn.channel()
+        first.declare(channel=channel)
+        second.declare(channel=channel)
+        kombu.Producer(channel, exchange=exchange).publish({"to": "all"})
+        with closing(conn.SimpleQueue(first)) as queue:
+            message = queue.get(timeout=30)
+            message.requeue()
+            again = queue.get(timeout=30)
+            assert again.payload == {"to": "all"} and again.delivery_info["redelivered"] is True
+            again.ack()
+    assert db.bb_messages.count_documents({"queue": "fan_requeue_b"}) == 1
+    assert db.bb_messages.count_documents({"queue": "fan_requeue_a"}) == 0
+
+
+def test_a_requeued_plain_message_keeps_its_expiration(broker_url: str, db: Database) -> None:
+    # As on RabbitMQ, a message given back (requeue, reject, a consumer closing with it unacked) keeps the expiry it
+    # was published with: held past it, it is never delivered again.
+    with kombu.Connection(broker_url) as conn, closing(conn.SimpleQueue("requeue_expiring")) as queue:
+        queue.put({"n": "short-lived"}, expiration=1.0)
+        expires_at = db.bb_messages.find_one({"queue": "requeue_expiring"})["expiresAt"]
+        message = queue.get(timeout=30)
+        wait_for(lambda: datetime.datetime.now(datetime.UTC) > expires_at, message="the message's expiry passed")
+        message.requeue()
+        queue.put({"n": "kept"})
+        assert queue.get(timeout=30).payload == {"n": "kept"}
