@@ -22,6 +22,17 @@ from ulid import ULID
 
 SCHEMES = {"bbmongo": "mongodb", "bbmongo+srv": "mongodb+srv", "mongodb": "mongodb", "mongodb+srv": "mongodb+srv"}
 _USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<userinfo>[^@/]*)@")
+#: What masking takes for the user info, in URLs pymongo may refuse too: a password written unescaped may hold
+#: `@`, `/` or `?`, and the scheme may be in capitals. Up to the last `@` before any `?`; else (a `?` in the
+#: password) up to the last `@` before any `=`, which an `@` in the options (`?appname=a@b`) always follows.
+_MASKED_USERINFO = (
+    re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^?]*)@", re.IGNORECASE),
+    re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^=]*)@", re.IGNORECASE),
+)
+
+
+def _userinfo_to_mask(url: str) -> re.Match[str] | None:
+    return next((match for pattern in _MASKED_USERINFO if (match := pattern.match(url))), None)
 
 
 class BrokerURLError(ValueError):
@@ -41,7 +52,7 @@ class BrokerTarget:
 
 def redact_url(url: str) -> str:
     """The URL with its user info masked, safe for logs and errors."""
-    match = _USERINFO.match(url)
+    match = _userinfo_to_mask(url)
     if not match:
         return url
     user = match.group("userinfo").split(":", 1)[0]
@@ -134,7 +145,7 @@ def parse_broker_url(url: str) -> BrokerTarget:
 
 
 def _userinfo_secrets(uri: str) -> tuple[str, ...]:
-    match = _USERINFO.match(uri)
+    match = _userinfo_to_mask(uri)
     if not match or ":" not in match.group("userinfo"):
         return ()
     raw = match.group("userinfo").split(":", 1)[1]

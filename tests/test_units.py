@@ -34,6 +34,22 @@ def test_bad_urls_are_refused_with_the_password_masked(url: str, complaint: str)
     assert "s3cret" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "bbmongo://u:left-half@right-half@localhost/db",  # an unescaped @ in the password
+        "bbmongo://u:left-half/right-half@localhost/db",  # an unescaped / in the password
+        "BBMONGO://u:left-half-right-half@localhost:27017",  # the scheme in capitals (and no database)
+        "redis://u:left-half@right-half@localhost/0",
+    ],
+)
+def test_a_password_written_unescaped_is_masked_whole_in_the_error(url: str) -> None:
+    with pytest.raises(BrokerURLError) as caught:
+        parse_broker_url(url)
+    assert "left-half" not in str(caught.value) and "right-half" not in str(caught.value)
+    assert "localhost" in str(caught.value)  # the host is still shown
+
+
 def test_redaction_and_scrubbing() -> None:
     assert redact_url("bbmongo://admin:p%40ss@h/db") == "bbmongo://admin:**@h/db"
     assert redact_url("bbmongo://h/db") == "bbmongo://h/db"
