@@ -282,6 +282,9 @@ FETCH_ORDER = [("priority", DESCENDING), ("_id", ASCENDING)]
 TAKER = "takenBy"
 #: The fewest messages a batched take reads: it costs three round trips, so below that each is taken on its own.
 TAKE_BATCH_MIN = 3
+#: Seconds after which messages marked by a batched take that never deleted them (its consumer lost the server
+#: between the two writes, and went away) are free to take again: a take's writes are milliseconds apart.
+TAKE_LEASE = 60.0
 
 
 def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
@@ -376,8 +379,12 @@ class MessageStore:
         """Take up to `limit` of `queue`'s messages, in order, each to one taker: their stored documents (to deliver,
         `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip each
         below TAKE_BATCH_MIN; from there, a read, a mark and a delete for them all."""
+        now = datetime.now(UTC)
         # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
-        live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}, TAKER: {"$exists": False}}
+        # A mark older than TAKE_LEASE is a take that never finished (its consumer lost the server and went away).
+        abandoned = ObjectId.from_datetime(now - timedelta(seconds=TAKE_LEASE))
+        unmarked = [{TAKER: {"$exists": False}}, {TAKER: {"$lt": abandoned}}]
+        live = {"queue": queue, "expiresAt": {"$gt": now}, "$or": unmarked}
         if limit < TAKE_BATCH_MIN:
             taken: list[dict[str, Any]] = []
             while len(taken) < max(limit, 1):
@@ -397,13 +404,20 @@ class MessageStore:
                 return [], True
             # Marked first, so that of messages another consumer reads at the same time each goes to one of them.
             taker, ids = ObjectId(), [doc["_id"] for doc in head]
-            marking = {"_id": {"$in": ids}, TAKER: {"$exists": False}}
-            marked = self.messages.update_many(marking, {"$set": {TAKER: taker}}).modified_count
-            if marked < len(head):
+            try:
+                marked = self.messages.update_many({"_id": {"$in": ids}, "$or": unmarked}, {"$set": {TAKER: taker}})
+                all_mine = marked.modified_count == len(head)
+            except ConnectionFailure:  # the mark may have landed unanswered: what is marked `taker` is read back
+                all_mine = False
+            if not all_mine:
                 mine = {doc["_id"] for doc in self.messages.find({"_id": {"$in": ids}, TAKER: taker}, {"_id": 1})}
                 head = [doc for doc in head if doc["_id"] in mine]
             if head:  # else another consumer took them all: read on
-                self.messages.delete_many({"_id": {"$in": [doc["_id"] for doc in head]}, TAKER: taker})
+                mine_only = {"_id": {"$in": [doc["_id"] for doc in head]}, TAKER: taker}
+                try:
+                    self.messages.delete_many(mine_only)
+                except ConnectionFailure:  # nobody else takes what is marked `taker` (TAKE_LEASE): delete again
+                    self.messages.delete_many(mine_only)
                 return head, len(ids) < limit
 
     def give_back(self, taken: Iterable[dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ import pytest
 from pymongo import MongoClient
 
 import bb_broker
+from bb_broker.messages import MessageStore, payload_of
 from bb_broker.store import JobStore
 from tests.servers import AnswerDroppingProxy, EmbeddedServer, with_database
 from tests.workers import Worker, job, producer, send, settled, wait_for
@@ -113,6 +114,40 @@ def test_a_publish_retried_after_its_insert_landed_unseen_makes_one_job(own_serv
     assert proxy.dropped == 2
     assert client.twins.jobs.count_documents({"taskId": task_id}) == 1  # not a twin per try
     assert client.twins.jobs.count_documents({}) == 2
+
+
+def command_on(command: str, collection: str) -> bytes:
+    """The bytes that open `command` on `collection` in a wire message (its first field, a BSON string)."""
+    name = collection.encode() + b"\x00"
+    return b"\x02" + command.encode() + b"\x00" + len(name).to_bytes(4, "little") + name
+
+
+@pytest.mark.parametrize("lost_answer", [command_on("update", "bb_messages"), command_on("delete", "bb_messages")])
+def test_a_batched_take_whose_answer_is_lost_delivers_each_message_once(own_server, lost_answer: bytes) -> None:
+    # A batched take marks the head of the queue as its own, then deletes what it marked. When the answer to either
+    # write is lost (the network fails between the server and the consumer) the messages were marked or deleted on
+    # the server all the same: they must still reach the consumer, once, not stay marked (or gone) for nobody.
+    proxy = AnswerDroppingProxy(own_server.url)
+    client = MongoClient(proxy.url, tz_aware=True, directConnection=True)
+    store = MessageStore(client.lost_take)
+    store.ensure_indexes()
+    for i in range(5):
+        store.put("events", {"body": str(i), "properties": {}}, 0)
+    proxy.drop_the_answers_to(lost_answer, times=1)
+    delivered: list[str] = []
+
+    def take_what_is_there() -> bool:
+        try:
+            taken, _ = store.take("events", 5)
+        except Exception:  # noqa: BLE001 (the lost answer; the consumer reads again, as Kombu would)
+            return False
+        delivered.extend(payload_of(doc)["body"] for doc in taken)
+        return len(delivered) >= 5
+
+    wait_for(take_what_is_there, timeout=20, message="the five messages delivered")
+    assert proxy.dropped == 1
+    assert delivered == [str(i) for i in range(5)]  # each once, in order
+    assert client.lost_take.bb_messages.count_documents({}) == 0
 
 
 def crash_repeatedly(broker_url, db, tmp_path, *, jobs: int, task_seconds: float, kills: int, starts_per_kill: int,

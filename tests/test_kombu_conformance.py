@@ -11,11 +11,12 @@ from decimal import Decimal
 
 import kombu
 import pytest
+from bson import ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
-from bb_broker.messages import MessageStore, payload_of
+from bb_broker.messages import TAKE_LEASE, TAKER, MessageStore, payload_of
 from bb_broker.payloads import PayloadError, to_document, to_message
 from tests.workers import ClaimCommands, job, send, settled, wait_for
 
@@ -208,6 +209,22 @@ def test_plain_messages_read_in_batches_by_racing_takers_each_go_to_one(db: Data
     assert sorted(taken[0] + taken[1], key=int) == [str(i) for i in range(300)]
     assert taken[0] and taken[1]  # both took some: the race happened
     assert db.bb_messages.count_documents({}) == 0
+
+
+def test_messages_a_take_marked_and_never_deleted_are_taken_again_after_the_lease(db: Database) -> None:
+    # A consumer that marked messages and lost the server before deleting them (and then went away) leaves them
+    # marked: after TAKE_LEASE they are anyone's again, while a take under way keeps its own.
+    store = MessageStore(db)
+    store.ensure_indexes()
+    for i in range(4):
+        store.put("marked", {"body": str(i), "properties": {}}, 0)
+    ids = [doc["_id"] for doc in db.bb_messages.find({}, sort=[("_id", 1)])]
+    long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=TAKE_LEASE * 2)
+    db.bb_messages.update_many({"_id": {"$in": ids[:2]}}, {"$set": {TAKER: ObjectId.from_datetime(long_ago)}})
+    db.bb_messages.update_one({"_id": ids[2]}, {"$set": {TAKER: ObjectId()}})  # a take under way
+    taken, _ = store.take("marked", 10)
+    assert [payload_of(doc)["body"] for doc in taken] == ["0", "1", "3"]
+    assert [doc["_id"] for doc in db.bb_messages.find()] == [ids[2]]
 
 
 def test_a_consumer_reads_plain_messages_in_batches_and_gives_back_what_it_did_not_deliver(
