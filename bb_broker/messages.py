@@ -453,6 +453,10 @@ class MessageStore:
         self._table_cache[exchange] = (time.monotonic(), rows)
         return rows
 
+    def delete_exchange(self, exchange: str) -> None:
+        self.bindings.delete_many({"exchange": exchange})
+        self._table_cache.pop(exchange, None)
+
     def delete_queue(self, queue: str) -> None:
         self.bindings.delete_many({"queue": queue})
         self.messages.delete_many({"queue": queue})

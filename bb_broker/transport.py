@@ -378,6 +378,18 @@ class Channel(virtual.Channel):
         self.jobs.purge_queued(queue)
         self._plain_queues.discard(queue)
 
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any) -> None:
+        # Kombu deletes only through the bindings this channel declared: here the queue is deleted whoever declared
+        # it, its messages and every binding to it, as on RabbitMQ.
+        if if_empty and self._size(queue):
+            return
+        self._delete(queue)
+        self.state.queue_bindings_delete(queue)
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        super().exchange_delete(exchange, if_unused=if_unused, nowait=nowait)
+        self.plumbing.delete_exchange(exchange)  # its bindings, which every connection reads
+
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
         if self.typeof(exchange).type == "fanout":
             self._plain_queues.add(queue)

@@ -289,3 +289,34 @@ def test_a_requeued_plain_message_keeps_its_expiration(broker_url: str, db: Data
         message.requeue()
         queue.put({"n": "kept"})
         assert queue.get(timeout=30).payload == {"n": "kept"}
+
+
+def test_a_queue_deleted_from_another_connection_is_gone_with_its_messages_and_bindings(
+    broker_url: str, db: Database
+) -> None:
+    # As on RabbitMQ, queue_delete deletes the queue whoever declared it: its messages, and its bindings, so that
+    # what is published afterwards is not kept for a queue nobody has.
+    exchange = kombu.Exchange("fan_deleted", type="fanout")
+    with kombu.Connection(broker_url) as declarer:
+        channel = declarer.channel()
+        kombu.Queue("deleted_elsewhere", exchange).declare(channel=channel)
+        kombu.Producer(channel, exchange=exchange).publish({"n": 1})
+    with kombu.Connection(broker_url) as other:
+        other.channel().queue_delete("deleted_elsewhere")
+    assert db.bb_messages.count_documents({"queue": "deleted_elsewhere"}) == 0
+    assert db.bb_bindings.count_documents({"queue": "deleted_elsewhere"}) == 0
+
+
+def test_a_deleted_exchange_routes_nothing_through_its_old_bindings(broker_url: str, db: Database) -> None:
+    # Deleting an exchange deletes its bindings (AMQP, and Kombu's "Delete `exchange` and all its bindings"): one
+    # declared again under the same name starts without them.
+    exchange = kombu.Exchange("fan_recreated", type="fanout")
+    with kombu.Connection(broker_url) as conn:
+        channel = conn.channel()
+        kombu.Queue("fan_recreated_member", exchange).declare(channel=channel)
+        kombu.Producer(channel, exchange=exchange).publish({"n": "kept"})  # not empty: the queue itself stays
+        channel.exchange_delete("fan_recreated")
+        exchange(channel).declare()
+        kombu.Producer(channel, exchange=exchange).publish({"n": "after"})
+    assert db.bb_messages.count_documents({"queue": "fan_recreated_member"}) == 1  # "kept" only
+    assert db.bb_bindings.count_documents({"exchange": "fan_recreated"}) == 0
