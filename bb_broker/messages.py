@@ -436,15 +436,18 @@ class MessageStore:
         key = {"exchange": exchange, "routing_key": routing_key, "queue": queue}
         self.bindings.update_one(key, {"$set": {**key, "pattern": pattern}}, upsert=True)
         self._table_cache.pop(exchange, None)
+        self._watch.changed()  # the tables other connections of this process keep are read again
 
     def table(self, exchange: str, max_age: float = 0.0) -> list[tuple[str, str, str]]:
         """The bindings of an exchange, as kombu's (routing_key, pattern, queue) rows.
 
         A table that may be `max_age` seconds old may also be kept for as long as a live change stream on
-        the bindings reports no change; `max_age` 0 always reads.
+        the bindings reports no change; `max_age` 0 always reads, and so does any once a binding changed since
+        (a queue bound by this process, or by another one the change stream told of).
         """
         cached = self._table_cache.get(exchange)
-        fresh = cached is not None and (time.monotonic() - cached[0] < max_age or self._watch.vouches_for(cached[0]))
+        unchanged = cached is not None and cached[0] > self._watch.changed_at
+        fresh = unchanged and (time.monotonic() - cached[0] < max_age or self._watch.vouches_for(cached[0]))
         if cached is not None and max_age > 0 and fresh:
             return cached[1]
         rows = [
@@ -456,8 +459,10 @@ class MessageStore:
     def delete_exchange(self, exchange: str) -> None:
         self.bindings.delete_many({"exchange": exchange})
         self._table_cache.pop(exchange, None)
+        self._watch.changed()
 
     def delete_queue(self, queue: str) -> None:
         self.bindings.delete_many({"queue": queue})
         self.messages.delete_many({"queue": queue})
         self._table_cache.clear()
+        self._watch.changed()

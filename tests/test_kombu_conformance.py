@@ -16,7 +16,7 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
-from bb_broker.messages import TAKE_LEASE, TAKER, MessageStore, payload_of
+from bb_broker.messages import TAKE_LEASE, TAKER, BindingsWatch, MessageStore, payload_of
 from bb_broker.payloads import PayloadError, to_document, to_message
 from tests.workers import ClaimCommands, job, send, settled, wait_for
 
@@ -320,3 +320,27 @@ def test_a_deleted_exchange_routes_nothing_through_its_old_bindings(broker_url: 
         kombu.Producer(channel, exchange=exchange).publish({"n": "after"})
     assert db.bb_messages.count_documents({"queue": "fan_recreated_member"}) == 1  # "kept" only
     assert db.bb_bindings.count_documents({"exchange": "fan_recreated"}) == 0
+
+
+def test_a_topic_message_published_after_a_queue_was_bound_elsewhere_reaches_it(broker_url: str, db: Database) -> None:
+    # Celery's events go to a topic exchange whose bindings a publisher keeps a moment: a queue bound since (by
+    # another connection of this process, or another process the change stream told of) must get what is published
+    # after the bind, as on RabbitMQ, not only what comes once the kept table is old enough to be read again.
+    exchange = kombu.Exchange("topic_bound_late", type="topic")
+    with kombu.Connection(broker_url) as publisher, kombu.Connection(broker_url) as binder:
+        channel = publisher.channel()
+        kombu.Queue("topic_early", exchange, routing_key="task.#").declare(channel=channel)
+        producer = kombu.Producer(channel, exchange=exchange)
+        producer.publish({"n": 0}, routing_key="task.sent")  # the bindings are read, and kept
+        kombu.Queue("topic_late", exchange, routing_key="task.#").declare(channel=binder.channel())
+        producer.publish({"n": 1}, routing_key="task.sent")
+        assert db.bb_messages.count_documents({"queue": "topic_late"}) == 1
+        # Bound by another process: once this one's change stream told of it, the kept table is read again.
+        with kombu.Consumer(publisher, [kombu.Queue("topic_early")], callbacks=[lambda body, message: None]):
+            watch = BindingsWatch.of(channel.plumbing.bindings)
+            wait_for(lambda: watch.live_since is not None, message="the change stream live")
+            seen = watch.changed_at
+            db.bb_bindings.insert_one({"exchange": "topic_bound_late", "routing_key": "task.#", "queue": "topic_other"})
+            wait_for(lambda: watch.changed_at > seen, message="the change stream told of the binding")
+            producer.publish({"n": 2}, routing_key="task.sent")
+        assert db.bb_messages.count_documents({"queue": "topic_other"}) == 1
