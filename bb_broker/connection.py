@@ -137,6 +137,11 @@ def parse_broker_url(url: str) -> BrokerTarget:
         message = scrub(str(exc), _userinfo_secrets(mongo_uri))
         raise BrokerURLError(f"broker URL {redact_url(url)!r} is not a valid MongoDB URI: {message}") from None
     database = parsed.get("database")
+    if parsed.get("collection"):
+        raise BrokerURLError(
+            f"broker URL {redact_url(url)!r}: a database name cannot contain '.' (MongoDB would read it as collection"
+            f" {parsed['collection']!r} of database {database!r})"
+        )
     if not database:
         raise BrokerURLError(
             f"broker URL {redact_url(url)!r} must name the database in its path, e.g. bbmongo://localhost:27017/bountyboard"
