@@ -383,8 +383,9 @@ class MessageStore:
         # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
         # A mark older than TAKE_LEASE is a take that never finished (its consumer lost the server and went away).
         abandoned = ObjectId.from_datetime(now - timedelta(seconds=TAKE_LEASE))
-        unmarked = [{TAKER: {"$exists": False}}, {TAKER: {"$lt": abandoned}}]
-        live = {"queue": queue, "expiresAt": {"$gt": now}, "$or": unmarked}
+        # One predicate, not an $or: a server may evaluate an $or against every document (see store._fence).
+        unmarked = {"$not": {"$gte": abandoned}}  # no mark, or an older one
+        live = {"queue": queue, "expiresAt": {"$gt": now}, TAKER: unmarked}
         if limit < TAKE_BATCH_MIN:
             taken: list[dict[str, Any]] = []
             while len(taken) < max(limit, 1):
@@ -405,7 +406,7 @@ class MessageStore:
             # Marked first, so that of messages another consumer reads at the same time each goes to one of them.
             taker, ids = ObjectId(), [doc["_id"] for doc in head]
             try:
-                marked = self.messages.update_many({"_id": {"$in": ids}, "$or": unmarked}, {"$set": {TAKER: taker}})
+                marked = self.messages.update_many({"_id": {"$in": ids}, TAKER: unmarked}, {"$set": {TAKER: taker}})
                 all_mine = marked.modified_count == len(head)
             except ConnectionFailure:  # the mark may have landed unanswered: what is marked `taker` is read back
                 all_mine = False
