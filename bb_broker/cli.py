@@ -119,7 +119,10 @@ class Duration(click.ParamType):
         match = self._pattern.match(str(value).lower())
         if not match:
             self.fail(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d", param, ctx)
-        return timedelta(seconds=float(match.group(1)) * self._units[match.group(2)])
+        try:
+            return timedelta(seconds=float(match.group(1)) * self._units[match.group(2)])
+        except OverflowError:
+            self.fail(f"{value!r} is too long a duration", param, ctx)
 
 
 DURATION = Duration()

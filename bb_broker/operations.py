@@ -77,7 +77,18 @@ def parse_duration(value: str) -> timedelta:
     match = _DURATION.match(str(value).lower())
     if not match:
         raise FilterError(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    try:
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    except OverflowError:
+        raise FilterError(f"{value!r} is too long a duration") from None
+
+
+def ago(now: datetime, duration: timedelta) -> datetime:
+    """`duration` before `now`; the earliest time there is when that is before year 1 (nothing is older)."""
+    try:
+        return now - duration
+    except OverflowError:
+        return datetime.min.replace(tzinfo=UTC)
 
 
 def parse_moment(value: str, now: datetime) -> datetime:
@@ -85,10 +96,9 @@ def parse_moment(value: str, now: datetime) -> datetime:
     try:
         moment = datetime.fromisoformat(value.strip())
     except ValueError:
-        try:
-            return now - parse_duration(value)
-        except FilterError:
+        if not _DURATION.match(value.lower()):
             raise FilterError(f"{value!r} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
+        return ago(now, parse_duration(value))
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
@@ -548,9 +558,9 @@ class Operations:
         now = self.now()
         window: dict[str, datetime] = {}
         if older_than is not None:
-            window["$lt"] = now - older_than
+            window["$lt"] = ago(now, older_than)
         if newer_than is not None:
-            window["$gte"] = now - newer_than
+            window["$gte"] = ago(now, newer_than)
         return {"updatedAt": window} if window else {}
 
 

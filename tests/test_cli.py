@@ -471,3 +471,13 @@ def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url
     result = bb(broker_url, "retry", "--id", task_id)
     assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n"
     assert db.jobs.find_one({"_id": job_id})["status"] == "queued"
+
+
+def test_ages_too_long_for_a_date_are_no_traceback(store: JobStore, db: Database, broker_url: str) -> None:
+    add_job(store, "app.old", outcome="failed")
+    # Older than year 1: nothing is that old; newer than that: everything is.
+    assert bb(broker_url, "purge", "--status", "failed", "--older-than", "100000000d").stdout == "purged 0 jobs\n"
+    assert len(json.loads(bb(broker_url, "failed", "--newer-than", "100000000d", "--json").stdout)) == 1
+    result = bb(broker_url, "failed", "--older-than", "99999999999999d")
+    assert result.exit_code == 2 and "'99999999999999d' is too long a duration" in result.stderr
+    assert db.jobs.count_documents({"status": "failed"}) == 1

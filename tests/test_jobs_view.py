@@ -111,6 +111,9 @@ def test_lists_counts_and_look_ups(store: JobStore, db: Database, flower_factory
     since = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
     assert data(flower, f"/api/jobs?since={since.replace('+', '%2B')}")[1]["jobs"] == []
     assert len(data(flower, "/api/jobs?since=1h")[1]["jobs"]) == 4
+    # An age reaching back before year 1 means since the beginning, not a server error.
+    assert len(data(flower, "/api/jobs?since=100000000d")[1]["jobs"]) == 4
+    assert data(flower, "/api/jobs?until=100000000d")[1]["jobs"] == []
 
     for identifier in (jobs["failed"], "task-failed"):
         status, job = data(flower, f"/api/jobs/{identifier}")
@@ -127,6 +130,7 @@ BAD_FILTERS = [
     ("limit=1000", "bad filter: limit must be between 1 and 200"),
     ("after=" + "x" * 65, "bad filter: after must be a job id (the `next` of the previous page)"),
     ("queue=" + "q" * 201, "bad filter: queue is longer than 200 characters"),
+    ("since=99999999999999d", "bad filter: '99999999999999d' is too long a duration"),
 ]
 
 
