@@ -545,11 +545,14 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
     command = "pause" if paused else "resume"
     if not queue.strip():
         _fail(f"{command}: the queue name is empty", 2)
-    from .operations import Operations
+    from .operations import FilterError, Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)
-        changed = (operations.pause if paused else operations.resume)(queue, by=_operator())
+        try:
+            changed = (operations.pause if paused else operations.resume)(queue, by=_operator())
+        except FilterError as exc:  # a name no queue can have
+            _fail(f"{command}: {exc}", 2)
     if paused:
         click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
     else:

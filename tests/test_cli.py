@@ -463,6 +463,9 @@ def test_pause_resume_and_status_shows_paused_queues(store: JobStore, db: Databa
     assert bb(broker_url, "resume", "mail").stdout == "queue mail was not paused\n"
     assert "paused queue" not in bb(broker_url, "status").stdout
     assert bb(broker_url, "pause", " ").exit_code == 2
+    too_long = bb(broker_url, "pause", "q" * 201)
+    assert too_long.exit_code == 2 and too_long.stderr == "bb-broker: pause: a queue name must be 1 to 200 characters\n"
+    assert db.bb_queues.find_one({"_id": "q" * 201}) is None
 
 
 def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url: str) -> None:
