@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -193,11 +193,28 @@ class _JobsHandler(BaseHandler):
             "stoppedEarly": page.stopped_early,
         }
 
-    async def count(self, job_filter: JobFilter, action: str) -> int:
+    async def count(self, job_filter: JobFilter, action: str, unchanged_since: datetime | None = None) -> int:
         try:
-            return await _run(_operations(self).count, job_filter, action)
+            return await _run(_operations(self).count, job_filter, action, unchanged_since=unchanged_since)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
+
+    async def bulk_count(self, action: str) -> dict[str, Any]:
+        """What a bulk action would change now, and `asOf`: the time of the count, which the action is bounded by."""
+        job_filter = self.job_filter()
+        as_of = await _run(_operations(self).now)
+        count = await self.count(job_filter, action, as_of)  # exactly the jobs the action, bounded by as_of, takes
+        return {"action": action, "count": count, "asOf": as_of.isoformat(), "filter": job_filter.as_dict()}
+
+    def as_of(self) -> datetime | None:
+        text = self.get_argument("asOf", default=None, escape=False)
+        if not text:
+            return None
+        try:
+            moment = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise tornado.web.HTTPError(400, f"bad filter: asOf {text!r} is not the asOf of a count") from None
+        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
@@ -209,18 +226,20 @@ class _JobsHandler(BaseHandler):
         return {"message": f"{action}: done", "job": job}
 
     async def act_on_filter(self, action: str) -> dict[str, Any]:
-        """A bulk action on the current filter; `expected` (the count the operator confirmed) must still hold."""
+        """A bulk action on the current filter; `expected` (the count the operator confirmed) must still hold, and
+        with `asOf` (the time of that count) it acts only on jobs unchanged since: not on one that arrived later."""
         if action not in ACTIONS:
             raise tornado.web.HTTPError(404, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         _refuse_unless_allowed(self)
         job_filter = self.job_filter()
+        as_of = self.as_of()
         operations = _operations(self)
         expected_text = self.get_argument("expected", default=None, escape=False)
         if expected_text is not None:
-            count = await self.count(job_filter, action)
+            count = await self.count(job_filter, action, as_of)
             if str(count) != expected_text.strip():
                 raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected_text}: confirm again")
-        changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self))
+        changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of)
         return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
 
     async def queue_control(self, queue: str, change: str) -> dict[str, Any]:
@@ -285,9 +304,7 @@ class JobsData(_JobsHandler):
 class JobsBulkCount(_JobsHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
-        job_filter = self.job_filter()
-        count = await self.count(job_filter, action)
-        self.write({"action": action, "count": count, "filter": job_filter.as_dict()})
+        self.write(await self.bulk_count(action))
 
 
 class JobsBulkAction(_JobsHandler):
@@ -365,8 +382,9 @@ class JobActionApi(JobAction, _ApiHandler):
 class BulkApi(JobsBulkAction, _ApiHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
-        job_filter = self.job_filter()
-        self.write({"action": action, "count": await self.count(job_filter, action)})
+        body = await self.bulk_count(action)
+        del body["filter"]
+        self.write(body)
 
 
 class QueueActionApi(QueueAction, _ApiHandler):

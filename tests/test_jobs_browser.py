@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Dialog, Page, expect
 from pymongo.database import Database
 
+from bb_broker.lifecycle import Policy
+from bb_broker.store import JobStore
 from tests.conftest import ARTIFACTS
 from tests.flower_process import FlowerProcess
 from tests.workers import job, process_factory, send, settled, wait_for
@@ -110,3 +112,37 @@ def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, f
     refused = viewer.request.post(f"{flower.url}/api/queues/celery/pause")
     assert refused.status == 403 and "viewer may read the jobs but not act" in refused.json()["error"]
     shot(viewer, "read-only")
+
+
+def test_the_bulk_button_leaves_a_job_published_while_the_operator_confirms(
+    db: Database, flower_factory, browser
+) -> None:
+    store = JobStore(db, Policy())
+    store.ensure_indexes()
+    for task_id in ("mail-1", "mail-2"):
+        store.publish(queue="mail", kind="app.mail", task_id=task_id, payload={"args": []}, priority=0,
+                      run_after=None, is_retry=False)  # fmt: skip
+    flower = flower_factory(basic_auth="admin:s3cret")
+    late: list[str] = []
+
+    def meanwhile_then_confirm(dialog: Dialog) -> None:
+        # While "cancel 2 job(s)?" is on screen, a worker takes one and a producer publishes another.
+        assert "cancel 2 job(s)" in dialog.message
+        assert store.claim("mail", "worker-1") is not None
+        late.append(store.publish(queue="mail", kind="app.mail", task_id="mail-late", payload={"args": []},
+                                  priority=0, run_after=None, is_retry=False))  # fmt: skip
+        dialog.accept()
+
+    context = browser.new_context(http_credentials=ADMIN)
+    page = context.new_page()
+    page.on("dialog", meanwhile_then_confirm)
+    page.goto(f"{flower.url}/jobs?queue=mail")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(2)
+    page.click("[data-bulk=cancel]")
+    expect(page.locator("#notice")).to_have_text("1 jobs match now, not 2: confirm again")
+    assert late and job_status(db, late[0]) == "queued"
+    context.close()
+
+
+def job_status(db: Database, job_id: str) -> str:
+    return db.jobs.find_one({"_id": job_id})["status"]
