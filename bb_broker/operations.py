@@ -268,7 +268,9 @@ class Operations:
         identifier = str(identifier)
         doc = self.coll.find_one({"_id": identifier})
         if doc is None:
-            doc = self.coll.find_one({"taskId": identifier}, **self._hint_if_indexed("bb_task_id"))
+            # A task id sent twice (apply_async(task_id=...) again) has a job per send: the newest is the one meant.
+            newest = {"sort": [("_id", DESCENDING)], **self._hint_if_indexed("bb_task_id")}
+            doc = self.coll.find_one({"taskId": identifier}, **newest)
         return doc
 
     def list_jobs(

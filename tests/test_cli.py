@@ -484,3 +484,16 @@ def test_ages_too_long_for_a_date_are_no_traceback(store: JobStore, db: Database
     result = bb(broker_url, "failed", "--older-than", "99999999999999d")
     assert result.exit_code == 2 and "'99999999999999d' is too long a duration" in result.stderr
     assert db.jobs.count_documents({"status": "failed"}) == 1
+
+
+def test_a_task_id_sent_twice_names_its_newest_job(store: JobStore, db: Database, broker_url: str) -> None:
+    # apply_async(task_id=...) with the same id twice: two jobs; the id means the newest, as for show and the Jobs tab.
+    older = add_job(store, "app.twice", outcome="failed")
+    newer = store.publish(queue="celery", kind="app.twice", task_id="task-app.twice-failed", payload={"args": []},
+                          priority=0, run_after=None, is_retry=False)  # fmt: skip
+    assert older < newer
+    shown = json.loads(bb(broker_url, "show", "task-app.twice-failed", "--json").stdout)
+    assert shown["_id"] == newer
+    result = bb(broker_url, "cancel", "task-app.twice-failed")
+    assert result.exit_code == 0 and result.stdout == f"cancelled job {newer} (app.twice)\n"
+    assert db.jobs.find_one({"_id": older})["lastError"].startswith("app.twice broke")
