@@ -165,6 +165,16 @@ class _JobsHandler(BaseHandler):
 
     #: Errors as JSON {"error": message}; the two pages answer with Flower's own error pages instead.
     json_errors = True
+    #: The page's own actions carry Flower's XSRF token; the JSON API's clients have none (Flower's API rules).
+    form_token = True
+
+    def check_xsrf_cookie(self) -> None:
+        # Flower refuses cross-site requests when it has users, and checks nothing when it has none (--no-auth):
+        # then any other site open in the operator's browser could post to an action, so the token is checked.
+        super().check_xsrf_cookie()
+        options = self.application.options
+        if self.form_token and not (options.basic_auth or options.auth):
+            tornado.web.RequestHandler.check_xsrf_cookie(self)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = (kwargs.get("exc_info") or (None, None))[1]
@@ -352,6 +362,8 @@ class JobPage(_JobsHandler):
 class _ApiHandler(_JobsHandler, BaseApiHandler):
     """Flower's API handlers' rules (BaseApiHandler.prepare refuses an API without authentication unless
     FLOWER_UNAUTHENTICATED_API is set), our errors."""
+
+    form_token = False
 
 
 class JobsApi(_ApiHandler):

@@ -146,3 +146,33 @@ def test_the_bulk_button_leaves_a_job_published_while_the_operator_confirms(
 
 def job_status(db: Database, job_id: str) -> str:
     return db.jobs.find_one({"_id": job_id})["status"]
+
+
+def test_another_site_cannot_act_through_a_flower_without_login(db: Database, flower_factory, browser) -> None:
+    # `--no-auth` on the operator's own machine: a page of any other site open in the same browser posts a form
+    # to the Jobs tab. Without the page's XSRF token nothing may happen.
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    job_id = store.publish(queue="celery", kind="app.add", task_id="t-1", payload={"args": []}, priority=0,
+                           run_after=None, is_retry=False)  # fmt: skip
+    claimed = store.claim("celery", "worker-1")
+    assert claimed is not None and store.fail(claimed.id, claimed.attempts, "ValueError: broke")
+    flower = flower_factory(env={"FLOWER_UNAUTHENTICATED_API": "false"})
+    evil = f"""<form id="f" method="post" action="{flower.url}/jobs/bulk/delete?status=failed"></form>
+               <script>document.getElementById('f').submit()</script>"""
+    context = browser.new_context()
+    page = context.new_page()
+    page.route("http://elsewhere.test/", lambda route: route.fulfill(body=evil, content_type="text/html"))
+    with page.expect_response(lambda response: "/jobs/bulk/delete" in response.url) as answered:
+        page.goto("http://elsewhere.test/")
+    assert answered.value.status == 403
+    assert job_status(db, job_id) == "failed"
+
+    # The Jobs tab's own button still works: it sends the token.
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto(f"{flower.url}/jobs?status=failed")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(1)
+    page.click("[data-bulk=delete]")
+    expect(page.locator("#notice")).to_have_text("delete: 1 job")
+    assert db.jobs.find_one({"_id": job_id}) is None
+    context.close()
