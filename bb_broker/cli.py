@@ -231,7 +231,13 @@ def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
 @click.option("--kind", help="Only this task name.")
 @click.option("--older-than", type=DURATION, help="Failed more than this long ago (30m, 2h, 7d).")
 @click.option("--newer-than", type=DURATION, help="Failed within this long (30m, 2h, 7d).")
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0), help="At most this many; 0 = all.")
+@click.option(
+    "--limit",
+    default=50,
+    show_default=True,
+    type=click.IntRange(min=0, max=2**31 - 1),  # a MongoDB limit is a 64-bit int at most: beyond it, a traceback
+    help="At most this many; 0 = all.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 def failed(
     broker: str,

@@ -476,7 +476,7 @@ def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url
     assert db.jobs.find_one({"_id": job_id})["status"] == "queued"
 
 
-def test_ages_too_long_for_a_date_are_no_traceback(store: JobStore, db: Database, broker_url: str) -> None:
+def test_ages_and_limits_too_large_are_no_traceback(store: JobStore, db: Database, broker_url: str) -> None:
     add_job(store, "app.old", outcome="failed")
     # Older than year 1: nothing is that old; newer than that: everything is.
     assert bb(broker_url, "purge", "--status", "failed", "--older-than", "100000000d").stdout == "purged 0 jobs\n"
@@ -484,6 +484,8 @@ def test_ages_too_long_for_a_date_are_no_traceback(store: JobStore, db: Database
     result = bb(broker_url, "failed", "--older-than", "99999999999999d")
     assert result.exit_code == 2 and "'99999999999999d' is too long a duration" in result.stderr
     assert db.jobs.count_documents({"status": "failed"}) == 1
+    huge = bb(broker_url, "failed", "--limit", "99999999999999999999")
+    assert huge.exit_code == 2 and "--limit" in huge.stderr and "is not in the range" in huge.stderr
 
 
 def test_a_task_id_sent_twice_names_its_newest_job(store: JobStore, db: Database, broker_url: str) -> None:
