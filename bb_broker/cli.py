@@ -119,7 +119,10 @@ class Duration(click.ParamType):
         match = self._pattern.match(str(value).lower())
         if not match:
             self.fail(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d", param, ctx)
-        return timedelta(seconds=float(match.group(1)) * self._units[match.group(2)])
+        try:
+            return timedelta(seconds=float(match.group(1)) * self._units[match.group(2)])
+        except OverflowError:
+            self.fail(f"{value!r} is too long a duration", param, ctx)
 
 
 DURATION = Duration()
@@ -228,7 +231,13 @@ def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
 @click.option("--kind", help="Only this task name.")
 @click.option("--older-than", type=DURATION, help="Failed more than this long ago (30m, 2h, 7d).")
 @click.option("--newer-than", type=DURATION, help="Failed within this long (30m, 2h, 7d).")
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0), help="At most this many; 0 = all.")
+@click.option(
+    "--limit",
+    default=50,
+    show_default=True,
+    type=click.IntRange(min=0, max=2**31 - 1),  # a MongoDB limit is a 64-bit int at most: beyond it, a traceback
+    help="At most this many; 0 = all.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 def failed(
     broker: str,
@@ -542,11 +551,14 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
     command = "pause" if paused else "resume"
     if not queue.strip():
         _fail(f"{command}: the queue name is empty", 2)
-    from .operations import Operations
+    from .operations import FilterError, Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)
-        changed = (operations.pause if paused else operations.resume)(queue, by=_operator())
+        try:
+            changed = (operations.pause if paused else operations.resume)(queue, by=_operator())
+        except FilterError as exc:  # a name no queue can have
+            _fail(f"{command}: {exc}", 2)
     if paused:
         click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
     else:

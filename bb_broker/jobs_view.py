@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -165,6 +165,16 @@ class _JobsHandler(BaseHandler):
 
     #: Errors as JSON {"error": message}; the two pages answer with Flower's own error pages instead.
     json_errors = True
+    #: The page's own actions carry Flower's XSRF token; the JSON API's clients have none (Flower's API rules).
+    form_token = True
+
+    def check_xsrf_cookie(self) -> None:
+        # Flower refuses cross-site requests when it has users, and checks nothing when it has none (--no-auth):
+        # then any other site open in the operator's browser could post to an action, so the token is checked.
+        super().check_xsrf_cookie()
+        options = self.application.options
+        if self.form_token and not (options.basic_auth or options.auth):
+            tornado.web.RequestHandler.check_xsrf_cookie(self)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = (kwargs.get("exc_info") or (None, None))[1]
@@ -193,11 +203,28 @@ class _JobsHandler(BaseHandler):
             "stoppedEarly": page.stopped_early,
         }
 
-    async def count(self, job_filter: JobFilter, action: str) -> int:
+    async def count(self, job_filter: JobFilter, action: str, unchanged_since: datetime | None = None) -> int:
         try:
-            return await _run(_operations(self).count, job_filter, action)
+            return await _run(_operations(self).count, job_filter, action, unchanged_since=unchanged_since)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
+
+    async def bulk_count(self, action: str) -> dict[str, Any]:
+        """What a bulk action would change now, and `asOf`: the time of the count, which the action is bounded by."""
+        job_filter = self.job_filter()
+        as_of = await _run(_operations(self).now)
+        count = await self.count(job_filter, action, as_of)  # exactly the jobs the action, bounded by as_of, takes
+        return {"action": action, "count": count, "asOf": as_of.isoformat(), "filter": job_filter.as_dict()}
+
+    def as_of(self) -> datetime | None:
+        text = self.get_argument("asOf", default=None, escape=False)
+        if not text:
+            return None
+        try:
+            moment = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise tornado.web.HTTPError(400, f"bad filter: asOf {text!r} is not the asOf of a count") from None
+        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
@@ -209,18 +236,20 @@ class _JobsHandler(BaseHandler):
         return {"message": f"{action}: done", "job": job}
 
     async def act_on_filter(self, action: str) -> dict[str, Any]:
-        """A bulk action on the current filter; `expected` (the count the operator confirmed) must still hold."""
+        """A bulk action on the current filter; `expected` (the count the operator confirmed) must still hold, and
+        with `asOf` (the time of that count) it acts only on jobs unchanged since: not on one that arrived later."""
         if action not in ACTIONS:
             raise tornado.web.HTTPError(404, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         _refuse_unless_allowed(self)
         job_filter = self.job_filter()
+        as_of = self.as_of()
         operations = _operations(self)
         expected_text = self.get_argument("expected", default=None, escape=False)
         if expected_text is not None:
-            count = await self.count(job_filter, action)
+            count = await self.count(job_filter, action, as_of)
             if str(count) != expected_text.strip():
                 raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected_text}: confirm again")
-        changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self))
+        changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of)
         return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
 
     async def queue_control(self, queue: str, change: str) -> dict[str, Any]:
@@ -285,9 +314,7 @@ class JobsData(_JobsHandler):
 class JobsBulkCount(_JobsHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
-        job_filter = self.job_filter()
-        count = await self.count(job_filter, action)
-        self.write({"action": action, "count": count, "filter": job_filter.as_dict()})
+        self.write(await self.bulk_count(action))
 
 
 class JobsBulkAction(_JobsHandler):
@@ -336,6 +363,8 @@ class _ApiHandler(_JobsHandler, BaseApiHandler):
     """Flower's API handlers' rules (BaseApiHandler.prepare refuses an API without authentication unless
     FLOWER_UNAUTHENTICATED_API is set), our errors."""
 
+    form_token = False
+
 
 class JobsApi(_ApiHandler):
     @tornado.web.authenticated
@@ -365,8 +394,9 @@ class JobActionApi(JobAction, _ApiHandler):
 class BulkApi(JobsBulkAction, _ApiHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
-        job_filter = self.job_filter()
-        self.write({"action": action, "count": await self.count(job_filter, action)})
+        body = await self.bulk_count(action)
+        del body["filter"]
+        self.write(body)
 
 
 class QueueActionApi(QueueAction, _ApiHandler):

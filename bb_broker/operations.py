@@ -77,7 +77,18 @@ def parse_duration(value: str) -> timedelta:
     match = _DURATION.match(str(value).lower())
     if not match:
         raise FilterError(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    try:
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    except OverflowError:
+        raise FilterError(f"{value!r} is too long a duration") from None
+
+
+def ago(now: datetime, duration: timedelta) -> datetime:
+    """`duration` before `now`; the earliest time there is when that is before year 1 (nothing is older)."""
+    try:
+        return now - duration
+    except OverflowError:
+        return datetime.min.replace(tzinfo=UTC)
 
 
 def parse_moment(value: str, now: datetime) -> datetime:
@@ -85,10 +96,9 @@ def parse_moment(value: str, now: datetime) -> datetime:
     try:
         moment = datetime.fromisoformat(value.strip())
     except ValueError:
-        try:
-            return now - parse_duration(value)
-        except FilterError:
+        if not _DURATION.match(value.lower()):
             raise FilterError(f"{value!r} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
+        return ago(now, parse_duration(value))
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
@@ -258,7 +268,9 @@ class Operations:
         identifier = str(identifier)
         doc = self.coll.find_one({"_id": identifier})
         if doc is None:
-            doc = self.coll.find_one({"taskId": identifier}, **self._hint_if_indexed("bb_task_id"))
+            # A task id sent twice (apply_async(task_id=...) again) has a job per send: the newest is the one meant.
+            newest = {"sort": [("_id", DESCENDING)], **self._hint_if_indexed("bb_task_id")}
+            doc = self.coll.find_one({"taskId": identifier}, **newest)
         return doc
 
     def list_jobs(
@@ -294,14 +306,23 @@ class Operations:
         jobs = jobs[:limit]
         return Page(jobs, jobs[-1]["_id"] if more else None)
 
-    def count(self, job_filter: JobFilter, action: str | None = None, *, search_ms: int = 5 * SEARCH_MAX_MS) -> int:
-        """How many jobs the filter holds (those `action` would touch, when it is given). A search in lastError
-        may scan: past `search_ms` it raises FilterError rather than keep the server busy."""
+    def count(
+        self,
+        job_filter: JobFilter,
+        action: str | None = None,
+        *,
+        unchanged_since: datetime | None = None,
+        search_ms: int = 5 * SEARCH_MAX_MS,
+    ) -> int:
+        """How many jobs the filter holds (those `action` would touch, when it is given; of those, the ones not
+        changed after `unchanged_since`). A search in lastError may scan: past `search_ms` it raises FilterError
+        rather than keep the server busy."""
         options = self._hint_if_indexed(job_filter.hint)
         if job_filter.error:
             options["maxTimeMS"] = search_ms
+        query = _unchanged(self._action_query(job_filter.query(), action), unchanged_since)
         try:
-            return self.coll.count_documents(self._action_query(job_filter.query(), action), **options)
+            return self.coll.count_documents(query, **options)
         except ExecutionTimeout:
             raise FilterError(
                 f"counting the jobs whose last error contains {job_filter.error!r} took over {search_ms} ms: "
@@ -351,11 +372,15 @@ class Operations:
             raise ActionRefused("conflict", f"job {doc['_id']} changed meanwhile: look again")
         return self.find(doc["_id"]) or {"_id": doc["_id"], "deleted": True}
 
-    def act_on_filter(self, action: str, job_filter: JobFilter, *, by: str) -> int:
-        """Apply an action to every job of the filter it applies to; how many it changed."""
+    def act_on_filter(
+        self, action: str, job_filter: JobFilter, *, by: str, unchanged_since: datetime | None = None
+    ) -> int:
+        """Apply an action to every job of the filter it applies to; how many it changed. With `unchanged_since`
+        (when the operator counted them), only to jobs that have not changed since: not to a job published, or
+        one that came into the action's status, after the operator saw the count."""
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
-        return self._apply(action, job_filter.query(), by=by, hint=job_filter.hint)
+        return self._apply(action, job_filter.query(), by=by, hint=job_filter.hint, unchanged_since=unchanged_since)
 
     def retry(
         self, identifiers: Iterable[str] | None = None, *, kind: str | None = None, by: str = "operator"
@@ -431,9 +456,17 @@ class Operations:
 
     # --- helpers -----------------------------------------------------------------
 
-    def _apply(self, action: str, query: dict[str, Any], *, by: str, hint: str | None = None) -> int:
+    def _apply(
+        self,
+        action: str,
+        query: dict[str, Any],
+        *,
+        by: str,
+        hint: str | None = None,
+        unchanged_since: datetime | None = None,
+    ) -> int:
         now = self.now()
-        selected = self._action_query(query, action)
+        selected = _unchanged(self._action_query(query, action), unchanged_since)
         options = self._hint_if_indexed(hint) if hint else {}
         if action == "retry":
             docs = self.coll.find(selected, RETRY_FIELDS, **options)
@@ -548,9 +581,9 @@ class Operations:
         now = self.now()
         window: dict[str, datetime] = {}
         if older_than is not None:
-            window["$lt"] = now - older_than
+            window["$lt"] = ago(now, older_than)
         if newer_than is not None:
-            window["$gte"] = now - newer_than
+            window["$gte"] = ago(now, newer_than)
         return {"updatedAt": window} if window else {}
 
 
@@ -558,6 +591,13 @@ def _record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any
     """The $push that records an operator's action on a job, keeping the last ACTIONS_KEPT."""
     entry = {"action": action, "by": by, "at": at, **{k: v for k, v in details.items() if v is not None}}
     return {"actions": {"$each": [entry], "$slice": -ACTIONS_KEPT}}
+
+
+def _unchanged(query: dict[str, Any], since: datetime | None) -> dict[str, Any]:
+    """The query narrowed to jobs last changed at or before `since` (every write to a job sets its updatedAt)."""
+    if since is None:
+        return query
+    return {**query, "updatedAt": {**query.get("updatedAt", {}), "$lte": since}}
 
 
 def _queue_name(queue: str) -> str:

@@ -463,6 +463,9 @@ def test_pause_resume_and_status_shows_paused_queues(store: JobStore, db: Databa
     assert bb(broker_url, "resume", "mail").stdout == "queue mail was not paused\n"
     assert "paused queue" not in bb(broker_url, "status").stdout
     assert bb(broker_url, "pause", " ").exit_code == 2
+    too_long = bb(broker_url, "pause", "q" * 201)
+    assert too_long.exit_code == 2 and too_long.stderr == "bb-broker: pause: a queue name must be 1 to 200 characters\n"
+    assert db.bb_queues.find_one({"_id": "q" * 201}) is None
 
 
 def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url: str) -> None:
@@ -471,3 +474,28 @@ def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url
     result = bb(broker_url, "retry", "--id", task_id)
     assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n"
     assert db.jobs.find_one({"_id": job_id})["status"] == "queued"
+
+
+def test_ages_and_limits_too_large_are_no_traceback(store: JobStore, db: Database, broker_url: str) -> None:
+    add_job(store, "app.old", outcome="failed")
+    # Older than year 1: nothing is that old; newer than that: everything is.
+    assert bb(broker_url, "purge", "--status", "failed", "--older-than", "100000000d").stdout == "purged 0 jobs\n"
+    assert len(json.loads(bb(broker_url, "failed", "--newer-than", "100000000d", "--json").stdout)) == 1
+    result = bb(broker_url, "failed", "--older-than", "99999999999999d")
+    assert result.exit_code == 2 and "'99999999999999d' is too long a duration" in result.stderr
+    assert db.jobs.count_documents({"status": "failed"}) == 1
+    huge = bb(broker_url, "failed", "--limit", "99999999999999999999")
+    assert huge.exit_code == 2 and "--limit" in huge.stderr and "is not in the range" in huge.stderr
+
+
+def test_a_task_id_sent_twice_names_its_newest_job(store: JobStore, db: Database, broker_url: str) -> None:
+    # apply_async(task_id=...) with the same id twice: two jobs; the id means the newest, as for show and the Jobs tab.
+    older = add_job(store, "app.twice", outcome="failed")
+    newer = store.publish(queue="celery", kind="app.twice", task_id="task-app.twice-failed", payload={"args": []},
+                          priority=0, run_after=None, is_retry=False)  # fmt: skip
+    assert older < newer
+    shown = json.loads(bb(broker_url, "show", "task-app.twice-failed", "--json").stdout)
+    assert shown["_id"] == newer
+    result = bb(broker_url, "cancel", "task-app.twice-failed")
+    assert result.exit_code == 0 and result.stdout == f"cancelled job {newer} (app.twice)\n"
+    assert db.jobs.find_one({"_id": older})["lastError"].startswith("app.twice broke")

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Dialog, Page, expect
 from pymongo.database import Database
 
+from bb_broker.lifecycle import Policy
+from bb_broker.store import JobStore
 from tests.conftest import ARTIFACTS
 from tests.flower_process import FlowerProcess
 from tests.workers import job, process_factory, send, settled, wait_for
@@ -110,3 +112,67 @@ def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, f
     refused = viewer.request.post(f"{flower.url}/api/queues/celery/pause")
     assert refused.status == 403 and "viewer may read the jobs but not act" in refused.json()["error"]
     shot(viewer, "read-only")
+
+
+def test_the_bulk_button_leaves_a_job_published_while_the_operator_confirms(
+    db: Database, flower_factory, browser
+) -> None:
+    store = JobStore(db, Policy())
+    store.ensure_indexes()
+    for task_id in ("mail-1", "mail-2"):
+        store.publish(queue="mail", kind="app.mail", task_id=task_id, payload={"args": []}, priority=0,
+                      run_after=None, is_retry=False)  # fmt: skip
+    flower = flower_factory(basic_auth="admin:s3cret")
+    late: list[str] = []
+
+    def meanwhile_then_confirm(dialog: Dialog) -> None:
+        # While "cancel 2 job(s)?" is on screen, a worker takes one and a producer publishes another.
+        assert "cancel 2 job(s)" in dialog.message
+        assert store.claim("mail", "worker-1") is not None
+        late.append(store.publish(queue="mail", kind="app.mail", task_id="mail-late", payload={"args": []},
+                                  priority=0, run_after=None, is_retry=False))  # fmt: skip
+        dialog.accept()
+
+    context = browser.new_context(http_credentials=ADMIN)
+    page = context.new_page()
+    page.on("dialog", meanwhile_then_confirm)
+    page.goto(f"{flower.url}/jobs?queue=mail")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(2)
+    page.click("[data-bulk=cancel]")
+    expect(page.locator("#notice")).to_have_text("1 jobs match now, not 2: confirm again")
+    assert late and job_status(db, late[0]) == "queued"
+    context.close()
+
+
+def job_status(db: Database, job_id: str) -> str:
+    return db.jobs.find_one({"_id": job_id})["status"]
+
+
+def test_another_site_cannot_act_through_a_flower_without_login(db: Database, flower_factory, browser) -> None:
+    # `--no-auth` on the operator's own machine: a page of any other site open in the same browser posts a form
+    # to the Jobs tab. Without the page's XSRF token nothing may happen.
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    job_id = store.publish(queue="celery", kind="app.add", task_id="t-1", payload={"args": []}, priority=0,
+                           run_after=None, is_retry=False)  # fmt: skip
+    claimed = store.claim("celery", "worker-1")
+    assert claimed is not None and store.fail(claimed.id, claimed.attempts, "ValueError: broke")
+    flower = flower_factory(env={"FLOWER_UNAUTHENTICATED_API": "false"})
+    evil = f"""<form id="f" method="post" action="{flower.url}/jobs/bulk/delete?status=failed"></form>
+               <script>document.getElementById('f').submit()</script>"""
+    context = browser.new_context()
+    page = context.new_page()
+    page.route("http://elsewhere.test/", lambda route: route.fulfill(body=evil, content_type="text/html"))
+    with page.expect_response(lambda response: "/jobs/bulk/delete" in response.url) as answered:
+        page.goto("http://elsewhere.test/")
+    assert answered.value.status == 403
+    assert job_status(db, job_id) == "failed"
+
+    # The Jobs tab's own button still works: it sends the token.
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto(f"{flower.url}/jobs?status=failed")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(1)
+    page.click("[data-bulk=delete]")
+    expect(page.locator("#notice")).to_have_text("delete: 1 job")
+    assert db.jobs.find_one({"_id": job_id}) is None
+    context.close()

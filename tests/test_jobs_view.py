@@ -111,6 +111,9 @@ def test_lists_counts_and_look_ups(store: JobStore, db: Database, flower_factory
     since = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
     assert data(flower, f"/api/jobs?since={since.replace('+', '%2B')}")[1]["jobs"] == []
     assert len(data(flower, "/api/jobs?since=1h")[1]["jobs"]) == 4
+    # An age reaching back before year 1 means since the beginning, not a server error.
+    assert len(data(flower, "/api/jobs?since=100000000d")[1]["jobs"]) == 4
+    assert data(flower, "/api/jobs?until=100000000d")[1]["jobs"] == []
 
     for identifier in (jobs["failed"], "task-failed"):
         status, job = data(flower, f"/api/jobs/{identifier}")
@@ -127,6 +130,7 @@ BAD_FILTERS = [
     ("limit=1000", "bad filter: limit must be between 1 and 200"),
     ("after=" + "x" * 65, "bad filter: after must be a job id (the `next` of the previous page)"),
     ("queue=" + "q" * 201, "bad filter: queue is longer than 200 characters"),
+    ("since=99999999999999d", "bad filter: '99999999999999d' is too long a duration"),
 ]
 
 
@@ -177,7 +181,8 @@ def test_every_action_and_every_refusal(store: JobStore, db: Database, flower_fa
         assert record["action"] == action and record["by"] == "admin" and record["at"]
 
     # Bulk on a filter: the count first; a count that no longer holds is refused.
-    assert data(flower, "/api/jobs/bulk/cancel?queue=mail") == (200, {"action": "cancel", "count": 1})
+    status, counted = data(flower, "/api/jobs/bulk/cancel?queue=mail")
+    assert status == 200 and (counted["action"], counted["count"]) == ("cancel", 1) and counted["asOf"]
     assert act(flower, "/api/jobs/bulk/cancel?queue=mail&expected=5") == (
         409,
         {"error": "1 jobs match now, not 5: confirm again"},
@@ -203,6 +208,38 @@ def test_every_action_and_every_refusal(store: JobStore, db: Database, flower_fa
     assert broker_rows(flower.page("/broker"))["mail"][-1] == "paused by admin"
     assert act(flower, "/jobs/queue/mail/resume")[1]["message"] == "queue mail resumed"
     assert act(flower, "/api/queues/mail/resume")[1]["message"] == "queue mail was not paused"
+
+
+def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(
+    store: JobStore, db: Database, flower_factory
+) -> None:
+    first, second = publish(store, "task-1", queue="mail"), publish(store, "task-2", queue="mail")
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+    status, counted = data(flower, "/api/jobs/bulk/cancel?queue=mail")
+    assert status == 200 and counted["count"] == 2
+
+    # After the operator saw "cancel 2 jobs": a worker takes one, a producer publishes another. Still 2 queued,
+    # but not the 2 the operator confirmed: refused, and the new job is left alone.
+    taken = store.claim("mail", "worker-1")
+    assert taken is not None and taken.id in (first, second)
+    late = publish(store, "task-late", queue="mail")
+    assert db.jobs.count_documents({"queue": "mail", "status": "queued"}) == 2
+    confirm = {"queue": "mail", "expected": 2, "asOf": counted["asOf"]}
+    assert act(flower, "/api/jobs/bulk/cancel", **confirm) == (
+        409,
+        {"error": "1 jobs match now, not 2: confirm again"},
+    )
+    assert db.jobs.find_one({"_id": late})["status"] == "queued"
+
+    # Counted again: the late job is counted (and cancelled) only once the operator has seen it in a count.
+    status, counted = data(flower, "/api/jobs/bulk/cancel?queue=mail")
+    newest = publish(store, "task-newest", queue="mail")
+    confirm = {"queue": "mail", "expected": counted["count"], "asOf": counted["asOf"]}
+    assert counted["count"] == 2 and act(flower, "/jobs/bulk/cancel", **confirm)[1]["count"] == 2
+    assert db.jobs.find_one({"_id": late})["status"] == "failed"
+    assert db.jobs.find_one({"_id": newest})["status"] == "queued"
+    assert db.jobs.find_one({"_id": taken.id})["status"] == "running"
+    assert act(flower, "/api/jobs/bulk/cancel", queue="mail", expected=1, asOf="soon")[0] == 400
 
 
 def test_flowers_read_only_mode_stops_every_action(store: JobStore, db: Database, flower_factory) -> None:
