@@ -14,6 +14,7 @@ from bb_broker.lifecycle import Policy
 from bb_broker.store import JobStore
 from tests.conftest import ARTIFACTS
 from tests.flower_process import FlowerProcess
+from tests.test_jobs_view import wait_past
 from tests.workers import job, process_factory, send, settled, wait_for
 
 ADMIN = {"username": "admin", "password": "s3cret"}
@@ -128,6 +129,7 @@ def test_the_bulk_button_leaves_a_job_published_while_the_operator_confirms(
     def meanwhile_then_confirm(dialog: Dialog) -> None:
         # While "cancel 2 job(s)?" is on screen, a worker takes one and a producer publishes another.
         assert "cancel 2 job(s)" in dialog.message
+        wait_past(store, store.now())  # the count came before the dialog
         assert store.claim("mail", "worker-1") is not None
         late.append(store.publish(queue="mail", kind="app.mail", task_id="mail-late", payload={"args": []},
                                   priority=0, run_after=None, is_retry=False))  # fmt: skip

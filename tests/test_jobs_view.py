@@ -16,7 +16,7 @@ from bb_broker.lifecycle import Policy
 from bb_broker.store import JobStore
 from tests.flower_process import FlowerProcess
 from tests.test_flower import broker_rows
-from tests.workers import process_factory
+from tests.workers import process_factory, wait_for
 
 ADMIN = "admin:s3cret"
 VIEWER = "viewer:peek"
@@ -210,6 +210,12 @@ def test_every_action_and_every_refusal(store: JobStore, db: Database, flower_fa
     assert act(flower, "/api/queues/mail/resume")[1]["message"] == "queue mail was not paused"
 
 
+def wait_past(store: JobStore, moment: datetime) -> None:
+    """Wait until this process's reading of the server's clock is a second past `moment` (a count's `asOf`): two
+    processes read that clock milliseconds apart, so a job written from then on is one written after the count."""
+    wait_for(lambda: store.now() > moment + timedelta(seconds=1), message="the server's clock passed the count")
+
+
 def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(
     store: JobStore, db: Database, flower_factory
 ) -> None:
@@ -217,6 +223,7 @@ def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(
     flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
     status, counted = data(flower, "/api/jobs/bulk/cancel?queue=mail")
     assert status == 200 and counted["count"] == 2
+    wait_past(store, datetime.fromisoformat(counted["asOf"]))
 
     # After the operator saw "cancel 2 jobs": a worker takes one, a producer publishes another. Still 2 queued,
     # but not the 2 the operator confirmed: refused, and the new job is left alone.
@@ -233,6 +240,7 @@ def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(
 
     # Counted again: the late job is counted (and cancelled) only once the operator has seen it in a count.
     status, counted = data(flower, "/api/jobs/bulk/cancel?queue=mail")
+    wait_past(store, datetime.fromisoformat(counted["asOf"]))
     newest = publish(store, "task-newest", queue="mail")
     confirm = {"queue": "mail", "expected": counted["count"], "asOf": counted["asOf"]}
     assert counted["count"] == 2 and act(flower, "/jobs/bulk/cancel", **confirm)[1]["count"] == 2
