@@ -303,7 +303,7 @@ def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo
         return  # no reason: Celery cancelled the task as its worker stops, and the release records the attempt
     error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
     trace = getattr(einfo, "traceback", None)
-    store.annotate(*job, {}, attempt=attempt_for(store, request, job[1], "retry", error, trace))
+    store.record_retry(*job, attempt_for(store, request, job[1], "retry", error, trace))
 
 
 def revoke_reason(terminated: bool, expired: bool, signum: Any) -> str:

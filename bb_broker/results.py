@@ -344,7 +344,8 @@ class JobResultBackend(BaseBackend):
                 attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
                 celery_hooks.settled_by_backend(job)  # the task_retry signal must not add this attempt again
             # Fenced on the attempt: a worker whose job was taken over changes nothing.
-            store.annotate(*job, fields, attempt=attempt)
+            if not store.annotate(*job, fields, attempt=attempt) and attempt is not None:
+                store.record_retry(*job, attempt)  # the retry's publish let a worker claim the job again first
             return result
         # Not a job this process holds: the job of that task id if there is one (never over its success), else ours.
         job_doc = self.jobs.find_one({"taskId": task_id}, {"state": 1}, sort=[("_id", DESCENDING)])

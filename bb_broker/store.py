@@ -548,6 +548,22 @@ class JobStore:
             return False
         return self._through_outages(lambda: self.coll.update_one(current, update)).modified_count == 1
 
+    def record_retry(self, job_id: str, attempts: int, attempt: dict[str, Any]) -> bool:
+        """Add the entry of an attempt that a task's own retry ended (Celery's `self.retry()`).
+
+        The retry's publish put the job back in the queue before Celery tells of the retry, so another worker may
+        have claimed it since: the entry goes in whatever attempt the job is at now, in the order the attempts
+        finished. Not when the stale sweep took the attempt over: the sweep's entry for it came after it started.
+        """
+        started = attempt.get("startedAt")
+        if started is None:  # the attempt's start went unseen: only while the job is still at it
+            return self.annotate(job_id, attempts, {}, attempt=attempt)
+        taken_over = {"$elemMatch": {"n": attempts, "finishedAt": {"$gte": started}}}
+        selector = {"_id": job_id, "attempts": {"$gte": attempts}, "history": {"$not": taken_over}}
+        entry = {"$each": [self._scrubbed(attempt)], "$sort": {"finishedAt": 1}, "$slice": -HISTORY_LIMIT}
+        update = {"$push": {"history": entry}}
+        return self._through_outages(lambda: self.coll.update_one(selector, update)).modified_count == 1
+
     def fail_running_task(
         self, task_id: str, owner: str, error: str, *, retryable: bool = True, worker: str | None = None
     ) -> Outcome | None:

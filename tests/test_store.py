@@ -253,6 +253,36 @@ def test_the_sweep_adds_no_second_entry_for_an_attempt_a_broker_retry_recorded(s
     assert "worker lost" in doc["lastError"]
 
 
+def test_a_task_s_own_retry_keeps_its_entry_when_the_job_was_claimed_again_first(store: JobStore, clock, db) -> None:
+    # self.retry() publishes first (the job is queued again), and Celery's retry signal writes the attempt's entry
+    # after: on a busy machine another worker has claimed the job, even run it, in between.
+    job_id = publish(store)
+    first = store.claim("celery", "w1")
+    started = clock.now
+    clock.advance(1)
+    retry_ended = clock.now
+    retried = store.publish(queue="celery", kind="app.task", task_id="t", payload={"args": [1], "kwargs": {}},
+                            priority=0, run_after=None, is_retry=True, retry_of=(job_id, first.attempts))  # fmt: skip
+    assert retried == job_id
+    second = store.claim("celery", "w2")
+    clock.advance(1)
+    failed = {"n": 2, "worker": "w2", "startedAt": clock.now, "finishedAt": clock.now, "outcome": "failed"}
+    assert store.record_failed_attempt(job_id, second.attempts, "ValueError: boom", attempt=failed)
+    late = {"n": 1, "worker": "w1", "startedAt": started, "finishedAt": retry_ended, "outcome": "retry"}
+    assert store.record_retry(job_id, first.attempts, late)
+    doc = db.jobs.find_one({"_id": job_id})
+    assert [(a["n"], a["outcome"]) for a in doc["history"]] == [(1, "retry"), (2, "failed")]
+    # An attempt the stale sweep took over has the sweep's entry: its retry, come late, adds no second one.
+    taken = publish(store, "taken")
+    held = store.claim("celery", "w3")
+    held_since = clock.now
+    clock.advance(400)
+    assert store.requeue_stale() == (2, 0)
+    late = {"n": held.attempts, "worker": "w3", "startedAt": held_since, "finishedAt": clock.now, "outcome": "retry"}
+    assert not store.record_retry(taken, held.attempts, late)
+    assert [(a["n"], a["outcome"]) for a in db.jobs.find_one({"_id": taken})["history"]] == [(1, "lost")]
+
+
 def test_release_gives_back_an_unstarted_job_without_using_an_attempt(store: JobStore, db: Database) -> None:
     job_id = publish(store)
     job = store.claim("celery", "w")
