@@ -58,6 +58,13 @@ class ServerClock:
         except OverflowError:
             return moment  # an ETA at the end of time stays there
 
+    def to_local(self, moment: datetime) -> datetime:
+        """A time on the server's clock (a job's runAfter) on this process's clock, where Celery reads an ETA."""
+        try:
+            return moment - (self() - datetime.now(UTC))
+        except OverflowError:
+            return moment
+
     def _sync(self) -> None:
         # One measurement at a time. Once there is an offset nobody waits for a new one: a thread stuck measuring an
         # unreachable server must not hold up another's call (a release at exit with its own deadline), which uses

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
 
 #: What a worker needs of a job it claims; the job's `history` and result fields stay on the server.
-CLAIMED_FIELDS = {"_id": 1, "attempts": 1, "taskId": 1, "payload": 1}
+CLAIMED_FIELDS = {"_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1}
 
 INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
@@ -175,6 +175,17 @@ class Claimed:
     attempts: int
     task_id: str | None
     payload: Any
+    #: When the job was due, on the server's clock (None in a hand-edited document without it).
+    run_after: datetime | None = None
+
+
+def _claimed(doc: dict[str, Any], attempts: int) -> Claimed:
+    run_after = doc.get("runAfter")
+    if not isinstance(run_after, datetime):
+        run_after = None
+    elif run_after.tzinfo is None:
+        run_after = run_after.replace(tzinfo=UTC)
+    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after)
 
 
 def new_job_id() -> str:
@@ -380,7 +391,7 @@ class JobStore:
             return None
         if doc is None:
             return None
-        return Claimed(doc["_id"], doc["attempts"], doc.get("taskId"), doc.get("payload"))
+        return _claimed(doc, doc["attempts"])
 
     def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
         """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch.
@@ -424,7 +435,7 @@ class JobStore:
                     for doc in self._through_outages(lambda: list(self.coll.find(mine, {"_id": 1}, hint="_id_")))
                 }
                 head = [doc for doc in head if doc["_id"] in won]
-        return [Claimed(doc["_id"], doc["attempts"] + 1, doc.get("taskId"), doc.get("payload")) for doc in head]
+        return [_claimed(doc, doc["attempts"] + 1) for doc in head]
 
     def _hinted(self, query: Callable[[], Any]) -> Any:
         """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""

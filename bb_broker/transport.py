@@ -592,6 +592,10 @@ class Channel(virtual.Channel):
                 self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
+            if message["headers"].get("eta") and job.run_after is not None:
+                # The claim found the job due by the server's clock; the ETA is the publisher's, and Celery compares
+                # it with this process's clock: a worker whose clock is behind would wait the difference again.
+                message["headers"]["eta"] = self.clock.to_local(job.run_after).isoformat()
             message["properties"]["delivery_tag"] = job.id
             # Where Kombu's messages and Celery's requests read it (delivery_info), as Kombu's Redis sets it.
             message["properties"]["delivery_info"]["redelivered"] = job.attempts > 1

@@ -333,6 +333,17 @@ def test_a_worker_whose_clock_runs_behind_still_backs_off_its_failed_attempts(br
     assert retried["startedAt"] - failed["finishedAt"] >= timedelta(seconds=9.5), done
 
 
+def test_a_worker_whose_clock_runs_behind_runs_a_due_countdown_task_at_once(broker_url, db, worker_factory) -> None:
+    # The job is claimed once it is due by the server's clock; the message's ETA was its publisher's. A worker an hour
+    # behind held the claimed task in Celery's timer until its own clock reached that ETA: an hour late.
+    worker_factory(env=skewed_clock_env("-3600s"))
+    task_id = send(producer(broker_url), "add", 1, 1, countdown=2)
+    done = wait_for(settled(db, task_id, "succeeded"), timeout=120, message="the countdown task ran once due")
+    # on the server's clock: due two seconds after it was sent, and started no earlier than that
+    assert done["runAfter"] - done["createdAt"] >= timedelta(seconds=1.5), done
+    assert done["history"][0]["startedAt"] >= done["runAfter"], done
+
+
 def test_a_worker_whose_clock_is_stepped_an_hour_ahead_steals_no_live_job(broker_url, db, worker_factory, tmp_path):
     # A worker measures its offset to the server's clock once a minute. Its wall clock stepped meanwhile (NTP, a VM
     # resumed), the offset measured before the step made every lease in the collection an hour old to its sweeps.

@@ -431,4 +431,4 @@ def test_a_claim_brings_back_what_the_worker_needs_not_the_jobs_history(mongo_ur
         ("three", 1, single.payload),
     ]
     sent = [log.replies["findAndModify"][0]["value"], *log.replies["find"][0]["cursor"]["firstBatch"]]
-    assert [set(doc) for doc in sent] == [{"_id", "attempts", "taskId", "payload"}] * 3
+    assert [set(doc) for doc in sent] == [{"_id", "attempts", "taskId", "payload", "runAfter"}] * 3
