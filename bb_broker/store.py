@@ -580,17 +580,21 @@ class JobStore:
     ) -> Outcome | None:
         """Fail the running job of a Celery task id that `owner` holds (when only the task id is known)."""
         running = {"taskId": task_id, "status": RUNNING, "leaseOwner": owner}
-        doc = self.coll.find_one(running, {"attempts": 1, "startedAt": 1})
+        doc = self.coll.find_one(running, {"attempts": 1, "startedAt": 1, "history": {"$slice": -1}})
         if doc is None:
             return None
-        attempt = attempt_entry(
-            doc["attempts"],
-            worker=worker,
-            started_at=doc.get("startedAt"),
-            finished_at=self.now(),
-            outcome="failed",
-            error=error,
-        )
+        attempt = None
+        # A pool process killed between its broker retry's recorded failure and the retry's publish (a hard time
+        # limit) left the attempt in the history already: one entry per attempt.
+        if not _has_entry_of_current_attempt(doc):
+            attempt = attempt_entry(
+                doc["attempts"],
+                worker=worker,
+                started_at=doc.get("startedAt"),
+                finished_at=self.now(),
+                outcome="failed",
+                error=error,
+            )
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)
 
     def release(self, job_id: str, attempts: int) -> bool:

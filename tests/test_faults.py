@@ -246,22 +246,24 @@ def _attempt_two_keeps_its_job_after_attempt_one(db, task_id: str) -> None:
     assert done["attempts"] == 2 and db.runs.count_documents({"taskId": task_id, "phase": None}) == 2
 
 
-@pytest.mark.parametrize("killed", ["the whole worker", "its pool process"])
+@pytest.mark.parametrize("killed", ["the whole worker", "its pool process", "a hard time limit"])
 def test_an_attempt_killed_between_its_recorded_failure_and_its_retry_has_one_history_entry(
     killed, broker_url, db, worker_factory
 ) -> None:
     # The broker's retry records the failed attempt, then publishes the retry: a SIGKILL between the two leaves the
-    # job running with its attempt in the history already. Whoever settles it then (the stale sweep, or the worker
-    # whose pool process died) must not add a second entry for that attempt.
+    # job running with its attempt in the history already. Whoever settles it then (the stale sweep, the worker
+    # whose pool process died, or the worker's main process that killed it at its hard time limit, which knows only
+    # the task id) must not add a second entry for that attempt.
     options = {"stale_after": 4.0}
     first = worker_factory(options=options, concurrency=1, env={"BB_TEST_HOLD_AFTER_RECORDING": "k"})
-    task_id = send(producer(broker_url), "waits_then_fails_first", "k")
+    limit = {"time_limit": 8} if killed == "a hard time limit" else {}  # the held publish runs into it
+    task_id = send(producer(broker_url), "waits_then_fails_first", "k", **limit)
     db.fixes.insert_one({"_id": "k:1"})
     recorded = wait_for(lambda: db.runs.find_one({"name": "recorded"}), message="attempt 1's failure recorded")
     if killed == "the whole worker":
         first.kill()
         worker_factory(options=options, concurrency=1)
-    else:
+    elif killed == "its pool process":
         os.kill(recorded["pid"], signal.SIGKILL)
     db.fixes.insert_one({"_id": "k:2"})
     done = wait_for(settled(db, task_id, "succeeded"), timeout=90, message="attempt 2 succeeded")

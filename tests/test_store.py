@@ -432,3 +432,38 @@ def test_a_claim_brings_back_what_the_worker_needs_not_the_jobs_history(mongo_ur
     ]
     sent = [log.replies["findAndModify"][0]["value"], *log.replies["find"][0]["cursor"]["firstBatch"]]
     assert [set(doc) for doc in sent] == [{"_id", "attempts", "taskId", "payload", "runAfter"}] * 3
+
+
+def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its_retry_recorded(
+    broker_url: str, db: Database
+) -> None:
+    # The broker's retry records the failed attempt, then publishes the retry; the worker's main process kills the
+    # pool process in between (a hard time limit, a lost pool process) and Celery's task_failure reaches it without
+    # the task's request (Celery 5.5 sends it so): only the task id is known, and the attempt has its entry already.
+    from celery import signals
+    from celery.exceptions import TimeLimitExceeded
+
+    from bb_broker import celery_hooks, connection
+    from bb_broker.store import attempt_entry
+    from tests.workers import producer
+
+    app = producer(broker_url)
+    store = celery_hooks.store_for(app)
+    store.ensure_indexes()
+    publish(store, "limited")
+    held = store.claim("celery", connection.lease_owner())
+    error = "RuntimeError: the first attempt fails"
+    recorded = attempt_entry(
+        held.attempts, worker="w0", started_at=store.now(), finished_at=store.now(), outcome="failed", error=error
+    )
+    assert store.record_failed_attempt(held.id, held.attempts, error, attempt=recorded)
+
+    @app.task(name="tests.limited", shared=False)
+    def limited() -> None: ...
+
+    task = app.tasks["tests.limited"]
+    assert task.request.id is None  # the main process runs no task: the handler knows the task id only
+    signals.task_failure.send(sender=task, task_id="limited", exception=TimeLimitExceeded(8))
+    doc = db.jobs.find_one({"_id": held.id})
+    assert (doc["status"], doc["attempts"]) == ("queued", 1)
+    assert [(a["n"], a["error"]) for a in doc["history"]] == [(1, error)], doc["history"]
