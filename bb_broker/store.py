@@ -598,16 +598,23 @@ class JobStore:
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)
 
     def release(self, job_id: str, attempts: int) -> bool:
-        """Give back a job that never started (prefetched, then the worker stopped): no attempt used."""
-        return self._settle(
-            job_id,
-            attempts,
-            {
-                "$set": {"status": QUEUED, "updatedAt": self.now()},
-                "$inc": {"attempts": -1},
-                "$unset": {"leaseOwner": "", "startedAt": ""},
-            },
-        )
+        """Give back a job that never started (prefetched, then the worker stopped): no attempt used.
+
+        The job reads as before the claim: its `startedAt` is again its previous attempt's (from that attempt's
+        history entry), or none when it had no attempt (or no entry of it)."""
+        held = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        doc = self._through_outages(lambda: self.coll.find_one(held, {"history": {"$slice": -1}}))
+        if doc is None:
+            return False
+        last = (doc.get("history") or [None])[-1]
+        previous_start = last.get("startedAt") if isinstance(last, dict) and last.get("n") == attempts - 1 else None
+        changes: dict[str, Any] = {"status": QUEUED, "updatedAt": self.now()}
+        unset = {"leaseOwner": ""}
+        if isinstance(previous_start, datetime):
+            changes["startedAt"] = previous_start
+        else:
+            unset["startedAt"] = ""
+        return self._settle(job_id, attempts, {"$set": changes, "$inc": {"attempts": -1}, "$unset": unset})
 
     def _settle(self, job_id: str, attempts: int, update: dict[str, Any]) -> bool:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.

@@ -13,7 +13,7 @@ from pymongo.database import Database
 from bb_broker import statuses
 from bb_broker.lifecycle import Policy
 from bb_broker.operations import Operations
-from bb_broker.store import JobStore, JobTooLarge
+from bb_broker.store import JobStore, JobTooLarge, attempt_entry
 
 
 class FakeClock:
@@ -288,7 +288,25 @@ def test_release_gives_back_an_unstarted_job_without_using_an_attempt(store: Job
     job = store.claim("celery", "w")
     assert store.release(job.id, job.attempts)
     doc = db.jobs.find_one({"_id": job_id})
-    assert doc["status"] == "queued" and doc["attempts"] == 0
+    assert doc["status"] == "queued" and doc["attempts"] == 0 and "startedAt" not in doc and "leaseOwner" not in doc
+
+
+def test_a_released_job_keeps_the_start_of_its_previous_attempt(store: JobStore, clock: FakeClock, db: Database):
+    # startedAt is the start of the job's last attempt (the Jobs view shows it); a claim given back unstarted is no
+    # attempt, so the job must read as it did before that claim, not as if attempt 1 had never started.
+    job_id = publish(store)
+    first = store.claim("celery", "w1")
+    first_start = db.jobs.find_one({"_id": job_id})["startedAt"]
+    clock.advance(1)
+    entry = attempt_entry(1, worker="w1", started_at=first_start, finished_at=clock.now, outcome="failed", error="x")
+    store.fail(first.id, first.attempts, "x", backoff=False, attempt=entry)
+    clock.advance(1)
+    second = store.claim("celery", "w2")
+    assert second.attempts == 2
+    assert store.release(second.id, second.attempts)
+    doc = db.jobs.find_one({"_id": job_id})
+    assert (doc["status"], doc["attempts"], doc.get("startedAt")) == ("queued", 1, first_start), doc
+    assert "leaseOwner" not in doc
 
 
 def test_release_owner_at_shutdown(store: JobStore, db: Database) -> None:
@@ -444,7 +462,6 @@ def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its
     from celery.exceptions import TimeLimitExceeded
 
     from bb_broker import celery_hooks, connection
-    from bb_broker.store import attempt_entry
     from tests.workers import producer
 
     app = producer(broker_url)
