@@ -265,7 +265,9 @@ def _on_failure(
     if job is not None and _settled_already(job):
         return
     error = describe_error(exception)
-    retryable = is_retryable(request, exception) if job else True
+    # Without the request (the main process reporting a hard time limit, or a Reject without requeue, for a pool
+    # process) the exception alone still says whether the job may run again: a rejected task must not.
+    retryable = is_retryable(request if job else None, exception)
     if job is not None:
         trace = getattr(einfo, "traceback", None)
         ran_here = task_id in _started_at

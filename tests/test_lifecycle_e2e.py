@@ -240,3 +240,14 @@ def test_a_live_job_is_never_requeued_however_long_it_runs(app, db, worker_facto
     wait_for(settled(db, task_id, "succeeded"), timeout=60, message="long task succeeded")
     assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1
     assert job(db, task_id)["attempts"] == 1
+
+
+def test_a_task_that_rejects_its_message_without_requeue_never_runs_again(app, db, worker_factory) -> None:
+    # Without a result backend too: Celery reports that failure in the worker's main process without the task's
+    # request, and the job was put back in the queue (retried with backoff) before Celery's reject could fail it.
+    worker_factory()
+    task_id = send(app, "reject_for_good")
+    failed = wait_for(settled(db, task_id, "failed"), message="the rejected task failed")
+    assert failed["attempts"] == 1 and "bad input" in failed["lastError"], failed
+    assert outcomes(db, task_id) == ["failed"]
+    assert db.runs.count_documents({"taskId": task_id}) == 1
