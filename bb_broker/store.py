@@ -29,7 +29,7 @@ from kombu.exceptions import EncodeError
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
-from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure
+from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure, PyMongoError
 from ulid import ULID
 
 from . import lifecycle, metrics
@@ -744,3 +744,15 @@ def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
 def is_transient(exc: ConnectionFailure | OperationFailure) -> bool:
     """A failover, a restart or a dropped connection: the same write may be tried again."""
     return isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")
+
+
+#: The server errors after which the drivers' retryable reads try a read again (a restart, a failover, a router
+#: that lost a shard): the server labels a write's, not a read's.
+RETRYABLE_READ_CODES = frozenset({6, 7, 63, 89, 91, 134, 150, 189, 262, 9001, 10107, 11600, 11602, 13388, 13435, 13436})
+
+
+def passes_with_time(exc: PyMongoError) -> bool:
+    """An error the same command may not meet again soon: a lost connection, or a server's transient answer."""
+    if isinstance(exc, ConnectionFailure):
+        return True
+    return isinstance(exc, OperationFailure) and (is_transient(exc) or exc.code in RETRYABLE_READ_CODES)
