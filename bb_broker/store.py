@@ -33,6 +33,7 @@ from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyErro
 from ulid import ULID
 
 from . import lifecycle, metrics
+from .connection import out_of_patience
 from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
@@ -614,7 +615,9 @@ class JobStore:
             try:
                 return write()
             except (ConnectionFailure, OperationFailure) as exc:
-                if not is_transient(exc) or time.monotonic() > deadline:
+                # Inside a stopping worker's patience (connection.shutdown_patience), once it ran out, the stale
+                # sweep takes over: a held job's release tried for a minute held the worker's stop as long, each.
+                if not is_transient(exc) or time.monotonic() > deadline or out_of_patience():
                     raise
                 logger.warning("a write on a held job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
                 time.sleep(delay)

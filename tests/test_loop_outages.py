@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,39 @@ def test_a_transient_error_on_a_claim_is_a_reconnect_not_the_end_of_the_worker(
     per_task = list(db.runs.aggregate([{"$match": {"taskId": {"$in": ids}, "phase": {"$ne": "end"}}},
                                        {"$group": {"_id": "$taskId", "n": {"$sum": 1}}}]))  # fmt: skip
     assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task), per_task
+
+
+#: A worker told to stop while its server is gone: far above a stop that gives up on the server after its patience
+#: (5 s for all it holds), far below one that tried each held job's release for a minute. A bound, not a benchmark.
+STOP_WITHOUT_SERVER_BOUND = 45.0
+
+
+def test_a_worker_holding_jobs_stops_within_seconds_when_its_server_is_gone_and_the_jobs_run_later(
+    own_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    url = with_database(own_server.url, "held")
+    db = MongoClient(own_server.url, tz_aware=True).held
+    options = {"stale_after": 4.0}
+    worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=1, env={"BB_PREFETCH_MULTIPLIER": "4"},
+                    options=options)  # fmt: skip
+    worker.start()
+    app = producer(url)
+    # Celery keeps rate-limited requests waiting in the worker, unacked: jobs held and not started.
+    assert app.control.rate_limit("tests.e2e_app.add", "1/h", reply=True, timeout=10)
+    ids = [send(app, "add", i, i) for i in range(5)]
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == 1
+             and db.jobs.count_documents({"taskId": {"$in": ids}, "status": "running"}) == 4,
+             message="one task ran, four held by the worker")  # fmt: skip
+    own_server.stop()
+    worker.signal(signal.SIGTERM)
+    try:
+        code = worker.wait(STOP_WITHOUT_SERVER_BOUND)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still stopping after {STOP_WITHOUT_SERVER_BOUND}s:\n{worker.log()[-3000:]}") from None
+    assert code == 0, worker.log()[-3000:]
+    # What it could not give back, the stale sweep gives to the next worker: each task runs once.
+    own_server.start()
+    Worker(url, log_dir=tmp_path, name="w1", options=options).start()
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == 5,
+             timeout=90, message="the held jobs ran on the next worker")  # fmt: skip
+    assert sorted(run["taskId"] for run in db.runs.find({"taskId": {"$in": ids}})) == sorted(ids)
