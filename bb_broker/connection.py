@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -269,16 +270,30 @@ def server_gone_at_shutdown() -> bool:
     return _gone_at_shutdown.is_set()
 
 
+_patience = threading.local()  # the monotonic time the innermost shutdown_patience block of a thread ends
+
+
 @contextmanager
 def shutdown_patience() -> Iterator[None]:
     """Bound the server calls inside to SHUTDOWN_PATIENCE (nothing, once the server was found gone at shutdown)."""
+    patience = 0.001 if server_gone_at_shutdown() else SHUTDOWN_PATIENCE
+    outer = getattr(_patience, "ends", None)
+    _patience.ends = min(time.monotonic() + patience, outer if outer is not None else float("inf"))
     try:
-        with pymongo.timeout(0.001 if server_gone_at_shutdown() else SHUTDOWN_PATIENCE):
+        with pymongo.timeout(patience):
             yield
     except PyMongoError as exc:
         if exc.timeout and _stopping.is_set():
             _gone_at_shutdown.set()
         raise
+    finally:
+        _patience.ends = outer
+
+
+def out_of_patience() -> bool:
+    """True inside a shutdown_patience block whose time is up: a call tried again there fails at once, unsent."""
+    ends = getattr(_patience, "ends", None)
+    return ends is not None and time.monotonic() >= ends
 
 
 _clients: dict[tuple[int, str, tuple[tuple[str, Any], ...]], MongoClient] = {}

@@ -29,10 +29,11 @@ from kombu.exceptions import EncodeError
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
-from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure
+from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure, PyMongoError
 from ulid import ULID
 
 from . import lifecycle, metrics
+from .connection import out_of_patience
 from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
@@ -636,7 +637,9 @@ class JobStore:
             try:
                 return write()
             except (ConnectionFailure, OperationFailure) as exc:
-                if not is_transient(exc) or time.monotonic() > deadline:
+                # Inside a stopping worker's patience (connection.shutdown_patience), once it ran out, the stale
+                # sweep takes over: a held job's release tried for a minute held the worker's stop as long, each.
+                if not is_transient(exc) or time.monotonic() > deadline or out_of_patience():
                     raise
                 logger.warning("a write on a held job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
                 time.sleep(delay)
@@ -766,3 +769,15 @@ def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
 def is_transient(exc: ConnectionFailure | OperationFailure) -> bool:
     """A failover, a restart or a dropped connection: the same write may be tried again."""
     return isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")
+
+
+#: The server errors after which the drivers' retryable reads try a read again (a restart, a failover, a router
+#: that lost a shard): the server labels a write's, not a read's.
+RETRYABLE_READ_CODES = frozenset({6, 7, 63, 89, 91, 134, 150, 189, 262, 9001, 10107, 11600, 11602, 13388, 13435, 13436})
+
+
+def passes_with_time(exc: PyMongoError) -> bool:
+    """An error the same command may not meet again soon: a lost connection, or a server's transient answer."""
+    if isinstance(exc, ConnectionFailure):
+        return True
+    return isinstance(exc, OperationFailure) and (is_transient(exc) or exc.code in RETRYABLE_READ_CODES)

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
 from queue import Empty
 from time import monotonic, sleep
@@ -35,7 +35,7 @@ from .payloads import (
     to_document,
     to_message,
 )
-from .store import Claimed, JobStore, attempt_entry, new_job_id
+from .store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
 from .wakeups import Doorbell, Look, Wakeups
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,22 @@ def _on_a_loop_thread() -> bool:
 #: leave to the workers' periodic sweep.
 _indexed: dict[tuple[str, str, str], list[Callable[[], int]]] = {}
 _indexed_lock = threading.Lock()
+
+
+class ServerUnavailable(mongo_errors.ConnectionFailure):
+    """A transient error the server answered a consumer with, raised as a lost connection: Celery reconnects on
+    one (a connection error), while an OperationFailure (a channel error) ends its worker."""
+
+
+@contextlib.contextmanager
+def _transient_errors_as_lost_connection() -> Iterator[None]:
+    try:
+        yield
+    except mongo_errors.OperationFailure as exc:
+        if not passes_with_time(exc):
+            raise
+        name = (exc.details or {}).get("codeName") or "a transient error"
+        raise ServerUnavailable(f"the server answered {name} (code {exc.code}): connecting again") from exc
 
 
 class JobMessage(virtual.Message):
@@ -823,7 +839,8 @@ class Transport(virtual.Transport):
         delivered = 0
         while delivered < self.loop_delivery_limit:
             try:
-                self.cycle.get(self._deliver, timeout=0)
+                with _transient_errors_as_lost_connection():
+                    self.cycle.get(self._deliver, timeout=0)
             except Empty:
                 break
             delivered += 1
@@ -898,7 +915,8 @@ class Transport(virtual.Transport):
             if self.wakeups is not None:
                 self.wakeups.event.clear()
             try:
-                self.cycle.get(self._deliver, timeout=timeout)
+                with _transient_errors_as_lost_connection():
+                    self.cycle.get(self._deliver, timeout=timeout)
             except Empty:
                 pass
             else:
