@@ -20,6 +20,8 @@ Where things are kept:
 Reading: the newest job with that task id (index `bb_task_id`), then `bb_results`; nothing found is PENDING, as in
 Celery's other backends. A job that failed without a Celery result (a lost worker, an unknown task, an operator's
 cancel) reads as FAILURE with `JobFailed(lastError)`, or REVOKED when it was revoked, so `get()` never hangs on it.
+`forget()` removes the result fields and, on a failed job, records the finish it forgot (`forgotten`): the job
+reads PENDING, as in Celery's other backends, until it finishes again.
 
 Chords use a native counter: each header task's part is one `findAndModify` on `chord:<group id>` that adds its
 result and `$inc`s the count, guarded by the part's key so a task that runs again (its worker was killed) is
@@ -82,9 +84,11 @@ RESULT_FIELDS = {
     "children": 1,
     "groupId": 1,
     "parentId": 1,
+    "finishedAt": 1,
+    "forgotten": 1,
 }
 #: Fields forget() removes from a job.
-FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError")}
+FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError", "finishedAt", "forgotten")}
 #: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
 SAFETY_READ = 10.0
 
@@ -364,7 +368,10 @@ class JobResultBackend(BaseBackend):
         return None if doc is None else doc.get("state")
 
     def _forget(self, task_id: str) -> None:
-        self.jobs.update_many({"taskId": task_id}, {"$unset": FORGOTTEN})
+        # A failed job reads FAILURE (or REVOKED) from its status alone: `forgotten` records which finish was
+        # forgotten, so the job reads PENDING until it finishes again (an operator's retry runs it again).
+        forgotten = {"$cond": [{"$eq": ["$status", FAILED]}, "$finishedAt", None]}
+        self.jobs.update_many({"taskId": task_id}, [{"$set": {"forgotten": forgotten}}, {"$unset": list(FORGOTTEN)}])
         self.side.delete_one({"_id": f"task:{task_id}"})
 
     # --- reading ----------------------------------------------------------------------
@@ -393,6 +400,9 @@ class JobResultBackend(BaseBackend):
     def _meta_of_job(self, doc: dict[str, Any]) -> dict[str, Any]:
         status, state = doc.get("status"), doc.get("state")
         task_id = doc["taskId"]
+        finished = doc.get("finishedAt")
+        if status == FAILED and state is None and finished is not None and doc.get("forgotten") == finished:
+            return {"status": states.PENDING, "result": None, "task_id": task_id}  # forget() forgot this failure
         if status == FAILED and state not in (states.FAILURE, states.REVOKED):
             last_error = str(doc.get("lastError") or "failed")
             if last_error.startswith("revoked"):
