@@ -20,6 +20,9 @@ Where things are kept:
 Reading: the newest job with that task id (index `bb_task_id`), then `bb_results`; nothing found is PENDING, as in
 Celery's other backends. A job that failed without a Celery result (a lost worker, an unknown task, an operator's
 cancel) reads as FAILURE with `JobFailed(lastError)`, or REVOKED when it was revoked, so `get()` never hangs on it.
+With `result_extended`, a read adds Celery's extended fields from the job itself: `name` (kind), `args` and `kwargs`
+(its message), `queue`, `retries` (the message's header) and `worker` (the finished attempt's history entry); nothing
+more is written.
 `forget()` removes the result fields and, on a failed job, records the finish it forgot (`forgotten`): the job
 reads PENDING, as in Celery's other backends, until it finishes again.
 
@@ -51,7 +54,8 @@ from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
 from celery.utils.functional import _regen
-from kombu.serialization import loads
+from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.serialization import loads, prepare_accept_content
 from kombu.serialization import registry as serializers
 from kombu.utils.encoding import ensure_bytes
 from kombu.utils.uuid import uuid
@@ -62,7 +66,7 @@ from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
-from .payloads import _bson_safe
+from .payloads import PayloadError, _bson_safe, to_message
 from .store import MAX_DOCUMENT_BYTES, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
 
@@ -87,6 +91,8 @@ RESULT_FIELDS = {
     "finishedAt": 1,
     "forgotten": 1,
 }
+#: The fields `result_extended` reads too: the task's name, message, queue and the worker that ran it.
+EXTENDED_FIELDS = {"kind": 1, "payload": 1, "queue": 1, "history": {"$slice": -1}}
 #: Fields forget() removes from a job.
 FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError", "finishedAt", "forgotten")}
 #: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
@@ -383,9 +389,14 @@ class JobResultBackend(BaseBackend):
         """The meta of each task id: two reads at most (the jobs, then bb_results for ids with no job)."""
         ids = [str(task_id) for task_id in task_ids]
         metas: dict[str, dict[str, Any]] = {}
-        cursor = self.jobs.find({"taskId": {"$in": ids}}, {**RESULT_FIELDS, "taskId": 1}, sort=[("_id", ASCENDING)])
+        extended = bool(self.app.conf.find_value_for_key("extended", "result"))
+        fields = {**RESULT_FIELDS, **(EXTENDED_FIELDS if extended else {}), "taskId": 1}
+        cursor = self.jobs.find({"taskId": {"$in": ids}}, fields, sort=[("_id", ASCENDING)])
         for doc in cursor:  # the newest job of a task id comes last and wins
-            metas[doc["taskId"]] = self._meta_of_job(doc)
+            meta = self._meta_of_job(doc)
+            if extended and meta["status"] != states.PENDING:
+                meta.update(self._extended(doc))
+            metas[doc["taskId"]] = meta
             self._job_ids[doc["taskId"]] = doc["_id"]
         if len(self._job_ids) > 10_000:  # a long-lived client reads many ids: keep only what waits need
             self._job_ids = {task_id: self._job_ids[task_id] for task_id in ids if task_id in self._job_ids}
@@ -430,6 +441,30 @@ class JobResultBackend(BaseBackend):
         if doc.get("parentId"):
             meta["parent_id"] = doc["parentId"]
         return self.meta_from_decoded(meta)
+
+    def _extended(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """`result_extended`'s fields, as Celery's backends store them from the request: read off the job."""
+        try:
+            message = to_message(doc.get("payload"))
+            body = loads(
+                message["body"],
+                message["content-type"],
+                message["content-encoding"],
+                accept=prepare_accept_content(self.app.conf.accept_content),
+            )
+            args, kwargs = (body[0], body[1]) if isinstance(body, list | tuple) else (None, None)
+        except (PayloadError, ContentDisallowed, DecodeError, TypeError, ValueError, IndexError):
+            message, args, kwargs = {"headers": {}}, None, None  # a message the client cannot read: no arguments
+        history = doc.get("history") or []
+        finished = doc.get("status") in (SUCCEEDED, FAILED) and history and isinstance(history[-1], dict)
+        return {
+            "name": doc.get("kind"),
+            "args": args,
+            "kwargs": kwargs,
+            "worker": history[-1].get("worker") if finished else None,
+            "retries": message["headers"].get("retries"),
+            "queue": doc.get("queue"),
+        }
 
     @staticmethod
     def _meta(task_id: str, state: str, exc: BaseException) -> dict[str, Any]:

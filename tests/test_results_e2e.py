@@ -167,6 +167,23 @@ def test_forget_forgets_a_failure_a_revoke_and_a_cancel_until_the_job_runs_again
     assert AsyncResult(cancelled.id, app=results_app).get(timeout=60) == 5
 
 
+def test_result_extended_gives_the_tasks_name_arguments_worker_and_queue(results_app, results_worker):
+    """With `result_extended`, as Celery's Redis and MongoDB backends: read off the job, which has them all."""
+    results_app.conf.result_extended = True
+    results_worker()
+    result = results_app.send_task(T + "add", args=(2,), kwargs={"y": 3}, queue="celery")
+    assert result.get(timeout=60) == 5
+    read = AsyncResult(result.id, app=results_app)
+    assert (read.name, read.args, read.kwargs, read.queue, read.retries) == (T + "add", [2], {"y": 3}, "celery", 0)
+    assert read.worker.startswith("w0@"), read.worker
+    retried = results_app.send_task(T + "fail_until", args=(2,))
+    assert retried.get(timeout=90) == "ok"
+    assert AsyncResult(retried.id, app=results_app).retries == 1
+    huge = results_app.send_task(T + "add", args=(2**70, 1))  # a body BSON cannot hold: kept base64 on the job
+    assert huge.get(timeout=60) == 2**70 + 1
+    assert AsyncResult(huge.id, app=results_app).args == [2**70, 1]
+
+
 def test_started_and_custom_states(results_app, results_worker, db: Database):
     results_worker()
     started = results_app.send_task(T + "started_then_sleep", args=(3,))
