@@ -13,7 +13,8 @@ Where things are kept:
   the job's current attempt; `ignore_result` tasks write nothing beyond the settle.
 - `bb_results` (same database) holds what has no job: saved groups (`group:<id>`), chord counters (`chord:<id>`),
   and results of tasks that never had a job (`task:<id>`, for example a chain step failed before it was sent).
-  Its documents expire `result_expires` after they were written (a TTL index on `expiresAt`).
+  Its documents expire `result_expires` after they were last written (a TTL index on `expiresAt`): a chord's counter
+  `result_expires` after its latest part, as Redis renews a chord's keys.
 - A result lives as long as its job: succeeded jobs expire after the broker's `retention`, failed jobs stay until
   purged. Set `result_expires` to the same number of seconds as `retention` and both kinds of record agree.
 
@@ -671,9 +672,14 @@ class JobResultBackend(BaseBackend):
         """Add a part to the chord's counter, once per key; the counter as it stands (None: no such chord)."""
         chord_id = f"chord:{group_id}"
         small = {"parts": 0, "members": 0}
+        counted: dict[str, Any] = {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}}
+        if self.expires:
+            # Renewed by every part, as Redis renews a chord's keys: a header that runs longer than result_expires
+            # keeps its counter while its parts keep coming.
+            counted["$set"] = self._expires_at()
         counter = self.side.find_one_and_update(
             {"_id": chord_id, "members": {"$ne": key}},
-            {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}},
+            counted,
             projection=small,
             return_document=ReturnDocument.AFTER,
         )
