@@ -19,8 +19,10 @@ Where things are kept:
   purged. Set `result_expires` to the same number of seconds as `retention` and both kinds of record agree.
 
 Reading: the newest job with that task id (index `bb_task_id`), then `bb_results`; nothing found is PENDING, as in
-Celery's other backends. A job that failed without a Celery result (a lost worker, an unknown task, an operator's
-cancel) reads as FAILURE with `JobFailed(lastError)`, or REVOKED when it was revoked, so `get()` never hangs on it.
+Celery's other backends. A revoked task an operator retried runs under a new task id: its old id keeps reading REVOKED
+from a `task:<old id>` document the retry writes (operations.py), naming the new id. A job that failed without a
+Celery result (a lost worker, an unknown task, an operator's cancel) reads as FAILURE with `JobFailed(lastError)`, or
+REVOKED when it was revoked, so `get()` never hangs on it.
 With `result_extended`, a read adds Celery's extended fields from the job itself: `name` (kind), `args` and `kwargs`
 (its message), `queue`, `retries` (the message's header) and `worker` (the finished attempt's history entry); nothing
 more is written.
@@ -68,13 +70,11 @@ from pymongo.uri_parser import parse_uri
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
 from .payloads import PayloadError, _bson_safe, to_message
-from .store import MAX_DOCUMENT_BYTES, JobStore, ResultTooLarge, SettleTooLarge
+from .store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
 
 logger = logging.getLogger(__name__)
 
-#: The collection of group results, chord counters and results of tasks without a job.
-RESULTS_COLLECTION = "bb_results"
 #: Room left in a job document for everything that is not the result (payload, history, the rest).
 RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
 #: The fields a result read needs from a job document.
@@ -404,7 +404,12 @@ class JobResultBackend(BaseBackend):
         missing = [task_id for task_id in ids if task_id not in metas]
         if missing:
             for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
-                metas[doc["_id"].partition(":")[2]] = self._meta_of(doc, doc["_id"].partition(":")[2])
+                task_id = doc["_id"].partition(":")[2]
+                if doc.get("state") == states.REVOKED and "resultFormat" not in doc:
+                    # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED.
+                    metas[task_id] = self._meta(task_id, states.REVOKED, TaskRevokedError(doc.get("lastError")))
+                    continue
+                metas[task_id] = self._meta_of(doc, task_id)
         for task_id in ids:
             metas.setdefault(task_id, {"status": states.PENDING, "result": None})
         return metas

@@ -271,6 +271,23 @@ def test_revoke_makes_get_raise(results_app, results_worker):
     assert result.state == "REVOKED"
 
 
+def test_a_revoked_task_retried_by_an_operator_under_a_new_id_stays_revoked(broker_url: str, results_app, db: Database):
+    """The retry gives the job a new task id (workers remember the revoked one): the old id still reads REVOKED, as
+    Celery's states are final, and says which id the task runs as now, rather than PENDING with get() waiting for
+    ever."""
+    result = results_app.send_task(T + "add", args=(1, 2), countdown=600)
+    wait_for(lambda: job(db, result.id).get("status") == "queued", message="the job")
+    result.revoke()
+    wait_for(lambda: job(db, result.id).get("status") == "failed", message="the revoke")
+    assert bb(broker_url, "retry", "--id", result.id).exit_code == 0
+    [retried] = db.jobs.find({"status": "queued"})
+    assert retried["taskId"] != result.id
+    again = AsyncResult(result.id, app=results_app)
+    assert again.state == "REVOKED"
+    with pytest.raises(TaskRevokedError, match=retried["taskId"]):
+        again.get(timeout=10)
+
+
 def test_groups_save_restore_and_join(results_app, results_worker):
     results_worker()
     result = group(sig(results_app, "add", i, i) for i in range(10)).apply_async()
