@@ -17,7 +17,7 @@ from ulid import ULID
 
 from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from .pauses import QueueControls
-from .store import JobStore
+from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -516,6 +516,7 @@ class Operations:
         now = self.now()
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne]] = []
+        renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
         for doc in docs:
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
             record = _record("retry", by, now)
@@ -526,6 +527,8 @@ class Operations:
                 new_id = str(uuid.uuid4())
                 changes |= self._renamed(doc["_id"], new_id)
                 record = _record("retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id)
+                if doc.get("taskId"):
+                    renamed[doc["_id"]] = (doc["taskId"], new_id)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
             update = {"$set": changes, "$unset": {"finishedAt": "", "revokedAt": ""}, "$push": record}
             batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
@@ -534,7 +537,34 @@ class Operations:
                 batch = []
         if batch:
             retried += self._write_batch(batch)
+        self._keep_revoked([renamed[job_id] for job_id in retried if job_id in renamed], by=by, now=now)
         return retried
+
+    def _keep_revoked(self, renamed: list[tuple[str, str]], *, by: str, now: datetime) -> None:
+        """A revoked task retried under a new id: its old id keeps reading REVOKED for the result backend (Celery's
+        states are final), saying which id runs now. With no job of that id left, a caller's get() would wait for
+        ever. Kept as the result backend keeps results of tasks without a job, for DEFAULT_RETENTION."""
+        if not renamed:
+            return
+        expires_at = now + timedelta(seconds=DEFAULT_RETENTION)
+        writes = [
+            UpdateOne(
+                {"_id": f"task:{old_id}"},
+                {
+                    "$set": {
+                        "kind": "task",
+                        "state": "REVOKED",
+                        "lastError": f"revoked; retried by {by} as task {new_id}"[:MAX_ERROR_LENGTH],
+                        "dateDone": now,
+                        "expiresAt": expires_at,
+                    },
+                    "$unset": {"result": "", "resultFormat": "", "traceback": ""},
+                },
+                upsert=True,
+            )
+            for old_id, new_id in renamed
+        ]
+        self.coll.database[RESULTS_COLLECTION].bulk_write(writes, ordered=False)
 
     def _write_batch(self, batch: list[tuple[str, UpdateOne]]) -> list[str]:
         result = self.coll.bulk_write([op for _, op in batch], ordered=False)

@@ -13,13 +13,21 @@ Where things are kept:
   the job's current attempt; `ignore_result` tasks write nothing beyond the settle.
 - `bb_results` (same database) holds what has no job: saved groups (`group:<id>`), chord counters (`chord:<id>`),
   and results of tasks that never had a job (`task:<id>`, for example a chain step failed before it was sent).
-  Its documents expire `result_expires` after they were written (a TTL index on `expiresAt`).
+  Its documents expire `result_expires` after they were last written (a TTL index on `expiresAt`): a chord's counter
+  `result_expires` after its latest part, as Redis renews a chord's keys.
 - A result lives as long as its job: succeeded jobs expire after the broker's `retention`, failed jobs stay until
   purged. Set `result_expires` to the same number of seconds as `retention` and both kinds of record agree.
 
 Reading: the newest job with that task id (index `bb_task_id`), then `bb_results`; nothing found is PENDING, as in
-Celery's other backends. A job that failed without a Celery result (a lost worker, an unknown task, an operator's
-cancel) reads as FAILURE with `JobFailed(lastError)`, or REVOKED when it was revoked, so `get()` never hangs on it.
+Celery's other backends. A revoked task an operator retried runs under a new task id: its old id keeps reading REVOKED
+from a `task:<old id>` document the retry writes (operations.py), naming the new id. A job that failed without a
+Celery result (a lost worker, an unknown task, an operator's cancel) reads as FAILURE with `JobFailed(lastError)`, or
+REVOKED when it was revoked, so `get()` never hangs on it.
+With `result_extended`, a read adds Celery's extended fields from the job itself: `name` (kind), `args` and `kwargs`
+(its message), `queue`, `retries` (the message's header) and `worker` (the finished attempt's history entry); nothing
+more is written.
+`forget()` removes the result fields and, on a failed job, records the finish it forgot (`forgotten`): the job
+reads PENDING, as in Celery's other backends, until it finishes again.
 
 Chords use a native counter: each header task's part is one `findAndModify` on `chord:<group id>` that adds its
 result and `$inc`s the count, guarded by the part's key so a task that runs again (its worker was killed) is
@@ -49,7 +57,8 @@ from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
 from celery.utils.functional import _regen
-from kombu.serialization import loads
+from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.serialization import loads, prepare_accept_content
 from kombu.serialization import registry as serializers
 from kombu.utils.encoding import ensure_bytes
 from kombu.utils.uuid import uuid
@@ -60,14 +69,12 @@ from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
-from .payloads import _bson_safe
-from .store import MAX_DOCUMENT_BYTES, JobStore, ResultTooLarge, SettleTooLarge
+from .payloads import PayloadError, _bson_safe, to_message
+from .store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
 
 logger = logging.getLogger(__name__)
 
-#: The collection of group results, chord counters and results of tasks without a job.
-RESULTS_COLLECTION = "bb_results"
 #: Room left in a job document for everything that is not the result (payload, history, the rest).
 RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
 #: The fields a result read needs from a job document.
@@ -82,9 +89,13 @@ RESULT_FIELDS = {
     "children": 1,
     "groupId": 1,
     "parentId": 1,
+    "finishedAt": 1,
+    "forgotten": 1,
 }
+#: The fields `result_extended` reads too: the task's name, message, queue and the worker that ran it.
+EXTENDED_FIELDS = {"kind": 1, "payload": 1, "queue": 1, "history": {"$slice": -1}}
 #: Fields forget() removes from a job.
-FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError")}
+FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError", "finishedAt", "forgotten")}
 #: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
 SAFETY_READ = 10.0
 
@@ -364,7 +375,10 @@ class JobResultBackend(BaseBackend):
         return None if doc is None else doc.get("state")
 
     def _forget(self, task_id: str) -> None:
-        self.jobs.update_many({"taskId": task_id}, {"$unset": FORGOTTEN})
+        # A failed job reads FAILURE (or REVOKED) from its status alone: `forgotten` records which finish was
+        # forgotten, so the job reads PENDING until it finishes again (an operator's retry runs it again).
+        forgotten = {"$cond": [{"$eq": ["$status", FAILED]}, "$finishedAt", None]}
+        self.jobs.update_many({"taskId": task_id}, [{"$set": {"forgotten": forgotten}}, {"$unset": list(FORGOTTEN)}])
         self.side.delete_one({"_id": f"task:{task_id}"})
 
     # --- reading ----------------------------------------------------------------------
@@ -376,16 +390,26 @@ class JobResultBackend(BaseBackend):
         """The meta of each task id: two reads at most (the jobs, then bb_results for ids with no job)."""
         ids = [str(task_id) for task_id in task_ids]
         metas: dict[str, dict[str, Any]] = {}
-        cursor = self.jobs.find({"taskId": {"$in": ids}}, {**RESULT_FIELDS, "taskId": 1}, sort=[("_id", ASCENDING)])
+        extended = bool(self.app.conf.find_value_for_key("extended", "result"))
+        fields = {**RESULT_FIELDS, **(EXTENDED_FIELDS if extended else {}), "taskId": 1}
+        cursor = self.jobs.find({"taskId": {"$in": ids}}, fields, sort=[("_id", ASCENDING)])
         for doc in cursor:  # the newest job of a task id comes last and wins
-            metas[doc["taskId"]] = self._meta_of_job(doc)
+            meta = self._meta_of_job(doc)
+            if extended and meta["status"] != states.PENDING:
+                meta.update(self._extended(doc))
+            metas[doc["taskId"]] = meta
             self._job_ids[doc["taskId"]] = doc["_id"]
         if len(self._job_ids) > 10_000:  # a long-lived client reads many ids: keep only what waits need
             self._job_ids = {task_id: self._job_ids[task_id] for task_id in ids if task_id in self._job_ids}
         missing = [task_id for task_id in ids if task_id not in metas]
         if missing:
             for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
-                metas[doc["_id"].partition(":")[2]] = self._meta_of(doc, doc["_id"].partition(":")[2])
+                task_id = doc["_id"].partition(":")[2]
+                if doc.get("state") == states.REVOKED and "resultFormat" not in doc:
+                    # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED.
+                    metas[task_id] = self._meta(task_id, states.REVOKED, TaskRevokedError(doc.get("lastError")))
+                    continue
+                metas[task_id] = self._meta_of(doc, task_id)
         for task_id in ids:
             metas.setdefault(task_id, {"status": states.PENDING, "result": None})
         return metas
@@ -393,6 +417,9 @@ class JobResultBackend(BaseBackend):
     def _meta_of_job(self, doc: dict[str, Any]) -> dict[str, Any]:
         status, state = doc.get("status"), doc.get("state")
         task_id = doc["taskId"]
+        finished = doc.get("finishedAt")
+        if status == FAILED and state is None and finished is not None and doc.get("forgotten") == finished:
+            return {"status": states.PENDING, "result": None, "task_id": task_id}  # forget() forgot this failure
         if status == FAILED and state not in (states.FAILURE, states.REVOKED):
             last_error = str(doc.get("lastError") or "failed")
             if last_error.startswith("revoked"):
@@ -420,6 +447,30 @@ class JobResultBackend(BaseBackend):
         if doc.get("parentId"):
             meta["parent_id"] = doc["parentId"]
         return self.meta_from_decoded(meta)
+
+    def _extended(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """`result_extended`'s fields, as Celery's backends store them from the request: read off the job."""
+        try:
+            message = to_message(doc.get("payload"))
+            body = loads(
+                message["body"],
+                message["content-type"],
+                message["content-encoding"],
+                accept=prepare_accept_content(self.app.conf.accept_content),
+            )
+            args, kwargs = (body[0], body[1]) if isinstance(body, list | tuple) else (None, None)
+        except (PayloadError, ContentDisallowed, DecodeError, TypeError, ValueError, IndexError):
+            message, args, kwargs = {"headers": {}}, None, None  # a message the client cannot read: no arguments
+        history = doc.get("history") or []
+        finished = doc.get("status") in (SUCCEEDED, FAILED) and history and isinstance(history[-1], dict)
+        return {
+            "name": doc.get("kind"),
+            "args": args,
+            "kwargs": kwargs,
+            "worker": history[-1].get("worker") if finished else None,
+            "retries": message["headers"].get("retries"),
+            "queue": doc.get("queue"),
+        }
 
     @staticmethod
     def _meta(task_id: str, state: str, exc: BaseException) -> dict[str, Any]:
@@ -626,9 +677,14 @@ class JobResultBackend(BaseBackend):
         """Add a part to the chord's counter, once per key; the counter as it stands (None: no such chord)."""
         chord_id = f"chord:{group_id}"
         small = {"parts": 0, "members": 0}
+        counted: dict[str, Any] = {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}}
+        if self.expires:
+            # Renewed by every part, as Redis renews a chord's keys: a header that runs longer than result_expires
+            # keeps its counter while its parts keep coming.
+            counted["$set"] = self._expires_at()
         counter = self.side.find_one_and_update(
             {"_id": chord_id, "members": {"$ne": key}},
-            {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}},
+            counted,
             projection=small,
             return_document=ReturnDocument.AFTER,
         )

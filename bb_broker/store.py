@@ -74,6 +74,8 @@ UNAPPLICABLE_UPDATE = {2, 14}
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.
 DEFAULT_RETENTION = 7 * 24 * 3600.0
+#: The result backend's collection (same database) of what has no job: see results.py.
+RESULTS_COLLECTION = "bb_results"
 #: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
 RETENTION_INDEX = "bb_retention"
 RETENTION_FILTER = {"status": SUCCEEDED}

@@ -72,6 +72,20 @@ def test_parts_completing_together_send_the_callback_once(app: Celery, db: Datab
     assert sent["payload"]["args"] == [list(range(size))]
 
 
+def test_a_chords_counter_expires_result_expires_after_its_latest_part(app: Celery, db: Database):
+    """As Celery's Redis backend renews a chord's keys on every part: a header that runs longer than `result_expires`
+    keeps its counter (and so its callback) while its parts keep coming."""
+    backend = app.backend
+    backend.apply_chord(("g-long", [app.AsyncResult("t0"), app.AsyncResult("t1")]), tsum(app))
+    backend.set_chord_size("g-long", 2)
+    # The header has run for almost result_expires: the counter is about to expire.
+    soon = datetime.now(UTC) + timedelta(seconds=30)
+    db.bb_results.update_one({"_id": "chord:g-long"}, {"$set": {"expiresAt": soon}})
+    backend.on_chord_part_return(part("t0", "g-long", 0, tsum(app)), states.SUCCESS, 1)
+    expires_at = db.bb_results.find_one({"_id": "chord:g-long"})["expiresAt"].replace(tzinfo=UTC)
+    assert expires_at > datetime.now(UTC) + timedelta(minutes=59)
+
+
 def test_values_json_cannot_hold_as_bson_are_kept_encoded(app: Celery, db: Database):
     backend = app.backend
     big = 2**70  # JSON has it, BSON's integers do not

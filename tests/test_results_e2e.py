@@ -9,11 +9,13 @@ import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import ChordError, Reject, TaskRevokedError
 from celery.result import AsyncResult, GroupResult
+from click.testing import CliRunner, Result
 from kombu.exceptions import EncodeError
 from pymongo import monitoring
 from pymongo.database import Database
 
 import bb_broker
+from bb_broker.cli import main
 from bb_broker.results import JobFailed, JobResultBackend
 from tests.workers import job, producer, wait_for
 
@@ -60,6 +62,11 @@ class CommandCounter(monitoring.CommandListener):
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass
+
+
+def bb(broker_url: str, *args: str) -> Result:
+    """The `bb-broker` command, as an operator runs it."""
+    return CliRunner().invoke(main, [*args, "--broker", broker_url], catch_exceptions=False)
 
 
 def sig(app: Celery, name: str, *args, **options):
@@ -133,6 +140,48 @@ def test_unknown_ids_are_pending_and_forget_forgets(results_app, results_worker,
     assert AsyncResult(result.id, app=results_app).state == "PENDING"
     doc = job(db, result.id)
     assert doc["status"] == "succeeded" and "state" not in doc and "result" not in doc
+
+
+def test_forget_forgets_a_failure_a_revoke_and_a_cancel_until_the_job_runs_again(
+    broker_url: str, results_app, results_worker, db: Database
+):
+    """As with Celery's other backends, a forgotten result reads PENDING, whatever the task's outcome was; an
+    operator's retry runs the job again and its new outcome reads as usual."""
+    results_worker()
+    failed = results_app.send_task(T + "always_fails")
+    with pytest.raises(ValueError, match="always fails"):
+        failed.get(timeout=90)
+    revoked = results_app.send_task(T + "add", args=(1, 2), countdown=600)
+    revoked.revoke()
+    cancelled = results_app.send_task(T + "add", args=(2, 3), countdown=600)
+    wait_for(lambda: job(db, cancelled.id).get("status") == "queued", message="the job to cancel")
+    assert bb(broker_url, "cancel", cancelled.id).exit_code == 0
+    assert AsyncResult(revoked.id, app=results_app).state == "REVOKED"
+    assert AsyncResult(cancelled.id, app=results_app).state == "FAILURE"
+    for result in (failed, revoked, cancelled):
+        result.forget()
+        assert AsyncResult(result.id, app=results_app).state == "PENDING", result.id
+    assert bb(broker_url, "retry", "--id", failed.id, "--id", cancelled.id).exit_code == 0
+    with pytest.raises(ValueError, match="always fails"):
+        AsyncResult(failed.id, app=results_app).get(timeout=90)
+    assert AsyncResult(cancelled.id, app=results_app).get(timeout=60) == 5
+
+
+def test_result_extended_gives_the_tasks_name_arguments_worker_and_queue(results_app, results_worker):
+    """With `result_extended`, as Celery's Redis and MongoDB backends: read off the job, which has them all."""
+    results_app.conf.result_extended = True
+    results_worker()
+    result = results_app.send_task(T + "add", args=(2,), kwargs={"y": 3}, queue="celery")
+    assert result.get(timeout=60) == 5
+    read = AsyncResult(result.id, app=results_app)
+    assert (read.name, read.args, read.kwargs, read.queue, read.retries) == (T + "add", [2], {"y": 3}, "celery", 0)
+    assert read.worker.startswith("w0@"), read.worker
+    retried = results_app.send_task(T + "fail_until", args=(2,))
+    assert retried.get(timeout=90) == "ok"
+    assert AsyncResult(retried.id, app=results_app).retries == 1
+    huge = results_app.send_task(T + "add", args=(2**70, 1))  # a body BSON cannot hold: kept base64 on the job
+    assert huge.get(timeout=60) == 2**70 + 1
+    assert AsyncResult(huge.id, app=results_app).args == [2**70, 1]
 
 
 def test_started_and_custom_states(results_app, results_worker, db: Database):
@@ -220,6 +269,23 @@ def test_revoke_makes_get_raise(results_app, results_worker):
     with pytest.raises(TaskRevokedError):
         result.get(timeout=60)
     assert result.state == "REVOKED"
+
+
+def test_a_revoked_task_retried_by_an_operator_under_a_new_id_stays_revoked(broker_url: str, results_app, db: Database):
+    """The retry gives the job a new task id (workers remember the revoked one): the old id still reads REVOKED, as
+    Celery's states are final, and says which id the task runs as now, rather than PENDING with get() waiting for
+    ever."""
+    result = results_app.send_task(T + "add", args=(1, 2), countdown=600)
+    wait_for(lambda: job(db, result.id).get("status") == "queued", message="the job")
+    result.revoke()
+    wait_for(lambda: job(db, result.id).get("status") == "failed", message="the revoke")
+    assert bb(broker_url, "retry", "--id", result.id).exit_code == 0
+    [retried] = db.jobs.find({"status": "queued"})
+    assert retried["taskId"] != result.id
+    again = AsyncResult(result.id, app=results_app)
+    assert again.state == "REVOKED"
+    with pytest.raises(TaskRevokedError, match=retried["taskId"]):
+        again.get(timeout=10)
 
 
 def test_groups_save_restore_and_join(results_app, results_worker):
