@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import logging
 import os
@@ -287,9 +288,36 @@ TAKE_BATCH_MIN = 3
 TAKE_LEASE = 60.0
 
 
+#: The taker's mark of a message no consumer can read: later than any take's, so none takes it again (see take).
+SET_ASIDE = ObjectId("f" * 24)
+
+
+class UnreadableMessage(ValueError):
+    """A stored document holds no message Kombu can deliver (one written by hand, or by another program)."""
+
+
 def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
-    """The Kombu message a stored document holds."""
-    return loads(doc["payload"])
+    """The Kombu message a stored document holds, with what Kombu's Message reads sure to be there."""
+    try:
+        message = loads(doc["payload"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnreadableMessage(f"payload is not a JSON message: {exc}") from None
+    properties = message.get("properties") if isinstance(message, dict) else None
+    if not isinstance(properties, dict):
+        raise UnreadableMessage("payload is not a message: it needs a `properties` document")
+    if not isinstance(properties.setdefault("delivery_info", {}), dict):
+        raise UnreadableMessage("the message's delivery_info property is not a document")
+    if not isinstance(message.get("headers") or {}, dict):
+        raise UnreadableMessage("the message's headers are not a document")
+    encoding, body = properties.get("body_encoding"), message.get("body")
+    if encoding == "base64":
+        try:
+            base64.b64decode(body or "", validate=True)
+        except (TypeError, ValueError) as exc:
+            raise UnreadableMessage(f"the body is not base64: {exc}") from None
+    elif encoding not in (None, "utf-8"):
+        raise UnreadableMessage(f"unknown body_encoding {encoding!r}")
+    return message
 
 
 class MessageStore:
@@ -421,6 +449,11 @@ class MessageStore:
                     self.messages.delete_many(mine_only)
                 return head, len(ids) < limit
 
+    def set_aside(self, taken: dict[str, Any], reason: str) -> None:
+        """Store again a message taken that no consumer can read, with why, never to be taken again: it stays where
+        its sender can see it until its expiry, as an undelivered message would."""
+        self.messages.insert_one({**taken, TAKER: SET_ASIDE, "unreadable": reason})
+
     def give_back(self, taken: Iterable[dict[str, Any]]) -> None:
         """Store again messages taken and never delivered (their consumer stopped first), as they were."""
         docs = [{key: value for key, value in doc.items() if key != TAKER} for doc in taken]
@@ -428,7 +461,8 @@ class MessageStore:
             self.messages.insert_many(docs, ordered=False)
 
     def size(self, queue: str) -> int:
-        return self.messages.count_documents({"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}})
+        live = {"queue": queue, "expiresAt": {"$gt": datetime.now(UTC)}, TAKER: {"$ne": SET_ASIDE}}
+        return self.messages.count_documents(live)
 
     def purge(self, queue: str) -> int:
         return self.messages.delete_many({"queue": queue}).deleted_count

@@ -23,7 +23,7 @@ from . import connection
 from .clock import ServerClock
 from .leases import LeaseKeeper
 from .lifecycle import Policy
-from .messages import MessageStore, payload_of
+from .messages import MessageStore, UnreadableMessage, payload_of
 from .operations import Operations, revoked_task_ids
 from .pauses import PausedQueues, QueueControls
 from .payloads import (
@@ -571,19 +571,28 @@ class Channel(virtual.Channel):
         """The next plain message of `queue`: one held from a batch, else a batch of up to what the `look`'s news
         told of and the consumer has room for (the read is taken off the look)."""
         held = self._held_plain.setdefault(queue, deque())
-        if not held:
-            # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
-            room = self.qos.claimable() if queue in self._active_queues else 1
-            told = look.messages if look is not None else 0
-            wanted = int(max(min(told, room, self.max_claim_batch), 1))
-            taken, exhausted = self.plumbing.take(queue, wanted)
-            held.extend(taken)
-            if look is not None:
-                look.took("messages", len(taken), all_there_was=exhausted)
+        while True:
             if not held:
-                raise Empty()
-        stored = held.popleft()
-        return {**payload_of(stored), STORED_AS: (stored["queue"], stored["expiresAt"])}
+                # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
+                room = self.qos.claimable() if queue in self._active_queues else 1
+                told = look.messages if look is not None else 0
+                wanted = int(max(min(told, room, self.max_claim_batch), 1))
+                taken, exhausted = self.plumbing.take(queue, wanted)
+                held.extend(taken)
+                if look is not None:
+                    look.took("messages", len(taken), all_there_was=exhausted)
+                    look = None  # one read per call: the news is spent
+                if not held:
+                    raise Empty()
+            stored = held.popleft()
+            try:
+                message = payload_of(stored)
+            except UnreadableMessage as exc:
+                logger.error("message %s of queue %s cannot be delivered: %s", stored["_id"], queue, exc)
+                self.plumbing.set_aside(stored, str(exc))
+                continue
+            message["properties"].setdefault("delivery_tag", self._next_delivery_tag())
+            return {**message, STORED_AS: (stored["queue"], stored["expiresAt"])}
 
     def _claim(self, queue: str) -> dict[str, Any]:
         held = self._held.setdefault(queue, deque())

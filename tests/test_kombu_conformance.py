@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import socket
 import threading
 import uuid
@@ -344,3 +345,28 @@ def test_a_topic_message_published_after_a_queue_was_bound_elsewhere_reaches_it(
             wait_for(lambda: watch.changed_at > seen, message="the change stream told of the binding")
             producer.publish({"n": 2}, routing_key="task.sent")
         assert db.bb_messages.count_documents({"queue": "topic_other"}) == 1
+
+
+def test_hand_written_plain_messages_are_delivered_or_set_aside_never_ending_the_consumer(
+    broker_url: str, db: Database
+) -> None:
+    # What a person or another program writes into bb_messages: a message with only what Kombu's Message needs to
+    # read (no delivery tag, no delivery_info), and payloads no one can turn back into a message.
+    with kombu.Connection(broker_url) as conn, closing(conn.SimpleQueue("hand_written")) as queue:
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
+        minimal = {"body": '{"n": "minimal"}', "content-type": "application/json", "content-encoding": "utf-8"}
+        unreadable = ["{not json", '["a list"]', '{"body": "no properties"}', '{"properties": {"delivery_info": 1}}']
+        for payload in [*unreadable, json.dumps({**minimal, "properties": {}, "headers": {}})]:
+            db.bb_messages.insert_one({"queue": "hand_written", "priority": 0, "payload": payload, "expiresAt": until})
+        queue.put({"n": "published"})
+        first, second = queue.get(timeout=30), queue.get(timeout=30)
+        assert (first.payload, second.payload) == ({"n": "minimal"}, {"n": "published"})
+        assert first.delivery_tag and first.delivery_tag != second.delivery_tag
+        first.ack()
+        second.ack()
+        # Kept where they were, each with why it was not delivered, until the queue's TTL takes it; never again read.
+        aside = list(db.bb_messages.find({"queue": "hand_written"}, sort=[("_id", 1)]))
+        assert [doc["payload"] for doc in aside] == unreadable
+        assert all(doc["unreadable"] for doc in aside) and queue.qsize() == 0
+        queue.put({"n": "after"})
+        assert queue.get(timeout=30).payload == {"n": "after"}
