@@ -463,15 +463,19 @@ class Channel(virtual.Channel):
         # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
         # inserts that landed instead of writing twins.
         job_id = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, new_job_id())
-        eta = _eta(headers.get("eta"))
+        eta = _moment(headers, "eta")
+        expires = _moment(headers, "expires", strict=False)
+        if expires is not None and expires.tzinfo is not None:
+            # Stored on the server's clock, as every time here, and given to each worker on its own (see _claim).
+            headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],
             task_id=str(headers["id"]),
-            payload=to_document(message, body),
+            payload=to_document({**message, "headers": headers}, body),
             priority=priority,
             # Celery's ETA is its countdown added to this process's clock: due by the server's, as every due time.
-            run_after=None if eta is None else self.clock.from_local(eta),
+            run_after=None if eta is None else self.clock.from_local(eta if eta.tzinfo else eta.replace(tzinfo=UTC)),
             is_retry=bool(headers.get("retries")),
             job_id=job_id,
             retry_of=_retry_of(headers),
@@ -617,10 +621,15 @@ class Channel(virtual.Channel):
                 self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
-            if message["headers"].get("eta") and job.run_after is not None:
+            headers = message["headers"]
+            if headers.get("eta") and job.run_after is not None:
                 # The claim found the job due by the server's clock; the ETA is the publisher's, and Celery compares
                 # it with this process's clock: a worker whose clock is behind would wait the difference again.
-                message["headers"]["eta"] = self.clock.to_local(job.run_after).isoformat()
+                headers["eta"] = self.clock.to_local(job.run_after).isoformat()
+            expires = _moment(headers, "expires", strict=False)
+            if expires is not None and expires.tzinfo is not None:
+                # Stored on the server's clock; Celery compares it with this process's (a clock ahead expired it early).
+                headers["expires"] = self.clock.to_local(expires).isoformat()
             message["properties"]["delivery_tag"] = job.id
             # Where Kombu's messages and Celery's requests read it (delivery_info), as Kombu's Redis sets it.
             message["properties"]["delivery_info"]["redelivered"] = job.attempts > 1
@@ -748,14 +757,18 @@ def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:
     return str(job_id), int(attempts)
 
 
-def _eta(value: Any) -> datetime | None:
+def _moment(headers: dict[str, Any], name: str, *, strict: bool = True) -> datetime | None:
+    """A task message's `eta` or `expires` header as Celery writes it (ISO 8601); naive ones are left naive (Celery
+    reads them in the worker's timezone). `strict`: an unreadable one is an error, else None (left to Celery)."""
+    value = headers.get(name)
     if not value:
         return None
     try:
-        eta = datetime.fromisoformat(str(value))
+        return datetime.fromisoformat(str(value))
     except ValueError:
-        raise ValueError(f"task message has an unreadable eta header {value!r}") from None
-    return eta if eta.tzinfo else eta.replace(tzinfo=UTC)
+        if strict:
+            raise ValueError(f"task message has an unreadable {name} header {value!r}") from None
+        return None
 
 
 class Transport(virtual.Transport):

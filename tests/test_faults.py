@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -344,6 +344,25 @@ def test_a_worker_whose_clock_runs_behind_runs_a_due_countdown_task_at_once(brok
     # on the server's clock: due two seconds after it was sent, and started no earlier than that
     assert done["runAfter"] - done["createdAt"] >= timedelta(seconds=1.5), done
     assert done["history"][0]["startedAt"] >= done["runAfter"], done
+
+
+def test_a_worker_whose_clock_runs_ahead_runs_a_task_before_its_expiry(broker_url, db, worker_factory) -> None:
+    # `expires` is its publisher's clock plus the seconds given, and Celery compares it with the worker's: a worker an
+    # hour ahead revoked as expired a task with ten minutes to live.
+    worker_factory(env=skewed_clock_env("+3600s"))
+    task_id = send(producer(broker_url), "add", 2, 2, expires=600)
+    ended = wait_for(lambda: job(db, task_id).get("status") in ("succeeded", "failed") and job(db, task_id))
+    assert (ended["status"], ended["attempts"]) == ("succeeded", 1), ended
+
+
+def test_a_worker_whose_clock_runs_behind_runs_no_expired_task(broker_url, db, worker_factory) -> None:
+    # The reverse: an hour behind, the worker took a task whose expiry had passed for an hour of its own time to come.
+    task_id = send(producer(broker_url), "add", 2, 2, expires=1)
+    expires_at = datetime.now(UTC) + timedelta(seconds=1)
+    wait_for(lambda: datetime.now(UTC) > expires_at, message="the task's expiry passed")
+    worker_factory(env=skewed_clock_env("-3600s"))
+    ended = wait_for(lambda: job(db, task_id).get("status") in ("succeeded", "failed") and job(db, task_id))
+    assert (ended["status"], ended["lastError"]) == ("failed", "revoked: the task expired before it ran"), ended
 
 
 def test_a_worker_whose_clock_is_stepped_an_hour_ahead_steals_no_live_job(broker_url, db, worker_factory, tmp_path):
