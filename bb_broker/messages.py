@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection
 from pymongo.database import Database
-from pymongo.errors import BulkWriteError, ConnectionFailure, OperationFailure, PyMongoError
+from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
 from .connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
 from .store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
@@ -377,8 +378,12 @@ class MessageStore:
         soon: bool = False,
         linger: float = 0.0,
         expires_at: datetime | None = None,
+        message_id: ObjectId | None = None,
     ) -> None:
         """Store a message for `queue`; `ttl` (seconds, the message's own expiration) shortens the store's.
+
+        `message_id`: the _id its publish chose (the first try's): a publish tried again after its insert landed
+        unanswered finds that insert instead of storing a twin.
 
         `expires_at`: the expiry of a message stored before and given back (a requeue keeps it, as on RabbitMQ); one
         already past it is not stored again. `soon`: hand it to the process's outbox, which stores it in order with
@@ -392,11 +397,13 @@ class MessageStore:
         if expires_at is None:
             expires_at = now + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
         # The _id is given here: it keeps the publishing order, and makes a write tried again idempotent.
-        document = {"_id": ObjectId(), "queue": queue, "priority": priority, "payload": dumps(message)}
+        document = {"_id": message_id or ObjectId(), "queue": queue, "priority": priority, "payload": dumps(message)}
         document["expiresAt"] = expires_at
         if soon:
             Outbox.of(self.messages).add(document, linger)
-        else:
+            return
+        # A duplicate _id (the only unique key): an earlier try of this publish stored it, and its answer was lost.
+        with contextlib.suppress(DuplicateKeyError):
             self.messages.insert_one(document)
 
     def get(self, queue: str) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from time import monotonic, sleep
 from typing import Any
 
 import pymongo
+from bson import ObjectId
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
@@ -451,8 +452,11 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], linger: float = 0.0, **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
+            message, message_id = _plain_publish(message, queue)
             soon = _on_a_loop_thread()
-            self.plumbing.put(queue, message, priority, ttl=_expiration(message), soon=soon, linger=linger)
+            self.plumbing.put(
+                queue, message, priority, ttl=_expiration(message), soon=soon, linger=linger, message_id=message_id
+            )
             return
         properties = message["properties"]
         body = self.decode_body(message["body"], properties.get("body_encoding"))
@@ -485,7 +489,9 @@ class Channel(virtual.Channel):
         self._revoke_durably(message)
         priority = self._get_message_priority(message)
         for queue in {queue for _, _, queue in self.get_table(exchange)}:
-            self.plumbing.put(queue, message, priority, ttl=_expiration(message), soon=_on_a_loop_thread())
+            stored, message_id = _plain_publish(message, queue)
+            ttl = _expiration(message)
+            self.plumbing.put(queue, stored, priority, ttl=ttl, soon=_on_a_loop_thread(), message_id=message_id)
 
     def _revoke_durably(self, message: dict[str, Any]) -> None:
         """A revoke broadcast (app.control.revoke, Flower's button) fails the tasks' queued jobs before it goes out,
@@ -746,6 +752,18 @@ def _expiration(message: dict[str, Any]) -> float | None:
         return max(float(value) / 1000.0, 0.0)
     except (TypeError, ValueError):
         raise ValueError(f"message has an unreadable expiration property {value!r}") from None
+
+
+def _plain_publish(message: dict[str, Any], queue: str) -> tuple[dict[str, Any], ObjectId]:
+    """The plain message to store for `queue`, and the _id this publish chose for it there.
+
+    Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the same
+    properties dict: the _id kept there, one per queue, lets the retry find the insert that landed instead of
+    storing a twin. It is never stored in the message."""
+    properties = message.get("properties") or {}
+    chosen = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, str(ObjectId()))
+    stored = {k: v for k, v in properties.items() if k != PUBLISH_ID_PROPERTY}
+    return {**message, "properties": stored}, ObjectId(chosen)
 
 
 def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:

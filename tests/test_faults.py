@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import kombu
 import pytest
 from pymongo import MongoClient
 
@@ -120,6 +122,28 @@ def command_on(command: str, collection: str) -> bytes:
     """The bytes that open `command` on `collection` in a wire message (its first field, a BSON string)."""
     name = collection.encode() + b"\x00"
     return b"\x02" + command.encode() + b"\x00" + len(name).to_bytes(4, "little") + name
+
+
+@pytest.mark.parametrize("kind", ["direct", "fanout"])
+def test_a_plain_publish_retried_after_its_insert_landed_unseen_stores_one_message(own_server, kind: str) -> None:
+    # As for task messages: the server stores the insert and its answer is lost, to pymongo's own retry and then
+    # to Kombu's retry of the publish (retry=True). Each queue must hold the message once, not once per try.
+    client = MongoClient(own_server.url, tz_aware=True)
+    proxy = AnswerDroppingProxy(own_server.url)
+    exchange = kombu.Exchange(f"plain_twins_{kind}", type=kind)
+    queues = [
+        kombu.Queue(f"plain_twins_{kind}_{n}", exchange, routing_key="twins")
+        for n in range(2 if kind == "fanout" else 1)
+    ]
+    with kombu.Connection(with_database(proxy.url, "plain_twins") + "?directConnection=true") as conn:
+        producer = kombu.Producer(conn.channel(), exchange=exchange, routing_key="twins")
+        producer.publish({"n": 0}, declare=list(queues), retry=True)  # connected, indexes made
+        proxy.drop_the_answers_to(command_on("insert", "bb_messages"), times=2)
+        producer.publish({"n": 1}, retry=True, retry_policy={"interval_start": 0, "max_retries": 5})
+        assert proxy.dropped == 2
+    for queue in queues:
+        stored = client.plain_twins.bb_messages.find({"queue": queue.name}, sort=[("_id", 1)])
+        assert [json.loads(base64.b64decode(payload_of(doc)["body"])) for doc in stored] == [{"n": 0}, {"n": 1}]
 
 
 @pytest.mark.parametrize("lost_answer", [command_on("update", "bb_messages"), command_on("delete", "bb_messages")])
