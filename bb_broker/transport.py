@@ -384,13 +384,19 @@ class Channel(virtual.Channel):
     # plain message), so every queue reads, counts and purges both collections: what a queue holds never depends
     # on which channel, connection or process declared it.
 
+    # What this channel's consumer read ahead in a batch and has not delivered is still the queue's: counted, and
+    # purged or deleted with the rest (given back first) rather than delivered after the queue was emptied.
+
     def _size(self, queue: str) -> int:
-        return self.plumbing.size(queue) + self.jobs.queued_count(queue)
+        read_ahead = len(self._held_plain.get(queue, ())) + len(self._held.get(queue, ()))
+        return self.plumbing.size(queue) + self.jobs.queued_count(queue) + read_ahead
 
     def _purge(self, queue: str) -> int:
+        self._give_back(queue)
         return self.plumbing.purge(queue) + self.jobs.purge_queued(queue)
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self._give_back(queue)
         self.plumbing.delete_queue(queue)
         self.jobs.purge_queued(queue)
         self._plain_queues.discard(queue)

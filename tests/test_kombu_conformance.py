@@ -370,3 +370,30 @@ def test_hand_written_plain_messages_are_delivered_or_set_aside_never_ending_the
         assert all(doc["unreadable"] for doc in aside) and queue.qsize() == 0
         queue.put({"n": "after"})
         assert queue.get(timeout=30).payload == {"n": "after"}
+
+
+def test_a_simple_queue_cleared_after_a_get_is_empty_though_its_consumer_read_ahead(
+    broker_url: str, db: Database
+) -> None:
+    # A consumer reads plain messages in batches and delivers them one by one: those read and not yet delivered are
+    # still the queue's. qsize() counts them, clear() (queue_purge) purges them and says so, and queue_delete deletes
+    # them: none is delivered afterwards, nor stored again when the consumer closes.
+    with kombu.Connection(broker_url) as conn:
+        with closing(conn.SimpleQueue("cleared")) as queue:
+            for i in range(5):
+                queue.put({"n": i})
+            queue.get(timeout=30).ack()
+            assert queue.qsize() == 4
+            assert queue.clear() == 4
+            assert queue.qsize() == 0
+            queue.put({"n": "after"})
+            assert queue.get(timeout=30).payload == {"n": "after"}
+        assert db.bb_messages.count_documents({"queue": "cleared"}) == 0
+        with closing(conn.SimpleQueue("deleted")) as queue:
+            for i in range(5):
+                queue.put({"n": i})
+            queue.get(timeout=30).ack()
+            queue.consumer.channel.queue_delete("deleted")
+            queue.put({"n": "after"})
+            assert queue.get(timeout=30).payload == {"n": "after"}
+        assert db.bb_messages.count_documents({"queue": "deleted"}) == 0
