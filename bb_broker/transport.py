@@ -16,6 +16,7 @@ from typing import Any
 
 import pymongo
 from bson import ObjectId
+from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
@@ -408,6 +409,18 @@ class Channel(virtual.Channel):
             return
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
+
+    def exchange_declare(self, exchange: str | None = None, type: str = "direct", **kwargs: Any) -> None:  # noqa: A002 (Kombu's name)
+        # Kombu's virtual channel takes any type and fails each later bind and publish with a bare KeyError.
+        if not kwargs.get("passive") and (type or "direct") not in self.exchange_types:
+            raise ChannelError(
+                f"NOT_IMPLEMENTED - exchange type {type!r} of exchange {exchange!r}: bbmongo:// routes "
+                f"{', '.join(sorted(self.exchange_types))} exchanges",
+                (40, 10),
+                "Channel.exchange_declare",
+                "540",
+            )
+        super().exchange_declare(exchange, type, **kwargs)
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
         super().exchange_delete(exchange, if_unused=if_unused, nowait=nowait)

@@ -13,6 +13,7 @@ from decimal import Decimal
 import kombu
 import pytest
 from bson import ObjectId
+from kombu.exceptions import ChannelError
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
@@ -397,3 +398,19 @@ def test_a_simple_queue_cleared_after_a_get_is_empty_though_its_consumer_read_ah
             queue.put({"n": "after"})
             assert queue.get(timeout=30).payload == {"n": "after"}
         assert db.bb_messages.count_documents({"queue": "deleted"}) == 0
+
+
+def test_an_exchange_type_the_transport_does_not_route_is_refused_when_declared(broker_url: str, db: Database) -> None:
+    # A headers exchange (RabbitMQ has one) was taken, then every bind and publish through it failed with a bare
+    # KeyError('headers'): the declare says what is wrong, and nothing is stored for it.
+    exchange = kombu.Exchange("by_headers", type="headers")
+    refused = r"exchange type 'headers' .*direct, fanout, topic"
+    with kombu.Connection(broker_url) as conn:
+        channel = conn.channel()
+        with pytest.raises(ChannelError, match=refused):
+            exchange(channel).declare()
+        with pytest.raises(ChannelError, match=refused):
+            kombu.Queue("by_headers", exchange, binding_arguments={"x-match": "all", "k": "v"}).declare(channel=channel)
+        with pytest.raises(ChannelError, match=refused):
+            kombu.Producer(channel, exchange=exchange).publish({"n": 1}, headers={"k": "v"})
+    assert db.bb_bindings.count_documents({}) == 0 and db.bb_messages.count_documents({}) == 0
