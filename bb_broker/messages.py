@@ -480,6 +480,11 @@ class MessageStore:
         self._table_cache.pop(exchange, None)
         self._watch.changed()  # the tables other connections of this process keep are read again
 
+    def unbind(self, exchange: str, routing_key: str, queue: str) -> None:
+        self.bindings.delete_one({"exchange": exchange, "routing_key": routing_key, "queue": queue})
+        self._table_cache.pop(exchange, None)
+        self._watch.changed()  # the tables other connections of this process keep are read again
+
     def table(self, exchange: str, max_age: float = 0.0) -> list[tuple[str, str, str]]:
         """The bindings of an exchange, as kombu's (routing_key, pattern, queue) rows.
 

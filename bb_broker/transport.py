@@ -409,6 +409,21 @@ class Channel(virtual.Channel):
             return
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
+        # Kombu keeps this connection's bindings in each exchange's table too, which routes as the stored ones do.
+        for exchange in self.state.exchanges.values():
+            exchange["table"] = [row for row in exchange.get("table", []) if row[2] != queue]
+
+    def queue_unbind(
+        self, queue: str, exchange: str | None = None, routing_key: str = "", arguments: Any = None, **kwargs: Any
+    ) -> None:
+        # Kombu's removes the binding from a copy of the table: here it goes from the stored bindings every connection
+        # routes by, and from this connection's own table.
+        exchange = exchange or "amq.direct"
+        self.state.binding_delete(queue, exchange, routing_key)
+        row = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+        if (declared := self.state.exchanges.get(exchange)) is not None:
+            declared["table"] = [kept for kept in declared.get("table", []) if tuple(kept) != tuple(row)]
+        self.plumbing.unbind(exchange, routing_key, queue)
 
     def exchange_declare(self, exchange: str | None = None, type: str = "direct", **kwargs: Any) -> None:  # noqa: A002 (Kombu's name)
         # Kombu's virtual channel takes any type and fails each later bind and publish with a bare KeyError.

@@ -395,6 +395,9 @@ def test_a_simple_queue_cleared_after_a_get_is_empty_though_its_consumer_read_ah
                 queue.put({"n": i})
             queue.get(timeout=30).ack()
             queue.consumer.channel.queue_delete("deleted")
+            queue.put({"n": "unrouted"})  # its binding went too, also from this connection's own table
+            assert queue.qsize() == 0
+            queue.consumer.declare()  # the queue again, bound again
             queue.put({"n": "after"})
             assert queue.get(timeout=30).payload == {"n": "after"}
         assert db.bb_messages.count_documents({"queue": "deleted"}) == 0
@@ -414,3 +417,20 @@ def test_an_exchange_type_the_transport_does_not_route_is_refused_when_declared(
         with pytest.raises(ChannelError, match=refused):
             kombu.Producer(channel, exchange=exchange).publish({"n": 1}, headers={"k": "v"})
     assert db.bb_bindings.count_documents({}) == 0 and db.bb_messages.count_documents({}) == 0
+
+
+def test_a_queue_unbound_from_an_exchange_gets_nothing_more_through_it(broker_url: str, db: Database) -> None:
+    # Queue.unbind_from (queue_unbind) left the stored binding, and this connection's own copy of it: the queue kept
+    # getting what the exchange routed, from every connection.
+    exchange = kombu.Exchange("unbound", type="fanout")
+    with kombu.Connection(broker_url) as conn, kombu.Connection(broker_url) as publisher:
+        channel = conn.channel()
+        queue = kombu.Queue("unbound_member", exchange)(channel)
+        queue.declare()
+        kombu.Producer(channel, exchange=exchange).publish({"n": "bound"})
+        queue.unbind_from(exchange)
+        for on in (publisher, conn):  # another connection, and the one that had bound it
+            kombu.Producer(on.channel(), exchange=exchange).publish({"n": "after"})
+        assert queue.get(no_ack=True).payload == {"n": "bound"}
+        assert queue.get(no_ack=True) is None
+    assert db.bb_bindings.count_documents({}) == 0
