@@ -338,6 +338,8 @@ class Channel(virtual.Channel):
         #: Queues declared here as auto-delete or bound to a fanout exchange: messages, not jobs, are expected
         #: there. Only a hint for the order of the reads and for wake-ups: every queue reads both collections.
         self._plain_queues: set[str] = set()
+        #: Queues declared here as auto-delete: deleted when this channel's last consumer of one is cancelled.
+        self._auto_delete_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
@@ -377,6 +379,7 @@ class Channel(virtual.Channel):
         # Celery's own plumbing queues (remote control, replies, events) are auto-delete; task queues are not.
         if kwargs.get("auto_delete"):
             self._plain_queues.add(queue)
+            self._auto_delete_queues.add(queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return True
@@ -401,6 +404,7 @@ class Channel(virtual.Channel):
         self.plumbing.delete_queue(queue)
         self.jobs.purge_queued(queue)
         self._plain_queues.discard(queue)
+        self._auto_delete_queues.discard(queue)
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any) -> None:
         # Kombu deletes only through the bindings this channel declared: here the queue is deleted whoever declared
@@ -751,7 +755,25 @@ class Channel(virtual.Channel):
             self.connection.consumers_changed()
         if queue is not None:
             self._give_back(queue)
+            if queue in self._auto_delete_queues and queue not in self._active_queues:
+                self._unbind_from_broadcasts(queue)
         return result
+
+    def _unbind_from_broadcasts(self, queue: str) -> None:
+        """An auto-delete queue whose last consumer here was cancelled leaves the fanout and topic exchanges it was
+        bound to: left bound, a stopped event receiver's queue (Flower, `celery events`) was stored a copy of every
+        event published after it, for ever. RabbitMQ deletes the queue; its messages stay here until they expire,
+        for a consumer that reads it again (Celery's rpc:// results queue is cancelled after each result)."""
+        for exchange, routing_key, arguments in list(self.state.queue_bindings(queue)):
+            if self.typeof(exchange).type not in ("fanout", "topic"):
+                continue
+            try:
+                with connection.shutdown_patience():  # best effort: a consumer cancelled as its server went away
+                    self.queue_unbind(queue, exchange, routing_key, arguments)
+            except PyMongoError as exc:
+                logger.warning(
+                    "could not unbind auto-delete queue %s from %s (%s)", queue, exchange, type(exc).__name__
+                )
 
     def close(self) -> None:
         if self._ahead is not None:

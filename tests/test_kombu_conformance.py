@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import socket
@@ -434,3 +435,25 @@ def test_a_queue_unbound_from_an_exchange_gets_nothing_more_through_it(broker_ur
         assert queue.get(no_ack=True).payload == {"n": "bound"}
         assert queue.get(no_ack=True) is None
     assert db.bb_bindings.count_documents({}) == 0
+
+
+def test_an_auto_delete_queue_goes_with_its_consumer_and_gets_no_more_copies(broker_url: str, db: Database) -> None:
+    # Each event receiver (Flower, `celery events`) reads Celery's events through an auto-delete queue of its own bound
+    # to the topic exchange. Once it stopped, the queue stayed bound, and every later event was stored for it too: one
+    # more copy of each event per receiver that ever ran. As RabbitMQ deletes an auto-delete queue with its consumer,
+    # it leaves the exchange; what it was sent before stays until it expires.
+    exchange = kombu.Exchange("events_gone", type="topic")
+    receiver = kombu.Queue("receiver_gone", exchange, routing_key="#", auto_delete=True)
+    kept = kombu.Queue("receiver_kept", exchange, routing_key="#")  # not auto-delete: stays bound with its messages
+    with kombu.Connection(broker_url) as conn, kombu.Connection(broker_url) as publisher:
+        with kombu.Consumer(conn, [receiver, kept], callbacks=[lambda body, message: message.ack()]):
+            kombu.Producer(publisher.channel(), exchange=exchange).publish({"n": "while consumed"}, routing_key="a.b")
+        for on in (publisher, conn):  # another connection, and the one that had bound it
+            kombu.Producer(on.channel(), exchange=exchange).publish({"n": "after"}, routing_key="a.b")
+    assert db.bb_bindings.distinct("queue") == ["receiver_kept"]
+    stored = sorted(
+        (doc["queue"], json.loads(base64.b64decode(payload_of(doc)["body"]))["n"]) for doc in db.bb_messages.find()
+    )
+    assert stored == [("receiver_gone", "while consumed")] + [("receiver_kept", "after")] * 2 + [
+        ("receiver_kept", "while consumed")
+    ]
