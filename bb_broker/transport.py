@@ -338,7 +338,7 @@ class Channel(virtual.Channel):
         #: Queues declared here as auto-delete or bound to a fanout exchange: messages, not jobs, are expected
         #: there. Only a hint for the order of the reads and for wake-ups: every queue reads both collections.
         self._plain_queues: set[str] = set()
-        #: Queues declared here as auto-delete: deleted when this channel's last consumer of one is cancelled.
+        #: Queues declared here as auto-delete: they leave fanout and topic exchanges with their last consumer here.
         self._auto_delete_queues: set[str] = set()
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
