@@ -11,9 +11,11 @@ from datetime import datetime
 from functools import wraps
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery import signals, states
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
+from celery.worker.request import Request
 from kombu.exceptions import EncodeError
 
 from . import connection, metrics
@@ -351,6 +353,28 @@ def _explain_rejection(message: Any, reason: str) -> None:
         message.rejection_reason = reason
 
 
+def explain_lost_pool_processes() -> None:
+    """Give the message of a task whose pool process died the reason, before Celery rejects it (idempotent).
+
+    With `acks_late` and `reject_on_worker_lost` Celery rejects such a message with requeue and reports no
+    failure: the rejection is all the job hears, and its lastError and history must name the WorkerLostError."""
+    if getattr(Request.on_failure, "bb_broker_explains", False):
+        return
+    on_failure = Request.on_failure
+
+    @wraps(on_failure)
+    def on_failure_explained(self: Request, exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+        message = getattr(self, "message", None)
+        if isinstance(exc, WorkerLostError) and hasattr(message, "rejection_reason"):
+            message.rejection_reason = describe_error(exc)
+        return on_failure(self, exc_info, *args, **kwargs)
+
+    on_failure_explained.bb_broker_explains = True  # type: ignore[attr-defined]
+    Request.on_failure = on_failure_explained  # type: ignore[method-assign]
+
+
 def _reserved_jobs() -> list[str]:
     # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
     held = (getattr(request, "request_dict", None) or {} for request in list(worker_state.reserved_requests))
@@ -410,6 +434,8 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     guard_pool_queue()
     # Before the pool forks and the consumer builds its tracers (each takes `task.run` as it is then).
     retry_failed_attempts(sender.app)
+    # The main process settles the requests of pool processes that died.
+    explain_lost_pool_processes()
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
 

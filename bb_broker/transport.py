@@ -126,8 +126,9 @@ class JobQoS(virtual.QoS):
             return super().reject(delivery_tag, requeue=requeue)
         if requeue:
             # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message
-            # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever.
-            self._fail(message, REQUEUED, backoff=False)
+            # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
+            # reason is the message's own when it has one (celery_hooks names a lost pool process).
+            self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
         elif getattr(_delivering, "active", False):
             # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
             # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.

@@ -354,3 +354,12 @@ def reject_for_good(self):
 
     record(self)
     raise Reject("bad input", requeue=False)
+
+
+@app.task(bind=True, acks_late=True, reject_on_worker_lost=True)
+def lost_and_requeued(self, succeed_on_attempt):
+    """Its pool process dies until `succeed_on_attempt`; Celery then rejects its message with requeue."""
+    record(self)
+    if self.request.bb_attempts < succeed_on_attempt:
+        os._exit(1)
+    return "ok"

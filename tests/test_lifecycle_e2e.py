@@ -251,3 +251,19 @@ def test_a_task_that_rejects_its_message_without_requeue_never_runs_again(app, d
     assert failed["attempts"] == 1 and "bad input" in failed["lastError"], failed
     assert outcomes(db, task_id) == ["failed"]
     assert db.runs.count_documents({"taskId": task_id}) == 1
+
+
+@PREFORK_ONLY
+def test_a_lost_pool_process_says_so_when_celery_rejects_its_message(app, db, worker_factory) -> None:
+    # acks_late with reject_on_worker_lost: Celery rejects the message of a task whose pool process died, with
+    # requeue, and reports no failure, so the rejection is all the job hears of it.
+    worker_factory()
+    recovers, doomed = send(app, "lost_and_requeued", 2), send(app, "lost_and_requeued", 99)
+
+    done = wait_for(settled(db, recovers, "succeeded"), timeout=120, message="the requeued task ran again")
+    [lost, ran] = done["history"]
+    assert lost["outcome"] == "failed" and lost["error"].startswith("WorkerLostError: "), lost
+    assert ran["outcome"] == "succeeded" and done["attempts"] == 2
+    failed = wait_for(settled(db, doomed, "failed"), timeout=120, message="the requeued task used its attempts")
+    assert failed["attempts"] == 3 and failed["lastError"].startswith("WorkerLostError: "), failed
+    assert all(a["error"].startswith("WorkerLostError: ") for a in failed["history"])
