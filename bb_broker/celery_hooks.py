@@ -13,6 +13,7 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery import signals, states
+from celery.backends.base import BaseBackend
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
 from celery.worker.request import Request
@@ -375,6 +376,46 @@ def explain_lost_pool_processes() -> None:
     Request.on_failure = on_failure_explained  # type: ignore[method-assign]
 
 
+def runs_again(app: Any, request: Any, exc: BaseException) -> bool:
+    """True when the broker runs the job of this failed request again: the failure is not the task's last."""
+    store, job = store_for(app), job_of(request) if request is not None else None
+    if store is None or job is None or getattr(request, "is_eager", False):
+        return False
+    return retry_countdown(store.policy, job[1], retryable=is_retryable(request, exc)) is not None
+
+
+def keep_failures_the_broker_retries_from_celery() -> None:
+    """Make Celery's result backends store RETRY, not FAILURE, for a failure the broker runs again (idempotent).
+
+    A failure Celery reports from outside the task (a pool process that died, a hard time limit) reaches the result
+    backend's mark_as_failure, which also runs the task's errbacks, fails its chain and counts its chord part: those
+    belong to the job's last failure, as with a task's exception (retry_failed_attempts). The bbmongo:// backend
+    decides this itself (results.py); this covers every other backend, and no backend at all."""
+    if getattr(BaseBackend.mark_as_failure, "bb_broker_retries", False):
+        return
+    mark_as_failure = BaseBackend.mark_as_failure
+
+    @wraps(mark_as_failure)
+    def mark_as_failure_unless_retried(
+        self: BaseBackend,
+        task_id: str,
+        exc: BaseException,
+        traceback: str | None = None,
+        request: Any = None,
+        store_result: bool = True,
+        call_errbacks: bool = True,
+        state: str = states.FAILURE,
+    ) -> Any:
+        if state == states.FAILURE and runs_again(self.app, request, exc):
+            if store_result:
+                self.mark_as_retry(task_id, exc, traceback, request=request)
+            return None
+        return mark_as_failure(self, task_id, exc, traceback, request, store_result, call_errbacks, state)
+
+    mark_as_failure_unless_retried.bb_broker_retries = True  # type: ignore[attr-defined]
+    BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]
+
+
 def _reserved_jobs() -> list[str]:
     # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
     held = (getattr(request, "request_dict", None) or {} for request in list(worker_state.reserved_requests))
@@ -434,8 +475,9 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     guard_pool_queue()
     # Before the pool forks and the consumer builds its tracers (each takes `task.run` as it is then).
     retry_failed_attempts(sender.app)
-    # The main process settles the requests of pool processes that died.
+    # What the main process reports of a task (its pool process died, a hard time limit) is right for the job.
     explain_lost_pool_processes()
+    keep_failures_the_broker_retries_from_celery()
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
 

@@ -363,3 +363,12 @@ def lost_and_requeued(self, succeed_on_attempt):
     if self.request.bb_attempts < succeed_on_attempt:
         os._exit(1)
     return "ok"
+
+
+@app.task(bind=True)
+def exits_until(self, succeed_on_attempt):
+    """Its pool process dies until `succeed_on_attempt`: the worker's main process reports the WorkerLostError."""
+    record(self)
+    if self.request.bb_attempts < succeed_on_attempt:
+        os._exit(1)
+    return "ok"

@@ -267,3 +267,21 @@ def test_a_lost_pool_process_says_so_when_celery_rejects_its_message(app, db, wo
     failed = wait_for(settled(db, doomed, "failed"), timeout=120, message="the requeued task used its attempts")
     assert failed["attempts"] == 3 and failed["lastError"].startswith("WorkerLostError: "), failed
     assert all(a["error"].startswith("WorkerLostError: ") for a in failed["history"])
+
+
+@PREFORK_ONLY
+def test_a_lost_or_overrun_attempt_the_broker_runs_again_runs_no_errback(app, db, worker_factory) -> None:
+    # The worker's main process reports these failures to Celery's result backend (here none: Celery's disabled
+    # one), whose mark_as_failure runs the errbacks: only the job's last failure may.
+    worker_factory(options={"max_attempts": 2, "backoff_base": 1.5})
+    errback = app.signature(T + "note_error")
+    recovers = send(app, "exits_until", 2, link_error=errback)
+    overruns = send(app, "overrun", link_error=errback)
+
+    wait_for(settled(db, recovers, "succeeded"), timeout=90, message="the task whose first process died")
+    wait_for(settled(db, overruns, "failed"), timeout=90, message="the task that overran twice")
+    wait_for(lambda: db.runs.find_one({"name": T + "note_error"}), message="the overrun task's errback")
+    errbacks = list(db.runs.find({"name": T + "note_error"}))
+    assert {e["failed"] for e in errbacks} == {overruns}  # never for the task that succeeded in the end
+    last_start = max(r["at"] for r in db.runs.find({"taskId": overruns}))
+    assert all(e["at"] > last_start for e in errbacks)  # none for the first attempt, which the broker ran again
