@@ -13,10 +13,8 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery import signals, states
-from celery.backends.base import BaseBackend
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
-from celery.worker.request import Request
 from kombu.exceptions import EncodeError
 
 from . import connection, metrics
@@ -359,6 +357,8 @@ def explain_lost_pool_processes() -> None:
 
     With `acks_late` and `reject_on_worker_lost` Celery rejects such a message with requeue and reports no
     failure: the rejection is all the job hears, and its lastError and history must name the WorkerLostError."""
+    from celery.worker.request import Request  # here: this module is imported while `celery` itself is
+
     if getattr(Request.on_failure, "bb_broker_explains", False):
         return
     on_failure = Request.on_failure
@@ -391,6 +391,8 @@ def keep_failures_the_broker_retries_from_celery() -> None:
     backend's mark_as_failure, which also runs the task's errbacks, fails its chain and counts its chord part: those
     belong to the job's last failure, as with a task's exception (retry_failed_attempts). The bbmongo:// backend
     decides this itself (results.py); this covers every other backend, and no backend at all."""
+    from celery.backends.base import BaseBackend  # here: this module is imported while `celery` itself is
+
     if getattr(BaseBackend.mark_as_failure, "bb_broker_retries", False):
         return
     mark_as_failure = BaseBackend.mark_as_failure

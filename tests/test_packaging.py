@@ -1,4 +1,4 @@
-"""The distribution: the wheel ships the `bb_broker` library only, never the checkout's example app."""
+"""The distribution: the wheel ships `bb_broker` only, never the checkout's example app, and it imports cleanly."""
 
 from __future__ import annotations
 
@@ -37,3 +37,12 @@ def test_the_example_app_is_found_from_the_checkout_and_the_compose_image() -> N
     # ... and the compose image, which installs the wheel, puts it on PYTHONPATH outside site-packages.
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     assert "COPY celery_app /app/celery_app" in dockerfile and "PYTHONPATH=/app" in dockerfile
+
+
+def test_bb_broker_imported_first_lets_any_celery_module_be_imported_next() -> None:
+    # bb_broker hooks into celery.signals as Celery imports it: what the hook imports must not need the Celery
+    # modules still being imported (celery.result -> celery.app -> celery.signals -> hook -> celery.result).
+    for module in ("celery.result", "celery.contrib.testing.manager", "celery.canvas", "celery.app", "celery"):
+        code = f"import bb_broker, {module}, bb_broker.celery_hooks"
+        imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert imported.returncode == 0, f"{code}:\n{imported.stderr}"
