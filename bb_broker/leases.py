@@ -6,12 +6,14 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable
 
+import pymongo
 from pymongo.errors import PyMongoError
 
 from .connection import shutdown_patience
-from .store import JobStore
+from .store import JobStore, passes_with_time
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,77 @@ _process_sources: list[LiveJobs] = []
 def add_process_source(source: LiveJobs) -> None:
     if source not in _process_sources:
         _process_sources.append(source)
+
+
+#: Seconds between tries of the releases a server that did not answer left to do (see release_later).
+RELEASE_RETRY_INTERVAL = 1.0
+
+StoreKey = tuple[int, str]
+
+#: Per (client, jobs collection): the jobs this process gave back while the server did not answer (a consumer
+#: closed by a lost connection), job id -> the attempt its claim made. They stay `running` in this process's name
+#: until the release is made: the lease keeper of that collection makes it once the server answers.
+_unreleased: dict[StoreKey, dict[str, int]] = {}
+_unreleased_lock = threading.Lock()
+#: One round of those releases at a time: a consumer starting to claim waits for the round on its way.
+_giving_back = threading.Lock()
+
+
+def _store_key(store: JobStore) -> StoreKey:
+    # No server call (the server may be gone): this process's clients live as long as it does (connection.py).
+    return id(store.coll.database.client), store.coll.full_name
+
+
+def release_later(store: JobStore, job_id: str, attempts: int) -> None:
+    """Keep a release the server did not answer, to be made once it does (give_back_unreleased)."""
+    with _unreleased_lock:
+        _unreleased.setdefault(_store_key(store), {})[job_id] = attempts
+
+
+def unreleased(store: JobStore) -> list[str]:
+    """The ids of the jobs whose release waits for the server: their lease is kept fresh meanwhile."""
+    with _unreleased_lock:
+        return list(_unreleased.get(_store_key(store), {}))
+
+
+def give_back_unreleased(store: JobStore, owner: str, *, live: Collection[str] = (), wait: float | None = None) -> int:
+    """Make the releases kept by release_later; returns how many jobs went back to the queue.
+
+    Each release is fenced on the claim it gives back (its attempt and `owner`): a job the stale sweep or another
+    worker took since is left alone. A job `live` in this process again is kept for later: its claim may be new.
+    `wait`: the most seconds to wait for a round another thread is making. Raises the error of a server that still
+    does not answer; what was not released stays kept."""
+    if not _giving_back.acquire(timeout=-1 if wait is None else wait):
+        return 0
+    try:
+        return _give_back(_store_key(store), store, owner, live)
+    finally:
+        _giving_back.release()
+
+
+def _give_back(key: StoreKey, store: JobStore, owner: str, live: Collection[str]) -> int:
+    with _unreleased_lock:
+        pending = _unreleased.pop(key, {})
+    released = 0
+    try:
+        for job_id, attempts in list(pending.items()):
+            if job_id in live:
+                continue
+            try:
+                released += store.release(job_id, attempts, owner=owner)
+            except PyMongoError as exc:
+                if passes_with_time(exc):
+                    raise
+                logger.warning("could not give back job %s (%s); the stale sweep will", job_id, type(exc).__name__)
+            del pending[job_id]
+    finally:
+        if pending:
+            with _unreleased_lock:
+                kept = _unreleased.setdefault(key, {})
+                _unreleased[key] = {**pending, **kept}  # one kept meanwhile is the newer claim
+    if released:
+        logger.info("gave back %d jobs that never started, now that the server answers", released)
+    return released
 
 
 class LeaseKeeper:
@@ -86,8 +159,15 @@ class LeaseKeeper:
             ids.update(_snapshot(source))
         return ids
 
+    def give_back_unreleased(self, wait: float | None = None) -> int:
+        return give_back_unreleased(self.store, self.owner, live=self.live_jobs(), wait=wait)
+
     def tick(self, *, sweep: bool) -> None:
-        self.store.heartbeat(self.live_jobs(), self.owner)
+        # The releases the server missed come first: before this process's sweep (or the next one) could take
+        # those jobs as lost; until they are made, their leases are kept fresh.
+        if unreleased(self.store) and self._server_answers():
+            self.give_back_unreleased()
+        self.store.heartbeat(self.live_jobs().union(unreleased(self.store)), self.owner)
         if sweep:
             self.store.requeue_stale()
             for expire in list(self._expiries):
@@ -104,8 +184,29 @@ class LeaseKeeper:
                 self.tick(sweep=sweep)
             except PyMongoError as exc:
                 logger.warning("lease upkeep failed, will try again: %s", type(exc).__name__)
-            self._done.wait(policy.heartbeat_interval)
+            self._wait(policy.heartbeat_interval)
             elapsed += policy.heartbeat_interval
+
+    def _wait(self, seconds: float) -> None:
+        """Wait until the next tick, giving back meanwhile, as soon as the server answers, what it missed."""
+        deadline = time.monotonic() + seconds
+        while not self._done.wait(min(RELEASE_RETRY_INTERVAL, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline:
+                return
+            if unreleased(self.store) and self._server_answers():
+                try:
+                    self.give_back_unreleased()
+                except PyMongoError as exc:
+                    logger.warning("could not give back the jobs a lost connection held (%s)", type(exc).__name__)
+
+    def _server_answers(self) -> bool:
+        # A quiet look first: a release tried on a server that is still gone retries (and says so) for a minute.
+        try:
+            with pymongo.timeout(RELEASE_RETRY_INTERVAL):
+                self.store.coll.database.command("ping")
+        except PyMongoError:
+            return False
+        return True
 
 
 def _snapshot(source: LiveJobs) -> list[str]:
@@ -120,8 +221,11 @@ def _snapshot(source: LiveJobs) -> list[str]:
 
 def _forget_parent_keepers() -> None:
     # The keeper thread does not survive a fork; a child that consumes starts its own.
+    global _unreleased_lock, _giving_back
     LeaseKeeper._keepers = {}
     LeaseKeeper._registry_lock = threading.Lock()
+    _unreleased.clear()  # the parent's claims, on the parent's clients
+    _unreleased_lock, _giving_back = threading.Lock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_parent_keepers)

@@ -600,12 +600,15 @@ class JobStore:
             )
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)
 
-    def release(self, job_id: str, attempts: int) -> bool:
+    def release(self, job_id: str, attempts: int, *, owner: str | None = None) -> bool:
         """Give back a job that never started (prefetched, then the worker stopped): no attempt used.
 
         The job reads as before the claim: its `startedAt` is again its previous attempt's (from that attempt's
-        history entry), or none when it had no attempt (or no entry of it)."""
-        held = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        history entry), or none when it had no attempt (or no entry of it). `owner`: fenced on the lease too (a
+        release made late, once the server answers again)."""
+        held: dict[str, Any] = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        if owner is not None:
+            held["leaseOwner"] = owner
         doc = self._through_outages(lambda: self.coll.find_one(held, {"history": {"$slice": -1}}))
         if doc is None:
             return False
@@ -617,11 +620,14 @@ class JobStore:
             changes["startedAt"] = previous_start
         else:
             unset["startedAt"] = ""
-        return self._settle(job_id, attempts, {"$set": changes, "$inc": {"attempts": -1}, "$unset": unset})
+        update = {"$set": changes, "$inc": {"attempts": -1}, "$unset": unset}
+        return self._settle(job_id, attempts, update, fence=held)
 
-    def _settle(self, job_id: str, attempts: int, update: dict[str, Any]) -> bool:
+    def _settle(
+        self, job_id: str, attempts: int, update: dict[str, Any], *, fence: dict[str, Any] | None = None
+    ) -> bool:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
-        fenced = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        fenced = fence or {"_id": job_id, "status": RUNNING, "attempts": attempts}
         try:
             return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
         except DocumentTooLarge as exc:

@@ -21,7 +21,7 @@ from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
 
-from . import connection
+from . import connection, leases
 from .clock import ServerClock
 from .leases import LeaseKeeper
 from .lifecycle import Policy
@@ -542,7 +542,8 @@ class Channel(virtual.Channel):
 
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:
-            self.jobs.release(message.job_id, message.attempts)
+            # Its job is on the server whatever happens here: nothing for Kombu to dump ("UNABLE TO RESTORE").
+            self._release_job(message.job_id, message.attempts)
             return
         # Kombu's own restore, with `redelivered` where Kombu and Celery read it.
         delivery_info = message.delivery_info
@@ -564,6 +565,7 @@ class Channel(virtual.Channel):
         if queue not in self._plain_queues and self._keeper is None:
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
             self._keeper.add_source(self._live_jobs)
+            self._give_back_unreleased(self._keeper)
             for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.jobs_collection), []):
                 self._keeper.add_expiry(expire)
         self.connection.watch(self)
@@ -571,6 +573,17 @@ class Channel(virtual.Channel):
         self.connection.consumers_changed()
         self.connection.poke()  # a new queue to look at
         return tag
+
+    def _give_back_unreleased(self, keeper: LeaseKeeper) -> None:
+        """What a lost connection of this process could not give back goes back before this consumer claims (its
+        claims must not race those releases): bounded by a stop's patience, the keeper waits out any outage."""
+        if not leases.unreleased(self.jobs):
+            return
+        try:
+            with connection.shutdown_patience():
+                keeper.give_back_unreleased(wait=connection.SHUTDOWN_PATIENCE)
+        except PyMongoError as exc:
+            logger.warning("could not give back the jobs a lost connection held (%s): later", type(exc).__name__)
 
     def basic_qos(self, *args: Any, **kwargs: Any) -> None:
         super().basic_qos(*args, **kwargs)
@@ -743,10 +756,21 @@ class Channel(virtual.Channel):
 
     def _release(self, jobs: Collection[Claimed]) -> None:
         for job in jobs:
-            try:
-                self.jobs.release(job.id, job.attempts)
-            except PyMongoError as exc:
-                logger.warning("could not give back job %s (%s); the stale sweep will", job.id, type(exc).__name__)
+            self._release_job(job.id, job.attempts)
+
+    def _release_job(self, job_id: str, attempts: int) -> None:
+        """Give back a job that never started, now or, when the server does not answer (a lost connection being
+        closed), once it does: the lease keeper makes the release then, and keeps the lease fresh until it does."""
+        try:
+            self.jobs.release(job_id, attempts)
+        except PyMongoError as exc:
+            if passes_with_time(exc):
+                leases.release_later(self.jobs, job_id, attempts)
+                logger.warning(
+                    "could not give back job %s (%s); it goes back once the server answers", job_id, type(exc).__name__
+                )
+            else:
+                logger.warning("could not give back job %s (%s); the stale sweep will", job_id, type(exc).__name__)
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         # Also how close() ends each consumer: jobs are held only for a queue being consumed.

@@ -178,6 +178,15 @@ def sleep(self, seconds):
 
 
 @app.task(bind=True)
+def hold_until(self, path):
+    """Keeps its pool process busy until the file `path` exists: a gate the test opens, needing no server."""
+    record(self, phase="start")
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    return path
+
+
+@app.task(bind=True)
 def exit_process(self):
     record(self)
     os._exit(1)

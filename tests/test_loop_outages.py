@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kombu import Connection, Consumer, Queue
 from pymongo import MongoClient
 
 from tests.servers import EmbeddedServer, with_database
@@ -87,3 +88,72 @@ def test_a_worker_holding_jobs_stops_within_seconds_when_its_server_is_gone_and_
     wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == 5,
              timeout=90, message="the held jobs ran on the next worker")  # fmt: skip
     assert sorted(run["taskId"] for run in db.runs.find({"taskId": {"$in": ids}})) == sorted(ids)
+
+
+def test_jobs_held_unstarted_through_a_reconnect_go_back_unspent_once_the_server_answers(
+    own_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    # Celery restores the unacked messages of the connection it lost; the release of each held job failed on the
+    # absent server, Kombu dumped them as "UNABLE TO RESTORE", and the jobs stayed `running` in a lease nobody
+    # renewed until the stale sweep gave them back as lost, an attempt used.
+    url = with_database(own_server.url, "restore") + "?serverSelectionTimeoutMS=3000"  # the loop notices in 3 s
+    db = MongoClient(own_server.url, tz_aware=True).restore
+    # Without heartbeats the outage reaches the consumer: its next claim fails and Celery reconnects. (With them,
+    # the heartbeat's publish, retried on the event loop until the server answers, holds the loop through it.)
+    # stale_after 600: no sweep within the test, so only a release explains the jobs going back.
+    worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=1, env={"BB_PREFETCH_MULTIPLIER": "4"},
+                    options={"stale_after": 600.0}, extra_args=("--without-heartbeat",))  # fmt: skip
+    worker.start()
+    app = producer(url)
+    gate = tmp_path / "gate"
+    blocker = send(app, "hold_until", str(gate))
+    wait_for(lambda: db.runs.find_one({"taskId": blocker}), message="the pool process busy")
+    held = [send(app, "add", i, i) for i in range(2)]
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": held}, "status": "running"}) == 2,
+             message="two jobs claimed, waiting for the pool")  # fmt: skip
+    own_server.stop()
+    wait_for(lambda: "Cannot connect to" in worker.log().partition("Connection to broker lost")[2],
+             timeout=120, message="the worker lost its connection, restored its messages and reconnects")  # fmt: skip
+    own_server.start()
+    gate.touch()
+    ids = [blocker, *held]
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == 3,
+             timeout=180, message="every job succeeded, long before a stale sweep")  # fmt: skip
+    for doc in db.jobs.find({"taskId": {"$in": held}}):
+        # As after a plain release: the claim given back used no attempt, and left no history entry.
+        assert doc["attempts"] == 1, doc
+        assert [(entry["n"], entry["outcome"]) for entry in doc["history"]] == [(1, "succeeded")], doc["history"]
+    assert sorted(run["taskId"] for run in db.runs.find({"taskId": {"$in": held}})) == sorted(held)
+    assert "UNABLE TO RESTORE" not in worker.log()
+    assert worker.process.poll() is None
+
+
+def test_a_batch_held_by_a_consumer_closed_while_its_server_is_gone_goes_back_once_the_server_answers(
+    own_server: EmbeddedServer,
+) -> None:
+    # The jobs a batch claim holds undelivered, and the delivered ones nobody acked, are given back when the
+    # consumer closes; with the server gone they stayed `running` until the stale sweep spent an attempt on each.
+    url = with_database(own_server.url, "batch") + "?serverSelectionTimeoutMS=2000"
+    db = MongoClient(own_server.url, tz_aware=True).batch
+    app = producer(url)
+    ids = [send(app, "add", i, i) for i in range(6)]
+    options = {"stale_after": 600.0}
+    delivered: list[str] = []
+    # Another consumer of this process stays: its lease keeper (one per collection) makes the releases.
+    with Connection(url, transport_options=options) as staying:
+        Consumer(staying.channel(), queues=[Queue("elsewhere")], accept=["json"]).consume()
+        leaving = Connection(url, transport_options=options)
+        consumer = Consumer(leaving.channel(), queues=[Queue("celery")], accept=["json"], prefetch_count=5,
+                            callbacks=[lambda body, message: delivered.append(message.job_id)])  # fmt: skip
+        consumer.consume()
+        leaving.drain_events(timeout=10)  # one job
+        leaving.drain_events(timeout=10)  # then a batch: one delivered, three held
+        assert len(delivered) == 2 and db.jobs.count_documents({"status": "running"}) == 5
+        own_server.stop()
+        leaving.close()  # as Kombu and Celery close a connection they lost
+        own_server.start()
+        wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "queued"}) == 6,
+                 message="the five claimed jobs back in the queue")  # fmt: skip
+    # As a plain release leaves them: no attempt used, no history entry, no lease.
+    for doc in db.jobs.find({"taskId": {"$in": ids}}):
+        assert doc["attempts"] == 0 and "history" not in doc and "leaseOwner" not in doc, doc
