@@ -17,7 +17,7 @@ from typing import Any
 
 from bson import ObjectId
 from bson.errors import InvalidDocument
-from kombu import compression, serialization
+from kombu import compression
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 from pymongo import ASCENDING, DESCENDING, IndexModel
@@ -103,42 +103,63 @@ def _mentions(raw: bytes, secrets: tuple[str, ...]) -> bool:
     return any(spelling.encode() in raw for spelling in spellings | set(secrets))
 
 
-def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> dict[str, Any]:
-    """The Kombu message with every secret masked in its body (any registered serializer) and its headers.
+#: The content type of Kombu's JSON serializer, the one body format read here (as its consumers read it).
+JSON_CONTENT = "application/json"
 
-    The body is decoded as the virtual transport encoded it (base64, compression, serializer), cleaned as data, and
-    encoded again the same way; a JSON message that mentions no secret is returned as it is.
+
+def unmasked_reason(content_type: str) -> str | None:
+    """Why a body of `content_type` is stored as it came, or None for one masked here (JSON and text).
+
+    Anything else (pickle, YAML, msgpack, raw bytes) is never decoded: loading a pickle runs whatever its sender
+    put in it, and a message is stored again wherever a consumer puts it back, whatever that consumer accepts. A
+    search and replace would break the framing of a binary format (and YAML reads `**` as an alias).
+    """
+    if content_type == JSON_CONTENT or content_type.startswith("text/"):
+        return None
+    return (
+        f"body not masked: the broker never decodes {content_type[:100]!r} bodies (only JSON and text);"
+        " publish with the json serializer to have the broker URL's password masked"
+    )
+
+
+def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> tuple[dict[str, Any], str | None]:
+    """The Kombu message with every secret masked in its headers and, if JSON or text, its body; and, for a body left
+    as it came, why (see unmasked_reason).
+
+    A JSON body is parsed by Kombu's JSON (plain values, and the few types Kombu's encoder marks), cleaned as data,
+    and encoded again; one that does not parse, and text, are masked as text. A message that mentions no secret is
+    returned as it is.
     """
     headers = message.get("headers") or {}
+    content_type = message.get("content-type") or ""
+    reason = unmasked_reason(content_type)
+    if reason is not None:  # headers are JSON already (the stored payload's): masked; the body is left alone
+        return {**message, "headers": scrub_value(headers, secrets)}, reason
     properties = message.get("properties") or {}
     encoding = properties.get("body_encoding")
     body = message["body"]
+    content_encoding = message.get("content-encoding") or "utf-8"
     raw = virtual.Channel.codecs[encoding].decode(body) if encoding else body
-    raw = raw.encode(message.get("content-encoding") or "utf-8") if isinstance(raw, str) else raw
+    raw = raw.encode(content_encoding) if isinstance(raw, str) else raw
     if headers.get("compression"):
         raw = compression.decompress(raw, headers["compression"])
-    content_type = message.get("content-type") or ""
-    # JSON (events, replies and results by default) is searched first; other serializers spell text their own way.
-    if content_type == "application/json" and not _mentions(raw + dumps(headers).encode(), secrets):
-        return message
-    serializer = serialization.registry.type_to_name.get(content_type)
+    if not _mentions(raw + dumps(headers).encode(), secrets):
+        return message, None
     clean = None
-    if serializer is not None:
+    if content_type == JSON_CONTENT:
         try:
-            data = serialization.loads(raw, content_type, message.get("content-encoding"), accept=[content_type])
-            _, _, clean = serialization.dumps(scrub_value(data, secrets), serializer=serializer)
-        except Exception:  # not what its content type says: masked as text below
+            clean = dumps(scrub_value(loads(raw.decode(content_encoding)), secrets)).encode(content_encoding)
+        except (LookupError, TypeError, ValueError, RecursionError):  # not JSON (or too deep): masked as text below
             clean = None
-    if clean is None:  # a body no registered serializer reads: masked as text
+    if clean is None:
         clean = scrub(raw.decode("utf-8", "surrogateescape"), secrets).encode("utf-8", "surrogateescape")
-    clean = clean.encode("utf-8") if isinstance(clean, str) else clean
     if headers.get("compression"):
         clean = compression.compress(clean, headers["compression"])[0]
     if encoding:
         clean = virtual.Channel.codecs[encoding].encode(clean)
     elif isinstance(body, str):
-        clean = clean.decode(message.get("content-encoding") or "utf-8")
-    return {**message, "body": clean, "headers": scrub_value(headers, secrets)}
+        clean = clean.decode(content_encoding)
+    return {**message, "body": clean, "headers": scrub_value(headers, secrets)}, None
 
 
 class Outbox:
@@ -324,8 +345,10 @@ def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
 class MessageStore:
     """Transient messages: deleted when fetched, expired by a TTL index when nobody fetches them.
 
-    `secrets` (the broker URL's password) are masked in every message stored: events carry a task's exception,
-    traceback and result, replies and RPC results carry what tasks return, and all of them reach Flower and logs.
+    `secrets` (the broker URL's password) are masked in every message stored whose body is JSON or text (Celery's
+    default for all of them): events carry a task's exception, traceback and result, replies and RPC results carry
+    what tasks return, and all of them reach Flower and logs. Any other body is stored as it came, the document's
+    `unmasked` saying why (see unmasked_reason).
     """
 
     def __init__(self, db: Database, *, ttl: float = 300.0, prefix: str = "bb_", secrets: Iterable[str] = ()) -> None:
@@ -333,6 +356,7 @@ class MessageStore:
         self.bindings = db[f"{prefix}bindings"]
         self.ttl = ttl
         self.secrets = secret_forms(secrets)
+        self._said_unmasked = False  # a body stored unmasked is logged once (each document says so itself)
         self._table_cache: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
         self._watch = BindingsWatch.of(self.bindings)
         #: True where the server has no TTL index, so a worker's periodic sweep deletes expired messages.
@@ -392,19 +416,33 @@ class MessageStore:
         now = datetime.now(UTC)
         if expires_at is not None and expires_at <= now:
             return
+        unmasked = None
         if self.secrets:
-            message = scrub_message(message, self.secrets)
+            message, unmasked = scrub_message(message, self.secrets)
         if expires_at is None:
             expires_at = now + timedelta(seconds=self.ttl if ttl is None else min(ttl, self.ttl))
         # The _id is given here: it keeps the publishing order, and makes a write tried again idempotent.
         document = {"_id": message_id or ObjectId(), "queue": queue, "priority": priority, "payload": dumps(message)}
         document["expiresAt"] = expires_at
+        if unmasked is not None:
+            document["unmasked"] = unmasked
+            self._say_unmasked(message.get("content-type") or "", queue)
         if soon:
             Outbox.of(self.messages).add(document, linger)
             return
         # A duplicate _id (the only unique key): an earlier try of this publish stored it, and its answer was lost.
         with contextlib.suppress(DuplicateKeyError):
             self.messages.insert_one(document)
+
+    def _say_unmasked(self, content_type: str, queue: str) -> None:
+        if not self._said_unmasked:
+            self._said_unmasked = True
+            logger.warning(
+                "a %r message for queue %r is stored without the broker URL's password masked: only JSON and text"
+                " bodies are masked (others are never decoded by the broker); see the message's `unmasked` field",
+                content_type[:100],
+                queue,
+            )
 
     def get(self, queue: str) -> dict[str, Any] | None:
         taken, _ = self.take(queue, 1)
