@@ -287,8 +287,9 @@ _GAVE_UP_AFTER = re.compile(r", Timeout: (?P<seconds>[\d.]+)s, Topology Descript
 _NAME_NOT_RESOLVED = ("Name or service not known", "nodename nor servname", "name resolution", "No address associated")
 
 
-def describe_failure(exc: PyMongoError, url: str) -> str:
-    """One line that says in words why talking to the server at `url` failed, with the URL as written, masked."""
+def describe_failure(exc: PyMongoError, url: str, *, waited: float | None = None) -> str:
+    """One line that says in words why talking to the server at `url` failed, with the URL as written, masked;
+    `waited` is how long the caller tried, when that is not the one try of `exc`."""
     secrets = url_secrets(url)
     if isinstance(exc, OperationFailure) and exc.code == AUTHENTICATION_FAILED:
         user, database = _auth_identity(url)
@@ -312,8 +313,9 @@ def describe_failure(exc: PyMongoError, url: str) -> str:
     cause = "; ".join(dict.fromkeys(causes)) or _shorten(
         _CONFIGURED_TIMEOUTS.sub("", text[: gave_up.start()] if gave_up else text)
     )
-    waited = f" (gave up after {float(gave_up.group('seconds')):g} s)" if gave_up else ""
-    return f"cannot reach the server at {shown}: {cause}{waited}"
+    seconds = round(waited, 1) if waited is not None else float(gave_up.group("seconds")) if gave_up else None
+    waited_text = f" (gave up after {seconds:g} s)" if seconds is not None else ""
+    return f"cannot reach the server at {shown}: {cause}{waited_text}"
 
 
 def _cause_in_words(address: str, error: str) -> str:
