@@ -134,7 +134,7 @@ DURATION = Duration()
 WAIT = Duration(positive=True, longest=timedelta(days=36500))
 
 
-@click.group()
+@click.group(name="bb-broker")  # its name as a `celery` subcommand too (pyproject.toml's celery.commands)
 def main() -> None:
     """Operate bb_broker, the Celery broker that keeps every task as a MongoDB `jobs` document."""
 
