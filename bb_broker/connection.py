@@ -183,7 +183,9 @@ def client_url(client: Any) -> str:
     """
     hostname = client.hostname or "localhost"
     if "://" in hostname:
-        url = join_password(hostname, client.password)
+        password = str(client.password or "")
+        # A URL with a credential among its options travels whole in the password field (expose_as_kombu_does).
+        url = password if "://" in password and redact_url(password) == hostname else join_password(hostname, password)
         prefix = getattr(client, "uri_prefix", None)
         return f"{prefix}+{url}" if prefix and not url.startswith(f"{prefix}+") else url
     userinfo = ""
@@ -202,6 +204,12 @@ def expose_as_kombu_does(client: Any, url: str) -> None:
     every other transport (Celery's worker stats and Flower show them); the database, with any ?options, is the
     virtual host. A +srv URL names no host and port: it stays whole, its password masked."""
     scheme, _, rest = url.partition("://")
+    if _option_secrets(_split_userinfo(url)[2]):
+        # Celery's worker stats and Flower show these fields (all but the password): a credential among the options
+        # (AWS_SESSION_TOKEN, tlsCertificateKeyFilePassword) has no field of its own, so the URL is shown whole and
+        # masked, and travels whole in the password field, which Kombu and Celery keep secret.
+        client.hostname, client.password = redact_url(url), url
+        return
     if scheme.lower().endswith("+srv"):
         client.hostname, client.password = split_password(url.partition("+")[2])
         return

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import kombu
 import pytest
 from click.testing import CliRunner
 
@@ -83,3 +86,21 @@ def test_the_cli_shows_no_shape_of_urls_secrets(template: str, hidden) -> None:
     assert result.exit_code == 1, result.output
     assert result.output.count("\n") == 1 and result.output.startswith("bb-broker: ")
     assert_hidden(result.output, hidden)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"bbmongo://u:{LEFT}@127.0.0.1:27017/jobsdb?tls=true&tlsCertificateKeyFilePassword={RIGHT}",
+        f"bbmongo://127.0.0.1/jobsdb?authMechanism=MONGODB-AWS&authMechanismProperties=AWS_SESSION_TOKEN:{RIGHT}",
+        f"bbmongo://u:{LEFT}@h1:1,h2:2/jobsdb?replicaSet=rs&tlsCertificateKeyFilePassword={RIGHT}&tls=true",
+    ],
+)
+def test_kombu_s_connection_fields_show_no_credential_option_and_a_clone_keeps_it(url: str) -> None:
+    # Celery's worker stats (`celery inspect stats`, Flower's worker page) show every field but the password.
+    conn = kombu.Connection(url)
+    assert conn.transport.broker_url == url
+    shown = conn.info()
+    shown.pop("password")
+    assert_hidden(json.dumps(shown, default=str) + conn.as_uri(), (LEFT, RIGHT))
+    assert conn.clone().transport.broker_url == url  # Celery's producer pool: the secrets still reach pymongo
