@@ -102,3 +102,22 @@ def test_a_worker_that_cannot_reach_its_server_logs_one_clear_line_and_keeps_try
     ), errors[0]
     assert "Topology Description" not in text and "Traceback" not in text
     assert not any(secret in text for secret in SECRETS)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("bbmongo://bb:hunter2secret@localhost", "broker URL 'bbmongo://bb:**@localhost' must name the database"),
+        ("bbmongo://bb:hunter2@secret?x@localhost/db", "broker URL 'bbmongo://bb:**@localhost/db': its user name or"),
+        ("bbmongo://bb:hunter2secret@localhost/bounty.board", "broker URL 'bbmongo://bb:**@localhost/bounty.board': a"),
+    ],
+    ids=["no-database", "unescaped-password", "dotted-database"],
+)
+def test_a_worker_given_a_wrong_url_says_so_in_one_line(url: str, said: str) -> None:
+    env = {**os.environ, "BB_BROKER_URL": url, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "celery", "-A", "tests.e2e_app", "worker", "-c", "1", "--without-mingle"]
+    worker = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 1
+    assert worker.stdout == "" and worker.stderr.count("\n") == 1, worker.stderr  # no traceback
+    assert worker.stderr.startswith(f"bb_broker: {said}")
+    assert "hunter2" not in worker.stderr and "secret" not in worker.stderr
