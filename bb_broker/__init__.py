@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .celery_hooks import is_final_attempt
     from .connection import BrokerURLError
     from .store import JobTooLarge, ResultTooLarge
+    from .transport import ServerUnreachable
 
 __all__ = [
     "FAILED",
@@ -27,6 +28,7 @@ __all__ = [
     "BrokerURLError",
     "JobTooLarge",
     "ResultTooLarge",
+    "ServerUnreachable",
     "is_final_attempt",
     "statuses",
     "celery_hooks",
@@ -37,6 +39,7 @@ _LAZY = {
     "BrokerURLError": "connection",
     "JobTooLarge": "store",
     "ResultTooLarge": "store",
+    "ServerUnreachable": "transport",
     "is_final_attempt": "celery_hooks",
 }
 

@@ -466,7 +466,11 @@ def _stopping(**_: Any) -> None:
 def _tasks_imported(sender: Any = None, **_: Any) -> None:
     # A pool process started afresh (spawn, execv) imports the tasks and builds its tracers without worker_init.
     if sender is not None:
-        retry_failed_attempts(sender)
+        try:
+            retry_failed_attempts(sender)
+        except connection.BrokerURLError as exc:
+            # The worker cannot start: one line, not the 50-line traceback Celery re-raises a receiver's error with.
+            raise SystemExit(f"bb_broker: {exc}") from None
 
 
 @signals.worker_init.connect

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy
+from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
 
 if TYPE_CHECKING:
     from .store import JobStore
@@ -107,28 +106,35 @@ collection_option = click.option(
 
 
 class Duration(click.ParamType):
-    """30s, 30m, 2h, 7d, 1w, or a number of seconds."""
+    """30s, 30m, 2h, 7d, 1w, or a number of seconds: lifecycle.parse_duration, as the Jobs tab's filters take it;
+    with `longest`, no longer than that (a time a worker waits must fit in a date and a MongoDB number)."""
 
     name = "duration"
-    _pattern = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-    _units = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+    def __init__(self, *, positive: bool = False, longest: timedelta | None = None) -> None:
+        self.positive = positive
+        self.longest = longest
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> timedelta:
         if isinstance(value, timedelta):
             return value
-        match = self._pattern.match(str(value).lower())
-        if not match:
-            self.fail(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d", param, ctx)
         try:
-            return timedelta(seconds=float(match.group(1)) * self._units[match.group(2)])
-        except OverflowError:
-            self.fail(f"{value!r} is too long a duration", param, ctx)
+            duration = parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if self.positive and duration <= timedelta(0):
+            self.fail(f"{value!r} is no time at all: give more than 0 seconds", param, ctx)
+        if self.longest is not None and duration > self.longest:
+            self.fail(f"{value!r} is too long: at most {self.longest.days} days", param, ctx)
+        return duration
 
 
 DURATION = Duration()
+#: How long a worker waits for a lease (stale_after) and between heartbeats: a century is "never" already.
+WAIT = Duration(positive=True, longest=timedelta(days=36500))
 
 
-@click.group()
+@click.group(name="bb-broker")  # its name as a `celery` subcommand too (pyproject.toml's celery.commands)
 def main() -> None:
     """Operate bb_broker, the Celery broker that keeps every task as a MongoDB `jobs` document."""
 
@@ -318,29 +324,30 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
 @collection_option
 @click.option(
     "--stale-after",
-    default=300.0,
+    default="300",
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help="Seconds without a heartbeat before a running job is presumed lost (the stale_after option).",
+    type=WAIT,
+    help="Seconds (or 5m, 1h) without a heartbeat before a running job is presumed lost (the stale_after option).",
 )
 @click.option(
     "--max-attempts",
     default=3,
     show_default=True,
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=2**31 - 1),  # compared with a job's attempts by the server: a 64-bit int at most
     help="A lost job with this many attempts used ends failed (the max_attempts option).",
 )
 @click.option(
     "--heartbeat-interval",
-    default=Policy().heartbeat_interval,
+    default=str(Policy().heartbeat_interval),
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help="How often the workers refresh the leases of their jobs: their stale_after / 5.",
+    type=WAIT,
+    help="How often (seconds, or 1m) the workers refresh the leases of their jobs: their stale_after / 5.",
 )
 def requeue_stale(
-    broker: str, collection: str, stale_after: float, max_attempts: int, heartbeat_interval: float
+    broker: str, collection: str, stale_after: timedelta, max_attempts: int, heartbeat_interval: timedelta
 ) -> None:
     """Run the stale sweep now: lost running jobs back to queued, or failed when no attempt is left."""
+    stale_after, heartbeat_interval = stale_after.total_seconds(), heartbeat_interval.total_seconds()
     # A live job's lease is refreshed once per heartbeat interval; two of them give a late heartbeat its chance.
     if stale_after < 2 * heartbeat_interval:
         _fail(

@@ -11,8 +11,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote, quote_plus, unquote, unquote_plus
 
 import pymongo
 from pymongo import MongoClient
@@ -22,18 +23,109 @@ from pymongo.uri_parser import parse_uri
 from ulid import ULID
 
 SCHEMES = {"bbmongo": "mongodb", "bbmongo+srv": "mongodb+srv", "mongodb": "mongodb", "mongodb+srv": "mongodb+srv"}
-_USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<userinfo>[^@/]*)@")
-#: What masking takes for the user info, in URLs pymongo may refuse too: a password written unescaped may hold
-#: `@`, `/` or `?`, and the scheme may be in capitals. Up to the last `@` before any `?`; else (a `?` in the
-#: password) up to the last `@` before any `=`, which an `@` in the options (`?appname=a@b`) always follows.
-_MASKED_USERINFO = (
-    re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^?]*)@", re.IGNORECASE),
-    re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^=]*)@", re.IGNORECASE),
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+#: What follows the user info in a URL pymongo reads: hosts (`host[:port]`, `[v6][:port]`, comma-separated), then
+#: `/database` and `?options`, none of them holding an `@` outside an option's value.
+_HOST = r"(?:\[[0-9a-f:.%a-z]*\]|[^\s:/?#@\[\],]+)(?::\d*)?"
+_AFTER_USERINFO = re.compile(
+    rf"^(?:{_HOST}(?:,{_HOST})*)?(?:/[^?#@/]*)?(?:\?(?P<options>[^#]*))?$", re.IGNORECASE | re.DOTALL
 )
+#: Characters a password must have percent-encoded: written as they are, pymongo reads another URL.
+_DELIMITERS = "/?#@"
+#: URI options whose value is a credential (the URI options spec's sensitive options), masked whole.
+SECRET_OPTIONS = frozenset({"tlscertificatekeyfilepassword", "proxypassword", "proxyusername"})
+#: authMechanismProperties that are no secret (pymongo's list); every other one's value (AWS_SESSION_TOKEN) is.
+_PUBLIC_MECHANISM_PROPERTIES = frozenset(
+    {"SERVICE_NAME", "SERVICE_HOST", "SERVICE_REALM", "CANONICALIZE_HOST_NAME", "ENVIRONMENT", "TOKEN_RESOURCE",
+     "ALLOWED_HOSTS"}
+)  # fmt: skip
+_OPTION_SEPARATOR = re.compile(r"([&;])")
 
 
-def _userinfo_to_mask(url: str) -> re.Match[str] | None:
-    return next((match for pattern in _MASKED_USERINFO if (match := pattern.match(url))), None)
+@cache
+def _known_options() -> frozenset[str]:
+    from pymongo import common
+
+    names = {*common.URI_OPTIONS_VALIDATOR_MAP, *common.URI_OPTIONS_DEPRECATION_MAP}
+    names.update(alias for aliases in common.URI_OPTIONS_ALIAS_MAP.values() for alias in aliases)
+    return frozenset(name.lower() for name in names)
+
+
+def _reads_as_options(options: str | None, known: frozenset[str]) -> bool:
+    if options is None:
+        return True
+    pairs = [pair.partition("=") for pair in re.split(r"[&;]", options) if pair]
+    return all(equals and key.lower() in known for key, equals, _ in pairs)
+
+
+def _split_userinfo(url: str) -> tuple[str, str | None, str]:
+    """The scheme (with `://`), the user info (None when there is none) and the rest of a URL.
+
+    A password written unescaped may hold `@`, `/`, `?`, `#` or `:`, so the user info ends at the first `@` after
+    which the rest reads as hosts, database and known options (an `@` inside an option's value, `?appname=a@b`,
+    stays in the options); when no reading fits, at the last `@`, which masks the most.
+    """
+    scheme = _SCHEME.match(url)
+    if not scheme:
+        return "", None, url
+    body = url[scheme.end() :]
+    ats = [index for index, char in enumerate(body) if char == "@"]
+    if not ats:
+        return scheme.group(), None, body
+    known = _known_options()
+    for end in [-1, *ats]:  # -1: no user info at all
+        rest = _AFTER_USERINFO.match(body[end + 1 :])
+        if rest and _reads_as_options(rest.group("options"), known):
+            return (scheme.group(), None, body) if end < 0 else (scheme.group(), body[:end], body[end + 1 :])
+    return scheme.group(), body[: ats[-1]], body[ats[-1] + 1 :]
+
+
+def _mask_options(rest: str) -> str:
+    """The hosts, database and options with every credential among the options replaced by `**`."""
+    head, question, options = rest.partition("?")
+    if not question:
+        return rest
+    pieces = _OPTION_SEPARATOR.split(options)
+    for index in range(0, len(pieces), 2):
+        key, equals, value = pieces[index].partition("=")
+        if not equals:
+            continue
+        if key.lower() in SECRET_OPTIONS:
+            pieces[index] = f"{key}=**"
+        elif key.lower() == "authmechanismproperties":
+            masked = [
+                f"{name}:**" if name.strip().upper() not in _PUBLIC_MECHANISM_PROPERTIES else f"{name}:{setting}"
+                for name, _, setting in (prop.partition(":") for prop in unquote_plus(value).split(","))
+            ]
+            pieces[index] = f"{key}={','.join(masked)}"
+    return f"{head}?{''.join(pieces)}"
+
+
+def _option_secrets(rest: str) -> list[str]:
+    """The text of each credential among a URL's options, as written and decoded."""
+    found: list[str] = []
+    _, question, options = rest.partition("?")
+    for pair in re.split(r"[&;]", options) if question else ():
+        key, _, value = pair.partition("=")
+        if key.lower() in SECRET_OPTIONS:
+            found += [value, unquote_plus(value)]
+        elif key.lower() == "authmechanismproperties":
+            for spelling in {value, unquote(value), unquote_plus(value)}:  # pymongo decodes it with unquote_plus
+                for name, _, setting in (prop.partition(":") for prop in spelling.split(",")):
+                    if name.strip().upper() not in _PUBLIC_MECHANISM_PROPERTIES:
+                        found += [setting, quote(setting, safe=""), quote_plus(setting)]
+    return found
+
+
+def url_secrets(url: str) -> tuple[str, ...]:
+    """Every secret a URL holds (its password, credentials among its options), each as written and decoded."""
+    _, userinfo, rest = _split_userinfo(url)
+    found = _option_secrets(rest)
+    if userinfo is not None and ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        found += [password, unquote(password), unquote_plus(password)]
+    # The longest first: a secret that holds another is masked whole.
+    return tuple(sorted({secret for secret in found if secret}, key=len, reverse=True))
 
 
 class BrokerURLError(ValueError):
@@ -52,28 +144,35 @@ class BrokerTarget:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its user info masked, safe for logs and errors."""
-    match = _userinfo_to_mask(url)
-    if not match:
-        return url
-    user = match.group("userinfo").split(":", 1)[0]
-    return f"{match.group('scheme')}{user}:**@{url[match.end() :]}"
+    """The URL as written with its password and any credential among its options masked, safe for logs and errors."""
+    scheme, userinfo, rest = _split_userinfo(url)
+    if not scheme:
+        return scrub(url, url_secrets(url))
+    shown = _mask_options(rest)
+    if userinfo is None:
+        return f"{scheme}{shown}"
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}{user}:**@{shown}" if colon else f"{scheme}{user}@{shown}"
 
 
 def split_password(url: str) -> tuple[str, str | None]:
     """The URL with its password masked, and the password, so that each can travel where it is safe."""
-    match = _USERINFO.match(url)
-    if not match or ":" not in match.group("userinfo"):
+    scheme, userinfo, rest = _split_userinfo(url)
+    if userinfo is None or ":" not in userinfo:
         return url, None
-    return redact_url(url), match.group("userinfo").split(":", 1)[1]
+    user, _, password = userinfo.partition(":")
+    return f"{scheme}{user}:**@{rest}", password
+
+
+_MASKED_PASSWORD = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:]*):\*\*@", re.IGNORECASE)
 
 
 def join_password(url: str, password: str | None) -> str:
     """split_password's inverse: the masked password replaced by the real one."""
-    match = _USERINFO.match(url)
-    if not password or not match or not match.group("userinfo").endswith(":**"):
+    match = _MASKED_PASSWORD.match(url)
+    if not password or not match:
         return url
-    return f"{match.group('scheme')}{match.group('userinfo')[:-2]}{password}@{url[match.end() :]}"
+    return f"{match.group('scheme')}{match.group('user')}:{password}@{url[match.end() :]}"
 
 
 def client_url(client: Any) -> str:
@@ -84,7 +183,9 @@ def client_url(client: Any) -> str:
     """
     hostname = client.hostname or "localhost"
     if "://" in hostname:
-        url = join_password(hostname, client.password)
+        password = str(client.password or "")
+        # A URL with a credential among its options travels whole in the password field (expose_as_kombu_does).
+        url = password if "://" in password and redact_url(password) == hostname else join_password(hostname, password)
         prefix = getattr(client, "uri_prefix", None)
         return f"{prefix}+{url}" if prefix and not url.startswith(f"{prefix}+") else url
     userinfo = ""
@@ -103,15 +204,21 @@ def expose_as_kombu_does(client: Any, url: str) -> None:
     every other transport (Celery's worker stats and Flower show them); the database, with any ?options, is the
     virtual host. A +srv URL names no host and port: it stays whole, its password masked."""
     scheme, _, rest = url.partition("://")
+    if _option_secrets(_split_userinfo(url)[2]):
+        # Celery's worker stats and Flower show these fields (all but the password): a credential among the options
+        # (AWS_SESSION_TOKEN, tlsCertificateKeyFilePassword) has no field of its own, so the URL is shown whole and
+        # masked, and travels whole in the password field, which Kombu and Celery keep secret.
+        client.hostname, client.password = redact_url(url), url
+        return
     if scheme.lower().endswith("+srv"):
         client.hostname, client.password = split_password(url.partition("+")[2])
         return
-    match = _USERINFO.match(url)
+    _, userinfo, after = _split_userinfo(url)
     userid = password = None
-    if match:
-        user, _, secret = match.group("userinfo").partition(":")
+    if userinfo is not None:
+        user, _, secret = userinfo.partition(":")
         userid, password = unquote(user) or None, unquote(secret) or None
-        rest = url[match.end() :]
+        rest = after
     cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
     hosts, path = rest[:cut], rest[cut:].removeprefix("/")
     host, port = hosts, None
@@ -132,10 +239,17 @@ def parse_broker_url(url: str) -> BrokerTarget:
             f"broker URL {redact_url(url)!r} must start with bbmongo://, bbmongo+srv://, mongodb:// or mongodb+srv://"
         )
     mongo_uri = f"{SCHEMES[scheme.lower()]}://{rest}"
+    _, userinfo, _ = _split_userinfo(url)
+    if userinfo is not None and (any(char in _DELIMITERS for char in userinfo) or userinfo.count(":") > 1):
+        # pymongo would read another URL, and its error can quote a piece of the password as a host or database.
+        raise BrokerURLError(
+            f"broker URL {redact_url(url)!r}: its user name or password holds a character a URL must have "
+            "percent-encoded ('@', ':', '/', '?' or '#'): encode them with urllib.parse.quote_plus"
+        )
     try:
         parsed = parse_uri(mongo_uri, validate=True, warn=False, connect_timeout=5)
     except (InvalidURI, ConfigurationError, ValueError) as exc:
-        message = scrub(str(exc), _userinfo_secrets(mongo_uri))
+        message = scrub(str(exc), url_secrets(mongo_uri))
         raise BrokerURLError(f"broker URL {redact_url(url)!r} is not a valid MongoDB URI: {message}") from None
     database = parsed.get("database")
     if parsed.get("collection"):
@@ -147,15 +261,7 @@ def parse_broker_url(url: str) -> BrokerTarget:
         raise BrokerURLError(
             f"broker URL {redact_url(url)!r} must name the database in its path, e.g. bbmongo://localhost:27017/bountyboard"
         )
-    return BrokerTarget(mongo_uri, database, _userinfo_secrets(mongo_uri))
-
-
-def _userinfo_secrets(uri: str) -> tuple[str, ...]:
-    match = _userinfo_to_mask(uri)
-    if not match or ":" not in match.group("userinfo"):
-        return ()
-    raw = match.group("userinfo").split(":", 1)[1]
-    return tuple(s for s in {raw, unquote(raw)} if s)
+    return BrokerTarget(mongo_uri, database, url_secrets(mongo_uri))
 
 
 def scrub(text: str, secrets: tuple[str, ...]) -> str:
@@ -189,9 +295,10 @@ _GAVE_UP_AFTER = re.compile(r", Timeout: (?P<seconds>[\d.]+)s, Topology Descript
 _NAME_NOT_RESOLVED = ("Name or service not known", "nodename nor servname", "name resolution", "No address associated")
 
 
-def describe_failure(exc: PyMongoError, url: str) -> str:
-    """One line that says in words why talking to the server at `url` failed, with the URL as written, masked."""
-    secrets = _userinfo_secrets(url)
+def describe_failure(exc: PyMongoError, url: str, *, waited: float | None = None) -> str:
+    """One line that says in words why talking to the server at `url` failed, with the URL as written, masked;
+    `waited` is how long the caller tried, when that is not the one try of `exc`."""
+    secrets = url_secrets(url)
     if isinstance(exc, OperationFailure) and exc.code == AUTHENTICATION_FAILED:
         user, database = _auth_identity(url)
         return f"authentication failed for user {user} on database {database}"
@@ -214,8 +321,9 @@ def describe_failure(exc: PyMongoError, url: str) -> str:
     cause = "; ".join(dict.fromkeys(causes)) or _shorten(
         _CONFIGURED_TIMEOUTS.sub("", text[: gave_up.start()] if gave_up else text)
     )
-    waited = f" (gave up after {float(gave_up.group('seconds')):g} s)" if gave_up else ""
-    return f"cannot reach the server at {shown}: {cause}{waited}"
+    seconds = round(waited, 1) if waited is not None else float(gave_up.group("seconds")) if gave_up else None
+    waited_text = f" (gave up after {seconds:g} s)" if seconds is not None else ""
+    return f"cannot reach the server at {shown}: {cause}{waited_text}"
 
 
 def _cause_in_words(address: str, error: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -16,6 +18,24 @@ BREAKDOWNS = ("queue", "kind")
 #: lastError is for people to read; a whole traceback belongs in the logs.
 MAX_ERROR_LENGTH = 2000
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def is_duration(value: str) -> bool:
+    return bool(_DURATION.match(str(value).lower()))
+
+
+def parse_duration(value: str) -> timedelta:
+    """30s, 30m, 2h, 7d, 1w, or a number of seconds (never nan, inf or negative); ValueError says why not."""
+    match = _DURATION.match(str(value).lower())
+    if not match:
+        raise ValueError(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d")
+    try:
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    except OverflowError:  # beyond timedelta's 999999999 days, or digits that make an infinite float
+        raise ValueError(f"{value!r} is too long a duration") from None
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -28,10 +48,10 @@ class Policy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts!r}")
-        if self.backoff_base < 0:
-            raise ValueError(f"backoff_base must not be negative, got {self.backoff_base!r}")
-        if self.stale_after <= 0:
-            raise ValueError(f"stale_after must be positive, got {self.stale_after!r}")
+        if not math.isfinite(self.backoff_base) or self.backoff_base < 0:
+            raise ValueError(f"backoff_base must be a number of seconds, not negative, got {self.backoff_base!r}")
+        if not math.isfinite(self.stale_after) or self.stale_after <= 0:
+            raise ValueError(f"stale_after must be a positive number of seconds, got {self.stale_after!r}")
 
     def backoff(self, attempts: int) -> timedelta:
         """Delay before the next attempt after `attempts` failed ones: 10 s, then 20 s."""

@@ -15,6 +15,7 @@ from pymongo import DESCENDING, UpdateOne
 from pymongo.errors import ExecutionTimeout
 from ulid import ULID
 
+from . import lifecycle
 from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from .pauses import QueueControls
 from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore
@@ -68,19 +69,12 @@ class ActionRefused(Exception):
         self.reason = reason
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
 def parse_duration(value: str) -> timedelta:
-    """30s, 30m, 2h, 7d, 1w, or a number of seconds."""
-    match = _DURATION.match(str(value).lower())
-    if not match:
-        raise FilterError(f"{value!r} is not a duration: use e.g. 30m, 2h or 7d")
+    """lifecycle.parse_duration (30s, 30m, 2h, 7d, 1w, or seconds), a bad one a FilterError."""
     try:
-        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
-    except OverflowError:
-        raise FilterError(f"{value!r} is too long a duration") from None
+        return lifecycle.parse_duration(value)
+    except ValueError as exc:
+        raise FilterError(str(exc)) from None
 
 
 def ago(now: datetime, duration: timedelta) -> datetime:
@@ -96,7 +90,7 @@ def parse_moment(value: str, now: datetime) -> datetime:
     try:
         moment = datetime.fromisoformat(value.strip())
     except ValueError:
-        if not _DURATION.match(value.lower()):
+        if not lifecycle.is_duration(value):
             raise FilterError(f"{value!r} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
         return ago(now, parse_duration(value))
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

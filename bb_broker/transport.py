@@ -16,7 +16,7 @@ from typing import Any
 
 import pymongo
 from bson import ObjectId
-from kombu.exceptions import ChannelError
+from kombu.exceptions import ChannelError, OperationalError
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
@@ -354,12 +354,17 @@ class Channel(virtual.Channel):
         # A dead server is refused within the connect timeout the user set (Kombu's connect_timeout, Celery's
         # broker_connection_timeout), not after server selection timed out for each index this channel creates;
         # and at once when every server refused the connection, so that a failover URL list moves on.
-        deadline = monotonic() + float(getattr(client, "connect_timeout", None) or 5)
+        started = monotonic()
+        deadline = started + float(getattr(client, "connect_timeout", None) or 5)
         while True:
             try:
                 with pymongo.timeout(min(max(deadline - monotonic(), 0.01), REACHABLE_SLICE)):
                     db.command("ping")
                 return
+            except mongo_errors.ConnectionFailure as exc:
+                if monotonic() >= deadline or _every_server_refused(db.client):
+                    shown = connection.describe_failure(exc, self.connection.broker_url, waited=monotonic() - started)
+                    raise ServerUnreachable(shown) from None  # pymongo's topology dump says it in 100 lines
             except PyMongoError:
                 if monotonic() >= deadline or _every_server_refused(db.client):
                     raise
@@ -870,6 +875,12 @@ def _moment(headers: dict[str, Any], name: str, *, strict: bool = True) -> datet
         return None
 
 
+class ServerUnreachable(OperationalError):
+    """No server of the broker URL answers: one line naming the URL as written (password masked) and the cause in
+    words, as `bb-broker` prints it. Kombu's OperationalError, and one of the transport's connection errors, so that
+    Kombu's and Celery's retries and reconnects treat it as every transport's lost connection."""
+
+
 class Transport(virtual.Transport):
     Channel = Channel
 
@@ -879,7 +890,7 @@ class Transport(virtual.Transport):
     driver_type = "mongodb"
     driver_name = "pymongo"
 
-    connection_errors = virtual.Transport.connection_errors + (mongo_errors.ConnectionFailure,)
+    connection_errors = virtual.Transport.connection_errors + (mongo_errors.ConnectionFailure, ServerUnreachable)
     channel_errors = virtual.Transport.channel_errors + (mongo_errors.ConnectionFailure, mongo_errors.OperationFailure)
     # Asynchronous: a Celery worker runs its event loop (asynloop) on this transport, as on Redis and RabbitMQ,
     # and registers it with the loop (register_with_event_loop). The blocking drain_events serves everyone else.
@@ -897,6 +908,9 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.broker_url = connection.client_url(client)
+        # Refused here, while the client still holds the URL as written: once exposed in Kombu's fields, a clone of
+        # the connection (Celery's producer pool) rebuilds it from them, `bbmongo://host` as `bbmongo://host:27017//`.
+        connection.parse_broker_url(self.broker_url)
         connection.expose_as_kombu_does(client, self.broker_url)
         self.wakeups: Wakeups | None = None
         self._pause = self.min_polling_interval

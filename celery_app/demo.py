@@ -83,7 +83,19 @@ def flower_command(address: str, port: int) -> list[str]:
 
 
 def say(message: str) -> None:
-    print(f"demo: {message}", flush=True)
+    try:
+        print(f"demo: {message}", flush=True)
+    except (BrokenPipeError, ValueError):  # nobody reads any more (`make demo | tee log`, tee stopped by Ctrl-C)
+        _stop_writing()
+
+
+def _stop_writing() -> None:
+    """Send what is left of the demo's output nowhere: the shutdown must go on whoever stopped reading, and
+    Python's own flush at exit must not fail on the broken pipe either."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _shown(path: Path) -> str:
@@ -129,12 +141,17 @@ def _accepts(port: int) -> bool:
         return False
 
 
-def _on_sigterm(_signum: int, _frame: Any) -> None:
+def _on_stop_signal(_signum: int, _frame: Any) -> None:
     raise Stopped
 
 
+#: Signals that stop the demo like Ctrl-C does: SIGTERM, and SIGHUP (its terminal closed).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def main() -> int:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _on_stop_signal)
     once = os.environ.get("BB_DEMO_ONCE") == "1"
     data_root = Path(os.environ.get("BB_DEMO_DATA", ROOT / "bb-data")).resolve()
     logs = data_root / "logs"
@@ -187,10 +204,14 @@ def main() -> int:
                     last = counts
                 settled = db.jobs.count_documents({"taskId": {"$in": ids}, "status": {"$in": ["succeeded", "failed"]}})
                 if once and settled == len(ids):
-                    print(json.dumps(counts), flush=True)
+                    with contextlib.suppress(BrokenPipeError):
+                        print(json.dumps(counts), flush=True)
                     return 0
                 time.sleep(1)
     except (KeyboardInterrupt, Stopped):
+        return 0
+    except BrokenPipeError:  # the reader of our output is gone: stop what was started, quietly
+        _stop_writing()
         return 0
     except DemoFailed as exc:
         say(str(exc))
@@ -228,10 +249,11 @@ def _start_server(data: Path, children: list[Child], logs: Path) -> str:
 
 
 def _stop(children: list[Child]) -> None:
-    """Everything the demo started, the server last (the worker releases its jobs there), within seconds."""
+    """Everything the demo started, the server last (the worker releases its jobs there), within seconds, whoever
+    still reads the demo's output (say() never fails) and whatever signal comes next (ignored)."""
     if not children:
         return
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not leave processes behind
     started = time.monotonic()
     say("stopping " + ", ".join(child.name for child in reversed(children)))

@@ -240,6 +240,49 @@ def test_purge_by_status_and_age_refuses_unfinished_work(store: JobStore, db: Da
     assert db.jobs.count_documents({}) == 0
 
 
+#: Numbers click or float() take that are no length of time or count a command can use.
+NOT_A_NUMBER_OF_SECONDS = ["nan", "inf", "-inf", "-1", "1e308", "1e400", "99999999999999999999", "0x10", ""]
+NUMERIC_OPTIONS = [
+    (["requeue-stale", "--stale-after"], [*NOT_A_NUMBER_OF_SECONDS, "0", "1e9d", "36501d"]),
+    (["requeue-stale", "--heartbeat-interval"], [*NOT_A_NUMBER_OF_SECONDS, "0", "1e9d", "36501d"]),
+    (["requeue-stale", "--max-attempts"], ["nan", "inf", "-1", "0", "1.5", "99999999999999999999", ""]),
+    (["failed", "--older-than"], [*NOT_A_NUMBER_OF_SECONDS, "999999999999999999d"]),
+    (["failed", "--newer-than"], [*NOT_A_NUMBER_OF_SECONDS, "999999999999999999d"]),
+    (["failed", "--limit"], ["nan", "inf", "-1", "99999999999999999999", "1e3"]),
+    (["purge", "--status", "failed", "--older-than"], [*NOT_A_NUMBER_OF_SECONDS, "999999999999999999d"]),
+    (["serve-metrics", "--port"], ["nan", "inf", "-1", "65536", "99999999999999999999"]),
+    (["serve", "--port"], ["nan", "inf", "0", "-1", "65536", "99999999999999999999"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [(option, value) for option, values in NUMERIC_OPTIONS for value in values],
+    ids=lambda item: item if isinstance(item, str) else " ".join(item),
+)
+def test_a_number_no_command_can_use_is_refused_in_one_line(db: Database, broker_url: str, option, value) -> None:
+    store = JobStore(db, Policy(max_attempts=2))
+    store.ensure_indexes()
+    lost = add_job(store, "app.lost", outcome="running")
+    age(db, lost, 10 * 86400)
+    args = [*option, value] if option[0] == "serve" else [*option, value, "--broker", broker_url]
+    result = CliRunner().invoke(main, args)  # a traceback would be result.exception, not SystemExit
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, (result.output, result.exception)
+    said = [line for line in result.stderr.splitlines() if line.startswith(("Error", "bb-broker:"))]
+    assert len(said) == 1 and option[-1] in said[0], result.stderr
+    assert result.stdout == ""
+    assert db.jobs.find_one({"_id": lost})["status"] == "running"  # nothing was done
+
+
+def test_a_stale_after_may_be_written_as_a_duration(db: Database, broker_url: str) -> None:
+    store = JobStore(db, Policy(max_attempts=2))
+    store.ensure_indexes()
+    lost = add_job(store, "app.lost", outcome="running")
+    age(db, lost, 600)
+    result = bb(broker_url, "requeue-stale", "--stale-after", "5m", "--heartbeat-interval", "1m")
+    assert result.exit_code == 0 and result.stdout == "re-queued 1, failed 0\n"
+
+
 COMMANDS = [
     ["status"],
     ["status", "--json"],

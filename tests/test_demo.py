@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from pymongo import MongoClient
 
 from tests.servers import EmbeddedServer, free_port
@@ -208,3 +210,38 @@ def _pings(client: MongoClient) -> bool:
         return client.admin.command("ping")["ok"] == 1
     except Exception:
         return False
+
+
+@pytest.mark.parametrize(
+    ("stop", "own_server"),
+    [("SIGINT to its process group", True), ("SIGTERM", False), ("SIGHUP", False)],
+    ids=["ctrl-c", "sigterm", "sighup"],
+)
+def test_the_demo_stops_every_child_when_nobody_reads_its_output(broker_url, tmp_path, stop, own_server) -> None:
+    # `make demo 2>&1 | tee log`, then Ctrl-C: tee dies with the demo's terminal group and its pipe breaks.
+    settings = {"BB_DEMO_DATA": str(tmp_path / "demo"), "BB_DEMO_FLOWER_PORT": str(free_port())}
+    settings.update({"BB_DEMO_SERVER_PORT": str(free_port())} if own_server else {"BB_BROKER_URL": broker_url})
+    demo = subprocess.Popen(DEMO, cwd=ROOT, env=demo_env(**settings), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    pids: dict[str, int] = {}
+    try:
+        for line in demo.stdout:
+            if started := re.search(r"^demo: started (\w+) \(pid (\d+);", line):
+                pids[started[1]] = int(started[2])
+            if line.startswith("demo: Flower on http://"):
+                break
+        assert set(pids) == ({"server", "worker", "flower"} if own_server else {"worker", "flower"}), pids
+        demo.stdout.close()  # the reader is gone: the demo's next line meets a broken pipe
+        if stop.startswith("SIGINT"):
+            os.killpg(demo.pid, signal.SIGINT)
+        else:
+            demo.send_signal(getattr(signal, stop))
+        demo.wait(120)
+        assert wait_for(lambda: all(gone(pid) for pid in pids.values()), 30, "every child to be gone"), pids
+        assert demo.returncode == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        for pid in pids.values():  # what the demo left behind, so that the suite does not inherit it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)

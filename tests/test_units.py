@@ -144,7 +144,9 @@ def test_lifecycle_rules() -> None:
     assert [retry_countdown(policy, n) for n in (1, 2, 3)] == [10.0, 20.0, None]
     assert retry_countdown(policy, 1, retryable=False) is None
     assert policy.heartbeat_interval < policy.sweep_interval < policy.stale_after
-    for bad in ({"max_attempts": 0}, {"backoff_base": -1}, {"stale_after": 0}):
+    nan, inf = float("nan"), float("inf")
+    for bad in ({"max_attempts": 0}, {"backoff_base": -1}, {"stale_after": 0}, {"stale_after": nan},
+                {"stale_after": inf}, {"backoff_base": nan}, {"backoff_base": inf}):  # fmt: skip
         with pytest.raises(ValueError):
             Policy(**bad)
 
