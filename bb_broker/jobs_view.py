@@ -47,6 +47,8 @@ T = TypeVar("T")
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html")
 FILTERS = ("status", "queue", "kind", "since", "until", "error")
+#: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
+MAX_ID_LENGTH = 512
 
 #: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
 NAVBAR_ANCHOR = "Broker</a>\n        </li>"
@@ -150,6 +152,25 @@ class _JobsHandler(BaseHandler):
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
 
+    def job_id(self) -> str:
+        """The job an action or a look-up is about: its job id or Celery task id, from the `id` argument (a task id
+        may be any text, `bulk`, `..` or `a/b` included, so it is never a segment of the path)."""
+        identifier = self.get_argument("id", default="", escape=False, strip=False)
+        if not identifier:
+            raise tornado.web.HTTPError(400, "id is required: a job id or a Celery task id")
+        if len(identifier) > MAX_ID_LENGTH:
+            raise tornado.web.HTTPError(400, f"id is longer than {MAX_ID_LENGTH} characters: no job has it")
+        return identifier
+
+    def bulk_filter(self, action: str) -> JobFilter:
+        """The filter of a bulk action, which must narrow it: an empty one would take every job of the collection."""
+        job_filter = self.job_filter()
+        if not job_filter.as_dict():
+            raise tornado.web.HTTPError(
+                400, f"bulk {action} needs a filter ({', '.join(FILTERS)}): without one it would take every job"
+            )
+        return job_filter
+
     def page_args(self) -> tuple[str | None, int]:
         after = self.get_argument("after", default=None, escape=False) or None
         if after is not None and len(after) > 64:
@@ -211,7 +232,7 @@ class _JobsHandler(BaseHandler):
 
     async def bulk_count(self, action: str) -> dict[str, Any]:
         """What a bulk action would change now, and `asOf`: the time of the count, which the action is bounded by."""
-        job_filter = self.job_filter()
+        job_filter = self.bulk_filter(action)
         as_of = await _run(_operations(self).now)
         count = await self.count(job_filter, action, as_of)  # exactly the jobs the action, bounded by as_of, takes
         return {"action": action, "count": count, "asOf": as_of.isoformat(), "filter": job_filter.as_dict()}
@@ -241,16 +262,25 @@ class _JobsHandler(BaseHandler):
         if action not in ACTIONS:
             raise tornado.web.HTTPError(404, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         _refuse_unless_allowed(self)
-        job_filter = self.job_filter()
+        job_filter = self.bulk_filter(action)
         as_of = self.as_of()
         operations = _operations(self)
-        expected_text = self.get_argument("expected", default=None, escape=False)
-        if expected_text is not None:
-            count = await self.count(job_filter, action, as_of)
-            if str(count) != expected_text.strip():
-                raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected_text}: confirm again")
+        expected = self.expected(action)
+        count = await self.count(job_filter, action, as_of)
+        if count != expected:
+            raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected}: confirm again")
         changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of)
         return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
+
+    def expected(self, action: str) -> int:
+        """The count the operator confirmed (the `count` of GET .../count): a bulk action without it is refused."""
+        text = self.get_argument("expected", default="", escape=False).strip()
+        if not text.isdigit():
+            shown = f" ({text!r} is not a count)" if text else ""
+            raise tornado.web.HTTPError(
+                400, f"bulk {action} needs expected=<the count you confirmed>{shown}: count first (GET .../count)"
+            )
+        return int(text)
 
     async def queue_control(self, queue: str, change: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
@@ -325,8 +355,8 @@ class JobsBulkAction(_JobsHandler):
 
 class JobAction(_JobsHandler):
     @tornado.web.authenticated
-    async def post(self, identifier: str, action: str) -> None:
-        self.write(await self.act_on(action, identifier))
+    async def post(self, action: str) -> None:
+        self.write(await self.act_on(action, self.job_id()))
 
 
 class QueueAction(_JobsHandler):
@@ -339,7 +369,8 @@ class JobPage(_JobsHandler):
     json_errors = False
 
     @tornado.web.authenticated
-    async def get(self, identifier: str) -> None:
+    async def get(self) -> None:
+        identifier = self.job_id()
         doc = await _run(_operations(self).find, identifier)
         if doc is None:
             raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
@@ -377,7 +408,8 @@ class JobsApi(_ApiHandler):
 
 class JobApi(_ApiHandler):
     @tornado.web.authenticated
-    async def get(self, identifier: str) -> None:
+    async def get(self) -> None:
+        identifier = self.job_id()
         doc = await _run(_operations(self).find, identifier)
         if doc is None:
             raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
@@ -405,18 +437,21 @@ class QueueActionApi(QueueAction, _ApiHandler):
 
 ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
 
+# No job id or task id is ever part of a path: one job is `job?id=<id>` (its actions `job/<action>` with `id`), so
+# whatever a task id is (`bulk`, `data`, `queue`, `..`, `a/b`), it cannot reach another route. Every path under
+# /jobs/ and /api/jobs/ starts with a fixed word.
 HANDLERS = [
     url(r"/jobs", JobsPage, name="jobs"),
     (r"/jobs/data", JobsData),
+    url(r"/jobs/job", JobPage, name="job"),
+    (r"/jobs/job/" + ACTION_PATTERN, JobAction),
     (r"/jobs/bulk/" + ACTION_PATTERN + r"/count", JobsBulkCount),
     (r"/jobs/bulk/" + ACTION_PATTERN, JobsBulkAction),
     (r"/jobs/queue/([^/]+)/(pause|resume)", QueueAction),
-    (r"/jobs/([^/]+)/" + ACTION_PATTERN, JobAction),
-    url(r"/jobs/([^/]+)", JobPage, name="job"),
     (r"/api/jobs", JobsApi),
+    (r"/api/jobs/job", JobApi),
+    (r"/api/jobs/job/" + ACTION_PATTERN, JobActionApi),
     (r"/api/jobs/bulk/" + ACTION_PATTERN, BulkApi),
-    (r"/api/jobs/([^/]+)/" + ACTION_PATTERN, JobActionApi),
-    (r"/api/jobs/([^/]+)", JobApi),
     (r"/api/queues/([^/]+)/(pause|resume)", QueueActionApi),
 ]
 
