@@ -11,8 +11,9 @@ OAuth e-mail addresses); everyone else reads, and gets a 403 to act.
 from __future__ import annotations
 
 import base64
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,10 +21,14 @@ from typing import Any, TypeVar
 import tornado.web
 from flower import urls as flower_urls
 from flower.api import BaseApiHandler
+from flower.api.control import TaskRevoke
+from flower.utils import strtobool
 from flower.views import BaseHandler
+from flower.views.error import NotFoundErrorHandler
+from flower.views.tasks import TasksDataTable
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
-from tornado.web import url
+from tornado.web import URLSpec, url
 
 from .lifecycle import STATUSES
 from .operations import (
@@ -97,16 +102,21 @@ def admins(handler: BaseHandler) -> list[str]:
     return [name.strip() for entry in names for name in str(entry).split(",") if name.strip()]
 
 
+def read_only(handler: BaseHandler) -> bool:
+    # Flower has had --read_only since 2.1; before, there is no such option (and nothing is read-only).
+    return bool(getattr(handler.application.options, "read_only", False))
+
+
 def can_act(handler: BaseHandler) -> bool:
     """Actions are for everyone Flower lets in, unless Flower is read-only or --jobs_admins names the few."""
-    if handler.application.options.read_only:
+    if read_only(handler):
         return False
     allowed = admins(handler)
     return not allowed or user_name(handler) in allowed
 
 
 def _refuse_unless_allowed(handler: BaseHandler) -> None:
-    if handler.application.options.read_only:
+    if read_only(handler):
         raise tornado.web.HTTPError(403, "Flower is read-only (--read_only): no job or queue can be changed")
     if not can_act(handler):
         who = user_name(handler)
@@ -471,9 +481,85 @@ def template_source(root: str, name: str) -> bytes | None:
     return None
 
 
+# --- Flower's own actions, for --jobs_admins only -------------------------------------------------------------------
+#
+# Flower checks who may act nowhere (its --read_only is for everyone), so `--jobs_admins` would make nobody read-only
+# while Flower's API lets them revoke, shut workers down or stop a queue's consumer. `guard_flowers_actions()` wraps
+# the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that has a
+# method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs. A
+# handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0, 2.0.1,
+# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/test_jobs_view.py lists them and fails when that changes),
+# BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
+
+#: Flower's handlers whose POST only reads: the Tasks page's table posts its query; the catch-all answers 404.
+READING_POSTS = (TasksDataTable, NotFoundErrorHandler)
+#: The methods that can change something (Tornado's RequestHandler answers 405 for each a handler lacks).
+WRITE_METHODS = ("post", "put", "delete", "patch")
+_GUARDED = "_bb_broker_guarded"
+
+
+def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHandler]]:
+    """The handler classes of a Flower URL table that can change something: each with a write method, except the
+    Jobs tab's own (they check who may act themselves) and READING_POSTS."""
+    found: list[type[tornado.web.RequestHandler]] = []
+    for spec in handlers:
+        handler_class = spec.handler_class if isinstance(spec, URLSpec) else spec[1]
+        if handler_class in found or issubclass(handler_class, (_JobsHandler, *READING_POSTS)):
+            continue
+        base = tornado.web.RequestHandler
+        if any(getattr(handler_class, name) is not getattr(base, name) for name in WRITE_METHODS):
+            found.append(handler_class)
+    return found
+
+
+def is_guarded(handler_class: type[tornado.web.RequestHandler]) -> bool:
+    return getattr(handler_class.prepare, _GUARDED, False)
+
+
+def guard_flowers_actions(handlers: Iterable[Any]) -> None:
+    """Refuse each of Flower's actions in `handlers` to users --jobs_admins does not name; calling it twice changes
+    nothing."""
+    for handler_class in flowers_actions(handlers):
+        if not is_guarded(handler_class):
+            handler_class.prepare = _guarded(handler_class.prepare)  # type: ignore[method-assign]
+
+
+def _guarded(prepare: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    async def guarded_prepare(self: BaseHandler) -> None:
+        result = prepare(self)  # Flower's own (its API refuses anonymous use unless told)
+        if inspect.isawaitable(result):
+            await result
+        if self.request.method in ("GET", "HEAD", "OPTIONS") or not self.current_user:
+            return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
+        if not can_act(self) and not read_only(self):  # read-only Flower: its handlers say so themselves
+            who = user_name(self)
+            raise tornado.web.HTTPError(403, f"{who} may look but not act: only --jobs_admins may use Flower's actions")
+        if isinstance(self, TaskRevoke) and can_act(self):
+            await _record_revoke(self)
+
+    setattr(guarded_prepare, _GUARDED, True)
+    return guarded_prepare
+
+
+async def _record_revoke(handler: TaskRevoke) -> None:
+    """Flower's revoke, recorded on the task's jobs with the user's name before Flower broadcasts it: a queued job
+    ends failed ("revoked before it ran") by this user, not by the anonymous broadcast the transport sees."""
+    terminate_text = tornado.web.RequestHandler.get_argument(handler, "terminate", "") or "false"
+    try:
+        terminate = bool(strtobool(terminate_text))
+    except ValueError:
+        return  # Flower answers 400 for it, and revokes nothing
+    try:
+        operations = _operations(handler)
+    except tornado.web.HTTPError:
+        return  # a Flower on another broker: no jobs collection to record on
+    task_id = handler.path_args[0]
+    await _run(operations.revoke, [task_id], by=user_name(handler), terminate=terminate)
+
+
 def install() -> None:
     """Add the Jobs tab's handlers and its `jobs_admins` option to Flower (bb_broker.flower's template loader serves
-    its templates); calling it twice changes nothing."""
+    its templates), and guard Flower's own actions; calling it twice changes nothing."""
     if "jobs_admins" not in tornado_options:
         tornado_options.define(
             "jobs_admins",
@@ -483,6 +569,7 @@ def install() -> None:
             help="bb_broker Jobs tab: the users who may act on jobs and queues (everyone else reads only)",
         )
     handlers = flower_urls.handlers
+    guard_flowers_actions(handlers)
     if any(getattr(handler, "name", None) == "jobs" for handler in handlers):
         return
     catch_all = next(i for i, h in enumerate(handlers) if isinstance(h, tuple) and h[0] == r".*")
