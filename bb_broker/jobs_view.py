@@ -5,7 +5,8 @@ them) by being inserted into `flower.urls.handlers` before Flower's catch-all (`
 calls); bb_broker.flower's template loader serves our templates and, through `template_source()`, adds the Jobs
 link to Flower's navigation bar and a Paused column to its Broker tab. Who may act: Flower's `--read_only` stops
 every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
-OAuth e-mail addresses); everyone else reads, and gets a 403 to act.
+OAuth e-mail addresses); everyone else reads, and gets a 403 to act, here and from Flower's own actions
+(`guard_flowers_actions()`). A job is named by the `id` argument, never by a segment of the path (see HANDLERS).
 """
 
 from __future__ import annotations
