@@ -5,14 +5,16 @@ them) by being inserted into `flower.urls.handlers` before Flower's catch-all (`
 calls); bb_broker.flower's template loader serves our templates and, through `template_source()`, adds the Jobs
 link to Flower's navigation bar and a Paused column to its Broker tab. Who may act: Flower's `--read_only` stops
 every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
-OAuth e-mail addresses); everyone else reads, and gets a 403 to act.
+OAuth e-mail addresses); everyone else reads, and gets a 403 to act, here and from Flower's own actions
+(`guard_flowers_actions()`). A job is named by the `id` argument, never by a segment of the path (see HANDLERS).
 """
 
 from __future__ import annotations
 
 import base64
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,10 +22,14 @@ from typing import Any, TypeVar
 import tornado.web
 from flower import urls as flower_urls
 from flower.api import BaseApiHandler
+from flower.api.control import TaskRevoke
+from flower.utils import strtobool
 from flower.views import BaseHandler
+from flower.views.error import NotFoundErrorHandler
+from flower.views.tasks import TasksDataTable
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
-from tornado.web import url
+from tornado.web import URLSpec, url
 
 from .lifecycle import STATUSES
 from .operations import (
@@ -47,6 +53,8 @@ T = TypeVar("T")
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html")
 FILTERS = ("status", "queue", "kind", "since", "until", "error")
+#: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
+MAX_ID_LENGTH = 512
 
 #: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
 NAVBAR_ANCHOR = "Broker</a>\n        </li>"
@@ -95,16 +103,21 @@ def admins(handler: BaseHandler) -> list[str]:
     return [name.strip() for entry in names for name in str(entry).split(",") if name.strip()]
 
 
+def read_only(handler: BaseHandler) -> bool:
+    # Flower has had --read_only since 2.1; before, there is no such option (and nothing is read-only).
+    return bool(getattr(handler.application.options, "read_only", False))
+
+
 def can_act(handler: BaseHandler) -> bool:
     """Actions are for everyone Flower lets in, unless Flower is read-only or --jobs_admins names the few."""
-    if handler.application.options.read_only:
+    if read_only(handler):
         return False
     allowed = admins(handler)
     return not allowed or user_name(handler) in allowed
 
 
 def _refuse_unless_allowed(handler: BaseHandler) -> None:
-    if handler.application.options.read_only:
+    if read_only(handler):
         raise tornado.web.HTTPError(403, "Flower is read-only (--read_only): no job or queue can be changed")
     if not can_act(handler):
         who = user_name(handler)
@@ -149,6 +162,25 @@ class _JobsHandler(BaseHandler):
             return JobFilter.parse(values, _operations(self).now())
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
+
+    def job_id(self) -> str:
+        """The job an action or a look-up is about: its job id or Celery task id, from the `id` argument (a task id
+        may be any text, `bulk`, `..` or `a/b` included, so it is never a segment of the path)."""
+        identifier = self.get_argument("id", default="", escape=False, strip=False)
+        if not identifier:
+            raise tornado.web.HTTPError(400, "id is required: a job id or a Celery task id")
+        if len(identifier) > MAX_ID_LENGTH:
+            raise tornado.web.HTTPError(400, f"id is longer than {MAX_ID_LENGTH} characters: no job has it")
+        return identifier
+
+    def bulk_filter(self, action: str) -> JobFilter:
+        """The filter of a bulk action, which must narrow it: an empty one would take every job of the collection."""
+        job_filter = self.job_filter()
+        if not job_filter.as_dict():
+            raise tornado.web.HTTPError(
+                400, f"bulk {action} needs a filter ({', '.join(FILTERS)}): without one it would take every job"
+            )
+        return job_filter
 
     def page_args(self) -> tuple[str | None, int]:
         after = self.get_argument("after", default=None, escape=False) or None
@@ -211,7 +243,7 @@ class _JobsHandler(BaseHandler):
 
     async def bulk_count(self, action: str) -> dict[str, Any]:
         """What a bulk action would change now, and `asOf`: the time of the count, which the action is bounded by."""
-        job_filter = self.job_filter()
+        job_filter = self.bulk_filter(action)
         as_of = await _run(_operations(self).now)
         count = await self.count(job_filter, action, as_of)  # exactly the jobs the action, bounded by as_of, takes
         return {"action": action, "count": count, "asOf": as_of.isoformat(), "filter": job_filter.as_dict()}
@@ -241,16 +273,25 @@ class _JobsHandler(BaseHandler):
         if action not in ACTIONS:
             raise tornado.web.HTTPError(404, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         _refuse_unless_allowed(self)
-        job_filter = self.job_filter()
+        job_filter = self.bulk_filter(action)
         as_of = self.as_of()
         operations = _operations(self)
-        expected_text = self.get_argument("expected", default=None, escape=False)
-        if expected_text is not None:
-            count = await self.count(job_filter, action, as_of)
-            if str(count) != expected_text.strip():
-                raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected_text}: confirm again")
+        expected = self.expected(action)
+        count = await self.count(job_filter, action, as_of)
+        if count != expected:
+            raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected}: confirm again")
         changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of)
         return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
+
+    def expected(self, action: str) -> int:
+        """The count the operator confirmed (the `count` of GET .../count): a bulk action without it is refused."""
+        text = self.get_argument("expected", default="", escape=False).strip()
+        if not text.isdigit():
+            shown = f" ({text!r} is not a count)" if text else ""
+            raise tornado.web.HTTPError(
+                400, f"bulk {action} needs expected=<the count you confirmed>{shown}: count first (GET .../count)"
+            )
+        return int(text)
 
     async def queue_control(self, queue: str, change: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
@@ -325,8 +366,8 @@ class JobsBulkAction(_JobsHandler):
 
 class JobAction(_JobsHandler):
     @tornado.web.authenticated
-    async def post(self, identifier: str, action: str) -> None:
-        self.write(await self.act_on(action, identifier))
+    async def post(self, action: str) -> None:
+        self.write(await self.act_on(action, self.job_id()))
 
 
 class QueueAction(_JobsHandler):
@@ -339,7 +380,8 @@ class JobPage(_JobsHandler):
     json_errors = False
 
     @tornado.web.authenticated
-    async def get(self, identifier: str) -> None:
+    async def get(self) -> None:
+        identifier = self.job_id()
         doc = await _run(_operations(self).find, identifier)
         if doc is None:
             raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
@@ -377,7 +419,8 @@ class JobsApi(_ApiHandler):
 
 class JobApi(_ApiHandler):
     @tornado.web.authenticated
-    async def get(self, identifier: str) -> None:
+    async def get(self) -> None:
+        identifier = self.job_id()
         doc = await _run(_operations(self).find, identifier)
         if doc is None:
             raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
@@ -405,18 +448,21 @@ class QueueActionApi(QueueAction, _ApiHandler):
 
 ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
 
+# No job id or task id is ever part of a path: one job is `job?id=<id>` (its actions `job/<action>` with `id`), so
+# whatever a task id is (`bulk`, `data`, `queue`, `..`, `a/b`), it cannot reach another route. Every path under
+# /jobs/ and /api/jobs/ starts with a fixed word.
 HANDLERS = [
     url(r"/jobs", JobsPage, name="jobs"),
     (r"/jobs/data", JobsData),
+    url(r"/jobs/job", JobPage, name="job"),
+    (r"/jobs/job/" + ACTION_PATTERN, JobAction),
     (r"/jobs/bulk/" + ACTION_PATTERN + r"/count", JobsBulkCount),
     (r"/jobs/bulk/" + ACTION_PATTERN, JobsBulkAction),
     (r"/jobs/queue/([^/]+)/(pause|resume)", QueueAction),
-    (r"/jobs/([^/]+)/" + ACTION_PATTERN, JobAction),
-    url(r"/jobs/([^/]+)", JobPage, name="job"),
     (r"/api/jobs", JobsApi),
+    (r"/api/jobs/job", JobApi),
+    (r"/api/jobs/job/" + ACTION_PATTERN, JobActionApi),
     (r"/api/jobs/bulk/" + ACTION_PATTERN, BulkApi),
-    (r"/api/jobs/([^/]+)/" + ACTION_PATTERN, JobActionApi),
-    (r"/api/jobs/([^/]+)", JobApi),
     (r"/api/queues/([^/]+)/(pause|resume)", QueueActionApi),
 ]
 
@@ -436,9 +482,85 @@ def template_source(root: str, name: str) -> bytes | None:
     return None
 
 
+# --- Flower's own actions, for --jobs_admins only -------------------------------------------------------------------
+#
+# Flower checks who may act nowhere (its --read_only is for everyone), so `--jobs_admins` would make nobody read-only
+# while Flower's API lets them revoke, shut workers down or stop a queue's consumer. `guard_flowers_actions()` wraps
+# the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that has a
+# method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs. A
+# handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0, 2.0.1,
+# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/test_jobs_view.py lists them and fails when that changes),
+# BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
+
+#: Flower's handlers whose POST only reads: the Tasks page's table posts its query; the catch-all answers 404.
+READING_POSTS = (TasksDataTable, NotFoundErrorHandler)
+#: The methods that can change something (Tornado's RequestHandler answers 405 for each a handler lacks).
+WRITE_METHODS = ("post", "put", "delete", "patch")
+_GUARDED = "_bb_broker_guarded"
+
+
+def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHandler]]:
+    """The handler classes of a Flower URL table that can change something: each with a write method, except the
+    Jobs tab's own (they check who may act themselves) and READING_POSTS."""
+    found: list[type[tornado.web.RequestHandler]] = []
+    for spec in handlers:
+        handler_class = spec.handler_class if isinstance(spec, URLSpec) else spec[1]
+        if handler_class in found or issubclass(handler_class, (_JobsHandler, *READING_POSTS)):
+            continue
+        base = tornado.web.RequestHandler
+        if any(getattr(handler_class, name) is not getattr(base, name) for name in WRITE_METHODS):
+            found.append(handler_class)
+    return found
+
+
+def is_guarded(handler_class: type[tornado.web.RequestHandler]) -> bool:
+    return getattr(handler_class.prepare, _GUARDED, False)
+
+
+def guard_flowers_actions(handlers: Iterable[Any]) -> None:
+    """Refuse each of Flower's actions in `handlers` to users --jobs_admins does not name; calling it twice changes
+    nothing."""
+    for handler_class in flowers_actions(handlers):
+        if not is_guarded(handler_class):
+            handler_class.prepare = _guarded(handler_class.prepare)  # type: ignore[method-assign]
+
+
+def _guarded(prepare: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    async def guarded_prepare(self: BaseHandler) -> None:
+        result = prepare(self)  # Flower's own (its API refuses anonymous use unless told)
+        if inspect.isawaitable(result):
+            await result
+        if self.request.method in ("GET", "HEAD", "OPTIONS") or not self.current_user:
+            return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
+        if not can_act(self) and not read_only(self):  # read-only Flower: its handlers say so themselves
+            who = user_name(self)
+            raise tornado.web.HTTPError(403, f"{who} may look but not act: only --jobs_admins may use Flower's actions")
+        if isinstance(self, TaskRevoke) and can_act(self):
+            await _record_revoke(self)
+
+    setattr(guarded_prepare, _GUARDED, True)
+    return guarded_prepare
+
+
+async def _record_revoke(handler: TaskRevoke) -> None:
+    """Flower's revoke, recorded on the task's jobs with the user's name before Flower broadcasts it: a queued job
+    ends failed ("revoked before it ran") by this user, not by the anonymous broadcast the transport sees."""
+    terminate_text = tornado.web.RequestHandler.get_argument(handler, "terminate", "") or "false"
+    try:
+        terminate = bool(strtobool(terminate_text))
+    except ValueError:
+        return  # Flower answers 400 for it, and revokes nothing
+    try:
+        operations = _operations(handler)
+    except tornado.web.HTTPError:
+        return  # a Flower on another broker: no jobs collection to record on
+    task_id = handler.path_args[0]
+    await _run(operations.revoke, [task_id], by=user_name(handler), terminate=terminate)
+
+
 def install() -> None:
     """Add the Jobs tab's handlers and its `jobs_admins` option to Flower (bb_broker.flower's template loader serves
-    its templates); calling it twice changes nothing."""
+    its templates), and guard Flower's own actions; calling it twice changes nothing."""
     if "jobs_admins" not in tornado_options:
         tornado_options.define(
             "jobs_admins",
@@ -448,6 +570,7 @@ def install() -> None:
             help="bb_broker Jobs tab: the users who may act on jobs and queues (everyone else reads only)",
         )
     handlers = flower_urls.handlers
+    guard_flowers_actions(handlers)
     if any(getattr(handler, "name", None) == "jobs" for handler in handlers):
         return
     catch_all = next(i for i, h in enumerate(handlers) if isinstance(h, tuple) and h[0] == r".*")

@@ -437,6 +437,19 @@ class Operations:
             logger.info("revoked %d queued job(s) of task(s) %s (%s)", result.modified_count, ", ".join(ids), by)
         return result.modified_count
 
+    def revoke(self, task_ids: Iterable[str], *, by: str, terminate: bool = False) -> int:
+        """A revoke an operator asked for (Flower's revoke button or API), recorded with their name: the queued jobs
+        of these tasks end failed at once (revoke_queued), and a running one gets the record while its worker obeys
+        the broadcast. How many queued jobs ended failed."""
+        ids = [str(task_id) for task_id in task_ids]
+        revoked = self.revoke_queued(ids, by=by)
+        if ids:
+            # Only the record: updatedAt is its lease, which the job's worker keeps.
+            record = _record("revoke", by, self.now(), terminate=terminate or None)
+            running = {"taskId": {"$in": ids}, "status": RUNNING}
+            self.coll.update_many(running, {"$push": record}, **self._hint_if_indexed("bb_task_id"))
+        return revoked
+
     # --- queue controls --------------------------------------------------------
 
     def pause(self, queue: str, *, by: str) -> bool:

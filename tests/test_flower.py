@@ -245,6 +245,81 @@ def test_queues_pool_and_rate_limit_from_flower(app, db, worker_factory, flower_
     assert db.runs.count_documents({"taskId": other}) == 0
 
 
+def handler_of(path: str) -> type:
+    """The class of Flower's URL table that serves `path` (the first pattern matching, as Tornado picks)."""
+    import flower.urls
+
+    import bb_broker.flower  # noqa: F401  (its handlers and guard, as in the Flower process)
+
+    for spec in flower.urls.handlers:
+        pattern, handler = (spec[0], spec[1]) if isinstance(spec, tuple) else (spec.regex.pattern, spec.handler_class)
+        if re.fullmatch(pattern.rstrip("$"), path.split("?")[0]):
+            return handler
+    raise AssertionError(f"no handler for {path}")
+
+
+def test_a_read_only_user_can_use_none_of_flowers_actions(app, db, worker_factory, flower_factory) -> None:
+    worker = worker_factory(extra_args=("-E",))
+    name = node(worker)
+    flower = flower_factory(launcher="bb-broker", basic_auth="admin:s3cret,viewer:peek",
+                            extra_args=("--jobs_admins=admin",))  # fmt: skip
+    before = flower.worker(name)  # Flower controls only the workers it has inspected
+    processes = len(before["stats"]["pool"]["processes"])
+    waiting = send(app, "add", 1, 2, countdown=600)
+    jobs = db.jobs.count_documents({})
+    task = "tests.e2e_app.add"
+    calls = [
+        (f"/api/task/revoke/{waiting}", {}),
+        (f"/api/task/revoke/{waiting}", {"terminate": "true"}),
+        (f"/api/task/abort/{waiting}", {}),
+        (f"/api/task/rate-limit/{task}", {"ratelimit": "1/m", "workername": name}),
+        (f"/api/task/timeout/{task}", {"soft": "10", "hard": "20", "workername": name}),
+        (f"/api/task/apply/{task}", {}),
+        (f"/api/task/async-apply/{task}", {}),
+        (f"/api/task/send-task/{task}", {}),
+        (f"/api/worker/queue/add-consumer/{name}", {"queue": "reports"}),
+        (f"/api/worker/queue/cancel-consumer/{name}", {"queue": "celery"}),
+        (f"/api/worker/pool/grow/{name}", {"n": "1"}),
+        (f"/api/worker/pool/shrink/{name}", {"n": "1"}),
+        (f"/api/worker/pool/autoscale/{name}", {"min": "1", "max": "3"}),
+        (f"/api/worker/pool/restart/{name}", {}),
+        (f"/api/worker/shutdown/{name}", {}),
+    ]
+    # Every endpoint of Flower's that acts is here (tests/test_jobs_view.py keeps that list in step with Flower's).
+    from tests.test_jobs_view import FLOWERS_ACTIONS
+
+    assert {handler_of(path).__name__ for path, _ in calls} == FLOWERS_ACTIONS
+    refused = "viewer may look but not act: only --jobs_admins may use Flower's actions"
+    for path, form in calls:
+        assert flower.request("POST", path, form, user="viewer:peek") == (403, refused), path
+
+    # Nothing changed: the job still queued, the worker alive with its queue, its pool, no limits, no new job.
+    after = flower.worker(name)
+    assert worker.process.poll() is None and [q["name"] for q in after["active_queues"]] == ["celery"]
+    assert len(after["stats"]["pool"]["processes"]) == processes and after["stats"]["pid"] == before["stats"]["pid"]
+    assert task in after["registered"]  # as registered: no rate_limit or time limits added to its entry
+    assert job(db, waiting)["status"] == "queued" and "actions" not in job(db, waiting)
+    assert db.jobs.count_documents({}) == jobs
+    assert flower.request("GET", "/api/workers", user="viewer:peek")[0] == 200  # reading is still theirs
+
+
+def test_an_admins_revoke_through_flower_is_recorded_with_their_name(app, db, worker_factory, flower_factory) -> None:
+    worker_factory(extra_args=("-E",))
+    flower = flower_factory(launcher="bb-broker", basic_auth="admin:s3cret,viewer:peek",
+                            extra_args=("--jobs_admins=admin",))  # fmt: skip
+    waiting = send(app, "add", 1, 2, countdown=600)
+    assert flower.post(f"/api/task/revoke/{waiting}") == {"message": f"Revoked '{waiting}'"}
+    revoked = job(db, waiting)
+    assert (revoked["status"], revoked["lastError"]) == ("failed", "revoked before it ran")
+    assert [(a["action"], a["by"]) for a in revoked["actions"]] == [("revoke", "admin")]
+    running = send(app, "sleep", 60)
+    wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")
+    assert flower.post(f"/api/task/revoke/{running}", terminate="true") == {"message": f"Revoked '{running}'"}
+    terminated = wait_for(settled(db, running, "failed"), message="terminated")
+    assert terminated["lastError"] == "revoked: terminated by signal 15"
+    assert [(a["action"], a["by"], a.get("terminate")) for a in terminated["actions"]] == [("revoke", "admin", True)]
+
+
 # --- the Broker tab -----------------------------------------------------------------------------------------
 
 

@@ -74,11 +74,11 @@ def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, f
     page.click("[data-action=retry]")
     expect(page.locator("#job-action-log")).to_contain_text("retry")  # the page reloads itself after an action
     wait_for(settled(db, broken, "succeeded"), message="the retried job succeeded")
-    page.goto(f"{flower.url}/jobs/{broken}")
+    page.goto(f"{flower.url}/jobs/job?id={broken}")
     expect(page.locator("#job-status")).to_have_text("succeeded")
 
     # Cancel a queued countdown job: it ends failed, said who cancelled it.
-    page.goto(f"{flower.url}/jobs/{waiting}")
+    page.goto(f"{flower.url}/jobs/job?id={waiting}")
     page.click("[data-action=cancel]")
     expect(page.locator("#job-status")).to_have_text("failed")
     expect(page.locator("#job-fields")).to_contain_text("cancelled by admin")
@@ -108,7 +108,7 @@ def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, f
     expect(viewer.locator("#jobs-table tbody tr[data-job]").first).to_be_visible()
     expect(viewer.locator("#bulk")).to_have_count(0)
     expect(viewer.locator("#queue-controls button")).to_have_count(0)
-    viewer.goto(f"{flower.url}/jobs/{broken}")
+    viewer.goto(f"{flower.url}/jobs/job?id={broken}")
     expect(viewer.locator("[data-action]")).to_have_count(0)
     refused = viewer.request.post(f"{flower.url}/api/queues/celery/pause")
     assert refused.status == 403 and "viewer may read the jobs but not act" in refused.json()["error"]
@@ -177,4 +177,35 @@ def test_another_site_cannot_act_through_a_flower_without_login(db: Database, fl
     page.click("[data-bulk=delete]")
     expect(page.locator("#notice")).to_have_text("delete: 1 job")
     assert db.jobs.find_one({"_id": job_id}) is None
+    context.close()
+
+
+def test_delete_on_a_jobs_page_deletes_that_job_alone_whatever_its_id(db: Database, flower_factory, browser) -> None:
+    # Documents whose own ids are words of the Jobs tab's paths, or read as something else in one: each opened
+    # from the list, as an operator does, and deleted with its page's button, among seven other finished jobs.
+    store = JobStore(db, Policy())
+    store.ensure_indexes()
+    now = store.now()
+    others = [f"01OTHER{n}" for n in range(7)]
+    awkward = ["bulk", "data", "queue", "..", "a/b", "a%2Fb", "ünï ✓"]
+    for job_id in others + awkward:
+        db.jobs.insert_one({"_id": job_id, "taskId": f"task-{job_id}", "status": "succeeded", "queue": "celery",
+                            "kind": "app.add", "attempts": 1, "createdAt": now, "updatedAt": now})  # fmt: skip
+    flower = flower_factory(basic_auth="admin:s3cret")
+    context = browser.new_context(http_credentials=ADMIN)
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    # With no filter set, the bulk button is refused before it asks: it would take every job.
+    page.goto(f"{flower.url}/jobs")
+    page.click("[data-bulk=delete]")
+    expect(page.locator("#notice")).to_contain_text("bulk delete needs a filter")
+    assert db.jobs.count_documents({}) == len(others + awkward)
+    for job_id in awkward:
+        page.goto(f"{flower.url}/jobs")
+        page.locator(f'#jobs-table tbody tr[data-job="{job_id}"] a').click()  # the list refreshes: it re-finds the row
+        expect(page.locator("#job-page")).to_have_attribute("data-job", job_id)
+        page.click("[data-action=delete]")
+        expect(page.locator("#jobs-page")).to_be_visible()  # back on the list after the delete
+        wait_for(lambda gone=job_id: db.jobs.find_one({"_id": gone}) is None, message=f"job {job_id!r} deleted")
+        assert sorted(doc["_id"] for doc in db.jobs.find({"_id": {"$in": others}})) == others, job_id
     context.close()
