@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from . import celery_hooks
     from .celery_hooks import is_final_attempt
     from .connection import BrokerURLError
+    from .payloads import MalformedTaskMessage
     from .store import JobTooLarge, ResultTooLarge
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "SUCCEEDED",
     "BrokerURLError",
     "JobTooLarge",
+    "MalformedTaskMessage",
     "ResultTooLarge",
     "is_final_attempt",
     "statuses",
@@ -36,6 +38,7 @@ __all__ = [
 _LAZY = {
     "BrokerURLError": "connection",
     "JobTooLarge": "store",
+    "MalformedTaskMessage": "payloads",
     "ResultTooLarge": "store",
     "is_final_attempt": "celery_hooks",
 }

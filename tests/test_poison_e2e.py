@@ -1,0 +1,102 @@
+"""Poison task messages: headers, properties and bodies a Celery worker would choke on, through a real worker.
+
+Each is written into its job's stored payload by hand (as another program, or an edited document, would), so the
+producer's own check cannot stop it: the claim must. Each fails its own job once, naming the field; the worker
+keeps running and the job queued behind them all runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pymongo.database import Database
+
+import bb_broker
+from tests.workers import send, settled, wait_for
+
+#: (what it is, the change made to a stored payload of `add(1, 2)`, the field lastError must name)
+POISONS: list[tuple[str, dict[str, Any], str]] = [
+    ("timelimit text", {"$set": {"payload.headers.timelimit": "x"}}, "header 'timelimit'"),
+    ("timelimit of three", {"$set": {"payload.headers.timelimit": [1, 2, 3]}}, "header 'timelimit'"),
+    ("timelimit of text", {"$set": {"payload.headers.timelimit": ["a", None]}}, "header 'timelimit'"),
+    ("timelimit negative", {"$set": {"payload.headers.timelimit": [-1, None]}}, "header 'timelimit'"),
+    ("eta not a date", {"$set": {"payload.headers.eta": "not-a-date"}}, "header 'eta'"),
+    ("expires junk", {"$set": {"payload.headers.expires": "5j"}}, "header 'expires'"),
+    ("expires a number", {"$set": {"payload.headers.expires": 5}}, "header 'expires'"),
+    ("retries negative", {"$set": {"payload.headers.retries": -1}}, "header 'retries'"),
+    ("retries text", {"$set": {"payload.headers.retries": "x"}}, "header 'retries'"),
+    ("id a list", {"$set": {"payload.headers.id": [1, 2]}}, "header 'id'"),
+    ("task a list", {"$set": {"payload.headers.task": ["tests.e2e_app.add"]}}, "header 'task'"),
+    ("root_id a document", {"$set": {"payload.headers.root_id": {"a": 1}}}, "header 'root_id'"),
+    ("group a number", {"$set": {"payload.headers.group": 7}}, "header 'group'"),
+    ("shadow a list", {"$set": {"payload.headers.shadow": ["x"]}}, "header 'shadow'"),
+    ("argsrepr a list", {"$set": {"payload.headers.argsrepr": [1]}}, "header 'argsrepr'"),
+    ("stamps a list", {"$set": {"payload.headers.stamps": [1]}}, "header 'stamps'"),
+    ("stamped_headers text", {"$set": {"payload.headers.stamped_headers": 5}}, "header 'stamped_headers'"),
+    ("ignore_result text", {"$set": {"payload.headers.ignore_result": "yes"}}, "header 'ignore_result'"),
+    ("compression unknown", {"$set": {"payload.headers.compression": "zstd-x"}}, "header 'compression'"),
+    ("broker retries text", {"$set": {"payload.headers.bb_broker_retries": "x"}}, "header 'bb_broker_retries'"),
+    ("priority text", {"$set": {"payload.properties.priority": "high"}}, "property 'priority'"),
+    ("delivery_info a list", {"$set": {"payload.properties.delivery_info": [1]}}, "property 'delivery_info'"),
+    ("reply_to a number", {"$set": {"payload.properties.reply_to": 5}}, "property 'reply_to'"),
+    ("bb_publish_id a document", {"$set": {"payload.properties.bb_publish_id": {"celery": {"a": 1}}}}, "bb_publish_id"),
+    ("args a document", {"$set": {"payload.args": {"x": 1}}}, "body's args"),
+    ("kwargs a list", {"$set": {"payload.kwargs": [1]}}, "body's kwargs"),
+    ("embed text", {"$set": {"payload.options": "x"}}, "body's embed"),
+    ("callbacks junk", {"$set": {"payload.options.callbacks": ["junk"]}}, "'callbacks'"),
+    ("errbacks a document", {"$set": {"payload.options.errbacks": {"task": "x"}}}, "'errbacks'"),
+    ("chord text", {"$set": {"payload.options.chord": "x"}}, "'chord'"),
+    (
+        "body of two",
+        {"$set": {"payload.body": [[1, 2], {}], "payload.bodyFormat": "json"}, "$unset": {"payload.args": "", "payload.kwargs": "", "payload.options": ""}},
+        "body",
+    ),
+    (
+        "body not JSON",
+        {"$set": {"payload.body": "bm90IGpzb24=", "payload.bodyFormat": "base64"}, "$unset": {"payload.args": "", "payload.kwargs": "", "payload.options": ""}},
+        "body",
+    ),
+]  # fmt: skip
+
+
+def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(app, db: Database, worker_factory) -> None:
+    poisoned = {}
+    for name, change, _ in POISONS:
+        task_id = send(app, "add", 1, 2)
+        assert db.jobs.update_one({"taskId": task_id}, change).modified_count == 1, name
+        poisoned[name] = task_id
+    sentinel = send(app, "add", 20, 22)  # behind every poison job in the queue
+    worker = worker_factory()
+    wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the poison ones")
+    for name, change, field in POISONS:
+        failed = wait_for(settled(db, poisoned[name], "failed"), timeout=120, message=f"{name} failed")
+        assert failed["attempts"] == 1, (name, failed["attempts"], failed.get("lastError"))
+        assert "malformed message" in failed["lastError"] and field in failed["lastError"], (name, failed["lastError"])
+        assert [entry["outcome"] for entry in failed["history"]] == ["failed"], name
+    assert worker.process.poll() is None, "the worker died"
+    assert "Unrecoverable error" not in worker.log()
+    again = send(app, "add", 2, 2)
+    wait_for(settled(db, again, "succeeded"), message="the worker still takes work")
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"headers": {"timelimit": "x"}}, "header 'timelimit'"),
+        ({"headers": {"timelimit": [1, 2, 3]}}, "header 'timelimit'"),
+        ({"headers": {"retries": -1}}, "header 'retries'"),
+        ({"headers": {"eta": "not-a-date"}}, "header 'eta'"),
+        ({"headers": {"expires": "5j"}}, "header 'expires'"),
+        ({"headers": {"id": ["a"]}}, "header 'id'"),
+        ({"headers": {"stamps": [1]}}, "header 'stamps'"),
+        ({"bb_publish_id": {"celery": {"a": 1}}}, "property 'bb_publish_id'"),
+        ({"bb_publish_id": ["x"]}, "property 'bb_publish_id'"),
+        ({"bb_publish_id": 5}, "property 'bb_publish_id'"),
+        ({"link": "junk"}, "'callbacks'"),
+    ],
+)
+def test_a_malformed_task_message_is_refused_at_the_producer(app, db: Database, options, field) -> None:
+    with pytest.raises(bb_broker.MalformedTaskMessage, match=field):
+        app.send_task("tests.e2e_app.add", args=(1, 2), **options)
+    assert db.jobs.count_documents({}) == 0
