@@ -208,7 +208,9 @@ def check_envelope(message: dict[str, Any], *, stored: bool) -> None:
     if stored:
         if PUBLISH_ID_PROPERTY in properties:
             raise MalformedTaskMessage(
-                f"property {PUBLISH_ID_PROPERTY!r}", "absent (a publish's, never stored)", properties[PUBLISH_ID_PROPERTY]
+                f"property {PUBLISH_ID_PROPERTY!r}",
+                "absent (a publish's, never stored)",
+                properties[PUBLISH_ID_PROPERTY],
             )
     else:
         check_publish_ids(properties)
@@ -286,8 +288,13 @@ def _shown(value: Any) -> str:
     return shown.repr(value)
 
 
+def _integer(value: Any) -> bool:
+    """An int, bool left out (True is not a count); BSON's 64-bit ones come back as a subclass of int."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value) and value >= 0
 
 
 def _time_limits(value: Any) -> bool:
@@ -310,7 +317,7 @@ def _iso_moment(value: Any) -> bool:
 
 
 def _count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return _integer(value) and value >= 0
 
 
 def _count_or_none(value: Any) -> bool:
@@ -334,7 +341,7 @@ def _document_or_none(value: Any) -> bool:
 
 
 def _priority(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= 255
+    return _integer(value) and 0 <= value <= 255
 
 
 def _known_compression(value: Any) -> bool:

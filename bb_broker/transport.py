@@ -711,7 +711,12 @@ class Channel(virtual.Channel):
 
     def _fail_undeliverable(self, job: Claimed, reason: str) -> None:
         entry = attempt_entry(
-            job.attempts, worker=self.owner, started_at=None, finished_at=self.jobs.now(), outcome="failed", error=reason
+            job.attempts,
+            worker=self.owner,
+            started_at=None,
+            finished_at=self.jobs.now(),
+            outcome="failed",
+            error=reason,
         )
         self.jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry)
 

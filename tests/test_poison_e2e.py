@@ -7,13 +7,17 @@ keeps running and the job queued behind them all runs.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
 from pymongo.database import Database
 
 import bb_broker
-from tests.workers import send, settled, wait_for
+from tests.workers import job, send, settled, wait_for
+
+#: A JSON body kept as it is instead of as args, kwargs and options.
+UNREADABLE_ARGS = {"payload.args": "", "payload.kwargs": "", "payload.options": ""}
 
 #: (what it is, the change made to a stored payload of `add(1, 2)`, the field lastError must name)
 POISONS: list[tuple[str, dict[str, Any], str]] = [
@@ -49,27 +53,35 @@ POISONS: list[tuple[str, dict[str, Any], str]] = [
     ("chord text", {"$set": {"payload.options.chord": "x"}}, "'chord'"),
     (
         "body of two",
-        {"$set": {"payload.body": [[1, 2], {}], "payload.bodyFormat": "json"}, "$unset": {"payload.args": "", "payload.kwargs": "", "payload.options": ""}},
+        {"$set": {"payload.body": [[1, 2], {}], "payload.bodyFormat": "json"}, "$unset": UNREADABLE_ARGS},
         "body",
     ),
     (
         "body not JSON",
-        {"$set": {"payload.body": "bm90IGpzb24=", "payload.bodyFormat": "base64"}, "$unset": {"payload.args": "", "payload.kwargs": "", "payload.options": ""}},
+        {"$set": {"payload.body": "bm90IGpzb24=", "payload.bodyFormat": "base64"}, "$unset": UNREADABLE_ARGS},
         "body",
     ),
 ]  # fmt: skip
 
 
-def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(app, db: Database, worker_factory) -> None:
+def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(
+    app, db: Database, worker_factory
+) -> None:
     poisoned = {}
     for name, change, _ in POISONS:
         task_id = send(app, "add", 1, 2)
         assert db.jobs.update_one({"taskId": task_id}, change).modified_count == 1, name
         poisoned[name] = task_id
+    # A whole document written with pymongo, as another program would: a copy of a published job, its own ids.
+    template = db.jobs.find_one({"taskId": send(app, "add", 1, 2)}, {"_id": 0})
+    db.jobs.delete_many({"taskId": template["taskId"]})
+    template["payload"]["headers"].update({"id": "hand-written", "timelimit": [1, 2, 3]})
+    db.jobs.insert_one({**template, "_id": "hand-written-job", "taskId": "hand-written"})
+    poisoned["hand-written document"] = "hand-written"
     sentinel = send(app, "add", 20, 22)  # behind every poison job in the queue
     worker = worker_factory()
     wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the poison ones")
-    for name, change, field in POISONS:
+    for name, field in [*((name, field) for name, _, field in POISONS), ("hand-written document", "'timelimit'")]:
         failed = wait_for(settled(db, poisoned[name], "failed"), timeout=120, message=f"{name} failed")
         assert failed["attempts"] == 1, (name, failed["attempts"], failed.get("lastError"))
         assert "malformed message" in failed["lastError"] and field in failed["lastError"], (name, failed["lastError"])
@@ -100,3 +112,22 @@ def test_a_malformed_task_message_is_refused_at_the_producer(app, db: Database, 
     with pytest.raises(bb_broker.MalformedTaskMessage, match=field):
         app.send_task("tests.e2e_app.add", args=(1, 2), **options)
     assert db.jobs.count_documents({}) == 0
+
+
+def test_a_poison_body_only_celery_decodes_fails_its_job_before_the_worker_ends(
+    app, db: Database, worker_factory
+) -> None:
+    """A YAML body is Celery's to decode (only if the app accepts YAML): the claim does not parse it. One that is not
+    [args, kwargs, embed] ends Celery's consumer; its job fails first, once, so no other worker takes it again."""
+    poison = app.send_task("tests.e2e_app.add", args=(1, 2), serializer="yaml").id
+    two_parts = base64.b64encode(b"[1, 2]\n").decode()
+    assert db.jobs.update_one({"taskId": poison}, {"$set": {"payload.body": two_parts}}).modified_count == 1
+    accepting_yaml = {"BB_ACCEPT_CONTENT": "json,yaml"}
+    first = worker_factory(env=accepting_yaml)
+    failed = wait_for(settled(db, poison, "failed"), timeout=120, message="the poison job failed")
+    assert failed["attempts"] == 1 and "ValueError" in failed["lastError"], failed["lastError"]
+    assert first.wait(timeout=120) != 0 and "Unrecoverable error" in first.log()  # Celery's own choice
+    worker_factory(env=accepting_yaml)
+    sentinel = send(app, "add", 20, 22)
+    wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the next worker's job")
+    assert job(db, poison)["attempts"] == 1 and job(db, poison)["status"] == "failed"
