@@ -495,6 +495,8 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], linger: float = 0.0, **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
+            if _names_a_task(message):
+                check_envelope(message, stored=False)  # a task without an id: Celery's consumer cannot take it
             message, message_id = _plain_publish(message, queue)
             soon = _on_a_loop_thread()
             self.plumbing.put(
@@ -656,7 +658,11 @@ class Channel(virtual.Channel):
             stored = held.popleft()
             try:
                 message = payload_of(stored)
-            except UnreadableMessage as exc:
+                if _names_a_task(message):
+                    # Celery's consumer takes it as a task (its `task` header says so), and a task the transport
+                    # did not store as a job lacks what a worker needs: it would end every worker it reaches.
+                    check_envelope(message, stored=True)
+            except (UnreadableMessage, MalformedTaskMessage) as exc:
                 logger.error("message %s of queue %s cannot be delivered: %s", stored["_id"], queue, exc)
                 self.plumbing.set_aside(stored, str(exc))
                 continue
@@ -873,6 +879,13 @@ def _plain_publish(message: dict[str, Any], queue: str) -> tuple[dict[str, Any],
     chosen = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, str(ObjectId()))
     stored = {k: v for k, v in properties.items() if k != PUBLISH_ID_PROPERTY}
     return {**message, "properties": stored}, ObjectId(chosen)
+
+
+def _names_a_task(message: dict[str, Any]) -> bool:
+    """Whether a message that is not a task message (is_task_message) still has the `task` header Celery's consumer
+    reads first: a task message missing its id, or whose task is not a name."""
+    headers = message.get("headers")
+    return isinstance(headers, dict) and "task" in headers
 
 
 def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:

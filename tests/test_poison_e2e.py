@@ -8,9 +8,12 @@ keeps running and the job queued behind them all runs.
 from __future__ import annotations
 
 import base64
+import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from kombu import Connection, Producer, Queue
 from pymongo.database import Database
 
 import bb_broker
@@ -78,6 +81,13 @@ def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(
     template["payload"]["headers"].update({"id": "hand-written", "timelimit": [1, 2, 3]})
     db.jobs.insert_one({**template, "_id": "hand-written-job", "taskId": "hand-written"})
     poisoned["hand-written document"] = "hand-written"
+    # Plain messages written by hand that Celery's consumer still takes as tasks (their `task` header): no id, or a
+    # task that is not a name. Never jobs, they are set aside where they are.
+    plain_poisons = {"no id": {"task": "tests.e2e_app.add"}, "task a list": {"task": ["x"], "id": "plain-2"}}
+    for headers in plain_poisons.values():
+        db.bb_messages.insert_one(
+            {"queue": "celery", "priority": 0, "payload": _plain_task(headers), "expiresAt": _soon()}
+        )
     sentinel = send(app, "add", 20, 22)  # behind every poison job in the queue
     worker = worker_factory()
     wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the poison ones")
@@ -86,6 +96,14 @@ def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(
         assert failed["attempts"] == 1, (name, failed["attempts"], failed.get("lastError"))
         assert "malformed message" in failed["lastError"] and field in failed["lastError"], (name, failed["lastError"])
         assert [entry["outcome"] for entry in failed["history"]] == ["failed"], name
+    aside = wait_for(
+        lambda: (docs := list(db.bb_messages.find({"unreadable": {"$exists": True}}))) and len(docs) == 2 and docs,
+        message="the plain poison messages set aside",
+    )
+    assert sorted(doc["unreadable"].split(" must ")[0] for doc in aside) == [
+        "malformed message: header 'id'",
+        "malformed message: header 'task'",
+    ]
     assert worker.process.poll() is None, "the worker died"
     assert "Unrecoverable error" not in worker.log()
     again = send(app, "add", 2, 2)
@@ -131,3 +149,25 @@ def test_a_poison_body_only_celery_decodes_fails_its_job_before_the_worker_ends(
     sentinel = send(app, "add", 20, 22)
     wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the next worker's job")
     assert job(db, poison)["attempts"] == 1 and job(db, poison)["status"] == "failed"
+
+
+def test_a_task_message_without_an_id_is_refused_at_a_kombu_producer(broker_url: str, db: Database) -> None:
+    """Not a task message for the transport (no id), it would be a plain one; Celery's consumer would take it as a
+    task (its `task` header) and end on it."""
+    with Connection(broker_url) as conn:
+        producer = Producer(conn.default_channel)
+        with pytest.raises(bb_broker.MalformedTaskMessage, match="header 'id'"):
+            producer.publish([[1, 2], {}, {}], routing_key="celery", headers={"task": "t"}, declare=[Queue("celery")])
+    assert db.bb_messages.count_documents({}) == 0 and db.jobs.count_documents({}) == 0
+
+
+def _plain_task(headers: dict[str, Any]) -> str:
+    """A bb_messages payload as Kombu stores one: a JSON body, base64-encoded."""
+    body = base64.b64encode(json.dumps([[1, 2], {}, {}]).encode()).decode()
+    properties = {"body_encoding": "base64", "delivery_info": {"exchange": "", "routing_key": "celery"}}
+    message = {"body": body, "content-type": "application/json", "content-encoding": "utf-8", "headers": headers}
+    return json.dumps({**message, "properties": properties})
+
+
+def _soon() -> datetime:
+    return datetime.now(UTC) + timedelta(minutes=10)
