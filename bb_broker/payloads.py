@@ -202,6 +202,10 @@ def check_envelope(message: dict[str, Any], *, stored: bool) -> None:
         _check(properties, name, "property", _text_or_none, "a string or null")
     _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")
     _check(properties, "delivery_info", "property", _document_or_none, "a document or null")
+    for name in ("exchange", "routing_key"):  # where a Celery retry of the task is published
+        value = (properties.get("delivery_info") or {}).get(name)
+        if not _text_or_none(value):
+            raise MalformedTaskMessage(f"property 'delivery_info.{name}'", "a string or null", value)
     for name in ("content-type", "content-encoding"):
         if not _text_or_none(message.get(name)):
             raise MalformedTaskMessage(f"{name!r}", "a string or null", message.get(name))

@@ -46,6 +46,7 @@ POISONS: list[tuple[str, dict[str, Any], str]] = [
     ("broker retries text", {"$set": {"payload.headers.bb_broker_retries": "x"}}, "header 'bb_broker_retries'"),
     ("priority text", {"$set": {"payload.properties.priority": "high"}}, "property 'priority'"),
     ("delivery_info a list", {"$set": {"payload.properties.delivery_info": [1]}}, "property 'delivery_info'"),
+    ("routing_key a list", {"$set": {"payload.properties.delivery_info.routing_key": [1]}}, "routing_key'"),
     ("reply_to a number", {"$set": {"payload.properties.reply_to": 5}}, "property 'reply_to'"),
     ("bb_publish_id a document", {"$set": {"payload.properties.bb_publish_id": {"celery": {"a": 1}}}}, "bb_publish_id"),
     ("args a document", {"$set": {"payload.args": {"x": 1}}}, "body's args"),
