@@ -168,16 +168,15 @@ _TEXT_HEADERS = ("shadow", "root_id", "parent_id", "group", "argsrepr", "kwargsr
 _TEXT_PROPERTIES = ("correlation_id", "reply_to")
 #: What a Celery worker finds in the embed, the third part of a protocol 2 body: lists of signatures, or one.
 _SIGNATURE_LISTS = ("callbacks", "errbacks", "chain")
-#: The span of dates whose conversion to another timezone stays a date (a day clear of year 1 and year 9999).
+#: The span of dates whose conversion to another timezone stays a date (two days clear of years 1 and 9999).
 _MOMENTS = (datetime.min.replace(tzinfo=UTC) + timedelta(days=2), datetime.max.replace(tzinfo=UTC) - timedelta(days=2))
 
 
-def check_envelope(message: dict[str, Any], *, stored: bool) -> None:
+def check_envelope(message: dict[str, Any]) -> None:
     """Raise MalformedTaskMessage naming the first header or property of a task message a worker would choke on.
 
     Celery's worker reads these outside the task's own error handling (its request, its strategy, the pool's call): a
-    `timelimit` it cannot unpack or an `id` it cannot hash ends the worker, not the task. `stored`: the message was
-    read back from a job (the producer's publish ids are never stored), else it is being published."""
+    `timelimit` it cannot unpack or an `id` it cannot hash ends the worker, not the task."""
     headers, properties = message.get("headers"), message.get("properties")
     if not isinstance(headers, dict):
         raise MalformedTaskMessage("the headers", "a document", headers)
@@ -209,15 +208,7 @@ def check_envelope(message: dict[str, Any], *, stored: bool) -> None:
     for name in ("content-type", "content-encoding"):
         if not _text_or_none(message.get(name)):
             raise MalformedTaskMessage(f"{name!r}", "a string or null", message.get(name))
-    if stored:
-        if PUBLISH_ID_PROPERTY in properties:
-            raise MalformedTaskMessage(
-                f"property {PUBLISH_ID_PROPERTY!r}",
-                "absent (a publish's, never stored)",
-                properties[PUBLISH_ID_PROPERTY],
-            )
-    else:
-        check_publish_ids(properties)
+    check_publish_ids(properties)  # never stored: one in a stored payload was written by hand
 
 
 def check_publish_ids(properties: dict[str, Any]) -> None:
@@ -248,10 +239,12 @@ def check_body(message: dict[str, Any], payload: dict[str, Any]) -> None:
     elif payload.get("bodyFormat") == "json":
         body = payload.get("body")
     else:
+        raw = message.get("body")
         try:
-            raw = message.get("body")
-            body = json.loads(raw if isinstance(raw, str) else bytes(raw or b"").decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, TypeError):
+            body = json.loads(
+                raw if isinstance(raw, str) else bytes(raw or b"").decode(message.get("content-encoding") or "utf-8")
+            )
+        except (LookupError, ValueError, TypeError):  # an unknown encoding, bytes not in it, text not JSON
             raise MalformedTaskMessage("the body", "JSON, as its content type says", "something else") from None
     if not isinstance(body, list) or len(body) != 3:
         raise MalformedTaskMessage("the body", "[args, kwargs, embed] (Celery's task protocol 2)", body)

@@ -496,7 +496,7 @@ class Channel(virtual.Channel):
         priority = self._get_message_priority(message)
         if not is_task_message(message):
             if _names_a_task(message):
-                check_envelope(message, stored=False)  # a task without an id: Celery's consumer cannot take it
+                check_envelope(message)  # a task without an id: Celery's consumer cannot take it
             message, message_id = _plain_publish(message, queue)
             soon = _on_a_loop_thread()
             self.plumbing.put(
@@ -508,7 +508,7 @@ class Channel(virtual.Channel):
         if isinstance(body, str):
             body = body.encode(message.get("content-encoding") or "utf-8")
         headers = message["headers"]
-        check_envelope(message, stored=False)  # refused here, with nothing written, rather than failed at its claim
+        check_envelope(message)  # refused here, with nothing written, rather than failed at its claim
         # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
         # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
         # inserts that landed instead of writing twins.
@@ -661,7 +661,7 @@ class Channel(virtual.Channel):
                 if _names_a_task(message):
                     # Celery's consumer takes it as a task (its `task` header says so), and a task the transport
                     # did not store as a job lacks what a worker needs: it would end every worker it reaches.
-                    check_envelope(message, stored=True)
+                    check_envelope(message)
             except (UnreadableMessage, MalformedTaskMessage) as exc:
                 logger.error("message %s of queue %s cannot be delivered: %s", stored["_id"], queue, exc)
                 self.plumbing.set_aside(stored, str(exc))
@@ -692,7 +692,7 @@ class Channel(virtual.Channel):
                 self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
                 continue
             try:
-                check_envelope(message, stored=True)
+                check_envelope(message)
                 check_body(message, job.payload)
             except MalformedTaskMessage as exc:
                 # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,

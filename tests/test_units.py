@@ -198,9 +198,9 @@ def test_every_message_celery_writes_passes_the_checks_at_publish_and_claim(opti
         "content-type": "application/json",
         "content-encoding": "utf-8",
     }
-    check_envelope(message, stored=False)
+    check_envelope(message)
     payload = to_document(message, encoded.encode())
     check_body(message, payload)
     claimed = to_message(payload)
-    check_envelope(claimed, stored=True)
+    check_envelope(claimed)
     check_body(claimed, payload)
