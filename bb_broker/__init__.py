@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from . import celery_hooks
     from .celery_hooks import is_final_attempt
     from .connection import BrokerURLError
+    from .payloads import MalformedTaskMessage
     from .store import JobTooLarge, ResultTooLarge
     from .transport import ServerUnreachable
 
@@ -27,6 +28,7 @@ __all__ = [
     "SUCCEEDED",
     "BrokerURLError",
     "JobTooLarge",
+    "MalformedTaskMessage",
     "ResultTooLarge",
     "ServerUnreachable",
     "is_final_attempt",
@@ -38,6 +40,7 @@ __all__ = [
 _LAZY = {
     "BrokerURLError": "connection",
     "JobTooLarge": "store",
+    "MalformedTaskMessage": "payloads",
     "ResultTooLarge": "store",
     "ServerUnreachable": "transport",
     "is_final_attempt": "celery_hooks",

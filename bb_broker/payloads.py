@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+import reprlib
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from kombu import compression
 from kombu.utils import json as kombu_json
 
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
@@ -145,3 +150,201 @@ def to_message(payload: Any) -> dict[str, Any]:
 def _binary_body(encoded: str, encoding: str | None) -> bytes | str:
     body = base64.b64decode(encoded, validate=True)
     return body if encoding in (None, "binary") else body.decode(encoding)
+
+
+class MalformedTaskMessage(ValueError):
+    """A task message with a header, property or body part a Celery worker cannot run it with: a publish refuses it,
+    a claim fails its job (once: retried, it would be just as malformed)."""
+
+    def __init__(self, field: str, expected: str, value: Any) -> None:
+        super().__init__(f"malformed message: {field} must be {expected}, got {_shown(value)}")
+        self.field = field
+
+
+#: Headers Celery keeps as text (ids, names, reprs): a number or a list in one ends up as a dict key, a log format
+#: argument or an id compared with strings.
+_TEXT_HEADERS = ("shadow", "root_id", "parent_id", "group", "argsrepr", "kwargsrepr", "origin", "lang")
+#: Properties the same way (Celery's request reads them; reply_to names a queue).
+_TEXT_PROPERTIES = ("correlation_id", "reply_to")
+#: What a Celery worker finds in the embed, the third part of a protocol 2 body: lists of signatures, or one.
+_SIGNATURE_LISTS = ("callbacks", "errbacks", "chain")
+#: The span of dates whose conversion to another timezone stays a date (two days clear of years 1 and 9999).
+_MOMENTS = (datetime.min.replace(tzinfo=UTC) + timedelta(days=2), datetime.max.replace(tzinfo=UTC) - timedelta(days=2))
+
+
+def check_envelope(message: dict[str, Any]) -> None:
+    """Raise MalformedTaskMessage naming the first header or property of a task message a worker would choke on.
+
+    Celery's worker reads these outside the task's own error handling (its request, its strategy, the pool's call): a
+    `timelimit` it cannot unpack or an `id` it cannot hash ends the worker, not the task."""
+    headers, properties = message.get("headers"), message.get("properties")
+    if not isinstance(headers, dict):
+        raise MalformedTaskMessage("the headers", "a document", headers)
+    if not isinstance(properties, dict):
+        raise MalformedTaskMessage("the properties", "a document", properties)
+    for name in ("task", "id"):
+        if not isinstance(headers.get(name), str) or not headers[name]:
+            raise MalformedTaskMessage(f"header {name!r}", "a non-empty string", headers.get(name))
+    for name in _TEXT_HEADERS:
+        _check(headers, name, "header", _text_or_none, "a string or null")
+    _check(headers, "timelimit", "header", _time_limits, "[hard, soft] seconds, each a non-negative number or null")
+    for name in ("eta", "expires"):
+        _check(headers, name, "header", _iso_moment, "an ISO 8601 date and time (years 1 to 9999) or null")
+    for name in ("retries", "replaced_task_nesting", BROKER_RETRIES_HEADER):
+        _check(headers, name, "header", _count, "a non-negative integer", absent_only=True)
+    _check(headers, "group_index", "header", _count_or_none, "a non-negative integer or null")
+    _check(headers, "ignore_result", "header", _bool_or_none, "true, false or null")
+    _check(headers, "stamped_headers", "header", _texts_or_none, "a list of strings or null")
+    _check(headers, "stamps", "header", _document_or_none, "a document or null")
+    _check(headers, "compression", "header", _known_compression, f"one of {compression.encoders()} or null")
+    for name in _TEXT_PROPERTIES:
+        _check(properties, name, "property", _text_or_none, "a string or null")
+    _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")
+    _check(properties, "delivery_info", "property", _document_or_none, "a document or null")
+    for name in ("exchange", "routing_key"):  # where a Celery retry of the task is published
+        value = (properties.get("delivery_info") or {}).get(name)
+        if not _text_or_none(value):
+            raise MalformedTaskMessage(f"property 'delivery_info.{name}'", "a string or null", value)
+    for name in ("content-type", "content-encoding"):
+        if not _text_or_none(message.get(name)):
+            raise MalformedTaskMessage(f"{name!r}", "a string or null", message.get(name))
+    check_publish_ids(properties)  # never stored: one in a stored payload was written by hand
+
+
+def check_publish_ids(properties: dict[str, Any]) -> None:
+    """The job ids a publish chose, per queue (PUBLISH_ID_PROPERTY): Kombu's retry of a publish carries them; a
+    producer that sets the property itself must give text ids (they become the jobs' `_id`)."""
+    chosen = properties.get(PUBLISH_ID_PROPERTY)
+    if chosen is None:
+        return
+    if not isinstance(chosen, dict) or not all(
+        isinstance(queue, str) and isinstance(job_id, str) and job_id for queue, job_id in chosen.items()
+    ):
+        raise MalformedTaskMessage(
+            f"property {PUBLISH_ID_PROPERTY!r}", "a document of queue name to non-empty string job id", chosen
+        )
+
+
+def check_body(message: dict[str, Any], payload: dict[str, Any]) -> None:
+    """Raise MalformedTaskMessage naming the part of a JSON task body a worker would choke on: protocol 2 is
+    `[args (list), kwargs (document), embed (document)]`, and the embed's callbacks, errbacks, chain and chord are
+    signatures. `payload` is the message's stored document (read there when the body is kept readable).
+
+    A body in another serializer is left to Celery, which decodes it only if the app accepts that content: parsing it
+    here would deserialize what the worker may refuse. So is a compressed one."""
+    if message.get("content-type") != "application/json" or (message.get("headers") or {}).get("compression"):
+        return
+    if "args" in payload:
+        body: Any = [payload.get("args"), payload.get("kwargs"), payload.get("options")]
+    elif payload.get("bodyFormat") == "json":
+        body = payload.get("body")
+    else:
+        raw = message.get("body")
+        try:
+            body = json.loads(
+                raw if isinstance(raw, str) else bytes(raw or b"").decode(message.get("content-encoding") or "utf-8")
+            )
+        except (LookupError, ValueError, TypeError):  # an unknown encoding, bytes not in it, text not JSON
+            raise MalformedTaskMessage("the body", "JSON, as its content type says", "something else") from None
+    if not isinstance(body, list) or len(body) != 3:
+        raise MalformedTaskMessage("the body", "[args, kwargs, embed] (Celery's task protocol 2)", body)
+    args, kwargs, embed = body
+    if not isinstance(args, list):
+        raise MalformedTaskMessage("the body's args", "a list", args)
+    if not isinstance(kwargs, dict):
+        raise MalformedTaskMessage("the body's kwargs", "a document", kwargs)
+    if not isinstance(embed, dict):
+        raise MalformedTaskMessage("the body's embed", "a document", embed)
+    for name in _SIGNATURE_LISTS:
+        signatures = embed.get(name)
+        if signatures is not None and not (isinstance(signatures, list) and all(map(_signature, signatures))):
+            raise MalformedTaskMessage(f"the embed's {name!r}", "a list of signatures or null", signatures)
+    if embed.get("chord") is not None and not _signature(embed["chord"]):
+        raise MalformedTaskMessage("the embed's 'chord'", "a signature or null", embed["chord"])
+
+
+def _check(
+    fields: dict[str, Any],
+    name: str,
+    kind: str,
+    valid: Callable[[Any], bool],
+    expected: str,
+    *,
+    absent_only: bool = False,
+) -> None:
+    """`absent_only`: null is not a value the field may take (Celery adds to it), only its absence is."""
+    if name not in fields or (fields[name] is None and not absent_only):
+        return
+    if not valid(fields[name]):
+        raise MalformedTaskMessage(f"{kind} {name!r}", expected, fields[name])
+
+
+def _shown(value: Any) -> str:
+    shown = reprlib.Repr()  # bounded: a hostile value may be megabytes long
+    shown.maxstring = shown.maxother = 60
+    return shown.repr(value)
+
+
+def _integer(value: Any) -> bool:
+    """An int, bool left out (True is not a count); BSON's 64-bit ones come back as a subclass of int."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value) and value >= 0
+
+
+def _time_limits(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(v is None or _number(v) for v in value)
+
+
+def _iso_moment(value: Any) -> bool:
+    if value == "":
+        return True  # Celery's and our reading of "no date"
+    if isinstance(value, datetime):
+        moment = value  # a producer's own header, kept by Kombu's JSON as a date
+    elif not isinstance(value, str):
+        return False
+    else:
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            return False
+    return _MOMENTS[0] <= moment.replace(tzinfo=UTC) <= _MOMENTS[1]
+
+
+def _count(value: Any) -> bool:
+    return _integer(value) and value >= 0
+
+
+def _count_or_none(value: Any) -> bool:
+    return value is None or _count(value)
+
+
+def _text_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _texts_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and all(isinstance(item, str) for item in value))
+
+
+def _bool_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, bool)
+
+
+def _document_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+def _priority(value: Any) -> bool:
+    return _integer(value) and 0 <= value <= 255
+
+
+def _known_compression(value: Any) -> bool:
+    return isinstance(value, str) and value in compression.encoders()
+
+
+def _signature(value: Any) -> bool:
+    """A Celery signature as its message carries it: a document naming its task (a group's or chain's too)."""
+    return isinstance(value, dict) and isinstance(value.get("task"), str) and bool(value["task"])

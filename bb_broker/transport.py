@@ -32,7 +32,11 @@ from .payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
     PUBLISH_ID_PROPERTY,
+    MalformedTaskMessage,
     PayloadError,
+    check_body,
+    check_envelope,
+    check_publish_ids,
     is_task_message,
     to_document,
     to_message,
@@ -496,6 +500,8 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], linger: float = 0.0, **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
+            if _names_a_task(message):
+                check_envelope(message)  # a task without an id: Celery's consumer cannot take it
             message, message_id = _plain_publish(message, queue)
             soon = _on_a_loop_thread()
             self.plumbing.put(
@@ -507,6 +513,7 @@ class Channel(virtual.Channel):
         if isinstance(body, str):
             body = body.encode(message.get("content-encoding") or "utf-8")
         headers = message["headers"]
+        check_envelope(message)  # refused here, with nothing written, rather than failed at its claim
         # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
         # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
         # inserts that landed instead of writing twins.
@@ -516,11 +523,13 @@ class Channel(virtual.Channel):
         if expires is not None and expires.tzinfo is not None:
             # Stored on the server's clock, as every time here, and given to each worker on its own (see _claim).
             headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
+        payload = to_document({**message, "headers": headers}, body)
+        check_body({**message, "body": body}, payload)
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],
             task_id=str(headers["id"]),
-            payload=to_document({**message, "headers": headers}, body),
+            payload=payload,
             priority=priority,
             # Celery's ETA is its countdown added to this process's clock: due by the server's, as every due time.
             run_after=None if eta is None else self.clock.from_local(eta if eta.tzinfo else eta.replace(tzinfo=UTC)),
@@ -654,7 +663,11 @@ class Channel(virtual.Channel):
             stored = held.popleft()
             try:
                 message = payload_of(stored)
-            except UnreadableMessage as exc:
+                if _names_a_task(message):
+                    # Celery's consumer takes it as a task (its `task` header says so), and a task the transport
+                    # did not store as a job lacks what a worker needs: it would end every worker it reaches.
+                    check_envelope(message)
+            except (UnreadableMessage, MalformedTaskMessage) as exc:
                 logger.error("message %s of queue %s cannot be delivered: %s", stored["_id"], queue, exc)
                 self.plumbing.set_aside(stored, str(exc))
                 continue
@@ -683,6 +696,15 @@ class Channel(virtual.Channel):
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
                 continue
+            try:
+                check_envelope(message)
+                check_body(message, job.payload)
+            except MalformedTaskMessage as exc:
+                # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,
+                # once, and the queue behind it moves on.
+                logger.error("job %s cannot be delivered: %s", job.id, exc)
+                self._fail_undeliverable(job, str(exc))
+                continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
             headers = message["headers"]
             if headers.get("eta") and job.run_after is not None:
@@ -697,6 +719,17 @@ class Channel(virtual.Channel):
             # Where Kombu's messages and Celery's requests read it (delivery_info), as Kombu's Redis sets it.
             message["properties"]["delivery_info"]["redelivered"] = job.attempts > 1
             return message
+
+    def _fail_undeliverable(self, job: Claimed, reason: str) -> None:
+        entry = attempt_entry(
+            job.attempts,
+            worker=self.owner,
+            started_at=None,
+            finished_at=self.jobs.now(),
+            outcome="failed",
+            error=reason,
+        )
+        self.jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry)
 
     def _controls_version(self) -> int | None:
         wakeups = self.connection.wakeups
@@ -847,9 +880,17 @@ def _plain_publish(message: dict[str, Any], queue: str) -> tuple[dict[str, Any],
     properties dict: the _id kept there, one per queue, lets the retry find the insert that landed instead of
     storing a twin. It is never stored in the message."""
     properties = message.get("properties") or {}
+    check_publish_ids(properties)
     chosen = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, str(ObjectId()))
     stored = {k: v for k, v in properties.items() if k != PUBLISH_ID_PROPERTY}
     return {**message, "properties": stored}, ObjectId(chosen)
+
+
+def _names_a_task(message: dict[str, Any]) -> bool:
+    """Whether a message that is not a task message (is_task_message) still has the `task` header Celery's consumer
+    reads first: a task message missing its id, or whose task is not a name."""
+    headers = message.get("headers")
+    return isinstance(headers, dict) and "task" in headers
 
 
 def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:
@@ -946,11 +987,33 @@ class Transport(virtual.Transport):
         _delivering.active = True
         try:
             super()._deliver(message, queue)
+        except Exception as exc:
+            self._fail_unsettled_delivery(message, exc)
+            raise
         finally:
             _delivering.active = False
             for channel in list(self.channels):
                 if channel.qos._rejected_in_delivery:
                     channel.qos.settle_rejections()
+
+    def _fail_unsettled_delivery(self, message: dict[str, Any], exc: Exception) -> None:
+        """The consumer raised receiving a job it neither acked nor rejected: a message it chokes on in a way the
+        claim's checks did not foresee. The job fails, once, before the error goes on (a Celery worker ends on it);
+        left running, it would go back unspent and end every worker that takes it. A lost connection is no fault
+        of the message: its jobs go back as after any outage."""
+        if isinstance(exc, self.connection_errors + (PyMongoError,)):
+            return
+        tag = (message.get("properties") or {}).get("delivery_tag")
+        for channel in list(self.channels):
+            delivered = channel.qos._delivered.get(tag)
+            if isinstance(delivered, JobMessage) and delivered.job_id and not delivered.acknowledged:
+                reason = f"the worker could not take the message: {type(exc).__name__}: {exc}"
+                try:
+                    channel.qos._fail(delivered, reason, retryable=False)
+                except PyMongoError as error:
+                    logger.warning("could not fail job %s (%s)", delivered.job_id, type(error).__name__)
+                    return
+                channel.qos._quick_ack(tag)
 
     # --- Celery's event loop (asynloop) ----------------------------------------
 

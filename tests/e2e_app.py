@@ -21,6 +21,7 @@ app.conf.update(
     broker_transport_options=json.loads(os.environ.get("BB_TRANSPORT_OPTIONS", "{}")),
     worker_prefetch_multiplier=int(os.environ.get("BB_PREFETCH_MULTIPLIER", "1")),
     task_time_limit=600,
+    accept_content=os.environ.get("BB_ACCEPT_CONTENT", "json").split(","),  # Celery's default: JSON only
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
     result_backend=os.environ.get("BB_RESULT_BACKEND"),  # "rpc://": results come back through the broker

@@ -160,3 +160,49 @@ def test_the_password_travels_apart_from_the_url_and_comes_back() -> None:
     assert join_password(masked, password) == url
     assert split_password("bbmongo://x509user@h/db") == ("bbmongo://x509user@h/db", None)
     assert join_password("bbmongo://h/db", "pw") == "bbmongo://h/db"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"countdown": 10, "expires": 60, "time_limit": 5, "soft_time_limit": 4, "retries": 2},
+        {"eta": datetime(2030, 1, 1, tzinfo=UTC), "expires": datetime(2030, 1, 2), "shadow": "other"},
+        {"group_id": "g", "group_index": 0, "root_id": "r", "parent_id": "p", "ignore_result": True},
+        {"stamped_headers": ["colour"], "colour": "blue", "replaced_task_nesting": 1, "origin": "web@host"},
+        {"callbacks": "link", "errbacks": "link", "chain": "link", "chord": "link"},
+    ],
+)
+def test_every_message_celery_writes_passes_the_checks_at_publish_and_claim(options: dict) -> None:
+    """The checks refuse only what a worker chokes on, never a message Celery itself writes (links, chains, chords,
+    groups, stamps, time limits, dates), before it is stored and as a claim reads it back."""
+    from celery import Celery, chain, chord, group, signature
+
+    from bb_broker.payloads import PUBLISH_ID_PROPERTY, check_body, check_envelope
+
+    app = Celery("checks", set_as_current=False)
+    link = signature("t.callback", args=(1,), app=app)
+    canvas = {
+        "callbacks": [link, group([link, link])],
+        "errbacks": [link],
+        "chain": [chain(link, link), link],
+        "chord": chord([link, link], link),
+    }
+    options = {name: canvas[name] if value == "link" else value for name, value in options.items()}
+    headers, properties, body, _ = app.amqp.as_task_v2(
+        "an-id", "t.task", args=(1, {"a": [2]}), kwargs={"k": None}, **options
+    )
+    encoded = json.dumps(body)  # signatures are dicts
+    message = {
+        "headers": headers,
+        "properties": {**properties, "priority": 3, PUBLISH_ID_PROPERTY: {"celery": "01J"}},
+        "body": encoded.encode(),
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+    }
+    check_envelope(message)
+    payload = to_document(message, encoded.encode())
+    check_body(message, payload)
+    claimed = to_message(payload)
+    check_envelope(claimed)
+    check_body(claimed, payload)
