@@ -286,7 +286,8 @@ class _JobsHandler(BaseHandler):
     def expected(self, action: str) -> int:
         """The count the operator confirmed (the `count` of GET .../count): a bulk action without it is refused."""
         text = self.get_argument("expected", default="", escape=False).strip()
-        if not text.isdigit():
+        # ASCII digits only, and short: str.isdigit() takes '²', which int() refuses, and int() refuses 4,300 digits
+        if not (text.isascii() and text.isdigit() and len(text) <= 18):
             shown = f" ({text!r} is not a count)" if text else ""
             raise tornado.web.HTTPError(
                 400, f"bulk {action} needs expected=<the count you confirmed>{shown}: count first (GET .../count)"

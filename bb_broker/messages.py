@@ -149,7 +149,9 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> tuple[di
     if content_type == JSON_CONTENT:
         try:
             clean = dumps(scrub_value(loads(raw.decode(content_encoding)), secrets)).encode(content_encoding)
-        except (LookupError, TypeError, ValueError, RecursionError):  # not JSON (or too deep): masked as text below
+        # Kombu's type markers ({"__type__": "decimal", ...}) raise what their decoders raise (AttributeError,
+        # decimal.InvalidOperation, ...): any failure to read it as JSON leaves it to be masked as text below
+        except Exception:
             clean = None
     if clean is None:
         clean = scrub(raw.decode("utf-8", "surrogateescape"), secrets).encode("utf-8", "surrogateescape")

@@ -282,6 +282,10 @@ def test_a_bulk_action_needs_a_filter_and_the_count_confirmed(store: JobStore, d
         400,
         {"error": no_count.format(" ('all' is not a count)")},
     )
+    # Counts int() refuses though str.isdigit() takes them (a superscript two; more digits than int() reads).
+    for shape in ("%C2%B2", "9" * 5000, "-1", "1e3"):
+        status, answer = act(flower, f"/api/jobs/bulk/delete?status=succeeded&expected={shape}")
+        assert status == 400 and answer["error"].startswith("bulk delete needs expected="), (shape[:10], answer)
     assert db.jobs.count_documents({}) == len(jobs)
     assert act(flower, "/api/jobs/bulk/delete?status=succeeded&expected=1") == (
         200,

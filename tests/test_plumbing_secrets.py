@@ -109,8 +109,11 @@ DEEP = 100_000  # nested deeper than Python's parser goes
         ("text/plain", ("", "")),
         ("application/json", ("", "")),
         ("application/json", ("[" * DEEP + '"', '"' + "]" * DEEP)),
+        # Kombu's type markers whose decoders raise (AttributeError, decimal.InvalidOperation) on a bad value
+        ("application/json", ('{"x": {"__type__": "bytes", "__value__": 5}, "m": "', '"}')),
+        ("application/json", ('{"x": {"__type__": "decimal", "__value__": "x"}, "m": "', '"}')),
     ],
-    ids=["text", "not-json", "too-deep-json"],
+    ids=["text", "not-json", "too-deep-json", "bad-bytes-marker", "bad-decimal-marker"],
 )
 def test_a_body_no_serializer_reads_is_masked_as_text(db: Database, content_type: str, wrap: tuple[str, str]) -> None:
     text = f"{wrap[0]}not json: mongodb://bb:{AWKWARD}@db.example/jobs{wrap[1]}"  # plain text, or JSON that is not
