@@ -195,7 +195,8 @@ def client_url(client: Any) -> str:
             userinfo += ":" + quote(str(client.password), safe="")
         userinfo += "@"
     host = f"[{hostname}]" if ":" in hostname and not hostname.startswith("[") and "," not in hostname else hostname
-    port = f":{client.port}" if client.port else ""
+    # A host list carries its ports in itself: the port field is Kombu's default, which a clone fills in
+    port = f":{client.port}" if client.port and "," not in hostname else ""
     return f"bbmongo://{userinfo}{host}{port}/{client.virtual_host or ''}"
 
 

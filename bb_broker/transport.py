@@ -951,7 +951,10 @@ class Transport(virtual.Transport):
         self.broker_url = connection.client_url(client)
         # Refused here, while the client still holds the URL as written: once exposed in Kombu's fields, a clone of
         # the connection (Celery's producer pool) rebuilds it from them, `bbmongo://host` as `bbmongo://host:27017//`.
-        connection.parse_broker_url(self.broker_url)
+        # Not a +srv URL: parsing one asks DNS, whose blip would end the caller here with a BrokerURLError that Kombu
+        # does not retry; it stays whole in Kombu's fields, and the channel parses it.
+        if not self.broker_url.partition("://")[0].lower().endswith("+srv"):
+            connection.parse_broker_url(self.broker_url)
         connection.expose_as_kombu_does(client, self.broker_url)
         self.wakeups: Wakeups | None = None
         self._pause = self.min_polling_interval

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import kombu
 import pytest
 from click.testing import CliRunner
+from pymongo.uri_parser import parse_uri
 
 from bb_broker.cli import main
 from bb_broker.connection import BrokerURLError, parse_broker_url, redact_url, scrub, url_secrets
@@ -104,3 +106,32 @@ def test_kombu_s_connection_fields_show_no_credential_option_and_a_clone_keeps_i
     shown.pop("password")
     assert_hidden(json.dumps(shown, default=str) + conn.as_uri(), (LEFT, RIGHT))
     assert conn.clone().transport.broker_url == url  # Celery's producer pool: the secrets still reach pymongo
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "bbmongo://user:pass@db1:27017,db2:27017/bountyboard?replicaSet=rs0",
+        "bbmongo://h1,h2/jobsdb",
+        "bbmongo://user:pass@db1:27017/bountyboard",
+        "bbmongo://localhost/jobsdb",
+    ],
+)
+def test_a_clone_of_a_clone_reaches_the_same_servers(url: str) -> None:
+    # Celery clones its connections (the producer pool, the event dispatcher); a clone fills in Kombu's default
+    # port, which a host list must not get (`db1:27017,db2:27017:27017` is no URL).
+    def servers(conn: kombu.Connection) -> tuple[Any, ...]:
+        parsed = parse_uri(parse_broker_url(conn.transport.broker_url).mongo_uri)
+        return parsed["nodelist"], parsed["database"], parsed["username"], parsed["password"], parsed["options"]
+
+    conn = kombu.Connection(url)
+    clone = conn.clone()
+    assert servers(clone) == servers(conn)
+    assert servers(clone.clone()) == servers(conn)
+
+
+def test_a_srv_url_is_not_looked_up_when_its_transport_is_made() -> None:
+    # Parsing a +srv URL asks DNS: at the transport's construction a DNS blip would be a BrokerURLError, which Kombu
+    # and Celery do not retry; the channel parses it, where an unreachable name is a connection error.
+    conn = kombu.Connection("bbmongo+srv://u:p@cluster.invalid/jobsdb")
+    assert conn.transport.broker_url == "bbmongo+srv://u:p@cluster.invalid/jobsdb"
