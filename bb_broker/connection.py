@@ -62,8 +62,9 @@ def _split_userinfo(url: str) -> tuple[str, str | None, str]:
     """The scheme (with `://`), the user info (None when there is none) and the rest of a URL.
 
     A password written unescaped may hold `@`, `/`, `?`, `#` or `:`, so the user info ends at the first `@` after
-    which the rest reads as hosts, database and known options (an `@` inside an option's value, `?appname=a@b`,
-    stays in the options); when no reading fits, at the last `@`, which masks the most.
+    which the rest reads as hosts, database and known options, with no `@` before its first `/` (an `@` inside an
+    option's value after the database, `/db?appname=a@b`, stays in the options); when no reading fits, at the last
+    `@`, which masks the most.
     """
     scheme = _SCHEME.match(url)
     if not scheme:
@@ -74,6 +75,8 @@ def _split_userinfo(url: str) -> tuple[str, str | None, str]:
         return scheme.group(), None, body
     known = _known_options()
     for end in [-1, *ats]:  # -1: no user info at all
+        if "@" in body[end + 1 :].partition("/")[0]:
+            continue  # pymongo takes the last `@` before the first `/` for the end of the user info: so must we
         rest = _AFTER_USERINFO.match(body[end + 1 :])
         if rest and _reads_as_options(rest.group("options"), known):
             return (scheme.group(), None, body) if end < 0 else (scheme.group(), body[:end], body[end + 1 :])

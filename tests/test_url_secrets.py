@@ -18,7 +18,25 @@ from tests.servers import free_port
 LEFT, RIGHT = "Lq7left", "Rq7right"
 
 #: Passwords written unescaped, one for each character that ends a URL's user info, host or path, and mixes.
-UNESCAPED = ["@", "/", "?", "#", ":", "@?", "?@", "/@", "@/", "?/", "/?", "#@", "@:", "?=", "?appname=x@"]
+UNESCAPED = [
+    "@",
+    "/",
+    "?",
+    "#",
+    ":",
+    "@?",
+    "?@",
+    "/@",
+    "@/",
+    "?/",
+    "/?",
+    "#@",
+    "@:",
+    "?=",
+    "?appname=x@",
+    "@h?w=1",
+    "@h:1?w=1@",
+]
 
 
 def url_shapes() -> list[tuple[str, tuple[str, ...]]]:
