@@ -241,7 +241,7 @@ def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
     "--limit",
     default=50,
     show_default=True,
-    type=click.IntRange(min=0, max=2**31 - 1),  # a MongoDB limit is a 64-bit int at most: beyond it, a traceback
+    type=click.IntRange(min=0, max=2**31 - 1),  # past a 64-bit int, a traceback: 32 bits is plenty
     help="At most this many; 0 = all.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
@@ -333,7 +333,7 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
     "--max-attempts",
     default=3,
     show_default=True,
-    type=click.IntRange(min=1, max=2**31 - 1),  # compared with a job's attempts by the server: a 64-bit int at most
+    type=click.IntRange(min=1, max=2**31 - 1),  # past a 64-bit int, a traceback: 32 bits hold any attempts
     help="A lost job with this many attempts used ends failed (the max_attempts option).",
 )
 @click.option(
