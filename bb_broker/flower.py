@@ -41,7 +41,7 @@ from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeou
 from pymongo.uri_parser import parse_uri
 
 from . import jobs_view
-from .connection import BrokerTarget, get_database, parse_broker_url, redact_url, scrub
+from .connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from .lifecycle import FAILED, QUEUED, RUNNING
 from .operations import Operations
 from .store import JobStore
@@ -49,9 +49,6 @@ from .store import JobStore
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
 _MARK = "_bb_broker_jobs"
-
-#: A check answers within seconds when the server is down (unless the URL sets its own timeouts).
-_QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
 
 
 def describe(exc: PyMongoError, target: BrokerTarget) -> str:
@@ -77,8 +74,7 @@ class BrokerHealth:
     def __init__(self, broker_url: str) -> None:
         self.shown_url = redact_url(broker_url)  # as the user wrote it, the password masked
         self.target = parse_broker_url(broker_url)
-        in_url = self.target.mongo_uri.lower()
-        self._options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
+        self._options = quick_timeouts(self.target)  # a check answers within seconds when the server is down
         self.problem: str | None = None
         self.checked = threading.Event()
         self._wake = threading.Event()
@@ -102,6 +98,13 @@ class BrokerHealth:
             self.problem = describe(exc, self.target)
         self.checked.set()
         return self.problem
+
+    def report(self, problem: str) -> None:
+        """A query of Flower's found the broker failing: its pages say so now, and a check soon confirms or clears it
+        (a server back in the meantime)."""
+        self.problem = problem
+        self.checked.set()
+        self._wake.set()
 
     def _run(self) -> None:
         while True:
@@ -185,7 +188,9 @@ class JobQueues:
 
     def __init__(self, broker_url: str, *_: Any, broker_options: dict[str, Any] | None = None, **__: Any) -> None:
         collection = (broker_options or {}).get("jobs_collection", "jobs")
-        self.store = JobStore(get_database(parse_broker_url(broker_url)), collection=collection)
+        target = parse_broker_url(broker_url)
+        # Its queries hold threads of Flower's own executor, which Flower's pages need too: seconds, not 30 s.
+        self.store = JobStore(get_database(target, **quick_timeouts(target)), collection=collection)
         self.operations = Operations(self.store)
 
     async def queues(self, names: Iterable[str]) -> list[dict[str, Any]]:
