@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from pymongo.database import Database
 
 from bb_broker.lifecycle import Policy
 from bb_broker.store import JobStore
@@ -169,3 +170,41 @@ def test_one_users_slow_requests_are_bounded_and_leave_others_alone(
         thread.join(120)
     assert sorted(status for status, _ in answers) == [200] * PER_USER + [429] * 6
     assert flower.request("GET", heavy, user=VIEWER)[0] == 200  # the bound frees as its requests end
+
+
+# --- huge fields ---------------------------------------------------------------------------------------------------
+
+HUGE = 15 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lastError", "ValueError: " + "x" * HUGE),
+        ("lastError", "é" * (HUGE // 2)),  # counted in characters, not bytes
+        ("kind", "app." + "k" * HUGE),
+        ("leaseOwner", "w" * HUGE),
+        ("attempts", list(range(HUGE // 16))),  # not even the right type
+    ],
+)
+def test_a_huge_field_is_cut_in_the_list_and_whole_on_the_jobs_own_api(
+    db: Database, flower_factory, field: str, value: Any
+) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    job_id = failed_job(store, "t-1")
+    db.jobs.update_one({"_id": job_id}, {"$set": {field: value}})
+    flower = flower_factory()
+    for path in ("/api/jobs", "/jobs/data"):
+        status, body = flower.request("GET", path)
+        assert status == 200 and len(body) < 20_000, (path, len(body))
+        (row,) = as_json(body)["jobs"]
+        assert row["id"] == job_id and row["truncated"] == [field], row
+        if isinstance(value, str):
+            assert row[field].startswith(value[:200]) and row[field].endswith(
+                "… [cut: the job's own page has it whole]"
+            )
+        else:
+            assert row[field] == "[array: the job's own page has it whole]"
+    status, body = flower.request("GET", f"/api/jobs/{job_id}")
+    assert status == 200 and as_json(body)[field] == value
