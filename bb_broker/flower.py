@@ -36,6 +36,7 @@ import tornado.web
 from celery import Celery, signals
 from flower import urls as flower_urls
 from flower.utils import broker as flower_broker
+from flower.views import BaseHandler
 from flower.views.workers import WorkersView
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
@@ -167,6 +168,12 @@ def _workers_prepare(self: WorkersView) -> None:
         raise tornado.web.HTTPError(503, "%s", banner)
 
 
+def _check_xsrf_cookie(self: BaseHandler) -> None:
+    """Flower's check of a request that changes something, and without login ours: no other site's page may post."""
+    jobs_view.refuse_cross_site_without_login(self)
+    _check_xsrf_cookie.flowers(self)  # type: ignore[attr-defined]
+
+
 @signals.import_modules.connect
 def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
     # Flower imports its app's modules as it starts: the check starts then, not at the first page.
@@ -244,6 +251,11 @@ def install() -> None:
         flower_urls.settings["template_loader"] = BannerLoader(flower_urls.settings["template_path"])
     if WorkersView.prepare is not _workers_prepare:
         WorkersView.prepare = _workers_prepare  # type: ignore[method-assign]
+    if BaseHandler.check_xsrf_cookie is not _check_xsrf_cookie:
+        # Tornado calls it for every POST, PUT, DELETE to every handler (Flower 2.2 turns xsrf_cookies on; before,
+        # only the Jobs tab's own handlers check, in their prepare).
+        _check_xsrf_cookie.flowers = BaseHandler.check_xsrf_cookie  # type: ignore[attr-defined]
+        BaseHandler.check_xsrf_cookie = _check_xsrf_cookie  # type: ignore[method-assign]
     jobs_view.install()
     factory = flower_broker.Broker
     if getattr(factory.__new__, _MARK, False):

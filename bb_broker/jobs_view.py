@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import tornado.web
 from flower import urls as flower_urls
@@ -182,6 +183,33 @@ def _refuse_unless_allowed(handler: BaseHandler) -> None:
         raise tornado.web.HTTPError(403, f"{who} may read the jobs but not act on them (see --jobs_admins)")
 
 
+def refuse_cross_site_without_login(handler: tornado.web.RequestHandler) -> None:
+    """Flower checks where a request that changes something comes from only when it has users. Without (--no-auth),
+    a page of another site open in the operator's browser could post to it: to the Jobs tab's API and Flower's own
+    when FLOWER_UNAUTHENTICATED_API opens them (Flower then even answers every origin). So a request that says it
+    comes from another site (Sec-Fetch-Site, Origin, else Referer) is refused; a script's, which says nothing, is not.
+    """
+    options = handler.application.options
+    if options.basic_auth or options.auth:
+        return  # Flower's own check (and its users' credentials) apply
+    headers, host = handler.request.headers, handler.request.host
+    site, origin, referer = headers.get("Sec-Fetch-Site"), headers.get("Origin"), headers.get("Referer")
+    if site is not None and site != "same-origin":
+        source = f"Sec-Fetch-Site {site}"
+    elif origin is not None and urlparse(origin).netloc != host:
+        source = f"Origin {origin}"
+    elif origin is None and referer is not None and urlparse(referer).netloc != host:
+        source = f"Referer {referer}"
+    else:
+        return
+    raise tornado.web.HTTPError(
+        403,
+        "%s",
+        f"cross-site request refused: Flower runs without login (--no-auth) and this request's {source[:200]} is not "
+        f"a page of this Flower ({host})",
+    )
+
+
 def jsonable(value: Any) -> Any:
     """A document as JSON can carry it: dates as ISO 8601 (UTC), bytes as base64."""
     if isinstance(value, dict):
@@ -217,6 +245,8 @@ class _JobsHandler(BaseHandler):
 
     def prepare(self) -> None:
         super().prepare()
+        if self.request.method not in ("GET", "HEAD", "OPTIONS"):
+            refuse_cross_site_without_login(self)  # Flower older than 2.2 does not call check_xsrf_cookie
         if self.request.method == "OPTIONS" or not self.queries or not self.current_user:
             return  # no query to bound; or Flower's authentication answers (401, or its login page)
         tab = _tab(self)

@@ -208,3 +208,71 @@ def test_a_huge_field_is_cut_in_the_list_and_whole_on_the_jobs_own_api(
             assert row[field] == "[array: the job's own page has it whole]"
     status, body = flower.request("GET", f"/api/jobs/{job_id}")
     assert status == 200 and as_json(body)[field] == value
+
+
+# --- another site's page, a Flower without login -------------------------------------------------------------------
+
+CROSS_SITE = [
+    {"Origin": "http://evil.example"},
+    {"Origin": "null"},  # a sandboxed frame, a page with Referrer-Policy: no-referrer
+    {"Referer": "http://evil.example/page"},
+    {"Sec-Fetch-Site": "cross-site"},
+    {"Origin": "http://127.0.0.1.evil.example"},
+]
+
+
+@pytest.mark.parametrize("headers", CROSS_SITE, ids=lambda h: "-".join(f"{k}={v}" for k, v in h.items()))
+def test_another_sites_post_is_refused_by_a_flower_without_login(db: Database, flower_factory, headers) -> None:
+    # --no-auth and FLOWER_UNAUTHENTICATED_API=true (FlowerProcess's default for bb-broker): the API is open to
+    # anyone who reaches it, and Flower answers every origin's requests (Access-Control-Allow-Origin: *).
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed = failed_job(store, "t-failed")
+    queued = publish(store, "t-queued")
+    flower = flower_factory()
+    assert flower.env["FLOWER_UNAUTHENTICATED_API"] == "true"
+    for path in ("/api/jobs/bulk/delete?status=failed", f"/api/jobs/{failed}/delete", "/api/queues/celery/pause",
+                 "/jobs/bulk/delete?status=failed", "/api/task/revoke/t-queued"):  # fmt: skip
+        status, body = flower.request("POST", path, {}, headers=headers)
+        assert status == 403 and "cross-site" in body, (path, status, body)
+    assert db.jobs.find_one({"_id": failed})["status"] == "failed"
+    assert db.jobs.find_one({"_id": queued})["status"] == "queued" and db.bb_queues.count_documents({}) == 0
+    # The same requests from Flower's own pages, or from a script (no Origin), still act.
+    own = {"Origin": flower.url, "Referer": flower.url + "/jobs", "Sec-Fetch-Site": "same-origin"}
+    assert flower.request("POST", "/api/queues/celery/pause", {}, headers=own)[0] == 200
+    assert flower.request("POST", f"/api/jobs/{failed}/delete", {})[0] == 200
+    assert db.jobs.find_one({"_id": failed}) is None
+
+
+# --- where Flower listens --------------------------------------------------------------------------------------
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses with a socket listening on `port`, from /proc/net/tcp and tcp6 (state 0A)."""
+    found = set()
+    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is reversed
+                found.add(".".join(map(str, words)) if size == 8 else words.hex())
+    return found
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ((), {}, {"127.0.0.1"}),
+        (("--address=0.0.0.0",), {}, {"0.0.0.0"}),
+        ((), {"FLOWER_ADDRESS": "0.0.0.0"}, {"0.0.0.0"}),
+    ],
+)
+def test_bb_broker_flower_listens_on_loopback_unless_told(flower_factory, args, env, expected) -> None:
+    flower = flower_factory(address=None, extra_args=args, env=env)
+    assert listening(flower.port) == expected
+    (shown,) = expected
+    visit = wait_for(lambda: "Visit me at" in flower.log() and flower.log(), message="Flower's banner")
+    assert f"Visit me at http://{shown}:{flower.port}" in visit
+    assert f"anyone who can reach {shown}:{flower.port} " in visit
