@@ -276,3 +276,25 @@ def test_bb_broker_flower_listens_on_loopback_unless_told(flower_factory, args, 
     visit = wait_for(lambda: "Visit me at" in flower.log() and flower.log(), message="Flower's banner")
     assert f"Visit me at http://{shown}:{flower.port}" in visit
     assert f"anyone who can reach {shown}:{flower.port} " in visit
+
+
+EVIL_PAGE = '<form id="f" method="post" action="{url}"></form><script>document.getElementById("f").submit()</script>'
+
+
+def test_another_sites_page_in_a_real_browser_cannot_delete_through_the_open_api(
+    db: Database, flower_factory, browser
+) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed = failed_job(store, "t-failed")
+    flower = flower_factory()  # --no-auth, FLOWER_UNAUTHENTICATED_API=true
+    target = f"{flower.url}/api/jobs/bulk/delete?status=failed"
+    context = browser.new_context()
+    page = context.new_page()
+    evil = EVIL_PAGE.format(url=target)
+    page.route("http://elsewhere.test/", lambda route: route.fulfill(body=evil, content_type="text/html"))
+    with page.expect_response(lambda response: "/api/jobs/bulk/delete" in response.url) as answered:
+        page.goto("http://elsewhere.test/")
+    assert answered.value.status == 403
+    assert db.jobs.find_one({"_id": failed})["status"] == "failed"
+    context.close()
