@@ -89,8 +89,8 @@ class JobsTab:
         from .flower import BrokerHealth  # bb_broker.flower imports this module
 
         url = broker_url(app.capp)
-        store = url and store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url)))
-        if not store:
+        store = store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url))) if url else None
+        if store is None:
             raise tornado.web.HTTPError(404, "the Jobs tab needs a bbmongo:// broker")
         self.operations = Operations(store, QueueControls(store.coll.database))
         self.health = BrokerHealth.of(app.broker_uri_with_password)
@@ -247,9 +247,11 @@ class _JobsHandler(BaseHandler):
         super().prepare()
         if self.request.method not in ("GET", "HEAD", "OPTIONS"):
             refuse_cross_site_without_login(self)  # Flower older than 2.2 does not call check_xsrf_cookie
-        if self.request.method == "OPTIONS" or not self.queries or not self.current_user:
+        if self.request.method == "OPTIONS" or not self.current_user:
             return  # no query to bound; or Flower's authentication answers (401, or its login page)
-        tab = _tab(self)
+        tab = _tab(self)  # a 404 for a broker that is not bbmongo://
+        if not self.queries:
+            return
         tab.refuse_while_failing()
         user = user_name(self)
         tab.admit(user)
