@@ -30,7 +30,7 @@ LIST_FIELDS = (
 )  # fmt: skip
 #: The most characters of a text a row of a list carries (the page shows the first line's first 160).
 LIST_TEXT_LENGTH = 500
-#: What ends a text cut for a list, and stands for a value too big to show there (an array, an object).
+#: What ends a text cut for a list (a value too big to show there, an array or an object, is named by its type).
 CUT_MARK = "… [cut: the job's own page has it whole]"
 #: The types of values a row carries as they are: small ones (and no value at all).
 _SMALL_TYPES = ["missing", "null", "bool", "int", "long", "double", "decimal", "date", "objectId", "timestamp"]
