@@ -49,18 +49,19 @@ def broker_url(app: Any) -> str | None:
     return url if url.lower().startswith(("bbmongo://", "bbmongo+srv://")) else None
 
 
-def store_for(app: Any) -> JobStore | None:
-    """The job store behind an app's broker, or None when the app does not use bbmongo://."""
+def store_for(app: Any, **client_options: Any) -> JobStore | None:
+    """The job store behind an app's broker (on a client with `client_options`, e.g. shorter timeouts), or None when
+    the app does not use bbmongo://."""
     url = broker_url(app)
     if url is None:
         return None
     options = app.conf.broker_transport_options or {}
-    key = (os.getpid(), url, repr(sorted(options.items())))
+    key = (os.getpid(), url, repr(sorted(options.items())), repr(sorted(client_options.items())))
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             target = connection.parse_broker_url(url)
-            db = connection.get_database(target)
+            db = connection.get_database(target, **client_options)
             policy = Policy(
                 int(options.get("max_attempts", 3)),
                 float(options.get("backoff_base", 5.0)),

@@ -430,9 +430,11 @@ def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
 _NO_AUTH_NOTE = (
     "bb-broker: Flower runs WITHOUT authentication (--no-auth): anyone who can reach {where} sees every task and its "
     "arguments. Its API, and the buttons that use it, answer 401 unless FLOWER_UNAUTHENTICATED_API=true is set, "
-    "which also lets any web page your browser opens read it. Use --basic-auth=USER:PASSWORD for anything but a "
-    "private machine."
+    "which also lets any web page your browser opens read it (not change anything: another site's request to do so "
+    "is refused). Use --basic-auth=USER:PASSWORD for anything but a private machine."
 )
+#: Where `bb-broker flower` listens unless told (Flower's own default, "", is every interface, IPv4 and IPv6).
+FLOWER_ADDRESS = "127.0.0.1"
 
 
 @main.command("flower", context_settings={"ignore_unknown_options": True})
@@ -448,7 +450,8 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
     """Run Flower (`celery -A APP flower FLOWER_ARGS...`) with a Broker tab showing each queue's jobs.
 
     Flower must authenticate its users (--basic-auth=USER:PASSWORD, or --auth with an OAuth provider), unless
-    --no-auth says it is for local use.
+    --no-auth says it is for local use. It listens on 127.0.0.1 unless --address (FLOWER_ADDRESS, flowerconfig.py's
+    address) says where: --address=0.0.0.0 for every interface.
     """
     try:
         from . import flower as adapter  # importing it gives Flower's Broker tab bbmongo://
@@ -470,10 +473,12 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
         )
     if scheme is not None and no_auth:
         _fail(f"flower: --no-auth contradicts the {scheme} authentication Flower is configured with", 2)
-    if no_auth:
-        from tornado.options import options
+    from tornado.options import options  # as authentication() left them: Flower's environment, file and arguments
 
-        click.echo(_NO_AUTH_NOTE.format(where=f"{options.address or '0.0.0.0'}:{options.port}"), err=True)
+    if not options.address and not options.unix_socket:
+        flower_args = (*flower_args, f"--address={FLOWER_ADDRESS}")  # the arguments Flower reads last
+    if no_auth:
+        click.echo(_NO_AUTH_NOTE.format(where=f"{options.address or FLOWER_ADDRESS}:{options.port}"), err=True)
     from celery.bin.celery import celery
 
     celery.main(args=["-A", celery_app, "flower", *flower_args], prog_name="celery", auto_envvar_prefix="CELERY")

@@ -412,6 +412,16 @@ _clients: dict[tuple[int, str, tuple[tuple[str, Any], ...]], MongoClient] = {}
 _clients_lock = threading.Lock()
 
 
+#: An operator's tool (Flower's broker check, its Jobs and Broker tabs) answers within seconds when the server is down.
+QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
+
+
+def quick_timeouts(target: BrokerTarget) -> dict[str, int]:
+    """QUICK_TIMEOUTS, but for those the URL sets itself (the URL's win)."""
+    in_url = target.mongo_uri.lower()
+    return {name: ms for name, ms in QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
+
+
 def get_database(target: BrokerTarget, **client_options: Any) -> Database:
     """This process's client for the target: pymongo clients must not cross a fork."""
     key = (os.getpid(), target.mongo_uri, tuple(sorted(client_options.items())))

@@ -36,12 +36,13 @@ import tornado.web
 from celery import Celery, signals
 from flower import urls as flower_urls
 from flower.utils import broker as flower_broker
+from flower.views import BaseHandler
 from flower.views.workers import WorkersView
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
 
 from . import jobs_view
-from .connection import BrokerTarget, get_database, parse_broker_url, redact_url, scrub
+from .connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from .lifecycle import FAILED, QUEUED, RUNNING
 from .operations import Operations
 from .store import JobStore
@@ -49,9 +50,6 @@ from .store import JobStore
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
 _MARK = "_bb_broker_jobs"
-
-#: A check answers within seconds when the server is down (unless the URL sets its own timeouts).
-_QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
 
 
 def describe(exc: PyMongoError, target: BrokerTarget) -> str:
@@ -77,8 +75,7 @@ class BrokerHealth:
     def __init__(self, broker_url: str) -> None:
         self.shown_url = redact_url(broker_url)  # as the user wrote it, the password masked
         self.target = parse_broker_url(broker_url)
-        in_url = self.target.mongo_uri.lower()
-        self._options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
+        self._options = quick_timeouts(self.target)  # a check answers within seconds when the server is down
         self.problem: str | None = None
         self.checked = threading.Event()
         self._wake = threading.Event()
@@ -102,6 +99,13 @@ class BrokerHealth:
             self.problem = describe(exc, self.target)
         self.checked.set()
         return self.problem
+
+    def report(self, problem: str) -> None:
+        """A query of Flower's found the broker failing: its pages say so now, and a check soon confirms or clears it
+        (a server back in the meantime)."""
+        self.problem = problem
+        self.checked.set()
+        self._wake.set()
 
     def _run(self) -> None:
         while True:
@@ -164,6 +168,12 @@ def _workers_prepare(self: WorkersView) -> None:
         raise tornado.web.HTTPError(503, "%s", banner)
 
 
+def _check_xsrf_cookie(self: BaseHandler) -> None:
+    """Flower's check of a request that changes something, and without login ours: no other site's page may post."""
+    jobs_view.refuse_cross_site_without_login(self)
+    _check_xsrf_cookie.flowers(self)  # type: ignore[attr-defined]
+
+
 @signals.import_modules.connect
 def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
     # Flower imports its app's modules as it starts: the check starts then, not at the first page.
@@ -185,7 +195,9 @@ class JobQueues:
 
     def __init__(self, broker_url: str, *_: Any, broker_options: dict[str, Any] | None = None, **__: Any) -> None:
         collection = (broker_options or {}).get("jobs_collection", "jobs")
-        self.store = JobStore(get_database(parse_broker_url(broker_url)), collection=collection)
+        target = parse_broker_url(broker_url)
+        # Its queries hold threads of Flower's own executor, which Flower's pages need too: seconds, not 30 s.
+        self.store = JobStore(get_database(target, **quick_timeouts(target)), collection=collection)
         self.operations = Operations(self.store)
 
     async def queues(self, names: Iterable[str]) -> list[dict[str, Any]]:
@@ -239,6 +251,11 @@ def install() -> None:
         flower_urls.settings["template_loader"] = BannerLoader(flower_urls.settings["template_path"])
     if WorkersView.prepare is not _workers_prepare:
         WorkersView.prepare = _workers_prepare  # type: ignore[method-assign]
+    if BaseHandler.check_xsrf_cookie is not _check_xsrf_cookie:
+        # Tornado calls it for every POST, PUT, DELETE to every handler (Flower 2.2 turns xsrf_cookies on; before,
+        # only the Jobs tab's own handlers check, in their prepare).
+        _check_xsrf_cookie.flowers = BaseHandler.check_xsrf_cookie  # type: ignore[attr-defined]
+        BaseHandler.check_xsrf_cookie = _check_xsrf_cookie  # type: ignore[method-assign]
     jobs_view.install()
     factory = flower_broker.Broker
     if getattr(factory.__new__, _MARK, False):

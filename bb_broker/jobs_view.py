@@ -7,17 +7,25 @@ link to Flower's navigation bar and a Paused column to its Broker tab. Who may a
 every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
 OAuth e-mail addresses); everyone else reads, and gets a 403 to act, here and from Flower's own actions
 (`guard_flowers_actions()`). A job is named by the `id` argument, never by a segment of the path (see HANDLERS).
+
+The queries run in threads of the tab's own (`JobsTab`), on a client with quick timeouts, never on Flower's event
+loop: a server that is down, slow or swamped leaves Flower's other pages answering, and the tab answers 503 with the
+reason. Each user has at most PER_USER_REQUESTS requests running; more are answered 429 at once.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import tornado.web
 from flower import urls as flower_urls
@@ -27,10 +35,12 @@ from flower.utils import strtobool
 from flower.views import BaseHandler
 from flower.views.error import NotFoundErrorHandler
 from flower.views.tasks import TasksDataTable
+from pymongo.errors import ConnectionFailure, OperationFailure
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 from tornado.web import URLSpec, url
 
+from .connection import parse_broker_url, quick_timeouts
 from .lifecycle import STATUSES
 from .operations import (
     ACTIONS,
@@ -68,19 +78,81 @@ BROKER_CELL_ANCHOR = "{% raw format_value(queue.get('idle_since')) %}</td>"
 BROKER_HEADER = "\n          <th>Paused</th>"
 BROKER_CELL = "\n          <td>{{ ('paused by ' + str(queue.get('pausedBy'))) if queue.get('paused') else '—' }}</td>"
 
+#: The threads the Jobs tab's queries run in, for all its users together (Flower's own executor stays Flower's).
+QUERY_THREADS = 8
+#: How many Jobs-tab requests one user may have running at a time: a page's refresh needs one, so four leave room for
+#: a few tabs; a script's forty breakdowns at once get 429s instead of the threads everyone else needs.
+PER_USER_REQUESTS = 4
+#: The name the tab's client gives the server: its queries are told apart from the workers' (currentOp, logs).
+APPNAME = "bb_broker Jobs tab"
+
+
+class JobsTab:
+    """What the Jobs tab's handlers share in one Flower app: the operations on its broker (a client with quick
+    timeouts), the threads its queries run in, the requests each user has running, and the broker's health, which
+    makes its requests answer 503 at once while Flower knows the server cannot be used."""
+
+    def __init__(self, app: Any) -> None:
+        from .celery_hooks import broker_url, store_for
+        from .flower import BrokerHealth  # bb_broker.flower imports this module
+
+        url = broker_url(app.capp)
+        store = store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url))) if url else None
+        if store is None:
+            raise tornado.web.HTTPError(404, "the Jobs tab needs a bbmongo:// broker")
+        self.operations = Operations(store, QueueControls(store.coll.database))
+        self.health = BrokerHealth.of(app.broker_uri_with_password)
+        self.executor = ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="bb-jobs-tab")
+        self.running: Counter[str] = Counter()  # requests running, by user; only the event loop's thread counts
+
+    def refuse_while_failing(self) -> None:
+        if (problem := self.health.problem) is not None:
+            raise tornado.web.HTTPError(503, "%s", self.unreachable(problem))
+
+    def unreachable(self, problem: str) -> str:
+        return f"cannot reach the server at {self.health.shown_url}: {problem}"
+
+    def admit(self, user: str) -> None:
+        if self.running[user] >= PER_USER_REQUESTS:
+            raise tornado.web.HTTPError(
+                429,
+                "%s",
+                f"{user} has {self.running[user]} Jobs-tab requests running already (at most {PER_USER_REQUESTS} "
+                "at a time): try again when one has answered",
+            )
+        self.running[user] += 1
+
+    def done(self, user: str) -> None:
+        self.running[user] -= 1
+        if self.running[user] <= 0:
+            del self.running[user]
+
+    async def run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call(*args, **kwargs)` in the tab's threads; a server that cannot be used is a 503 saying why."""
+        from .flower import describe
+
+        try:
+            return await IOLoop.current().run_in_executor(self.executor, functools.partial(call, *args, **kwargs))
+        except (ConnectionFailure, OperationFailure) as exc:
+            if isinstance(exc, OperationFailure) and exc.code != 18:  # only AuthenticationFailed is the server's state
+                raise
+            problem = describe(exc, self.health.target)
+            self.health.report(problem)  # the next requests answer at once, and every page shows the banner
+            raise tornado.web.HTTPError(503, "%s", self.unreachable(problem)) from None
+
+
+def _tab(handler: tornado.web.RequestHandler) -> JobsTab:
+    """The Flower app's JobsTab, made on first use."""
+    app = handler.application
+    tab = getattr(app, "_bb_jobs_tab", None)
+    if tab is None:
+        tab = app._bb_jobs_tab = JobsTab(app)
+    return tab
+
 
 def _operations(handler: tornado.web.RequestHandler) -> Operations:
     """One Operations per Flower app, on the broker Flower was started with."""
-    app = handler.application
-    operations = getattr(app, "_bb_operations", None)
-    if operations is None:
-        from .celery_hooks import store_for
-
-        store = store_for(app.capp)
-        if store is None:
-            raise tornado.web.HTTPError(404, "the Jobs tab needs a bbmongo:// broker")
-        operations = app._bb_operations = Operations(store, QueueControls(store.coll.database))
-    return operations
+    return _tab(handler).operations
 
 
 def user_name(handler: BaseHandler) -> str:
@@ -124,9 +196,31 @@ def _refuse_unless_allowed(handler: BaseHandler) -> None:
         raise tornado.web.HTTPError(403, f"{who} may read the jobs but not act on them (see --jobs_admins)")
 
 
-async def _run(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    # Every query runs in Flower's executor: its event loop keeps serving pages meanwhile.
-    return await IOLoop.current().run_in_executor(None, lambda: call(*args, **kwargs))
+def refuse_cross_site_without_login(handler: tornado.web.RequestHandler) -> None:
+    """Flower checks where a request that changes something comes from only when it has users. Without (--no-auth),
+    a page of another site open in the operator's browser could post to it: to the Jobs tab's API and Flower's own
+    when FLOWER_UNAUTHENTICATED_API opens them (Flower then even answers every origin). So a request that says it
+    comes from another site (Sec-Fetch-Site, Origin, else Referer) is refused; a script's, which says nothing, is not.
+    """
+    options = handler.application.options
+    if options.basic_auth or options.auth:
+        return  # Flower's own check (and its users' credentials) apply
+    headers, host = handler.request.headers, handler.request.host
+    site, origin, referer = headers.get("Sec-Fetch-Site"), headers.get("Origin"), headers.get("Referer")
+    if site is not None and site != "same-origin":
+        source = f"Sec-Fetch-Site {site}"
+    elif origin is not None and urlparse(origin).netloc != host:
+        source = f"Origin {origin}"
+    elif origin is None and referer is not None and urlparse(referer).netloc != host:
+        source = f"Referer {referer}"
+    else:
+        return
+    raise tornado.web.HTTPError(
+        403,
+        "%s",
+        f"cross-site request refused: Flower runs without login (--no-auth) and this request's {source[:200]} is not "
+        f"a page of this Flower ({host})",
+    )
 
 
 def jsonable(value: Any) -> Any:
@@ -154,12 +248,42 @@ def job_json(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 class _JobsHandler(BaseHandler):
-    """What the page, its data and its actions share: filters from the query string, errors as JSON."""
+    """What the page, its data and its actions share: filters from the query string, errors as JSON, queries in the
+    tab's threads, the user's share of them."""
 
-    def job_filter(self) -> JobFilter:
+    #: Whether the handler queries the server (the Jobs page does not: its data comes from /jobs/data).
+    queries = True
+    #: The user whose share of PER_USER_REQUESTS this request holds, until it finishes.
+    _admitted: str | None = None
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.request.method not in ("GET", "HEAD", "OPTIONS"):
+            refuse_cross_site_without_login(self)  # Flower older than 2.2 does not call check_xsrf_cookie
+        if self.request.method == "OPTIONS" or not self.current_user:
+            return  # no query to bound; or Flower's authentication answers (401, or its login page)
+        tab = _tab(self)  # a 404 for a broker that is not bbmongo://
+        if not self.queries:
+            return
+        tab.refuse_while_failing()
+        user = user_name(self)
+        tab.admit(user)
+        self._admitted = user
+
+    def on_finish(self) -> None:
+        if self._admitted is not None:
+            _tab(self).done(self._admitted)
+            self._admitted = None
+        super().on_finish()
+
+    async def run_query(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call(*args, **kwargs)` in the Jobs tab's threads: Flower's event loop keeps serving pages meanwhile."""
+        return await _tab(self).run(call, *args, **kwargs)
+
+    def parse_filter(self, now: datetime) -> JobFilter:
         values = {name: self.get_argument(name, default=None, escape=False) for name in FILTERS}
         try:
-            return JobFilter.parse(values, _operations(self).now())
+            return JobFilter.parse(values, now)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
 
@@ -173,9 +297,13 @@ class _JobsHandler(BaseHandler):
             raise tornado.web.HTTPError(400, f"id is longer than {MAX_ID_LENGTH} characters: no job has it")
         return identifier
 
-    def bulk_filter(self, action: str) -> JobFilter:
+    async def job_filter(self) -> JobFilter:
+        """The request's filter, its ages (`since=1h`) on the server's clock."""
+        return self.parse_filter(await self.run_query(_operations(self).now))
+
+    async def bulk_filter(self, action: str) -> JobFilter:
         """The filter of a bulk action, which must narrow it: an empty one would take every job of the collection."""
-        job_filter = self.job_filter()
+        job_filter = await self.job_filter()
         if not job_filter.as_dict():
             raise tornado.web.HTTPError(
                 400, f"bulk {action} needs a filter ({', '.join(FILTERS)}): without one it would take every job"
@@ -216,16 +344,17 @@ class _JobsHandler(BaseHandler):
             return
         if self.json_errors and isinstance(exc, tornado.web.HTTPError):
             self.set_header("Content-Type", "application/json; charset=UTF-8")
-            self.finish({"error": exc.log_message or self._reason})
+            message = exc.log_message % exc.args if exc.log_message and exc.args else exc.log_message
+            self.finish({"error": message or self._reason})
             return
         super().write_error(status_code, **kwargs)
 
     async def list_body(self) -> dict[str, Any]:
-        job_filter = self.job_filter()
+        job_filter = await self.job_filter()
         after, limit = self.page_args()
         operations = _operations(self)
         try:
-            page = await _run(operations.list_jobs, job_filter, after=after, limit=limit)
+            page = await self.run_query(operations.list_jobs, job_filter, after=after, limit=limit)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
         return {
@@ -237,14 +366,14 @@ class _JobsHandler(BaseHandler):
 
     async def count(self, job_filter: JobFilter, action: str, unchanged_since: datetime | None = None) -> int:
         try:
-            return await _run(_operations(self).count, job_filter, action, unchanged_since=unchanged_since)
+            return await self.run_query(_operations(self).count, job_filter, action, unchanged_since=unchanged_since)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
 
     async def bulk_count(self, action: str) -> dict[str, Any]:
         """What a bulk action would change now, and `asOf`: the time of the count, which the action is bounded by."""
-        job_filter = self.bulk_filter(action)
-        as_of = await _run(_operations(self).now)
+        job_filter = await self.bulk_filter(action)
+        as_of = await self.run_query(_operations(self).now)
         count = await self.count(job_filter, action, as_of)  # exactly the jobs the action, bounded by as_of, takes
         return {"action": action, "count": count, "asOf": as_of.isoformat(), "filter": job_filter.as_dict()}
 
@@ -261,7 +390,7 @@ class _JobsHandler(BaseHandler):
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
         try:
-            doc = await _run(_operations(self).act, action, identifier, by=user_name(self))
+            doc = await self.run_query(_operations(self).act, action, identifier, by=user_name(self))
         except ActionRefused as exc:
             raise tornado.web.HTTPError(404 if exc.reason == "not found" else 409, str(exc)) from None
         job = {"id": doc["_id"], "deleted": True} if doc.get("deleted") else job_json(doc)
@@ -273,14 +402,16 @@ class _JobsHandler(BaseHandler):
         if action not in ACTIONS:
             raise tornado.web.HTTPError(404, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         _refuse_unless_allowed(self)
-        job_filter = self.bulk_filter(action)
+        job_filter = await self.bulk_filter(action)
         as_of = self.as_of()
         operations = _operations(self)
         expected = self.expected(action)
         count = await self.count(job_filter, action, as_of)
         if count != expected:
             raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected}: confirm again")
-        changed = await _run(operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of)
+        changed = await self.run_query(
+            operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of
+        )
         return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
 
     def expected(self, action: str) -> int:
@@ -298,7 +429,7 @@ class _JobsHandler(BaseHandler):
         _refuse_unless_allowed(self)
         operations = _operations(self)
         try:
-            changed = await _run(getattr(operations, change), queue, by=user_name(self))
+            changed = await self.run_query(getattr(operations, change), queue, by=user_name(self))
         except FilterError as exc:
             raise tornado.web.HTTPError(400, str(exc)) from None
         state = "paused" if change == "pause" else "resumed"
@@ -319,7 +450,7 @@ class _JobsHandler(BaseHandler):
                 body |= {"byQueue": operations.breakdown("queue"), "byKind": operations.breakdown("kind")}
             return body
 
-        return await _run(read)
+        return await self.run_query(read)
 
 
 # --- the pages -----------------------------------------------------------------------------------------------------
@@ -327,10 +458,12 @@ class _JobsHandler(BaseHandler):
 
 class JobsPage(_JobsHandler):
     json_errors = False
+    queries = False  # it answers during an outage too, with Flower's banner
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        job_filter = self.job_filter()
+        # Only checked here (a bad one is a 400 page), on this machine's clock: /jobs/data reads on the server's.
+        job_filter = self.parse_filter(datetime.now(UTC))
         self.page_args()
         self.render(
             "bb_jobs.html",
@@ -383,7 +516,7 @@ class JobPage(_JobsHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         identifier = self.job_id()
-        doc = await _run(_operations(self).find, identifier)
+        doc = await self.run_query(_operations(self).find, identifier)
         if doc is None:
             raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
         self.render(
@@ -422,7 +555,7 @@ class JobApi(_ApiHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         identifier = self.job_id()
-        doc = await _run(_operations(self).find, identifier)
+        doc = await self.run_query(_operations(self).find, identifier)
         if doc is None:
             raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
         self.write(job_json(doc))
@@ -556,7 +689,7 @@ async def _record_revoke(handler: TaskRevoke) -> None:
     except tornado.web.HTTPError:
         return  # a Flower on another broker: no jobs collection to record on
     task_id = handler.path_args[0]
-    await _run(operations.revoke, [task_id], by=user_name(handler), terminate=terminate)
+    await _tab(handler).run(operations.revoke, [task_id], by=user_name(handler), terminate=terminate)
 
 
 def install() -> None:

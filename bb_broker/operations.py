@@ -25,13 +25,63 @@ logger = logging.getLogger(__name__)
 #: The fields an operator reads about a failed job.
 FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "lastError": 1, "updatedAt": 1}
 #: The fields of a row in a list of jobs (the payload and the history stay on the detail page).
-LIST_FIELDS = {
-    name: 1
-    for name in (
-        "kind", "queue", "status", "attempts", "taskId", "lastError", "priority",
-        "createdAt", "updatedAt", "finishedAt", "runAfter", "leaseOwner",
-    )
-}  # fmt: skip
+LIST_FIELDS = (
+    "kind", "queue", "status", "attempts", "taskId", "lastError", "priority",
+    "createdAt", "updatedAt", "finishedAt", "runAfter", "leaseOwner",
+)  # fmt: skip
+#: The most characters of a text a row of a list carries (the page shows the first line's first 160).
+LIST_TEXT_LENGTH = 500
+#: What ends a text cut for a list (a value too big to show there, an array or an object, is named by its type).
+CUT_MARK = "… [cut: the job's own page has it whole]"
+#: The types of values a row carries as they are: small ones (and no value at all).
+_SMALL_TYPES = ["missing", "null", "bool", "int", "long", "double", "decimal", "date", "objectId", "timestamp"]
+
+
+def _list_projection() -> dict[str, Any]:
+    """What the server sends of each listed job: every list field a text cut to one character more than a row
+    shows (so that a cut is seen), a small value as it is, and for any other (a hand-written 15 MB array) nothing
+    but its field's name and type in `bbNotShown`. A 15 MB lastError stays on the server."""
+    projection: dict[str, Any] = {}
+    not_shown = []
+    for name in LIST_FIELDS:
+        value, kind = f"${name}", {"$type": f"${name}"}
+        projection[name] = {
+            "$switch": {
+                "branches": [
+                    {"case": {"$eq": [kind, "string"]}, "then": {"$substrCP": [value, 0, LIST_TEXT_LENGTH + 1]}},
+                    {"case": {"$in": [kind, _SMALL_TYPES]}, "then": value},
+                ],
+                "default": "$$REMOVE",
+            }
+        }
+        shown = {"$in": [kind, ["string", *_SMALL_TYPES]]}
+        not_shown.append({"$cond": [shown, [], [{"$concat": [name, ":", kind]}]]})
+    projection["bbNotShown"] = {"$concatArrays": not_shown}
+    return projection
+
+
+LIST_PROJECTION = _list_projection()
+
+
+def list_row(doc: dict[str, Any]) -> dict[str, Any]:
+    """A job as the list projection read it, bounded: a text longer than a row shows cut and marked, a value not
+    shown named by its type, and `truncated` naming each field cut (absent when none is)."""
+    row = dict(doc)
+    cut = []
+    for entry in row.pop("bbNotShown", None) or []:
+        name, _, kind = str(entry).partition(":")
+        row[name] = f"[{kind}: the job's own page has it whole]"
+        cut.append(name)
+    for name in LIST_FIELDS:
+        value = row.get(name)
+        if isinstance(value, str) and len(value) > LIST_TEXT_LENGTH:
+            row[name] = value[:LIST_TEXT_LENGTH] + CUT_MARK
+            cut.append(name)
+    if cut:
+        row["truncated"] = sorted(cut)
+    return row
+
+
 #: What a retry reads of each job it sends back.
 RETRY_FIELDS = {"_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1}
 #: The most rows one page of a list holds.
@@ -288,8 +338,8 @@ class Operations:
         jobs: list[dict[str, Any]] = []
         stopped_early = False
         try:
-            for doc in self.coll.find(query, LIST_FIELDS, **options):
-                jobs.append(doc)
+            for doc in self.coll.find(query, LIST_PROJECTION, **options):
+                jobs.append(list_row(doc))
         except ExecutionTimeout:
             if not job_filter.error:
                 raise

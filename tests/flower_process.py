@@ -44,11 +44,14 @@ class FlowerProcess:
         basic_auth: str | None = None,
         env: dict[str, str] | None = None,
         user: str | None = None,
+        address: str | None = "127.0.0.1",
     ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
         # A directed inspect returns at its one reply; the long timeout only matters on a loaded machine.
-        flower_args = ["--address=127.0.0.1", f"--port={self.port}", f"--inspect_timeout={inspect_timeout_ms}"]
+        flower_args = [f"--port={self.port}", f"--inspect_timeout={inspect_timeout_ms}"]
+        if address is not None:  # None: the launcher's default
+            flower_args.insert(0, f"--address={address}")
         flower_args += extra_args
         self.basic_auth = basic_auth
         # The "name:password" requests send by default: the first of basic_auth's users unless told.
@@ -100,16 +103,19 @@ class FlowerProcess:
         *,
         credentials: bool = True,
         user: str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 30.0,
     ) -> tuple[int, str]:
         """The status and body of one request, as `user` ("name:password", else this process's own) or without
-        credentials if told; an HTTP error status is returned, not raised."""
+        credentials if told, with `headers`; an HTTP error status is returned, not raised, and no answer within
+        `timeout` seconds raises TimeoutError."""
         data = urllib.parse.urlencode(form or {}).encode() if method == "POST" else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
         who = user or self.user
         if who and credentials:
             req.add_header("Authorization", "Basic " + base64.b64encode(who.encode()).decode())
         try:
-            with urllib.request.urlopen(req, timeout=30) as response:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
