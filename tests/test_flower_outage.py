@@ -56,8 +56,8 @@ def as_json(body: str) -> Any:
 # --- an outage ----------------------------------------------------------------------------------------------------
 
 #: The Jobs tab's reads, each of which queries the server.
-JOBS_READS = ("/api/jobs", "/api/jobs?counts=1", "/jobs/data", "/jobs/data?breakdowns=1", "/api/jobs/{job}",
-              "/api/jobs/bulk/retry", "/jobs/bulk/delete/count")  # fmt: skip
+JOBS_READS = ("/api/jobs", "/api/jobs?counts=1", "/jobs/data", "/jobs/data?breakdowns=1", "/api/jobs/job?id={job}",
+              "/api/jobs/bulk/retry?status=failed", "/jobs/bulk/delete/count?status=failed")  # fmt: skip
 #: Flower's own pages, and the Jobs tab's page (its data comes from /jobs/data).
 PAGES = ("/", "/workers", "/workers?json=1", "/tasks", "/jobs", "/healthcheck")
 
@@ -118,7 +118,7 @@ def test_flower_answers_at_once_while_its_server_is_down(
             assert AUTH_PASSWORD not in body, body
         page = flower.request("GET", "/jobs", timeout=5)
         assert page[0] == 200 and 'id="bb-broker-error"' in page[1] and AUTH_PASSWORD not in page[1]
-        assert flower.request("GET", f"/jobs/{job_id}", timeout=5)[0] == 503
+        assert flower.request("GET", f"/jobs/job?id={job_id}", timeout=5)[0] == 503
 
         auth_server.start()
         for path in reads:
@@ -136,7 +136,9 @@ PER_USER = 4
 APPNAME = "bb_broker Jobs tab"
 
 
-@pytest.mark.parametrize("heavy", ["/api/jobs?counts=1", "/jobs/data?breakdowns=1", "/api/jobs/bulk/retry"])
+@pytest.mark.parametrize(
+    "heavy", ["/api/jobs?counts=1", "/jobs/data?breakdowns=1", "/api/jobs/bulk/retry?status=failed"]
+)
 def test_one_users_slow_requests_are_bounded_and_leave_others_alone(
     own_server: EmbeddedServer, tmp_path: Path, flower_factory, heavy: str
 ) -> None:
@@ -206,7 +208,7 @@ def test_a_huge_field_is_cut_in_the_list_and_whole_on_the_jobs_own_api(
             )
         else:
             assert row[field] == "[array: the job's own page has it whole]"
-    status, body = flower.request("GET", f"/api/jobs/{job_id}")
+    status, body = flower.request("GET", f"/api/jobs/job?id={job_id}")
     assert status == 200 and as_json(body)[field] == value
 
 
@@ -231,7 +233,7 @@ def test_another_sites_post_is_refused_by_a_flower_without_login(db: Database, f
     queued = publish(store, "t-queued")
     flower = flower_factory()
     assert flower.env["FLOWER_UNAUTHENTICATED_API"] == "true"
-    for path in ("/api/jobs/bulk/delete?status=failed", f"/api/jobs/{failed}/delete", "/api/queues/celery/pause",
+    for path in ("/api/jobs/bulk/delete?status=failed", f"/api/jobs/job/delete?id={failed}", "/api/queues/celery/pause",
                  "/jobs/bulk/delete?status=failed", "/api/task/revoke/t-queued"):  # fmt: skip
         status, body = flower.request("POST", path, {}, headers=headers)
         assert status == 403 and "cross-site" in body, (path, status, body)
@@ -240,7 +242,7 @@ def test_another_sites_post_is_refused_by_a_flower_without_login(db: Database, f
     # The same requests from Flower's own pages, or from a script (no Origin), still act.
     own = {"Origin": flower.url, "Referer": flower.url + "/jobs", "Sec-Fetch-Site": "same-origin"}
     assert flower.request("POST", "/api/queues/celery/pause", {}, headers=own)[0] == 200
-    assert flower.request("POST", f"/api/jobs/{failed}/delete", {})[0] == 200
+    assert flower.request("POST", f"/api/jobs/job/delete?id={failed}", {})[0] == 200
     assert db.jobs.find_one({"_id": failed}) is None
 
 
