@@ -18,7 +18,7 @@ from ulid import ULID
 
 from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from .pauses import QueueControls
-from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore
+from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore, bson_kind
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,10 @@ class Operations:
         if doc.get("status") not in ACTIONS[action]:
             wanted = " or ".join(ACTIONS[action])
             raise ActionRefused("conflict", f"job {doc['_id']} is {doc.get('status')}: {action} needs it {wanted}")
+        if not isinstance(doc.get("actions", []), list):
+            # Each action is recorded there with a $push, which MongoDB refuses on anything but an array.
+            kind = bson_kind(doc["actions"])
+            raise ActionRefused("conflict", f"job {doc['_id']} has an actions field that is {kind}, not an array")
         if action == "requeue" and not self._lease_expired(doc):
             raise ActionRefused("conflict", f"job {doc['_id']} is running with a live lease: its worker holds it")
         done = self._apply(action, job_filter, by=by)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from bson import ObjectId
+from playwright.sync_api import expect
 from pymongo.database import Database
 
 from bb_broker.store import JobStore
@@ -130,6 +131,10 @@ def test_flower_shows_hand_written_documents_and_counts_every_status(app, db, wo
         status, body = flower.request("GET", f"/api/jobs/{doc['_id']}")
         assert status == 200, (variant, body[:2000])
 
+    # An action on the job whose actions are no array (each is recorded with a $push): refused, naming the field.
+    status, body = flower.request("POST", f"/api/jobs/{odd['actions an object']['_id']}/retry")
+    assert status == 409 and "actions field that is object, not an array" in body, body
+
     counts = flower.get("/api/jobs?counts=1")["statuses"]
     assert counts["pending"] == 1 and counts["(none)"] == 1 and counts["failed"] == 6
     assert sum(counts.values()) == db.jobs.count_documents({})
@@ -142,3 +147,17 @@ def test_flower_shows_hand_written_documents_and_counts_every_status(app, db, wo
     wait_for(lambda: flower.task(sentinel).get("state") == "SUCCESS", message="Flower saw the sentinel succeed")
     assert "unhashable" not in flower.log() and "Exception in thread" not in flower.log()
     assert job(db, sentinel)["status"] == "succeeded"
+
+
+def test_the_jobs_tab_shows_unknown_statuses_and_odd_ids_in_a_browser(app, db, flower_factory, browser) -> None:
+    flower = flower_factory()
+    hand_written(db, app, status="pending")
+    hand_written(db, app, status=None)
+    hand_written(db, app, status="failed", _id=7, actions={"action": "retry"})
+    page = browser.new_page()
+    page.goto(f"{flower.url}/jobs")
+    expect(page.locator("#count-failed")).to_have_text("failed 1")
+    expect(page.locator("#status-counts .count-unknown")).to_have_text(["(none) 1", "pending 1"])
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(3)
+    page.goto(f"{flower.url}/jobs/7")
+    expect(page.locator("#job-status")).to_have_text("failed")
