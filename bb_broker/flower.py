@@ -46,6 +46,7 @@ from .connection import BrokerTarget, get_database, parse_broker_url, quick_time
 from .lifecycle import FAILED, QUEUED, RUNNING
 from .operations import Operations
 from .store import JobStore
+from .threads import start_supervised
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
@@ -87,7 +88,7 @@ class BrokerHealth:
             monitor = cls._monitors.get(broker_url)
             if monitor is None:
                 monitor = cls._monitors[broker_url] = cls(broker_url)
-                threading.Thread(target=monitor._run, name="bb-broker-health", daemon=True).start()
+                start_supervised("bb-broker-health", monitor._run)
             return monitor
 
     def check(self) -> str | None:

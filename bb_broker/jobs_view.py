@@ -49,6 +49,7 @@ from .operations import (
     FilterError,
     JobFilter,
     Operations,
+    actions_of,
     arguments,
     as_text,
     attempts_of,
@@ -524,6 +525,9 @@ class JobPage(_JobsHandler):
             job=doc,
             lines=describe_job(doc),
             attempts=attempts_of(doc),
+            action_log=actions_of(doc),
+            # Linked to Flower's task page only when it is a task id (a hand-written one may be anything).
+            task_id=doc.get("taskId") if isinstance(doc.get("taskId"), str) else None,
             arguments=jsonable(arguments(doc)),
             actions=[name for name, statuses in ACTIONS.items() if doc.get("status") in statuses],
             can_act=can_act(self),

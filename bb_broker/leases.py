@@ -14,6 +14,7 @@ from pymongo.errors import PyMongoError
 
 from .connection import shutdown_patience
 from .store import JobStore, passes_with_time
+from .threads import start_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,7 @@ class LeaseKeeper:
         self._sources: list[LiveJobs] = []
         self._expiries: list[Callable[[], int]] = []  # deletions a server without TTL indexes leaves to us
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bb-broker-leases", daemon=True)
-        self._thread.start()
+        self._thread = start_supervised("bb-broker-leases", self._run)
         atexit.register(self._release_at_exit, os.getpid())
 
     def _release_at_exit(self, pid: int) -> None:
@@ -170,6 +170,7 @@ class LeaseKeeper:
         self.store.heartbeat(self.live_jobs().union(unreleased(self.store)), self.owner)
         if sweep:
             self.store.requeue_stale()
+            self.store.fail_unclaimable_queued()
             for expire in list(self._expiries):
                 expire()
 

@@ -27,6 +27,7 @@ from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError,
 
 from .connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
 from .store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
+from .threads import start_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +188,7 @@ class Outbox:
         self._due = float("inf")  # monotonic time by which the waiting documents are to be written
         self._changed = threading.Condition()
         # A daemon: a write stuck on a server that is gone must not hold the process at exit (flush bounds it).
-        self._thread = threading.Thread(target=self._run, name="bb-outbox", daemon=True)
-        self._thread.start()
+        self._thread = start_supervised("bb-outbox", self._run)
 
     @staticmethod
     def _key(messages: Collection) -> tuple[int, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any, Literal, Protocol
@@ -30,6 +29,11 @@ COUNTERS: dict[str, Counter] = {
     "retried": Counter("jobs_retried", "Attempts that failed or were cut short and sent their job back to the queue."),
     "failed": Counter("jobs_failed", "Jobs that ended failed."),
 }
+
+#: Restarts of bb_broker's background threads whose loop died (threads.py), per thread name.
+THREAD_RESTARTS = Counter(
+    "bb_broker_thread_restarts", "Background threads of bb_broker restarted after an unexpected error.", ["thread"]
+)
 
 #: The gauges, read from the jobs collection at each scrape.
 GAUGES = {
@@ -58,6 +62,17 @@ def record(event: Event, amount: int = 1) -> None:
     try:
         COUNTERS[event].inc(amount)
     except Exception as exc:  # a full disk or a missing PROMETHEUS_MULTIPROC_DIR, say
+        if not _warned:
+            _warned = True
+            logger.warning("job metrics are not being counted: %s", exc)
+
+
+def record_restart(thread: str) -> None:
+    """Count a restart of the background thread named `thread`; a metrics problem never stops the restart."""
+    global _warned
+    try:
+        THREAD_RESTARTS.labels(thread=thread).inc()
+    except Exception as exc:
         if not _warned:
             _warned = True
             logger.warning("job metrics are not being counted: %s", exc)
@@ -92,7 +107,7 @@ def registry_for(store: StatusSource) -> CollectorRegistry:
     if directory:
         MultiProcessCollector(registry, path=directory)
     else:
-        for counter in COUNTERS.values():
+        for counter in [*COUNTERS.values(), THREAD_RESTARTS]:
             registry.register(counter)
     registry.register(StatusGauges(store))
     return registry
@@ -142,6 +157,8 @@ def make_metrics_server(store: StatusSource, host: str, port: int) -> WSGIServer
 
 def serve_in_background(store: StatusSource, host: str, port: int) -> WSGIServer:
     """Serve from a daemon thread of this process (a worker's main process, say)."""
+    from .threads import start_supervised  # threads.py counts its restarts here
+
     server = make_metrics_server(store, host, port)
-    threading.Thread(target=server.serve_forever, name="bb-broker-metrics", daemon=True).start()
+    start_supervised("bb-broker-metrics", server.serve_forever)
     return server

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from bson import ObjectId
 from pymongo import DESCENDING, UpdateOne
 from pymongo.errors import ExecutionTimeout
 from ulid import ULID
@@ -18,7 +19,7 @@ from ulid import ULID
 from . import lifecycle
 from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from .pauses import QueueControls
-from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore
+from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore, bson_kind
 
 logger = logging.getLogger(__name__)
 
@@ -315,6 +316,10 @@ class Operations:
             # A task id sent twice (apply_async(task_id=...) again) has a job per send: the newest is the one meant.
             newest = {"sort": [("_id", DESCENDING)], **self._hint_if_indexed("bb_task_id")}
             doc = self.coll.find_one({"taskId": identifier}, **newest)
+        for other in _other_id_forms(identifier) if doc is None else ():
+            doc = self.coll.find_one({"_id": other})  # a hand-written job's id, as the lists show it
+            if doc is not None:
+                break
         return doc
 
     def list_jobs(
@@ -409,6 +414,10 @@ class Operations:
         if doc.get("status") not in ACTIONS[action]:
             wanted = " or ".join(ACTIONS[action])
             raise ActionRefused("conflict", f"job {doc['_id']} is {doc.get('status')}: {action} needs it {wanted}")
+        if not isinstance(doc.get("actions", []), list):
+            # Each action is recorded there with a $push, which MongoDB refuses on anything but an array.
+            kind = bson_kind(doc["actions"])
+            raise ActionRefused("conflict", f"job {doc['_id']} has an actions field that is {kind}, not an array")
         if action == "requeue" and not self._lease_expired(doc):
             raise ActionRefused("conflict", f"job {doc['_id']} is running with a live lease: its worker holds it")
         done = self._apply(action, job_filter, by=by)
@@ -674,6 +683,16 @@ class Operations:
         return {"updatedAt": window} if window else {}
 
 
+def _other_id_forms(identifier: str) -> list[Any]:
+    """The _id values other than a string that `identifier` may stand for: a whole number, an ObjectId."""
+    forms: list[Any] = []
+    if re.fullmatch(r"-?[0-9]{1,18}", identifier):
+        forms.append(int(identifier))
+    if ObjectId.is_valid(identifier) and len(identifier) == 24:
+        forms.append(ObjectId(identifier))
+    return forms
+
+
 def _record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any]:
     """The $push that records an operator's action on a job, keeping the last ACTIONS_KEPT."""
     entry = {"action": action, "by": by, "at": at, **{k: v for k, v in details.items() if v is not None}}
@@ -743,6 +762,12 @@ def attempts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def actions_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The operator actions recorded on the job (its `actions`, when it is an array: a hand-edited one may not be)."""
+    actions = doc.get("actions")
+    return [action for action in actions if isinstance(action, dict)] if isinstance(actions, list) else []
+
+
 def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, text) lines for a person: the summary fields, the arguments, each attempt, each action, the rest;
     a line with an empty label continues the one above."""
@@ -761,9 +786,8 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
         if row.get("error"):
             lines.append(("", str(row["error"])))
-    for action in doc.get("actions") or []:
-        if isinstance(action, dict):
-            lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
+    for action in actions_of(doc):
+        lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
     for name, value in doc.items():
         if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS:
             lines.append((name, as_text(value)))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from bson import ObjectId
 from kombu.exceptions import EncodeError
 from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
 from pymongo.collection import Collection as MongoCollection
@@ -41,11 +42,18 @@ RETRY_STATE = "RETRY"
 
 logger = logging.getLogger(__name__)
 
+#: How statuses() names the documents that have no status.
+UNKNOWN_STATUS = "(none)"
+
 #: Claim order: higher priority first, then the earliest due, then the oldest.
 CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
 
-#: What a worker needs of a job it claims; the job's `history` and result fields stay on the server.
-CLAIMED_FIELDS = {"_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1}
+#: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
+#: `history` only its type; the history itself and the result fields stay on the server.
+CLAIMED_FIELDS = {
+    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1,
+    "historyType": {"$type": "$history"},
+}  # fmt: skip
 
 INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
@@ -189,6 +197,31 @@ def _claimed(doc: dict[str, Any], attempts: int) -> Claimed:
     elif run_after.tzinfo is None:
         run_after = run_after.replace(tzinfo=UTC)
     return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after)
+
+
+def malformed(doc: dict[str, Any]) -> str | None:
+    """What makes a claimed job document one no worker can work through to its end, naming the field; None when it
+    can. A job's id travels to the worker as a string and every later write finds the job by it; its attempts are
+    its fencing token (a whole number in a header); its queue is what claims, counts and wake-ups go by; its history
+    (read as its type, `historyType`) takes a $push at each settle."""
+    job_id = doc.get("_id")
+    if not isinstance(job_id, str):
+        return f"_id must be a string, not {bson_kind(job_id)} {job_id!r}"[: lifecycle.MAX_ERROR_LENGTH]
+    attempts = doc.get("attempts")
+    if not isinstance(attempts, int) or isinstance(attempts, bool):
+        return f"attempts must be a whole number, not {bson_kind(attempts)} {attempts!r}"
+    if not isinstance(doc.get("queue"), str):
+        return f"queue must be a string, not {bson_kind(doc.get('queue'))}"
+    if doc.get("historyType", "missing") not in ("missing", "array"):
+        return f"history must be an array, not {doc['historyType']}"
+    return None
+
+
+def bson_kind(value: Any) -> str:
+    """The name MongoDB gives a value's type ($type), for errors a person reads."""
+    kinds = ((bool, "bool"), (int, "int"), (float, "double"), (str, "string"), (dict, "object"), (list, "array"))
+    kinds += ((datetime, "date"), (bytes, "binData"), (ObjectId, "objectId"), (type(None), "null"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def new_job_id() -> str:
@@ -394,6 +427,8 @@ class JobStore:
             return None
         if doc is None:
             return None
+        if self._failed_malformed(doc, doc["attempts"]):
+            return None
         return _claimed(doc, doc["attempts"])
 
     def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
@@ -438,7 +473,9 @@ class JobStore:
                     for doc in self._through_outages(lambda: list(self.coll.find(mine, {"_id": 1}, hint="_id_")))
                 }
                 head = [doc for doc in head if doc["_id"] in won]
-        return [_claimed(doc, doc["attempts"] + 1) for doc in head]
+        return [
+            _claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
+        ]
 
     def _hinted(self, query: Callable[[], Any]) -> Any:
         """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""
@@ -450,6 +487,31 @@ class JobStore:
         logger.warning("the indexes of %s are gone; creating them again", self.coll.full_name)
         self.coll.create_indexes(INDEXES)
         return query()
+
+    def _failed_malformed(self, doc: dict[str, Any], attempts: Any) -> bool:
+        """Whether the claimed `doc` (now at `attempts`) is malformed: then it ends failed here, once, naming the
+        field, and is never delivered (a job delivered under another id would run, stay running, and run again)."""
+        reason = malformed({**doc, "attempts": attempts})
+        if reason is None:
+            return False
+        logger.error("job %r is malformed and cannot be run: %s", doc.get("_id"), reason)
+        now = self.now()
+        result = self._through_outages(
+            lambda: self.coll.update_one(
+                {"_id": doc["_id"], "status": RUNNING, "attempts": attempts},
+                {
+                    "$set": {
+                        "status": FAILED,
+                        "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
+                        "updatedAt": now,
+                        "finishedAt": now,
+                    },
+                    "$unset": {"leaseOwner": ""},
+                },
+            )
+        )
+        metrics.record("failed", result.modified_count)
+        return True
 
     def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> None:
         head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
@@ -668,6 +730,26 @@ class JobStore:
         reason = f"worker lost: no heartbeat for {self.policy.stale_after:g} s"
         return self._recover({"updatedAt": {"$lt": cutoff}}, reason, hint="bb_status_updated")
 
+    def fail_unclaimable_queued(self) -> int:
+        """Fail the queued jobs no claim can find, naming the field (a queue that is not a string, a runAfter that is
+        not a date: written by hand), so that none waits for ever as queued. Run with each stale sweep."""
+        now = self.now()
+        unclaimable = (
+            ("queue", {"$or": [{"queue": {"$not": {"$type": "string"}}}, {"queue": {"$type": "array"}}]}, "a string"),
+            ("runAfter", {"runAfter": {"$not": {"$type": "date"}}}, "a date"),
+        )
+        failed = 0
+        for field, selector, kind in unclaimable:
+            reason = f"malformed job document: {field} must be {kind}"
+            failed += self.coll.update_many(
+                {"status": QUEUED, **selector},
+                {"$set": {"status": FAILED, "lastError": reason, "updatedAt": now, "finishedAt": now}},
+            ).modified_count
+        metrics.record("failed", failed)
+        if failed:
+            logger.error("failed %d queued jobs no claim could find (a queue or a runAfter written by hand)", failed)
+        return failed
+
     def release_owner(self, owner: str, reason: str) -> tuple[int, int]:
         """At a worker's shutdown, whatever it still holds was cut short."""
         # Among the running jobs (few: workers x prefetch) by the status index; one index less on every claim.
@@ -686,7 +768,7 @@ class JobStore:
                 "outcome": "lost",
                 "error": {"$literal": last_error},
             }
-            history = {"$concatArrays": [{"$ifNull": ["$history", []]}, [lost]]}
+            history = {"$concatArrays": [_HISTORY_ARRAY, [lost]]}
             # A broker retry records its attempt's failure, then publishes the retry: a worker lost between the two
             # left the attempt in the history already. Its entry and error stay; the job goes where the retry would.
             recorded = _attempt_recorded()
@@ -696,7 +778,9 @@ class JobStore:
                 "updatedAt": now,
             }
             changes["runAfter" if status == QUEUED else "finishedAt"] = now
-            changes["history"] = {"$cond": [recorded, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
+            # A history written by hand that is not an array is kept as it is: no sweep fails on it (for every job).
+            kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, _HISTORY_NOT_ARRAY]}]}
+            changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
             return [{"$set": changes}, {"$unset": ["leaseOwner"]}]
 
         retry = self._hinted(
@@ -727,16 +811,21 @@ class JobStore:
     # --- reading and operating --------------------------------------------
 
     def statuses(self) -> dict[str, int]:
-        """Counts per status, all four keys, from one aggregation."""
+        """Counts per status from one aggregation: the four statuses always, then any other status a document has
+        (written by hand or by another program) under its own name, `(none)` for none: they add up to the
+        collection's size."""
+        known = list(STATUSES)
+        group = {"$group": {"_id": "$status", "n": {"$sum": 1}}}
         counts = dict.fromkeys(STATUSES, 0)
-        for row in self.coll.aggregate(
-            [
-                {"$match": {"status": {"$in": list(STATUSES)}}},
-                {"$group": {"_id": "$status", "n": {"$sum": 1}}},
-            ],
-        ):
+        for row in self.coll.aggregate([{"$match": {"status": {"$in": known}}}, group]):
             counts[row["_id"]] = row["n"]
-        return counts
+        others: dict[str, int] = {}
+        # The collection's size from its metadata: the read of the other statuses only when there may be some.
+        if self.coll.estimated_document_count() > sum(counts.values()):
+            for row in self.coll.aggregate([{"$match": {"status": {"$nin": known}}}, group]):
+                name = UNKNOWN_STATUS if row["_id"] is None else str(row["_id"])
+                others[name] = others.get(name, 0) + row["n"]
+        return {**counts, **dict(sorted(others.items()))}
 
     def queued_count(self, queue: str) -> int:
         return self.coll.count_documents({"status": QUEUED, "queue": queue})
@@ -745,10 +834,15 @@ class JobStore:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
 
 
+#: Aggregation expressions: a job's `history` as an array (none when it is missing, or is not one); whether it is not.
+_HISTORY_NOT_ARRAY = {"$not": [{"$isArray": "$history"}]}
+_HISTORY_ARRAY = {"$cond": [_HISTORY_NOT_ARRAY, [], "$history"]}
+
+
 def _attempt_recorded() -> dict[str, Any]:
     """An aggregation expression: the job's current attempt has its entry in the history already (the last one, with
     the attempt's number, finished since the attempt's claim: not an entry from before `bb-broker retry`)."""
-    last = {"$arrayElemAt": [{"$ifNull": ["$history", []]}, -1]}
+    last = {"$arrayElemAt": [_HISTORY_ARRAY, -1]}
     current = {"$and": [{"$eq": ["$$last.n", "$attempts"]}, {"$gte": ["$$last.finishedAt", "$startedAt"]}]}
     return {"$let": {"vars": {"last": last}, "in": current}}
 

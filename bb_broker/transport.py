@@ -42,6 +42,7 @@ from .payloads import (
     to_message,
 )
 from .store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
+from .threads import start_supervised
 from .wakeups import Doorbell, Look, Wakeups
 
 logger = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ class ClaimsAhead:
         self._ready = threading.Condition()
         self._closed = False
         # A daemon: a claim stuck on a server that is gone must not hold the process at exit.
-        threading.Thread(target=self._run, name="bb-claims-ahead", daemon=True).start()
+        start_supervised("bb-claims-ahead", self._run)
 
     def busy_with(self, queue: str) -> bool:
         wanted = self._wanted

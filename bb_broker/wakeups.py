@@ -19,6 +19,7 @@ from pymongo.database import Database
 from pymongo.errors import OperationFailure, PyMongoError
 
 from .messages import BindingsWatch
+from .threads import start_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,10 @@ class Wakeups:
             queue, due = document.get("queue"), document.get("runAfter")
         else:
             queue, due = None, (change.get("updateDescription") or {}).get("updatedFields", {}).get("runAfter")
+        if not isinstance(queue, str):
+            # A hand-written document (a queue that is a list, a number): news for no queue by name, so every job
+            # queue looks once, and the claim fails the job for its field.
+            queue = None
         delay = self._seconds_until(due)
         with self._lock:
             if delay > 0:
@@ -290,7 +295,8 @@ class _Feed:
             if feed is None:
                 feed = cls._feeds[key] = cls(key, db, names, busy_pace)
                 feed.subscribers.append(wakeups)
-                feed.thread.start()
+                # Supervised: while a dead watcher restarts, its consumers poll (they are told it went dark).
+                feed.thread = start_supervised("bb-broker-wakeups", feed._watch, after_crash=feed._crashed)
                 return feed
             feed.subscribers.append(wakeups)
             if feed.live:  # told here, under the lock, so that a dark turn that follows reaches it after this
@@ -310,7 +316,7 @@ class _Feed:
         #: How many times the watcher paced its reads, and how long its last pace was (0 once news came).
         self.paces = 0
         self.pace = 0.0
-        self.thread = threading.Thread(target=self._watch, name="bb-broker-wakeups", daemon=True)
+        self.thread: threading.Thread | None = None  # started by subscribe
 
     def unsubscribe(self, wakeups: Wakeups) -> None:
         with self._registry:
@@ -401,6 +407,9 @@ class _Feed:
         self.live = True
         for wakeups in self._each():
             wakeups._went_live()
+
+    def _crashed(self) -> None:
+        self._went_dark(0.0)
 
     def _went_dark(self, pause: float) -> None:
         if self._bindings_watch is not None:

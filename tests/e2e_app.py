@@ -66,6 +66,14 @@ def consumer_loop(state) -> dict:
     return {"loop": state.consumer.loop.__name__, "hub": state.consumer.hub is not None}
 
 
+@inspect_command()
+def threads(state) -> list[str]:
+    """The names of this worker's live threads (tests/test_malformed_documents.py: bb_broker's own are alive)."""
+    import threading
+
+    return sorted(thread.name for thread in threading.enumerate())
+
+
 def _crash_at(point: str) -> None:
     """Fault injection for tests/test_results_e2e.py: the whole worker is SIGKILLed at one step of a chord's
     completion (`part-counted`: a part counted, its job not settled; `callback-claimed`: the last part claimed the

@@ -122,7 +122,10 @@ class ClaimWrites(monitoring.CommandListener):
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         updates = event.command.get("updates") if event.command_name == "update" else None
-        if not (self.listening and updates and updates[0].get("q", {}).get("status") == "queued"):
+        # A claim's write: queued jobs set running (the lease keeper's sweep also updates queued jobs: malformed ones).
+        claims = updates and updates[0].get("q", {}).get("status") == "queued"
+        claims = claims and (updates[0].get("u") or {}).get("$set", {}).get("status") == "running"
+        if not (self.listening and claims):
             return
         self.threads.append(threading.current_thread().name)
         self._requests.add(event.request_id)

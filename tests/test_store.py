@@ -449,7 +449,8 @@ def test_a_claim_brings_back_what_the_worker_needs_not_the_jobs_history(mongo_ur
         ("three", 1, single.payload),
     ]
     sent = [log.replies["findAndModify"][0]["value"], *log.replies["find"][0]["cursor"]["firstBatch"]]
-    assert [set(doc) for doc in sent] == [{"_id", "attempts", "taskId", "payload", "runAfter"}] * 3
+    claimed = {"_id", "attempts", "taskId", "payload", "runAfter", "queue", "historyType"}  # the last two checked
+    assert [set(doc) for doc in sent] == [claimed] * 3
 
 
 def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its_retry_recorded(
