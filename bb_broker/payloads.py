@@ -148,10 +148,12 @@ def to_message(payload: Any) -> dict[str, Any]:
             message["body"] = _binary_body(payload["body"], message.get("content-encoding"), message.get("headers"))
         else:
             headers = dict(payload["headers"])
-            if "args" in payload or payload.get("bodyFormat") == "json":
+            stored_plain = "args" in payload or payload.get("bodyFormat") == "json"
+            if stored_plain and _known_compression(headers.get("compression")):
                 # Stored decompressed (readable): delivered so, without the header that would have Kombu decompress it
-                # again (Kombu's own restore of a message drops it the same way).
-                headers.pop("compression", None)
+                # again (Kombu's own restore of a message drops it the same way). A header naming no method Kombu
+                # has is a hand-written one: it stays, for check_envelope to name.
+                del headers["compression"]
             if "args" in payload:
                 body: Any = json.dumps([payload["args"], payload["kwargs"], payload["options"]])
             elif payload.get("bodyFormat") == "json":

@@ -71,7 +71,7 @@ from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
-from .payloads import PayloadError, _bson_safe, to_message
+from .payloads import PayloadError, _bson_safe, decompress_bounded, to_message
 from .store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
 
@@ -138,7 +138,10 @@ def _decompressed_result(payload: bytes) -> bytes:
     if _COMPRESSED_RESULT_MARK is None or not payload.startswith(_COMPRESSED_RESULT_MARK):
         return payload
     method, _, body = payload[len(_COMPRESSED_RESULT_MARK) :].partition(b"\x00")
-    return compression.decompress(body, method.decode("utf-8"))
+    name = method.decode("utf-8")
+    # Bounded as a task message's body is: a job document edited by hand must not take the reader's memory.
+    plain = decompress_bounded(body, name)
+    return compression.decompress(body, name) if plain is None else plain
 
 
 class JobFailed(Exception):
@@ -150,6 +153,9 @@ class JobResultBackend(BaseBackend):
 
     supports_native_join = True
     supports_autoexpire = True
+    #: result_compression (Celery >= 5.7 reads it; before, no backend of this kind compresses): a compressed result
+    #: is kept as its bytes (see _stored), read back by _decompressed_result.
+    supports_result_compression = True
     persistent = True
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
