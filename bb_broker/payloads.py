@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import base64
+import bz2
 import json
+import lzma
 import math
 import reprlib
+import zlib
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -23,6 +26,13 @@ BROKER_RETRIES_HEADER = "bb_broker_retries"
 #: The job ids a task message's publish chose, per queue, kept in the producer's properties (Kombu retries a
 #: publish with the same properties dict), never stored in the payload.
 PUBLISH_ID_PROPERTY = "bb_publish_id"
+
+#: The most a compressed body may expand to: a body compressed to fit a job document (MongoDB's 16 MB limit) from a
+#: few times that. Past it, a small stored body (a decompression bomb) would take a worker's memory; its job fails.
+DECOMPRESSED_LIMIT = 4 * 16 * 1024 * 1024
+#: A compressed body decompressed to at most this is stored readable (args and kwargs), as an uncompressed one is; a
+#: larger one stays compressed, with room to spare under the document limit, and shows as its base64 body.
+READABLE_DECOMPRESSED_LIMIT = 8 * 1024 * 1024
 
 _INT64 = (-(2**63), 2**63 - 1)
 #: Values BSON stores and JSON gives back as they are (int is not here: it must fit in 64 bits).
@@ -61,13 +71,25 @@ def to_document(message: dict[str, Any], decoded_body: bytes) -> dict[str, Any]:
         except (TypeError, ValueError) as exc:
             raise PayloadError(f"the message's headers or properties cannot be stored: {exc}") from None
         return {"raw": text, "body": base64.b64encode(decoded_body).decode("ascii")}
-    readable = _readable_body(message, decoded_body)
+    readable = _readable_body(message, _decompressed_for_reading(message, decoded_body))
     if readable is None:
         readable = {"body": base64.b64encode(decoded_body).decode("ascii"), "bodyFormat": "base64"}
     return {**readable, **envelope}
 
 
-def _readable_body(message: dict[str, Any], body: bytes) -> dict[str, Any] | None:
+def _decompressed_for_reading(message: dict[str, Any], body: bytes) -> bytes | None:
+    """The body as a reader wants it: decompressed (bounded) when the message is compressed; None when it is not kept
+    readable (too large to store decompressed, or a compression this module cannot bound)."""
+    method = (message.get("headers") or {}).get("compression")
+    if not method:
+        return body
+    plain = decompress_bounded(body, method)
+    return plain if plain is not None and len(plain) <= READABLE_DECOMPRESSED_LIMIT else None
+
+
+def _readable_body(message: dict[str, Any], body: bytes | None) -> dict[str, Any] | None:
+    if body is None:
+        return None
     if message.get("content-type") != "application/json" or message.get("content-encoding") not in ("utf-8", None):
         return None
     try:
@@ -123,17 +145,24 @@ def to_message(payload: Any) -> dict[str, Any]:
     try:
         if "raw" in payload:
             message = kombu_json.loads(payload["raw"])
-            message["body"] = _binary_body(payload["body"], message.get("content-encoding"))
+            message["body"] = _binary_body(payload["body"], message.get("content-encoding"), message.get("headers"))
         else:
+            headers = dict(payload["headers"])
+            stored_plain = "args" in payload or payload.get("bodyFormat") == "json"
+            if stored_plain and _known_compression(headers.get("compression")):
+                # Stored decompressed (readable): delivered so, without the header that would have Kombu decompress it
+                # again (Kombu's own restore of a message drops it the same way). A header naming no method Kombu
+                # has is a hand-written one: it stays, for check_envelope to name.
+                del headers["compression"]
             if "args" in payload:
                 body: Any = json.dumps([payload["args"], payload["kwargs"], payload["options"]])
             elif payload.get("bodyFormat") == "json":
                 body = json.dumps(payload["body"])
             else:
-                body = _binary_body(payload["body"], payload["contentEncoding"])
+                body = _binary_body(payload["body"], payload["contentEncoding"], headers)
             message = {
                 "body": body,
-                "headers": dict(payload["headers"]),
+                "headers": headers,
                 "properties": dict(payload["properties"]),
                 "content-type": payload["contentType"],
                 "content-encoding": payload["contentEncoding"],
@@ -147,9 +176,11 @@ def to_message(payload: Any) -> dict[str, Any]:
     return message
 
 
-def _binary_body(encoded: str, encoding: str | None) -> bytes | str:
+def _binary_body(encoded: str, encoding: str | None, headers: Any) -> bytes | str:
     body = base64.b64decode(encoded, validate=True)
-    return body if encoding in (None, "binary") else body.decode(encoding)
+    if encoding in (None, "binary") or (isinstance(headers, dict) and headers.get("compression")):
+        return body  # compressed bytes are no text: Kombu decompresses them, then reads them in their encoding
+    return body.decode(encoding)
 
 
 class MalformedTaskMessage(ValueError):
@@ -159,6 +190,66 @@ class MalformedTaskMessage(ValueError):
     def __init__(self, field: str, expected: str, value: Any) -> None:
         super().__init__(f"malformed message: {field} must be {expected}, got {_shown(value)}")
         self.field = field
+
+
+class CompressedBodyError(MalformedTaskMessage):
+    """A compressed body that does not decompress, or expands past DECOMPRESSED_LIMIT: refused at publish, its job
+    failed at claim."""
+
+    def __init__(self, reason: str) -> None:
+        ValueError.__init__(self, f"malformed message: {reason}")
+        self.field = "the body's compression"
+
+
+#: Decompressors that stop at a given output size, by the function Kombu registered for a compression method (so an
+#: alias or a method registered again under another name is recognised by what it runs, not by its name).
+_BOUNDED_DECOMPRESSORS: dict[Callable[..., Any], Callable[[], Any]] = {
+    zlib.decompress: zlib.decompressobj,
+    bz2.decompress: bz2.BZ2Decompressor,
+    lzma.decompress: lzma.LZMADecompressor,
+}
+#: Those whose stdlib decompress() reads stream after stream (zlib's reads one and ignores what follows).
+_MULTI_STREAM = frozenset({bz2.BZ2Decompressor, lzma.LZMADecompressor})
+
+
+def decompress_bounded(body: bytes, method: str, limit: int = DECOMPRESSED_LIMIT) -> bytes | None:
+    """`body` decompressed as Kombu would with `method`, never holding more than `limit` bytes of output; None when
+    the method is not one whose output can be bounded here (left to Celery, which decompresses it itself).
+
+    Raises CompressedBodyError when it does not decompress or expands past `limit`."""
+    try:
+        decoder = compression.get_decoder(method)
+    except KeyError:
+        raise CompressedBodyError(f"unknown compression {method!r}") from None
+    factory = _BOUNDED_DECOMPRESSORS.get(decoder)
+    if factory is None:
+        return None
+    parts: list[bytes] = []
+    size, remaining = 0, body
+    while True:
+        decompressor = factory()
+        try:
+            part = decompressor.decompress(remaining, limit + 1 - size)
+        except (zlib.error, OSError, lzma.LZMAError, EOFError, ValueError) as exc:
+            if parts:
+                break  # trailing bytes after a whole stream, which the stdlib's decompress ignores too
+            raise CompressedBodyError(
+                f"the body's compression {method!r}: the body does not decompress: {exc}"
+            ) from None
+        parts.append(part)
+        size += len(part)
+        if size > limit:
+            raise CompressedBodyError(
+                f"the body's compression {method!r} expands it past {limit} bytes, the most a message may decompress to"
+            )
+        if not decompressor.eof:
+            raise CompressedBodyError(
+                f"the body's compression {method!r}: the body ends before its compressed stream does"
+            )
+        remaining = decompressor.unused_data
+        if not remaining or factory not in _MULTI_STREAM:
+            return b"".join(parts)
+    return b"".join(parts)
 
 
 #: Headers Celery keeps as text (ids, names, reprs): a number or a list in one ends up as a dict key, a log format
@@ -231,15 +322,22 @@ def check_body(message: dict[str, Any], payload: dict[str, Any]) -> None:
     signatures. `payload` is the message's stored document (read there when the body is kept readable).
 
     A body in another serializer is left to Celery, which decodes it only if the app accepts that content: parsing it
-    here would deserialize what the worker may refuse. So is a compressed one."""
-    if message.get("content-type") != "application/json" or (message.get("headers") or {}).get("compression"):
+    here would deserialize what the worker may refuse. A compressed one is decompressed first (bounded: see
+    decompress_bounded), whatever its serializer, and left to Celery only in a compression that cannot be bounded."""
+    method = (message.get("headers") or {}).get("compression")
+    stored_plain = "args" in payload or payload.get("bodyFormat") == "json"
+    raw = message.get("body")
+    if method and not stored_plain:
+        raw = decompress_bounded(raw.encode("utf-8") if isinstance(raw, str) else bytes(raw or b""), method)
+        if raw is None:
+            return
+    if message.get("content-type") != "application/json":
         return
     if "args" in payload:
         body: Any = [payload.get("args"), payload.get("kwargs"), payload.get("options")]
     elif payload.get("bodyFormat") == "json":
         body = payload.get("body")
     else:
-        raw = message.get("body")
         try:
             body = json.loads(
                 raw if isinstance(raw, str) else bytes(raw or b"").decode(message.get("content-encoding") or "utf-8")

@@ -51,12 +51,14 @@ from typing import Any
 
 from bson import Binary
 from celery import chord, group, maybe_signature, states
-from celery.backends.base import BaseBackend, decompress_payload
+from celery.backends import base as celery_backends
+from celery.backends.base import BaseBackend
 from celery.canvas import _chain
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
 from celery.utils.functional import _regen
+from kombu import compression
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads, prepare_accept_content
 from kombu.serialization import registry as serializers
@@ -69,7 +71,7 @@ from pymongo.uri_parser import parse_uri
 
 from . import celery_hooks, connection
 from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
-from .payloads import PayloadError, _bson_safe, to_message
+from .payloads import PayloadError, _bson_safe, decompress_bounded, to_message
 from .store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
 from .wakeups import NO_CHANGE_STREAMS
 
@@ -125,6 +127,23 @@ def _first_message(signature: Any) -> Any:
     return signature
 
 
+#: Celery 5.7 stores a compressed result (result_compression) behind this marker, then its method and a NUL
+#: (celery.backends.base.compress_payload); Celery 5.5 and 5.6 compress no result of a backend like this one, and have
+#: neither the marker nor decompress_payload.
+_COMPRESSED_RESULT_MARK: bytes | None = getattr(celery_backends, "COMPRESSED_PAYLOAD_MAGIC", None)
+
+
+def _decompressed_result(payload: bytes) -> bytes:
+    """An encoded result as Celery wrote it, decompressed if it was (checked on Celery 5.5.3 and 5.7.0)."""
+    if _COMPRESSED_RESULT_MARK is None or not payload.startswith(_COMPRESSED_RESULT_MARK):
+        return payload
+    method, _, body = payload[len(_COMPRESSED_RESULT_MARK) :].partition(b"\x00")
+    name = method.decode("utf-8")
+    # Bounded as a task message's body is: a job document edited by hand must not take the reader's memory.
+    plain = decompress_bounded(body, name)
+    return compression.decompress(body, name) if plain is None else plain
+
+
 class JobFailed(Exception):
     """The task's job failed without a result from Celery (its worker was lost, its task unknown, an operator)."""
 
@@ -134,6 +153,9 @@ class JobResultBackend(BaseBackend):
 
     supports_native_join = True
     supports_autoexpire = True
+    #: result_compression (Celery >= 5.7 reads it; before, no backend of this kind compresses): a compressed result
+    #: is kept as its bytes (see _stored), read back by _decompressed_result.
+    supports_result_compression = True
     persistent = True
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
@@ -198,7 +220,7 @@ class JobResultBackend(BaseBackend):
                 f"the task's result is {size} bytes encoded, over the {RESULT_LIMIT} bytes a job document has room"
                 " for (MongoDB's document limit is 16 MB): it was not stored"
             )
-        if self.serializer == "json" and not self.compression:
+        if self.serializer == "json" and not getattr(self, "compression", None):  # result_compression: Celery >= 5.7
             readable = json.loads(payload)
             if _bson_safe(readable):
                 return readable, "json"
@@ -209,7 +231,7 @@ class JobResultBackend(BaseBackend):
             return loads(json.dumps(value), "application/json", "utf-8", accept=self.accept)
         serializer = (fmt or "").partition(":")[2] or self.serializer
         content_type, content_encoding, _ = serializers._encoders[serializer]
-        return loads(decompress_payload(bytes(value)), content_type, content_encoding, accept=self.accept)
+        return loads(_decompressed_result(bytes(value)), content_type, content_encoding, accept=self.accept)
 
     def _result_fields(self, result: Any, state: str, traceback: str | None, request: Any) -> dict[str, Any]:
         """The fields of a result, `result` already prepared by encode_result."""

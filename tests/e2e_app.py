@@ -31,6 +31,8 @@ if os.environ.get("BB_RESULT_BACKEND"):
     # any other test with results on); other tests run without one.
     backend = os.environ["BB_RESULT_BACKEND"]
     app.conf.result_backend = app.conf.broker_url if backend == "broker" else backend
+    # Celery >= 5.7 compresses results with it (tests/test_compression_e2e.py); older ones ignore it.
+    app.conf.result_compression = os.environ.get("BB_RESULT_COMPRESSION") or None
 
 
 class ReadLog(monitoring.CommandListener):
@@ -231,6 +233,13 @@ def overrun(self):
 def echo(self, value):
     record(self)
     return value
+
+
+@app.task(bind=True)
+def length(self, value):
+    """How long its argument is: a large argument, a small result."""
+    record(self)
+    return len(value)
 
 
 @app.task(bind=True)
