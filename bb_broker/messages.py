@@ -26,6 +26,7 @@ from pymongo.database import Database
 from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
 from .connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
+from .payloads import CompressedBodyError, decompress_bounded
 from .store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
 from .threads import start_supervised
 
@@ -143,7 +144,15 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> tuple[di
     raw = virtual.Channel.codecs[encoding].decode(body) if encoding else body
     raw = raw.encode(content_encoding) if isinstance(raw, str) else raw
     if headers.get("compression"):
-        raw = compression.decompress(raw, headers["compression"])
+        try:
+            decompressed = decompress_bounded(raw, str(headers["compression"]))
+        except CompressedBodyError as exc:
+            decompressed, why = None, str(exc)
+        else:
+            why = f"its compression {str(headers['compression'])[:100]!r} is not one the broker can bound"
+        if decompressed is None:  # never expanded without a bound (a bomb), nor guessed at: left as it came
+            return {**message, "headers": scrub_value(headers, secrets)}, f"body not masked: {why}"
+        raw = decompressed
     if not _mentions(raw + dumps(headers).encode(), secrets):
         return message, None
     clean = None
