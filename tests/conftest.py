@@ -81,6 +81,15 @@ def broker_url(mongo_url: str, db: Database) -> str:
     return with_database(mongo_url, db.name)
 
 
+@pytest.fixture
+def results_app(broker_url: str) -> Iterator[Celery]:
+    """A producer app whose result backend is the broker's own database (bbmongo://)."""
+    app = producer(broker_url)
+    app.conf.result_backend = broker_url
+    yield app
+    app.close()
+
+
 @pytest.fixture(autouse=True)
 def _kill_every_worker_started() -> Iterator[None]:
     yield

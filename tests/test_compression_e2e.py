@@ -37,14 +37,6 @@ COMPRESSORS: dict[str, Callable[[], object]] = {
 }
 
 
-@pytest.fixture
-def results_app(broker_url: str):
-    app = producer(broker_url)
-    app.conf.result_backend = broker_url
-    yield app
-    app.close()
-
-
 def _content_type(method: str) -> str:
     return compression.get_encoder(method)[1]
 

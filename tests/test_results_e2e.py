@@ -23,14 +23,6 @@ T = "tests.e2e_app."
 
 
 @pytest.fixture
-def results_app(broker_url: str):
-    app = producer(broker_url)
-    app.conf.result_backend = broker_url
-    yield app
-    app.close()
-
-
-@pytest.fixture
 def results_worker(worker_factory, broker_url: str):
     def start(**kwargs):
         env = {"BB_RESULT_BACKEND": broker_url, **kwargs.pop("env", {})}
