@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 
 DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 
-#: An operator's command answers within seconds when the server is down (unless the URL says otherwise).
-_QUICK_TIMEOUTS = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
-
 
 def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) -> JobStore:
     from pymongo import MongoClient
@@ -38,8 +35,7 @@ def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) 
     from .store import JobStore
 
     target = connection.parse_broker_url(broker)
-    in_url = target.mongo_uri.lower()
-    options = {name: ms for name, ms in _QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
+    options = connection.quick_timeouts(target)
     # A client of the command's own, closed when it is done: else pymongo's exit waits up to a second for its
     # monitor, blocked in an awaited `hello`.
     db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **options)[target.database]

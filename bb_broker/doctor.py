@@ -26,9 +26,6 @@ DOCUMENTS = 200
 #: Seconds of clock difference beyond which a server's and this machine's times are worth a look.
 CLOCK_TOLERANCE = 5.0
 
-#: Client options for the doctor: an unreachable server answers within seconds.
-QUICK = {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -199,7 +196,7 @@ def run(broker: str, collection: str, echo: Callable[[str], None]) -> int:
     except connection.BrokerURLError as exc:
         echo(f"bb-broker: {exc}")
         return 1
-    db = connection.get_database(target, **{k: v for k, v in QUICK.items() if f"{k.lower()}=" not in broker.lower()})
+    db = connection.get_database(target, **connection.quick_timeouts(target))
     try:
         db.client.admin.command("ping")
     except PyMongoError as exc:
