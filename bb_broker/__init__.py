@@ -8,17 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 import wrapt
 
-from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED
 
 if TYPE_CHECKING:
     from pymongo.database import Database
 
-    from . import celery_hooks
-    from .celery_hooks import is_final_attempt
-    from .connection import BrokerURLError
-    from .payloads import MalformedTaskMessage
-    from .store import JobTooLarge, ResultTooLarge
-    from .transport import ServerUnreachable
+    from bb_broker.connection import BrokerURLError
+    from bb_broker.jobs.payloads import MalformedTaskMessage
+    from bb_broker.jobs.store import JobTooLarge, ResultTooLarge
+    from bb_broker.transport.channel import ServerUnreachable
+    from bb_broker.worker.hooks import is_final_attempt
 
 __all__ = [
     "FAILED",
@@ -33,25 +32,22 @@ __all__ = [
     "ServerUnreachable",
     "is_final_attempt",
     "statuses",
-    "celery_hooks",
 ]
 
 #: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
 _LAZY = {
     "BrokerURLError": "connection",
-    "JobTooLarge": "store",
-    "MalformedTaskMessage": "payloads",
-    "ResultTooLarge": "store",
-    "ServerUnreachable": "transport",
-    "is_final_attempt": "celery_hooks",
+    "JobTooLarge": "jobs.store",
+    "MalformedTaskMessage": "jobs.payloads",
+    "ResultTooLarge": "jobs.store",
+    "ServerUnreachable": "transport.channel",
+    "is_final_attempt": "worker.hooks",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    if name == "celery_hooks":
-        return importlib.import_module(f"{__name__}.celery_hooks")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -59,25 +55,25 @@ def statuses(target: str | Database, *, collection: str = "jobs") -> dict[str, i
     """Jobs per status, all four keys: `target` is a bbmongo:// or mongodb:// URL, or a pymongo Database."""
     from pymongo.database import Database
 
-    from .connection import get_database, parse_broker_url
-    from .store import JobStore
+    from bb_broker.connection import get_database, parse_broker_url
+    from bb_broker.jobs.store import JobStore
 
     db = target if isinstance(target, Database) else get_database(parse_broker_url(target))
     return JobStore(db, collection=collection).statuses()
 
 
 def _register_transport(kombu_transport: ModuleType) -> None:
-    kombu_transport.TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport:Transport"
-    kombu_transport.TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport:Transport"
+    kombu_transport.TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport.channel:Transport"
+    kombu_transport.TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport.channel:Transport"
 
 
 def _register_result_backend(celery_backends: ModuleType) -> None:
     # Celery splits "bbmongo+srv://" at its "+", so the one alias serves both schemes.
-    celery_backends.BACKEND_ALIASES["bbmongo"] = "bb_broker.results:JobResultBackend"
+    celery_backends.BACKEND_ALIASES["bbmongo"] = "bb_broker.results.backend:JobResultBackend"
 
 
 def _connect_celery_hooks(_signals: ModuleType) -> None:
-    importlib.import_module(f"{__name__}.celery_hooks")  # its receivers connect as it is imported
+    importlib.import_module(f"{__name__}.worker.hooks")  # its receivers connect as it is imported
 
 
 # The aliases and the signal receivers are in place before anything can use them: a transport is resolved through

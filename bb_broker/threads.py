@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import metrics
+from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ BROKER_URL = os.environ.get("BB_BROKER_URL", "bbmongo://localhost:27017/bountybo
 app = Celery("celery_app", include=["celery_app.tasks"])
 app.conf.update(
     broker_url=BROKER_URL,
-    result_backend=BROKER_URL,  # results live on the job documents too (bb_broker.results)
+    result_backend=BROKER_URL,  # results live on the job documents too (bb_broker.results.backend)
     task_time_limit=600,  # the seed's 10 minutes; a task past it counts as a failure
     worker_prefetch_multiplier=1,  # claim only what a pool process is about to run
     worker_send_task_events=True,

@@ -80,7 +80,7 @@ def _crash_at(point: str) -> None:
     """Fault injection for tests/test_results_e2e.py: the whole worker is SIGKILLed at one step of a chord's
     completion (`part-counted`: a part counted, its job not settled; `callback-claimed`: the last part claimed the
     callback, not sent; `callback-sent`: sent, not marked sent), as a crash there would."""
-    from bb_broker.results import JobResultBackend
+    from bb_broker.results.backend import JobResultBackend
 
     def crash() -> None:
         runs().insert_one({"name": "crash", "point": point, "pid": os.getpid(), "at": time.time()})
@@ -106,7 +106,7 @@ if os.environ.get("BB_TEST_CRASH_AT"):
 def _hold_after_recording(key: str) -> None:
     """Fault injection for tests/test_faults.py: a pool process that recorded its attempt's failure waits for
     `<key>:go` in `fixes` before the broker's retry is published, as one descheduled on a busy machine would."""
-    from bb_broker.store import JobStore
+    from bb_broker.jobs.store import JobStore
 
     record_failed_attempt = JobStore.record_failed_attempt
 

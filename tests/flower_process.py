@@ -62,7 +62,7 @@ class FlowerProcess:
             self.argv = [sys.executable, "-m", "celery", "-A", app, "flower", *flower_args]
         elif launcher == "bb-broker":
             no_auth = [] if basic_auth else ["--no-auth"]
-            self.argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", app, *no_auth, *flower_args]
+            self.argv = [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", app, *no_auth, *flower_args]
         else:
             raise ValueError(f"unknown launcher {launcher!r}")
         self.cwd = cwd

@@ -16,8 +16,8 @@ from kombu import Connection, Producer, Queue, compression
 from pymongo.database import Database
 
 import bb_broker
-from bb_broker.jobs_view import job_json
-from bb_broker.payloads import DECOMPRESSED_LIMIT, READABLE_DECOMPRESSED_LIMIT
+from bb_broker.contrib.flower.jobs_tab import job_json
+from bb_broker.jobs.payloads import DECOMPRESSED_LIMIT, READABLE_DECOMPRESSED_LIMIT
 from tests.workers import job, producer, send, settled, wait_for
 
 T = "tests.e2e_app."

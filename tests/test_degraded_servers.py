@@ -10,9 +10,9 @@ from kombu import Connection
 from pymongo import MongoClient
 
 import bb_broker  # noqa: F401  (registers bbmongo://)
-from bb_broker.messages import MessageStore
-from bb_broker.store import JobStore, ServerLacksFeature
-from bb_broker.wakeups import Look, Wakeups
+from bb_broker.jobs.store import JobStore, ServerLacksFeature
+from bb_broker.transport.plumbing import MessageStore
+from bb_broker.transport.wakeups import Look, Wakeups
 from tests.servers import with_database
 from tests.workers import Worker, producer, send, settled, wait_for
 
@@ -58,7 +58,7 @@ def test_without_ttl_indexes_or_collmod_workers_sweep_and_a_missing_claim_index_
 @pytest.mark.parametrize("code", [NOT_IMPLEMENTED, 9])
 def test_a_server_refusing_change_streams_means_polling_not_retrying(own_server, code, caplog):
     client = MongoClient(own_server.url, tz_aware=True)
-    caplog.set_level(logging.INFO, logger="bb_broker.wakeups")
+    caplog.set_level(logging.INFO, logger="bb_broker.transport.wakeups")
     refuse(client, ["aggregate"], code)  # every aggregate: a worker could not even count a queue, so no worker here
     wakeups = Wakeups(client.nostreams, jobs="jobs", messages="bb_messages", clock=lambda: datetime.now(UTC),
                       safety_poll_interval=10.0)  # fmt: skip

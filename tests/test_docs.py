@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from bb_broker.store import DEFAULT_RETENTION
-from bb_broker.transport import Channel, Transport
+from bb_broker.jobs.store import DEFAULT_RETENTION
+from bb_broker.transport.channel import Channel, Transport
 from tests.workers import ROOT
 
 README = (ROOT / "README.md").read_text()

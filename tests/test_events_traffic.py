@@ -13,7 +13,7 @@ from kombu.asynchronous import Hub
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from bb_broker.messages import MessageStore, Outbox, payload_of
+from bb_broker.transport.plumbing import MessageStore, Outbox, payload_of
 from tests.servers import with_database
 from tests.workers import ROOT, ClaimCommands, producer, send, settled, wait_for
 

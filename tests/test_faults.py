@@ -18,8 +18,8 @@ import pytest
 from pymongo import MongoClient
 
 import bb_broker
-from bb_broker.messages import MessageStore, payload_of
-from bb_broker.store import JobStore
+from bb_broker.jobs.store import JobStore
+from bb_broker.transport.plumbing import MessageStore, payload_of
 from tests.servers import AnswerDroppingProxy, EmbeddedServer, with_database
 from tests.workers import Worker, job, producer, send, settled, wait_for
 
@@ -309,7 +309,7 @@ def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth
     assert "s3cret-pw" not in worker.log()
 
     wrong = good.replace("s3cret-pw", "wrong-pw-123")
-    status = subprocess.run([sys.executable, "-m", "bb_broker.cli", "status", "--broker", wrong],
+    status = subprocess.run([sys.executable, "-m", "bb_broker.ops.cli", "status", "--broker", wrong],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert status.returncode == 1 and status.stdout == ""
     # Who failed to log in where, and nothing else: no server reply ($clusterTime, raw bytes), no password.
@@ -455,7 +455,7 @@ def test_tls_options_in_the_url_reach_pymongo(tmp_path) -> None:
         task_id = send(producer(url), "add", 2, 2)
         db = MongoClient(server.url, tz_aware=True, tls=True, tlsCAFile=str(ca)).tlsdb
         wait_for(settled(db, task_id, "succeeded"), message="a task over TLS succeeded")
-        plain = subprocess.run([sys.executable, "-m", "bb_broker.cli", "status", "--broker", url.split("?")[0]],
+        plain = subprocess.run([sys.executable, "-m", "bb_broker.ops.cli", "status", "--broker", url.split("?")[0]],
                                capture_output=True, text=True, timeout=60)  # fmt: skip
         assert plain.returncode != 0  # without the TLS options the server will not talk
     finally:

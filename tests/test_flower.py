@@ -184,8 +184,8 @@ def test_revoke_and_terminate_from_flower(app, db, worker_factory, flower_factor
     answer = flower.post(f"/api/task/revoke/{waiting}")
     assert answer == {"message": f"Revoked '{waiting}'"}
     # Failed at once, by Flower's own process (the transport) as the broadcast went out, even in a Flower started
-    # without bb_broker.flower: no worker ever receives the job, so Flower's Tasks tab, which learns from workers'
-    # events, never lists it (the Jobs tab does).
+    # without bb_broker.contrib.flower: no worker ever receives the job, so Flower's Tasks tab, which learns from
+    # workers' events, never lists it (the Jobs tab does).
     revoked = job(db, waiting)
     assert revoked["status"] == "failed" and revoked["lastError"] == "revoked before it ran"
 
@@ -249,7 +249,7 @@ def handler_of(path: str) -> type:
     """The class of Flower's URL table that serves `path` (the first pattern matching, as Tornado picks)."""
     import flower.urls
 
-    import bb_broker.flower  # noqa: F401  (its handlers and guard, as in the Flower process)
+    import bb_broker.contrib.flower  # noqa: F401  (its handlers and guard, as in the Flower process)
 
     for spec in flower.urls.handlers:
         pattern, handler = (spec[0], spec[1]) if isinstance(spec, tuple) else (spec.regex.pattern, spec.handler_class)
@@ -324,7 +324,7 @@ def test_an_admins_revoke_through_flower_is_recorded_with_their_name(app, db, wo
 
 
 def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
-    """Fails when a Flower release moves what bb_broker.flower hooks, before any user sees a broken Broker tab."""
+    """Fails when a Flower release moves what contrib.flower.broker hooks, before any user sees a broken Broker tab."""
     import flower.command
     import flower.urls
     import flower.views
@@ -333,7 +333,7 @@ def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
     from flower.utils import broker as flower_broker
     from flower.views.broker import BrokerView
 
-    import bb_broker.flower as adapter
+    import bb_broker.contrib.flower.broker as adapter
 
     # The factory every handler calls by this name, and its call: URL first, options as keywords.
     assert flower.views.Broker is flower_broker.Broker
@@ -374,7 +374,7 @@ def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
 def test_the_factory_answers_bbmongo_with_job_queues(broker_url: str) -> None:
     from flower.utils import broker as flower_broker
 
-    from bb_broker.flower import JobQueues
+    from bb_broker.contrib.flower.broker import JobQueues
 
     made = flower_broker.Broker(broker_url, http_api=None, broker_options={"jobs_collection": "tasks"})
     assert isinstance(made, JobQueues) and made.store.coll.name == "tasks"
@@ -383,8 +383,8 @@ def test_the_factory_answers_bbmongo_with_job_queues(broker_url: str) -> None:
 
 
 def test_queue_depths_count_per_queue_through_an_index(db: Database) -> None:
-    from bb_broker.operations import Operations
-    from bb_broker.store import JobStore
+    from bb_broker.jobs.store import JobStore
+    from bb_broker.ops.operations import Operations
 
     store = Operations(JobStore(db))
     store.store.ensure_indexes()
@@ -446,7 +446,7 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
     }
     assert sum(row["queued"] for row in expected.values()) == 5
     config = tmp_path / "flowerconfig.py"
-    config.write_text("import bb_broker.flower  # noqa: F401  (Flower's Broker tab for bbmongo://)\n")
+    config.write_text("import bb_broker.contrib.flower  # noqa: F401  (Flower's Broker tab for bbmongo://)\n")
     # The two documented ways: the bb-broker command, and Flower's own config file.
     for flower in (flower_factory(launcher="bb-broker"), flower_factory(extra_args=(f"--conf={config}",))):
         flower.worker(node(worker))  # Flower lists the queues its workers consume
@@ -511,7 +511,7 @@ def flower_env(**extra: str) -> dict[str, str]:
 
 
 def bb_broker_flower(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "tests.e2e_app", *args]
+    argv = [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "tests.e2e_app", *args]
     return subprocess.run(argv, cwd=cwd, env=flower_env(**env), capture_output=True, text=True, timeout=60)
 
 
@@ -544,7 +544,9 @@ def test_bb_broker_flower_refuses_to_start_without_authentication(broker_url: st
 def test_authentication_is_read_as_flower_reads_it(args, env, config, expected, tmp_path: Path) -> None:
     if config is not None:
         (tmp_path / "flowerconfig.py").write_text(config)  # the file Flower reads from its working directory
-    script = "import sys; from bb_broker.flower import authentication; print(authentication(sys.argv[1:]))"
+    script = (
+        "import sys; from bb_broker.contrib.flower.broker import authentication; print(authentication(sys.argv[1:]))"
+    )
     found = subprocess.run(
         [sys.executable, "-c", script, *args], cwd=tmp_path, env=flower_env(**env), capture_output=True, text=True
     )
@@ -651,7 +653,7 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
 
 
 def test_a_broker_nobody_answers_is_named_in_words(tmp_path: Path) -> None:
-    from bb_broker.flower import BrokerHealth
+    from bb_broker.contrib.flower.broker import BrokerHealth
 
     port = free_port()  # nothing listens there
     health = BrokerHealth(f"bbmongo://bb:pw-xyz@127.0.0.1:{port}/db?serverSelectionTimeoutMS=300")

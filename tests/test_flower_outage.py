@@ -14,8 +14,8 @@ import pytest
 from pymongo import MongoClient
 from pymongo.database import Database
 
-from bb_broker.lifecycle import Policy
-from bb_broker.store import JobStore
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
 from tests.conftest import AUTH_PASSWORD
 from tests.flower_process import FlowerProcess
 from tests.servers import EmbeddedServer, with_database
@@ -131,7 +131,7 @@ def test_flower_answers_at_once_while_its_server_is_down(
 # --- one user's many slow requests ----------------------------------------------------------------------------
 
 #: How many Jobs-tab requests one user may have running, and the name its client gives the server
-#: (bb_broker.jobs_view.PER_USER_REQUESTS, APPNAME).
+#: (bb_broker.contrib.flower.jobs_tab.PER_USER_REQUESTS, APPNAME).
 PER_USER = 4
 APPNAME = "bb_broker Jobs tab"
 

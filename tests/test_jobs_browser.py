@@ -10,8 +10,8 @@ import pytest
 from playwright.sync_api import Dialog, Page, expect
 from pymongo.database import Database
 
-from bb_broker.lifecycle import Policy
-from bb_broker.store import JobStore
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
 from tests.conftest import ARTIFACTS
 from tests.flower_process import FlowerProcess
 from tests.test_jobs_view import wait_past

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from pymongo.database import Database
 
-from bb_broker.lifecycle import Policy
-from bb_broker.store import JobStore
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
 from tests.flower_process import FlowerProcess
 from tests.test_flower import broker_rows
 from tests.workers import process_factory, wait_for
@@ -381,7 +381,7 @@ def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_fac
 
 
 def test_flower_internals_the_jobs_tab_relies_on_are_still_there() -> None:
-    """Fails when a Flower release moves what bb_broker.jobs_view hooks, before any user sees a broken Jobs tab."""
+    """Fails when a Flower release moves what contrib.flower.jobs_tab hooks, before any user sees a broken Jobs tab."""
     import inspect as inspecting
 
     import flower.app
@@ -389,14 +389,14 @@ def test_flower_internals_the_jobs_tab_relies_on_are_still_there() -> None:
     from flower.api import BaseApiHandler
     from flower.views import BaseHandler
 
-    from bb_broker import flower as adapter
-    from bb_broker import jobs_view
+    from bb_broker.contrib.flower import broker as adapter
+    from bb_broker.contrib.flower import jobs_tab as jobs_view
 
     jobs_view.install()
     adapter.install()  # twice each: still one set of handlers
     patterns = [(h[0] if isinstance(h, tuple) else h.regex.pattern).rstrip("$") for h in flower.urls.handlers]
     assert patterns.count("/jobs") == 1 and patterns.count("/api/jobs") == 1 and patterns[-1] == ".*"
-    # Flower builds its app from that very list; bb_broker.flower's loader (in the settings Flower passes on to
+    # Flower builds its app from that very list; contrib.flower.broker's loader (in the settings Flower passes on to
     # Tornado) serves our templates and Flower's patched ones.
     assert "from .urls import handlers as default_handlers" in inspecting.getsource(flower.app)
     loader = flower.urls.settings["template_loader"]
@@ -432,8 +432,8 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
     from flower.api.control import TaskRevoke
     from tornado.web import RequestHandler, URLSpec
 
-    from bb_broker import flower as adapter
-    from bb_broker import jobs_view
+    from bb_broker.contrib.flower import broker as adapter
+    from bb_broker.contrib.flower import jobs_tab as jobs_view
 
     adapter.install()
     jobs_view.install()  # twice: still one guard per handler
@@ -462,7 +462,7 @@ def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStor
     seed(store)
     config = tmp_path / "flowerconfig.py"
     config.write_text(
-        "import bb_broker.flower  # noqa: F401  (the Broker and Jobs tabs for bbmongo://)\n"
+        "import bb_broker.contrib.flower  # noqa: F401  (the Broker and Jobs tabs for bbmongo://)\n"
         "basic_auth = ['admin:s3cret', 'viewer:peek']\n"
         "jobs_admins = ['admin']\n"
     )

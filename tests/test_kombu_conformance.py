@@ -19,8 +19,8 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
-from bb_broker.messages import TAKE_LEASE, TAKER, BindingsWatch, MessageStore, payload_of
-from bb_broker.payloads import PayloadError, to_document, to_message
+from bb_broker.jobs.payloads import PayloadError, to_document, to_message
+from bb_broker.transport.plumbing import TAKE_LEASE, TAKER, BindingsWatch, MessageStore, payload_of
 from tests.workers import ClaimCommands, job, send, settled, wait_for
 
 

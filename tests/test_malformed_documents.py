@@ -14,7 +14,7 @@ from bson import ObjectId
 from playwright.sync_api import expect
 from pymongo.database import Database
 
-from bb_broker.store import JobStore
+from bb_broker.jobs.store import JobStore
 from tests.flower_process import FlowerProcess
 from tests.workers import job, process_factory, send, settled, wait_for
 

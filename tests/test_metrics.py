@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pymongo.database import Database
 
 from bb_broker import statuses
-from bb_broker.lifecycle import Policy
-from bb_broker.store import JobStore
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
 from tests.workers import ROOT, wait_for
 
 COUNTERS = ("jobs_enqueued_total", "jobs_succeeded_total", "jobs_retried_total", "jobs_failed_total")
@@ -98,7 +98,7 @@ def get_json(url: str) -> tuple[int, object]:
 def serve_metrics(broker_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """`bb-broker serve-metrics` on a free port; yields its base URL."""
     environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    argv = [sys.executable, "-m", "bb_broker.cli", "serve-metrics", "--broker", broker_url, "--port", "0"]
+    argv = [sys.executable, "-m", "bb_broker.ops.cli", "serve-metrics", "--broker", broker_url, "--port", "0"]
     with open(log, "ab") as out:
         process = subprocess.Popen(argv, cwd=ROOT, env={**environ, **(env or {})}, stdout=out, stderr=out)
     try:

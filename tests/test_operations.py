@@ -1,4 +1,4 @@
-"""The operator's queries and actions (bb_broker.operations) on a real server: lists, look-ups, actions, refusals."""
+"""The operator's queries and actions (ops.operations) on a real server: lists, look-ups, actions, refusals."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from datetime import timedelta
 import pytest
 from pymongo.database import Database
 
-from bb_broker.lifecycle import Policy
-from bb_broker.operations import ActionRefused, FilterError, JobFilter, Operations, revoked_task_ids
-from bb_broker.store import JobStore
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import ActionRefused, FilterError, JobFilter, Operations, revoked_task_ids
 from tests.test_store import FakeClock
 
 
@@ -278,7 +278,7 @@ def test_counting_a_search_that_takes_too_long_is_refused(ops: Operations, db: D
 
 
 def test_a_consumers_view_of_the_pauses_follows_the_change_stream_or_the_clock(db: Database, clock: FakeClock) -> None:
-    from bb_broker.pauses import PausedQueues, QueueControls
+    from bb_broker.jobs.queues import PausedQueues, QueueControls
     from tests.workers import wait_for
 
     controls = QueueControls(db)

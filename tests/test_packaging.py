@@ -24,8 +24,10 @@ def test_the_wheel_ships_bb_broker_only(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     distribution, version = wheel.name.split("-")[:2]
     assert {name.split("/")[0] for name in names} == {"bb_broker", f"{distribution}-{version}.dist-info"}
-    assert "bb_broker/cli.py" in names and "bb_broker/transport.py" in names
-    assert {"bb_broker/templates/bb_jobs.html", "bb_broker/templates/bb_job.html"} <= set(names)  # the Jobs tab
+    assert "bb_broker/ops/cli.py" in names and "bb_broker/transport/channel.py" in names
+    assert {"bb_broker/contrib/flower/templates/bb_jobs.html", "bb_broker/contrib/flower/templates/bb_job.html"} <= set(
+        names
+    )  # the Jobs tab
     assert not [name for name in names if name.startswith(("celery_app", "tests"))]
 
 
@@ -43,6 +45,6 @@ def test_bb_broker_imported_first_lets_any_celery_module_be_imported_next() -> N
     # bb_broker hooks into celery.signals as Celery imports it: what the hook imports must not need the Celery
     # modules still being imported (celery.result -> celery.app -> celery.signals -> hook -> celery.result).
     for module in ("celery.result", "celery.contrib.testing.manager", "celery.canvas", "celery.app", "celery"):
-        code = f"import bb_broker, {module}, bb_broker.celery_hooks"
+        code = f"import bb_broker, {module}, bb_broker.worker.hooks"
         imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert imported.returncode == 0, f"{code}:\n{imported.stderr}"

@@ -20,7 +20,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
-from bb_broker.messages import MessageStore
+from bb_broker.transport.plumbing import MessageStore
 from tests.conftest import AUTH_PASSWORD
 from tests.servers import EmbeddedServer, with_database
 from tests.workers import wait_for

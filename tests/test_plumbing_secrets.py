@@ -14,8 +14,8 @@ from kombu.utils.json import loads
 from pymongo import MongoClient
 from pymongo.database import Database
 
-from bb_broker.messages import MessageStore
-from bb_broker.payloads import DECOMPRESSED_LIMIT
+from bb_broker.jobs.payloads import DECOMPRESSED_LIMIT
+from bb_broker.transport.plumbing import MessageStore
 from tests.conftest import AUTH_PASSWORD
 from tests.flower_process import FlowerProcess
 from tests.servers import with_database

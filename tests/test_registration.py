@@ -54,13 +54,13 @@ def run_python(code: str, broker_url: str, cwd: Path) -> subprocess.CompletedPro
 def test_a_result_backend_url_resolves_without_import(plain_app: Path, broker_url: str) -> None:
     code = "from plain_app import app\nprint(type(app.backend).__module__, type(app.backend).__name__)\n"
     result = run_python(code, broker_url, plain_app)
-    assert result.stdout == "bb_broker.results JobResultBackend\n", result.stderr
+    assert result.stdout == "bb_broker.results.backend JobResultBackend\n", result.stderr
 
 
 def test_a_producer_names_the_transport_class_instead_of_importing_bb_broker(plain_app, broker_url, db) -> None:
     code = (
         "from plain_app import app, add\n"
-        "app.conf.broker_transport = 'bb_broker.transport:Transport'\n"
+        "app.conf.broker_transport = 'bb_broker.transport.channel:Transport'\n"
         "print(add.delay(2, 3).id)\n"
     )
     result = run_python(code, broker_url, plain_app)

@@ -15,8 +15,8 @@ from pymongo import monitoring
 from pymongo.database import Database
 
 import bb_broker
-from bb_broker.cli import main
-from bb_broker.results import JobFailed, JobResultBackend
+from bb_broker.ops.cli import main
+from bb_broker.results.backend import JobFailed, JobResultBackend
 from tests.workers import job, producer, wait_for
 
 T = "tests.e2e_app."

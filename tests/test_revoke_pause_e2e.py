@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pymongo.database import Database
 
-from bb_broker.operations import Operations
-from bb_broker.store import JobStore
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
 from tests.workers import job, send, settled, wait_for
 
 

@@ -9,9 +9,9 @@ import pytest
 from pymongo import MongoClient
 from pymongo.database import Database
 
-from bb_broker.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
-from bb_broker.operations import Operations
-from bb_broker.store import JobStore
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
 from tests.test_operations import assert_lists_read_through_an_index
 from tests.test_store import CommandLog, FakeClock, assert_each_reads_through_an_index
 

@@ -11,9 +11,9 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker import statuses
-from bb_broker.lifecycle import Policy
-from bb_broker.operations import Operations
-from bb_broker.store import JobStore, JobTooLarge, attempt_entry
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore, JobTooLarge, attempt_entry
+from bb_broker.ops.operations import Operations
 
 
 class FakeClock:
@@ -462,7 +462,8 @@ def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its
     from celery import signals
     from celery.exceptions import TimeLimitExceeded
 
-    from bb_broker import celery_hooks, connection
+    from bb_broker import connection
+    from bb_broker.worker import hooks as celery_hooks
     from tests.workers import producer
 
     app = producer(broker_url)

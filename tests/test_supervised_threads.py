@@ -8,7 +8,8 @@ import threading
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from bb_broker import metrics, threads
+from bb_broker import threads
+from bb_broker.ops import metrics
 
 
 def test_a_supervised_loop_that_dies_is_logged_counted_and_run_again(caplog: pytest.LogCaptureFixture) -> None:

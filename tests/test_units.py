@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from bb_broker.connection import BrokerURLError, parse_broker_url, redact_url, scrub
-from bb_broker.lifecycle import FAILED, QUEUED, Policy, after_failure, retry_countdown
-from bb_broker.payloads import PayloadError, to_document, to_message
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, Policy, after_failure, retry_countdown
+from bb_broker.jobs.payloads import PayloadError, to_document, to_message
 
 
 def test_bbmongo_url_becomes_a_mongodb_uri_and_database() -> None:
@@ -178,7 +178,7 @@ def test_every_message_celery_writes_passes_the_checks_at_publish_and_claim(opti
     groups, stamps, time limits, dates), before it is stored and as a claim reads it back."""
     from celery import Celery, chain, chord, group, signature
 
-    from bb_broker.payloads import PUBLISH_ID_PROPERTY, check_body, check_envelope
+    from bb_broker.jobs.payloads import PUBLISH_ID_PROPERTY, check_body, check_envelope
 
     app = Celery("checks", set_as_current=False)
     link = signature("t.callback", args=(1,), app=app)

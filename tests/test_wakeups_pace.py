@@ -11,8 +11,8 @@ from kombu import Connection, Consumer, Queue
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from bb_broker.messages import MessageStore
-from bb_broker.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
+from bb_broker.transport.plumbing import MessageStore
+from bb_broker.transport.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
 from tests.workers import producer, send, wait_for
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from pymongo import MongoClient
 from pymongo.database import Database
 
-from bb_broker import leases
 from bb_broker.clock import ServerClock
-from bb_broker.leases import LeaseKeeper
-from bb_broker.store import JobStore
+from bb_broker.jobs import leases
+from bb_broker.jobs.leases import LeaseKeeper
+from bb_broker.jobs.store import JobStore
 from tests.servers import EmbeddedServer
 from tests.workers import Worker, producer, send, wait_for
 

@@ -138,7 +138,7 @@ class Broker:
 def mongo_broker(
     name: str, scheme: str, url: str, server: Server, counter: MongoOps, *, results: bool = False
 ) -> Broker:
-    """A MongoDB broker; with `results`, the same URL is also the result backend: bb_broker.results for bbmongo://,
+    """A MongoDB broker; with `results`, the same URL is also the result backend: bb_broker.results.backend for bbmongo://,
     Celery's own MongoDB backend (a `celery_taskmeta` document per task) for mongodb://."""
 
     def database(rep: int) -> str:

@@ -6,7 +6,7 @@ supported". `install()` wraps that factory's `__new__` so `bbmongo://` and `bbmo
 other scheme still reaches Flower's own code. Importing this module installs it, so either of these is enough:
 
 * `bb-broker flower -A myapp [flower options]`, or
-* `import bb_broker.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
+* `import bb_broker.contrib.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
 
 Flower itself reports a broker it cannot use (a wrong password, a server that is down) only in its log, while its
 pages say "No workers are available" under a green "Updated". So `install()` also gives Flower (through the
@@ -16,7 +16,7 @@ the error lasts, so that its dot turns red.
 
 The queues listed are those of the collection (every queue holding queued, running or failed jobs, and every paused
 one) together with those Flower's workers consume, so none is missing however Flower was started. Importing this
-module also adds the Jobs tab (bb_broker.jobs_view), whose templates the same loader serves.
+module also adds the Jobs tab (bb_broker.contrib.flower.jobs_tab), whose templates the same loader serves.
 
 `authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
 
@@ -41,12 +41,12 @@ from flower.views.workers import WorkersView
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
 
-from . import jobs_view
-from .connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
-from .lifecycle import FAILED, QUEUED, RUNNING
-from .operations import Operations
-from .store import JobStore
-from .threads import start_supervised
+from bb_broker.connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
+from bb_broker.contrib.flower import jobs_tab as jobs_view
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
+from bb_broker.threads import start_supervised
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
@@ -142,7 +142,7 @@ def broker_banner(handler: tornado.web.RequestHandler) -> str | None:
 #: Where the banner goes in Flower's base template, and the banner (escaped, as every value the template shows).
 _BANNER_ANCHOR = b'<main class="app-content" id="main-content">'
 _BANNER = b"""
-{% from bb_broker.flower import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
+{% from bb_broker.contrib.flower.broker import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
 {% if bb_broker_banner %}
 <div class="alert alert-danger m-3" role="alert" id="bb-broker-error">{{ bb_broker_banner }}</div>
 {% end %}

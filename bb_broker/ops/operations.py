@@ -16,10 +16,10 @@ from pymongo import DESCENDING, UpdateOne
 from pymongo.errors import ExecutionTimeout
 from ulid import ULID
 
-from . import lifecycle
-from .lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from .pauses import QueueControls
-from .store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore, bson_kind
+from bb_broker.jobs import lifecycle
+from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
+from bb_broker.jobs.queues import QueueControls
+from bb_broker.jobs.store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore, bson_kind
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from pymongo.errors import PyMongoError
 
-from .lifecycle import FAILED, QUEUED, RUNNING
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def make_metrics_server(store: StatusSource, host: str, port: int) -> WSGIServer
 
 def serve_in_background(store: StatusSource, host: str, port: int) -> WSGIServer:
     """Serve from a daemon thread of this process (a worker's main process, say)."""
-    from .threads import start_supervised  # threads.py counts its restarts here
+    from bb_broker.threads import start_supervised  # threads.py counts its restarts here
 
     server = make_metrics_server(store, host, port)
     start_supervised("bb-broker-metrics", server.serve_forever)

@@ -14,9 +14,9 @@ from pymongo.errors import OperationFailure, PyMongoError
 from pymongo.write_concern import WriteConcern
 from ulid import ULID
 
-from . import connection
-from .store import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX, JobStore, claim_query
-from .wakeups import NO_CHANGE_STREAMS
+from bb_broker import connection
+from bb_broker.jobs.store import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX, JobStore, claim_query
+from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
 
 OK, DEGRADED, UNSAFE, UNKNOWN = "ok", "degraded", "unsafe", "unknown"
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Collection, Iterable
 import pymongo
 from pymongo.errors import PyMongoError
 
-from .connection import shutdown_patience
-from .store import JobStore, passes_with_time
-from .threads import start_supervised
+from bb_broker.connection import shutdown_patience
+from bb_broker.jobs.store import JobStore, passes_with_time
+from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
-from .connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
-from .payloads import CompressedBodyError, decompress_bounded
-from .store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
-from .threads import start_supervised
+from bb_broker.connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
+from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
+from bb_broker.jobs.store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
+from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
 

@@ -17,13 +17,14 @@ from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
-from . import connection, metrics
-from .clock import ServerClock
-from .leases import add_process_source
-from .lifecycle import Policy, describe_error, retry_countdown
-from .payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
-from .prefork import guard_pool_queue
-from .store import JobStore, attempt_entry
+from bb_broker import connection
+from bb_broker.clock import ServerClock
+from bb_broker.jobs.leases import add_process_source
+from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
+from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
+from bb_broker.jobs.store import JobStore, attempt_entry
+from bb_broker.ops import metrics
+from bb_broker.worker.prefork import guard_pool_queue
 
 logger = logging.getLogger(__name__)
 

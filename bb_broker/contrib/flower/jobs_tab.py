@@ -1,8 +1,8 @@
 """Flower's Jobs tab and its JSON API: the `jobs` collection listed, counted, looked up and acted on, in Flower's app.
 
 The handlers join Flower's own Tornado application (so Flower's `--basic-auth`, OAuth and `--url_prefix` apply to
-them) by being inserted into `flower.urls.handlers` before Flower's catch-all (`install()`, which bb_broker.flower
-calls); bb_broker.flower's template loader serves our templates and, through `template_source()`, adds the Jobs
+them) by being inserted into `flower.urls.handlers` before Flower's catch-all (`install()`, which broker.py
+calls); broker.py's template loader serves our templates and, through `template_source()`, adds the Jobs
 link to Flower's navigation bar and a Paused column to its Broker tab. Who may act: Flower's `--read_only` stops
 every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
 OAuth e-mail addresses); everyone else reads, and gets a 403 to act, here and from Flower's own actions
@@ -40,9 +40,10 @@ from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 from tornado.web import URLSpec, url
 
-from .connection import parse_broker_url, quick_timeouts
-from .lifecycle import STATUSES
-from .operations import (
+from bb_broker.connection import parse_broker_url, quick_timeouts
+from bb_broker.jobs.lifecycle import STATUSES
+from bb_broker.jobs.queues import QueueControls
+from bb_broker.ops.operations import (
     ACTIONS,
     MAX_PAGE,
     ActionRefused,
@@ -55,7 +56,6 @@ from .operations import (
     attempts_of,
     describe_job,
 )
-from .pauses import QueueControls
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class JobsTab:
     makes its requests answer 503 at once while Flower knows the server cannot be used."""
 
     def __init__(self, app: Any) -> None:
-        from .celery_hooks import broker_url, store_for
-        from .flower import BrokerHealth  # bb_broker.flower imports this module
+        from bb_broker.contrib.flower.broker import BrokerHealth  # bb_broker.contrib.flower.broker imports this module
+        from bb_broker.worker.hooks import broker_url, store_for
 
         url = broker_url(app.capp)
         store = store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url))) if url else None
@@ -130,7 +130,7 @@ class JobsTab:
 
     async def run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`call(*args, **kwargs)` in the tab's threads; a server that cannot be used is a 503 saying why."""
-        from .flower import describe
+        from bb_broker.contrib.flower.broker import describe
 
         try:
             return await IOLoop.current().run_in_executor(self.executor, functools.partial(call, *args, **kwargs))
@@ -697,7 +697,7 @@ async def _record_revoke(handler: TaskRevoke) -> None:
 
 
 def install() -> None:
-    """Add the Jobs tab's handlers and its `jobs_admins` option to Flower (bb_broker.flower's template loader serves
+    """Add the Jobs tab's handlers and its `jobs_admins` option to Flower (broker.py's template loader serves
     its templates), and guard Flower's own actions; calling it twice changes nothing."""
     if "jobs_admins" not in tornado_options:
         tornado_options.define(

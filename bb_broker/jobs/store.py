@@ -33,9 +33,10 @@ from pymongo.database import Database
 from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure, PyMongoError
 from ulid import ULID
 
-from . import lifecycle, metrics
-from .connection import out_of_patience
-from .lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+from bb_broker.connection import out_of_patience
+from bb_broker.jobs import lifecycle
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+from bb_broker.ops import metrics
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
 RETRY_STATE = "RETRY"
@@ -59,7 +60,7 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
-    # The operator's lists (bb_broker.operations), newest first by job id, filtered by status, queue or kind.
+    # The operator's lists (bb_broker.ops.operations), newest first by job id, filtered by status, queue or kind.
     IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
     IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
     IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),

@@ -21,14 +21,12 @@ from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
 
-from . import connection, leases
-from .clock import ServerClock
-from .leases import LeaseKeeper
-from .lifecycle import Policy
-from .messages import MessageStore, UnreadableMessage, payload_of
-from .operations import Operations, revoked_task_ids
-from .pauses import PausedQueues, QueueControls
-from .payloads import (
+from bb_broker import connection
+from bb_broker.clock import ServerClock
+from bb_broker.jobs import leases
+from bb_broker.jobs.leases import LeaseKeeper
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
     PUBLISH_ID_PROPERTY,
@@ -41,9 +39,12 @@ from .payloads import (
     to_document,
     to_message,
 )
-from .store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
-from .threads import start_supervised
-from .wakeups import Doorbell, Look, Wakeups
+from bb_broker.jobs.queues import PausedQueues, QueueControls
+from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
+from bb_broker.ops.operations import Operations, revoked_task_ids
+from bb_broker.threads import start_supervised
+from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
+from bb_broker.transport.wakeups import Doorbell, Look, Wakeups
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 from pymongo.database import Database
 from pymongo.errors import OperationFailure, PyMongoError
 
-from .messages import BindingsWatch
-from .threads import start_supervised
+from bb_broker.threads import start_supervised
+from bb_broker.transport.plumbing import BindingsWatch
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from .lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
+from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
 
 if TYPE_CHECKING:
-    from .store import JobStore
+    from bb_broker.jobs.store import JobStore
 
 # pymongo, Celery, Kombu and Flower are imported by the commands that use them: `--help` answers at once.
 
@@ -30,9 +30,9 @@ DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) -> JobStore:
     from pymongo import MongoClient
 
-    from . import connection
-    from .clock import ServerClock
-    from .store import JobStore
+    from bb_broker import connection
+    from bb_broker.clock import ServerClock
+    from bb_broker.jobs.store import JobStore
 
     target = connection.parse_broker_url(broker)
     options = connection.quick_timeouts(target)
@@ -49,7 +49,7 @@ def _jobs(broker: str, collection: str, policy: Policy | None = None, *, keep_op
     its client is closed at the end of the block unless `keep_open`."""
     from pymongo.errors import PyMongoError
 
-    from . import connection
+    from bb_broker import connection
 
     store = None
     try:
@@ -141,7 +141,7 @@ def main() -> None:
 @click.option("--data", default="./bb-data", show_default=True, help="Data directory, or :memory:.")
 def serve(host: str, port: int, data: str) -> None:
     """Run the embedded MongoDB-compatible server (SecantusDB) for development and demos."""
-    from . import embedded
+    from bb_broker import embedded
 
     try:
         with socket.create_server((host, port)):
@@ -190,7 +190,7 @@ def _announce_when_listening(host: str, port: int, lines: list[str]) -> None:
 )
 def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
     """Jobs per status (with --json, the same object as bb_broker.statuses()), per queue and per kind."""
-    from .operations import Operations
+    from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)
@@ -251,7 +251,7 @@ def failed(
     as_json: bool,
 ) -> None:
     """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
-    from .operations import Operations
+    from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
         docs = Operations(store).failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
@@ -302,7 +302,7 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
         _fail("retry: --all cannot be combined with --id or --kind", 2)
     if not (retry_all or ids or kind):
         _fail("retry: say which failed jobs: --id ID (repeatable), --kind NAME, or --all", 2)
-    from .operations import Operations
+    from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)
@@ -353,7 +353,7 @@ def requeue_stale(
             2,
         )
     with _jobs(broker, collection, Policy(max_attempts=max_attempts, stale_after=stale_after)) as store:
-        sweep_log = logging.getLogger("bb_broker.store")
+        sweep_log = logging.getLogger("bb_broker.jobs.store")
         level = sweep_log.level
         sweep_log.setLevel(logging.ERROR)  # its "recovered lost jobs" line would repeat what is printed below
         try:
@@ -382,7 +382,7 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
     unfinished = sorted({QUEUED, RUNNING} & set(statuses))
     if unfinished and not force:
         _fail(f"purge: refusing to delete {' and '.join(unfinished)} jobs (work not done yet) without --force", 2)
-    from .operations import Operations
+    from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
         count = Operations(store).purge(set(statuses), older_than=older_than)
@@ -394,7 +394,7 @@ def purge(broker: str, collection: str, statuses: tuple[str, ...], older_than: t
 @collection_option
 def doctor(broker: str, collection: str) -> None:
     """Check whether a server can carry the broker safely: one verdict per capability; exit 2 when unsafe."""
-    from . import doctor as checks  # imported here: the other commands do not pay for it
+    from bb_broker.ops import doctor as checks  # imported here: the other commands do not pay for it
 
     sys.exit(checks.run(broker, collection, echo=click.echo))
 
@@ -406,7 +406,7 @@ def doctor(broker: str, collection: str) -> None:
 @click.option("--port", default=9808, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
     """Serve /metrics (Prometheus) and /statuses (the statuses() JSON) until stopped."""
-    from . import metrics
+    from bb_broker.ops import metrics
 
     with _jobs(broker, collection, keep_open=True) as store:
         store.statuses()  # a collection that cannot be read fails here, in one line, not at each scrape
@@ -450,7 +450,7 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
     address) says where: --address=0.0.0.0 for every interface.
     """
     try:
-        from . import flower as adapter  # importing it gives Flower's Broker tab bbmongo://
+        from bb_broker.contrib.flower import broker as adapter  # importing it gives Flower's Broker tab bbmongo://
     except ImportError as exc:
         _fail(f"Flower is not installed ({exc}): pip install 'bb_broker[flower]'")
     from tornado.options import Error as FlowerOptionError
@@ -498,7 +498,7 @@ def _operator() -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
 def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
     """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
-    from .operations import Operations, describe_job
+    from bb_broker.ops.operations import Operations, describe_job
 
     with _jobs(broker, collection) as store:
         doc = Operations(store).find(identifier)
@@ -521,7 +521,7 @@ def _json_value(value: Any) -> Any:
 @click.argument("identifiers", metavar="ID...", nargs=-1, required=True)
 def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
     """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
-    from .operations import ActionRefused, Operations
+    from bb_broker.ops.operations import ActionRefused, Operations
 
     problems = []
     with _jobs(broker, collection) as store:
@@ -559,7 +559,7 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
     command = "pause" if paused else "resume"
     if not queue.strip():
         _fail(f"{command}: the queue name is empty", 2)
-    from .operations import FilterError, Operations
+    from bb_broker.ops.operations import FilterError, Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)

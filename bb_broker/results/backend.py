@@ -69,11 +69,12 @@ from pymongo.collection import Collection
 from pymongo.errors import OperationFailure
 from pymongo.uri_parser import parse_uri
 
-from . import celery_hooks, connection
-from .lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
-from .payloads import PayloadError, _bson_safe, decompress_bounded, to_message
-from .store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
-from .wakeups import NO_CHANGE_STREAMS
+from bb_broker import connection
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, describe_error
+from bb_broker.jobs.payloads import PayloadError, _bson_safe, decompress_bounded, to_message
+from bb_broker.jobs.store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
+from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
+from bb_broker.worker import hooks as celery_hooks
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Kombu's side: the `bbmongo://` transport, its wake-ups and the plumbing traffic apart from `jobs`."""
