@@ -1,7 +1,7 @@
 """The README and the docs site stay true: options, commands and demo variables match the code, links resolve.
 
-`mkdocs build --strict` itself (a page outside the nav, a broken link or anchor fails it) runs as `make docs`,
-which `make test` runs before the suite.
+`mkdocs build --strict` itself (a page outside the nav, a broken link or anchor fails it) is `make docs`, which
+`make test` runs before the suite, and tests/packaging/test_docs_site.py, which also checks the lists render.
 """
 
 from __future__ import annotations
