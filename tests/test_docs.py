@@ -72,7 +72,7 @@ def test_the_options_table_is_the_transports_options_with_their_defaults() -> No
 
 
 def test_every_link_to_a_file_resolves() -> None:
-    for document in (ROOT / "README.md", *PAGES):
+    for document in (ROOT / "README.md", ROOT / "CHANGELOG.md", *PAGES):
         for target in LINK.findall(document.read_text()):
             assert (document.parent / target).exists(), f"{document.name} links to {target}, which does not exist"
 
