@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-heavy bench lint browser conformance
+.PHONY: install demo test test-heavy bench lint docs browser conformance
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,18 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The documentation site (mkdocs.yml, docs/) into build/site; --strict fails on a broken link, anchor or page.
+# NO_MKDOCS_2_WARNING silences Material's notice about MkDocs' future, which says nothing about this build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 # Headless Chromium (Debian's package) for the Flower browser test; apt-get runs only when it is missing.
 browser: SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser:
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: lint browser
+test: lint docs browser
 	$(PY) -m pytest
 
 test-heavy: install

@@ -33,6 +33,7 @@ from tests.workers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "compose"
+DEPLOYING_GUIDE = ROOT / "docs" / "guides" / "deploying.md"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 #: The broker URL as the file writes it, and the example user and password it takes from compose/.env.
 BROKER_URL_TEMPLATE = (
@@ -40,7 +41,7 @@ BROKER_URL_TEMPLATE = (
     "compose/.env}@mongo:27017/bountyboard?replicaSet=rs0"
 )
 APP_SERVICES = ("worker", "flower", "metrics", "producer")
-#: How each service's command starts: the entry point and subcommand the README documents.
+#: How each service's command starts: the entry point and subcommand the deployment guide documents.
 ENTRY_POINTS = {
     "worker": "celery -A celery_app worker",
     "flower": "bb-broker flower -A celery_app",
@@ -231,16 +232,17 @@ def test_the_app_services_are_built_from_this_project_with_flower() -> None:
         assert (ROOT / src).exists(), f"COPY {src}: no such path in the build context"
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     needed = {"pyproject.toml", pyproject["project"]["readme"]}
-    needed |= {package.split(".")[0] for package in pyproject["tool"]["setuptools"]["packages"]}
+    # The packages setuptools finds: `include` patterns such as "bb_broker*" name their top-level directories.
+    found = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    needed |= {pattern.rstrip("*").split(".")[0] for pattern in found}
     assert needed <= copied, f"the Dockerfile does not COPY {needed - copied}, which `pip install .` needs"
 
 
-def test_each_command_starts_with_the_entry_point_the_readme_documents() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Deploying with docker compose", 1)[1].split("\n## ", 1)[0]
+def test_each_command_starts_with_the_entry_point_the_deployment_guide_documents() -> None:
+    guide = DEPLOYING_GUIDE.read_text()
     for name, entry in ENTRY_POINTS.items():
         assert shlex.join(SERVICES[name]["command"]).startswith(entry + " "), name
-        assert entry in section, f"README's compose section does not mention `{entry}`"
+        assert entry in guide, f"docs/guides/deploying.md does not mention `{entry}`"
 
 
 def _celery_context(argv: list[str]) -> tuple[click.Context, click.Command, list[str]]:
@@ -352,13 +354,14 @@ def test_flower_credentials_come_from_the_environment_and_are_required() -> None
     assert ignored.returncode == 0, "compose/.env holds real credentials: git must ignore it"
 
 
-def test_the_readme_says_what_runs_and_that_the_file_was_checked_not_run() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert readme.index("## Deploying with docker compose") < readme.index("## Layout")
-    section = readme.split("## Deploying with docker compose", 1)[1].split("\n## ", 1)[0]
-    assert "docker compose -f compose/docker-compose.yml up" in section
-    assert "cp compose/.env.example compose/.env" in section
-    assert "not run" in section and "tests/test_compose.py" in section
+def test_the_deployment_guide_says_what_runs_and_that_the_file_was_checked_not_run() -> None:
+    guide = DEPLOYING_GUIDE.read_text()
+    assert "(docs/guides/deploying.md)" in (ROOT / "README.md").read_text(), "the README links to the guide"
+    assert "docker compose -f compose/docker-compose.yml up" in guide
+    assert "cp compose/.env.example compose/.env" in guide
+    assert "not run" in guide and "tests/test_compose.py" in guide
+    services = {row.split("|")[1].strip().split()[0].strip("`") for row in guide.splitlines() if row.startswith("| `")}
+    assert services == set(SERVICES), "the guide's table names every service of the file, and only those"
 
 
 # -- the healthchecks, run against real processes ------------------------------------------------------------

@@ -33,8 +33,9 @@ def start_worker(url: str, tmp_path: Path, name: str, **kwargs) -> Worker:
 def test_mongodb_outage_loses_nothing_and_workers_reconnect(own_server, tmp_path) -> None:
     url = with_database(own_server.url, "outage")
     db = MongoClient(own_server.url, tz_aware=True).outage
-    # A claim in flight as the stand-in stops can be carried out twice (it forgets retryable writes at restart; see
-    # docs/reliability.md): the first job waits for the stale sweep, which must fall well inside this test's wait.
+    # A claim in flight as the stand-in stops can be carried out twice (it forgets retryable writes at restart;
+    # see docs/explanation/reliability.md): the first job waits for the stale sweep, which must fall well inside this
+    # test's wait.
     worker = start_worker(url, tmp_path, "w0", options={"stale_after": 30.0})
     app = producer(url)
     ids = [send(app, "sleep", 0.3) for _ in range(6)]
