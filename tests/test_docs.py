@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from bb_broker.jobs.store import DEFAULT_RETENTION
+from bb_broker.jobs.admin import DEFAULT_RETENTION
 from bb_broker.transport.channel import Channel, Transport
 from tests.workers import ROOT
 

@@ -26,6 +26,7 @@ from bb_broker.clock import ServerClock
 from bb_broker.jobs import leases
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.outages import passes_with_time
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
@@ -40,7 +41,7 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
-from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
+from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
