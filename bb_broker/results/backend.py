@@ -190,7 +190,7 @@ class JobResultBackend(ChordBackend):
             store.succeed(*job, attempt=attempt, result=fields)
         except SettleTooLarge as exc:
             raise ResultTooLarge(f"the task's result does not fit in its job document: {exc}") from None
-        celery_hooks.settled_by_backend(job)
+        celery_hooks.settled_by_backend(request)
 
     def mark_as_failure(
         self,
@@ -228,7 +228,7 @@ class JobResultBackend(ChordBackend):
                 reason = ResultTooLarge(f"the task's failure does not fit in its job document: {too_large}")
                 fields = self._result_fields(self.encode_result(reason, state), state, None, request)
                 store.fail(*job, describe_error(reason), retryable=False, attempt=attempt, result=fields)
-            celery_hooks.settled_by_backend(job)
+            celery_hooks.settled_by_backend(request)
         if not final:
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
         if request.chord:
@@ -250,7 +250,7 @@ class JobResultBackend(ChordBackend):
             return super().mark_as_revoked(task_id, reason, request=request, store_result=store_result, state=state)
         # The task_revoked signal that follows settles the job, with the reason it knows, and these fields.
         fields = self._result_fields(self.encode_result(TaskRevokedError(reason), state), state, None, request)
-        celery_hooks.pending_result(held[1], fields)
+        celery_hooks.pending_result(request, fields)
         if request.chord:
             self.on_chord_part_return(request, state, TaskRevokedError(reason))
 
@@ -273,10 +273,10 @@ class JobResultBackend(ChordBackend):
             # own): the attempt's entry comes from the release of the worker's jobs.
             # A broker's retry recorded its failed attempt itself (see celery_hooks.retry_failed_attempts).
             cancelled = isinstance(result, dict) and result.get("exc_type") == "Retry"
-            if state == states.RETRY and not cancelled and not celery_hooks.retried_by_broker(job):
+            if state == states.RETRY and not cancelled and not celery_hooks.retried_by_broker(request):
                 error = codec.described(result)
                 attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
-                celery_hooks.settled_by_backend(job)  # the task_retry signal must not add this attempt again
+                celery_hooks.settled_by_backend(request)  # the task_retry signal must not add this attempt again
             # Fenced on the attempt: a worker whose job was taken over changes nothing.
             if not store.annotate(*job, fields, attempt=attempt) and attempt is not None:
                 store.record_retry(*job, attempt)  # the retry's publish let a worker claim the job again first
