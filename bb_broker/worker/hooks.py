@@ -30,7 +30,8 @@ from bb_broker.worker.prefork import guard_pool_queue
 
 logger = logging.getLogger(__name__)
 
-_stores: dict[tuple[int, str, str], JobStore] = {}
+#: The attribute of a Celery app holding its job stores, one per (process, broker URL, options, client options).
+APP_STORES = "bb_broker_stores"
 _stores_lock = threading.Lock()
 
 #: The attribute of a task's request (Celery's `task.request`, a Context) that holds its AttemptState.
@@ -81,7 +82,8 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
     options = app.conf.broker_transport_options or {}
     key = (os.getpid(), url, repr(sorted(options.items())), repr(sorted(client_options.items())))
     with _stores_lock:
-        store = _stores.get(key)
+        stores: dict[tuple[int, str, str, str], JobStore] = app.__dict__.setdefault(APP_STORES, {})
+        store = stores.get(key)
         if store is None:
             target = connection.parse_broker_url(url)
             db = connection.get_database(target, **client_options)
@@ -90,7 +92,7 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
                 float(options.get("backoff_base", 5.0)),
                 float(options.get("stale_after", 300.0)),
             )
-            store = _stores[key] = JobStore(
+            store = stores[key] = JobStore(
                 db,
                 policy,
                 clock=ServerClock.of(db),
