@@ -76,7 +76,7 @@ class JobResultBackend(ChordBackend):
     supports_native_join = True
     supports_autoexpire = True
     #: result_compression (Celery >= 5.7 reads it; before, no backend of this kind compresses): a compressed result
-    #: is kept as its bytes (see _stored), read back by _decompressed_result.
+    #: is kept as its bytes (see codec.stored), read back by codec.decompressed_result.
     supports_result_compression = True
     persistent = True
 
