@@ -11,6 +11,11 @@ from pymongo.database import Database
 from pymongo.errors import PyMongoError
 
 
+def aware(moment: datetime) -> datetime:
+    """A date as BSON gave it back (naive, in UTC) made timezone-aware; an aware one as it is."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
 def _monotonic_time() -> datetime:
     # The monotonic clock as a date: a wall clock stepped by NTP or a resumed VM does not move it.
     return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(seconds=time.monotonic())

@@ -211,8 +211,8 @@ def test_a_waiting_get_is_woken_by_a_new_job_of_a_task_id_it_knows(app: Celery, 
     now = datetime.now(UTC)
     replaced = {"_id": "job-replaced", "taskId": "t-replaced", "status": "succeeded", "createdAt": now}
     db.jobs.insert_one(replaced)
-    assert backend._metas(["t-replaced"])["t-replaced"]["status"] == states.PENDING
-    stream = backend._watch(["job-replaced"], [], ["t-replaced"])
+    assert backend.metas(["t-replaced"])["t-replaced"]["status"] == states.PENDING
+    stream = backend.result_consumer.watch(["job-replaced"], [], ["t-replaced"])
     try:
         db.jobs.insert_one({"_id": "job-replacement", "taskId": "t-replaced", "status": "queued", "createdAt": now})
         change = wait_for(stream.try_next, timeout=30, message="the replacement's job woke the waiter")

@@ -380,7 +380,7 @@ def test_get_wakes_on_the_change_stream_and_polls_without_one(results_app, resul
         assert backend.wait_for(result.id, timeout=120, interval=0.05)["result"] == 4
     # Polling every 50 ms would have read the job some 80 times; woken by the stream it reads it a few times.
     assert finds.count <= 6, finds.count
-    backend._change_streams = False  # as on a standalone server: plain polling at the interval asked
+    backend.result_consumer.change_streams = False  # as on a standalone server: plain polling at the interval asked
     result = results_app.send_task(T + "add", args=(2, 2))
     assert backend.wait_for(result.id, timeout=120, interval=0.2)["result"] == 4
 

@@ -9,8 +9,9 @@ from kombu import Connection
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401  (registers bbmongo://)
+from bb_broker.jobs.admin import DEFAULT_RETENTION, RETENTION_INDEX
 from bb_broker.jobs.lifecycle import Policy
-from bb_broker.jobs.store import DEFAULT_RETENTION, RETENTION_INDEX, JobStore
+from bb_broker.jobs.store import JobStore
 from tests.workers import wait_for
 
 

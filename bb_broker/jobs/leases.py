@@ -13,7 +13,8 @@ import pymongo
 from pymongo.errors import PyMongoError
 
 from bb_broker.connection import shutdown_patience
-from bb_broker.jobs.store import JobStore, passes_with_time
+from bb_broker.jobs.outages import passes_with_time
+from bb_broker.jobs.store import JobStore
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)

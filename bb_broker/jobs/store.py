@@ -1,4 +1,4 @@
-"""The hot path's queries on `jobs`: publish, claim, settle, leases, sweeps, counts (the operator's: operations.py).
+"""The hot path's queries on `jobs`: publish, claim, settle, leases, sweeps, counts (indexes and retention: admin.py).
 
 The job document's record of its attempts and its Celery result (designed once, for the Jobs view and for the
 `bbmongo://` result backend in results.py), written inside writes that exist anyway, never in a round trip of its own:
@@ -17,9 +17,7 @@ The job document's record of its attempts and its Celery result (designed once, 
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -27,15 +25,17 @@ from typing import Any
 
 from bson import ObjectId
 from kombu.exceptions import EncodeError
-from pymongo import ASCENDING, DESCENDING, IndexModel, ReturnDocument
+from pymongo import ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
-from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure
 from ulid import ULID
 
-from bb_broker.connection import out_of_patience
-from bb_broker.jobs import lifecycle
+from bb_broker.connection import scrub
+from bb_broker.jobs import admin, lifecycle
+from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+from bb_broker.jobs.outages import is_transient, through_outages
 from bb_broker.ops import metrics
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
@@ -46,25 +46,12 @@ logger = logging.getLogger(__name__)
 #: How statuses() names the documents that have no status.
 UNKNOWN_STATUS = "(none)"
 
-#: Claim order: higher priority first, then the earliest due, then the oldest.
-CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
-
 #: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
 #: `history` only its type; the history itself and the result fields stay on the server.
 CLAIMED_FIELDS = {
     "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1,
     "historyType": {"$type": "$history"},
 }  # fmt: skip
-
-INDEXES = [
-    IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
-    IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
-    IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
-    # The operator's lists (bb_broker.ops.operations), newest first by job id, filtered by status, queue or kind.
-    IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
-    IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
-    IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
-]
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
@@ -81,18 +68,8 @@ DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
 #: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
 UNAPPLICABLE_UPDATE = {2, 14}
 
-#: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.
-DEFAULT_RETENTION = 7 * 24 * 3600.0
-#: The result backend's collection (same database) of what has no job: see results.py.
+#: The result backend's collection (same database) of what has no job: see results/backend.py.
 RESULTS_COLLECTION = "bb_results"
-#: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
-RETENTION_INDEX = "bb_retention"
-RETENTION_FILTER = {"status": SUCCEEDED}
-#: Server error codes for an index that exists under the same name with other options.
-INDEX_CONFLICT = {85, 86}
-
-#: Server error codes for a command (or an option of it) the server does not implement: a TTL index, collMod.
-NOT_IMPLEMENTED = {115, 238}
 
 
 def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -142,41 +119,6 @@ def attempt_entry(
 
 def _pushed(entry: dict[str, Any] | None) -> dict[str, Any]:
     return {} if entry is None else {"$push": {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}}
-
-
-class ServerLacksFeature(RuntimeError):
-    """The server cannot do something the broker cannot safely do without."""
-
-
-_said_no_ttl = threading.Event()
-
-
-def say_no_ttl_once(exc: OperationFailure) -> None:
-    """One log line per process for a server without TTL indexes, however many collections find out."""
-    if not _said_no_ttl.is_set():
-        _said_no_ttl.set()
-        logger.warning(
-            "this server cannot make TTL indexes (code %s): succeeded jobs and plumbing messages are deleted by a "
-            "periodic sweep of the workers instead",
-            exc.code,
-        )
-
-
-def ensure_plain_indexes(coll: MongoCollection, indexes: list[IndexModel]) -> None:
-    """Create indexes the broker needs; a server that cannot, and does not have them already, is refused."""
-    try:
-        coll.create_indexes(indexes)
-    except OperationFailure as exc:
-        if exc.code not in NOT_IMPLEMENTED:
-            raise
-        present = {ix["name"] for ix in coll.list_indexes()}
-        missing = sorted(ix.document["name"] for ix in indexes if ix.document["name"] not in present)
-        if missing:
-            raise ServerLacksFeature(
-                f"the server cannot create the indexes {', '.join(missing)} on {coll.full_name} (createIndexes "
-                f"answered code {exc.code}); claims without them are not safe: create them by hand or use a server "
-                "that supports createIndexes"
-            ) from None
 
 
 @dataclass(frozen=True)
@@ -231,6 +173,8 @@ def new_job_id() -> str:
 
 
 class JobStore:
+    """A `jobs` collection as the hot path uses it; every write on a held job is fenced on its attempt."""
+
     #: Seconds a settling write keeps trying through an outage before it gives up to the stale sweep.
     settle_patience = 60.0
 
@@ -251,78 +195,12 @@ class JobStore:
         self.retention_sweep: int | None = None
 
     def ensure_indexes(self, *, retention: float | None = None) -> None:
-        """Create the indexes; `retention` (seconds, 0 = keep) sets when succeeded jobs expire.
-
-        Without `retention` an existing expiry is left as it is, so a producer that does not configure it
-        never undoes what the workers set; a new collection gets DEFAULT_RETENTION.
-        """
-        ensure_plain_indexes(self.coll, INDEXES)
-        try:
-            self._ensure_retention(retention)
-        except OperationFailure as exc:
-            if exc.code not in NOT_IMPLEMENTED:
-                raise
-            say_no_ttl_once(exc)
-            seconds = DEFAULT_RETENTION if retention is None else retention
-            self.retention_sweep = math.ceil(seconds) or None
+        """Create the indexes and set the retention of succeeded jobs (see admin.ensure_indexes)."""
+        self.retention_sweep = admin.ensure_indexes(self.coll, retention=retention)
 
     def expire_succeeded(self) -> int:
         """Where the server has no TTL index: delete the succeeded jobs past retention (a worker's periodic sweep)."""
-        if not self.retention_sweep:
-            return 0
-        cutoff = self.now() - timedelta(seconds=self.retention_sweep)
-        return self.coll.delete_many({"status": SUCCEEDED, "finishedAt": {"$lt": cutoff}}).deleted_count
-
-    def _ensure_retention(self, retention: float | None) -> None:
-        current = next((ix for ix in self.coll.list_indexes() if ix["name"] == RETENTION_INDEX), None)
-        if retention is None:
-            if current is not None:
-                return
-            retention = DEFAULT_RETENTION
-        if retention < 0 or math.isnan(retention):
-            raise ValueError(f"retention must be 0 (keep) or a number of seconds, got {retention!r}")
-        seconds = math.ceil(retention)  # a TTL index counts whole seconds
-        if seconds == 0:
-            if current is not None:
-                self.coll.drop_index(RETENTION_INDEX)
-            return
-        if current is not None:
-            ours = dict(current["key"]) == {"finishedAt": 1}
-            ours = ours and dict(current.get("partialFilterExpression") or {}) == RETENTION_FILTER
-            if ours and current.get("expireAfterSeconds") == seconds:
-                return
-            if ours:
-                self._set_retention(seconds)
-                return
-            self.coll.drop_index(RETENTION_INDEX)  # not the shape we need: rebuild it
-        try:
-            self.coll.create_index(
-                [("finishedAt", ASCENDING)],
-                name=RETENTION_INDEX,
-                expireAfterSeconds=seconds,
-                partialFilterExpression=RETENTION_FILTER,
-            )
-        except OperationFailure as exc:
-            if exc.code not in INDEX_CONFLICT:
-                raise
-            self._set_retention(seconds)  # another process created it a moment ago with another retention
-
-    def _set_retention(self, seconds: int) -> None:
-        try:
-            self.coll.database.command(
-                "collMod", self.coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds}
-            )
-        except OperationFailure as exc:
-            if exc.code not in NOT_IMPLEMENTED:
-                raise
-            # No collMod: the same change as a new index (a server without TTL indexes says so in create_index).
-            self.coll.drop_index(RETENTION_INDEX)
-            self.coll.create_index(
-                [("finishedAt", ASCENDING)],
-                name=RETENTION_INDEX,
-                expireAfterSeconds=seconds,
-                partialFilterExpression=RETENTION_FILTER,
-            )
+        return admin.expire_succeeded(self.coll, self.retention_sweep, self.now())
 
     # --- producing -------------------------------------------------------
 
@@ -701,27 +579,10 @@ class JobStore:
             raise SettleTooLarge(f"the job document would exceed MongoDB's {MAX_DOCUMENT_BYTES} bytes") from None
 
     def _through_outages(self, write: Callable[[], Any]) -> Any:
-        """Retry a write on a held job through a failover or a restart: losing a settle would run the task again."""
-        deadline = time.monotonic() + self.settle_patience
-        delay = 0.1
-        while True:
-            try:
-                return write()
-            except (ConnectionFailure, OperationFailure) as exc:
-                # Inside a stopping worker's patience (connection.shutdown_patience), once it ran out, the stale
-                # sweep takes over: a held job's release tried for a minute held the worker's stop as long, each.
-                if not is_transient(exc) or time.monotonic() > deadline or out_of_patience():
-                    raise
-                logger.warning("a write on a held job failed (%s), retrying in %.1fs", type(exc).__name__, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return through_outages(write, patience=self.settle_patience)
 
     def _scrub(self, text: Any) -> Any:
-        if not isinstance(text, str):
-            return text
-        for secret in self._secrets:
-            text = text.replace(secret, "**")
-        return text
+        return scrub(text, self._secrets) if isinstance(text, str) else text
 
     # --- recovering lost work ---------------------------------------------
 
@@ -867,20 +728,3 @@ def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
     if len(by_attempts) == 1:
         return {"attempts": next(iter(by_attempts))}
     return {"$or": [{"_id": {"$in": ids}, "attempts": n} for n, ids in by_attempts.items()]}
-
-
-def is_transient(exc: ConnectionFailure | OperationFailure) -> bool:
-    """A failover, a restart or a dropped connection: the same write may be tried again."""
-    return isinstance(exc, ConnectionFailure) or exc.has_error_label("RetryableWriteError")
-
-
-#: The server errors after which the drivers' retryable reads try a read again (a restart, a failover, a router
-#: that lost a shard): the server labels a write's, not a read's.
-RETRYABLE_READ_CODES = frozenset({6, 7, 63, 89, 91, 134, 150, 189, 262, 9001, 10107, 11600, 11602, 13388, 13435, 13436})
-
-
-def passes_with_time(exc: PyMongoError) -> bool:
-    """An error the same command may not meet again soon: a lost connection, or a server's transient answer."""
-    if isinstance(exc, ConnectionFailure):
-        return True
-    return isinstance(exc, OperationFailure) and (is_transient(exc) or exc.code in RETRYABLE_READ_CODES)

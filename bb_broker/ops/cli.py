@@ -498,7 +498,8 @@ def _operator() -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
 def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
     """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
-    from bb_broker.ops.operations import Operations, describe_job
+    from bb_broker.ops.operations import Operations
+    from bb_broker.ops.present import describe_job
 
     with _jobs(broker, collection) as store:
         doc = Operations(store).find(identifier)

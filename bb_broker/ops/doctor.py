@@ -15,7 +15,8 @@ from pymongo.write_concern import WriteConcern
 from ulid import ULID
 
 from bb_broker import connection
-from bb_broker.jobs.store import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX, JobStore, claim_query
+from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX
+from bb_broker.jobs.store import JobStore, claim_query
 from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
 
 OK, DEGRADED, UNSAFE, UNKNOWN = "ok", "degraded", "unsafe", "unknown"

@@ -16,10 +16,12 @@ from pymongo import DESCENDING, UpdateOne
 from pymongo.errors import ExecutionTimeout
 from ulid import ULID
 
+from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
+from bb_broker.jobs.admin import DEFAULT_RETENTION
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import QueueControls
-from bb_broker.jobs.store import DEFAULT_RETENTION, RESULTS_COLLECTION, JobStore, bson_kind
+from bb_broker.jobs.store import RESULTS_COLLECTION, JobStore, bson_kind
 
 logger = logging.getLogger(__name__)
 
@@ -664,7 +666,7 @@ class Operations:
     def _lease_expired(self, doc: dict[str, Any]) -> bool:
         updated = doc.get("updatedAt")
         cutoff = self.now() - timedelta(seconds=self.store.policy.stale_after)
-        return isinstance(updated, datetime) and _aware(updated) < cutoff
+        return isinstance(updated, datetime) and aware(updated) < cutoff
 
     def _hint_if_indexed(self, index: str) -> dict[str, str]:
         # An operator may look at a database no worker has indexed yet, where a hint would be an error.
@@ -711,95 +713,6 @@ def _queue_name(queue: str) -> str:
     if not queue or len(queue) > MAX_FILTER_LENGTH:
         raise FilterError(f"a queue name must be 1 to {MAX_FILTER_LENGTH} characters")
     return queue
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
-# --- presenting a job ---------------------------------------------------------------------------------------------
-
-#: The fields shown first, in this order; the rest of the document follows.
-SUMMARY_FIELDS = (
-    "_id", "taskId", "kind", "queue", "status", "attempts", "priority", "createdAt", "startedAt", "updatedAt",
-    "runAfter", "finishedAt", "leaseOwner", "lastError",
-)  # fmt: skip
-#: Fields shown in sections of their own.
-SECTION_FIELDS = ("payload", "history", "actions")
-
-
-def arguments(doc: dict[str, Any]) -> dict[str, Any]:
-    """A job's args and kwargs, readable: as stored when the body is JSON, else Celery's argsrepr/kwargsrepr."""
-    payload = doc.get("payload")
-    if not isinstance(payload, dict):
-        return {}
-    if "args" in payload:
-        return {"args": payload.get("args"), "kwargs": payload.get("kwargs")}
-    headers = payload.get("headers") if isinstance(payload.get("headers"), dict) else {}
-    if "raw" in payload:
-        try:
-            headers = json.loads(payload["raw"]).get("headers") or {}
-        except (ValueError, AttributeError):
-            headers = {}
-    shown = {"args": headers.get("argsrepr"), "kwargs": headers.get("kwargsrepr")}
-    return {name: value for name, value in shown.items() if value is not None}
-
-
-def attempts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The job's recorded attempts (its `history`, when the writer keeps one), each with its duration."""
-    history = doc.get("history")
-    if not isinstance(history, list):
-        return []
-    rows = []
-    for entry in history:
-        if not isinstance(entry, dict):
-            continue
-        row = dict(entry)
-        started, finished = entry.get("startedAt"), entry.get("finishedAt")
-        if isinstance(started, datetime) and isinstance(finished, datetime):
-            row["duration"] = (_aware(finished) - _aware(started)).total_seconds()
-        rows.append(row)
-    return rows
-
-
-def actions_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The operator actions recorded on the job (its `actions`, when it is an array: a hand-edited one may not be)."""
-    actions = doc.get("actions")
-    return [action for action in actions if isinstance(action, dict)] if isinstance(actions, list) else []
-
-
-def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, text) lines for a person: the summary fields, the arguments, each attempt, each action, the rest;
-    a line with an empty label continues the one above."""
-    lines: list[tuple[str, str]] = []
-    for name in SUMMARY_FIELDS:
-        if name in doc and doc[name] not in (None, ""):
-            lines.append(("id" if name == "_id" else name, as_text(doc[name])))
-    if doc.get("status") == QUEUED and doc.get("attempts"):
-        lines.append(("next attempt", as_text(doc.get("runAfter"))))
-    for name, value in arguments(doc).items():
-        lines.append((name, as_text(value)))
-    for row in attempts_of(doc):
-        when = f"{as_text(row.get('startedAt'))} -> {as_text(row.get('finishedAt'))}"
-        duration = f" ({row['duration']:.3f} s)" if "duration" in row else ""
-        worker = row.get("worker") or "?"
-        lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
-        if row.get("error"):
-            lines.append(("", str(row["error"])))
-    for action in actions_of(doc):
-        lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
-    for name, value in doc.items():
-        if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS:
-            lines.append((name, as_text(value)))
-    return lines
-
-
-def as_text(value: Any) -> str:
-    if isinstance(value, datetime):
-        return _aware(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str)
-    return str(value)
 
 
 def revoked_task_ids(message: dict[str, Any], body: Any) -> list[str]:

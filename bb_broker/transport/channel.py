@@ -26,6 +26,7 @@ from bb_broker.clock import ServerClock
 from bb_broker.jobs import leases
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.outages import passes_with_time
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
@@ -40,7 +41,7 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
-from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
+from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
@@ -58,8 +59,6 @@ REACHABLE_SLICE = 0.25
 
 #: The fewest jobs a batch claim takes: it costs two round trips, so it pays from three jobs up.
 BATCH_MIN = 3
-
-_delivering = threading.local()
 
 #: Where a delivered plain message was stored, (queue, expiresAt), kept beside its Kombu payload: a requeue gives it
 #: back to that queue only, with that expiry (not routed again, which would copy a fanout message to every queue).
@@ -105,10 +104,19 @@ class JobMessage(virtual.Message):
         headers = self.headers or {}
         self.job_id: str | None = headers.get(JOB_ID_HEADER)
         self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
-        #: Why the consumer refused it, when it says (celery_hooks does, from task_unknown and task_rejected).
+        #: Why the consumer refused it, when it says: set only through explain_rejection.
         self.rejection_reason: str | None = None
         #: A plain message's queue and expiry where it was stored (see STORED_AS).
         self.stored_as: tuple[str, datetime] | None = payload.get(STORED_AS)
+
+
+def explain_rejection(message: Any, reason: str) -> None:
+    """The one way a reason reaches a job's rejection. Celery's receivers (worker/hooks.py) say it before the
+    rejection (a lost pool process) or just after it, still inside the delivery (an unknown task, an invalid message):
+    the QoS fails the job with it, in the write that settles the rejection. A message not of a job has nothing to tell.
+    """
+    if isinstance(message, JobMessage):
+        message.rejection_reason = reason
 
 
 class JobQoS(virtual.QoS):
@@ -135,7 +143,7 @@ class JobQoS(virtual.QoS):
             # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
             # reason is the message's own when it has one (celery_hooks names a lost pool process).
             self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
-        elif getattr(_delivering, "active", False):
+        elif self.channel.connection.delivering_here():
             # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
             # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
             self._rejected_in_delivery.append(message)
@@ -959,6 +967,8 @@ class Transport(virtual.Transport):
             connection.parse_broker_url(self.broker_url)
         connection.expose_as_kombu_does(client, self.broker_url)
         self.wakeups: Wakeups | None = None
+        #: The thread inside _deliver, if any: a rejection there waits for its reason until the delivery returns.
+        self._delivering_thread: int | None = None
         self._pause = self.min_polling_interval
         # On an event loop: the loop, the doorbell it watches, and the timer entry of the next poll that falls due.
         self._loop: Any = None
@@ -988,15 +998,19 @@ class Transport(virtual.Transport):
                 {queue for channel in list(self.channels) if channel._consumers for queue in channel._active_queues}
             )
 
+    def delivering_here(self) -> bool:
+        """Whether the calling thread is inside this connection's delivery of a message."""
+        return self._delivering_thread == threading.get_ident()
+
     def _deliver(self, message: Any, queue: str) -> None:
-        _delivering.active = True
+        self._delivering_thread = threading.get_ident()
         try:
             super()._deliver(message, queue)
         except Exception as exc:
             self._fail_unsettled_delivery(message, exc)
             raise
         finally:
-            _delivering.active = False
+            self._delivering_thread = None
             for channel in list(self.channels):
                 if channel.qos._rejected_in_delivery:
                     channel.qos.settle_rejections()

@@ -26,8 +26,9 @@ from pymongo.database import Database
 from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
 from bb_broker.connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
+from bb_broker.jobs.admin import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
+from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
-from bb_broker.jobs.store import NOT_IMPLEMENTED, ensure_plain_indexes, is_transient, say_no_ttl_once
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import traceback
+from dataclasses import dataclass
 from datetime import datetime
 from functools import wraps
 from typing import Any
@@ -24,21 +25,43 @@ from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
 from bb_broker.jobs.store import JobStore, attempt_entry
 from bb_broker.ops import metrics
+from bb_broker.transport.channel import explain_rejection
 from bb_broker.worker.prefork import guard_pool_queue
 
 logger = logging.getLogger(__name__)
 
-_stores: dict[tuple[int, str, str], JobStore] = {}
+#: The attribute of a Celery app holding its job stores, one per (process, broker URL, options, client options).
+APP_STORES = "bb_broker_stores"
 _stores_lock = threading.Lock()
 
-#: When each task this process runs started, on the server's clock: its history entry's `startedAt`.
-_started_at: dict[str, datetime] = {}
-#: Attempts whose settling write the result backend already made (with the result): the signal adds nothing.
-_settled_by_backend: set[tuple[str, int]] = set()
-#: Result fields the backend prepared for the settling write a signal makes (a revoke: the signal knows why).
-_pending_results: dict[tuple[str, int], dict[str, Any]] = {}
-#: Attempts the broker retried, their failure already recorded: Celery's retry that follows records nothing more.
-_retried_by_broker: set[tuple[str, int]] = set()
+#: The attribute of a task's request (Celery's `task.request`, a Context) that holds its AttemptState.
+ATTEMPT_STATE = "bb_attempt_state"
+
+
+@dataclass
+class AttemptState:
+    """What the result backend and the signal receivers tell each other of one attempt this process runs.
+
+    It is kept on the attempt's request, which Celery hands to both (the tracer's Context; for a revoke, the
+    worker Request's Context) and which lives exactly as long as the attempt: nothing to bound or to clear."""
+
+    #: When the task started, on the server's clock: its history entry's `startedAt` (taken once, by attempt_for).
+    started_at: datetime | None = None
+    #: The result backend made the settling write (with the result): the signal adds nothing.
+    settled_by_backend: bool = False
+    #: Result fields the backend prepared for the settling write a signal makes (a revoke: the signal knows why).
+    pending_result: dict[str, Any] | None = None
+    #: The broker retried the attempt, its failure already recorded: Celery's retry that follows records nothing.
+    retried_by_broker: bool = False
+
+
+def attempt_state(request: Any) -> AttemptState:
+    """The AttemptState of the attempt `request` runs, made on first use."""
+    state = getattr(request, ATTEMPT_STATE, None)
+    if state is None:
+        state = AttemptState()
+        setattr(request, ATTEMPT_STATE, state)
+    return state
 
 
 def broker_url(app: Any) -> str | None:
@@ -59,7 +82,8 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
     options = app.conf.broker_transport_options or {}
     key = (os.getpid(), url, repr(sorted(options.items())), repr(sorted(client_options.items())))
     with _stores_lock:
-        store = _stores.get(key)
+        stores: dict[tuple[int, str, str, str], JobStore] = app.__dict__.setdefault(APP_STORES, {})
+        store = stores.get(key)
         if store is None:
             target = connection.parse_broker_url(url)
             db = connection.get_database(target, **client_options)
@@ -68,7 +92,7 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
                 float(options.get("backoff_base", 5.0)),
                 float(options.get("stale_after", 300.0)),
             )
-            store = _stores[key] = JobStore(
+            store = stores[key] = JobStore(
                 db,
                 policy,
                 clock=ServerClock.of(db),
@@ -174,9 +198,7 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
         # The attempt is no longer the job's (the stale sweep gave it to another worker): its retry's publish would
         # send the job that attempt holds back to the queue. It ends here, with nothing recorded, as Ignore does.
         return Ignore()
-    if len(_retried_by_broker) > 1000:  # a retry whose publish failed leaves its entry
-        _retried_by_broker.clear()
-    _retried_by_broker.add(job)
+    attempt_state(request).retried_by_broker = True
     headers = {k: v for k, v in (request.headers or {}).items() if k not in DELIVERY_HEADERS}
     headers[BROKER_RETRIES_HEADER] = broker_retries(request) + 1
     # The attempt the retry comes from: its publish is fenced on it (store.publish's `retry_of`), since the job may be
@@ -189,30 +211,25 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
         task.__dict__.pop("override_max_retries", None)  # task.retry leaves it on the task for autoretry to read
 
 
-def retried_by_broker(job: tuple[str, int]) -> bool:
+def retried_by_broker(request: Any) -> bool:
     """True when this attempt's failure was recorded by the broker's retry (Celery's RETRY then adds no attempt)."""
-    return job in _retried_by_broker
+    return attempt_state(request).retried_by_broker
 
 
-def settled_by_backend(job: tuple[str, int]) -> None:
+def settled_by_backend(request: Any) -> None:
     """The result backend settled this attempt in its own write: the task's signal must not settle it again."""
-    if len(_settled_by_backend) > 1000:  # a signal that never came (a crash between the two) must not leak
-        _settled_by_backend.clear()
-    _settled_by_backend.add(job)
+    attempt_state(request).settled_by_backend = True
 
 
-def pending_result(job: tuple[str, int], fields: dict[str, Any]) -> None:
+def pending_result(request: Any, fields: dict[str, Any]) -> None:
     """Result fields for the settling write the signal of this attempt makes."""
-    if len(_pending_results) > 1000:
-        _pending_results.clear()
-    _pending_results[job] = fields
+    attempt_state(request).pending_result = fields
 
 
-def _settled_already(job: tuple[str, int]) -> bool:
-    if job in _settled_by_backend:
-        _settled_by_backend.discard(job)
-        return True
-    return False
+def _settled_already(request: Any) -> bool:
+    state = attempt_state(request)
+    settled, state.settled_by_backend = state.settled_by_backend, False
+    return settled
 
 
 def attempt_for(
@@ -224,11 +241,12 @@ def attempt_for(
     traceback: str | None = None,
 ) -> dict[str, Any]:
     """The history entry of the attempt `request` is running, finished now with `outcome`."""
-    task_id = getattr(request, "id", None)
+    state = attempt_state(request)
+    started_at, state.started_at = state.started_at, None
     return attempt_entry(
         attempts,
         worker=getattr(request, "hostname", None) or socket.gethostname(),
-        started_at=_started_at.pop(task_id, None) if task_id else None,
+        started_at=started_at,
         finished_at=store.now(),
         outcome=outcome,
         error=error,
@@ -240,15 +258,13 @@ def attempt_for(
 def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     store = store_for(sender.app) if sender is not None else None
     if store is not None and task_id and job_of(sender.request) is not None:
-        if len(_started_at) > 1000:  # entries whose task never settled here (a hard time limit, say)
-            _started_at.clear()
-        _started_at[task_id] = store.now()
+        attempt_state(sender.request).started_at = store.now()
 
 
 @signals.task_success.connect
 def _on_success(sender: Any = None, **_: Any) -> None:
     store, job = store_for(sender.app), job_of(sender.request)
-    if store is not None and job is not None and not _settled_already(job):
+    if store is not None and job is not None and not _settled_already(sender.request):
         store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "succeeded"))
 
 
@@ -265,7 +281,7 @@ def _on_failure(
         return
     request = sender.request
     job = job_of(request) if getattr(request, "id", None) == task_id else None
-    if job is not None and _settled_already(job):
+    if job is not None and _settled_already(request):
         return
     error = describe_error(exception)
     # Without the request (the main process reporting a hard time limit, or a Reject without requeue, for a pool
@@ -273,7 +289,7 @@ def _on_failure(
     retryable = is_retryable(request if job else None, exception)
     if job is not None:
         trace = getattr(einfo, "traceback", None)
-        ran_here = task_id in _started_at
+        ran_here = attempt_state(request).started_at is not None
         entry: dict[str, Any] | None = attempt_for(store, request, job[1], "failed", error, trace)
         if not ran_here and store.attempt_recorded(*job):
             # Another process ran the attempt (a pool process this worker lost): its broker retry recorded the
@@ -293,7 +309,7 @@ def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
     if state != states.IGNORED or sender is None:
         return
     store, job = store_for(sender.app), job_of(sender.request)
-    if store is not None and job is not None and not _settled_already(job):
+    if store is not None and job is not None and not _settled_already(sender.request):
         store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "ignored"))
 
 
@@ -301,10 +317,9 @@ def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
 def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any) -> None:
     # The task's own retry already put its job back in the queue (publish); the attempt joins the history.
     store, job = store_for(sender.app), job_of(request)
-    if job is not None and job in _retried_by_broker:
-        _retried_by_broker.discard(job)
+    if job is not None and retried_by_broker(request):
         return  # the broker's retry recorded the failed attempt before it published the task again
-    if store is None or job is None or _settled_already(job) or reason is None:
+    if store is None or job is None or _settled_already(request) or reason is None:
         return  # no reason: Celery cancelled the task as its worker stops, and the release records the attempt
     error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
     trace = getattr(einfo, "traceback", None)
@@ -329,11 +344,11 @@ def _on_revoked(
     **_: Any,
 ) -> None:
     store, job = store_for(sender.app), job_of(request)
-    if store is None or job is None or _settled_already(job):
+    if store is None or job is None or _settled_already(request):
         return
     reason = revoke_reason(terminated, expired, signum)
     entry = attempt_for(store, request, job[1], "revoked", reason)
-    store.fail(*job, reason, retryable=False, attempt=entry, result=_pending_results.pop(job, None))
+    store.fail(*job, reason, retryable=False, attempt=entry, result=attempt_state(request).pending_result)
 
 
 @signals.task_unknown.connect
@@ -350,8 +365,7 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
 def _explain_rejection(message: Any, reason: str) -> None:
     # Celery sends this just after rejecting the message, inside its delivery: the transport fails the job with
     # this reason when the delivery returns, in the one write that fails it.
-    if hasattr(message, "rejection_reason"):
-        message.rejection_reason = reason
+    explain_rejection(message, reason)
 
 
 def explain_lost_pool_processes() -> None:
@@ -370,8 +384,8 @@ def explain_lost_pool_processes() -> None:
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
         message = getattr(self, "message", None)
-        if isinstance(exc, WorkerLostError) and hasattr(message, "rejection_reason"):
-            message.rejection_reason = describe_error(exc)
+        if isinstance(exc, WorkerLostError):
+            explain_rejection(message, describe_error(exc))
         return on_failure(self, exc_info, *args, **kwargs)
 
     on_failure_explained.bb_broker_explains = True  # type: ignore[attr-defined]

@@ -45,7 +45,8 @@ from ulid import ULID
 import bb_broker  # noqa: F401 (registers bbmongo://)
 from bb_broker.clock import ServerClock
 from bb_broker.jobs import payloads
-from bb_broker.jobs.store import INDEXES, RETENTION_INDEX, JobStore
+from bb_broker.jobs.admin import INDEXES, RETENTION_INDEX
+from bb_broker.jobs.store import JobStore
 from bb_broker.ops import metrics
 from tests.bench.app import QUEUE, TASK
 from tests.bench.runner import QUIET_CLIENT

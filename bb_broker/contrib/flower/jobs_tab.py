@@ -50,12 +50,8 @@ from bb_broker.ops.operations import (
     FilterError,
     JobFilter,
     Operations,
-    actions_of,
-    arguments,
-    as_text,
-    attempts_of,
-    describe_job,
 )
+from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,153 @@
+"""Index and TTL administration of `jobs`: the indexes the hot path needs, and how long succeeded jobs are kept."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from datetime import datetime, timedelta
+
+from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo.collection import Collection as MongoCollection
+from pymongo.errors import OperationFailure
+
+from bb_broker.jobs.lifecycle import SUCCEEDED
+
+logger = logging.getLogger(__name__)
+
+#: Claim order: higher priority first, then the earliest due, then the oldest (what the bb_claim index serves).
+CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
+
+INDEXES = [
+    IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
+    IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
+    IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
+    # The operator's lists (bb_broker.ops.operations), newest first by job id, filtered by status, queue or kind.
+    IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
+    IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
+    IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
+]
+
+#: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.
+DEFAULT_RETENTION = 7 * 24 * 3600.0
+#: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
+RETENTION_INDEX = "bb_retention"
+RETENTION_FILTER = {"status": SUCCEEDED}
+#: Server error codes for an index that exists under the same name with other options.
+INDEX_CONFLICT = {85, 86}
+
+#: Server error codes for a command (or an option of it) the server does not implement: a TTL index, collMod.
+NOT_IMPLEMENTED = {115, 238}
+
+
+class ServerLacksFeature(RuntimeError):
+    """The server cannot do something the broker cannot safely do without."""
+
+
+_said_no_ttl = threading.Event()
+
+
+def say_no_ttl_once(exc: OperationFailure) -> None:
+    """One log line per process for a server without TTL indexes, however many collections find out."""
+    if not _said_no_ttl.is_set():
+        _said_no_ttl.set()
+        logger.warning(
+            "this server cannot make TTL indexes (code %s): succeeded jobs and plumbing messages are deleted by a "
+            "periodic sweep of the workers instead",
+            exc.code,
+        )
+
+
+def ensure_plain_indexes(coll: MongoCollection, indexes: list[IndexModel]) -> None:
+    """Create indexes the broker needs; a server that cannot, and does not have them already, is refused."""
+    try:
+        coll.create_indexes(indexes)
+    except OperationFailure as exc:
+        if exc.code not in NOT_IMPLEMENTED:
+            raise
+        present = {ix["name"] for ix in coll.list_indexes()}
+        missing = sorted(ix.document["name"] for ix in indexes if ix.document["name"] not in present)
+        if missing:
+            raise ServerLacksFeature(
+                f"the server cannot create the indexes {', '.join(missing)} on {coll.full_name} (createIndexes "
+                f"answered code {exc.code}); claims without them are not safe: create them by hand or use a server "
+                "that supports createIndexes"
+            ) from None
+
+
+def ensure_indexes(coll: MongoCollection, *, retention: float | None = None) -> int | None:
+    """Create the indexes; `retention` (seconds, 0 = keep) sets when succeeded jobs expire. The seconds a periodic
+    sweep must keep succeeded jobs where the server has no TTL index (see expire_succeeded), else None.
+
+    Without `retention` an existing expiry is left as it is, so a producer that does not configure it
+    never undoes what the workers set; a new collection gets DEFAULT_RETENTION.
+    """
+    ensure_plain_indexes(coll, INDEXES)
+    try:
+        _ensure_retention(coll, retention)
+    except OperationFailure as exc:
+        if exc.code not in NOT_IMPLEMENTED:
+            raise
+        say_no_ttl_once(exc)
+        seconds = DEFAULT_RETENTION if retention is None else retention
+        return math.ceil(seconds) or None
+    return None
+
+
+def expire_succeeded(coll: MongoCollection, retention_sweep: int | None, now: datetime) -> int:
+    """Where the server has no TTL index: delete the succeeded jobs past retention (a worker's periodic sweep)."""
+    if not retention_sweep:
+        return 0
+    cutoff = now - timedelta(seconds=retention_sweep)
+    return coll.delete_many({"status": SUCCEEDED, "finishedAt": {"$lt": cutoff}}).deleted_count
+
+
+def _ensure_retention(coll: MongoCollection, retention: float | None) -> None:
+    current = next((ix for ix in coll.list_indexes() if ix["name"] == RETENTION_INDEX), None)
+    if retention is None:
+        if current is not None:
+            return
+        retention = DEFAULT_RETENTION
+    if retention < 0 or math.isnan(retention):
+        raise ValueError(f"retention must be 0 (keep) or a number of seconds, got {retention!r}")
+    seconds = math.ceil(retention)  # a TTL index counts whole seconds
+    if seconds == 0:
+        if current is not None:
+            coll.drop_index(RETENTION_INDEX)
+        return
+    if current is not None:
+        ours = dict(current["key"]) == {"finishedAt": 1}
+        ours = ours and dict(current.get("partialFilterExpression") or {}) == RETENTION_FILTER
+        if ours and current.get("expireAfterSeconds") == seconds:
+            return
+        if ours:
+            _set_retention(coll, seconds)
+            return
+        coll.drop_index(RETENTION_INDEX)  # not the shape we need: rebuild it
+    try:
+        coll.create_index(
+            [("finishedAt", ASCENDING)],
+            name=RETENTION_INDEX,
+            expireAfterSeconds=seconds,
+            partialFilterExpression=RETENTION_FILTER,
+        )
+    except OperationFailure as exc:
+        if exc.code not in INDEX_CONFLICT:
+            raise
+        _set_retention(coll, seconds)  # another process created it a moment ago with another retention
+
+
+def _set_retention(coll: MongoCollection, seconds: int) -> None:
+    try:
+        coll.database.command("collMod", coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds})
+    except OperationFailure as exc:
+        if exc.code not in NOT_IMPLEMENTED:
+            raise
+        # No collMod: the same change as a new index (a server without TTL indexes says so in create_index).
+        coll.drop_index(RETENTION_INDEX)
+        coll.create_index(
+            [("finishedAt", ASCENDING)],
+            name=RETENTION_INDEX,
+            expireAfterSeconds=seconds,
+            partialFilterExpression=RETENTION_FILTER,
+        )

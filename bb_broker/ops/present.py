@@ -1,0 +1,92 @@
+"""A job as a person reads it: its summary lines, its arguments, its attempts and actions, values as text."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from bb_broker.clock import aware
+from bb_broker.jobs.lifecycle import QUEUED
+
+#: The fields shown first, in this order; the rest of the document follows.
+SUMMARY_FIELDS = (
+    "_id", "taskId", "kind", "queue", "status", "attempts", "priority", "createdAt", "startedAt", "updatedAt",
+    "runAfter", "finishedAt", "leaseOwner", "lastError",
+)  # fmt: skip
+#: Fields shown in sections of their own.
+SECTION_FIELDS = ("payload", "history", "actions")
+
+
+def arguments(doc: dict[str, Any]) -> dict[str, Any]:
+    """A job's args and kwargs, readable: as stored when the body is JSON, else Celery's argsrepr/kwargsrepr."""
+    payload = doc.get("payload")
+    if not isinstance(payload, dict):
+        return {}
+    if "args" in payload:
+        return {"args": payload.get("args"), "kwargs": payload.get("kwargs")}
+    headers = payload.get("headers") if isinstance(payload.get("headers"), dict) else {}
+    if "raw" in payload:
+        try:
+            headers = json.loads(payload["raw"]).get("headers") or {}
+        except (ValueError, AttributeError):
+            headers = {}
+    shown = {"args": headers.get("argsrepr"), "kwargs": headers.get("kwargsrepr")}
+    return {name: value for name, value in shown.items() if value is not None}
+
+
+def attempts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's recorded attempts (its `history`, when the writer keeps one), each with its duration."""
+    history = doc.get("history")
+    if not isinstance(history, list):
+        return []
+    rows = []
+    for entry in history:
+        if not isinstance(entry, dict):
+            continue
+        row = dict(entry)
+        started, finished = entry.get("startedAt"), entry.get("finishedAt")
+        if isinstance(started, datetime) and isinstance(finished, datetime):
+            row["duration"] = (aware(finished) - aware(started)).total_seconds()
+        rows.append(row)
+    return rows
+
+
+def actions_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The operator actions recorded on the job (its `actions`, when it is an array: a hand-edited one may not be)."""
+    actions = doc.get("actions")
+    return [action for action in actions if isinstance(action, dict)] if isinstance(actions, list) else []
+
+
+def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) lines for a person: the summary fields, the arguments, each attempt, each action, the rest;
+    a line with an empty label continues the one above."""
+    lines: list[tuple[str, str]] = []
+    for name in SUMMARY_FIELDS:
+        if name in doc and doc[name] not in (None, ""):
+            lines.append(("id" if name == "_id" else name, as_text(doc[name])))
+    if doc.get("status") == QUEUED and doc.get("attempts"):
+        lines.append(("next attempt", as_text(doc.get("runAfter"))))
+    for name, value in arguments(doc).items():
+        lines.append((name, as_text(value)))
+    for row in attempts_of(doc):
+        when = f"{as_text(row.get('startedAt'))} -> {as_text(row.get('finishedAt'))}"
+        duration = f" ({row['duration']:.3f} s)" if "duration" in row else ""
+        worker = row.get("worker") or "?"
+        lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
+        if row.get("error"):
+            lines.append(("", str(row["error"])))
+    for action in actions_of(doc):
+        lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
+    for name, value in doc.items():
+        if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS:
+            lines.append((name, as_text(value)))
+    return lines
+
+
+def as_text(value: Any) -> str:
+    if isinstance(value, datetime):
+        return aware(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str)
+    return str(value)

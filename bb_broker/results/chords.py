@@ -1,0 +1,239 @@
+"""Groups and chords in `bb_results`: saved groups, and a chord's native counter on one document (no chord_unlock).
+
+Each header task's part is one `findAndModify` on `chord:<group id>` that adds its result and `$inc`s the count,
+guarded by the part's key so a task that runs again (its worker was killed) is counted once. The part is counted
+before the task's own settle, so a worker killed in between loses no part: the job is re-queued and its rerun finds
+its part counted. The part that completes the count claims the callback (recording the task id of the callback's
+first message), sends it, then marks it sent; a worker killed between the claim and the mark leaves its part's job
+running, and the rerun of that part (the same key) takes the claim over: it sends the callback with the claimed id
+unless a job of that id exists already.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import chord, group, maybe_signature, states
+from celery.backends.base import BaseBackend
+from celery.canvas import _chain
+from celery.exceptions import ChordError
+from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
+from celery.utils.functional import _regen
+from kombu.utils.uuid import uuid
+from pymongo import ReturnDocument
+from pymongo.collection import Collection
+
+from bb_broker.jobs.store import ResultTooLarge
+
+logger = logging.getLogger(__name__)
+
+
+def _first_message(signature: Any) -> Any:
+    """The signature whose message a canvas sends first: a chain's first step, a group's or chord's first task."""
+    while isinstance(signature, _chain | group | chord) and signature.tasks:
+        tasks = signature.tasks
+        signature = maybe_signature(tasks[0] if isinstance(tasks, list | tuple) else next(iter(tasks)))
+    return signature
+
+
+class ChordBackend(BaseBackend):
+    """Celery's group and chord interface on `bb_results`, for a backend that says where and how it stores values."""
+
+    @property
+    def side(self) -> Collection:
+        """The collection of what has no job: groups, chord counters, results of tasks without a job."""
+        raise NotImplementedError
+
+    @property
+    def jobs(self) -> Collection:
+        raise NotImplementedError
+
+    def _stored(self, value: Any) -> tuple[Any, str]:
+        raise NotImplementedError
+
+    def _loaded(self, value: Any, fmt: str | None) -> Any:
+        raise NotImplementedError
+
+    def _masked(self, encoded: Any) -> Any:
+        raise NotImplementedError
+
+    def _expires_at(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _side_state(self, task_id: str) -> str | None:
+        raise NotImplementedError
+
+    # --- groups ----------------------------------------------------------------------------
+
+    def _save_group(self, group_id: str, result: GroupResult) -> GroupResult:
+        value, fmt = self._stored({"result": result.as_tuple()})
+        self.side.replace_one(
+            {"_id": f"group:{group_id}"},
+            {"kind": "group", "result": value, "resultFormat": fmt, "dateDone": self.app.now(), **self._expires_at()},
+            upsert=True,
+        )
+        return result
+
+    def _restore_group(self, group_id: str) -> dict[str, Any] | None:
+        doc = self.side.find_one({"_id": f"group:{group_id}"})
+        if doc is None:
+            return None
+        meta = self._loaded(doc["result"], doc.get("resultFormat"))
+        meta["result"] = result_from_tuple(meta["result"], self.app)
+        return meta
+
+    def _delete_group(self, group_id: str) -> None:
+        self.side.delete_one({"_id": f"group:{group_id}"})
+
+    # --- chords: a native counter on one document --------------------------------------------
+
+    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> None:
+        """Before the header is sent: a fresh counter (a frozen chord applied again is a new run)."""
+        self.ensure_chords_allowed()
+        group_id = header_result_args[0]
+        self.side.replace_one(
+            {"_id": f"chord:{group_id}"},
+            {"kind": "chord", "count": 0, "extra": 0, "members": [], "parts": [], **self._expires_at()},
+            upsert=True,
+        )
+        if not isinstance(header_result_args[1], _regen):
+            header = self.app.GroupResult(*header_result_args)
+            if any(isinstance(result, GroupResult) for result in header.results):
+                header.save(backend=self)  # nested groups: the callback gets their structure from a join
+
+    def set_chord_size(self, group_id: str, chord_size: int) -> None:
+        self.side.update_one({"_id": f"chord:{group_id}"}, {"$set": {"size": chord_size}}, upsert=True)
+
+    def add_to_chord(self, group_id: str, result: Any) -> None:
+        self.side.update_one({"_id": f"chord:{group_id}"}, {"$inc": {"extra": 1}})
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
+        task_id, group_id, index = request.id, request.group, request.group_index
+        if not task_id or not group_id:
+            return
+        key = f"{task_id}:{index}"
+        value, fmt = self._part_value(result, state)
+        part = {"key": key, "i": index, "id": task_id, "state": state, "value": value, "format": fmt}
+        counter = self._count_part(group_id, key, part)
+        if counter is None:
+            logger.error("chord %s has no counter (expired, or never applied): part %s ignored", group_id, key)
+            return
+        size = counter.get("size")
+        if size is None:
+            size = (request.chord or {}).get("chord_size")
+        if size is None or counter["count"] < size + counter.get("extra", 0) or counter.get("sent"):
+            return
+        # The count is complete: the part that claims the callback sends it.
+        callback = maybe_signature(request.chord, app=self.app)
+        first = _first_message(callback)
+        if not self._claim_callback(group_id, key, first, counter.get("callback")):
+            return
+        try:
+            values = self._chord_values(
+                group_id, self.side.find_one({"_id": f"chord:{group_id}"}, {"parts": 1})["parts"]
+            )
+        except ChordError as exc:
+            logger.error("Chord %r raised: %r", group_id, exc)
+            self.chord_error_from_stack(callback, exc)
+        except Exception as exc:
+            logger.exception("Chord %r raised: %r", group_id, exc)
+            self.chord_error_from_stack(callback, ChordError(f"Join error: {exc!r}"))
+        else:
+            self._send_callback(group_id, callback, values)
+        self.side.update_one({"_id": f"chord:{group_id}"}, {"$set": {"sent": self.app.now()}})
+
+    def _part_value(self, result: Any, state: str) -> tuple[Any, str]:
+        """A part's value as the counter keeps it. A failure too large to keep is kept as that (as its job records
+        it), so the chord still fails; a success too large raises, and the task fails on it (then counted so)."""
+        if state not in states.EXCEPTION_STATES:
+            return self._stored(self.encode_result(result, state))
+        try:
+            return self._stored(self._masked(self.encode_result(result, state)))
+        except ResultTooLarge as too_large:
+            reason = ResultTooLarge(f"the task's failure does not fit in its job document: {too_large}")
+            return self._stored(self.encode_result(reason, state))
+
+    def _count_part(self, group_id: str, key: str, part: dict[str, Any]) -> dict[str, Any] | None:
+        """Add a part to the chord's counter, once per key; the counter as it stands (None: no such chord)."""
+        chord_id = f"chord:{group_id}"
+        small = {"parts": 0, "members": 0}
+        counted: dict[str, Any] = {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}}
+        if self.expires:
+            # Renewed by every part, as Redis renews a chord's keys: a header that runs longer than result_expires
+            # keeps its counter while its parts keep coming.
+            counted["$set"] = self._expires_at()
+        counter = self.side.find_one_and_update(
+            {"_id": chord_id, "members": {"$ne": key}},
+            counted,
+            projection=small,
+            return_document=ReturnDocument.AFTER,
+        )
+        # None: this part was counted before (the task ran again after its worker died), or the chord is unknown.
+        return counter if counter is not None else self.side.find_one({"_id": chord_id}, small)
+
+    def _claim_callback(self, group_id: str, key: str, first: Any, claim: dict[str, Any] | None) -> bool:
+        """Whether this part sends the callback: the first to claim it, or the same part run again after its
+        worker died holding the claim, and then only when the callback's first message was not sent already.
+
+        The claim records the task id of the callback's first message, so that a part run again sends it with
+        the same id and can look for its job first: the callback is sent once whichever side of the send the
+        worker died on.
+        """
+        chord_id = f"chord:{group_id}"
+        if claim is None:
+            first_id = first.options.get("task_id") or uuid()
+            claim = {"by": key, "firstId": first_id, "at": self.app.now()}
+            taken = self.side.update_one(
+                {"_id": chord_id, "callback": {"$exists": False}}, {"$set": {"callback": claim}}
+            )
+            if taken.modified_count:
+                first.set(task_id=first_id)
+                return True
+            claim = (self.side.find_one({"_id": chord_id}, {"callback": 1, "sent": 1}) or {}).get("callback")
+        if claim is None or claim.get("by") != key:
+            return False  # another part sends it
+        # This part claimed it before and ran again: its worker died between the claim and the end of the send.
+        first.set(task_id=claim["firstId"])
+        sent = self.jobs.find_one({"taskId": claim["firstId"]}, {"_id": 1}) is not None
+        if sent or self._side_state(claim["firstId"]) is not None:  # a job, or the chord's error stored
+            logger.warning("chord %s: the callback was sent before its sender died; not sent again", group_id)
+            self.side.update_one({"_id": chord_id}, {"$set": {"sent": self.app.now()}})
+            return False
+        logger.warning("chord %s: its callback's sender died before sending it; sending it now", group_id)
+        return True
+
+    def _send_callback(self, group_id: str, callback: Any, values: list[Any]) -> None:
+        try:
+            callback.delay(values)
+        except Exception as exc:
+            logger.exception("Chord callback for %r raised: %r", group_id, exc)
+            self.chord_error_from_stack(callback, ChordError(f"Callback error: {exc!r}"))
+
+    def _chord_values(self, group_id: str, parts: list[dict[str, Any]]) -> list[Any]:
+        """The header's results in header order; a failed member fails the chord, as in Celery's Redis backend."""
+        ordered = sorted(parts, key=lambda part: (part["i"] is None, part["i"] or 0))
+        for part in ordered:
+            if part["state"] in states.PROPAGATE_STATES:
+                exc = self.exception_to_python(self._loaded(part["value"], part["format"]))
+                error = ChordError(f"Dependency {part['id']} raised {exc!r}")
+                error.__cause__ = exc
+                raise error
+        header = GroupResult.restore(group_id, backend=self)
+        if header is not None:
+            # Nested groups in the header: the callback gets their structure, each task's value from its part. Not a
+            # join: the part completing the count is counted before its own result is stored, so joining a header
+            # that holds it would wait on itself for ever.
+            by_task = {part["id"]: part for part in parts}
+            return [self._nested_value(result, by_task) for result in header.results]
+        return [self._loaded(part["value"], part["format"]) for part in ordered]
+
+    def _nested_value(self, result: Any, parts: dict[str, dict[str, Any]]) -> Any:
+        """A header member's value as a join gives it: a list for a group, nested as the groups are."""
+        if isinstance(result, ResultSet):
+            return [self._nested_value(child, parts) for child in result.results]
+        part = parts.get(result.id)
+        if part is None:  # not one of the chord's parts: its result, as a join reads it
+            with allow_join_result():
+                return result.get(timeout=self.app.conf.result_chord_join_timeout, propagate=True)
+        return self._loaded(part["value"], part["format"])

@@ -1,0 +1,130 @@
+"""Waiting for results: a change stream on the jobs that can change them wakes the waiter, else it polls."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from pymongo.errors import OperationFailure
+
+from bb_broker.jobs.store import RESULTS_COLLECTION
+from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
+
+if TYPE_CHECKING:
+    from bb_broker.results.backend import JobResultBackend
+
+#: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
+SAFETY_READ = 10.0
+#: The most task ids whose jobs a long-lived client remembers (beyond that, only those of the latest read).
+REMEMBERED_JOBS = 10_000
+
+
+class ResultConsumer:
+    """The waiting side of JobResultBackend, as Celery's Redis backend has its ResultConsumer: it reads through the
+    backend and watches what can change the results it waits for."""
+
+    def __init__(self, backend: JobResultBackend, *, cache: Any) -> None:
+        self.backend = backend
+        #: The backend's cache of ready results (Celery's `self._cache`): a ready result is not read again.
+        self._cache = cache
+        #: False once the deployment said it has no change streams (a standalone server): then it polls.
+        self.change_streams = True
+        #: Task id -> its job's id, learnt by reads: what a waiting get() watches.
+        self._job_ids: dict[str, str] = {}
+
+    def remember_jobs(self, found: dict[str, str], read: list[str]) -> None:
+        """The jobs a read found (task id -> job id), of the task ids it read, for a wait to watch."""
+        self._job_ids.update(found)
+        if len(self._job_ids) > REMEMBERED_JOBS:  # a long-lived client reads many ids: keep only what waits need
+            self._job_ids = {task_id: self._job_ids[task_id] for task_id in read if task_id in self._job_ids}
+
+    def get_many(
+        self,
+        task_ids: Iterable[str],
+        timeout: float | None = None,
+        interval: float = 0.5,
+        on_message: Any = None,
+        on_interval: Any = None,
+        max_iterations: int | None = None,
+        ready_states: frozenset[str] = states.READY_STATES,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield (task id, meta) as each task is ready: woken by a change stream on their jobs, else polling."""
+        pending = {str(task_id) for task_id in task_ids}
+        for task_id in list(pending):
+            cached = self._cache.get(task_id)
+            if cached is not None and cached["status"] in ready_states:
+                pending.discard(task_id)
+                yield task_id, cached
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stream, watched = None, None
+        iterations = 0
+        try:
+            while pending:
+                metas = self.backend.metas(pending)
+                for task_id, meta in metas.items():
+                    if meta["status"] in ready_states:
+                        pending.discard(task_id)
+                        if meta["status"] == states.SUCCESS:
+                            self._cache[task_id] = meta
+                        if on_message is not None:
+                            on_message(meta)
+                        yield task_id, meta
+                if not pending:
+                    return
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise CeleryTimeoutError(f"Operation timed out ({timeout})")
+                iterations += 1
+                if max_iterations and iterations >= max_iterations:
+                    return
+                jobs = tuple(sorted(self._job_ids[task_id] for task_id in pending if task_id in self._job_ids))
+                unknown = tuple(sorted(task_id for task_id in pending if task_id not in self._job_ids))
+                if self.change_streams and (jobs, unknown) != watched:
+                    if stream is not None:
+                        stream.close()
+                    stream, watched = self.watch(jobs, unknown, pending), (jobs, unknown)
+                    if stream is not None:
+                        continue  # read again at once: a change between the read and the watch is not missed
+                self._pause(stream, interval, remaining)
+                if on_interval is not None:
+                    # After the wait and before the next read, as Redis's consumer does: a parent's error (a
+                    # chord's revoked header task) is raised before the failure it caused downstream.
+                    on_interval()
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str], task_ids: Iterable[str]) -> Any:
+        """A change stream on what can change these results: their jobs, a new job for any of the task ids (a
+        replaced task's id comes back on its replacement's job, a task id not seen yet on its first), and
+        bb_results documents of tasks without a job. None where the deployment has no change streams."""
+        unknown = list(unknown_task_ids)
+        jobs = self.backend.jobs_collection
+        watched = [
+            {"ns.coll": jobs, "documentKey._id": {"$in": list(job_ids)}},
+            {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": list(task_ids)}},
+            {"ns.coll": RESULTS_COLLECTION, "documentKey._id": {"$in": [f"task:{task_id}" for task_id in unknown]}},
+        ]
+        try:
+            return self.backend.database.watch(
+                [{"$match": {"$or": watched}}, {"$project": {"documentKey": 1}}], max_await_time_ms=1000
+            )
+        except OperationFailure as exc:
+            if exc.code in NO_CHANGE_STREAMS:
+                self.change_streams = False  # a standalone server: poll
+                return None
+            raise
+
+    def _pause(self, stream: Any, interval: float, remaining: float | None) -> None:
+        """Until one of the watched jobs changes (or SAFETY_READ passes), or else `interval`."""
+        if stream is None:
+            time.sleep(interval if remaining is None else min(interval, remaining))
+            return
+        limit = SAFETY_READ if remaining is None else min(SAFETY_READ, remaining)
+        started = time.monotonic()
+        while time.monotonic() - started < limit:
+            if stream.try_next() is not None:  # one awaiting getMore of up to a second
+                return

@@ -1,0 +1,117 @@
+"""What a job document (or a `bb_results` document) reads as in Celery: its state and meta, with no server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from celery import states
+from celery.exceptions import TaskRevokedError
+from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.serialization import loads
+
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED
+from bb_broker.jobs.payloads import PayloadError, to_message
+
+#: The fields a result read needs from a job document.
+RESULT_FIELDS = {
+    "status": 1,
+    "lastError": 1,
+    "state": 1,
+    "result": 1,
+    "resultFormat": 1,
+    "traceback": 1,
+    "dateDone": 1,
+    "children": 1,
+    "groupId": 1,
+    "parentId": 1,
+    "finishedAt": 1,
+    "forgotten": 1,
+}
+#: The fields `result_extended` reads too: the task's name, message, queue and the worker that ran it.
+EXTENDED_FIELDS = {"kind": 1, "payload": 1, "queue": 1, "history": {"$slice": -1}}
+#: Fields forget() removes from a job.
+FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError", "finishedAt", "forgotten")}
+
+#: Decodes a stored result: (the `result` field, its `resultFormat`) -> the value (codec.loaded, bound to a backend).
+Loader = Callable[[Any, str | None], Any]
+
+
+class JobFailed(Exception):
+    """The task's job failed without a result from Celery (its worker was lost, its task unknown, an operator)."""
+
+
+def pending(task_id: str) -> dict[str, Any]:
+    return {"status": states.PENDING, "result": None, "task_id": task_id}
+
+
+def finished_without_result(task_id: str, state: str, exc: BaseException) -> dict[str, Any]:
+    """The meta of a task whose outcome is an exception the broker knows, not one Celery stored."""
+    return {"task_id": task_id, "status": state, "result": exc, "traceback": None, "children": []}
+
+
+def meta_of_job(doc: dict[str, Any], load: Loader) -> dict[str, Any]:
+    """A job document's meta: its stored result when its status agrees, else what its status says."""
+    status, state = doc.get("status"), doc.get("state")
+    task_id = doc["taskId"]
+    finished = doc.get("finishedAt")
+    if status == FAILED and state is None and finished is not None and doc.get("forgotten") == finished:
+        return pending(task_id)  # forget() forgot this failure
+    if status == FAILED and state not in (states.FAILURE, states.REVOKED):
+        last_error = str(doc.get("lastError") or "failed")
+        if last_error.startswith("revoked"):
+            return finished_without_result(task_id, states.REVOKED, TaskRevokedError(last_error))
+        return finished_without_result(task_id, states.FAILURE, JobFailed(last_error))
+    if status == SUCCEEDED and (state is None or state in states.UNREADY_STATES):
+        # ignore_result, or forgotten. A state a task set before it raised Ignore (a custom one, or FAILURE as
+        # Celery's docs show) stays what it reads, as in Celery's other backends.
+        return pending(task_id)
+    if status in (QUEUED, RUNNING) and (state is None or state in states.READY_STATES):
+        return pending(task_id)  # an outcome from an earlier run
+    return meta_of_result(doc, task_id, load)
+
+
+def meta_of_task_document(doc: dict[str, Any], load: Loader) -> tuple[str, dict[str, Any]]:
+    """The task id and meta of a `task:<id>` document in bb_results (a task that never had a job)."""
+    task_id = doc["_id"].partition(":")[2]
+    if doc.get("state") == states.REVOKED and "resultFormat" not in doc:
+        # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED.
+        return task_id, finished_without_result(task_id, states.REVOKED, TaskRevokedError(doc.get("lastError")))
+    return task_id, meta_of_result(doc, task_id, load)
+
+
+def meta_of_result(doc: dict[str, Any], task_id: str, load: Loader) -> dict[str, Any]:
+    """The meta of a document's result fields, the result decoded (an exception still as it was encoded)."""
+    meta = {
+        "task_id": task_id,
+        "status": doc.get("state") or states.PENDING,
+        "result": load(doc.get("result"), doc.get("resultFormat")) if "resultFormat" in doc else None,
+        "traceback": doc.get("traceback"),
+        "children": doc.get("children") or [],
+        "date_done": doc.get("dateDone"),
+    }
+    if doc.get("groupId"):
+        meta["group_id"] = doc["groupId"]
+    if doc.get("parentId"):
+        meta["parent_id"] = doc["parentId"]
+    return meta
+
+
+def extended(doc: dict[str, Any], accept: Any) -> dict[str, Any]:
+    """`result_extended`'s fields, as Celery's backends store them from the request: read off the job."""
+    try:
+        message = to_message(doc.get("payload"))
+        body = loads(message["body"], message["content-type"], message["content-encoding"], accept=accept)
+        args, kwargs = (body[0], body[1]) if isinstance(body, list | tuple) else (None, None)
+    except (PayloadError, ContentDisallowed, DecodeError, TypeError, ValueError, IndexError):
+        message, args, kwargs = {"headers": {}}, None, None  # a message the client cannot read: no arguments
+    history = doc.get("history") or []
+    finished = doc.get("status") in (SUCCEEDED, FAILED) and history and isinstance(history[-1], dict)
+    return {
+        "name": doc.get("kind"),
+        "args": args,
+        "kwargs": kwargs,
+        "worker": history[-1].get("worker") if finished else None,
+        "retries": message["headers"].get("retries"),
+        "queue": doc.get("queue"),
+    }
