@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pymongo.database import Database
 from pymongo.errors import PyMongoError
 
+from bb_broker.forks import reset_in_child
+
 
 def _monotonic_time() -> datetime:
     # The monotonic clock as a date: a wall clock stepped by NTP or a resumed VM does not move it.
@@ -95,4 +97,4 @@ def _forget_parent_clocks() -> None:
     ServerClock._shared_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_clocks)
+reset_in_child(_forget_parent_clocks)

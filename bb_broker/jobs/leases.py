@@ -13,6 +13,7 @@ import pymongo
 from pymongo.errors import PyMongoError
 
 from bb_broker.connection import shutdown_patience
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs.store import JobStore, passes_with_time
 from bb_broker.threads import start_supervised
 
@@ -222,4 +223,4 @@ def _forget_parent_keepers() -> None:
     _unreleased_lock, _giving_back = threading.Lock(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_keepers)
+reset_in_child(_forget_parent_keepers)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 from collections import Counter, deque
@@ -23,6 +22,7 @@ from pymongo.errors import PyMongoError
 
 from bb_broker import connection
 from bb_broker.clock import ServerClock
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.lifecycle import Policy
@@ -68,7 +68,7 @@ STORED_AS = "bb_stored_as"
 #: The threads running an event loop a connection of this process joined (register_with_event_loop), by how many
 #: joined it: the plain messages they publish go through the outbox (MessageStore.put's `soon`).
 _loop_threads: Counter[int] = Counter()
-os.register_at_fork(after_in_child=_loop_threads.clear)  # a pool process runs no loop of its parent's
+reset_in_child(_loop_threads.clear)  # a pool process runs no loop of its parent's
 
 
 def _on_a_loop_thread() -> bool:
