@@ -25,7 +25,6 @@ from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
 from bb_broker.jobs.leases import LeaseKeeper
-from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
@@ -40,8 +39,9 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
-from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
+from bb_broker.jobs.store import Claimed, attempt_entry, new_job_id, passes_with_time
 from bb_broker.ops.operations import Operations, revoked_task_ids
+from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.wakeups import Doorbell, Look, Wakeups
@@ -212,7 +212,7 @@ class JobQoS(virtual.QoS):
         (below BATCH_MIN no claim is a batch, and nothing is worth waiting for). Each claim costs the server a read
         of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps the
         pool busy while the claim is on its way."""
-        return min(max(BATCH_MIN, self.prefetch_count // 2), int(self.channel.max_claim_batch))
+        return min(max(BATCH_MIN, self.prefetch_count // 2), self.channel.options.max_claim_batch)
 
     def claimed(self) -> None:
         """A claim was made: the next wait for a batch starts afresh."""
@@ -287,34 +287,19 @@ class Channel(virtual.Channel):
     Message = JobMessage
     supports_fanout = True
 
-    # Transport options (broker_transport_options), with their defaults.
-    max_attempts = 3
-    backoff_base = 5.0
-    stale_after = 300.0
-    message_ttl = 300.0
-    jobs_collection = "jobs"
-    #: The most jobs one claim takes, however many the consumer could start.
-    max_claim_batch = 16
-    #: Seconds succeeded jobs are kept (0 keeps them); unset leaves the collection's expiry as it is.
-    retention: float | None = None
-    from_transport_options = virtual.Channel.from_transport_options + (
-        "max_attempts",
-        "backoff_base",
-        "stale_after",
-        "message_ttl",
-        "jobs_collection",
-        "max_claim_batch",
-        "retention",
-        "safety_poll_interval",
-        "use_change_streams",
-        "events_linger",
-    )
-
-    #: Wake consumers with a change stream where the deployment has one; polling only when False.
-    use_change_streams = True
-
-    #: Seconds between polls of a queue that the change stream says nothing about: a safety net.
-    safety_poll_interval = 10.0
+    # The transport options (broker_transport_options): Kombu sets each on the channel (from_transport_options),
+    # which reads them into its BrokerOptions (self.options); their defaults, and what each does, are BrokerOptions'.
+    max_attempts = DEFAULTS.policy.max_attempts
+    backoff_base = DEFAULTS.policy.backoff_base
+    stale_after = DEFAULTS.policy.stale_after
+    message_ttl = DEFAULTS.message_ttl
+    jobs_collection = DEFAULTS.jobs_collection
+    max_claim_batch = DEFAULTS.max_claim_batch
+    retention = DEFAULTS.retention
+    safety_poll_interval = DEFAULTS.safety_poll_interval
+    use_change_streams = DEFAULTS.use_change_streams
+    events_linger = DEFAULTS.events_linger
+    from_transport_options = virtual.Channel.from_transport_options + TRANSPORT_OPTIONS
 
     #: Seconds a consumer trusts what it read of the paused queues without a change stream (with one, it reads
     #: again when the stream reports a change, and at least every minute). Not a transport option (yet).
@@ -323,20 +308,14 @@ class Channel(virtual.Channel):
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
     topic_table_max_age = 1.0
 
-    #: Seconds a message to a topic exchange (Celery's task events), published on an event loop's thread, may wait
-    #: in the outbox for others to be stored with it; 0 stores each at once.
-    events_linger = 0.02
-
     def __init__(self, connection_: Any, **kwargs: Any) -> None:
         super().__init__(connection_, **kwargs)
+        self.options = BrokerOptions.parse({name: getattr(self, name) for name in TRANSPORT_OPTIONS})
         self.target = connection.parse_broker_url(connection_.broker_url)
-        db = connection.get_database(self.target)
-        self.policy = Policy(int(self.max_attempts), float(self.backoff_base), float(self.stale_after))
+        self.jobs = open_store(self.target, self.options)
+        db = self.jobs.coll.database
         self.clock = ServerClock.of(db)
-        self.jobs = JobStore(
-            db, self.policy, clock=self.clock, collection=self.jobs_collection, secrets=self.target.secrets
-        )
-        self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
+        self.plumbing = MessageStore(db, ttl=self.options.message_ttl, secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)
         self.paused = PausedQueues(
             self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
@@ -376,11 +355,10 @@ class Channel(virtual.Channel):
                     raise
 
     def _ensure_indexes(self) -> None:
-        key = (self.target.mongo_uri, self.target.database, self.jobs_collection)
+        key = (self.target.mongo_uri, self.target.database, self.options.jobs_collection)
         with _indexed_lock:
             if key not in _indexed:
-                retention = None if self.retention is None else float(self.retention)
-                self.jobs.ensure_indexes(retention=retention)
+                self.jobs.ensure_indexes(retention=self.options.retention)
                 self.plumbing.ensure_indexes()
                 expiries = [self.jobs.expire_succeeded] if self.jobs.retention_sweep else []
                 _indexed[key] = expiries + ([self.plumbing.expire] if self.plumbing.expiry_sweep else [])
@@ -491,7 +469,7 @@ class Channel(virtual.Channel):
         try:
             with connection.shutdown_patience():
                 return super().basic_publish(
-                    message, exchange, routing_key, **kwargs, linger=float(self.events_linger) if lingering else 0.0
+                    message, exchange, routing_key, **kwargs, linger=self.options.events_linger if lingering else 0.0
                 )
         except PyMongoError:
             if not connection.server_gone_at_shutdown():
@@ -582,7 +560,7 @@ class Channel(virtual.Channel):
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
             self._keeper.add_source(self._live_jobs)
             self._give_back_unreleased(self._keeper)
-            for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.jobs_collection), []):
+            for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.options.jobs_collection), []):
                 self._keeper.add_expiry(expire)
         self.connection.watch(self)
         tag = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
@@ -654,7 +632,7 @@ class Channel(virtual.Channel):
                 # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
                 room = self.qos.claimable() if queue in self._active_queues else 1
                 told = look.messages if look is not None else 0
-                wanted = int(max(min(told, room, self.max_claim_batch), 1))
+                wanted = max(min(told, room, self.options.max_claim_batch), 1)
                 taken, exhausted = self.plumbing.take(queue, wanted)
                 held.extend(taken)
                 if look is not None:
@@ -769,7 +747,7 @@ class Channel(virtual.Channel):
         if queue not in self._backlogged or queue not in self._active_queues:
             return 1
         held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
-        size = min(self.qos.claimable() - held, int(self.max_claim_batch))
+        size = min(self.qos.claimable() - held, self.options.max_claim_batch)
         return size if size >= BATCH_MIN else 1
 
     def is_holding(self) -> bool:
@@ -969,7 +947,7 @@ class Transport(virtual.Transport):
 
     def watch(self, channel: Channel) -> None:
         """Start the change stream that wakes this connection's consumers (once, for the first consumer)."""
-        if self.wakeups is None and str(channel.use_change_streams).lower() not in ("false", "0", "no"):
+        if self.wakeups is None and channel.options.use_change_streams:
             self.wakeups = Wakeups(
                 channel.jobs.coll.database,
                 jobs=channel.jobs.coll.name,
@@ -977,7 +955,7 @@ class Transport(virtual.Transport):
                 bindings=channel.plumbing.bindings.name,
                 controls=channel.queue_controls.coll.name,
                 clock=channel.jobs.now,
-                safety_poll_interval=float(channel.safety_poll_interval),
+                safety_poll_interval=channel.options.safety_poll_interval,
                 on_news=self.ring,
             )
 
