@@ -205,7 +205,9 @@ class LeaseKeeper:
 
 
 def _snapshot(source: LiveJobs) -> list[str]:
-    # Sources are read from this thread while the consumer mutates them: retry a torn read.
+    # Sources are read from the keeper's thread while their owners change them (a channel's consuming thread its
+    # delivered and held jobs, Celery's event loop its reserved requests, a WeakSet whose iteration raises when it
+    # changes meanwhile): retry a torn read.
     for _ in range(5):
         try:
             return [job_id for job_id in source() if job_id]

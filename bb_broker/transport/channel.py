@@ -8,8 +8,9 @@ import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from queue import Empty
+from queue import Empty, SimpleQueue
 from time import monotonic, sleep
 from typing import Any
 
@@ -223,63 +224,104 @@ class ClaimOnItsWay(Empty):
     """Nothing to deliver yet: a claim for the queue is on its way, and rings the event loop when it lands."""
 
 
+@dataclass(frozen=True)
+class LandedClaim:
+    """What a claim ClaimsAhead made brought back: the jobs of `queue` it took (up to `wanted`), or the error it met."""
+
+    queue: str
+    wanted: int
+    jobs: list[Claimed] = field(default_factory=list)
+    error: BaseException | None = None
+
+
 class ClaimsAhead:
     """On Celery's event loop, the claims of a backlogged queue run on a thread of their own: the loop keeps handing
-    the jobs it has to the pool while the server answers, instead of waiting for it between batches."""
+    the jobs it has to the pool while the server answers, instead of waiting for it between batches.
 
-    def __init__(self, claim: Callable[[str, int], None], ring: Callable[[], None]) -> None:
+    Two threads, nothing changed by both. The consuming thread (the event loop's) asks for a claim (`start`), takes
+    what landed (`landed`), alone knows which claim is on its way, and says which queues it consumes no more
+    (`give_up`); this class's thread only runs the claims it is handed through one queue and hands each result back
+    through another, then rings the loop. So the channel's held jobs and backlog (Channel._held,
+    Channel._backlogged) change on the consuming thread only, when it takes a landed claim in
+    (Channel._take_landed_claims)."""
+
+    def __init__(
+        self,
+        claim: Callable[[str, int], list[Claimed]],
+        ring: Callable[[], None],
+        release: Callable[[Collection[Claimed]], None],
+    ) -> None:
         self._claim = claim
         self._ring = ring
-        self._wanted: tuple[str, int] | None = None  # the claim on its way
-        self._error: BaseException | None = None
-        self._ready = threading.Condition()
+        self._release = release
+        self._requests: SimpleQueue[tuple[str, int] | None] = SimpleQueue()  # None: closed
+        self._landed: SimpleQueue[LandedClaim] = SimpleQueue()
+        self._on_its_way: tuple[str, int] | None = None  # the consuming thread's alone
+        # What no consumer here takes any more: a claim of it that lands, this thread gives back at once (the
+        # consuming thread may be gone, or not look again). Told under the lock a landing claim looks under, so that
+        # each claim is either handed over or given back, never left in the queue for no one.
+        self._handing = threading.Lock()
+        self._unwanted: set[str] = set()
         self._closed = False
         # A daemon: a claim stuck on a server that is gone must not hold the process at exit.
         start_supervised("bb-claims-ahead", self._run)
 
     def busy_with(self, queue: str) -> bool:
-        wanted = self._wanted
-        return wanted is not None and wanted[0] == queue
+        return self._on_its_way is not None and self._on_its_way[0] == queue
 
     @property
     def pending(self) -> int:
         """Jobs the claim on its way may bring."""
-        wanted = self._wanted
-        return 0 if wanted is None else wanted[1]
+        return 0 if self._on_its_way is None else self._on_its_way[1]
 
     def start(self, queue: str, wanted: int) -> None:
         """Claim up to `wanted` jobs of `queue` in the background (unless a claim is on its way); rings when done."""
-        with self._ready:
-            if self._wanted is None and not self._closed:
-                self._wanted = (queue, wanted)
-                self._ready.notify()
+        if self._on_its_way is None and not self._closed:
+            with self._handing:
+                self._unwanted.discard(queue)
+            self._on_its_way = (queue, wanted)
+            self._requests.put((queue, wanted))
 
-    def raise_error(self) -> None:
-        """The error the last claim met, raised where the event loop hands it to Celery (to reconnect)."""
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+    def give_up(self, queue: str) -> None:
+        """`queue` is consumed here no more: the jobs a claim of it brings from now on go back at once."""
+        with self._handing:
+            self._unwanted.add(queue)
 
-    def close(self) -> None:
-        with self._ready:
+    def landed(self) -> LandedClaim | None:
+        """The claim that landed, if one did: no claim is on its way after it."""
+        try:
+            landed = self._landed.get_nowait()
+        except Empty:
+            return None
+        self._on_its_way = None
+        return landed
+
+    def close(self) -> list[LandedClaim]:
+        """Stop; returns what landed and was not taken (a claim that lands later, this thread gives back)."""
+        with self._handing:
             self._closed = True
-            self._ready.notify()
+        self._requests.put(None)
+        taken = []
+        while (landed := self.landed()) is not None:
+            taken.append(landed)
+        return taken
 
     def _run(self) -> None:
-        while True:
-            with self._ready:
-                while self._wanted is None and not self._closed:
-                    self._ready.wait()
-                if self._closed:
-                    return
-                queue, wanted = self._wanted
+        while (request := self._requests.get()) is not None:
+            if self._closed:
+                return
+            queue, wanted = request
             try:
-                self._claim(queue, wanted)
-            except BaseException as exc:  # noqa: BLE001 (handed to the loop's thread, which raises it)
-                self._error = exc
-            finally:
-                self._wanted = None
-                self._ring()
+                landed = LandedClaim(queue, wanted, self._claim(queue, wanted))
+            except BaseException as exc:  # noqa: BLE001 (handed to the consuming thread, which raises it)
+                landed = LandedClaim(queue, wanted, error=exc)
+            with self._handing:
+                unwanted = self._closed or queue in self._unwanted
+                # Handed over empty when unwanted: the consuming thread still learns that the claim landed.
+                self._landed.put(replace(landed, jobs=[]) if unwanted else landed)
+            if unwanted:
+                self._release(landed.jobs)  # its consumer was cancelled while the claim was on its way
+            self._ring()
 
 
 class Channel(virtual.Channel):
@@ -326,11 +368,14 @@ class Channel(virtual.Channel):
         self._plain_queues: set[str] = set()
         #: Queues declared here as auto-delete: they leave fanout and topic exchanges with their last consumer here.
         self._auto_delete_queues: set[str] = set()
+        # What the consumer read ahead and its backlog are the consuming thread's alone (the event loop's, or the
+        # one in drain_events): ClaimsAhead's claims reach them through its queue (_take_landed_claims), and the
+        # lease keeper's thread only reads the ids held (_live_jobs).
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
-        self._held_lock = threading.Lock()  # a claim landing from ClaimsAhead against a consumer being cancelled
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
+        self._claim_error: BaseException | None = None  # met by ClaimsAhead's last claim, raised by the next _get
         self._keeper: LeaseKeeper | None = None
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
@@ -382,6 +427,7 @@ class Channel(virtual.Channel):
     # purged or deleted with the rest (given back first) rather than delivered after the queue was emptied.
 
     def _size(self, queue: str) -> int:
+        self._take_landed_claims()
         read_ahead = len(self._held_plain.get(queue, ())) + len(self._held.get(queue, ()))
         return self.plumbing.size(queue) + self.jobs.queued_count(queue) + read_ahead
 
@@ -584,8 +630,11 @@ class Channel(virtual.Channel):
         self.connection.poke()  # Celery raises the limit as its pool grows: room to take more
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        if self._ahead is not None:
-            self._ahead.raise_error()
+        self._take_landed_claims()
+        if self._claim_error is not None:
+            # Where the event loop hands it to Celery (to reconnect).
+            error, self._claim_error = self._claim_error, None
+            raise error
         if self._held.get(queue):
             return self._claim(queue)
         if self._held_plain.get(queue):
@@ -715,30 +764,49 @@ class Channel(virtual.Channel):
         wakeups = self.connection.wakeups
         return wakeups.controls_version if wakeups is not None and wakeups.available else None
 
-    def _take(self, queue: str, wanted: int, *, ahead: bool = False) -> None:
-        """Claim up to `wanted` jobs of `queue` into the held ones; `ahead`: from ClaimsAhead's thread."""
-        jobs = self.jobs.claim_many(queue, self.owner, wanted)
-        with self._held_lock:
-            if len(jobs) < wanted:
-                self._backlogged.discard(queue)
-            else:
-                self._backlogged.add(queue)
-            # A consumer cancelled while its claim was on the way gets nothing: those jobs go back at once.
-            keep = not ahead or queue in self._active_queues
-            if keep:
-                self._held.setdefault(queue, deque()).extend(jobs)
-        if not keep:
-            self._release(jobs)
-        elif ahead and len(jobs) == wanted and self.connection.wakeups is not None:
+    def _take(self, queue: str, wanted: int) -> None:
+        """Claim up to `wanted` jobs of `queue` into the held ones, here and now."""
+        jobs = self._claim_many(queue, wanted)
+        self._note_backlog(queue, taken=len(jobs), wanted=wanted)
+        self._held.setdefault(queue, deque()).extend(jobs)
+
+    def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
+        return self.jobs.claim_many(queue, self.owner, wanted)
+
+    def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
+        if taken < wanted:
+            self._backlogged.discard(queue)
+        else:
+            self._backlogged.add(queue)
+
+    def _take_landed_claims(self) -> None:
+        """Take in what ClaimsAhead's claims brought back: on the consuming thread, as every change of the held jobs."""
+        if self._ahead is None:
+            return
+        while (landed := self._ahead.landed()) is not None:
+            self._take_landed(landed)
+
+    def _take_landed(self, landed: LandedClaim) -> None:
+        if landed.error is not None:
+            self._claim_error = landed.error
+            return
+        queue, jobs = landed.queue, landed.jobs
+        self._note_backlog(queue, taken=len(jobs), wanted=landed.wanted)
+        if queue not in self._active_queues:
+            self._release(jobs)  # a consumer cancelled while its claim was on the way gets nothing
+            return
+        self._held.setdefault(queue, deque()).extend(jobs)
+        wakeups = self.connection.wakeups if self.connection is not None else None
+        if len(jobs) == landed.wanted and wakeups is not None:
             # The look that sent this claim handed its news to it: a full batch says there may be more.
-            self.connection.wakeups.more_jobs_may_wait(queue)
+            wakeups.more_jobs_may_wait(queue)
 
     def _claims_ahead(self, queue: str) -> ClaimsAhead | None:
         """The background claimer, for a backlogged queue consumed on an event loop; None: claim here and now."""
         if queue not in self._backlogged or self.connection is None or not self.connection.on_event_loop:
             return None
         if self._ahead is None:
-            self._ahead = ClaimsAhead(lambda queue, wanted: self._take(queue, wanted, ahead=True), self.connection.ring)
+            self._ahead = ClaimsAhead(self._claim_many, self.connection.ring, self._release)
         return self._ahead
 
     def _batch_size(self, queue: str) -> int:
@@ -752,19 +820,22 @@ class Channel(virtual.Channel):
 
     def is_holding(self) -> bool:
         """Whether jobs claimed in a batch wait here to be delivered."""
+        self._take_landed_claims()
         return any(self._held.values())
 
     def is_backlogged(self) -> bool:
         """Whether a queue this channel consumes had more jobs than its last claim took."""
+        self._take_landed_claims()
         return not self._backlogged.isdisjoint(self._active_queues)
 
     def _live_jobs(self) -> list[str]:
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
 
     def _give_back(self, queue: str) -> None:
-        with self._held_lock:
-            held = self._held.pop(queue, None)
-        self._release(held or [])
+        if self._ahead is not None and queue not in self._active_queues:
+            self._ahead.give_up(queue)
+        self._take_landed_claims()
+        self._release(self._held.pop(queue, None) or [])
         plain = self._held_plain.pop(queue, None)
         if plain:
             try:
@@ -820,7 +891,8 @@ class Channel(virtual.Channel):
 
     def close(self) -> None:
         if self._ahead is not None:
-            self._ahead.close()
+            for landed in self._ahead.close():
+                self._take_landed(landed)  # the consumers' cancels below give back what they hold
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
