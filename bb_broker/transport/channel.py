@@ -681,7 +681,7 @@ class Channel(virtual.Channel):
                 # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
                 room = self.qos.claimable() if queue in self._active_queues else 1
                 told = look.messages if look is not None else 0
-                wanted = max(min(told, room, self.options.max_claim_batch), 1)
+                wanted = int(max(min(told, room, self.options.max_claim_batch), 1))
                 taken, exhausted = self.plumbing.take(queue, wanted)
                 held.extend(taken)
                 if look is not None:
