@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import wrapt
 
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED
+from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 
 if TYPE_CHECKING:
     from pymongo.database import Database
@@ -51,15 +52,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def statuses(target: str | Database, *, collection: str = "jobs") -> dict[str, int]:
+def statuses(target: str | Database, *, collection: str = DEFAULTS.jobs_collection) -> dict[str, int]:
     """Jobs per status, all four keys: `target` is a bbmongo:// or mongodb:// URL, or a pymongo Database."""
     from pymongo.database import Database
 
-    from bb_broker.connection import get_database, parse_broker_url
-    from bb_broker.jobs.store import JobStore
+    from bb_broker.connection import parse_broker_url
 
-    db = target if isinstance(target, Database) else get_database(parse_broker_url(target))
-    return JobStore(db, collection=collection).statuses()
+    where = target if isinstance(target, Database) else parse_broker_url(target)
+    return open_store(where, BrokerOptions(jobs_collection=collection)).statuses()
 
 
 def _register_transport(kombu_transport: ModuleType) -> None:

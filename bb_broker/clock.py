@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pymongo.database import Database
 from pymongo.errors import PyMongoError
 
+from bb_broker.forks import reset_in_child
+
 
 def aware(moment: datetime) -> datetime:
     """A date as BSON gave it back (naive, in UTC) made timezone-aware; an aware one as it is."""
@@ -100,4 +102,4 @@ def _forget_parent_clocks() -> None:
     ServerClock._shared_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_clocks)
+reset_in_child(_forget_parent_clocks)

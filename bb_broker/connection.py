@@ -22,6 +22,8 @@ from pymongo.errors import ConfigurationError, InvalidURI, OperationFailure, PyM
 from pymongo.uri_parser import parse_uri
 from ulid import ULID
 
+from bb_broker.forks import reset_in_child
+
 SCHEMES = {"bbmongo": "mongodb", "bbmongo+srv": "mongodb+srv", "mongodb": "mongodb", "mongodb+srv": "mongodb+srv"}
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 #: What follows the user info in a URL pymongo reads: hosts (`host[:port]`, `[v6][:port]`, comma-separated), then
@@ -458,7 +460,7 @@ def _forget_parent_clients() -> None:
     _clients_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_clients)
+reset_in_child(_forget_parent_clients)
 
 _owner: tuple[int, str] | None = None
 

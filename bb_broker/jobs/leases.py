@@ -7,12 +7,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 
 import pymongo
 from pymongo.errors import PyMongoError
 
 from bb_broker.connection import shutdown_patience
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs.outages import passes_with_time
 from bb_broker.jobs.store import JobStore
 from bb_broker.threads import start_supervised
@@ -33,32 +34,25 @@ def add_process_source(source: LiveJobs) -> None:
 #: Seconds between tries of the releases a server that did not answer left to do (see release_later).
 RELEASE_RETRY_INTERVAL = 1.0
 
-StoreKey = tuple[int, str]
-
-#: Per (client, jobs collection): the jobs this process gave back while the server did not answer (a consumer
+#: Per jobs collection (JobStore.key): the jobs this process gave back while the server did not answer (a consumer
 #: closed by a lost connection), job id -> the attempt its claim made. They stay `running` in this process's name
 #: until the release is made: the lease keeper of that collection makes it once the server answers.
-_unreleased: dict[StoreKey, dict[str, int]] = {}
+_unreleased: dict[Hashable, dict[str, int]] = {}
 _unreleased_lock = threading.Lock()
 #: One round of those releases at a time: a consumer starting to claim waits for the round on its way.
 _giving_back = threading.Lock()
 
 
-def _store_key(store: JobStore) -> StoreKey:
-    # No server call (the server may be gone): this process's clients live as long as it does (connection.py).
-    return id(store.coll.database.client), store.coll.full_name
-
-
 def release_later(store: JobStore, job_id: str, attempts: int) -> None:
     """Keep a release the server did not answer, to be made once it does (give_back_unreleased)."""
     with _unreleased_lock:
-        _unreleased.setdefault(_store_key(store), {})[job_id] = attempts
+        _unreleased.setdefault(store.key, {})[job_id] = attempts
 
 
 def unreleased(store: JobStore) -> list[str]:
     """The ids of the jobs whose release waits for the server: their lease is kept fresh meanwhile."""
     with _unreleased_lock:
-        return list(_unreleased.get(_store_key(store), {}))
+        return list(_unreleased.get(store.key, {}))
 
 
 def give_back_unreleased(store: JobStore, owner: str, *, live: Collection[str] = (), wait: float | None = None) -> int:
@@ -71,12 +65,12 @@ def give_back_unreleased(store: JobStore, owner: str, *, live: Collection[str] =
     if not _giving_back.acquire(timeout=-1 if wait is None else wait):
         return 0
     try:
-        return _give_back(_store_key(store), store, owner, live)
+        return _give_back(store.key, store, owner, live)
     finally:
         _giving_back.release()
 
 
-def _give_back(key: StoreKey, store: JobStore, owner: str, live: Collection[str]) -> int:
+def _give_back(key: Hashable, store: JobStore, owner: str, live: Collection[str]) -> int:
     with _unreleased_lock:
         pending = _unreleased.pop(key, {})
     released = 0
@@ -104,12 +98,12 @@ def _give_back(key: StoreKey, store: JobStore, owner: str, live: Collection[str]
 class LeaseKeeper:
     """One thread per process and jobs collection: a live job's lease never runs out, a dead one's does."""
 
-    _keepers: dict[str, LeaseKeeper] = {}
+    _keepers: dict[Hashable, LeaseKeeper] = {}
     _registry_lock = threading.Lock()
 
     @classmethod
     def for_store(cls, store: JobStore, owner: str) -> LeaseKeeper:
-        key = f"{store.coll.database.client.address}/{store.coll.full_name}"
+        key = store.key
         with cls._registry_lock:
             keeper = cls._keepers.get(key)
             if keeper is None or keeper._done.is_set() or not keeper._thread.is_alive():
@@ -212,7 +206,9 @@ class LeaseKeeper:
 
 
 def _snapshot(source: LiveJobs) -> list[str]:
-    # Sources are read from this thread while the consumer mutates them: retry a torn read.
+    # Sources are read from the keeper's thread while their owners change them (a channel's consuming thread its
+    # delivered and held jobs, Celery's event loop its reserved requests, a WeakSet whose iteration raises when it
+    # changes meanwhile): retry a torn read.
     for _ in range(5):
         try:
             return [job_id for job_id in source() if job_id]
@@ -230,4 +226,4 @@ def _forget_parent_keepers() -> None:
     _unreleased_lock, _giving_back = threading.Lock(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_keepers)
+reset_in_child(_forget_parent_keepers)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -193,6 +193,14 @@ class JobStore:
         self._secrets = tuple(secrets)
         #: Seconds succeeded jobs are kept where the server has no TTL index (set by ensure_indexes), else None.
         self.retention_sweep: int | None = None
+
+    @property
+    def key(self) -> Hashable:
+        """What names this store's collection in a process's registries (its lease keeper, its releases to make):
+        pymongo compares collections by their client's seed list (replica set name and SRV host included), database
+        and name, without a server call and for any topology (`client.address` refuses a URL of several mongos
+        routers, the sharded deployment docs/scale.md recommends)."""
+        return self.coll
 
     def ensure_indexes(self, *, retention: float | None = None) -> None:
         """Create the indexes and set the retention of succeeded jobs (see admin.ensure_indexes)."""

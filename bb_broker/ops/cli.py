@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
+from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 
 if TYPE_CHECKING:
     from bb_broker.jobs.store import JobStore
@@ -27,24 +28,24 @@ if TYPE_CHECKING:
 DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 
 
-def _store(broker: str, collection: str = "jobs", policy: Policy | None = None) -> JobStore:
+def _store(broker: str, collection: str = DEFAULTS.jobs_collection, policy: Policy = DEFAULTS.policy) -> JobStore:
     from pymongo import MongoClient
 
     from bb_broker import connection
-    from bb_broker.clock import ServerClock
-    from bb_broker.jobs.store import JobStore
 
     target = connection.parse_broker_url(broker)
-    options = connection.quick_timeouts(target)
+    timeouts = connection.quick_timeouts(target)
     # A client of the command's own, closed when it is done: else pymongo's exit waits up to a second for its
     # monitor, blocked in an awaited `hello`.
-    db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **options)[target.database]
-    # Ages, due times and the stale cutoff on the server's clock, as the workers measure them.
-    return JobStore(db, policy, clock=ServerClock.of(db), collection=collection, secrets=target.secrets)
+    db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **timeouts)[target.database]
+    options = BrokerOptions(policy=policy, jobs_collection=collection)
+    return open_store(db, options, secrets=target.secrets)
 
 
 @contextmanager
-def _jobs(broker: str, collection: str, policy: Policy | None = None, *, keep_open: bool = False) -> Iterator[JobStore]:
+def _jobs(
+    broker: str, collection: str, policy: Policy = DEFAULTS.policy, *, keep_open: bool = False
+) -> Iterator[JobStore]:
     """The job store, with a wrong URL or a server that cannot be used turned into one line on stderr and exit 1;
     its client is closed at the end of the block unless `keep_open`."""
     from pymongo.errors import PyMongoError
@@ -97,7 +98,10 @@ broker_option = click.option(
     help="bbmongo:// or mongodb:// URL; its path names the database.",
 )
 collection_option = click.option(
-    "--collection", default="jobs", show_default=True, help="The jobs collection (the jobs_collection option)."
+    "--collection",
+    default=DEFAULTS.jobs_collection,
+    show_default=True,
+    help="The jobs collection (the jobs_collection option).",
 )
 
 
@@ -320,21 +324,21 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
 @collection_option
 @click.option(
     "--stale-after",
-    default="300",
+    default=f"{DEFAULTS.policy.stale_after:g}",
     show_default=True,
     type=WAIT,
     help="Seconds (or 5m, 1h) without a heartbeat before a running job is presumed lost (the stale_after option).",
 )
 @click.option(
     "--max-attempts",
-    default=3,
+    default=DEFAULTS.policy.max_attempts,
     show_default=True,
     type=click.IntRange(min=1, max=2**31 - 1),  # past a 64-bit int, a traceback: 32 bits hold any attempts
     help="A lost job with this many attempts used ends failed (the max_attempts option).",
 )
 @click.option(
     "--heartbeat-interval",
-    default=str(Policy().heartbeat_interval),
+    default=str(DEFAULTS.policy.heartbeat_interval),
     show_default=True,
     type=WAIT,
     help="How often (seconds, or 1m) the workers refresh the leases of their jobs: their stale_after / 5.",

@@ -17,6 +17,7 @@ from ulid import ULID
 from bb_broker import connection
 from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX
 from bb_broker.jobs.store import JobStore, claim_query
+from bb_broker.options import DEFAULTS
 from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
 
 OK, DEGRADED, UNSAFE, UNKNOWN = "ok", "degraded", "unsafe", "unknown"
@@ -38,7 +39,9 @@ class Verdict:
         return f"{self.status:<9} {self.capability}: {self.detail}"
 
 
-def diagnose(db: Database, *, collection: str = "jobs", secrets: tuple[str, ...] = ()) -> list[Verdict]:
+def diagnose(
+    db: Database, *, collection: str = DEFAULTS.jobs_collection, secrets: tuple[str, ...] = ()
+) -> list[Verdict]:
     """Every check, each on its own: one that errors says so in its verdict and the rest still run."""
     scratch = db[f"bb_doctor_{ULID()}"]
     checks: list[tuple[str, Callable[[], Verdict]]] = [

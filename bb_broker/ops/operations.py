@@ -122,14 +122,6 @@ class ActionRefused(Exception):
         self.reason = reason
 
 
-def parse_duration(value: str) -> timedelta:
-    """lifecycle.parse_duration (30s, 30m, 2h, 7d, 1w, or seconds), a bad one a FilterError."""
-    try:
-        return lifecycle.parse_duration(value)
-    except ValueError as exc:
-        raise FilterError(str(exc)) from None
-
-
 def ago(now: datetime, duration: timedelta) -> datetime:
     """`duration` before `now`; the earliest time there is when that is before year 1 (nothing is older)."""
     try:
@@ -145,7 +137,10 @@ def parse_moment(value: str, now: datetime) -> datetime:
     except ValueError:
         if not lifecycle.is_duration(value):
             raise FilterError(f"{value!r} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
-        return ago(now, parse_duration(value))
+        try:
+            return ago(now, lifecycle.parse_duration(value))
+        except ValueError as exc:  # too long a duration
+            raise FilterError(str(exc)) from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 

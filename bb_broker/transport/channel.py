@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from queue import Empty
+from queue import Empty, SimpleQueue
 from time import monotonic, sleep
 from typing import Any
 
@@ -23,9 +23,9 @@ from pymongo.errors import PyMongoError
 
 from bb_broker import connection
 from bb_broker.clock import ServerClock
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
 from bb_broker.jobs.leases import LeaseKeeper
-from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.outages import passes_with_time
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
@@ -41,8 +41,9 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
-from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id
+from bb_broker.jobs.store import Claimed, attempt_entry, new_job_id
 from bb_broker.ops.operations import Operations, revoked_task_ids
+from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.wakeups import Doorbell, Look, Wakeups
@@ -67,7 +68,7 @@ STORED_AS = "bb_stored_as"
 #: The threads running an event loop a connection of this process joined (register_with_event_loop), by how many
 #: joined it: the plain messages they publish go through the outbox (MessageStore.put's `soon`).
 _loop_threads: Counter[int] = Counter()
-os.register_at_fork(after_in_child=_loop_threads.clear)  # a pool process runs no loop of its parent's
+reset_in_child(_loop_threads.clear)  # a pool process runs no loop of its parent's
 
 
 def _on_a_loop_thread() -> bool:
@@ -220,7 +221,7 @@ class JobQoS(virtual.QoS):
         (below BATCH_MIN no claim is a batch, and nothing is worth waiting for). Each claim costs the server a read
         of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps the
         pool busy while the claim is on its way."""
-        return min(max(BATCH_MIN, self.prefetch_count // 2), int(self.channel.max_claim_batch))
+        return min(max(BATCH_MIN, self.prefetch_count // 2), self.channel.options.max_claim_batch)
 
     def claimed(self) -> None:
         """A claim was made: the next wait for a batch starts afresh."""
@@ -231,63 +232,104 @@ class ClaimOnItsWay(Empty):
     """Nothing to deliver yet: a claim for the queue is on its way, and rings the event loop when it lands."""
 
 
+@dataclass(frozen=True)
+class LandedClaim:
+    """What a claim ClaimsAhead made brought back: the jobs of `queue` it took (up to `wanted`), or the error it met."""
+
+    queue: str
+    wanted: int
+    jobs: list[Claimed] = field(default_factory=list)
+    error: BaseException | None = None
+
+
 class ClaimsAhead:
     """On Celery's event loop, the claims of a backlogged queue run on a thread of their own: the loop keeps handing
-    the jobs it has to the pool while the server answers, instead of waiting for it between batches."""
+    the jobs it has to the pool while the server answers, instead of waiting for it between batches.
 
-    def __init__(self, claim: Callable[[str, int], None], ring: Callable[[], None]) -> None:
+    Two threads, nothing changed by both. The consuming thread (the event loop's) asks for a claim (`start`), takes
+    what landed (`landed`), alone knows which claim is on its way, and says which queues it consumes no more
+    (`give_up`); this class's thread only runs the claims it is handed through one queue and hands each result back
+    through another, then rings the loop. So the channel's held jobs and backlog (Channel._held,
+    Channel._backlogged) change on the consuming thread only, when it takes a landed claim in
+    (Channel._take_landed_claims)."""
+
+    def __init__(
+        self,
+        claim: Callable[[str, int], list[Claimed]],
+        ring: Callable[[], None],
+        release: Callable[[Collection[Claimed]], None],
+    ) -> None:
         self._claim = claim
         self._ring = ring
-        self._wanted: tuple[str, int] | None = None  # the claim on its way
-        self._error: BaseException | None = None
-        self._ready = threading.Condition()
+        self._release = release
+        self._requests: SimpleQueue[tuple[str, int] | None] = SimpleQueue()  # None: closed
+        self._landed: SimpleQueue[LandedClaim] = SimpleQueue()
+        self._on_its_way: tuple[str, int] | None = None  # the consuming thread's alone
+        # What no consumer here takes any more: a claim of it that lands, this thread gives back at once (the
+        # consuming thread may be gone, or not look again). Told under the lock a landing claim looks under, so that
+        # each claim is either handed over or given back, never left in the queue for no one.
+        self._handing = threading.Lock()
+        self._unwanted: set[str] = set()
         self._closed = False
         # A daemon: a claim stuck on a server that is gone must not hold the process at exit.
         start_supervised("bb-claims-ahead", self._run)
 
     def busy_with(self, queue: str) -> bool:
-        wanted = self._wanted
-        return wanted is not None and wanted[0] == queue
+        return self._on_its_way is not None and self._on_its_way[0] == queue
 
     @property
     def pending(self) -> int:
         """Jobs the claim on its way may bring."""
-        wanted = self._wanted
-        return 0 if wanted is None else wanted[1]
+        return 0 if self._on_its_way is None else self._on_its_way[1]
 
     def start(self, queue: str, wanted: int) -> None:
         """Claim up to `wanted` jobs of `queue` in the background (unless a claim is on its way); rings when done."""
-        with self._ready:
-            if self._wanted is None and not self._closed:
-                self._wanted = (queue, wanted)
-                self._ready.notify()
+        if self._on_its_way is None and not self._closed:
+            with self._handing:
+                self._unwanted.discard(queue)
+            self._on_its_way = (queue, wanted)
+            self._requests.put((queue, wanted))
 
-    def raise_error(self) -> None:
-        """The error the last claim met, raised where the event loop hands it to Celery (to reconnect)."""
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+    def give_up(self, queue: str) -> None:
+        """`queue` is consumed here no more: the jobs a claim of it brings from now on go back at once."""
+        with self._handing:
+            self._unwanted.add(queue)
 
-    def close(self) -> None:
-        with self._ready:
+    def landed(self) -> LandedClaim | None:
+        """The claim that landed, if one did: no claim is on its way after it."""
+        try:
+            landed = self._landed.get_nowait()
+        except Empty:
+            return None
+        self._on_its_way = None
+        return landed
+
+    def close(self) -> list[LandedClaim]:
+        """Stop; returns what landed and was not taken (a claim that lands later, this thread gives back)."""
+        with self._handing:
             self._closed = True
-            self._ready.notify()
+        self._requests.put(None)
+        taken = []
+        while (landed := self.landed()) is not None:
+            taken.append(landed)
+        return taken
 
     def _run(self) -> None:
-        while True:
-            with self._ready:
-                while self._wanted is None and not self._closed:
-                    self._ready.wait()
-                if self._closed:
-                    return
-                queue, wanted = self._wanted
+        while (request := self._requests.get()) is not None:
+            if self._closed:
+                return
+            queue, wanted = request
             try:
-                self._claim(queue, wanted)
-            except BaseException as exc:  # noqa: BLE001 (handed to the loop's thread, which raises it)
-                self._error = exc
-            finally:
-                self._wanted = None
-                self._ring()
+                landed = LandedClaim(queue, wanted, self._claim(queue, wanted))
+            except BaseException as exc:  # noqa: BLE001 (handed to the consuming thread, which raises it)
+                landed = LandedClaim(queue, wanted, error=exc)
+            with self._handing:
+                unwanted = self._closed or queue in self._unwanted
+                # Handed over empty when unwanted: the consuming thread still learns that the claim landed.
+                self._landed.put(replace(landed, jobs=[]) if unwanted else landed)
+            if unwanted:
+                self._release(landed.jobs)  # its consumer was cancelled while the claim was on its way
+            self._ring()
 
 
 class Channel(virtual.Channel):
@@ -295,34 +337,19 @@ class Channel(virtual.Channel):
     Message = JobMessage
     supports_fanout = True
 
-    # Transport options (broker_transport_options), with their defaults.
-    max_attempts = 3
-    backoff_base = 5.0
-    stale_after = 300.0
-    message_ttl = 300.0
-    jobs_collection = "jobs"
-    #: The most jobs one claim takes, however many the consumer could start.
-    max_claim_batch = 16
-    #: Seconds succeeded jobs are kept (0 keeps them); unset leaves the collection's expiry as it is.
-    retention: float | None = None
-    from_transport_options = virtual.Channel.from_transport_options + (
-        "max_attempts",
-        "backoff_base",
-        "stale_after",
-        "message_ttl",
-        "jobs_collection",
-        "max_claim_batch",
-        "retention",
-        "safety_poll_interval",
-        "use_change_streams",
-        "events_linger",
-    )
-
-    #: Wake consumers with a change stream where the deployment has one; polling only when False.
-    use_change_streams = True
-
-    #: Seconds between polls of a queue that the change stream says nothing about: a safety net.
-    safety_poll_interval = 10.0
+    # The transport options (broker_transport_options): Kombu sets each on the channel (from_transport_options),
+    # which reads them into its BrokerOptions (self.options); their defaults, and what each does, are BrokerOptions'.
+    max_attempts = DEFAULTS.policy.max_attempts
+    backoff_base = DEFAULTS.policy.backoff_base
+    stale_after = DEFAULTS.policy.stale_after
+    message_ttl = DEFAULTS.message_ttl
+    jobs_collection = DEFAULTS.jobs_collection
+    max_claim_batch = DEFAULTS.max_claim_batch
+    retention = DEFAULTS.retention
+    safety_poll_interval = DEFAULTS.safety_poll_interval
+    use_change_streams = DEFAULTS.use_change_streams
+    events_linger = DEFAULTS.events_linger
+    from_transport_options = virtual.Channel.from_transport_options + TRANSPORT_OPTIONS
 
     #: Seconds a consumer trusts what it read of the paused queues without a change stream (with one, it reads
     #: again when the stream reports a change, and at least every minute). Not a transport option (yet).
@@ -331,20 +358,14 @@ class Channel(virtual.Channel):
     #: Seconds a topic exchange's bindings (Celery events) may be reused before they are read again.
     topic_table_max_age = 1.0
 
-    #: Seconds a message to a topic exchange (Celery's task events), published on an event loop's thread, may wait
-    #: in the outbox for others to be stored with it; 0 stores each at once.
-    events_linger = 0.02
-
     def __init__(self, connection_: Any, **kwargs: Any) -> None:
         super().__init__(connection_, **kwargs)
+        self.options = BrokerOptions.parse({name: getattr(self, name) for name in TRANSPORT_OPTIONS})
         self.target = connection.parse_broker_url(connection_.broker_url)
-        db = connection.get_database(self.target)
-        self.policy = Policy(int(self.max_attempts), float(self.backoff_base), float(self.stale_after))
+        self.jobs = open_store(self.target, self.options)
+        db = self.jobs.coll.database
         self.clock = ServerClock.of(db)
-        self.jobs = JobStore(
-            db, self.policy, clock=self.clock, collection=self.jobs_collection, secrets=self.target.secrets
-        )
-        self.plumbing = MessageStore(db, ttl=float(self.message_ttl), secrets=self.target.secrets)
+        self.plumbing = MessageStore(db, ttl=self.options.message_ttl, secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)
         self.paused = PausedQueues(
             self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
@@ -355,11 +376,14 @@ class Channel(virtual.Channel):
         self._plain_queues: set[str] = set()
         #: Queues declared here as auto-delete: they leave fanout and topic exchanges with their last consumer here.
         self._auto_delete_queues: set[str] = set()
+        # What the consumer read ahead and its backlog are the consuming thread's alone (the event loop's, or the
+        # one in drain_events): ClaimsAhead's claims reach them through its queue (_take_landed_claims), and the
+        # lease keeper's thread only reads the ids held (_live_jobs).
         self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
         self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
-        self._held_lock = threading.Lock()  # a claim landing from ClaimsAhead against a consumer being cancelled
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
+        self._claim_error: BaseException | None = None  # met by ClaimsAhead's last claim, raised by the next _get
         self._keeper: LeaseKeeper | None = None
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
@@ -384,11 +408,10 @@ class Channel(virtual.Channel):
                     raise
 
     def _ensure_indexes(self) -> None:
-        key = (self.target.mongo_uri, self.target.database, self.jobs_collection)
+        key = (self.target.mongo_uri, self.target.database, self.options.jobs_collection)
         with _indexed_lock:
             if key not in _indexed:
-                retention = None if self.retention is None else float(self.retention)
-                self.jobs.ensure_indexes(retention=retention)
+                self.jobs.ensure_indexes(retention=self.options.retention)
                 self.plumbing.ensure_indexes()
                 expiries = [self.jobs.expire_succeeded] if self.jobs.retention_sweep else []
                 _indexed[key] = expiries + ([self.plumbing.expire] if self.plumbing.expiry_sweep else [])
@@ -412,6 +435,7 @@ class Channel(virtual.Channel):
     # purged or deleted with the rest (given back first) rather than delivered after the queue was emptied.
 
     def _size(self, queue: str) -> int:
+        self._take_landed_claims()
         read_ahead = len(self._held_plain.get(queue, ())) + len(self._held.get(queue, ()))
         return self.plumbing.size(queue) + self.jobs.queued_count(queue) + read_ahead
 
@@ -499,7 +523,7 @@ class Channel(virtual.Channel):
         try:
             with connection.shutdown_patience():
                 return super().basic_publish(
-                    message, exchange, routing_key, **kwargs, linger=float(self.events_linger) if lingering else 0.0
+                    message, exchange, routing_key, **kwargs, linger=self.options.events_linger if lingering else 0.0
                 )
         except PyMongoError:
             if not connection.server_gone_at_shutdown():
@@ -590,7 +614,7 @@ class Channel(virtual.Channel):
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
             self._keeper.add_source(self._live_jobs)
             self._give_back_unreleased(self._keeper)
-            for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.jobs_collection), []):
+            for expire in _indexed.get((self.target.mongo_uri, self.target.database, self.options.jobs_collection), []):
                 self._keeper.add_expiry(expire)
         self.connection.watch(self)
         tag = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
@@ -614,8 +638,11 @@ class Channel(virtual.Channel):
         self.connection.poke()  # Celery raises the limit as its pool grows: room to take more
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        if self._ahead is not None:
-            self._ahead.raise_error()
+        self._take_landed_claims()
+        if self._claim_error is not None:
+            # Where the event loop hands it to Celery (to reconnect).
+            error, self._claim_error = self._claim_error, None
+            raise error
         if self._held.get(queue):
             return self._claim(queue)
         if self._held_plain.get(queue):
@@ -662,7 +689,7 @@ class Channel(virtual.Channel):
                 # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
                 room = self.qos.claimable() if queue in self._active_queues else 1
                 told = look.messages if look is not None else 0
-                wanted = int(max(min(told, room, self.max_claim_batch), 1))
+                wanted = int(max(min(told, room, self.options.max_claim_batch), 1))
                 taken, exhausted = self.plumbing.take(queue, wanted)
                 held.extend(taken)
                 if look is not None:
@@ -745,30 +772,49 @@ class Channel(virtual.Channel):
         wakeups = self.connection.wakeups
         return wakeups.controls_version if wakeups is not None and wakeups.available else None
 
-    def _take(self, queue: str, wanted: int, *, ahead: bool = False) -> None:
-        """Claim up to `wanted` jobs of `queue` into the held ones; `ahead`: from ClaimsAhead's thread."""
-        jobs = self.jobs.claim_many(queue, self.owner, wanted)
-        with self._held_lock:
-            if len(jobs) < wanted:
-                self._backlogged.discard(queue)
-            else:
-                self._backlogged.add(queue)
-            # A consumer cancelled while its claim was on the way gets nothing: those jobs go back at once.
-            keep = not ahead or queue in self._active_queues
-            if keep:
-                self._held.setdefault(queue, deque()).extend(jobs)
-        if not keep:
-            self._release(jobs)
-        elif ahead and len(jobs) == wanted and self.connection.wakeups is not None:
+    def _take(self, queue: str, wanted: int) -> None:
+        """Claim up to `wanted` jobs of `queue` into the held ones, here and now."""
+        jobs = self._claim_many(queue, wanted)
+        self._note_backlog(queue, taken=len(jobs), wanted=wanted)
+        self._held.setdefault(queue, deque()).extend(jobs)
+
+    def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
+        return self.jobs.claim_many(queue, self.owner, wanted)
+
+    def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
+        if taken < wanted:
+            self._backlogged.discard(queue)
+        else:
+            self._backlogged.add(queue)
+
+    def _take_landed_claims(self) -> None:
+        """Take in what ClaimsAhead's claims brought back: on the consuming thread, as every change of the held jobs."""
+        if self._ahead is None:
+            return
+        while (landed := self._ahead.landed()) is not None:
+            self._take_landed(landed)
+
+    def _take_landed(self, landed: LandedClaim) -> None:
+        if landed.error is not None:
+            self._claim_error = landed.error
+            return
+        queue, jobs = landed.queue, landed.jobs
+        self._note_backlog(queue, taken=len(jobs), wanted=landed.wanted)
+        if queue not in self._active_queues:
+            self._release(jobs)  # a consumer cancelled while its claim was on the way gets nothing
+            return
+        self._held.setdefault(queue, deque()).extend(jobs)
+        wakeups = self.connection.wakeups if self.connection is not None else None
+        if len(jobs) == landed.wanted and wakeups is not None:
             # The look that sent this claim handed its news to it: a full batch says there may be more.
-            self.connection.wakeups.more_jobs_may_wait(queue)
+            wakeups.more_jobs_may_wait(queue)
 
     def _claims_ahead(self, queue: str) -> ClaimsAhead | None:
         """The background claimer, for a backlogged queue consumed on an event loop; None: claim here and now."""
         if queue not in self._backlogged or self.connection is None or not self.connection.on_event_loop:
             return None
         if self._ahead is None:
-            self._ahead = ClaimsAhead(lambda queue, wanted: self._take(queue, wanted, ahead=True), self.connection.ring)
+            self._ahead = ClaimsAhead(self._claim_many, self.connection.ring, self._release)
         return self._ahead
 
     def _batch_size(self, queue: str) -> int:
@@ -777,24 +823,27 @@ class Channel(virtual.Channel):
         if queue not in self._backlogged or queue not in self._active_queues:
             return 1
         held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
-        size = min(self.qos.claimable() - held, int(self.max_claim_batch))
+        size = min(self.qos.claimable() - held, self.options.max_claim_batch)
         return size if size >= BATCH_MIN else 1
 
     def is_holding(self) -> bool:
         """Whether jobs claimed in a batch wait here to be delivered."""
+        self._take_landed_claims()
         return any(self._held.values())
 
     def is_backlogged(self) -> bool:
         """Whether a queue this channel consumes had more jobs than its last claim took."""
+        self._take_landed_claims()
         return not self._backlogged.isdisjoint(self._active_queues)
 
     def _live_jobs(self) -> list[str]:
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
 
     def _give_back(self, queue: str) -> None:
-        with self._held_lock:
-            held = self._held.pop(queue, None)
-        self._release(held or [])
+        if self._ahead is not None and queue not in self._active_queues:
+            self._ahead.give_up(queue)
+        self._take_landed_claims()
+        self._release(self._held.pop(queue, None) or [])
         plain = self._held_plain.pop(queue, None)
         if plain:
             try:
@@ -850,7 +899,8 @@ class Channel(virtual.Channel):
 
     def close(self) -> None:
         if self._ahead is not None:
-            self._ahead.close()
+            for landed in self._ahead.close():
+                self._take_landed(landed)  # the consumers' cancels below give back what they hold
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
@@ -979,7 +1029,7 @@ class Transport(virtual.Transport):
 
     def watch(self, channel: Channel) -> None:
         """Start the change stream that wakes this connection's consumers (once, for the first consumer)."""
-        if self.wakeups is None and str(channel.use_change_streams).lower() not in ("false", "0", "no"):
+        if self.wakeups is None and channel.options.use_change_streams:
             self.wakeups = Wakeups(
                 channel.jobs.coll.database,
                 jobs=channel.jobs.coll.name,
@@ -987,7 +1037,7 @@ class Transport(virtual.Transport):
                 bindings=channel.plumbing.bindings.name,
                 controls=channel.queue_controls.coll.name,
                 clock=channel.jobs.now,
-                safety_poll_interval=float(channel.safety_poll_interval),
+                safety_poll_interval=channel.options.safety_poll_interval,
                 on_news=self.ring,
             )
 

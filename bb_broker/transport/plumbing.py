@@ -7,7 +7,6 @@ import base64
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -26,6 +25,7 @@ from pymongo.database import Database
 from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError, OperationFailure, PyMongoError
 
 from bb_broker.connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs.admin import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
 from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
@@ -88,7 +88,7 @@ def _forget_parent_watches() -> None:
     BindingsWatch._lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_watches)
+reset_in_child(_forget_parent_watches)
 
 
 def secret_forms(secrets: Iterable[str]) -> tuple[str, ...]:
@@ -307,7 +307,7 @@ def _forget_parent_outboxes() -> None:
     Outbox._lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_outboxes)
+reset_in_child(_forget_parent_outboxes)
 atexit.register(Outbox.flush_all_at_exit)
 
 

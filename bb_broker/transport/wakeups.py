@@ -18,6 +18,7 @@ from typing import Any
 from pymongo.database import Database
 from pymongo.errors import OperationFailure, PyMongoError
 
+from bb_broker.forks import reset_in_child
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import BindingsWatch
 
@@ -432,7 +433,7 @@ def _forget_parent_feeds() -> None:
     _Feed._registry = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_parent_feeds)
+reset_in_child(_forget_parent_feeds)
 
 
 class Seen(enum.Enum):

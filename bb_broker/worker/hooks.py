@@ -19,12 +19,12 @@ from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
 from bb_broker import connection
-from bb_broker.clock import ServerClock
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
 from bb_broker.jobs.store import JobStore, attempt_entry
 from bb_broker.ops import metrics
+from bb_broker.options import BrokerOptions, open_store
 from bb_broker.transport.channel import explain_rejection
 from bb_broker.worker.prefork import guard_pool_queue
 
@@ -86,19 +86,7 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
         store = stores.get(key)
         if store is None:
             target = connection.parse_broker_url(url)
-            db = connection.get_database(target, **client_options)
-            policy = Policy(
-                int(options.get("max_attempts", 3)),
-                float(options.get("backoff_base", 5.0)),
-                float(options.get("stale_after", 300.0)),
-            )
-            store = stores[key] = JobStore(
-                db,
-                policy,
-                clock=ServerClock.of(db),
-                collection=options.get("jobs_collection", "jobs"),
-                secrets=target.secrets,
-            )
+            store = stores[key] = open_store(target, BrokerOptions.parse(options), **client_options)
     return store
 
 

@@ -44,8 +44,8 @@ from pymongo.uri_parser import parse_uri
 from bb_broker.connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from bb_broker.contrib.flower import jobs_tab as jobs_view
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
-from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
+from bb_broker.options import BrokerOptions, open_store
 from bb_broker.threads import start_supervised
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
@@ -195,10 +195,8 @@ class JobQueues:
     """
 
     def __init__(self, broker_url: str, *_: Any, broker_options: dict[str, Any] | None = None, **__: Any) -> None:
-        collection = (broker_options or {}).get("jobs_collection", "jobs")
-        target = parse_broker_url(broker_url)
         # Its queries hold threads of Flower's own executor, which Flower's pages need too: seconds, not 30 s.
-        self.store = JobStore(get_database(target, **quick_timeouts(target)), collection=collection)
+        self.store = open_store(parse_broker_url(broker_url), BrokerOptions.parse(broker_options), quick=True)
         self.operations = Operations(self.store)
 
     async def queues(self, names: Iterable[str]) -> list[dict[str, Any]]:
