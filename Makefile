@@ -19,6 +19,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Headless Chromium (Debian's package) for the Flower browser test; apt-get runs only when it is missing.
 browser: SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

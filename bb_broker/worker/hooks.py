@@ -28,7 +28,7 @@ from bb_broker.worker.prefork import guard_pool_queue
 
 logger = logging.getLogger(__name__)
 
-_stores: dict[tuple[int, str, str], JobStore] = {}
+_stores: dict[tuple[int, str, str, str], JobStore] = {}
 _stores_lock = threading.Lock()
 
 #: When each task this process runs started, on the server's clock: its history entry's `startedAt`.
