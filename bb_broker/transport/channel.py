@@ -285,7 +285,7 @@ class ClaimsAhead:
                 queue, wanted = self._wanted
             try:
                 self._claim(queue, wanted)
-            except BaseException as exc:  # noqa: BLE001 (handed to the loop's thread, which raises it)
+            except BaseException as exc:  # every one: handed to the loop's thread, which raises it
                 self._error = exc
             finally:
                 self._wanted = None
@@ -461,7 +461,7 @@ class Channel(virtual.Channel):
     def exchange_declare(
         self,
         exchange: str | None = None,
-        type: str = "direct",  # noqa: A002 (Kombu's name)
+        type: str = "direct",  # Kombu's name, shadowing the builtin
         durable: bool = False,
         auto_delete: bool = False,
         arguments: dict[str, Any] | None = None,
