@@ -19,6 +19,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The documentation site (mkdocs.yml, docs/) into build/site; --strict fails on a broken link, anchor or page.
 # NO_MKDOCS_2_WARNING silences Material's notice about MkDocs' future, which says nothing about this build.

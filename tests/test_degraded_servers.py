@@ -15,6 +15,7 @@ from bb_broker.jobs.store import JobStore
 from bb_broker.transport.plumbing import MessageStore
 from bb_broker.transport.wakeups import Look, Wakeups
 from tests.servers import with_database
+from tests.spies import watcher_thread
 from tests.workers import Worker, producer, send, settled, wait_for
 
 NOT_IMPLEMENTED = 238
@@ -64,6 +65,6 @@ def test_a_server_refusing_change_streams_means_polling_not_retrying(own_server,
     wakeups = Wakeups(client.nostreams, jobs="jobs", messages="bb_messages", clock=lambda: datetime.now(UTC),
                       safety_poll_interval=10.0)  # fmt: skip
     # Recognised: the watcher gives up for good and consumers poll. Before, it retried with backoff forever.
-    wait_for(lambda: not wakeups._thread.is_alive(), message="the watcher to give up")
+    wait_for(lambda: not watcher_thread(wakeups).is_alive(), message="the watcher to give up")
     assert not wakeups.available and wakeups.look("celery", job_queue=True) == Look()  # both collections
     assert f"no change streams on this deployment ({code}): polling instead" in caplog.text

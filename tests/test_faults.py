@@ -166,7 +166,7 @@ def test_a_batched_take_whose_answer_is_lost_delivers_each_message_once(own_serv
     def take_what_is_there() -> bool:
         try:
             taken, _ = store.take("events", 5)
-        except Exception:  # noqa: BLE001 (the lost answer; the consumer reads again, as Kombu would)
+        except Exception:  # the lost answer: the consumer reads again, as Kombu would
             return False
         delivered.extend(payload_of(doc)["body"] for doc in taken)
         return len(delivered) >= 5

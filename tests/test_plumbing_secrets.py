@@ -15,7 +15,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.jobs.payloads import DECOMPRESSED_LIMIT
-from bb_broker.transport.plumbing import MessageStore
+from bb_broker.transport.plumbing import MessageStore, payload_of
 from tests.conftest import AUTH_PASSWORD
 from tests.flower_process import FlowerProcess
 from tests.servers import with_database
@@ -41,6 +41,12 @@ def kombu_message(data: Any, serializer: str, compress: str | None = None) -> di
     }
 
 
+def take_one(store: MessageStore, queue: str) -> dict[str, Any] | None:
+    """The next message of `queue` as a consumer is handed it, taken off the queue; None when it has none."""
+    taken, _ = store.take(queue, 1)
+    return payload_of(taken[0]) if taken else None
+
+
 def body_of(message: dict[str, Any]) -> Any:
     raw = base64.b64decode(message["body"])
     if message["headers"].get("compression"):
@@ -64,7 +70,7 @@ def test_every_stored_message_has_the_password_masked_and_keeps_the_rest(db: Dat
     store.put("celeryev.spy", kombu_message(event, serializer, compress), 0)
 
     stored = db.bb_messages.find_one({"queue": "celeryev.spy"})
-    fetched = store.get("celeryev.spy")
+    fetched = take_one(store, "celeryev.spy")
     assert fetched is not None
     clean = body_of(fetched)
     for text in (json.dumps(stored, default=str), repr(clean), json.dumps(clean, default=repr, ensure_ascii=False)):
@@ -89,7 +95,7 @@ def test_a_body_the_broker_does_not_decode_is_stored_as_sent_with_why_and_its_he
     store.put("replies", message, 0)
     stored = db.bb_messages.find_one({"queue": "replies"})
     assert "the broker never decodes" in stored["unmasked"] and message["content-type"] in stored["unmasked"]
-    fetched = store.get("replies")
+    fetched = take_one(store, "replies")
     assert fetched is not None
     assert fetched["body"] == message["body"] and body_of(fetched) == data
     assert fetched["headers"] == {**message["headers"], "origin": "mongodb://bb:**@db.example/jobs"}
@@ -99,7 +105,7 @@ def test_a_message_without_the_password_is_stored_as_it_was(db: Database) -> Non
     message = kombu_message({"type": "worker-heartbeat", "freq": 2.0}, "json")
     store = MessageStore(db, secrets=(AWKWARD,))
     store.put("celeryev.spy", message, 0)
-    assert store.get("celeryev.spy") == message
+    assert take_one(store, "celeryev.spy") == message
 
 
 DEEP = 100_000  # nested deeper than Python's parser goes
@@ -123,7 +129,7 @@ def test_a_body_no_serializer_reads_is_masked_as_text(db: Database, content_type
     message.update({"body": base64.b64encode(text.encode()).decode(), "content-type": content_type})
     store = MessageStore(db, secrets=(AWKWARD,))
     store.put("replies", message, 0)
-    fetched = store.get("replies")
+    fetched = take_one(store, "replies")
     assert fetched is not None
     assert base64.b64decode(fetched["body"]).decode() == f"{wrap[0]}not json: mongodb://bb:**@db.example/jobs{wrap[1]}"
 
@@ -202,5 +208,5 @@ def test_a_compressed_body_the_broker_cannot_bound_is_stored_as_sent_never_expan
     store.put("replies", message, 0)
     stored = db.bb_messages.find_one({"queue": "replies"})
     assert stored["unmasked"].startswith("body not masked: "), stored["unmasked"]
-    fetched = store.get("replies")
+    fetched = take_one(store, "replies")
     assert fetched is not None and fetched["body"] == message["body"]

@@ -42,7 +42,7 @@ def test_sigkill_the_whole_worker_eight_times_under_load(broker_url, db, tmp_pat
            ran_twice=len(ran_twice))  # fmt: skip
 
 
-def test_three_outages_while_producing_and_working(own_server, tmp_path) -> None:  # noqa: F811
+def test_three_outages_while_producing_and_working(own_server, tmp_path) -> None:
     url = with_database(own_server.url, "outages")
     db = MongoClient(own_server.url, tz_aware=True).outages
     # A claim the server carried out as it stopped can be left running in a worker's name, never delivered (seen

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
+from tests.spies import record_changes
 from tests.workers import producer, send, settled, wait_for
 
 
@@ -51,9 +52,9 @@ def test_news_for_a_queue_it_does_not_consume_leaves_a_consumer_idle(broker_url,
                            message="the change stream is live")  # fmt: skip
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=0.5)  # the first look at its queue
-        changes = wakeups.changes_seen
+        changes = record_changes(wakeups)
         send(producer(broker_url), "add", 1, 1)  # to `celery`, which this consumer does not consume
-        wait_for(lambda: wakeups.changes_seen > changes, message="the change stream reported the new job")
+        wait_for(lambda: changes, message="the change stream reported the new job")
         polls.clear()
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=2)

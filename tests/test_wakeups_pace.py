@@ -13,6 +13,7 @@ from pymongo.database import Database
 
 from bb_broker.transport.plumbing import MessageStore
 from bb_broker.transport.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
+from tests.spies import record_changes, record_paces
 from tests.workers import producer, send, wait_for
 
 
@@ -125,17 +126,17 @@ def test_changes_to_a_queue_it_does_not_read_never_hold_back_its_news(watched, d
     # queues stay marked (nobody here polls them), so each further change to them looked like a repeat, and the
     # watcher paced its next read with the ping (or its reply) waiting behind it.
     wakeups, _ = watched
+    paces, changes = record_paces(wakeups), record_changes(wakeups)
     mine = seen(wakeups, "mine")
     put_message(db, "their.reply")  # the first reply marks the caller's queue here
     publish(db, "mine")  # the next ping
     wait_for(mine, message="the first news")
-    paces = wakeups.paces
-    changes = wakeups.changes_seen
+    paced, told = len(paces), len(changes)
     put_message(db, "their.reply")  # the reply to it, alone in its getMore
-    wait_for(lambda: wakeups.changes_seen > changes, message="the change after the reply")
+    wait_for(lambda: len(changes) > told, message="the change after the reply")
     publish(db, "mine")  # the ping after: whatever the watcher decided about the reply is decided by now
     wait_for(mine, message="the news after the reply")
-    assert wakeups.paces == paces, "a change to a queue nobody here reads paced the watcher"
+    assert len(paces) == paced, "a change to a queue nobody here reads paced the watcher"
 
 
 EVENTS = ("worker.#", "worker.#", "monitor")
@@ -206,20 +207,23 @@ def test_a_short_burst_of_repeats_is_paced_briefly_and_news_ends_the_pacing(watc
     # ping that came next by up to BUSY_PACE (the saturated ping's p95). Paces start short and grow only while
     # repeats keep coming; news (or a quiet read) starts them short again.
     wakeups, _ = watched
+    paces = record_paces(wakeups)
     draining(wakeups, "busy")  # the consumer knows the queue has work: its jobs are repeats
     quiet = seen(wakeups, "quiet")
-    paces = wakeups.paces
     publish(db, "busy")
-    wait_for(lambda: wakeups.paces > paces, message="a pace after the repeat")
-    assert wakeups.pace == FIRST_PACE
+    wait_for(lambda: paces, message="a pace after the repeat")
+    assert paces[-1] == FIRST_PACE
     publish(db, "quiet")
     wait_for(quiet, message="news for the quiet queue")
-    wait_for(lambda: wakeups.pace == 0.0, message="news ends the pacing")
+    before_news = len(paces)
     for _ in range(3):  # repeats that keep coming, each in its own read: the paces grow
-        paces = wakeups.paces
+        paced = len(paces)
         publish(db, "busy")
-        wait_for(lambda: wakeups.paces > paces, message="a pace after each repeat")  # noqa: B023
-    assert FIRST_PACE < wakeups.pace <= BUSY_PACE
+        wait_for(lambda: len(paces) > paced, message="a pace after each repeat")  # noqa: B023
+    after_news = paces[before_news:]
+    # Without news between, the next pace doubles the last: news ended the pacing, which starts short again.
+    assert after_news[0] == FIRST_PACE, f"the paces after the news: {after_news}"
+    assert FIRST_PACE < paces[-1] <= BUSY_PACE
 
 
 def test_the_wake_ups_and_the_claims_judge_a_due_time_by_one_clock(broker_url: str, db: Database) -> None:

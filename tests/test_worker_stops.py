@@ -47,7 +47,7 @@ def test_pool_grow_then_shrink_leaves_a_worker_that_runs_every_task_and_stops(br
     # microseconds, so the grown processes are let start (more of them die together) and a few rounds follow.
     for grow, shrink in [(2, 3), (3, 3), (3, 3), (3, 3)]:
         assert app.control.pool_grow(grow, reply=True, limit=1, timeout=10)
-        wait_for(lambda: pool_processes(app) == 4, message="the grown pool")  # noqa: B023
+        wait_for(lambda: pool_processes(app) == 4, message="the grown pool")
         assert app.control.pool_shrink(shrink, reply=True, limit=1, timeout=10)
     ids = [send(app, "add", i, i) for i in range(6)]
     wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids),

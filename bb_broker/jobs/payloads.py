@@ -178,7 +178,7 @@ def to_message(payload: Any) -> dict[str, Any]:
 
 def _binary_body(encoded: str, encoding: str | None, headers: Any) -> bytes | str:
     body = base64.b64decode(encoded, validate=True)
-    if encoding in (None, "binary") or (isinstance(headers, dict) and headers.get("compression")):
+    if encoding is None or encoding == "binary" or (isinstance(headers, dict) and headers.get("compression")):
         return body  # compressed bytes are no text: Kombu decompresses them, then reads them in their encoding
     return body.decode(encoding)
 

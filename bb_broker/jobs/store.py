@@ -257,7 +257,7 @@ class JobStore:
             if retry_of is not None and self.coll.find_one({"_id": retry_of[0]}, {"_id": 1}) is not None:
                 logger.warning("job %s: a retry from attempt %d, no longer the job's, was dropped", *retry_of)
                 return retry_of[0]
-        job = {
+        job: dict[str, Any] = {
             "_id": job_id or new_job_id(),
             "kind": kind,
             "taskId": task_id,

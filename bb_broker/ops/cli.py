@@ -34,7 +34,7 @@ def _store(broker: str, collection: str = DEFAULTS.jobs_collection, policy: Poli
     from bb_broker import connection
 
     target = connection.parse_broker_url(broker)
-    timeouts = connection.quick_timeouts(target)
+    timeouts: dict[str, Any] = connection.quick_timeouts(target)
     # A client of the command's own, closed when it is done: else pymongo's exit waits up to a second for its
     # monitor, blocked in an awaited `hello`.
     db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **timeouts)[target.database]
@@ -347,16 +347,16 @@ def requeue_stale(
     broker: str, collection: str, stale_after: timedelta, max_attempts: int, heartbeat_interval: timedelta
 ) -> None:
     """Run the stale sweep now: lost running jobs back to queued, or failed when no attempt is left."""
-    stale_after, heartbeat_interval = stale_after.total_seconds(), heartbeat_interval.total_seconds()
+    stale, heartbeat = stale_after.total_seconds(), heartbeat_interval.total_seconds()
     # A live job's lease is refreshed once per heartbeat interval; two of them give a late heartbeat its chance.
-    if stale_after < 2 * heartbeat_interval:
+    if stale < 2 * heartbeat:
         _fail(
-            f"requeue-stale: --stale-after {stale_after:g} s is less than two heartbeat intervals of the workers "
-            f"(2 x {heartbeat_interval:g} s): jobs whose workers are alive would be re-queued. Use at least "
-            f"{2 * heartbeat_interval:g} s, or pass --heartbeat-interval (your workers' stale_after / 5)",
+            f"requeue-stale: --stale-after {stale:g} s is less than two heartbeat intervals of the workers "
+            f"(2 x {heartbeat:g} s): jobs whose workers are alive would be re-queued. Use at least "
+            f"{2 * heartbeat:g} s, or pass --heartbeat-interval (your workers' stale_after / 5)",
             2,
         )
-    with _jobs(broker, collection, Policy(max_attempts=max_attempts, stale_after=stale_after)) as store:
+    with _jobs(broker, collection, Policy(max_attempts=max_attempts, stale_after=stale)) as store:
         sweep_log = logging.getLogger("bb_broker.jobs.store")
         level = sweep_log.level
         sweep_log.setLevel(logging.ERROR)  # its "recovered lost jobs" line would repeat what is printed below

@@ -663,7 +663,7 @@ class Operations:
         cutoff = self.now() - timedelta(seconds=self.store.policy.stale_after)
         return isinstance(updated, datetime) and aware(updated) < cutoff
 
-    def _hint_if_indexed(self, index: str) -> dict[str, str]:
+    def _hint_if_indexed(self, index: str) -> dict[str, Any]:
         # An operator may look at a database no worker has indexed yet, where a hint would be an error.
         if index == "_id_":
             return {}

@@ -360,7 +360,7 @@ class JobResultBackend(ChordBackend):
         on_message: Any = None,
         on_interval: Any = None,
         max_iterations: int | None = None,
-        READY_STATES: frozenset[str] = states.READY_STATES,  # noqa: N803 (Celery's keyword)
+        READY_STATES: frozenset[str] = states.READY_STATES,  # Celery's keyword
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (task id, meta) as each task is ready (see ResultConsumer.get_many)."""
         self._ensure_not_eager()

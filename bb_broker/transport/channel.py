@@ -6,18 +6,19 @@ import contextlib
 import logging
 import sys
 import threading
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from queue import Empty, SimpleQueue
 from time import monotonic, sleep
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pymongo
 from bson import ObjectId
 from kombu.exceptions import ChannelError, OperationalError
 from kombu.transport import virtual
+from kombu.utils.scheduling import FairCycle
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
 
@@ -104,7 +105,8 @@ class JobMessage(virtual.Message):
         super().__init__(payload, channel=channel, **kwargs)
         headers = self.headers or {}
         self.job_id: str | None = headers.get(JOB_ID_HEADER)
-        self.attempts: int | None = headers.get(ATTEMPTS_HEADER)
+        #: Which attempt of the job this delivery is; set with job_id by the claim, 0 on a plain message.
+        self.attempts: int = int(headers.get(ATTEMPTS_HEADER) or 0)
         #: Why the consumer refused it, when it says: set only through explain_rejection.
         self.rejection_reason: str | None = None
         #: A plain message's queue and expiry where it was stored (see STORED_AS).
@@ -122,6 +124,12 @@ def explain_rejection(message: Any, reason: str) -> None:
 
 class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
+
+    channel: Channel
+    # Kombu's, which its __init__ sets (its stubs leave them optional, or leave _quick_ack out).
+    _delivered: OrderedDict[str, Any]
+    _dirty: set[str]
+    _quick_ack: Callable[[str], None]
 
     #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
     batch_patience = 0.05
@@ -162,8 +170,10 @@ class JobQoS(virtual.QoS):
     def _fail_rejected(self, message: JobMessage) -> None:
         self._fail(message, message.rejection_reason or REJECTED, retryable=False)
 
-    def _fail(self, message: JobMessage, reason: str, **how: bool) -> None:
+    def _fail(self, message: JobMessage, reason: str, *, retryable: bool = True, backoff: bool = True) -> None:
         # The attempt goes in the job's history in the same write; it never ran, so it has no start.
+        if message.job_id is None:
+            return  # a plain message: no job to fail (each caller checked already)
         jobs = self.channel.jobs
         entry = attempt_entry(
             message.attempts,
@@ -173,7 +183,7 @@ class JobQoS(virtual.QoS):
             outcome="failed",
             error=reason,
         )
-        jobs.fail(message.job_id, message.attempts, reason, attempt=entry, **how)
+        jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
 
     def live_jobs(self) -> list[str]:
         return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
@@ -321,7 +331,7 @@ class ClaimsAhead:
             queue, wanted = request
             try:
                 landed = LandedClaim(queue, wanted, self._claim(queue, wanted))
-            except BaseException as exc:  # noqa: BLE001 (handed to the consuming thread, which raises it)
+            except BaseException as exc:
                 landed = LandedClaim(queue, wanted, error=exc)
             with self._handing:
                 unwanted = self._closed or queue in self._unwanted
@@ -336,6 +346,13 @@ class Channel(virtual.Channel):
     QoS = JobQoS
     Message = JobMessage
     supports_fanout = True
+
+    connection: Transport  # Kombu hands a channel its transport as `connection`
+
+    if TYPE_CHECKING:  # Kombu's property makes a QoS of the class above
+
+        @property
+        def qos(self) -> JobQoS: ...
 
     # The transport options (broker_transport_options): Kombu sets each on the channel (from_transport_options),
     # which reads them into its BrokerOptions (self.options); their defaults, and what each does, are BrokerOptions'.
@@ -458,7 +475,7 @@ class Channel(virtual.Channel):
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
         # Kombu keeps this connection's bindings in each exchange's table too, which routes as the stored ones do.
-        for exchange in self.state.exchanges.values():
+        for exchange in (self.state.exchanges or {}).values():
             exchange["table"] = [row for row in exchange.get("table", []) if row[2] != queue]
 
     def queue_unbind(
@@ -469,21 +486,30 @@ class Channel(virtual.Channel):
         exchange = exchange or "amq.direct"
         self.state.binding_delete(queue, exchange, routing_key)
         row = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
-        if (declared := self.state.exchanges.get(exchange)) is not None:
+        if (declared := (self.state.exchanges or {}).get(exchange)) is not None:
             declared["table"] = [kept for kept in declared.get("table", []) if tuple(kept) != tuple(row)]
         self.plumbing.unbind(exchange, routing_key, queue)
 
-    def exchange_declare(self, exchange: str | None = None, type: str = "direct", **kwargs: Any) -> None:  # noqa: A002 (Kombu's name)
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",  # Kombu's name, shadowing the builtin
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
         # Kombu's virtual channel takes any type and fails each later bind and publish with a bare KeyError.
-        if not kwargs.get("passive") and (type or "direct") not in self.exchange_types:
+        if not passive and (type or "direct") not in self.exchange_types:
             raise ChannelError(
                 f"NOT_IMPLEMENTED - exchange type {type!r} of exchange {exchange!r}: bbmongo:// routes "
                 f"{', '.join(sorted(self.exchange_types))} exchanges",
                 (40, 10),
                 "Channel.exchange_declare",
-                "540",
+                540,
             )
-        super().exchange_declare(exchange, type, **kwargs)
+        super().exchange_declare(exchange, type, durable, auto_delete, arguments, nowait, passive)
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
         super().exchange_delete(exchange, if_unused=if_unused, nowait=nowait)
@@ -495,7 +521,7 @@ class Channel(virtual.Channel):
         self.plumbing.bind(exchange, routing_key, pattern, queue)
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
-        local = self.state.exchanges.get(exchange, {}).get("table", [])
+        local = (self.state.exchanges or {}).get(exchange, {}).get("table", [])
         max_age = self.topic_table_max_age if self.typeof(exchange).type == "topic" else 0.0
         return list({*local, *self.plumbing.table(exchange, max_age=max_age)})
 
@@ -505,7 +531,7 @@ class Channel(virtual.Channel):
         # its own must still reach the reply queue of each process that asks it something.
         kind = self.typeof(exchange) if exchange else None
         if kind is not None and kind.type == "direct":
-            local = self.state.exchanges.get(exchange, {}).get("table", [])
+            local = (self.state.exchanges or {}).get(exchange, {}).get("table", [])
             if routed := kind.lookup(local, exchange, routing_key, default):
                 return routed
         return super()._lookup(exchange, routing_key, default)
@@ -609,7 +635,7 @@ class Channel(virtual.Channel):
 
     # --- consuming ----------------------------------------------------------
 
-    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any) -> Any:
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str | None, **kwargs: Any) -> Any:
         if queue not in self._plain_queues and self._keeper is None:
             self._keeper = LeaseKeeper.for_store(self.jobs, self.owner)
             self._keeper.add_source(self._live_jobs)
@@ -982,8 +1008,15 @@ class ServerUnreachable(OperationalError):
     Kombu's and Celery's retries and reconnects treat it as every transport's lost connection."""
 
 
+#: Channel, for the annotations inside Transport, whose own Channel attribute hides the class there.
+_JobChannel: TypeAlias = Channel
+
+
 class Transport(virtual.Transport):
     Channel = Channel
+    # Kombu's __init__ sets both; its channels are only ever this transport's Channel (the stubs say Kombu's).
+    channels: list[_JobChannel]  # type: ignore[assignment]
+    cycle: FairCycle
 
     can_parse_url = True
     polling_interval = 1.0
@@ -1027,7 +1060,7 @@ class Transport(virtual.Transport):
         self._timer: Any = None
         self._timer_due = float("inf")
 
-    def watch(self, channel: Channel) -> None:
+    def watch(self, channel: _JobChannel) -> None:
         """Start the change stream that wakes this connection's consumers (once, for the first consumer)."""
         if self.wakeups is None and channel.options.use_change_streams:
             self.wakeups = Wakeups(
@@ -1052,7 +1085,7 @@ class Transport(virtual.Transport):
         """Whether the calling thread is inside this connection's delivery of a message."""
         return self._delivering_thread == threading.get_ident()
 
-    def _deliver(self, message: Any, queue: str) -> None:
+    def _deliver(self, message: Any, queue: str | None) -> None:
         self._delivering_thread = threading.get_ident()
         try:
             super()._deliver(message, queue)
@@ -1073,6 +1106,8 @@ class Transport(virtual.Transport):
         if isinstance(exc, self.connection_errors + (PyMongoError,)):
             return
         tag = (message.get("properties") or {}).get("delivery_tag")
+        if tag is None:
+            return  # delivered by no channel here
         for channel in list(self.channels):
             delivered = channel.qos._delivered.get(tag)
             if isinstance(delivered, JobMessage) and delivered.job_id and not delivered.acknowledged:
@@ -1175,7 +1210,8 @@ class Transport(virtual.Transport):
 
     # --- the blocking loop (drain_events) ------------------------------------
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    # Kombu's virtual Transport narrows its base's **kwargs to timeout as well (and its stubs ignore the same).
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
         # Kombu's loop, waiting for a wake-up (or adapting its pause) instead of sleeping a fixed interval.
         started = monotonic()
         while True:

@@ -168,11 +168,12 @@ def scrub_message(message: dict[str, Any], secrets: tuple[str, ...]) -> tuple[di
         clean = scrub(raw.decode("utf-8", "surrogateescape"), secrets).encode("utf-8", "surrogateescape")
     if headers.get("compression"):
         clean = compression.compress(clean, headers["compression"])[0]
+    stored: bytes | str = clean
     if encoding:
-        clean = virtual.Channel.codecs[encoding].encode(clean)
+        stored = virtual.Channel.codecs[encoding].encode(clean)
     elif isinstance(body, str):
-        clean = clean.decode(content_encoding)
-    return {**message, "body": clean, "headers": scrub_value(headers, secrets)}, None
+        stored = clean.decode(content_encoding)
+    return {**message, "body": stored, "headers": scrub_value(headers, secrets)}, None
 
 
 class Outbox:
@@ -227,12 +228,6 @@ class Outbox:
             self._waiting.append(document)
             self._due = min(self._due, time.monotonic() + linger)
             self._changed.notify_all()
-
-    @property
-    def waiting(self) -> int:
-        """Messages given and not yet taken by the writer (for tests and diagnosis)."""
-        with self._changed:
-            return len(self._waiting)
 
     def flush(self, timeout: float) -> int:
         """Wait up to `timeout` seconds until every message given so far is stored; how many are still held."""
@@ -456,10 +451,6 @@ class MessageStore:
                 queue,
             )
 
-    def get(self, queue: str) -> dict[str, Any] | None:
-        taken, _ = self.take(queue, 1)
-        return payload_of(taken[0]) if taken else None
-
     def take(self, queue: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Take up to `limit` of `queue`'s messages, in order, each to one taker: their stored documents (to deliver,
         `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip each
@@ -543,10 +534,11 @@ class MessageStore:
         (a queue bound by this process, or by another one the change stream told of).
         """
         cached = self._table_cache.get(exchange)
-        unchanged = cached is not None and cached[0] > self._watch.changed_at
-        fresh = unchanged and (time.monotonic() - cached[0] < max_age or self._watch.vouches_for(cached[0]))
-        if cached is not None and max_age > 0 and fresh:
-            return cached[1]
+        if cached is not None and max_age > 0:
+            read_at, kept = cached
+            unchanged = read_at > self._watch.changed_at
+            if unchanged and (time.monotonic() - read_at < max_age or self._watch.vouches_for(read_at)):
+                return kept
         rows = [
             (b["routing_key"], b.get("pattern") or "", b["queue"]) for b in self.bindings.find({"exchange": exchange})
         ]

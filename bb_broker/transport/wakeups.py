@@ -101,23 +101,7 @@ class Wakeups:
         #: (its own replies and events, other workers' queues) are marked, in case it consumes them later, and else
         #: only pace the watcher while they keep coming.
         self._consumed: frozenset[str] = frozenset()
-        #: How many changes this connection has been told of.
-        self.changes_seen = 0
         self._feed = _Feed.subscribe(self, db, (jobs, messages, bindings, controls), busy_pace)
-
-    @property
-    def _thread(self) -> threading.Thread:
-        return self._feed.thread
-
-    @property
-    def paces(self) -> int:
-        """How many times the process's watcher has paced its reads (a count for tests and diagnosis)."""
-        return self._feed.paces
-
-    @property
-    def pace(self) -> float:
-        """Seconds the watcher's last pace lasted, 0 once a read brought news or nothing (for tests and diagnosis)."""
-        return self._feed.pace
 
     def stop(self) -> None:
         """The connection closed: no more wake-ups for it (the process's change stream ends with its last one)."""
@@ -230,7 +214,6 @@ class Wakeups:
     def _on_change(self, change: dict[str, Any]) -> Seen:
         """Note a change, and say what it is to this connection's consumers."""
         now = time.monotonic()
-        self.changes_seen += 1
         if self._bindings_watch is not None and (change.get("ns") or {}).get("coll") == self._bindings:
             self._bindings_watch.changed()
             return Seen.NEWS  # rare, and nothing to poll
@@ -314,9 +297,8 @@ class _Feed:
         self.live = False
         #: Set when the last subscriber left, or a consumer started reading a queue: pauses end early.
         self._idle = threading.Event()
-        #: How many times the watcher paced its reads, and how long its last pace was (0 once news came).
-        self.paces = 0
-        self.pace = 0.0
+        #: How long the watcher's last pace was (0 once news came): the next grows from it while repeats come.
+        self._pace = 0.0
         self.thread: threading.Thread | None = None  # started by subscribe
 
     def unsubscribe(self, wakeups: Wakeups) -> None:
@@ -380,11 +362,10 @@ class _Feed:
                             now = time.monotonic()
                             if changes < CHANGE_BATCH and _worth_a_pace(batch, others_before):
                                 coming = PACED_CHANGES * (now - last_batch) / max(changes, 1)
-                                self.pace = max(FIRST_PACE, min(self.pace * 2, self._busy_pace, coming))
-                                self.paces += 1
-                                self._idle.wait(self.pace)  # the consumers know of these changes already
+                                self._pace = max(FIRST_PACE, min(self._pace * 2, self._busy_pace, coming))
+                                self._idle.wait(self._pace)  # the consumers know of these changes already
                             elif not batch or Seen.NEWS in batch:
-                                self.pace = 0.0  # the repeats stopped: the next pace starts short again
+                                self._pace = 0.0  # the repeats stopped: the next pace starts short again
                             others_before = batch == {Seen.OTHER}
                             last_batch = now
                             batch, changes = set(), 0

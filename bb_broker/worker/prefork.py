@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from typing import Any
+from typing import Any, Protocol
 
 from billiard.queues import SimpleQueue
 
@@ -13,7 +13,14 @@ _TERMINATE = {signal.SIGTERM}
 _WAIT_SLICE = 0.5
 
 
-def _get_payload(self: SimpleQueue) -> bytes:
+class _PoolQueue(Protocol):
+    """What billiard's SimpleQueue sets in its __init__ and reads in its own get_payload (its stubs leave it out)."""
+
+    _rlock: Any  # a billiard (multiprocessing) Lock
+    _reader: Any  # the pipe's reading end, a billiard Connection
+
+
+def _get_payload(self: _PoolQueue) -> bytes:
     # Without an event loop every idle pool process reads the one shared job queue under its read lock, and
     # `pool_shrink` SIGTERMs idle processes together. billiard's handler raises SystemExit, which a process inside
     # `with lock:` survives cleanly; but a process whose lock wait succeeds just as its own signal arrives raises
@@ -35,5 +42,5 @@ def _get_payload(self: SimpleQueue) -> bytes:
 
 def guard_pool_queue() -> None:
     """Install the guarded read (idempotent): the pool processes forked after this inherit it."""
-    guarded: Any = _get_payload
-    SimpleQueue.get_payload = guarded
+    # Patching billiard's method is the point; its stubs lack the _rlock and _reader _get_payload reads (_PoolQueue).
+    SimpleQueue.get_payload = _get_payload  # type: ignore[method-assign, assignment]

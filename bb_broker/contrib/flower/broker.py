@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +127,10 @@ class BrokerHealth:
 
 
 def _is_ours(broker_url: str | None) -> bool:
-    return bool(broker_url) and broker_url.partition("://")[0].lower() in SCHEMES
+    return broker_url is not None and broker_url.partition("://")[0].lower() in SCHEMES
 
 
-def broker_banner(handler: tornado.web.RequestHandler) -> str | None:
+def broker_banner(handler: BaseHandler) -> str | None:
     """The banner for the broker of the Flower app serving `handler` (the base template calls this)."""
     broker_url = handler.application.broker_uri_with_password
     if not _is_ours(broker_url):
@@ -220,7 +221,7 @@ def _row(name: str, depth: dict[str, Any]) -> dict[str, Any]:
     if depth["paused"]:
         row["pausedBy"] = depth.get("pausedBy")
         at = depth.get("pausedAt")
-        row["pausedAt"] = at.isoformat() if hasattr(at, "isoformat") else at
+        row["pausedAt"] = at.isoformat() if isinstance(at, datetime) else at
     return row
 
 
@@ -249,12 +250,12 @@ def install() -> None:
     if not isinstance(flower_urls.settings.get("template_loader"), BannerLoader):
         flower_urls.settings["template_loader"] = BannerLoader(flower_urls.settings["template_path"])
     if WorkersView.prepare is not _workers_prepare:
-        WorkersView.prepare = _workers_prepare  # type: ignore[method-assign]
+        WorkersView.prepare = _workers_prepare
     if BaseHandler.check_xsrf_cookie is not _check_xsrf_cookie:
         # Tornado calls it for every POST, PUT, DELETE to every handler (Flower 2.2 turns xsrf_cookies on; before,
         # only the Jobs tab's own handlers check, in their prepare).
         _check_xsrf_cookie.flowers = BaseHandler.check_xsrf_cookie  # type: ignore[attr-defined]
-        BaseHandler.check_xsrf_cookie = _check_xsrf_cookie  # type: ignore[method-assign]
+        BaseHandler.check_xsrf_cookie = _check_xsrf_cookie
     jobs_view.install()
     factory = flower_broker.Broker
     if getattr(factory.__new__, _MARK, False):
@@ -268,7 +269,7 @@ def install() -> None:
 
     setattr(__new__, _MARK, True)
     __new__.flowers_new = flowers_new  # type: ignore[attr-defined]
-    factory.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
+    factory.__new__ = staticmethod(__new__)
 
 
 install()

@@ -20,7 +20,7 @@ import functools
 import inspect
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -138,7 +138,7 @@ class JobsTab:
             raise tornado.web.HTTPError(503, "%s", self.unreachable(problem)) from None
 
 
-def _tab(handler: tornado.web.RequestHandler) -> JobsTab:
+def _tab(handler: BaseHandler) -> JobsTab:
     """The Flower app's JobsTab, made on first use."""
     app = handler.application
     tab = getattr(app, "_bb_jobs_tab", None)
@@ -193,7 +193,7 @@ def _refuse_unless_allowed(handler: BaseHandler) -> None:
         raise tornado.web.HTTPError(403, f"{who} may read the jobs but not act on them (see --jobs_admins)")
 
 
-def refuse_cross_site_without_login(handler: tornado.web.RequestHandler) -> None:
+def refuse_cross_site_without_login(handler: BaseHandler) -> None:
     """Flower checks where a request that changes something comes from only when it has users. Without (--no-auth),
     a page of another site open in the operator's browser could post to it: to the Jobs tab's API and Flower's own
     when FLOWER_UNAUTHENTICATED_API opens them (Flower then even answers every origin). So a request that says it
@@ -656,10 +656,11 @@ def guard_flowers_actions(handlers: Iterable[Any]) -> None:
     nothing."""
     for handler_class in flowers_actions(handlers):
         if not is_guarded(handler_class):
-            handler_class.prepare = _guarded(handler_class.prepare)  # type: ignore[method-assign]
+            # Patching Flower's handler classes is the point (mypy checks a method set on a class as a bound one).
+            handler_class.prepare = _guarded(handler_class.prepare)  # type: ignore[method-assign, assignment]
 
 
-def _guarded(prepare: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _guarded(prepare: Callable[[Any], Any]) -> Callable[[Any], Awaitable[None]]:
     async def guarded_prepare(self: BaseHandler) -> None:
         result = prepare(self)  # Flower's own (its API refuses anonymous use unless told)
         if inspect.isawaitable(result):
