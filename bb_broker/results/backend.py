@@ -53,15 +53,12 @@ from bson import Binary
 from celery import chord, group, maybe_signature, states
 from celery.backends import base as celery_backends
 from celery.backends.base import BaseBackend
-from celery.canvas import _chain
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
-from celery.utils.functional import _regen
 from kombu import compression
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads, prepare_accept_content
-from kombu.serialization import registry as serializers
 from kombu.utils.encoding import ensure_bytes
 from kombu.utils.uuid import uuid
 from pymongo import ASCENDING, DESCENDING, ReturnDocument
@@ -75,6 +72,7 @@ from bb_broker.jobs.payloads import PayloadError, _bson_safe, decompress_bounded
 from bb_broker.jobs.store import MAX_DOCUMENT_BYTES, RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
 from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
 from bb_broker.worker import hooks as celery_hooks
+from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +120,7 @@ def _described(encoded: Any) -> str:
 
 def _first_message(signature: Any) -> Any:
     """The signature whose message a canvas sends first: a chain's first step, a group's or chord's first task."""
-    while isinstance(signature, _chain | group | chord) and signature.tasks:
+    while isinstance(signature, patches.chain_class() | group | chord) and signature.tasks:
         tasks = signature.tasks
         signature = maybe_signature(tasks[0] if isinstance(tasks, list | tuple) else next(iter(tasks)))
     return signature
@@ -231,14 +229,12 @@ class JobResultBackend(BaseBackend):
         if fmt == "json":
             return loads(json.dumps(value), "application/json", "utf-8", accept=self.accept)
         serializer = (fmt or "").partition(":")[2] or self.serializer
-        content_type, content_encoding, _ = serializers._encoders[serializer]
+        content_type, content_encoding = patches.serializer_content_types(serializer)
         return loads(_decompressed_result(bytes(value)), content_type, content_encoding, accept=self.accept)
 
     def _result_fields(self, result: Any, state: str, traceback: str | None, request: Any) -> dict[str, Any]:
         """The fields of a result, `result` already prepared by encode_result."""
-        meta = self._get_result_meta(
-            result=result, state=state, traceback=traceback, request=request, format_date=False
-        )
+        meta = patches.result_meta(self, result, state, traceback, request)
         if state in states.EXCEPTION_STATES:
             result = self._masked(result)  # an error's text, as lastError and the traceback have it
         value, fmt = self._stored(result)
@@ -333,9 +329,9 @@ class JobResultBackend(BaseBackend):
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
         if request.chord:
             self.on_chord_part_return(request, state, exc)
-        self._fail_chain(getattr(request, "chain", None), exc, traceback, store_result=store_result, state=state)
+        patches.fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result, state)
         if call_errbacks and request.errbacks:
-            self._call_task_errbacks(request, exc, traceback)
+            patches.call_errbacks(self, request, exc, traceback)
 
     def mark_as_revoked(
         self,
@@ -528,10 +524,10 @@ class JobResultBackend(BaseBackend):
         READY_STATES: frozenset[str] = states.READY_STATES,  # noqa: N803 (Celery's keyword)
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (task id, meta) as each task is ready: woken by a change stream on their jobs, else polling."""
-        self._ensure_not_eager()
+        patches.refuse_when_eager(self)
         pending = {str(task_id) for task_id in task_ids}
         for task_id in list(pending):
-            cached = self._cache.get(task_id)
+            cached = patches.result_cache(self).get(task_id)
             if cached is not None and cached["status"] in READY_STATES:
                 pending.discard(task_id)
                 yield task_id, cached
@@ -545,7 +541,7 @@ class JobResultBackend(BaseBackend):
                     if meta["status"] in READY_STATES:
                         pending.discard(task_id)
                         if meta["status"] == states.SUCCESS:
-                            self._cache[task_id] = meta
+                            patches.result_cache(self)[task_id] = meta
                         if on_message is not None:
                             on_message(meta)
                         yield task_id, meta
@@ -639,7 +635,7 @@ class JobResultBackend(BaseBackend):
             {"kind": "chord", "count": 0, "extra": 0, "members": [], "parts": [], **self._expires_at()},
             upsert=True,
         )
-        if not isinstance(header_result_args[1], _regen):
+        if not patches.is_lazy_result_list(header_result_args[1]):
             header = self.app.GroupResult(*header_result_args)
             if any(isinstance(result, GroupResult) for result in header.results):
                 header.save(backend=self)  # nested groups: the callback gets their structure from a join
