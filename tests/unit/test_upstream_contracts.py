@@ -156,18 +156,31 @@ def test_result_meta_has_the_fields_a_job_document_keeps(app: Celery) -> None:
 def test_failing_a_chain_and_calling_errbacks_take_what_the_backend_passes() -> None:
     from celery.backends.base import BaseBackend
 
-    assert hasattr(BaseBackend, "_fail_chain"), (
-        "celery.backends.base.BaseBackend._fail_chain is missing: Celery before 5.7.0 fails a chain inline in "
-        "mark_as_failure, and so may a later one; " + where("fail_chain")
-    )
-    found = parameters(BaseBackend._fail_chain)
-    assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
-        f"BaseBackend._fail_chain now takes {found}; " + where("fail_chain")
-    )
+    if hasattr(BaseBackend, "_fail_chain"):  # Celery 5.7.0 on; before, mark_as_failure does it inline
+        found = parameters(BaseBackend._fail_chain)
+        assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
+            f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
+            "the tasks chained after it; " + where("fail_chain")
+        )
+    else:
+        inline = source(BaseBackend.mark_as_failure)
+        assert "chain_elem_ctx = Context(chain_elem)" in inline and "on_chord_part_return(chain_elem_ctx" in inline, (
+            "celery.backends.base.BaseBackend.mark_as_failure neither calls _fail_chain nor fails the chain as Celery "
+            "5.5 and 5.6 do: Celery changed how a failure reaches the tasks chained after it; " + where("fail_chain")
+        )
     found = parameters(BaseBackend._call_task_errbacks)
     assert found == ["self", "request", "exc", "traceback"], (
         f"celery.backends.base.BaseBackend._call_task_errbacks now takes {found}; " + where("call_errbacks")
     )
+
+
+@pytest.mark.parametrize("fail_chain", [patches.fail_chain, patches._fail_chain_as_celery_5_5])
+def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, fail_chain: Any) -> None:
+    # Both ways: Celery's own _fail_chain where it has one (5.7), else as Celery 5.5 and 5.6 do it inline.
+    chained = app.signature("contracts.next").freeze()
+    fail_chain(app.backend, [dict(app.signature("contracts.next", task_id=chained.id))], KeyError("x"), None, True,
+               states.FAILURE)  # fmt: skip
+    assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
 
 
 def test_a_backend_has_its_result_cache_and_eager_check(app: Celery) -> None:
@@ -305,3 +318,15 @@ def test_billiards_pool_reads_its_job_queue_through_get_payload_under_its_read_l
     patches.install_pool_queue_guard()
     queue.send_payload(b"job")
     assert queue.get_payload() == b"job", "the guarded read does not read what billiard wrote"
+
+
+def test_the_worker_lists_the_requests_it_holds() -> None:
+    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/hooks.py:_reserved_jobs keeps
+    # their leases fresh from them).
+    from celery.worker import state
+    from celery.worker.request import Request
+
+    assert hasattr(state.reserved_requests, "__iter__") and isinstance(Request.request_dict, property), (
+        "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
+        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/hooks.py:_reserved_jobs"
+    )

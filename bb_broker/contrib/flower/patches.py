@@ -23,8 +23,9 @@ from flower.views import BaseHandler
 from flower.views.workers import WorkersView
 from tornado.web import URLSpec
 
-#: The releases every function here was checked against (their sources read, the contract tests run on the newest).
-CHECKED_AGAINST = "flower 2.0.1, 2.1.0, 2.2.0; tornado 6.6.1"
+#: The releases every function here was checked against: the contract tests pass on Flower 2.2.0; the sources of
+#: 2.0.1 and 2.1.0 were read, and where they differ each function says how (the tests then fail, naming the place).
+CHECKED_AGAINST = "flower 2.2.0 (2.0.1, 2.1.0 read); tornado 6.6.1"
 
 #: Marks what this module installed, so that installing twice installs once.
 INSTALLED = "_bb_broker_patch"
@@ -37,7 +38,9 @@ def install_broker_factory(is_ours: Callable[[str], bool], ours: Callable[..., A
     Flower picks the broker class by URL scheme in `Broker.__new__` and raises NotImplementedError for any other, which
     its Broker tab shows as "broker is not supported"; it takes no broker class from its options. Relies on: the
     handlers calling `Broker(app.broker_uri_with_password, http_api=..., broker_options=...)` (BaseHandler.get_broker)
-    and `await broker.queues(names)`. Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    and `await broker.queues(names)`. Checked against flower 2.2.0; 2.0.1 and 2.1.0 have the same `__new__`, and
+    their BrokerView.get and GetQueueLengths.get call `Broker(...)` themselves (no get_broker), which this serves
+    the same."""
     factory = flower_broker.Broker
     if getattr(factory.__new__, INSTALLED, False):
         return
@@ -65,7 +68,9 @@ def install_template_loader(loader_class: type[tornado.template.BaseLoader]) -> 
     `template_loader` is a documented Tornado application setting; Flower builds its application from the module-level
     `flower.urls.settings` dict and takes no setting of its own for it, so the dict is where it goes. Relies on:
     `flower.urls.settings["template_path"]`, and Flower passing `**settings` to its Application
-    (flower.command: `Flower(capp=app, options=options, **settings)`). Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    (flower.command: `Flower(capp=app, options=options, **settings)`). Checked against flower 2.2.0; 2.0.1 and 2.1.0
+    too, but their base.html and broker.html lack the anchors the banner and the Paused column go after (those pages
+    then show neither)."""
     if not isinstance(flower_urls.settings.get("template_loader"), loader_class):
         flower_urls.settings["template_loader"] = loader_class(flower_urls.settings["template_path"])
 
@@ -81,7 +86,7 @@ def install_workers_refresh_check(prepare: Callable[[Any], None]) -> None:
     Tornado's `prepare` is the documented place for a check before every method, but WorkersView is Flower's class,
     made by Flower's URL table: the only way into it is its attribute. Relies on: neither WorkersView nor Flower's
     BaseHandler defining a prepare of its own (this one replaces Tornado's empty one, calling nothing before it).
-    Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh."""
     if WorkersView.prepare is not prepare:
         WorkersView.prepare = prepare  # type: ignore[method-assign]
 
@@ -92,7 +97,8 @@ def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]
 
     Flower 2.2 turns Tornado's `xsrf_cookies` on and overrides check_xsrf_cookie in its BaseHandler; before 2.2 it
     checks nothing and Tornado still calls the method. Every one of Flower's handlers derives from BaseHandler, which
-    is Flower's: its attribute is the only way in. Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    is Flower's: its attribute is the only way in (before 2.2 it is Tornado's own, which this calls). Checked against
+    flower 2.0.1, 2.1.0, 2.2.0."""
     if getattr(BaseHandler.check_xsrf_cookie, INSTALLED, False):
         return
     flowers = BaseHandler.check_xsrf_cookie
@@ -136,7 +142,8 @@ def guard_prepare(handler_class: type[tornado.web.RequestHandler], guard: Callab
 
     Tornado runs `prepare` before every method, after the XSRF check; the class is Flower's, made by its URL table, so
     its attribute is the only way in. Flower's own prepare (BaseApiHandler's, which refuses anonymous API use unless
-    told) runs first, awaited when it is a coroutine. Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    told) runs first, awaited when it is a coroutine. Checked against flower 2.0.1, 2.1.0, 2.2.0 (before 2.2 that
+    prepare reads FLOWER_UNAUTHENTICATED_API itself, not the `unauthenticated_api` option)."""
     if is_guarded(handler_class):
         return
     flowers = handler_class.prepare
