@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import html
-import inspect
 import os
 import re
 import socket
@@ -286,7 +285,7 @@ def test_a_read_only_user_can_use_none_of_flowers_actions(app, db, worker_factor
         (f"/api/worker/shutdown/{name}", {}),
     ]
     # Every endpoint of Flower's that acts is here (tests/test_jobs_view.py keeps that list in step with Flower's).
-    from tests.test_jobs_view import FLOWERS_ACTIONS
+    from tests.unit.test_flower_contracts import FLOWERS_ACTIONS
 
     assert {handler_of(path).__name__ for path, _ in calls} == FLOWERS_ACTIONS
     refused = "viewer may look but not act: only --jobs_admins may use Flower's actions"
@@ -323,52 +322,7 @@ def test_an_admins_revoke_through_flower_is_recorded_with_their_name(app, db, wo
 # --- the Broker tab -----------------------------------------------------------------------------------------
 
 
-def test_flower_internals_the_broker_tab_relies_on_are_still_there() -> None:
-    """Fails when a Flower release moves what contrib.flower.broker hooks, before any user sees a broken Broker tab."""
-    import flower.command
-    import flower.urls
-    import flower.views
-    import flower.views.workers
-    from flower.api.tasks import GetQueueLengths
-    from flower.utils import broker as flower_broker
-    from flower.views.broker import BrokerView
-
-    import bb_broker.contrib.flower.broker as adapter
-
-    # The factory every handler calls by this name, and its call: URL first, options as keywords.
-    assert flower.views.Broker is flower_broker.Broker
-    params = inspect.signature(flower_broker.Broker.__new__.flowers_new).parameters
-    assert list(params)[:2] == ["cls", "broker_url"]
-    assert {p.kind for p in params.values()} >= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
-    get_broker = inspect.getsource(flower.views.BaseHandler.get_broker)
-    assert "Broker(app.broker_uri_with_password" in get_broker and "broker_options=" in get_broker
-    assert "except NotImplementedError" in get_broker  # how an unknown scheme becomes "not supported"
-    # The Broker page and /api/queues/length both ask the broker object for `await .queues(names)`.
-    for handler in (BrokerView.get, GetQueueLengths.get):
-        source = inspect.getsource(handler)
-        assert "self.get_broker()" in source and "await broker.queues(self.get_active_queue_names())" in source
-    # The columns the page shows, by the keys our rows fill.
-    template = (Path(flower.views.__file__).parent.parent / "templates" / "broker.html").read_text()
-    for key in ("name", "messages", "messages_unacknowledged", "messages_ready"):
-        assert f"queue.get('{key}')" in template or f"queue['{key}']" in template
-
-    # The broker banner: Flower hands its `settings` to Tornado (where `template_loader` is a documented setting),
-    # every page extends base.html, which has the anchor, and the Workers table turns its dot red on a failed refresh.
-    assert "Flower(capp=app, options=options, **settings)" in inspect.getsource(flower.command.flower.callback)
-    assert isinstance(flower.urls.settings["template_loader"], adapter.BannerLoader)
-    base = (Path(flower.views.__file__).parent.parent / "templates" / "base.html").read_bytes()
-    assert base.count(adapter._BANNER_ANCHOR) == 1
-    script = (Path(flower.views.__file__).parent.parent / "static" / "js" / "flower.js").read_text()
-    assert re.search(r"url: url_prefix\(\) \+ '/workers\?json=1',.*?error: function \(\) \{\s*"
-                     r"updateWorkerRefreshStatus\(false\);", script, re.S)  # fmt: skip
-    assert "def prepare" not in inspect.getsource(flower.views.workers) + inspect.getsource(flower.views.BaseHandler)
-    assert flower.views.workers.WorkersView.prepare is adapter._workers_prepare
-
-    adapter.install()  # again: still one wrapper around Flower's own factory
-    assert not getattr(flower_broker.Broker.__new__.flowers_new, "_bb_broker_jobs", False)
-    with pytest.raises(NotImplementedError):
-        flower_broker.Broker("nosuch://host/", http_api=None)
-    assert type(flower_broker.Broker("amqp://guest:guest@localhost//", http_api=None)).__name__ == "RabbitMQ"
+# Flower's internals the Broker tab and the banner rely on: tests/unit/test_flower_contracts.py.
 
 
 def test_the_factory_answers_bbmongo_with_job_queues(broker_url: str) -> None:

@@ -380,82 +380,8 @@ def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_fac
     assert rows["mail"] == ["mail", "2", "1", "1", "—", "—", "—"] and rows["reports"][:4] == ["reports", "1", "0", "1"]
 
 
-def test_flower_internals_the_jobs_tab_relies_on_are_still_there() -> None:
-    """Fails when a Flower release moves what contrib.flower.jobs_tab hooks, before any user sees a broken Jobs tab."""
-    import inspect as inspecting
-
-    import flower.app
-    import flower.urls
-    from flower.api import BaseApiHandler
-    from flower.views import BaseHandler
-
-    from bb_broker.contrib.flower import broker as adapter
-    from bb_broker.contrib.flower import jobs_tab as jobs_view
-
-    jobs_view.install()
-    adapter.install()  # twice each: still one set of handlers
-    patterns = [(h[0] if isinstance(h, tuple) else h.regex.pattern).rstrip("$") for h in flower.urls.handlers]
-    assert patterns.count("/jobs") == 1 and patterns.count("/api/jobs") == 1 and patterns[-1] == ".*"
-    # Flower builds its app from that very list; contrib.flower.broker's loader (in the settings Flower passes on to
-    # Tornado) serves our templates and Flower's patched ones.
-    assert "from .urls import handlers as default_handlers" in inspecting.getsource(flower.app)
-    loader = flower.urls.settings["template_loader"]
-    assert isinstance(loader, adapter.BannerLoader)
-    assert "reverse_url('jobs')" in loader.load("navbar.html").code and loader.load("bb_jobs.html")
-    templates = Path(flower.urls.settings["template_path"])
-    assert jobs_view.NAVBAR_ANCHOR in (templates / "navbar.html").read_text()
-    broker = (templates / "broker.html").read_text()
-    assert jobs_view.BROKER_HEADER_ANCHOR in broker and jobs_view.BROKER_CELL_ANCHOR in broker
-    # What the handlers use of Flower's: its user, its read-only option, its API's authentication rule.
-    assert "def get_current_user" in inspecting.getsource(BaseHandler)
-    assert "unauthenticated_api" in inspecting.getsource(BaseApiHandler.prepare)
-    from tornado.options import options
-
-    assert "read_only" in options and "jobs_admins" in options
-
-
-#: Flower's handlers that act (checked in Flower 2.0.0, 2.0.1, 2.1.0, 2.2.0): a new one fails this list until it is
-#: looked at (it is refused to read-only users meanwhile, unless it is added to READING_POSTS).
-FLOWERS_ACTIONS = {
-    "WorkerShutDown", "WorkerPoolRestart", "WorkerPoolGrow", "WorkerPoolShrink", "WorkerPoolAutoscale",
-    "WorkerQueueAddConsumer", "WorkerQueueCancelConsumer", "TaskApply", "TaskAsyncApply", "TaskSend", "TaskAbort",
-    "TaskTimout", "TaskRateLimit", "TaskRevoke",
-}  # fmt: skip
-
-
-def test_every_one_of_flowers_actions_is_guarded() -> None:
-    """Fails when a Flower release adds an endpoint that acts, or moves what the guard wraps."""
-    import inspect as inspecting
-
-    import flower.urls
-    from flower.api import BaseApiHandler
-    from flower.api.control import TaskRevoke
-    from tornado.web import RequestHandler, URLSpec
-
-    from bb_broker.contrib.flower import broker as adapter
-    from bb_broker.contrib.flower import jobs_tab as jobs_view
-
-    adapter.install()
-    jobs_view.install()  # twice: still one guard per handler
-    acting = jobs_view.flowers_actions(flower.urls.handlers)
-    assert {handler.__name__ for handler in acting} == FLOWERS_ACTIONS
-    ours = {spec.handler_class if isinstance(spec, URLSpec) else spec[1] for spec in jobs_view.HANDLERS}
-    for spec in flower.urls.handlers:
-        handler = spec.handler_class if isinstance(spec, URLSpec) else spec[1]
-        writes = [
-            name for name in jobs_view.WRITE_METHODS if getattr(handler, name) is not getattr(RequestHandler, name)
-        ]
-        if writes:
-            assert handler in ours or handler in jobs_view.READING_POSTS or jobs_view.is_guarded(handler), handler
-    for handler in acting:
-        assert jobs_view.is_guarded(handler)
-        assert handler.prepare.__closure__[0].cell_contents is BaseApiHandler.prepare  # wrapped once, Flower's own
-    # What READING_POSTS take for granted: their POST reads.
-    tasks_table, not_found = jobs_view.READING_POSTS
-    assert "return self.get()" in inspecting.getsource(tasks_table.post)
-    assert "HTTPError(404)" in inspecting.getsource(not_found.post)
-    # The revoke's task id is its one path argument.
-    assert next(s for s in flower.urls.handlers if isinstance(s, tuple) and s[1] is TaskRevoke)[0].endswith("/(.+)")
+# Flower's internals the Jobs tab relies on, and the guard on each of Flower's actions:
+# tests/unit/test_flower_contracts.py.
 
 
 def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStore, tmp_path, flower_factory) -> None:

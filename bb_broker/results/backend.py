@@ -58,6 +58,7 @@ from bb_broker.results.chords import ChordBackend
 from bb_broker.results.consumer import ResultConsumer
 from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
 from bb_broker.worker import hooks as celery_hooks
+from bb_broker.worker import patches
 
 __all__ = ["JobFailed", "JobResultBackend"]
 
@@ -91,7 +92,7 @@ class JobResultBackend(ChordBackend):
         self.jobs_collection = str(options.get("jobs_collection", "jobs"))
         self._shares_broker_jobs: bool | None = None
         self._indexed_pid: int | None = None
-        self.result_consumer = ResultConsumer(self, cache=self._cache)
+        self.result_consumer = ResultConsumer(self, cache=patches.result_cache(self))
 
     # --- where things are -------------------------------------------------------
 
@@ -141,9 +142,7 @@ class JobResultBackend(ChordBackend):
 
     def _result_fields(self, result: Any, state: str, traceback: str | None, request: Any) -> dict[str, Any]:
         """The fields of a result, `result` already prepared by encode_result."""
-        meta = self._get_result_meta(
-            result=result, state=state, traceback=traceback, request=request, format_date=False
-        )
+        meta = patches.result_meta(self, result, state, traceback, request)
         if state in states.EXCEPTION_STATES:
             result = self._masked(result)  # an error's text, as lastError and the traceback have it
         value, fmt = self._stored(result)
@@ -233,9 +232,9 @@ class JobResultBackend(ChordBackend):
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
         if request.chord:
             self.on_chord_part_return(request, state, exc)
-        self._fail_chain(getattr(request, "chain", None), exc, traceback, store_result=store_result, state=state)
+        patches.fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result, state)
         if call_errbacks and request.errbacks:
-            self._call_task_errbacks(request, exc, traceback)
+            patches.call_errbacks(self, request, exc, traceback)
 
     def mark_as_revoked(
         self,
@@ -363,7 +362,7 @@ class JobResultBackend(ChordBackend):
         READY_STATES: frozenset[str] = states.READY_STATES,  # Celery's keyword
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (task id, meta) as each task is ready (see ResultConsumer.get_many)."""
-        self._ensure_not_eager()
+        patches.refuse_when_eager(self)
         yield from self.result_consumer.get_many(
             task_ids,
             timeout=timeout,

@@ -16,22 +16,21 @@ from typing import Any
 
 from celery import chord, group, maybe_signature, states
 from celery.backends.base import BaseBackend
-from celery.canvas import _chain
 from celery.exceptions import ChordError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
-from celery.utils.functional import _regen
 from kombu.utils.uuid import uuid
 from pymongo import ReturnDocument
 from pymongo.collection import Collection
 
 from bb_broker.jobs.store import ResultTooLarge
+from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)
 
 
 def _first_message(signature: Any) -> Any:
     """The signature whose message a canvas sends first: a chain's first step, a group's or chord's first task."""
-    while isinstance(signature, _chain | group | chord) and signature.tasks:
+    while isinstance(signature, patches.chain_class() | group | chord) and signature.tasks:
         tasks = signature.tasks
         signature = maybe_signature(tasks[0] if isinstance(tasks, list | tuple) else next(iter(tasks)))
     return signature
@@ -97,7 +96,7 @@ class ChordBackend(BaseBackend):
             {"kind": "chord", "count": 0, "extra": 0, "members": [], "parts": [], **self._expires_at()},
             upsert=True,
         )
-        if not isinstance(header_result_args[1], _regen):
+        if not patches.is_lazy_result_list(header_result_args[1]):
             header = self.app.GroupResult(*header_result_args)
             if any(isinstance(result, GroupResult) for result in header.results):
                 header.save(backend=self)  # nested groups: the callback gets their structure from a join

@@ -48,6 +48,7 @@ from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_s
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.wakeups import Doorbell, Look, Wakeups
+from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class JobQoS(virtual.QoS):
         self.channel.connection.poke()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message = self._delivered.get(delivery_tag)
+        message = patches.delivered_messages(self).get(delivery_tag)
         if not (isinstance(message, JobMessage) and message.job_id):
             return super().reject(delivery_tag, requeue=requeue)
         if requeue:
@@ -158,7 +159,7 @@ class JobQoS(virtual.QoS):
             self._rejected_in_delivery.append(message)
         else:
             self._fail_rejected(message)
-        self._quick_ack(delivery_tag)
+        patches.ack_without_restore(self, delivery_tag)
         self.channel.connection.poke()
 
     def settle_rejections(self) -> None:
@@ -186,20 +187,16 @@ class JobQoS(virtual.QoS):
         jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
 
     def live_jobs(self) -> list[str]:
-        return [m.job_id for m in list(self._delivered.values()) if isinstance(m, JobMessage) and m.job_id]
+        delivered = patches.delivered_messages(self)
+        return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
 
     def claimable(self) -> int:
         """How many more messages the prefetch limit lets this consumer take now: a batch claim takes no more.
 
         Celery sets the limit (worker_prefetch_multiplier × pool size) and grows and shrinks it with the pool; a
         Celery worker acks a task message when a pool process starts it, which makes room for the next."""
-        limit = self.prefetch_count
-        if not limit:
-            return sys.maxsize
-        return max(limit - self._unacked(), 0)
-
-    def _unacked(self) -> int:
-        return len(self._delivered) - len(self._dirty)
+        estimate = self.can_consume_max_estimate()  # None without a prefetch limit
+        return sys.maxsize if estimate is None else estimate
 
     def can_consume(self) -> bool:
         return super().can_consume() and self.batch_wait() == 0.0
@@ -215,8 +212,7 @@ class JobQoS(virtual.QoS):
         holding = self.channel.is_holding()  # jobs claimed already are handed out at once, whatever the room
         if holding or not (
             BATCH_MIN <= self.batch_room() <= self.prefetch_count
-            and 0 < room < self.batch_room()
-            and self._unacked()
+            and 0 < room < self.batch_room()  # below the limit: messages it took wait in the worker
             and self.channel.is_backlogged()
         ):
             self._waiting_for_batch_since = None
@@ -475,8 +471,7 @@ class Channel(virtual.Channel):
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
         # Kombu keeps this connection's bindings in each exchange's table too, which routes as the stored ones do.
-        for exchange in (self.state.exchanges or {}).values():
-            exchange["table"] = [row for row in exchange.get("table", []) if row[2] != queue]
+        patches.drop_bindings(self.state, lambda row: row[2] != queue)
 
     def queue_unbind(
         self, queue: str, exchange: str | None = None, routing_key: str = "", arguments: Any = None, **kwargs: Any
@@ -486,8 +481,7 @@ class Channel(virtual.Channel):
         exchange = exchange or "amq.direct"
         self.state.binding_delete(queue, exchange, routing_key)
         row = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
-        if (declared := (self.state.exchanges or {}).get(exchange)) is not None:
-            declared["table"] = [kept for kept in declared.get("table", []) if tuple(kept) != tuple(row)]
+        patches.drop_bindings(self.state, lambda kept: kept != tuple(row), exchange)
         self.plumbing.unbind(exchange, routing_key, queue)
 
     def exchange_declare(
@@ -521,7 +515,7 @@ class Channel(virtual.Channel):
         self.plumbing.bind(exchange, routing_key, pattern, queue)
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
-        local = (self.state.exchanges or {}).get(exchange, {}).get("table", [])
+        local = patches.exchange_table(self.state, exchange)
         max_age = self.topic_table_max_age if self.typeof(exchange).type == "topic" else 0.0
         return list({*local, *self.plumbing.table(exchange, max_age=max_age)})
 
@@ -531,7 +525,7 @@ class Channel(virtual.Channel):
         # its own must still reach the reply queue of each process that asks it something.
         kind = self.typeof(exchange) if exchange else None
         if kind is not None and kind.type == "direct":
-            local = (self.state.exchanges or {}).get(exchange, {}).get("table", [])
+            local = patches.exchange_table(self.state, exchange)
             if routed := kind.lookup(local, exchange, routing_key, default):
                 return routed
         return super()._lookup(exchange, routing_key, default)
@@ -713,7 +707,7 @@ class Channel(virtual.Channel):
         while True:
             if not held:
                 # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
-                room = self.qos.claimable() if queue in self._active_queues else 1
+                room = self.qos.claimable() if queue in patches.consumed_queues(self) else 1
                 told = look.messages if look is not None else 0
                 wanted = int(max(min(told, room, self.options.max_claim_batch), 1))
                 taken, exhausted = self.plumbing.take(queue, wanted)
@@ -734,7 +728,7 @@ class Channel(virtual.Channel):
                 logger.error("message %s of queue %s cannot be delivered: %s", stored["_id"], queue, exc)
                 self.plumbing.set_aside(stored, str(exc))
                 continue
-            message["properties"].setdefault("delivery_tag", self._next_delivery_tag())
+            message["properties"].setdefault("delivery_tag", patches.next_delivery_tag(self))
             return {**message, STORED_AS: (stored["queue"], stored["expiresAt"])}
 
     def _claim(self, queue: str) -> dict[str, Any]:
@@ -826,7 +820,7 @@ class Channel(virtual.Channel):
             return
         queue, jobs = landed.queue, landed.jobs
         self._note_backlog(queue, taken=len(jobs), wanted=landed.wanted)
-        if queue not in self._active_queues:
+        if queue not in patches.consumed_queues(self):
             self._release(jobs)  # a consumer cancelled while its claim was on the way gets nothing
             return
         self._held.setdefault(queue, deque()).extend(jobs)
@@ -846,7 +840,7 @@ class Channel(virtual.Channel):
     def _batch_size(self, queue: str) -> int:
         # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never
         # more than the consumer can start: a claimed job must not wait behind a busy pool.
-        if queue not in self._backlogged or queue not in self._active_queues:
+        if queue not in self._backlogged or queue not in patches.consumed_queues(self):
             return 1
         held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
         size = min(self.qos.claimable() - held, self.options.max_claim_batch)
@@ -860,13 +854,13 @@ class Channel(virtual.Channel):
     def is_backlogged(self) -> bool:
         """Whether a queue this channel consumes had more jobs than its last claim took."""
         self._take_landed_claims()
-        return not self._backlogged.isdisjoint(self._active_queues)
+        return not self._backlogged.isdisjoint(patches.consumed_queues(self))
 
     def _live_jobs(self) -> list[str]:
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
 
     def _give_back(self, queue: str) -> None:
-        if self._ahead is not None and queue not in self._active_queues:
+        if self._ahead is not None and queue not in patches.consumed_queues(self):
             self._ahead.give_up(queue)
         self._take_landed_claims()
         self._release(self._held.pop(queue, None) or [])
@@ -897,13 +891,13 @@ class Channel(virtual.Channel):
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         # Also how close() ends each consumer: jobs are held only for a queue being consumed.
-        queue = self._tag_to_queue.get(consumer_tag)
+        queue = patches.queue_of_consumer(self, consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if self.connection is not None:  # None once the channel closed (a consumer cancelled at shutdown)
             self.connection.consumers_changed()
         if queue is not None:
             self._give_back(queue)
-            if queue in self._auto_delete_queues and queue not in self._active_queues:
+            if queue in self._auto_delete_queues and queue not in patches.consumed_queues(self):
                 self._unbind_from_broadcasts(queue)
         return result
 
@@ -1078,7 +1072,12 @@ class Transport(virtual.Transport):
         """Tell the change stream which queues this connection's consumers read now: only their changes are news."""
         if self.wakeups is not None:
             self.wakeups.consume_only(
-                {queue for channel in list(self.channels) if channel._consumers for queue in channel._active_queues}
+                {
+                    queue
+                    for channel in list(self.channels)
+                    if patches.has_consumers(channel)
+                    for queue in patches.consumed_queues(channel)
+                }
             )
 
     def delivering_here(self) -> bool:
@@ -1109,7 +1108,7 @@ class Transport(virtual.Transport):
         if tag is None:
             return  # delivered by no channel here
         for channel in list(self.channels):
-            delivered = channel.qos._delivered.get(tag)
+            delivered = patches.delivered_messages(channel.qos).get(tag)
             if isinstance(delivered, JobMessage) and delivered.job_id and not delivered.acknowledged:
                 reason = f"the worker could not take the message: {type(exc).__name__}: {exc}"
                 try:
@@ -1117,7 +1116,7 @@ class Transport(virtual.Transport):
                 except PyMongoError as error:
                     logger.warning("could not fail job %s (%s)", delivered.job_id, type(error).__name__)
                     return
-                channel.qos._quick_ack(tag)
+                patches.ack_without_restore(channel.qos, tag)
 
     # --- Celery's event loop (asynloop) ----------------------------------------
 
@@ -1246,7 +1245,9 @@ class Transport(virtual.Transport):
     def _next_poll_in(self, *, found: bool) -> float | None:
         """Seconds until the consumers should look again; None when every one is at its prefetch limit."""
         # A consumer letting room build up for a batch claims when its patience ends, whatever else happens.
-        batch_waits = [wait for channel in self.channels if channel._consumers and (wait := channel.qos.batch_wait())]
+        batch_waits = [
+            wait for channel in self.channels if patches.has_consumers(channel) and (wait := channel.qos.batch_wait())
+        ]
         pollable = self._pollable_queues()
         if not pollable:
             return min(batch_waits, default=None)  # else every consumer is at its limit: an ack makes room (a poke)
@@ -1265,8 +1266,8 @@ class Transport(virtual.Transport):
         return {
             queue
             for channel in self.channels
-            if channel._consumers and channel.qos.can_consume()
-            for queue in channel._active_queues
+            if patches.has_consumers(channel) and channel.qos.can_consume()
+            for queue in patches.consumed_queues(channel)
             if not (channel._ahead and channel._ahead.busy_with(queue))  # its claim rings when it lands
         }
 

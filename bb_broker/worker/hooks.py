@@ -9,10 +9,8 @@ import threading
 import traceback
 from dataclasses import dataclass
 from datetime import datetime
-from functools import wraps
 from typing import Any
 
-from billiard.exceptions import WorkerLostError
 from celery import signals, states
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from celery.worker import state as worker_state
@@ -26,7 +24,7 @@ from bb_broker.jobs.store import JobStore, attempt_entry
 from bb_broker.ops import metrics
 from bb_broker.options import BrokerOptions, open_store
 from bb_broker.transport.channel import explain_rejection
-from bb_broker.worker.prefork import guard_pool_queue
+from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)
 
@@ -146,26 +144,7 @@ def retry_failed_attempts(app: Any) -> None:
     errback, chain failure or chord error, and Flower shows RETRY; the last attempt's failure propagates as ever."""
     if store_for(app) is None:
         return
-    for task in list(app.tasks.values()):
-        if not getattr(task.run, "bb_broker_retries", False):
-            task.run = _with_broker_retries(task, task.run)
-
-
-def _with_broker_retries(task: Any, run: Any) -> Any:
-    @wraps(run)
-    def run_with_broker_retries(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
-        except (Ignore, Reject, Retry):
-            raise  # the task's own decisions
-        except Exception as exc:
-            retry = _broker_retry(task, exc)
-            if retry is None:
-                raise
-            raise retry from exc  # the RETRY state's traceback shows the failure
-
-    run_with_broker_retries.bb_broker_retries = True  # type: ignore[attr-defined]
-    return run_with_broker_retries
+    patches.wrap_task_runs(app, _broker_retry)
 
 
 def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
@@ -196,7 +175,7 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
         # max_retries: never Celery's limit (the task's, 3 by default) but the broker's, checked above.
         return task.retry(exc=exc, countdown=countdown, max_retries=request.retries + 1, headers=headers, throw=False)
     finally:
-        task.__dict__.pop("override_max_retries", None)  # task.retry leaves it on the task for autoretry to read
+        patches.forget_retry_override(task)
 
 
 def retried_by_broker(request: Any) -> bool:
@@ -350,34 +329,14 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
     _explain_rejection(message, f"invalid task message: {reason}")
 
 
+def _explain_lost(message: Any, exc: BaseException) -> None:
+    explain_rejection(message, describe_error(exc))
+
+
 def _explain_rejection(message: Any, reason: str) -> None:
     # Celery sends this just after rejecting the message, inside its delivery: the transport fails the job with
     # this reason when the delivery returns, in the one write that fails it.
     explain_rejection(message, reason)
-
-
-def explain_lost_pool_processes() -> None:
-    """Give the message of a task whose pool process died the reason, before Celery rejects it (idempotent).
-
-    With `acks_late` and `reject_on_worker_lost` Celery rejects such a message with requeue and reports no
-    failure: the rejection is all the job hears, and its lastError and history must name the WorkerLostError."""
-    from celery.worker.request import Request  # here: this module is imported while `celery` itself is
-
-    if getattr(Request.on_failure, "bb_broker_explains", False):
-        return
-    on_failure = Request.on_failure
-
-    @wraps(on_failure)
-    def on_failure_explained(self: Request, exc_info: Any, *args: Any, **kwargs: Any) -> Any:
-        exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
-        message = getattr(self, "message", None)
-        if isinstance(exc, WorkerLostError):
-            explain_rejection(message, describe_error(exc))
-        return on_failure(self, exc_info, *args, **kwargs)
-
-    on_failure_explained.bb_broker_explains = True  # type: ignore[attr-defined]
-    Request.on_failure = on_failure_explained  # type: ignore[method-assign]
 
 
 def runs_again(app: Any, request: Any, exc: BaseException) -> bool:
@@ -386,40 +345,6 @@ def runs_again(app: Any, request: Any, exc: BaseException) -> bool:
     if store is None or job is None or getattr(request, "is_eager", False):
         return False
     return retry_countdown(store.policy, job[1], retryable=is_retryable(request, exc)) is not None
-
-
-def keep_failures_the_broker_retries_from_celery() -> None:
-    """Make Celery's result backends store RETRY, not FAILURE, for a failure the broker runs again (idempotent).
-
-    A failure Celery reports from outside the task (a pool process that died, a hard time limit) reaches the result
-    backend's mark_as_failure, which also runs the task's errbacks, fails its chain and counts its chord part: those
-    belong to the job's last failure, as with a task's exception (retry_failed_attempts). The bbmongo:// backend
-    decides this itself (results.py); this covers every other backend, and no backend at all."""
-    from celery.backends.base import BaseBackend  # here: this module is imported while `celery` itself is
-
-    if getattr(BaseBackend.mark_as_failure, "bb_broker_retries", False):
-        return
-    mark_as_failure = BaseBackend.mark_as_failure
-
-    @wraps(mark_as_failure)
-    def mark_as_failure_unless_retried(
-        self: BaseBackend,
-        task_id: str,
-        exc: BaseException,
-        traceback: str | None = None,
-        request: Any = None,
-        store_result: bool = True,
-        call_errbacks: bool = True,
-        state: str = states.FAILURE,
-    ) -> Any:
-        if state == states.FAILURE and runs_again(self.app, request, exc):
-            if store_result:
-                self.mark_as_retry(task_id, exc, traceback, request=request)
-            return None
-        return mark_as_failure(self, task_id, exc, traceback, request, store_result, call_errbacks, state)
-
-    mark_as_failure_unless_retried.bb_broker_retries = True  # type: ignore[attr-defined]
-    BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]
 
 
 def _reserved_jobs() -> list[str]:
@@ -481,13 +406,10 @@ def _tasks_imported(sender: Any = None, **_: Any) -> None:
 def _become_worker(sender: Any = None, **_: Any) -> None:
     if broker_url(sender.app) is None:
         return
-    # Before the pool forks: `pool_shrink` must not wedge a worker (see prefork.py).
-    guard_pool_queue()
-    # Before the pool forks and the consumer builds its tracers (each takes `task.run` as it is then).
-    retry_failed_attempts(sender.app)
-    # What the main process reports of a task (its pool process died, a hard time limit) is right for the job.
-    explain_lost_pool_processes()
-    keep_failures_the_broker_retries_from_celery()
+    # Before the pool forks and the consumer builds its tracers and request classes: `pool_shrink` must not wedge
+    # a worker, a task's failed attempt the broker runs again is a Celery retry, and what the main process reports of
+    # a task (its pool process died, a hard time limit) is right for the job (see patches.py).
+    patches.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
 

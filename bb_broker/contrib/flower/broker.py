@@ -2,8 +2,9 @@
 
 Flower 2 has no extension point for brokers: `flower.utils.broker.Broker` is a factory that picks a class by URL
 scheme and raises NotImplementedError for any other, which the Broker tab shows as "'mongodb' broker is not
-supported". `install()` wraps that factory's `__new__` so `bbmongo://` and `bbmongo+srv://` get `JobQueues`, and every
-other scheme still reaches Flower's own code. Importing this module installs it, so either of these is enough:
+supported". `install()` (through patches.py, where every patch of Flower's is) wraps that factory's `__new__` so
+`bbmongo://` and `bbmongo+srv://` get `JobQueues`, and every other scheme still reaches Flower's own code. Importing
+this module installs it, so either of these is enough:
 
 * `bb-broker flower -A myapp [flower options]`, or
 * `import bb_broker.contrib.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
@@ -20,7 +21,7 @@ module also adds the Jobs tab (bb_broker.contrib.flower.jobs_tab), whose templat
 
 `authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
 
-`tests/test_flower.py` fails when the Flower internals this relies on move.
+`tests/unit/test_flower_contracts.py` fails when the Flower internals this relies on move.
 """
 
 from __future__ import annotations
@@ -35,23 +36,19 @@ from typing import Any
 import tornado.template
 import tornado.web
 from celery import Celery, signals
-from flower import urls as flower_urls
-from flower.utils import broker as flower_broker
 from flower.views import BaseHandler
-from flower.views.workers import WorkersView
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
 
 from bb_broker.connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from bb_broker.contrib.flower import jobs_tab as jobs_view
+from bb_broker.contrib.flower import patches
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.ops.operations import Operations
 from bb_broker.options import BrokerOptions, open_store
 from bb_broker.threads import start_supervised
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
-
-_MARK = "_bb_broker_jobs"
 
 
 def describe(exc: PyMongoError, target: BrokerTarget) -> str:
@@ -126,14 +123,15 @@ class BrokerHealth:
         )
 
 
-def _is_ours(broker_url: str | None) -> bool:
-    return broker_url is not None and broker_url.partition("://")[0].lower() in SCHEMES
+def is_ours(broker_url: str | None) -> bool:
+    """Whether Flower's broker URL is one of ours (bbmongo://, bbmongo+srv://)."""
+    return bool(broker_url) and broker_url.partition("://")[0].lower() in SCHEMES
 
 
 def broker_banner(handler: BaseHandler) -> str | None:
     """The banner for the broker of the Flower app serving `handler` (the base template calls this)."""
     broker_url = handler.application.broker_uri_with_password
-    if not _is_ours(broker_url):
+    if not is_ours(broker_url):
         return None
     monitor = BrokerHealth.of(broker_url)
     monitor.checked.wait(1.0)  # the first page after start waits for the first verdict, briefly
@@ -164,16 +162,10 @@ class BannerLoader(tornado.template.Loader):
         return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
 
 
-def _workers_prepare(self: WorkersView) -> None:
+def fail_workers_refresh_while_broker_fails(handler: tornado.web.RequestHandler) -> None:
     """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated"."""
-    if self.get_argument("json", default=False, type=bool) and (banner := broker_banner(self)):
+    if handler.get_argument("json", default=False, type=bool) and (banner := broker_banner(handler)):
         raise tornado.web.HTTPError(503, "%s", banner)
-
-
-def _check_xsrf_cookie(self: BaseHandler) -> None:
-    """Flower's check of a request that changes something, and without login ours: no other site's page may post."""
-    jobs_view.refuse_cross_site_without_login(self)
-    _check_xsrf_cookie.flowers(self)  # type: ignore[attr-defined]
 
 
 @signals.import_modules.connect
@@ -183,7 +175,7 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
         return
     with sender.connection() as conn:
         broker_url = conn.as_uri(include_password=True)
-    if _is_ours(broker_url):
+    if is_ours(broker_url):
         BrokerHealth.of(broker_url)
 
 
@@ -245,31 +237,9 @@ def authentication(flower_args: Iterable[str]) -> str | None:
 
 
 def install() -> None:
-    """Make Flower's Broker factory answer `bbmongo://` URLs with `JobQueues`, and its pages show the broker's error;
-    calling it twice changes nothing."""
-    if not isinstance(flower_urls.settings.get("template_loader"), BannerLoader):
-        flower_urls.settings["template_loader"] = BannerLoader(flower_urls.settings["template_path"])
-    if WorkersView.prepare is not _workers_prepare:
-        WorkersView.prepare = _workers_prepare
-    if BaseHandler.check_xsrf_cookie is not _check_xsrf_cookie:
-        # Tornado calls it for every POST, PUT, DELETE to every handler (Flower 2.2 turns xsrf_cookies on; before,
-        # only the Jobs tab's own handlers check, in their prepare).
-        _check_xsrf_cookie.flowers = BaseHandler.check_xsrf_cookie  # type: ignore[attr-defined]
-        BaseHandler.check_xsrf_cookie = _check_xsrf_cookie
-    jobs_view.install()
-    factory = flower_broker.Broker
-    if getattr(factory.__new__, _MARK, False):
-        return
-    flowers_new = factory.__new__
-
-    def __new__(cls: type, broker_url: str, *args: Any, **kwargs: Any) -> Any:
-        if _is_ours(broker_url):
-            return JobQueues(broker_url, *args, **kwargs)
-        return flowers_new(cls, broker_url, *args, **kwargs)
-
-    setattr(__new__, _MARK, True)
-    __new__.flowers_new = flowers_new  # type: ignore[attr-defined]
-    factory.__new__ = staticmethod(__new__)
+    """Make Flower's Broker factory answer `bbmongo://` URLs with `JobQueues`, its pages show the broker's error, and
+    add the Jobs tab (patches.install); calling it twice changes nothing."""
+    patches.install()
 
 
 install()

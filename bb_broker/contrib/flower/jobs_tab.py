@@ -1,12 +1,13 @@
 """Flower's Jobs tab and its JSON API: the `jobs` collection listed, counted, looked up and acted on, in Flower's app.
 
 The handlers join Flower's own Tornado application (so Flower's `--basic-auth`, OAuth and `--url_prefix` apply to
-them) by being inserted into `flower.urls.handlers` before Flower's catch-all (`install()`, which broker.py
-calls); broker.py's template loader serves our templates and, through `template_source()`, adds the Jobs
+them) by being inserted into `flower.urls.handlers` before Flower's catch-all (patches.install_handlers, from
+patches.install()); broker.py's template loader serves our templates and, through `template_source()`, adds the Jobs
 link to Flower's navigation bar and a Paused column to its Broker tab. Who may act: Flower's `--read_only` stops
 every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
 OAuth e-mail addresses); everyone else reads, and gets a 403 to act, here and from Flower's own actions
-(`guard_flowers_actions()`). A job is named by the `id` argument, never by a segment of the path (see HANDLERS).
+(`refuse_flowers_action_unless_allowed()`). A job is named by the `id` argument, never by a segment of the path (see
+HANDLERS).
 
 The queries run in threads of the tab's own (`JobsTab`), on a client with quick timeouts, never on Flower's event
 loop: a server that is down, slow or swamped leaves Flower's other pages answering, and the tab answers 503 with the
@@ -17,10 +18,9 @@ from __future__ import annotations
 
 import base64
 import functools
-import inspect
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import tornado.web
-from flower import urls as flower_urls
 from flower.api import BaseApiHandler
 from flower.api.control import TaskRevoke
 from flower.utils import strtobool
@@ -36,11 +35,13 @@ from flower.views import BaseHandler
 from flower.views.error import NotFoundErrorHandler
 from flower.views.tasks import TasksDataTable
 from pymongo.errors import ConnectionFailure, OperationFailure
+from tornado import httputil
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
-from tornado.web import URLSpec, url
+from tornado.web import url
 
 from bb_broker.connection import parse_broker_url, quick_timeouts
+from bb_broker.contrib.flower import patches
 from bb_broker.jobs.lifecycle import STATUSES
 from bb_broker.jobs.queues import QueueControls
 from bb_broker.ops.operations import (
@@ -342,7 +343,8 @@ class _JobsHandler(BaseHandler):
         if self.json_errors and isinstance(exc, tornado.web.HTTPError):
             self.set_header("Content-Type", "application/json; charset=UTF-8")
             message = exc.log_message % exc.args if exc.log_message and exc.args else exc.log_message
-            self.finish({"error": message or self._reason})
+            # The reason phrase Tornado's send_error set (the error's own, else the status code's).
+            self.finish({"error": message or exc.reason or httputil.responses.get(status_code, "Unknown")})
             return
         super().write_error(status_code, **kwargs)
 
@@ -619,18 +621,17 @@ def template_source(root: str, name: str) -> bytes | None:
 # --- Flower's own actions, for --jobs_admins only -------------------------------------------------------------------
 #
 # Flower checks who may act nowhere (its --read_only is for everyone), so `--jobs_admins` would make nobody read-only
-# while Flower's API lets them revoke, shut workers down or stop a queue's consumer. `guard_flowers_actions()` wraps
+# while Flower's API lets them revoke, shut workers down or stop a queue's consumer. patches.guard_prepare wraps
 # the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that has a
 # method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs. A
 # handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0, 2.0.1,
-# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/test_jobs_view.py lists them and fails when that changes),
-# BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
+# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/unit/test_flower_contracts.py lists them and fails when
+# that changes), BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
 
 #: Flower's handlers whose POST only reads: the Tasks page's table posts its query; the catch-all answers 404.
 READING_POSTS = (TasksDataTable, NotFoundErrorHandler)
 #: The methods that can change something (Tornado's RequestHandler answers 405 for each a handler lacks).
 WRITE_METHODS = ("post", "put", "delete", "patch")
-_GUARDED = "_bb_broker_guarded"
 
 
 def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHandler]]:
@@ -638,7 +639,7 @@ def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHan
     Jobs tab's own (they check who may act themselves) and READING_POSTS."""
     found: list[type[tornado.web.RequestHandler]] = []
     for spec in handlers:
-        handler_class = spec.handler_class if isinstance(spec, URLSpec) else spec[1]
+        handler_class = patches.handler_class_of(spec)
         if handler_class in found or issubclass(handler_class, (_JobsHandler, *READING_POSTS)):
             continue
         base = tornado.web.RequestHandler
@@ -647,34 +648,16 @@ def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHan
     return found
 
 
-def is_guarded(handler_class: type[tornado.web.RequestHandler]) -> bool:
-    return getattr(handler_class.prepare, _GUARDED, False)
-
-
-def guard_flowers_actions(handlers: Iterable[Any]) -> None:
-    """Refuse each of Flower's actions in `handlers` to users --jobs_admins does not name; calling it twice changes
-    nothing."""
-    for handler_class in flowers_actions(handlers):
-        if not is_guarded(handler_class):
-            # Patching Flower's handler classes is the point (mypy checks a method set on a class as a bound one).
-            handler_class.prepare = _guarded(handler_class.prepare)  # type: ignore[method-assign, assignment]
-
-
-def _guarded(prepare: Callable[[Any], Any]) -> Callable[[Any], Awaitable[None]]:
-    async def guarded_prepare(self: BaseHandler) -> None:
-        result = prepare(self)  # Flower's own (its API refuses anonymous use unless told)
-        if inspect.isawaitable(result):
-            await result
-        if self.request.method in ("GET", "HEAD", "OPTIONS") or not self.current_user:
-            return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
-        if not can_act(self) and not read_only(self):  # read-only Flower: its handlers say so themselves
-            who = user_name(self)
-            raise tornado.web.HTTPError(403, f"{who} may look but not act: only --jobs_admins may use Flower's actions")
-        if isinstance(self, TaskRevoke) and can_act(self):
-            await _record_revoke(self)
-
-    setattr(guarded_prepare, _GUARDED, True)
-    return guarded_prepare
+async def refuse_flowers_action_unless_allowed(handler: BaseHandler) -> None:
+    """What runs after the `prepare` of each of Flower's actions (patches.guard_prepare): a user --jobs_admins does not
+    name gets a 403, and an admin's revoke is recorded on the task's jobs."""
+    if handler.request.method in ("GET", "HEAD", "OPTIONS") or not handler.current_user:
+        return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
+    if not can_act(handler) and not read_only(handler):  # read-only Flower: its handlers say so themselves
+        who = user_name(handler)
+        raise tornado.web.HTTPError(403, f"{who} may look but not act: only --jobs_admins may use Flower's actions")
+    if isinstance(handler, TaskRevoke) and can_act(handler):
+        await _record_revoke(handler)
 
 
 async def _record_revoke(handler: TaskRevoke) -> None:
@@ -693,9 +676,9 @@ async def _record_revoke(handler: TaskRevoke) -> None:
     await _tab(handler).run(operations.revoke, [task_id], by=user_name(handler), terminate=terminate)
 
 
-def install() -> None:
-    """Add the Jobs tab's handlers and its `jobs_admins` option to Flower (broker.py's template loader serves
-    its templates), and guard Flower's own actions; calling it twice changes nothing."""
+def define_options() -> None:
+    """The Jobs tab's `jobs_admins` option among Flower's (Tornado's global options, which Flower parses); calling it
+    twice changes nothing."""
     if "jobs_admins" not in tornado_options:
         tornado_options.define(
             "jobs_admins",
@@ -704,9 +687,3 @@ def install() -> None:
             default=[],
             help="bb_broker Jobs tab: the users who may act on jobs and queues (everyone else reads only)",
         )
-    handlers = flower_urls.handlers
-    guard_flowers_actions(handlers)
-    if any(getattr(handler, "name", None) == "jobs" for handler in handlers):
-        return
-    catch_all = next(i for i, h in enumerate(handlers) if isinstance(h, tuple) and h[0] == r".*")
-    handlers[catch_all:catch_all] = HANDLERS

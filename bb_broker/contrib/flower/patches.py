@@ -1,0 +1,183 @@
+"""Every contact with Flower's and Tornado's internals: each patch of theirs is installed here, and only here.
+
+Flower 2 has no extension point: no plugin interface, no way to add a broker, a handler or a template but editing
+its modules' tables and classes before it builds its Tornado application. Each function below says what it changes,
+why no public hook does it, and the Flower releases it was checked against; tests/unit/test_flower_contracts.py
+asserts the shapes each relies on and fails, naming the Flower change and the function here, when a release moves
+one. What a patch does for bb_broker (the Broker tab's rows, the banner, who may act) is passed in by
+bb_broker.contrib.flower.broker and .jobs_tab: this module knows Flower's shapes, not the tabs' rules.
+
+`install()` is the one entry point (idempotent); importing bb_broker.contrib.flower.broker calls it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import tornado.web
+from flower import urls as flower_urls
+from flower.utils import broker as flower_broker
+from flower.views import BaseHandler
+from flower.views.workers import WorkersView
+from tornado.web import URLSpec
+
+#: The releases every function here was checked against: the contract tests pass on Flower 2.2.0; the sources of
+#: 2.0.1 and 2.1.0 were read, and where they differ each function says how (the tests then fail, naming the place).
+CHECKED_AGAINST = "flower 2.2.0 (2.0.1, 2.1.0 read); tornado 6.6.1"
+
+#: Marks what this module installed, so that installing twice installs once.
+INSTALLED = "_bb_broker_patch"
+
+
+def install_broker_factory(is_ours: Callable[[str], bool], ours: Callable[..., Any]) -> None:
+    """Make Flower's broker factory `flower.utils.broker.Broker(broker_url, *args, **kwargs)` answer `ours(...)` for a
+    URL `is_ours` accepts; every other URL still reaches Flower's own `__new__` (idempotent).
+
+    Flower picks the broker class by URL scheme in `Broker.__new__` and raises NotImplementedError for any other, which
+    its Broker tab shows as "broker is not supported"; it takes no broker class from its options. Relies on: the
+    handlers calling `Broker(app.broker_uri_with_password, http_api=..., broker_options=...)` (BaseHandler.get_broker)
+    and `await broker.queues(names)`. Checked against flower 2.2.0; 2.0.1 and 2.1.0 have the same `__new__`, and
+    their BrokerView.get and GetQueueLengths.get call `Broker(...)` themselves (no get_broker), which this serves
+    the same."""
+    factory = flower_broker.Broker
+    if getattr(factory.__new__, INSTALLED, False):
+        return
+    flowers_new = factory.__new__
+
+    def __new__(cls: type, broker_url: str, *args: Any, **kwargs: Any) -> Any:
+        if is_ours(broker_url):
+            return ours(broker_url, *args, **kwargs)
+        return flowers_new(cls, broker_url, *args, **kwargs)
+
+    setattr(__new__, INSTALLED, True)
+    __new__.flowers_new = flowers_new  # type: ignore[attr-defined]
+    factory.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
+
+
+def flowers_broker_new() -> Callable[..., Any]:
+    """Flower's own `Broker.__new__`, under the one install_broker_factory puts in front of it."""
+    new = flower_broker.Broker.__new__
+    return getattr(new, "flowers_new", new)
+
+
+def install_template_loader(loader_class: type[tornado.template.BaseLoader]) -> None:
+    """Serve Flower's templates through `loader_class(template_path)` (idempotent).
+
+    `template_loader` is a documented Tornado application setting; Flower builds its application from the module-level
+    `flower.urls.settings` dict and takes no setting of its own for it, so the dict is where it goes. Relies on:
+    `flower.urls.settings["template_path"]`, and Flower passing `**settings` to its Application
+    (flower.command: `Flower(capp=app, options=options, **settings)`). Checked against flower 2.2.0; 2.0.1 and 2.1.0
+    too, but their base.html and broker.html lack the anchors the banner and the Paused column go after (those pages
+    then show neither)."""
+    if not isinstance(flower_urls.settings.get("template_loader"), loader_class):
+        flower_urls.settings["template_loader"] = loader_class(flower_urls.settings["template_path"])
+
+
+def template_loader() -> Any:
+    """The template loader Flower's application is built with (None before install_template_loader)."""
+    return flower_urls.settings.get("template_loader")
+
+
+def install_workers_refresh_check(prepare: Callable[[Any], None]) -> None:
+    """Run `prepare(handler)` before each request of Flower's Workers page (`WorkersView.prepare`; idempotent).
+
+    Tornado's `prepare` is the documented place for a check before every method, but WorkersView is Flower's class,
+    made by Flower's URL table: the only way into it is its attribute. Relies on: neither WorkersView nor Flower's
+    BaseHandler defining a prepare of its own (this one replaces Tornado's empty one, calling nothing before it).
+    Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh."""
+    if WorkersView.prepare is not prepare:
+        WorkersView.prepare = prepare  # type: ignore[method-assign]
+
+
+def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]) -> None:
+    """Run `check(handler)` first in Flower's `BaseHandler.check_xsrf_cookie`, which Tornado calls for every POST, PUT
+    and DELETE to every handler (idempotent).
+
+    Flower 2.2 turns Tornado's `xsrf_cookies` on and overrides check_xsrf_cookie in its BaseHandler; before 2.2 it
+    checks nothing and Tornado still calls the method. Every one of Flower's handlers derives from BaseHandler, which
+    is Flower's: its attribute is the only way in (before 2.2 it is Tornado's own, which this calls). Checked against
+    flower 2.0.1, 2.1.0, 2.2.0."""
+    if getattr(BaseHandler.check_xsrf_cookie, INSTALLED, False):
+        return
+    flowers = BaseHandler.check_xsrf_cookie
+
+    def check_xsrf_cookie(self: BaseHandler) -> None:
+        check(self)
+        flowers(self)
+
+    setattr(check_xsrf_cookie, INSTALLED, True)
+    check_xsrf_cookie.flowers = flowers  # type: ignore[attr-defined]
+    BaseHandler.check_xsrf_cookie = check_xsrf_cookie  # type: ignore[method-assign]
+
+
+def url_table() -> list[Any]:
+    """Flower's URL table, `flower.urls.handlers`: the list Flower's application is built from (flower.app imports it
+    as its default handlers), tuples and URLSpecs, its catch-all `.*` last."""
+    return flower_urls.handlers
+
+
+def handler_class_of(spec: Any) -> type[tornado.web.RequestHandler]:
+    """The handler class of a row of Flower's URL table (a tuple or a Tornado URLSpec)."""
+    return spec.handler_class if isinstance(spec, URLSpec) else spec[1]
+
+
+def install_handlers(handlers: list[Any], name: str) -> None:
+    """Insert `handlers` into Flower's URL table just before its catch-all (idempotent: a handler called `name`
+    there already means they are in).
+
+    Flower builds its application from that list and takes no handlers from its options or configuration file.
+    Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    table = url_table()
+    if any(getattr(handler, "name", None) == name for handler in table):
+        return
+    catch_all = next(i for i, h in enumerate(table) if isinstance(h, tuple) and h[0] == r".*")
+    table[catch_all:catch_all] = handlers
+
+
+def guard_prepare(handler_class: type[tornado.web.RequestHandler], guard: Callable[[Any], Awaitable[None]]) -> None:
+    """Run `await guard(handler)` after the `prepare` of one of Flower's handler classes, before its method
+    (idempotent).
+
+    Tornado runs `prepare` before every method, after the XSRF check; the class is Flower's, made by its URL table, so
+    its attribute is the only way in. Flower's own prepare (BaseApiHandler's, which refuses anonymous API use unless
+    told) runs first, awaited when it is a coroutine. Checked against flower 2.0.1, 2.1.0, 2.2.0 (before 2.2 that
+    prepare reads FLOWER_UNAUTHENTICATED_API itself, not the `unauthenticated_api` option)."""
+    if is_guarded(handler_class):
+        return
+    flowers = handler_class.prepare
+
+    async def guarded_prepare(self: tornado.web.RequestHandler) -> None:
+        result = flowers(self)
+        if inspect.isawaitable(result):
+            await result
+        await guard(self)
+
+    setattr(guarded_prepare, INSTALLED, True)
+    guarded_prepare.flowers = flowers  # type: ignore[attr-defined]
+    handler_class.prepare = guarded_prepare  # type: ignore[method-assign]
+
+
+def is_guarded(handler_class: type[tornado.web.RequestHandler]) -> bool:
+    return getattr(handler_class.prepare, INSTALLED, False)
+
+
+def guard_prepares(handler_classes: Iterable[type[tornado.web.RequestHandler]], guard: Callable[[Any], Any]) -> None:
+    """guard_prepare for each of `handler_classes`."""
+    for handler_class in handler_classes:
+        guard_prepare(handler_class, guard)
+
+
+def install() -> None:
+    """Every patch of Flower's the Broker tab, the broker banner and the Jobs tab need; calling it again changes
+    nothing."""
+    from bb_broker.contrib.flower import broker, jobs_tab  # they import this module
+
+    install_template_loader(broker.BannerLoader)
+    install_workers_refresh_check(broker.fail_workers_refresh_while_broker_fails)
+    install_cross_site_check(jobs_tab.refuse_cross_site_without_login)
+    jobs_tab.define_options()
+    guard_prepares(jobs_tab.flowers_actions(url_table()), jobs_tab.refuse_flowers_action_unless_allowed)
+    install_handlers(jobs_tab.HANDLERS, "jobs")
+    install_broker_factory(broker.is_ours, broker.JobQueues)

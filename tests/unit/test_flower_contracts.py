@@ -1,0 +1,216 @@
+"""The shapes of Flower (and Tornado) that bb_broker/contrib/flower/patches.py relies on: each test fails, naming the
+Flower change and the function of patches.py it breaks, before any user sees a broken Broker tab, banner or Jobs tab."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import tornado.template
+
+from bb_broker.contrib.flower import broker as adapter
+from bb_broker.contrib.flower import jobs_tab as jobs_view
+from bb_broker.contrib.flower import patches
+
+PATCHES = "bb_broker/contrib/flower/patches.py"
+
+
+def where(function: str) -> str:
+    return f"see {PATCHES}:{function} (checked against {patches.CHECKED_AGAINST})"
+
+
+def flower_file(*parts: str) -> Path:
+    import flower
+
+    return Path(flower.__file__).parent.joinpath(*parts)
+
+
+def test_the_broker_factory_is_called_as_the_broker_tab_needs() -> None:
+    import flower.views
+    from flower.api.tasks import GetQueueLengths
+    from flower.utils import broker as flower_broker
+    from flower.views.broker import BrokerView
+
+    assert flower.views.Broker is flower_broker.Broker, (
+        "flower.views no longer calls flower.utils.broker.Broker: Flower moved its broker factory; "
+        + where("install_broker_factory")
+    )
+    params = inspect.signature(patches.flowers_broker_new()).parameters
+    assert list(params)[:2] == ["cls", "broker_url"], (
+        f"flower.utils.broker.Broker.__new__ now takes {list(params)}: Flower changed its factory's call; "
+        + where("install_broker_factory")
+    )
+    assert {p.kind for p in params.values()} >= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    get_broker = inspect.getsource(flower.views.BaseHandler.get_broker)
+    assert "Broker(app.broker_uri_with_password" in get_broker and "broker_options=" in get_broker, (
+        "flower.views.BaseHandler.get_broker no longer calls Broker(broker URL, ..., broker_options=...): "
+        + where("install_broker_factory")
+    )
+    assert "except NotImplementedError" in get_broker, "Flower no longer says 'not supported' for an unknown scheme"
+    for handler in (BrokerView.get, GetQueueLengths.get):
+        source = inspect.getsource(handler)
+        assert "self.get_broker()" in source and "await broker.queues(self.get_active_queue_names())" in source, (
+            f"{handler.__qualname__} no longer asks the broker for `await .queues(names)`: Flower changed what its "
+            "Broker tab reads; see bb_broker/contrib/flower/broker.py:JobQueues"
+        )
+    template = flower_file("templates", "broker.html").read_text()
+    for key in ("name", "messages", "messages_unacknowledged", "messages_ready"):
+        assert f"queue.get('{key}')" in template or f"queue['{key}']" in template, (
+            f"Flower's broker.html no longer shows {key!r}: its Broker tab changed columns; see "
+            "bb_broker/contrib/flower/broker.py:_row"
+        )
+
+
+def test_the_factory_is_wrapped_once_and_flowers_own_still_answers() -> None:
+    from flower.utils import broker as flower_broker
+
+    adapter.install()  # again: still one wrapper around Flower's own factory
+    assert not getattr(patches.flowers_broker_new(), patches.INSTALLED, False), "Flower's factory was wrapped twice"
+    with pytest.raises(NotImplementedError):
+        flower_broker.Broker("nosuch://host/", http_api=None)
+    assert type(flower_broker.Broker("amqp://guest:guest@localhost//", http_api=None)).__name__ == "RabbitMQ"
+
+
+def test_the_template_loader_reaches_every_page_and_the_anchors_are_there() -> None:
+    import flower.command
+    import flower.views.workers
+
+    assert "Flower(capp=app, options=options, **settings)" in inspect.getsource(flower.command.flower.callback), (
+        "flower.command no longer builds its app with flower.urls.settings: Flower changed where Tornado's settings "
+        "come from, and no page shows the banner or the Jobs tab; " + where("install_template_loader")
+    )
+    loader = patches.template_loader()
+    assert isinstance(loader, adapter.BannerLoader)
+    # BannerLoader overrides Tornado's Loader._create_template, which BaseLoader.load calls for a template not loaded.
+    assert "self._create_template(name)" in inspect.getsource(tornado.template.BaseLoader.load), (
+        "tornado.template.BaseLoader.load no longer calls _create_template(name): Tornado changed how a loader makes "
+        "its templates; see bb_broker/contrib/flower/broker.py:BannerLoader"
+    )
+    assert list(inspect.signature(tornado.template.Loader._create_template).parameters) == ["self", "name"]
+    base = flower_file("templates", "base.html").read_bytes()
+    assert base.count(adapter._BANNER_ANCHOR) == 1, (
+        "Flower's base.html no longer has the banner's anchor once: Flower changed its page layout; see "
+        "bb_broker/contrib/flower/broker.py:BannerLoader"
+    )
+    assert "reverse_url('jobs')" in loader.load("navbar.html").code and loader.load("bb_jobs.html")
+    templates = Path(loader.root)
+    assert jobs_view.NAVBAR_ANCHOR in (templates / "navbar.html").read_text(), (
+        "Flower's navbar.html no longer has the Jobs link's anchor; see bb_broker/contrib/flower/jobs_tab.py"
+    )
+    broker = (templates / "broker.html").read_text()
+    assert jobs_view.BROKER_HEADER_ANCHOR in broker and jobs_view.BROKER_CELL_ANCHOR in broker, (
+        "Flower's broker.html no longer has the Paused column's anchors; see bb_broker/contrib/flower/jobs_tab.py"
+    )
+
+
+def test_the_workers_page_has_no_prepare_of_its_own() -> None:
+    import flower.views
+    import flower.views.workers
+
+    script = flower_file("static", "js", "flower.js").read_text()
+    refresh = (
+        r"url: url_prefix\(\) \+ '/workers\?json=1',.*?error: function \(\) \{\s*updateWorkerRefreshStatus\(false\);"
+    )
+    assert re.search(refresh, script, re.S), (
+        "flower.js no longer turns the Workers refresh dot red on a failed refresh: "
+        + where("install_workers_refresh_check")
+    )
+    own = inspect.getsource(flower.views.workers) + inspect.getsource(flower.views.BaseHandler)
+    assert "def prepare" not in own, (
+        "Flower's WorkersView or BaseHandler now has a prepare of its own, which the refresh check replaces: "
+        + where("install_workers_refresh_check")
+    )
+    assert flower.views.workers.WorkersView.prepare is adapter.fail_workers_refresh_while_broker_fails
+
+
+def test_the_cross_site_check_runs_before_flowers_own() -> None:
+    from flower.views import BaseHandler
+    from tornado.web import RequestHandler
+
+    adapter.install()
+    check = BaseHandler.check_xsrf_cookie
+    assert getattr(check, patches.INSTALLED, False), "BaseHandler.check_xsrf_cookie is not ours"
+    flowers = check.flowers
+    assert not getattr(flowers, patches.INSTALLED, False), "BaseHandler.check_xsrf_cookie was wrapped twice"
+    assert list(inspect.signature(flowers).parameters) == ["self"], (
+        f"Flower's check_xsrf_cookie now takes {list(inspect.signature(flowers).parameters)}: "
+        + where("install_cross_site_check")
+    )
+    # Tornado checks a POST, PUT or DELETE through check_xsrf_cookie when the `xsrf_cookies` setting is on, which
+    # Flower 2.2 turns on (before, the Jobs tab's own handlers check in their prepare).
+    tornados = inspect.getsource(RequestHandler)
+    assert re.search(r'settings\.get\("xsrf_cookies"\):\s*self\.check_xsrf_cookie\(\)', tornados), (
+        "Tornado no longer calls check_xsrf_cookie for a request that changes something under xsrf_cookies: "
+        + where("install_cross_site_check")
+    )
+
+
+def test_the_jobs_tab_joins_flowers_url_table_once() -> None:
+    import flower.app
+    from flower.api import BaseApiHandler
+    from flower.views import BaseHandler
+    from tornado.options import options
+
+    adapter.install()  # twice: still one set of handlers
+    table = patches.url_table()
+    patterns = [(h[0] if isinstance(h, tuple) else h.regex.pattern).rstrip("$") for h in table]
+    assert patterns.count("/jobs") == 1 and patterns.count("/api/jobs") == 1 and patterns[-1] == ".*", (
+        f"the Jobs tab is not once before Flower's catch-all in {patterns}: " + where("install_handlers")
+    )
+    assert "from .urls import handlers as default_handlers" in inspect.getsource(flower.app), (
+        "flower.app no longer builds its application from flower.urls.handlers: Flower changed where its URL table "
+        "comes from, and the Jobs tab is nowhere; " + where("install_handlers")
+    )
+    assert "def get_current_user" in inspect.getsource(BaseHandler), "Flower's BaseHandler has no get_current_user"
+    assert "unauthenticated_api" in inspect.getsource(BaseApiHandler.prepare), (
+        "Flower's BaseApiHandler.prepare no longer applies its API's authentication rule: " + where("guard_prepare")
+    )
+    assert "read_only" in options and "jobs_admins" in options
+
+
+#: Flower's handlers that act (checked in Flower 2.0.1, 2.1.0, 2.2.0): a new one fails this list until it is looked at
+#: (it is refused to read-only users meanwhile, unless it is added to READING_POSTS).
+FLOWERS_ACTIONS = {
+    "WorkerShutDown", "WorkerPoolRestart", "WorkerPoolGrow", "WorkerPoolShrink", "WorkerPoolAutoscale",
+    "WorkerQueueAddConsumer", "WorkerQueueCancelConsumer", "TaskApply", "TaskAsyncApply", "TaskSend", "TaskAbort",
+    "TaskTimout", "TaskRateLimit", "TaskRevoke",
+}  # fmt: skip
+
+
+def test_every_one_of_flowers_actions_is_guarded() -> None:
+    """Fails when a Flower release adds an endpoint that acts, or moves what the guard wraps."""
+    from flower.api import BaseApiHandler
+    from flower.api.control import TaskRevoke
+    from tornado.web import RequestHandler
+
+    adapter.install()  # twice: still one guard per handler
+    table = patches.url_table()
+    acting = jobs_view.flowers_actions(table)
+    assert {handler.__name__ for handler in acting} == FLOWERS_ACTIONS, (
+        "Flower's acting handlers changed: a new one is refused to everyone --jobs_admins does not name until it is "
+        "looked at; " + where("guard_prepare")
+    )
+    ours = {patches.handler_class_of(spec) for spec in jobs_view.HANDLERS}
+    for spec in table:
+        handler = patches.handler_class_of(spec)
+        writes = [
+            name for name in jobs_view.WRITE_METHODS if getattr(handler, name) is not getattr(RequestHandler, name)
+        ]
+        if writes:
+            assert handler in ours or handler in jobs_view.READING_POSTS or patches.is_guarded(handler), handler
+    for handler in acting:
+        assert patches.is_guarded(handler)
+        assert handler.prepare.flowers is BaseApiHandler.prepare, (
+            f"{handler.__name__}.prepare is not one guard around BaseApiHandler.prepare: Flower gave it a prepare of "
+            "its own; " + where("guard_prepare")
+        )
+    tasks_table, not_found = jobs_view.READING_POSTS
+    assert "return self.get()" in inspect.getsource(tasks_table.post), "Flower's TasksDataTable.post no longer reads"
+    assert "HTTPError(404)" in inspect.getsource(not_found.post), "Flower's catch-all POST no longer answers 404"
+    revoke = next(s for s in table if isinstance(s, tuple) and s[1] is TaskRevoke)
+    assert revoke[0].endswith("/(.+)"), (
+        "Flower's revoke no longer takes the task id as its one path argument; see "
+        "bb_broker/contrib/flower/jobs_tab.py:_record_revoke"
+    )

@@ -1,0 +1,332 @@
+"""The shapes of Celery, Kombu and billiard that bb_broker/worker/patches.py relies on: each test fails, naming the
+upstream change and the function of patches.py it breaks, before a user meets the broken behaviour."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from celery import Celery, states
+from kombu import Connection, Exchange, Queue
+
+from bb_broker.worker import patches
+
+PATCHES = "bb_broker/worker/patches.py"
+
+
+def where(function: str) -> str:
+    return f"see {PATCHES}:{function} (checked against {patches.CHECKED_AGAINST})"
+
+
+def parameters(function: Any) -> list[str]:
+    """The parameter names of an upstream function, under any wrapper of ours (functools.wraps keeps __wrapped__)."""
+    return list(inspect.signature(inspect.unwrap(function)).parameters)
+
+
+def source(obj: Any) -> str:
+    return inspect.getsource(inspect.unwrap(obj))
+
+
+@pytest.fixture
+def app() -> Celery:
+    return Celery("contracts", broker="memory://", backend="cache+memory://", set_as_current=False)
+
+
+# --- Celery ---------------------------------------------------------------------------------------------------------
+
+
+def test_mark_as_failure_takes_what_the_retry_wrapper_passes_on() -> None:
+    from celery.backends.base import BaseBackend
+
+    expected = ["self", "task_id", "exc", "traceback", "request", "store_result", "call_errbacks", "state"]
+    found = parameters(BaseBackend.mark_as_failure)
+    assert found == expected, (
+        f"celery.backends.base.BaseBackend.mark_as_failure now takes {found}, not {expected}: Celery changed how a "
+        f"result backend is told of a failure, and the wrapper passes the old arguments on by position; "
+        + where("install_failure_as_retry")
+    )
+    retry = parameters(BaseBackend.mark_as_retry)
+    assert retry[:4] == ["self", "task_id", "exc", "traceback"] and "request" in retry, (
+        f"celery.backends.base.BaseBackend.mark_as_retry now takes {retry}: Celery changed how RETRY is stored; "
+        + where("install_failure_as_retry")
+    )
+
+
+def test_the_retry_wrapper_is_installed_once_around_celerys_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.backends.base import BaseBackend
+
+    monkeypatch.setattr(BaseBackend, "mark_as_failure", BaseBackend.mark_as_failure)  # put back afterwards
+    patches.install_failure_as_retry(lambda app, request, exc: False)
+    installed = BaseBackend.mark_as_failure
+    patches.install_failure_as_retry(lambda app, request, exc: True)
+    assert BaseBackend.mark_as_failure is installed
+    assert not getattr(installed.__wrapped__, patches._INSTALLED, False), "wrapped twice"
+
+
+def test_a_tasks_request_class_is_the_documented_hook_for_a_lost_pool_process(app: Celery) -> None:
+    from billiard.einfo import ExceptionWithTraceback
+    from celery.worker import strategy
+    from celery.worker.request import Request
+
+    assert "symbol_by_name(task.Request)" in source(strategy.default), (
+        "celery.worker.strategy.default no longer builds a task's requests from `task.Request`: Celery dropped the "
+        "custom request class (its task guide's 'Requests and custom requests'), and a lost pool process's job no "
+        "longer hears why; " + where("explain_worker_lost")
+    )
+    found = parameters(Request.on_failure)
+    assert found[:2] == ["self", "exc_info"], (
+        f"celery.worker.request.Request.on_failure now takes {found}: Celery changed how the main process reports a "
+        "task's failure; " + where("explain_worker_lost")
+    )
+    on_failure = source(Request.on_failure)
+    assert "reject_on_worker_lost" in on_failure and "self.reject(requeue=requeue)" in on_failure, (
+        "Request.on_failure no longer rejects a lost pool process's message with requeue: Celery changed "
+        "reject_on_worker_lost, and the reason set before it may go nowhere; " + where("explain_worker_lost")
+    )
+    assert isinstance(Request.message, property) and "exc" in inspect.signature(ExceptionWithTraceback).parameters, (
+        "Request.message or billiard's ExceptionWithTraceback(exc, ...) changed: the wrapper reads the message and the "
+        "exception through them; " + where("explain_worker_lost")
+    )
+
+    @app.task(name="contracts.noop", shared=False)
+    def noop() -> None:
+        pass
+
+    patches.explain_worker_lost(noop, str)
+    explained = noop.Request
+    patches.explain_worker_lost(noop, str)
+    assert noop.Request is explained and issubclass(explained, Request), "the request class was subclassed twice"
+
+
+def test_the_tracer_calls_task_run_as_it_is_when_it_is_built() -> None:
+    from celery.app import trace
+
+    assert "else task.run" in source(trace.build_tracer), (
+        "celery.app.trace.build_tracer no longer calls `task.run`: Celery changed what the tracer runs, and a task's "
+        "failed attempt the broker runs again would be stored FAILURE; " + where("wrap_task_run")
+    )
+
+
+def test_task_retry_leaves_override_max_retries_on_the_task() -> None:
+    from celery.app.task import Task
+
+    assert "self.override_max_retries = max_retries" in source(Task.retry), (
+        "celery.app.task.Task.retry no longer leaves `override_max_retries` on the task: Celery changed how a retry's "
+        "max_retries reaches autoretry; " + where("forget_retry_override")
+    )
+
+
+def test_a_chain_from_a_message_is_a_private_chain(app: Celery) -> None:
+    from celery import canvas, chain, maybe_signature
+
+    assert hasattr(canvas, "_chain"), "celery.canvas._chain is gone: Celery renamed its chain class; " + where(
+        "chain_class"
+    )
+    rebuilt = maybe_signature(dict(app.signature("a") | app.signature("b")), app=app)
+    assert isinstance(rebuilt, patches.chain_class()) and issubclass(chain, patches.chain_class()), (
+        f"a chain rebuilt from its message is a {type(rebuilt).__name__}, not a celery.canvas._chain: Celery changed "
+        "its chain classes; " + where("chain_class")
+    )
+
+
+def test_a_generator_chord_header_is_a_regen() -> None:
+    from celery.utils.functional import regen
+
+    assert patches.is_lazy_result_list(regen(iter([1]))), (
+        "celery.utils.functional.regen no longer returns a celery.utils.functional._regen: Celery changed its lazy "
+        "list; " + where("is_lazy_result_list")
+    )
+
+
+def test_result_meta_has_the_fields_a_job_document_keeps(app: Celery) -> None:
+    from celery.backends.base import BaseBackend
+
+    found = parameters(BaseBackend._get_result_meta)
+    assert found[:5] == ["self", "result", "state", "traceback", "request"] and "format_date" in found, (
+        f"celery.backends.base.BaseBackend._get_result_meta now takes {found}: Celery changed how a result's meta "
+        "is built; " + where("result_meta")
+    )
+    meta = patches.result_meta(app.backend, 1, states.SUCCESS, None, None)
+    assert {"date_done", "children"} <= set(meta), (
+        f"BaseBackend._get_result_meta returns {sorted(meta)}, without date_done or children; " + where("result_meta")
+    )
+
+
+def test_failing_a_chain_and_calling_errbacks_take_what_the_backend_passes() -> None:
+    from celery.backends.base import BaseBackend
+
+    if hasattr(BaseBackend, "_fail_chain"):  # Celery 5.7.0 on; before, mark_as_failure does it inline
+        found = parameters(BaseBackend._fail_chain)
+        assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
+            f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
+            "the tasks chained after it; " + where("fail_chain")
+        )
+    else:
+        inline = source(BaseBackend.mark_as_failure)
+        assert "chain_elem_ctx = Context(chain_elem)" in inline and "on_chord_part_return(chain_elem_ctx" in inline, (
+            "celery.backends.base.BaseBackend.mark_as_failure neither calls _fail_chain nor fails the chain as Celery "
+            "5.5 and 5.6 do: Celery changed how a failure reaches the tasks chained after it; " + where("fail_chain")
+        )
+    found = parameters(BaseBackend._call_task_errbacks)
+    assert found == ["self", "request", "exc", "traceback"], (
+        f"celery.backends.base.BaseBackend._call_task_errbacks now takes {found}; " + where("call_errbacks")
+    )
+
+
+@pytest.mark.parametrize("fail_chain", [patches.fail_chain, patches._fail_chain_as_celery_5_5])
+def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, fail_chain: Any) -> None:
+    # Both ways: Celery's own _fail_chain where it has one (5.7), else as Celery 5.5 and 5.6 do it inline.
+    chained = app.signature("contracts.next").freeze()
+    fail_chain(app.backend, [dict(app.signature("contracts.next", task_id=chained.id))], KeyError("x"), None, True,
+               states.FAILURE)  # fmt: skip
+    assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
+
+
+def test_a_backend_has_its_result_cache_and_eager_check(app: Celery) -> None:
+    backend = app.backend
+    assert callable(getattr(backend, "_ensure_not_eager", None)), (
+        "BaseBackend._ensure_not_eager is gone: Celery changed how a read refuses eager results; "
+        + where("refuse_when_eager")
+    )
+    cache = patches.result_cache(backend)
+    assert hasattr(cache, "get") and hasattr(cache, "__setitem__"), (
+        f"BaseBackend._cache is a {type(cache).__name__}, not a mapping: Celery changed its result cache; "
+        + where("result_cache")
+    )
+
+
+def test_the_backend_methods_bbmongo_implements_keep_their_parameters() -> None:
+    # BaseBackend calls them (store_result, get_task_meta, forget, the group methods); Celery's key-value backends
+    # are the reference implementation of the interface.
+    from celery.backends.base import BaseKeyValueStoreBackend
+
+    from bb_broker.results.backend import JobResultBackend
+
+    for name in ("_store_result", "_get_task_meta_for", "_forget", "_save_group", "_restore_group", "_delete_group"):
+        celerys = [p for p in parameters(getattr(BaseKeyValueStoreBackend, name)) if p != "kwargs"]
+        ours = parameters(getattr(JobResultBackend, name))
+        assert ours[: len(celerys)] == celerys, (
+            f"celery.backends.base.BaseKeyValueStoreBackend.{name} now takes {celerys}, bbmongo:// implements it with "
+            f"{ours}: Celery changed its backend interface; see bb_broker/results/backend.py"
+        )
+
+
+# --- Kombu ----------------------------------------------------------------------------------------------------------
+
+
+def test_kombus_registry_keeps_each_serializers_content_type_and_encoding() -> None:
+    assert patches.serializer_content_types("json") == ("application/json", "utf-8"), (
+        "kombu.serialization.registry._encoders changed shape: Kombu moved its serializer table; "
+        + where("serializer_content_types")
+    )
+
+
+@pytest.fixture
+def channel() -> Any:
+    with Connection("memory://") as connection:
+        yield connection.default_channel
+
+
+def test_a_virtual_channels_consumers_queues_and_bindings(channel: Any) -> None:
+    queue = Queue("contracts", Exchange("contracts", "direct"), routing_key="k")
+    queue(channel).declare()
+    assert patches.exchange_table(channel.state, "contracts") == [("k", None, "contracts")], (
+        "kombu.transport.virtual BrokerState.exchanges[...]['table'] no longer holds (routing key, pattern, queue) "
+        "rows: Kombu changed its routing tables; " + where("exchange_table")
+    )
+    patches.drop_bindings(channel.state, lambda row: row[2] != "contracts")
+    assert patches.exchange_table(channel.state, "contracts") == [], "the table is not the one Kombu routes by"
+    channel.basic_consume("contracts", False, lambda message: None, "tag-1")
+    assert patches.has_consumers(channel) and patches.consumed_queues(channel) == ["contracts"], (
+        "kombu.transport.virtual.Channel._consumers or _active_queues changed: Kombu changed how a channel keeps its "
+        "consumers; " + where("consumed_queues")
+    )
+    assert patches.queue_of_consumer(channel, "tag-1") == "contracts", (
+        "kombu.transport.virtual.Channel._tag_to_queue changed; " + where("queue_of_consumer")
+    )
+    assert isinstance(patches.next_delivery_tag(channel), str), (
+        "kombu.transport.virtual.Channel._next_delivery_tag() changed; " + where("next_delivery_tag")
+    )
+
+
+def test_a_virtual_qos_tracks_what_it_delivered(channel: Any) -> None:
+    qos = channel.qos
+    assert qos.can_consume_max_estimate() is None, "can_consume_max_estimate() without a prefetch limit is not None"
+    qos.prefetch_count = 4
+    qos.append(object(), "tag-1")
+    assert "tag-1" in patches.delivered_messages(qos) and qos.can_consume_max_estimate() == 3, (
+        "kombu.transport.virtual.QoS._delivered or can_consume_max_estimate changed: Kombu changed how it counts "
+        "unacked messages; " + where("delivered_messages")
+    )
+    patches.ack_without_restore(qos, "tag-1")
+    assert qos.can_consume_max_estimate() == 4, (
+        "kombu.transport.virtual.QoS._quick_ack no longer settles a message; " + where("ack_without_restore")
+    )
+
+
+def test_the_virtual_transport_methods_bbmongo_overrides_keep_their_parameters() -> None:
+    from kombu.transport import virtual
+
+    from bb_broker.transport.channel import Channel, Transport
+
+    overridden = {
+        virtual.Channel: ("_get", "_put", "_size", "_purge", "_delete", "_new_queue", "_has_queue", "_lookup"),
+        virtual.Transport: ("_deliver",),
+    }
+    for base, names in overridden.items():
+        ours = Channel if base is virtual.Channel else Transport
+        for name in names:
+            kombus, mine = parameters(getattr(base, name)), parameters(getattr(ours, name))
+            assert mine[: len(kombus)] == kombus or "args" in kombus, (
+                f"kombu.transport.virtual.{base.__name__}.{name} now takes {kombus}, bbmongo:// overrides it with "
+                f"{mine}: Kombu changed its virtual transport interface; see bb_broker/transport/channel.py"
+            )
+    assert "self._queue_bind(exchange, *meta)" in source(virtual.Channel.queue_bind), (
+        "kombu.transport.virtual.Channel.queue_bind no longer calls _queue_bind(exchange, routing key, pattern, "
+        "queue): bbmongo:// stores its bindings there; see bb_broker/transport/channel.py"
+    )
+    assert "self.channel._put_fanout(" in source(virtual.exchange.FanoutExchange.deliver), (
+        "kombu's FanoutExchange.deliver no longer calls Channel._put_fanout; see bb_broker/transport/channel.py"
+    )
+
+
+# --- billiard -------------------------------------------------------------------------------------------------------
+
+
+def test_billiards_pool_reads_its_job_queue_through_get_payload_under_its_read_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import billiard
+    from billiard import pool, queues
+
+    monkeypatch.setattr(queues.SimpleQueue, "get_payload", queues.SimpleQueue.get_payload)  # put back afterwards
+
+    simple_queue = inspect.getsource(queues.SimpleQueue)  # the file's text, whatever is installed on the class
+    assert "with self._rlock:\n            return self._reader.recv_bytes()" in simple_queue, (
+        "billiard.queues.SimpleQueue.get_payload no longer reads `self._reader` under `self._rlock`: billiard changed "
+        "its job queue, and the guarded read may lock what it no longer uses; " + where("install_pool_queue_guard")
+    )
+    assert "conn.get_payload" in inspect.getsource(pool), (
+        "billiard's pool no longer reads tasks through `get_payload`: the guard is never called; "
+        + where("install_pool_queue_guard")
+    )
+    queue = queues.SimpleQueue(ctx=billiard.get_context())
+    locked = queue._rlock.acquire(timeout=0.01)
+    assert locked, "billiard's SimpleQueue._rlock takes no acquire(timeout=); " + where("install_pool_queue_guard")
+    queue._rlock.release()
+    patches.install_pool_queue_guard()
+    queue.send_payload(b"job")
+    assert queue.get_payload() == b"job", "the guarded read does not read what billiard wrote"
+
+
+def test_the_worker_lists_the_requests_it_holds() -> None:
+    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/hooks.py:_reserved_jobs keeps
+    # their leases fresh from them).
+    from celery.worker import state
+    from celery.worker.request import Request
+
+    assert hasattr(state.reserved_requests, "__iter__") and isinstance(Request.request_dict, property), (
+        "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
+        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/hooks.py:_reserved_jobs"
+    )
