@@ -20,7 +20,7 @@ module also adds the Jobs tab (bb_broker.contrib.flower.jobs_tab), whose templat
 
 `authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
 
-`tests/test_flower.py` fails when the Flower internals this relies on move.
+`tests/flower/test_flower.py` fails when the Flower internals this relies on move.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class BannerLoader(tornado.template.Loader):
         if name != "base.html":
             return super()._create_template(name)
         source = Path(self.root, name).read_bytes()
-        # Should a Flower release move the anchor, its pages show no banner (tests/test_flower.py says so).
+        # Should a Flower release move the anchor, its pages show no banner (tests/flower/test_flower.py says so).
         return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
 
 

@@ -627,7 +627,7 @@ def template_source(root: str, name: str) -> bytes | None:
 # the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that has a
 # method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs. A
 # handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0, 2.0.1,
-# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/test_jobs_view.py lists them and fails when that changes),
+# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/flower/test_jobs_view.py fails when they change),
 # BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
 
 #: Flower's handlers whose POST only reads: the Tasks page's table posts its query; the catch-all answers 404.
