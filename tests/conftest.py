@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -52,7 +53,9 @@ def mongo_client(mongo_url: str) -> Iterator[MongoClient]:
 @pytest.fixture
 def db_name(request: pytest.FixtureRequest) -> str:
     name = re.sub(r"[^A-Za-z0-9]", "_", request.node.name)[-40:]
-    return f"bbt_{name}"
+    # Under pytest-xdist each process starts its own server, unless BB_TEST_MONGO_URL names one they all share.
+    process = os.environ.get("PYTEST_XDIST_WORKER", "") if external_url() else ""
+    return f"bbt_{process}{name}"
 
 
 @pytest.fixture

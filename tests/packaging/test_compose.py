@@ -229,7 +229,9 @@ def test_the_app_services_are_built_from_this_project_with_flower() -> None:
         assert (ROOT / src).exists(), f"COPY {src}: no such path in the build context"
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     needed = {"pyproject.toml", pyproject["project"]["readme"]}
-    needed |= {package.split(".")[0] for package in pyproject["tool"]["setuptools"]["packages"]}
+    # The packages setuptools finds: `include` patterns such as "bb_broker*" name their top-level directories.
+    found = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    needed |= {pattern.rstrip("*").split(".")[0] for pattern in found}
     assert needed <= copied, f"the Dockerfile does not COPY {needed - copied}, which `pip install .` needs"
 
 

@@ -23,6 +23,8 @@ from tests.support.servers import EmbeddedServer, free_port
 from tests.support.workers import ROOT, wait_for
 
 DEMO = [sys.executable, "-m", "celery_app.demo"]
+#: The demo writes its logs to the checkout's bb-data/ unless told, and wants Flower on 5555: one demo at a time.
+pytestmark = pytest.mark.xdist_group("demo")
 
 
 def demo_env(**settings: str) -> dict[str, str]:
