@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-heavy bench lint docs browser conformance
+.PHONY: install demo test test-fast test-heavy bench lint docs browser conformance
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,17 @@ browser:
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# Three pytest processes, each with its own server (every test has its own database and free ports): the suite's
+# tests mostly wait on workers, Flower and servers, so three share two cores well. loadgroup keeps the tests of an
+# xdist_group (a fixed resource) on one process.
+TEST_PROCESSES ?= 3
+
 test: lint docs browser
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup
+
+# The inner loop: tests/unit and tests/database, in one process, no worker processes (about a minute).
+test-fast: install
+	$(PY) -m pytest tests/unit tests/database
 
 test-heavy: install
 	$(PY) -m pytest -m heavy
@@ -41,11 +50,11 @@ test-heavy: install
 # bbmongo:// against Kombu's mongodb:// and Redis, one run on this machine (BENCH_N, BENCH_REPEAT override the size).
 bench: install
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
-	$(PY) -m tests.bench
+	$(PY) -m tools.bench
 
 # Kombu's and Celery's own integration suites (sources of the installed versions, fetched into build/conformance)
 # against bbmongo://, Celery's also against Redis; prints passed/failed per suite and broker. Takes about an hour.
 conformance: install
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	@$(PY) -c "import pydantic" 2>/dev/null || $(PY) -m pip install --quiet pydantic
-	$(PY) -m tests.conformance
+	$(PY) -m tools.conformance

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 from celery import Celery
 from pymongo import MongoClient
 from pymongo.database import Database
 
-from tests.servers import EmbeddedServer, external_url, with_database
-from tests.workers import STARTED, Worker, process_factory, producer
+from tests.support.servers import AUTH_PASSWORD, EmbeddedServer, external_url, with_database
+from tests.support.workers import STARTED, Worker, process_factory, producer
 
-if TYPE_CHECKING:
-    from playwright.sync_api import Browser
+#: The folders of tests/ by what their tests need, each the name of the marker its tests get (`-m database`).
+FOLDERS = ("unit", "database", "e2e", "faults", "flower", "packaging")
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-#: How long a browser check waits for its condition (text shown, class set): generous, for a busy 2-core machine.
-BROWSER_TIMEOUT_MS = 60_000
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        folder = item.path.resolve().relative_to(here).parts[0]
+        if folder not in FOLDERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of tests/{{{','.join(FOLDERS)}}}")
+        item.add_marker(folder)
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +53,9 @@ def mongo_client(mongo_url: str) -> Iterator[MongoClient]:
 @pytest.fixture
 def db_name(request: pytest.FixtureRequest) -> str:
     name = re.sub(r"[^A-Za-z0-9]", "_", request.node.name)[-40:]
-    return f"bbt_{name}"
+    # Under pytest-xdist each process starts its own server, unless BB_TEST_MONGO_URL names one they all share.
+    process = os.environ.get("PYTEST_XDIST_WORKER", "") if external_url() else ""
+    return f"bbt_{process}{name}"
 
 
 @pytest.fixture
@@ -58,19 +65,24 @@ def db(mongo_client: MongoClient, db_name: str) -> Iterator[Database]:
     mongo_client.drop_database(db_name)
 
 
-#: The password of the user `auth_server` creates.
-AUTH_PASSWORD = "s3cret-pw"
-
-
-@pytest.fixture
-def auth_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    """A server of this test's own that asks for a password: user `bb`, AUTH_PASSWORD, root on admin."""
-    server = EmbeddedServer(tmp_path / "data")
+@pytest.fixture(scope="session")
+def auth_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The data directory of a stopped server that has the user `bb` (AUTH_PASSWORD, root on admin), made once a
+    session: each auth_server starts from a copy of it instead of creating the user itself."""
+    data = tmp_path_factory.mktemp("auth") / "data"
+    server = EmbeddedServer(data)
     server.start()
     with MongoClient(server.url) as client:
         client.admin.command("createUser", "bb", pwd=AUTH_PASSWORD, roles=[{"role": "root", "db": "admin"}])
     server.stop()
-    server.auth = True
+    return data
+
+
+@pytest.fixture
+def auth_server(tmp_path: Path, auth_data: Path) -> Iterator[EmbeddedServer]:
+    """A server of this test's own that asks for a password: user `bb`, AUTH_PASSWORD, root on admin."""
+    shutil.copytree(auth_data, tmp_path / "data")
+    server = EmbeddedServer(tmp_path / "data", auth=True)
     server.start()
     yield server
     server.stop()
@@ -127,17 +139,3 @@ def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     server.start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    """Debian's Chromium driven by Playwright; every `expect(...)` waits up to BROWSER_TIMEOUT_MS for its condition."""
-    from playwright.sync_api import expect, sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        raise AssertionError("Chromium is not installed: `make browser` installs Debian's `chromium` package")
-    expect.set_options(timeout=BROWSER_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        yield browser
-        browser.close()

@@ -14,8 +14,8 @@ from pymongo.database import Database
 from pymongo.errors import InvalidOperation
 
 from bb_broker.connection import get_database, parse_broker_url
-from tests.servers import with_database
-from tests.workers import Worker, producer, send, settled, wait_for
+from tests.support.servers import with_database
+from tests.support.workers import Worker, producer, send, settled, wait_for
 
 #: The wire protocol's opcodes a router rewrites the answers of: OP_REPLY (the first handshake) and OP_MSG.
 OP_REPLY, OP_MSG = 1, 2013

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.workers import ROOT
+from tests.support.workers import ROOT
 
 #: A list item's first line: Python-Markdown reads one as a paragraph's continuation unless it is set off right.
 LIST_ITEM = re.compile(r"^ *(?:[-*+]|\d+\.) +\S")

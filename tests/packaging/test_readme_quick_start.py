@@ -13,7 +13,7 @@ from pathlib import Path
 from pymongo.database import Database
 
 import bb_broker
-from tests.workers import ROOT, Worker
+from tests.support.workers import ROOT, Worker
 
 README = (ROOT / "README.md").read_text()
 QUICK_START = README.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]

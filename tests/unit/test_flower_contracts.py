@@ -13,6 +13,7 @@ import tornado.template
 from bb_broker.contrib.flower import broker as adapter
 from bb_broker.contrib.flower import jobs_tab as jobs_view
 from bb_broker.contrib.flower import patches
+from tests.support.flower_process import FLOWERS_ACTIONS
 
 PATCHES = "bb_broker/contrib/flower/patches.py"
 
@@ -168,15 +169,6 @@ def test_the_jobs_tab_joins_flowers_url_table_once() -> None:
         "Flower's BaseApiHandler.prepare no longer applies its API's authentication rule: " + where("guard_prepare")
     )
     assert "read_only" in options and "jobs_admins" in options
-
-
-#: Flower's handlers that act (checked in Flower 2.0.1, 2.1.0, 2.2.0): a new one fails this list until it is looked at
-#: (it is refused to read-only users meanwhile, unless it is added to READING_POSTS).
-FLOWERS_ACTIONS = {
-    "WorkerShutDown", "WorkerPoolRestart", "WorkerPoolGrow", "WorkerPoolShrink", "WorkerPoolAutoscale",
-    "WorkerQueueAddConsumer", "WorkerQueueCancelConsumer", "TaskApply", "TaskAsyncApply", "TaskSend", "TaskAbort",
-    "TaskTimout", "TaskRateLimit", "TaskRevoke",
-}  # fmt: skip
 
 
 def test_every_one_of_flowers_actions_is_guarded() -> None:

@@ -158,7 +158,7 @@ class BannerLoader(tornado.template.Loader):
         if name != "base.html":
             return super()._create_template(name)
         source = Path(self.root, name).read_bytes()
-        # Should a Flower release move the anchor, its pages show no banner (tests/test_flower.py says so).
+        # Should a Flower release move the anchor, its pages show no banner (tests/flower/test_flower.py says so).
         return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
 
 

@@ -1,0 +1,247 @@
+"""The change stream's cost: a busy queue's jobs do not cost a getMore each, news still wakes at once (a short
+burst of repeats does not hold it back), and a watched topic table is read again only when a binding changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from kombu import Connection, Consumer, Queue
+from pymongo import MongoClient, monitoring
+from pymongo.database import Database
+
+from bb_broker.transport.plumbing import MessageStore
+from bb_broker.transport.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
+from tests.support.spies import record_changes, record_paces
+from tests.support.workers import producer, send, wait_for
+
+
+class GetMores(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.count = 0
+        self.binding_reads = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "getMore":
+            self.count += 1
+        if event.command_name == "find" and event.command.get("find") == "bb_bindings":
+            self.binding_reads += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+#: The queues the watched connection's consumers read.
+READ = {"busy", "last", "quiet", "q", "mine"}
+
+
+@pytest.fixture
+def watched(mongo_url: str, db: Database) -> Iterator[tuple[Wakeups, GetMores]]:
+    listener = GetMores()
+    with MongoClient(mongo_url, event_listeners=[listener], tz_aware=True) as client:
+        wakeups = Wakeups(
+            client[db.name],
+            jobs="jobs",
+            messages="bb_messages",
+            bindings="bb_bindings",
+            clock=lambda: datetime.now(UTC),
+            safety_poll_interval=3600,
+        )
+        wakeups.consume_only(READ)
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+        yield wakeups, listener
+
+
+def publish(db: Database, queue: str) -> None:
+    db.jobs.insert_one({"status": "queued", "queue": queue, "runAfter": datetime.now(UTC)})
+
+
+def seen(wakeups: Wakeups, queue: str) -> Callable[[], bool]:
+    """A consumer's check for news of `queue`: each look that finds some ends as a consumer's does, by going idle.
+
+    A queue being looked at is in flight, and a change to it then is a repeat, not news: a look left open would make
+    the next job a repeat whenever the watcher sees it before the test's next look, and pace the watcher.
+    """
+    assert wakeups.look(queue, job_queue=False)  # the first look at a queue; from now on only news
+    assert wakeups.look(queue, job_queue=False) is None
+
+    def news() -> bool:
+        if wakeups.look(queue, job_queue=False) is None:
+            return False
+        wakeups.seconds_until_next_poll({queue})  # the read came back: the consumer waits for more
+        return True
+
+    return news
+
+
+def draining(wakeups: Wakeups, queue: str) -> None:
+    """The consumer looks at `queue` and takes a message of an unknown number there: more jobs there are no news."""
+    assert wakeups.look(queue, job_queue=True)
+    wakeups.looked(queue, Look())
+
+
+def test_a_busy_queue_costs_far_fewer_getmores_than_jobs(watched, db: Database) -> None:
+    wakeups, getmores = watched
+    draining(wakeups, "busy")
+    last = seen(wakeups, "last")
+    before = getmores.count
+    jobs = 300
+    for _ in range(jobs):
+        publish(db, "busy")
+    publish(db, "last")  # the stream is ordered: once this is seen, every job before it was
+    wait_for(last, message="the change after the busy queue's jobs")
+    assert getmores.count - before <= jobs / 5, f"{getmores.count - before} getMores for {jobs} jobs"
+
+
+def test_news_for_a_quiet_queue_wakes_while_another_is_busy(watched, db: Database) -> None:
+    wakeups, _ = watched
+    draining(wakeups, "busy")
+    quiet = seen(wakeups, "quiet")
+    for _ in range(50):
+        publish(db, "busy")
+    wakeups.event.clear()
+    publish(db, "quiet")
+    wait_for(quiet, message="news for the quiet queue")
+    assert wakeups.event.is_set()  # and the consumer was woken for it
+
+
+def test_a_queue_polled_empty_is_news_again(watched, db: Database) -> None:
+    wakeups, _ = watched
+    assert wakeups.look("q", job_queue=True)  # a look that comes back empty: nothing left
+    assert wakeups.seconds_until_next_poll({"q"}) > 0  # the consumer goes idle
+    publish(db, "q")
+    wait_for(lambda: wakeups.look("q", job_queue=True) is not None, message="the new job's wake-up")
+
+
+def put_message(db: Database, queue: str) -> None:
+    db.bb_messages.insert_one({"queue": queue, "payload": "{}"})
+
+
+def test_changes_to_a_queue_it_does_not_read_never_hold_back_its_news(watched, db: Database) -> None:
+    # A worker sends ping replies and events to queues only other processes read, and a producer its pings: those
+    # queues stay marked (nobody here polls them), so each further change to them looked like a repeat, and the
+    # watcher paced its next read with the ping (or its reply) waiting behind it.
+    wakeups, _ = watched
+    paces, changes = record_paces(wakeups), record_changes(wakeups)
+    mine = seen(wakeups, "mine")
+    put_message(db, "their.reply")  # the first reply marks the caller's queue here
+    publish(db, "mine")  # the next ping
+    wait_for(mine, message="the first news")
+    paced, told = len(paces), len(changes)
+    put_message(db, "their.reply")  # the reply to it, alone in its getMore
+    wait_for(lambda: len(changes) > told, message="the change after the reply")
+    publish(db, "mine")  # the ping after: whatever the watcher decided about the reply is decided by now
+    wait_for(mine, message="the news after the reply")
+    assert len(paces) == paced, "a change to a queue nobody here reads paced the watcher"
+
+
+EVENTS = ("worker.#", "worker.#", "monitor")
+ANY_AGE = 1e-9  # a table that may be cached at all, however briefly: only the stream keeps it longer
+
+
+def test_a_watched_topic_table_is_read_again_only_when_a_binding_changes(watched, db: Database) -> None:
+    wakeups, reads = watched
+    store = MessageStore(wakeups._db)  # the watcher's client: the same process, the same registry
+    assert store.table("celeryev", max_age=ANY_AGE) == []
+    for _ in range(5):  # a worker's heartbeat events, every 2 s
+        assert store.table("celeryev", max_age=ANY_AGE) == []
+    assert reads.binding_reads == 1
+    MessageStore(db).bind("celeryev", *EVENTS)  # a monitor in another process starts listening
+    wait_for(lambda: store.table("celeryev", max_age=ANY_AGE) == [EVENTS], message="the new binding")
+
+
+def test_unwatched_or_uncacheable_tables_are_read_every_time(mongo_url: str, watched, db: Database) -> None:
+    wakeups, reads = watched
+    store = MessageStore(wakeups._db)
+    store.table("celery.pidbox", max_age=0.0)  # fanout and direct tables are never cached
+    store.table("celery.pidbox", max_age=0.0)
+    assert reads.binding_reads == 2
+    other = GetMores()
+    with MongoClient(mongo_url, event_listeners=[other], tz_aware=True) as client:
+        unwatched = MessageStore(client[db.name])  # no change stream covers this client
+        unwatched.table("celeryev", max_age=ANY_AGE)
+        unwatched.table("celeryev", max_age=ANY_AGE)
+    assert other.binding_reads == 2
+
+
+def test_a_look_reads_what_the_news_told_of_and_only_that(watched, db: Database) -> None:
+    # A consumer that claimed the one job a change told of, in a queue of jobs, reads neither bb_messages nor the
+    # queue again; what a look did not take is news for the next look; a safety poll reads everything.
+    wakeups, _ = watched
+    assert wakeups.look("q", job_queue=True) == Look()  # the first look at a queue reads both collections
+    last = seen(wakeups, "last")
+
+    def news_of(*writes: Callable[[], None]) -> Look:
+        for write in writes:
+            write()
+        publish(db, "last")  # the stream is ordered: once this is seen, every change before it was
+        wait_for(last, message="the change after the writes")
+        look = wakeups.look("q", job_queue=True)
+        assert look is not None
+        return look
+
+    look = news_of(lambda: publish(db, "q"))
+    assert look == Look(jobs=1, messages=0)
+    look.took("jobs", 1, all_there_was=False)
+    wakeups.looked("q", look)
+    assert wakeups.look("q", job_queue=True) is None  # the job told of was taken: no second claim
+
+    look = news_of(lambda: put_message(db, "q"), lambda: publish(db, "q"), lambda: publish(db, "q"))
+    assert look == Look(jobs=2, messages=1)
+    look.took("jobs", 1, all_there_was=False)  # a claim of one job, not the second
+    wakeups.looked("q", look)
+    assert wakeups.look("q", job_queue=True) == Look(jobs=1, messages=1)  # left unread, or untaken: still news
+
+    look = news_of(lambda: publish(db, "q"), lambda: publish(db, "q"))
+    look.took("jobs", 1, all_there_was=True)  # the claim found fewer than it asked for: the queue is empty
+    wakeups.looked("q", look)
+    assert wakeups.look("q", job_queue=True) is None
+
+
+def test_a_short_burst_of_repeats_is_paced_briefly_and_news_ends_the_pacing(watched, db: Database) -> None:
+    # Tasks queued for a worker whose pool is busy repeat what it knows; a long pace after them held back the
+    # ping that came next by up to BUSY_PACE (the saturated ping's p95). Paces start short and grow only while
+    # repeats keep coming; news (or a quiet read) starts them short again.
+    wakeups, _ = watched
+    paces = record_paces(wakeups)
+    draining(wakeups, "busy")  # the consumer knows the queue has work: its jobs are repeats
+    quiet = seen(wakeups, "quiet")
+    publish(db, "busy")
+    wait_for(lambda: paces, message="a pace after the repeat")
+    assert paces[-1] == FIRST_PACE
+    publish(db, "quiet")
+    wait_for(quiet, message="news for the quiet queue")
+    before_news = len(paces)
+    for _ in range(3):  # repeats that keep coming, each in its own read: the paces grow
+        paced = len(paces)
+        publish(db, "busy")
+        wait_for(lambda: len(paces) > paced, message="a pace after each repeat")  # noqa: B023
+    after_news = paces[before_news:]
+    # Without news between, the next pace doubles the last: news ended the pacing, which starts short again.
+    assert after_news[0] == FIRST_PACE, f"the paces after the news: {after_news}"
+    assert FIRST_PACE < paces[-1] <= BUSY_PACE
+
+
+def test_the_wake_ups_and_the_claims_judge_a_due_time_by_one_clock(broker_url: str, db: Database) -> None:
+    # Each channel measured its own offset to the server's clock (to the millisecond, once a minute), and the change
+    # stream judged due times by the first consuming channel's: when it was ahead of the claiming channel's, a new
+    # task was news, the claim found it not yet due, and it waited for the safety poll (idle probes of 10 s).
+    delivered: list[str] = []
+    with Connection(broker_url, transport_options={"safety_poll_interval": 3600}) as conn:
+        replies = conn.channel()  # the first to consume, as Celery's remote control may be
+        Consumer(replies, queues=[Queue("replies", auto_delete=True)], accept=["json"]).consume()
+        tasks = conn.channel()
+        Consumer(tasks, queues=[Queue("celery")], accept=["json"],
+                 callbacks=[lambda body, message: delivered.append(message.job_id)]).consume()  # fmt: skip
+        wakeups = wait_for(lambda: conn.transport.wakeups, message="the change stream")
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+        clock = tasks.jobs.now
+        clock()  # measured
+        clock._offset -= timedelta(seconds=1)  # the claiming channel's reading a second behind the other's
+        send(producer(broker_url), "add", 1, 1)
+        conn.drain_events(timeout=30)  # due a second later by the claims' clock, and woken then
+    assert len(delivered) == 1

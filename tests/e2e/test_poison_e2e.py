@@ -1,0 +1,174 @@
+"""Poison task messages: headers, properties and bodies a Celery worker would choke on, through a real worker.
+
+Each is written into its job's stored payload by hand (as another program, or an edited document, would), so the
+producer's own check cannot stop it: the claim must. Each fails its own job once, naming the field; the worker
+keeps running and the job queued behind them all runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from kombu import Connection, Producer, Queue
+from pymongo.database import Database
+
+import bb_broker
+from tests.support.workers import job, send, settled, wait_for
+
+#: A JSON body kept as it is instead of as args, kwargs and options.
+UNREADABLE_ARGS = {"payload.args": "", "payload.kwargs": "", "payload.options": ""}
+
+#: (what it is, the change made to a stored payload of `add(1, 2)`, the field lastError must name)
+POISONS: list[tuple[str, dict[str, Any], str]] = [
+    ("timelimit text", {"$set": {"payload.headers.timelimit": "x"}}, "header 'timelimit'"),
+    ("timelimit of three", {"$set": {"payload.headers.timelimit": [1, 2, 3]}}, "header 'timelimit'"),
+    ("timelimit of text", {"$set": {"payload.headers.timelimit": ["a", None]}}, "header 'timelimit'"),
+    ("timelimit negative", {"$set": {"payload.headers.timelimit": [-1, None]}}, "header 'timelimit'"),
+    ("eta not a date", {"$set": {"payload.headers.eta": "not-a-date"}}, "header 'eta'"),
+    ("expires junk", {"$set": {"payload.headers.expires": "5j"}}, "header 'expires'"),
+    ("expires a number", {"$set": {"payload.headers.expires": 5}}, "header 'expires'"),
+    ("retries negative", {"$set": {"payload.headers.retries": -1}}, "header 'retries'"),
+    ("retries text", {"$set": {"payload.headers.retries": "x"}}, "header 'retries'"),
+    ("id a list", {"$set": {"payload.headers.id": [1, 2]}}, "header 'id'"),
+    ("task a list", {"$set": {"payload.headers.task": ["tests.support.e2e_app.add"]}}, "header 'task'"),
+    ("root_id a document", {"$set": {"payload.headers.root_id": {"a": 1}}}, "header 'root_id'"),
+    ("group a number", {"$set": {"payload.headers.group": 7}}, "header 'group'"),
+    ("shadow a list", {"$set": {"payload.headers.shadow": ["x"]}}, "header 'shadow'"),
+    ("argsrepr a list", {"$set": {"payload.headers.argsrepr": [1]}}, "header 'argsrepr'"),
+    ("stamps a list", {"$set": {"payload.headers.stamps": [1]}}, "header 'stamps'"),
+    ("stamped_headers text", {"$set": {"payload.headers.stamped_headers": 5}}, "header 'stamped_headers'"),
+    ("ignore_result text", {"$set": {"payload.headers.ignore_result": "yes"}}, "header 'ignore_result'"),
+    ("compression unknown", {"$set": {"payload.headers.compression": "zstd-x"}}, "header 'compression'"),
+    ("broker retries text", {"$set": {"payload.headers.bb_broker_retries": "x"}}, "header 'bb_broker_retries'"),
+    ("priority text", {"$set": {"payload.properties.priority": "high"}}, "property 'priority'"),
+    ("delivery_info a list", {"$set": {"payload.properties.delivery_info": [1]}}, "property 'delivery_info'"),
+    ("routing_key a list", {"$set": {"payload.properties.delivery_info.routing_key": [1]}}, "routing_key'"),
+    ("reply_to a number", {"$set": {"payload.properties.reply_to": 5}}, "property 'reply_to'"),
+    ("bb_publish_id a document", {"$set": {"payload.properties.bb_publish_id": {"celery": {"a": 1}}}}, "bb_publish_id"),
+    ("args a document", {"$set": {"payload.args": {"x": 1}}}, "body's args"),
+    ("kwargs a list", {"$set": {"payload.kwargs": [1]}}, "body's kwargs"),
+    ("embed text", {"$set": {"payload.options": "x"}}, "body's embed"),
+    ("callbacks junk", {"$set": {"payload.options.callbacks": ["junk"]}}, "'callbacks'"),
+    ("errbacks a document", {"$set": {"payload.options.errbacks": {"task": "x"}}}, "'errbacks'"),
+    ("chord text", {"$set": {"payload.options.chord": "x"}}, "'chord'"),
+    (
+        "body of two",
+        {"$set": {"payload.body": [[1, 2], {}], "payload.bodyFormat": "json"}, "$unset": UNREADABLE_ARGS},
+        "body",
+    ),
+    (
+        "body not JSON",
+        {"$set": {"payload.body": "bm90IGpzb24=", "payload.bodyFormat": "base64"}, "$unset": UNREADABLE_ARGS},
+        "body",
+    ),
+]  # fmt: skip
+
+
+def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(
+    app, db: Database, worker_factory
+) -> None:
+    poisoned = {}
+    for name, change, _ in POISONS:
+        task_id = send(app, "add", 1, 2)
+        assert db.jobs.update_one({"taskId": task_id}, change).modified_count == 1, name
+        poisoned[name] = task_id
+    # A whole document written with pymongo, as another program would: a copy of a published job, its own ids.
+    template = db.jobs.find_one({"taskId": send(app, "add", 1, 2)}, {"_id": 0})
+    db.jobs.delete_many({"taskId": template["taskId"]})
+    template["payload"]["headers"].update({"id": "hand-written", "timelimit": [1, 2, 3]})
+    db.jobs.insert_one({**template, "_id": "hand-written-job", "taskId": "hand-written"})
+    poisoned["hand-written document"] = "hand-written"
+    # Plain messages written by hand that Celery's consumer still takes as tasks (their `task` header): no id, or a
+    # task that is not a name. Never jobs, they are set aside where they are.
+    plain_poisons = {"no id": {"task": "tests.support.e2e_app.add"}, "task a list": {"task": ["x"], "id": "plain-2"}}
+    for headers in plain_poisons.values():
+        db.bb_messages.insert_one(
+            {"queue": "celery", "priority": 0, "payload": _plain_task(headers), "expiresAt": _soon()}
+        )
+    sentinel = send(app, "add", 20, 22)  # behind every poison job in the queue
+    worker = worker_factory()
+    wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the poison ones")
+    for name, field in [*((name, field) for name, _, field in POISONS), ("hand-written document", "'timelimit'")]:
+        failed = wait_for(settled(db, poisoned[name], "failed"), timeout=120, message=f"{name} failed")
+        assert failed["attempts"] == 1, (name, failed["attempts"], failed.get("lastError"))
+        assert "malformed message" in failed["lastError"] and field in failed["lastError"], (name, failed["lastError"])
+        assert [entry["outcome"] for entry in failed["history"]] == ["failed"], name
+    aside = wait_for(
+        lambda: (docs := list(db.bb_messages.find({"unreadable": {"$exists": True}}))) and len(docs) == 2 and docs,
+        message="the plain poison messages set aside",
+    )
+    assert sorted(doc["unreadable"].split(" must ")[0] for doc in aside) == [
+        "malformed message: header 'id'",
+        "malformed message: header 'task'",
+    ]
+    assert worker.process.poll() is None, "the worker died"
+    assert "Unrecoverable error" not in worker.log()
+    again = send(app, "add", 2, 2)
+    wait_for(settled(db, again, "succeeded"), message="the worker still takes work")
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"headers": {"timelimit": "x"}}, "header 'timelimit'"),
+        ({"headers": {"timelimit": [1, 2, 3]}}, "header 'timelimit'"),
+        ({"headers": {"retries": -1}}, "header 'retries'"),
+        ({"headers": {"eta": "not-a-date"}}, "header 'eta'"),
+        ({"headers": {"expires": "5j"}}, "header 'expires'"),
+        ({"headers": {"id": ["a"]}}, "header 'id'"),
+        ({"headers": {"stamps": [1]}}, "header 'stamps'"),
+        ({"bb_publish_id": {"celery": {"a": 1}}}, "property 'bb_publish_id'"),
+        ({"bb_publish_id": ["x"]}, "property 'bb_publish_id'"),
+        ({"bb_publish_id": 5}, "property 'bb_publish_id'"),
+        ({"link": "junk"}, "'callbacks'"),
+    ],
+)
+def test_a_malformed_task_message_is_refused_at_the_producer(app, db: Database, options, field) -> None:
+    with pytest.raises(bb_broker.MalformedTaskMessage, match=field):
+        app.send_task("tests.support.e2e_app.add", args=(1, 2), **options)
+    assert db.jobs.count_documents({}) == 0
+
+
+def test_a_poison_body_only_celery_decodes_fails_its_job_before_the_worker_ends(
+    app, db: Database, worker_factory
+) -> None:
+    """A YAML body is Celery's to decode (only if the app accepts YAML): the claim does not parse it. One that is not
+    [args, kwargs, embed] ends Celery's consumer; its job fails first, once, so no other worker takes it again."""
+    poison = app.send_task("tests.support.e2e_app.add", args=(1, 2), serializer="yaml").id
+    two_parts = base64.b64encode(b"[1, 2]\n").decode()
+    assert db.jobs.update_one({"taskId": poison}, {"$set": {"payload.body": two_parts}}).modified_count == 1
+    accepting_yaml = {"BB_ACCEPT_CONTENT": "json,yaml"}
+    first = worker_factory(env=accepting_yaml)
+    failed = wait_for(settled(db, poison, "failed"), timeout=120, message="the poison job failed")
+    assert failed["attempts"] == 1 and "ValueError" in failed["lastError"], failed["lastError"]
+    assert first.wait(timeout=120) != 0 and "Unrecoverable error" in first.log()  # Celery's own choice
+    worker_factory(env=accepting_yaml)
+    sentinel = send(app, "add", 20, 22)
+    wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the next worker's job")
+    assert job(db, poison)["attempts"] == 1 and job(db, poison)["status"] == "failed"
+
+
+def test_a_task_message_without_an_id_is_refused_at_a_kombu_producer(broker_url: str, db: Database) -> None:
+    """Not a task message for the transport (no id), it would be a plain one; Celery's consumer would take it as a
+    task (its `task` header) and end on it."""
+    with Connection(broker_url) as conn:
+        producer = Producer(conn.default_channel)
+        with pytest.raises(bb_broker.MalformedTaskMessage, match="header 'id'"):
+            producer.publish([[1, 2], {}, {}], routing_key="celery", headers={"task": "t"}, declare=[Queue("celery")])
+    assert db.bb_messages.count_documents({}) == 0 and db.jobs.count_documents({}) == 0
+
+
+def _plain_task(headers: dict[str, Any]) -> str:
+    """A bb_messages payload as Kombu stores one: a JSON body, base64-encoded."""
+    body = base64.b64encode(json.dumps([[1, 2], {}, {}]).encode()).decode()
+    properties = {"body_encoding": "base64", "delivery_info": {"exchange": "", "routing_key": "celery"}}
+    message = {"body": body, "content-type": "application/json", "content-encoding": "utf-8", "headers": headers}
+    return json.dumps({**message, "properties": properties})
+
+
+def _soon() -> datetime:
+    return datetime.now(UTC) + timedelta(minutes=10)

@@ -1,0 +1,121 @@
+"""Push wake-ups: a change stream brings the work to an idle worker, which then does not poll."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections import Counter
+
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+
+from tests.support.spies import record_changes
+from tests.support.workers import producer, send, settled, wait_for
+
+
+def test_new_delayed_and_retried_jobs_arrive_by_wakeup(broker_url, db, worker_factory) -> None:
+    worker = worker_factory()
+    app = producer(broker_url)
+    wait_for(lambda: app.control.inspect(timeout=1).ping(), message="remote control answered")
+    before = db.command("serverStatus")["opcounters"]["update"]
+    later = send(app, "add", 2, 2, countdown=10)  # ten idle seconds, ended by its runAfter timer
+    wait_for(settled(db, later, "succeeded"), timeout=60, message="the delayed task succeeded")
+    writes = db.command("serverStatus")["opcounters"]["update"] - before
+    # claim + settle + a lease sweep or two; a worker polling its two queues every second would make ~20 more
+    assert writes < 12, f"{writes} update commands while idle: the worker is polling"
+    now = send(app, "add", 1, 1)
+    flaky = send(app, "fail_until", 2)  # its retry is an update with a future runAfter
+    for task_id in (now, flaky):
+        wait_for(settled(db, task_id, "succeeded"), timeout=60, message=f"{task_id} succeeded")
+    assert "no change streams" not in worker.log()
+
+
+def test_without_change_streams_the_worker_polls(broker_url, db, worker_factory) -> None:
+    worker_factory(options={"use_change_streams": False})
+    app = producer(broker_url)
+    task_ids = [send(app, "add", 1, 1), send(app, "fail_until", 2), send(app, "add", 2, 2, countdown=1)]
+    for task_id in task_ids:
+        wait_for(settled(db, task_id, "succeeded"), timeout=60, message=f"{task_id} succeeded by polling")
+
+
+def test_news_for_a_queue_it_does_not_consume_leaves_a_consumer_idle(broker_url, db) -> None:
+    # Flower consumes only its events queue: a job published to `celery` used to mark a queue no poll of it would
+    # ever clear, and its event thread spun through drain_events at a core's worth of CPU.
+    with Connection(broker_url) as conn:
+        channel = conn.channel()
+        polls = []
+        real_get = channel._get
+        channel._get = lambda queue, timeout=None: polls.append(queue) or real_get(queue, timeout)
+        consumer = Consumer(channel, queues=[Queue("mine")], accept=["json"], callbacks=[lambda *_: None])
+        consumer.consume()
+        wakeups = wait_for(lambda: conn.transport.wakeups if conn.transport.wakeups.available else None,
+                           message="the change stream is live")  # fmt: skip
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)  # the first look at its queue
+        changes = record_changes(wakeups)
+        send(producer(broker_url), "add", 1, 1)  # to `celery`, which this consumer does not consume
+        wait_for(lambda: changes, message="the change stream reported the new job")
+        polls.clear()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=2)
+    assert len(polls) < 20, f"{len(polls)} polls of {set(polls)} in 2 s of idling: the consumer spins"
+
+
+def test_connections_opened_and_closed_one_after_another_never_run_the_pool_dry(broker_url) -> None:
+    # Celery's test manager opens a connection per test to inspect the worker. Each consuming connection started a
+    # change-stream watcher that outlived it and kept a pooled connection for good: after maxPoolSize of them every
+    # read of the process waited for a pool slot (pymongo's "Timed out while checking out a connection").
+    url = f"{broker_url}?maxPoolSize=3&waitQueueTimeoutMS=5000"
+    for round_ in range(6):
+        with Connection(url) as conn, Consumer(conn, [Queue(f"reply.{round_}", auto_delete=True)], accept=["json"]):
+            wait_for(lambda: conn.transport.wakeups.available, timeout=30, message=f"round {round_}'s change stream")
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)  # nobody answers: the consumer looks and waits, as an inspect does
+    with Connection(url) as conn:
+        queue = Queue("reply.last", auto_delete=True)
+        got: list[object] = []
+        with Consumer(conn, [queue], accept=["json"], callbacks=[lambda body, message: got.append(body)]):
+            Producer(conn.channel()).publish({"hello": "again"}, routing_key=queue.name)
+            wait_for(lambda: got or _drain(conn), timeout=30, message="the message on the last connection")
+    assert got == [{"hello": "again"}]
+
+
+def _drain(conn: Connection) -> None:
+    with contextlib.suppress(TimeoutError):
+        conn.drain_events(timeout=0.5)
+
+
+LONE_TASKS = 4
+
+
+def test_a_lone_task_costs_an_idle_worker_one_claim_and_no_read_of_plain_messages(
+    broker_url, db, worker_factory, tmp_path
+) -> None:
+    # What the change stream told of is what the worker reads: a task's insert is one job in `celery`, so the claim
+    # that takes it is the only read; a read of bb_messages, or a second claim finding `celery` empty, came back
+    # with every lone task (the bench's probes) before. Safety polls (which read everything) are out of the way.
+    log = tmp_path / "reads.log"
+    worker = worker_factory(options={"safety_poll_interval": 3600}, env={"BB_TEST_READ_LOG": str(log)})
+    app = producer(broker_url)
+    pidbox = f"{worker.name}@{socket.gethostname()}.celery.pidbox"
+
+    def ping() -> None:  # a round trip through the worker's loop: what it did before the reply is done
+        wait_for(lambda: app.control.ping(destination=[pidbox.split(".celery.")[0]], timeout=2), message="a pong")
+
+    def reads() -> Counter[tuple[str, str, str]]:
+        return Counter(tuple(line.split()) for line in log.read_text().splitlines())
+
+    ping()  # the worker's first looks at its queues (everything, once) are behind this
+    first = send(app, "add", 0, 0)
+    wait_for(settled(db, first, "succeeded"), message="the first task")
+    ping()
+    before = reads()
+    for n in range(LONE_TASKS):
+        task_id = send(app, "add", n, n)
+        wait_for(settled(db, task_id, "succeeded"), message=f"lone task {n}")
+    ping()
+    window = reads() - before
+    assert window == {
+        ("findAndModify", "jobs", "celery"): LONE_TASKS,  # one claim per task, nothing else on `celery`
+        ("findAndModify", "bb_messages", pidbox): 1,  # the last ping, and no claim there
+    }, window

@@ -1,0 +1,291 @@
+"""Flower in bad times, for real: the server stopped under a running Flower, one user's many slow requests, a
+15 MB field in a job, a page of another site posting to a Flower without login, and where Flower listens."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
+from tests.support.flower_process import FlowerProcess
+from tests.support.servers import AUTH_PASSWORD, EmbeddedServer, with_database
+from tests.support.workers import wait_for
+
+ADMIN = "admin:s3cret"
+VIEWER = "viewer:peek"
+
+
+def publish(store: JobStore, task_id: str, *, queue: str = "celery") -> str:
+    return store.publish(queue=queue, kind="app.add", task_id=task_id, payload={"args": [1, 2]}, priority=0,
+                         run_after=None, is_retry=False)  # fmt: skip
+
+
+def failed_job(store: JobStore, task_id: str, error: str = "ValueError: broke") -> str:
+    job_id = publish(store, task_id)
+    claimed = store.claim("celery", "worker-1")
+    assert claimed is not None and claimed.id == job_id and store.fail(claimed.id, claimed.attempts, error)
+    return job_id
+
+
+def as_json(body: str) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+# --- an outage ----------------------------------------------------------------------------------------------------
+
+#: The Jobs tab's reads, each of which queries the server.
+JOBS_READS = ("/api/jobs", "/api/jobs?counts=1", "/jobs/data", "/jobs/data?breakdowns=1", "/api/jobs/job?id={job}",
+              "/api/jobs/bulk/retry?status=failed", "/jobs/bulk/delete/count?status=failed")  # fmt: skip
+#: Flower's own pages, and the Jobs tab's page (its data comes from /jobs/data).
+PAGES = ("/", "/workers", "/workers?json=1", "/tasks", "/jobs", "/healthcheck")
+
+
+@pytest.mark.parametrize("used_before", [False, True], ids=["first-use-in-the-outage", "used-before"])
+def test_flower_answers_at_once_while_its_server_is_down(
+    auth_server: EmbeddedServer, tmp_path: Path, used_before: bool
+) -> None:
+    mongo_url = f"mongodb://bb:{AUTH_PASSWORD}@127.0.0.1:{auth_server.port}/?authSource=admin"
+    url = with_database(mongo_url, "outage")
+    with MongoClient(mongo_url, tz_aware=True) as client:
+        job_id = failed_job(JobStore(client.outage, Policy(max_attempts=1)), "t-1")
+    flower = FlowerProcess(url, log_dir=tmp_path, launcher="bb-broker")
+    flower.start()
+    reads = [path.format(job=job_id) for path in JOBS_READS]
+    try:
+        # Used before, the tab has read the server's clock; first used in the outage, it has not.
+        for path in reads if used_before else ("/", "/workers"):
+            assert flower.request("GET", path)[0] == 200, path
+        auth_server.stop()
+
+        # Requests in flight while the server is gone: none of them holds up the rest of Flower.
+        slow: dict[str, tuple[int, str, float]] = {}
+
+        def ask(path: str) -> None:
+            started = time.monotonic()
+            status, body = flower.request("GET", path, timeout=120)
+            slow[path] = (status, body, time.monotonic() - started)
+
+        # As many as one user may have running at a time (more are refused: see the next test).
+        in_flight = [reads[0], reads[3], reads[4], reads[5]]
+        threads = [threading.Thread(target=ask, args=(path,)) for path in in_flight]
+        for thread in threads:
+            thread.start()
+        for _ in range(3):
+            for path in PAGES:
+                try:
+                    status, _ = flower.request("GET", path, timeout=5)
+                except TimeoutError:
+                    raise AssertionError(f"{path} waited over 5 s for the Jobs tab's queries") from None
+                assert status in (200, 503), path  # /workers?json=1 fails (red dot) while the broker does
+        for thread in threads:
+            thread.join(120)
+        shown = f"bbmongo://bb:**@127.0.0.1:{auth_server.port}/outage?authSource=admin"  # the URL, password masked
+        for path in in_flight:
+            status, body, took = slow[path]
+            assert status == 503 and took < 30, (path, status, took, body[:300])
+            assert as_json(body)["error"].startswith(f"cannot reach the server at {shown}: "), (path, body)
+
+        # From then on each answers at once, with the reason and no password, and the page shows the banner.
+        for path in reads:
+            try:
+                status, body = flower.request("GET", path, timeout=5)
+            except TimeoutError:
+                raise AssertionError(f"{path} took over 5 s to say the server is down") from None
+            error = as_json(body)["error"]
+            assert status == 503 and error.startswith(f"cannot reach the server at {shown}: "), (path, body)
+            assert AUTH_PASSWORD not in body, body
+        page = flower.request("GET", "/jobs", timeout=5)
+        assert page[0] == 200 and 'id="bb-broker-error"' in page[1] and AUTH_PASSWORD not in page[1]
+        assert flower.request("GET", f"/jobs/job?id={job_id}", timeout=5)[0] == 503
+
+        auth_server.start()
+        for path in reads:
+            wait_for(lambda path=path: flower.request("GET", path)[0] == 200, 90, f"{path} answering again")
+        assert AUTH_PASSWORD not in flower.log()
+    finally:
+        flower.stop()
+
+
+# --- one user's many slow requests ----------------------------------------------------------------------------
+
+#: How many Jobs-tab requests one user may have running, and the name its client gives the server
+#: (bb_broker.contrib.flower.jobs_tab.PER_USER_REQUESTS, APPNAME).
+PER_USER = 4
+APPNAME = "bb_broker Jobs tab"
+
+
+@pytest.mark.parametrize(
+    "heavy", ["/api/jobs?counts=1", "/jobs/data?breakdowns=1", "/api/jobs/bulk/retry?status=failed"]
+)
+def test_one_users_slow_requests_are_bounded_and_leave_others_alone(
+    own_server: EmbeddedServer, tmp_path: Path, flower_factory, heavy: str
+) -> None:
+    client = MongoClient(own_server.url, tz_aware=True)
+    store = JobStore(client.bounded, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed_job(store, "t-1")
+    flower = flower_factory(url=with_database(own_server.url, "bounded"), basic_auth=f"{ADMIN},{VIEWER}")
+    # The server answers each of the Jobs tab's first PER_USER counts (pymongo counts with `aggregate`) after a long
+    # while (Flower's own change streams are aggregates too: the fail point is for the tab's client only).
+    slow_counts = {"failCommands": ["aggregate"], "appName": APPNAME, "blockConnection": True, "blockTimeMS": 20_000}
+    client.admin.command("configureFailPoint", "failCommand", mode={"times": PER_USER}, data=slow_counts)
+    answers: list[tuple[int, str]] = []
+
+    def ask() -> None:
+        answers.append(flower.request("GET", heavy, user=VIEWER, timeout=120))
+
+    threads = [threading.Thread(target=ask) for _ in range(PER_USER + 6)]
+    for thread in threads:
+        thread.start()
+    refused = wait_for(lambda: len(answers) >= 6 and answers[:], 60, "the viewer's requests over the bound")
+    assert {status for status, _ in refused} == {429}, refused
+    error = as_json(refused[0][1])["error"]
+    assert error == (
+        f"viewer has {PER_USER} Jobs-tab requests running already (at most {PER_USER} at a time): "
+        "try again when one has answered"
+    )
+    # Meanwhile another user's request runs: the viewer's are bounded, not everyone's.
+    assert flower.request("GET", "/api/jobs", user=ADMIN, timeout=60)[0] == 200
+    for thread in threads:
+        thread.join(120)
+    assert sorted(status for status, _ in answers) == [200] * PER_USER + [429] * 6
+    assert flower.request("GET", heavy, user=VIEWER)[0] == 200  # the bound frees as its requests end
+
+
+# --- huge fields ---------------------------------------------------------------------------------------------------
+
+HUGE = 15 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lastError", "ValueError: " + "x" * HUGE),
+        ("lastError", "é" * (HUGE // 2)),  # counted in characters, not bytes
+        ("kind", "app." + "k" * HUGE),
+        ("leaseOwner", "w" * HUGE),
+        ("attempts", list(range(HUGE // 16))),  # not even the right type
+    ],
+)
+def test_a_huge_field_is_cut_in_the_list_and_whole_on_the_jobs_own_api(
+    db: Database, flower_factory, field: str, value: Any
+) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    job_id = failed_job(store, "t-1")
+    db.jobs.update_one({"_id": job_id}, {"$set": {field: value}})
+    flower = flower_factory()
+    for path in ("/api/jobs", "/jobs/data"):
+        status, body = flower.request("GET", path)
+        assert status == 200 and len(body) < 20_000, (path, len(body))
+        (row,) = as_json(body)["jobs"]
+        assert row["id"] == job_id and row["truncated"] == [field], row
+        if isinstance(value, str):
+            assert row[field].startswith(value[:200]) and row[field].endswith(
+                "… [cut: the job's own page has it whole]"
+            )
+        else:
+            assert row[field] == "[array: the job's own page has it whole]"
+    status, body = flower.request("GET", f"/api/jobs/job?id={job_id}")
+    assert status == 200 and as_json(body)[field] == value
+
+
+# --- another site's page, a Flower without login -------------------------------------------------------------------
+
+CROSS_SITE = [
+    {"Origin": "http://evil.example"},
+    {"Origin": "null"},  # a sandboxed frame, a page with Referrer-Policy: no-referrer
+    {"Referer": "http://evil.example/page"},
+    {"Sec-Fetch-Site": "cross-site"},
+    {"Origin": "http://127.0.0.1.evil.example"},
+]
+
+
+@pytest.mark.parametrize("headers", CROSS_SITE, ids=lambda h: "-".join(f"{k}={v}" for k, v in h.items()))
+def test_another_sites_post_is_refused_by_a_flower_without_login(db: Database, flower_factory, headers) -> None:
+    # --no-auth and FLOWER_UNAUTHENTICATED_API=true (FlowerProcess's default for bb-broker): the API is open to
+    # anyone who reaches it, and Flower answers every origin's requests (Access-Control-Allow-Origin: *).
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed = failed_job(store, "t-failed")
+    queued = publish(store, "t-queued")
+    flower = flower_factory()
+    assert flower.env["FLOWER_UNAUTHENTICATED_API"] == "true"
+    for path in ("/api/jobs/bulk/delete?status=failed", f"/api/jobs/job/delete?id={failed}", "/api/queues/celery/pause",
+                 "/jobs/bulk/delete?status=failed", "/api/task/revoke/t-queued"):  # fmt: skip
+        status, body = flower.request("POST", path, {}, headers=headers)
+        assert status == 403 and "cross-site" in body, (path, status, body)
+    assert db.jobs.find_one({"_id": failed})["status"] == "failed"
+    assert db.jobs.find_one({"_id": queued})["status"] == "queued" and db.bb_queues.count_documents({}) == 0
+    # The same requests from Flower's own pages, or from a script (no Origin), still act.
+    own = {"Origin": flower.url, "Referer": flower.url + "/jobs", "Sec-Fetch-Site": "same-origin"}
+    assert flower.request("POST", "/api/queues/celery/pause", {}, headers=own)[0] == 200
+    assert flower.request("POST", f"/api/jobs/job/delete?id={failed}", {})[0] == 200
+    assert db.jobs.find_one({"_id": failed}) is None
+
+
+# --- where Flower listens --------------------------------------------------------------------------------------
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses with a socket listening on `port`, from /proc/net/tcp and tcp6 (state 0A)."""
+    found = set()
+    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is reversed
+                found.add(".".join(map(str, words)) if size == 8 else words.hex())
+    return found
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ((), {}, {"127.0.0.1"}),
+        (("--address=0.0.0.0",), {}, {"0.0.0.0"}),
+        ((), {"FLOWER_ADDRESS": "0.0.0.0"}, {"0.0.0.0"}),
+    ],
+)
+def test_bb_broker_flower_listens_on_loopback_unless_told(flower_factory, args, env, expected) -> None:
+    flower = flower_factory(address=None, extra_args=args, env=env)
+    assert listening(flower.port) == expected
+    (shown,) = expected
+    visit = wait_for(lambda: "Visit me at" in flower.log() and flower.log(), message="Flower's banner")
+    assert f"Visit me at http://{shown}:{flower.port}" in visit
+    assert f"anyone who can reach {shown}:{flower.port} " in visit
+
+
+EVIL_PAGE = '<form id="f" method="post" action="{url}"></form><script>document.getElementById("f").submit()</script>'
+
+
+def test_another_sites_page_in_a_real_browser_cannot_delete_through_the_open_api(
+    db: Database, flower_factory, browser
+) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed = failed_job(store, "t-failed")
+    flower = flower_factory()  # --no-auth, FLOWER_UNAUTHENTICATED_API=true
+    target = f"{flower.url}/api/jobs/bulk/delete?status=failed"
+    context = browser.new_context()
+    page = context.new_page()
+    evil = EVIL_PAGE.format(url=target)
+    page.route("http://elsewhere.test/", lambda route: route.fulfill(body=evil, content_type="text/html"))
+    with page.expect_response(lambda response: "/api/jobs/bulk/delete" in response.url) as answered:
+        page.goto("http://elsewhere.test/")
+    assert answered.value.status == 403
+    assert db.jobs.find_one({"_id": failed})["status"] == "failed"
+    context.close()

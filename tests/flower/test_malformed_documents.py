@@ -1,0 +1,152 @@
+"""Job documents written by hand (or by another program) next to real workers and a real Flower: each fails its own
+job once, naming its field, or is shown as it is; no thread of ours dies of one, and one that dies is restarted."""
+
+from __future__ import annotations
+
+import signal
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from bson import ObjectId
+from playwright.sync_api import expect
+from pymongo.database import Database
+
+from bb_broker.jobs.store import JobStore
+from tests.support.workers import job, send, settled, wait_for
+
+#: A sweep every 5 s (and one as each worker starts): the queued jobs no claim can find are failed within a test.
+SWEEPING = {"stale_after": 10.0}
+
+
+def hand_written(db: Database, app: Any, **changes: Any) -> dict[str, Any]:
+    """A copy of a real job of task `add`, queued on `celery`, with `changes` (a `None` value removes the field),
+    inserted as another program would; its task id is the one its payload's headers carry."""
+    parked = send(app, "add", 1, 2, queue="parked")  # a queue no worker reads: the template never runs
+    doc = db.jobs.find_one_and_delete({"taskId": parked})
+    doc |= {"_id": f"hand-{parked}", "queue": "celery", "runAfter": datetime.now(UTC) - timedelta(seconds=1)}
+    for name, value in changes.items():
+        if value is None:
+            doc.pop(name, None)
+        else:
+            doc[name] = value
+    db.jobs.insert_one(doc)
+    return doc
+
+
+def runs_of(db: Database, doc: dict[str, Any]) -> int:
+    return db.runs.count_documents({"taskId": doc["taskId"]})
+
+
+def live_threads(app: Any) -> list[str]:
+    replies = app.control.broadcast("threads", reply=True, timeout=10, limit=1) or []
+    return next((names for reply in replies for names in reply.values()), [])
+
+
+# Each: the field, what it is set to. All are read where a worker claims, settles, releases, or is told of a job.
+VARIANTS = {
+    "_id an int": ("_id", 7),
+    "_id an ObjectId": ("_id", ObjectId()),
+    "_id an object": ("_id", {"job": 7}),
+    "queue an array of it": ("queue", ["celery"]),
+    "queue an array of two": ("queue", ["other", "celery"]),
+    "queue an object": ("queue", {"name": "celery"}),
+    "queue a number": ("queue", 5),
+    "attempts a fraction": ("attempts", 1.5),
+    "history an object": ("history", {"n": 1}),
+    "runAfter a string": ("runAfter", "2026-01-01T00:00:00"),
+    "runAfter missing": ("runAfter", None),
+    "payload a string": ("payload", "add(1, 2)"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def test_a_hand_written_job_fails_once_naming_its_field_and_the_worker_keeps_up(
+    variant: str, app, db, worker_factory
+) -> None:
+    field, value = VARIANTS[variant]
+    worker = worker_factory(options=SWEEPING)
+    bad = hand_written(db, app, **{field: value})
+    sentinel = send(app, "add", 2, 3)
+
+    wait_for(settled(db, sentinel, "succeeded"), timeout=30, message="the sentinel ran after the bad document")
+    failed = wait_for(
+        lambda: (doc := db.jobs.find_one({"_id": bad["_id"]}) or {}).get("status") == "failed" and doc,
+        message=f"the job with {variant} failed",
+    )
+    assert f"malformed job document: {field} must be" in failed["lastError"] or (
+        field == "payload" and "payload is a str" in failed["lastError"]
+    ), failed["lastError"]
+    # Every thread of ours still alive, and none died on the way (the watcher was killed by a queue array).
+    assert {"bb-broker-wakeups", "bb-broker-leases"} <= set(live_threads(app))
+    assert "Exception in thread" not in worker.log() and "died; restarting" not in worker.log()
+
+    # The job never ran, nor does it at the worker's stop (a job released there ran again).
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    after = db.jobs.find_one({"_id": bad["_id"]})
+    assert after["status"] == "failed" and after["lastError"] == failed["lastError"] and runs_of(db, bad) == 0
+    assert db.jobs.count_documents({"status": {"$ne": "succeeded"}}) == 1  # nothing else was held back
+
+
+def test_the_stale_sweep_recovers_every_job_when_one_has_a_history_that_is_no_array(db: Database) -> None:
+    store = JobStore(db)
+    store.ensure_indexes()
+    long_ago = datetime.now(UTC) - timedelta(hours=1)
+    lost = {"status": "running", "queue": "celery", "attempts": 1, "updatedAt": long_ago, "startedAt": long_ago}
+    db.jobs.insert_many([{"_id": "odd", **lost, "history": {"n": 1}}, {"_id": "plain", **lost, "history": []}])
+    assert store.requeue_stale() == (2, 0)
+    odd, plain = db.jobs.find_one({"_id": "odd"}), db.jobs.find_one({"_id": "plain"})
+    assert odd["status"] == plain["status"] == "queued"
+    assert odd["history"] == {"n": 1}  # kept as it was written
+    assert [entry["outcome"] for entry in plain["history"]] == ["lost"]
+
+
+def test_flower_shows_hand_written_documents_and_counts_every_status(app, db, worker_factory, flower_factory) -> None:
+    flower = flower_factory()
+    odd = {
+        "actions an object": hand_written(db, app, status="failed", actions={"action": "retry"}),
+        "actions a string": hand_written(db, app, status="failed", actions="retried"),
+        "history an object": hand_written(db, app, status="failed", history={"n": 1}),
+        "taskId a number": hand_written(db, app, status="failed", taskId=12),
+        "_id an int": hand_written(db, app, status="failed", _id=7),
+        "_id an ObjectId": hand_written(db, app, status="failed", _id=ObjectId()),
+        "status unknown": hand_written(db, app, status="pending"),
+        "status missing": hand_written(db, app, status=None),
+    }
+    for variant, doc in odd.items():
+        status, body = flower.request("GET", f"/jobs/job?id={doc['_id']}")
+        assert status == 200, (variant, body[:2000])
+        status, body = flower.request("GET", f"/api/jobs/job?id={doc['_id']}")
+        assert status == 200, (variant, body[:2000])
+
+    # An action on the job whose actions are no array (each is recorded with a $push): refused, naming the field.
+    status, body = flower.request("POST", f"/api/jobs/job/retry?id={odd['actions an object']['_id']}")
+    assert status == 409 and "actions field that is object, not an array" in body, body
+
+    counts = flower.get("/api/jobs?counts=1")["statuses"]
+    assert counts["pending"] == 1 and counts["(none)"] == 1 and counts["failed"] == 6
+    assert sum(counts.values()) == db.jobs.count_documents({})
+
+    # A queue array arriving while Flower watches its broker: its watcher lives on, and events still arrive.
+    hand_written(db, app, queue=["celery"])
+    worker_factory(extra_args=("-E",))
+    sentinel = send(app, "add", 2, 3)
+    wait_for(settled(db, sentinel, "succeeded"), timeout=60, message="the sentinel ran")
+    wait_for(lambda: flower.task(sentinel).get("state") == "SUCCESS", message="Flower saw the sentinel succeed")
+    assert "unhashable" not in flower.log() and "Exception in thread" not in flower.log()
+    assert job(db, sentinel)["status"] == "succeeded"
+
+
+def test_the_jobs_tab_shows_unknown_statuses_and_odd_ids_in_a_browser(app, db, flower_factory, browser) -> None:
+    flower = flower_factory()
+    hand_written(db, app, status="pending")
+    hand_written(db, app, status=None)
+    hand_written(db, app, status="failed", _id=7, actions={"action": "retry"})
+    page = browser.new_page()
+    page.goto(f"{flower.url}/jobs")
+    expect(page.locator("#count-failed")).to_have_text("failed 1")
+    expect(page.locator("#status-counts .count-unknown")).to_have_text(["(none) 1", "pending 1"])
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(3)
+    page.goto(f"{flower.url}/jobs/job?id=7")
+    expect(page.locator("#job-status")).to_have_text("failed")

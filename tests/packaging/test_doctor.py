@@ -1,0 +1,56 @@
+"""`bb-broker doctor` against a real server: all good, then a server without TTL indexes and change streams."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+from pymongo import MongoClient
+
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.cli import main
+from tests.support.servers import with_database
+
+
+def doctor(url: str) -> tuple[int, dict[str, str], str]:
+    result = CliRunner().invoke(main, ["doctor", "--broker", url])
+    verdicts = {}
+    for line in result.output.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("ok", "degraded", "unsafe", "unknown") and ":" in rest:
+            verdicts[rest.strip().split(":", 1)[0]] = status
+    return result.exit_code, verdicts, result.output
+
+
+def scratch_collections(client: MongoClient, database: str) -> list[str]:
+    return [name for name in client[database].list_collection_names() if name.startswith("bb_doctor_")]
+
+
+def test_the_embedded_server_carries_the_broker(own_server) -> None:
+    client = MongoClient(own_server.url, tz_aware=True)
+    JobStore(client.docdb).ensure_indexes()
+    code, verdicts, output = doctor(with_database(own_server.url, "docdb"))
+    assert code == 0, output
+    assert verdicts["atomic claims"] == "ok" and verdicts["TTL indexes"] == "ok", output
+    assert verdicts["change streams"] == "ok" and verdicts["jobs indexes"] == "ok", output
+    assert verdicts["clock"] == "ok", output
+    assert set(verdicts) == {"atomic claims", "TTL indexes", "change streams", "replica set", "clock", "jobs indexes"}
+    assert "each exactly once" in output and output.strip().endswith("verdict: ok")
+    assert scratch_collections(client, "docdb") == []  # the probe's collection is dropped
+
+
+def test_a_server_without_ttl_and_change_streams_is_degraded_and_the_password_never_shown(own_server) -> None:
+    client = MongoClient(own_server.url, tz_aware=True)
+    client.admin.command("createUser", "bb", pwd="s3cret-pw", roles=[{"role": "root", "db": "admin"}])
+    client.admin.command(
+        "configureFailPoint",
+        "failCommand",
+        mode="alwaysOn",
+        data={"failCommands": ["createIndexes", "aggregate"], "errorCode": 238},
+    )
+    url = with_database(f"bbmongo://bb:s3cret-pw@127.0.0.1:{own_server.port}/?authSource=admin", "docdb")
+    code, verdicts, output = doctor(url)
+    assert code == 0, output  # usable: workers sweep and poll
+    assert verdicts["TTL indexes"] == "degraded" and verdicts["change streams"] == "degraded", output
+    assert verdicts["atomic claims"] == "ok", output
+    assert "verdict: usable, degraded: TTL indexes, change streams" in output
+    assert "s3cret-pw" not in output and "bb:**@127.0.0.1" in output
+    assert scratch_collections(client, "docdb") == []

@@ -1,0 +1,87 @@
+"""Helpers for the store's and the operator's tests: a clock the test moves, the commands sent, index checks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from pymongo import monitoring
+from pymongo.database import Database
+
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import JobFilter, Operations
+from tests.support.workers import wait_for
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+class CommandLog(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.commands: list[dict] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in ("findAndModify", "find", "update", "aggregate"):
+            command = dict(event.command)
+            for key in ("lsid", "$db", "$clusterTime", "txnNumber", "$readPreference"):
+                command.pop(key, None)
+            self.commands.append(command)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def assert_each_reads_through_an_index(db: Database, commands: list[dict]) -> None:
+    """Explain each captured command: an index scan, no collection scan, no in-memory sort."""
+    for command in commands:
+        if "updates" in command:  # the update's own selection, as a find with the same filter (and hint)
+            update = command["updates"][0]
+            command = {"find": "jobs", "filter": update["q"], **({"hint": update["hint"]} if "hint" in update else {})}
+        explained = db.command("explain", command)
+        plan = str(explained)
+        assert "IXSCAN" in plan and "COLLSCAN" not in plan, plan
+        if "find" in command and "sort" in command:
+            # The stand-in's planner names a SORT stage for every sorted find, even one its index orders; the
+            # stages it executed show whether it sorted in memory, as mongod's do.
+            plan = str(explained["executionStats"]["executionStages"])
+        assert "'stage': 'SORT'" not in plan, plan
+
+
+def assert_lists_read_through_an_index(ops: Operations, db: Database, log: CommandLog) -> None:
+    """Every list shape, the look-ups and the counts: through an index, no collection scan, no in-memory sort."""
+    some = ops.list_jobs(JobFilter(), limit=2)
+    log.commands.clear()
+    for job_filter in (
+        JobFilter(status="queued"),
+        JobFilter(queue="mail"),
+        JobFilter(queue="mail", status="queued"),
+        JobFilter(kind="k1"),
+        JobFilter(kind="k1", status="queued", queue="mail"),
+        JobFilter(status="queued", since=ops.now() - timedelta(days=1)),
+    ):
+        ops.list_jobs(job_filter, after=some.jobs[-1]["_id"], limit=3)
+    ops.find(some.jobs[0]["_id"])
+    ops.find(some.jobs[0]["taskId"])
+    ops.find("nothing")
+    ops.statuses()
+    ops.count(JobFilter(queue="mail", status="failed"), "retry")
+    ops.breakdown("queue")
+    ops.queue_depths()
+    assert [next(iter(c)) for c in log.commands] == ["find"] * 11 + ["aggregate"] * 4
+    assert_each_reads_through_an_index(db, log.commands)
+
+
+def wait_past(store: JobStore, moment: datetime) -> None:
+    """Wait until this process's reading of the server's clock is a second past `moment` (a count's `asOf`): two
+    processes read that clock milliseconds apart, so a job written from then on is one written after the count."""
+    wait_for(lambda: store.now() > moment + timedelta(seconds=1), message="the server's clock passed the count")
