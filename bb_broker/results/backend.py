@@ -128,15 +128,14 @@ def _first_message(signature: Any) -> Any:
     return signature
 
 
-#: Celery 5.7 stores a compressed result (result_compression) behind this marker, then its method and a NUL
-#: (celery.backends.base.compress_payload); Celery 5.5 and 5.6 compress no result of a backend like this one, and have
-#: neither the marker nor decompress_payload.
-_COMPRESSED_RESULT_MARK: bytes | None = getattr(celery_backends, "COMPRESSED_PAYLOAD_MAGIC", None)
+#: Celery stores a compressed result (result_compression) behind this marker, then its method and a NUL
+#: (celery.backends.base.compress_payload).
+_COMPRESSED_RESULT_MARK: bytes = celery_backends.COMPRESSED_PAYLOAD_MAGIC
 
 
 def _decompressed_result(payload: bytes) -> bytes:
-    """An encoded result as Celery wrote it, decompressed if it was (checked on Celery 5.5.3 and 5.7.0)."""
-    if _COMPRESSED_RESULT_MARK is None or not payload.startswith(_COMPRESSED_RESULT_MARK):
+    """An encoded result as Celery wrote it, decompressed if it was (checked on Celery 5.7.0)."""
+    if not payload.startswith(_COMPRESSED_RESULT_MARK):
         return payload
     method, _, body = payload[len(_COMPRESSED_RESULT_MARK) :].partition(b"\x00")
     name = method.decode("utf-8")
@@ -154,8 +153,7 @@ class JobResultBackend(BaseBackend):
 
     supports_native_join = True
     supports_autoexpire = True
-    #: result_compression (Celery >= 5.7 reads it; before, no backend of this kind compresses): a compressed result
-    #: is kept as its bytes (see _stored), read back by _decompressed_result.
+    #: result_compression: a compressed result is kept as its bytes (see _stored), read back by _decompressed_result.
     supports_result_compression = True
     persistent = True
 
