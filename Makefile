@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast test-heavy bench lint docs browser conformance
+.PHONY: install demo test test-fast test-heavy compat compat-short bench lint docs browser conformance
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,20 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m celery_app.demo
 
-lint: install
+# actionlint for the GitHub workflow, built from the Go module proxy into the venv (the PyPI wrapper has no wheel).
+ACTIONLINT_VERSION := v1.7.12
+ACTIONLINT := $(VENV)/bin/actionlint-$(ACTIONLINT_VERSION)
+GO ?= $(or $(shell command -v go),/usr/local/go/bin/go)
+
+$(ACTIONLINT): | $(VENV)/.installed
+	GOBIN=$(CURDIR)/$(VENV)/.actionlint $(GO) install github.com/rhysd/actionlint/cmd/actionlint@$(ACTIONLINT_VERSION)
+	mv $(VENV)/.actionlint/actionlint $@ && rmdir $(VENV)/.actionlint
+
+lint: install $(ACTIONLINT)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(ACTIONLINT) .github/workflows/*.yml
 
 # The documentation site (mkdocs.yml, docs/) into build/site; --strict fails on a broken link, anchor or page.
 # NO_MKDOCS_2_WARNING silences Material's notice about MkDocs' future, which says nothing about this build.
@@ -46,6 +56,14 @@ test-fast: install
 
 test-heavy: install
 	$(PY) -m pytest -m heavy
+
+# The version matrix (noxfile.py): the end-to-end tests against the lowest and the newest versions the pins allow,
+# each in its own venv under .nox. compat-short is CI's quick part of it.
+compat: install browser
+	$(VENV)/bin/nox -s newest lowest
+
+compat-short: install
+	$(VENV)/bin/nox -s newest lowest -- short
 
 # bbmongo:// against Kombu's mongodb:// and Redis, one run on this machine (BENCH_N, BENCH_REPEAT override the size).
 bench: install

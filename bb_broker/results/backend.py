@@ -76,8 +76,8 @@ class JobResultBackend(ChordBackend):
 
     supports_native_join = True
     supports_autoexpire = True
-    #: result_compression (Celery >= 5.7 reads it; before, no backend of this kind compresses): a compressed result
-    #: is kept as its bytes (see codec.stored), read back by codec.decompressed_result.
+    #: result_compression: a compressed result is kept as its bytes (see codec.stored), read back by
+    #: codec.decompressed_result.
     supports_result_compression = True
     persistent = True
 

@@ -21,15 +21,14 @@ from bb_broker.worker import patches
 #: Room left in a job document for everything that is not the result (payload, history, the rest).
 RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
 
-#: Celery 5.7 stores a compressed result (result_compression) behind this marker, then its method and a NUL
-#: (celery.backends.base.compress_payload); Celery 5.5 and 5.6 compress no result of a backend like this one, and have
-#: neither the marker nor decompress_payload.
-_COMPRESSED_RESULT_MARK: bytes | None = getattr(celery_backends, "COMPRESSED_PAYLOAD_MAGIC", None)
+#: Celery stores a compressed result (result_compression) behind this marker, then its method and a NUL
+#: (celery.backends.base.compress_payload).
+_COMPRESSED_RESULT_MARK: bytes = celery_backends.COMPRESSED_PAYLOAD_MAGIC
 
 
 def decompressed_result(payload: bytes) -> bytes:
     """An encoded result as Celery wrote it, decompressed if it was (checked on Celery 5.5.3 and 5.7.0)."""
-    if _COMPRESSED_RESULT_MARK is None or not payload.startswith(_COMPRESSED_RESULT_MARK):
+    if not payload.startswith(_COMPRESSED_RESULT_MARK):
         return payload
     method, _, body = payload[len(_COMPRESSED_RESULT_MARK) :].partition(b"\x00")
     name = method.decode("utf-8")

@@ -10,7 +10,6 @@ import lzma
 import zlib
 from collections.abc import Callable
 
-import celery.backends.base
 import pytest
 from kombu import Connection, Producer, Queue, compression
 from pymongo.database import Database
@@ -21,9 +20,6 @@ from bb_broker.jobs.payloads import DECOMPRESSED_LIMIT, READABLE_DECOMPRESSED_LI
 from tests.support.workers import job, producer, send, settled, wait_for
 
 T = "tests.support.e2e_app."
-
-#: Celery 5.5 and 5.6 leave a backend's results uncompressed, whatever result_compression says.
-CELERY_COMPRESSES_RESULTS = hasattr(celery.backends.base, "compress_payload")
 
 #: The compression methods that ship with Python, as a producer names them.
 METHODS = ["zlib", "gzip", "bzip2", "lzma"]
@@ -65,9 +61,9 @@ def test_a_compressed_task_runs_with_its_compressed_result_and_shows_its_argumen
         shown = job_json(doc)["payload"]
         assert (shown["args"], shown["kwargs"]) == (args, kwargs)
         assert shown["headers"]["compression"] == _content_type(method)
-        # The result is stored compressed where Celery compresses results (5.7 on), and read back as any other.
+        # The result is stored compressed, and read back as any other.
         assert doc["state"] == "SUCCESS"
-        assert doc["resultFormat"] == ("encoded:json" if CELERY_COMPRESSES_RESULTS else "json")
+        assert doc["resultFormat"] == "encoded:json"
     assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": 3, "failed": 0}
     assert worker.process.poll() is None
 

@@ -156,30 +156,21 @@ def test_result_meta_has_the_fields_a_job_document_keeps(app: Celery) -> None:
 def test_failing_a_chain_and_calling_errbacks_take_what_the_backend_passes() -> None:
     from celery.backends.base import BaseBackend
 
-    if hasattr(BaseBackend, "_fail_chain"):  # Celery 5.7.0 on; before, mark_as_failure does it inline
-        found = parameters(BaseBackend._fail_chain)
-        assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
-            f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
-            "the tasks chained after it; " + where("fail_chain")
-        )
-    else:
-        inline = source(BaseBackend.mark_as_failure)
-        assert "chain_elem_ctx = Context(chain_elem)" in inline and "on_chord_part_return(chain_elem_ctx" in inline, (
-            "celery.backends.base.BaseBackend.mark_as_failure neither calls _fail_chain nor fails the chain as Celery "
-            "5.5 and 5.6 do: Celery changed how a failure reaches the tasks chained after it; " + where("fail_chain")
-        )
+    found = parameters(BaseBackend._fail_chain)
+    assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
+        f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
+        "the tasks chained after it; " + where("fail_chain")
+    )
     found = parameters(BaseBackend._call_task_errbacks)
     assert found == ["self", "request", "exc", "traceback"], (
         f"celery.backends.base.BaseBackend._call_task_errbacks now takes {found}; " + where("call_errbacks")
     )
 
 
-@pytest.mark.parametrize("fail_chain", [patches.fail_chain, patches._fail_chain_as_celery_5_5])
-def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, fail_chain: Any) -> None:
-    # Both ways: Celery's own _fail_chain where it has one (5.7), else as Celery 5.5 and 5.6 do it inline.
+def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery) -> None:
     chained = app.signature("contracts.next").freeze()
-    fail_chain(app.backend, [dict(app.signature("contracts.next", task_id=chained.id))], KeyError("x"), None, True,
-               states.FAILURE)  # fmt: skip
+    chain = [dict(app.signature("contracts.next", task_id=chained.id))]
+    patches.fail_chain(app.backend, chain, KeyError("x"), None, True, states.FAILURE)
     assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
 
 
