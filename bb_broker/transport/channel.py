@@ -41,6 +41,7 @@ from bb_broker.jobs.payloads import (
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
 from bb_broker.jobs.store import Claimed, JobStore, attempt_entry, new_job_id, passes_with_time
+from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
@@ -538,6 +539,7 @@ class Channel(virtual.Channel):
             is_retry=bool(headers.get("retries")),
             job_id=job_id,
             retry_of=_retry_of(headers),
+            unique_key=headers.get(UNIQUE_KEY_HEADER),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
