@@ -228,9 +228,10 @@ class ScheduleStore:
         fields = entry_fields(name, wanted.pop("task"), wanted.pop("schedule"), **wanted)
         return self._set(name, {**fields, "updatedAt": self.now()})
 
-    def set_enabled(self, name: str, enabled: bool) -> dict[str, Any]:
-        """Enable or disable an entry. Enabled again, it starts from now: the slots it skipped are not caught up."""
-        changes: dict[str, Any] = {"enabled": enabled, "updatedAt": self.now()}
+    def set_enabled(self, name: str, enabled: bool, *, by: str | None = None) -> dict[str, Any]:
+        """Enable or disable an entry (`by`: who, kept in `changedBy`). Enabled again, it starts from now: the slots
+        it skipped are not caught up."""
+        changes: dict[str, Any] = {"enabled": enabled, "updatedAt": self.now(), "changedBy": by}
         if enabled:
             changes["lastSlot"] = self.now()
         self._existing(name)

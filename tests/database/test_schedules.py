@@ -1,0 +1,124 @@
+"""The `bb_schedules` entries: bad input refused with nothing written, beat_schedule synced, the CLI's commands."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.schedules import crontab
+from pymongo.database import Database
+
+from bb_broker.beat import EntryError, JobScheduler, ScheduleStore
+from bb_broker.clock import ServerClock
+from tests.workers import ROOT
+
+
+@pytest.fixture
+def store(db: Database) -> ScheduleStore:
+    return ScheduleStore(db, ServerClock(db))
+
+
+@pytest.fixture
+def beat_app(broker_url: str) -> Iterator[Celery]:
+    app = Celery("beat_test", broker=broker_url, set_as_current=False)
+
+    @app.task(name="reports.nightly", shared=False)
+    def nightly() -> None:
+        pass
+
+    yield app
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("task", "schedule", "how", "message"),
+    [
+        ("reports.nightly", {"crontab": "0 25 * * *"}, {}, "invalid crontab '0 25"),
+        ("reports.nightly", crontab(minute="*/5"), {"timezone": "Mars/Olympus"}, "unknown timezone 'Mars/Olympus'"),
+        ("reports.nope", 60, {}, "unknown task 'reports.nope'"),
+        ("reports.nightly", 60, {"catch_up": "twice"}, "catchUp must be one of once, all, none"),
+        ("reports.nightly", 60, {"options": {"priority": 300}}, "option priority must be 0 to 255"),
+        ("reports.nightly", "daily", {}, "a schedule must be seconds, a timedelta, a crontab or a solar"),
+    ],
+)
+def test_an_entry_that_cannot_be_scheduled_is_refused_and_nothing_written(
+    store: ScheduleStore, beat_app: Celery, db: Database, task, schedule, how, message
+) -> None:
+    with pytest.raises(EntryError, match=message):
+        store.add("nightly", task, schedule, known_tasks=beat_app.tasks, **how)
+    assert db.bb_schedules.count_documents({}) == 0
+
+
+def test_a_duplicate_entry_name_is_refused_and_the_first_kept(store: ScheduleStore, db: Database) -> None:
+    store.add("nightly", "reports.nightly", crontab(hour=3, minute=0))
+    with pytest.raises(EntryError, match="an entry named 'nightly' exists already"):
+        store.add("nightly", "reports.other", 60)
+    assert db.bb_schedules.find_one({"_id": "nightly"})["schedule"] == {"crontab": "0 3 * * *"}
+
+
+def test_beat_schedule_is_synced_as_configuration_and_a_bad_entry_left_out(
+    beat_app: Celery, store: ScheduleStore, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.add("operator-added", "reports.nightly", 30)
+    beat_app.conf.timezone = "Europe/Paris"
+    beat_app.conf.beat_schedule = {
+        "nightly": {"task": "reports.nightly", "schedule": crontab(hour=3, minute=0), "catch_up": "none"},
+        "bad-cron": {"task": "reports.nightly", "schedule": {"crontab": "every day"}},
+        "bad-task": {"task": "reports.nope", "schedule": 10},
+        "operator-added": {"task": "reports.nightly", "schedule": 5},
+    }
+    beat_app.add_periodic_task(15.0, beat_app.tasks["reports.nightly"].s(), name="quarter-minute")
+    with caplog.at_level(logging.ERROR):
+        JobScheduler(beat_app)
+    names = sorted(doc["_id"] for doc in db.bb_schedules.find({"owner": "config"}))
+    assert names == ["nightly", "quarter-minute"]
+    nightly = db.bb_schedules.find_one({"_id": "nightly"})
+    assert (nightly["timezone"], nightly["catchUp"], nightly["enabled"]) == ("Europe/Paris", "none", True)
+    assert db.bb_schedules.find_one({"_id": "operator-added"})["schedule"] == {"every": 30.0}
+    logged = caplog.text
+    assert "'bad-cron' is not scheduled: entry 'bad-cron': a crontab has 5 fields" in logged
+    assert "'bad-task' is not scheduled: entry 'bad-task': unknown task 'reports.nope'" in logged
+    assert "an entry added at run time has that name" in logged
+    # an entry removed from the configuration goes at the next start; the operator's disabling is kept
+    store.set_enabled("quarter-minute", False)
+    beat_app.conf.beat_schedule = {"quarter-minute": beat_app.conf.beat_schedule["quarter-minute"]}
+    JobScheduler(beat_app)
+    assert sorted(doc["_id"] for doc in db.bb_schedules.find()) == ["operator-added", "quarter-minute"]
+    assert db.bb_schedules.find_one({"_id": "quarter-minute"})["enabled"] is False
+
+
+def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, *args]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_cli_lists_runs_now_disables_and_enables_an_entry(
+    broker_url: str, store: ScheduleStore, db: Database
+) -> None:
+    store.add("nightly", "reports.nightly", {"crontab": "0 3 * * *"}, timezone="Europe/Paris", catch_up="all")
+    listed = cli(broker_url)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith(
+        "nightly: reports.nightly crontab 0 3 * * * [Europe/Paris] enabled, catch-up all, runs 0, next "
+    )
+    ran = cli(broker_url, "run-now", "nightly")
+    assert ran.returncode == 0, ran.stderr
+    task_id = ran.stdout.strip().rpartition(" ")[2]
+    job = db.jobs.find_one({"taskId": task_id})
+    assert job["kind"] == "reports.nightly" and "uniqueKey" not in job
+    assert job["payload"]["headers"]["bb_beat_run_now"] is True
+    assert job["payload"]["headers"]["bb_beat_entry"] == "nightly"
+    rows = json.loads(cli(broker_url, "--json").stdout)
+    assert (rows[0]["lastTaskId"], rows[0]["lastRunNow"], rows[0]["lastStatus"]) == (task_id, True, "queued")
+    assert cli(broker_url, "disable", "nightly").stdout == "disabled nightly\n"
+    assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is False
+    assert "disabled" in cli(broker_url).stdout
+    assert cli(broker_url, "enable", "nightly").stdout == "enabled nightly\n"
+    assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is True
+    missing = cli(broker_url, "disable", "weekly")
+    assert (missing.returncode, missing.stderr) == (1, "bb-broker: disable: no entry named 'weekly'\n")
