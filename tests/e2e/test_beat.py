@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -208,3 +209,40 @@ def test_a_nonsense_entry_is_skipped_and_logged_while_the_others_keep_running(
     # repaired at run time, it runs without a restart
     db.bb_schedules.update_one({"_id": "edited"}, {"$set": {"schedule": {"every": 1.0}}})
     wait_for(lambda: len(slot_jobs(db, "edited")) >= 2, 30, "the repaired entry's slots")
+
+
+def test_the_server_stopped_20_s_under_two_beats_makes_no_duplicate_and_the_policy_covers_the_gap(
+    own_server, tmp_path: Path
+) -> None:
+    from pymongo import MongoClient
+
+    from tests.servers import with_database
+
+    broker_url = with_database(own_server.url, "beat_outage")
+    env = {"BB_BEAT_MISSED_AFTER": "2"}
+    beats = [Beat(broker_url, tmp_path, f"b{n}", TICK, env).start() for n in range(2)]
+    client: MongoClient = MongoClient(own_server.url, tz_aware=True)
+    db = client.beat_outage
+    try:
+        wait_for(lambda: len(slot_jobs(db)) >= 5, 30, "5 slots")
+        own_server.stop()
+        outage_ends = time.monotonic() + 20
+        wait_for(lambda: time.monotonic() > outage_ends, 30, "20 s of outage")
+        own_server.start()
+        catch_up = wait_for(lambda: (db.bb_schedules.find_one({"_id": ENTRY}).get("catchUps") or [None])[-1], 60)
+        to = catch_up["to"].replace(tzinfo=UTC)
+        wait_for(lambda: slot_jobs(db)[-1]["slot"] >= to + timedelta(seconds=3), 30, "3 slots after the catch-up")
+        jobs = slot_jobs(db)
+        ranges = [(c["from"].replace(tzinfo=UTC), c["to"].replace(tzinfo=UTC)) for c in db.bb_schedules.find_one(
+            {"_id": ENTRY})["catchUps"]]  # fmt: skip
+        for first, last in ranges:
+            inside = [job for job in jobs if first <= job["slot"] <= last]
+            assert [job["slot"] for job in inside] == [first], "catch-up once: one job, for the first missed slot"
+        outside = [job for job in jobs if not any(first <= job["slot"] <= last for first, last in ranges)]
+        assert len({job["slot"] for job in outside}) == len(outside)
+        assert catch_up["missed"] >= 10
+        assert db.bb_schedules.find_one({"_id": ENTRY})["runCount"] == len(jobs)
+    finally:
+        client.close()
+        for beat in beats:
+            beat.kill()
