@@ -434,12 +434,16 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
 
     from bb_broker.contrib.flower import broker as adapter
     from bb_broker.contrib.flower import jobs_tab as jobs_view
+    from bb_broker.contrib.flower import schedules_tab
 
     adapter.install()
     jobs_view.install()  # twice: still one guard per handler
     acting = jobs_view.flowers_actions(flower.urls.handlers)
     assert {handler.__name__ for handler in acting} == FLOWERS_ACTIONS
-    ours = {spec.handler_class if isinstance(spec, URLSpec) else spec[1] for spec in jobs_view.HANDLERS}
+    ours = {
+        spec.handler_class if isinstance(spec, URLSpec) else spec[1]
+        for spec in (*jobs_view.HANDLERS, *schedules_tab.HANDLERS)
+    }
     for spec in flower.urls.handlers:
         handler = spec.handler_class if isinstance(spec, URLSpec) else spec[1]
         writes = [
