@@ -17,7 +17,7 @@ An entry document (its `_id` is the entry's name):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -65,8 +65,6 @@ class Entry:
     catch_up: str
     enabled: bool
     last_slot: datetime
-    run_count: int = 0
-    document: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 def _aware(moment: datetime) -> datetime:
@@ -89,7 +87,6 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
         slots = slots_of(fields["schedule"], timezone=fields["timezone"], anchor=doc.get("anchor"))
     except ScheduleError as exc:
         raise EntryError(f"entry {name!r}: {exc}") from None
-    run_count = doc.get("runCount", 0)
     return Entry(
         name=name,
         task=fields["task"],
@@ -101,8 +98,6 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
         catch_up=fields["catchUp"],
         enabled=enabled,
         last_slot=_aware(last_slot),
-        run_count=run_count if isinstance(run_count, int) else 0,
-        document=doc,
     )
 
 
@@ -194,15 +189,16 @@ class ScheduleStore:
     def get(self, name: str) -> dict[str, Any] | None:
         return self.coll.find_one({"_id": name})
 
-    def _created(self, fields: dict[str, Any], owner: str) -> dict[str, Any]:
-        # Both an interval's anchor and where its slots start: a new entry sends nothing for the time before it.
+    def _created(self) -> dict[str, Any]:
+        """The fields a new entry starts with. Its creation time is both an interval's anchor and where its slots
+        start: a new entry sends nothing for the time before it."""
         now = self.now().replace(microsecond=0)
-        return {"anchor": now, "lastSlot": now, "runCount": 0, "enabled": True, "owner": owner, "createdAt": now}
+        return {"anchor": now, "lastSlot": now, "runCount": 0, "enabled": True, "createdAt": now}
 
     def add(self, name: str, task: str, schedule: Any, **how: Any) -> dict[str, Any]:
         """A new runtime entry; EntryError for a name taken or an entry that cannot be scheduled."""
         fields = entry_fields(name, task, schedule, **how)
-        doc = {"_id": name, **fields, **self._created(fields, RUNTIME), "updatedAt": self.now()}
+        doc = {"_id": name, **fields, **self._created(), "owner": RUNTIME, "updatedAt": self.now()}
         try:
             self.coll.insert_one(doc)
         except DuplicateKeyError:
@@ -263,8 +259,7 @@ class ScheduleStore:
         written = []
         for name, fields in entries.items():
             now = self.now()
-            created = self._created(fields, CONFIG)
-            del created["owner"]
+            created = self._created()
             try:
                 self.coll.update_one(
                     {"_id": name, "owner": CONFIG},

@@ -53,9 +53,11 @@ def task_id_of(key: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, key))
 
 
-def send_entry(app: Any, entry: Entry, slot: datetime, key: str | None, *, producer: Any = None, run_now: bool = False):
-    """Send one job of `entry` for `slot`; with `key`, under that unique key. Returns (task id, whether this call
-    made the job): DuplicateJob (the slot's job exists) is the existing job's id and False."""
+def send_entry(
+    app: Any, entry: Entry, slot: datetime, key: str | None, *, producer: Any = None, run_now: bool = False
+) -> str | None:
+    """Send one job of `entry` for `slot`; with `key`, under that unique key. Returns the task id of the slot's job,
+    this call's or, when the index refused it (DuplicateJob), the existing one's (None if since deleted)."""
     headers = {ENTRY_HEADER: entry.name, SLOT_HEADER: iso(slot), "celery_beat_task": True}
     if key is not None:
         headers[UNIQUE_KEY_HEADER] = key
@@ -73,8 +75,8 @@ def send_entry(app: Any, entry: Entry, slot: datetime, key: str | None, *, produ
             **options,
         )
     except DuplicateJob as exc:
-        return exc.task_id, False
-    return result.id, True
+        return exc.task_id
+    return result.id
 
 
 class JobScheduler(Scheduler):
@@ -195,7 +197,7 @@ class JobScheduler(Scheduler):
             if now - due > self.missed_after:
                 reached = self._catch_up(entry, now)
             else:
-                task_id, _made = send_entry(self.app, entry, due, slot_key(entry.name, due), producer=self.producer)
+                task_id = send_entry(self.app, entry, due, slot_key(entry.name, due), producer=self.producer)
                 job = {"slot": due, "taskId": task_id, "runNow": False}
                 reached = due if self._store.advance(entry.name, entry.last_slot, due, job=job) else None
             if reached is not None:
@@ -237,18 +239,13 @@ class JobScheduler(Scheduler):
         sent = missed if entry.catch_up == "all" else [first]
         at = entry.last_slot
         for n, slot in enumerate(sent):
-            task_id, _made = send_entry(self.app, entry, slot, slot_key(entry.name, slot), producer=self.producer)
+            task_id = send_entry(self.app, entry, slot, slot_key(entry.name, slot), producer=self.producer)
             job = {"slot": slot, "taskId": task_id, "runNow": False, "late": True}
             to = slot if entry.catch_up == "all" else last
             if not self._store.advance(entry.name, at, to, job=job, catch_up=record if n == 0 else None):
                 return None
             at = to
         return at
-
-    def run_now(self, name: str) -> str:
-        """Send one extra job of the entry now, marked as "run now"; its task id."""
-        assert self._store is not None and self._clock is not None
-        return run_now(self.app, self._store, name)
 
 
 def run_now(app: Any, store: ScheduleStore, name: str) -> str:
@@ -258,6 +255,6 @@ def run_now(app: Any, store: ScheduleStore, name: str) -> str:
         raise EntryError(f"no entry named {name!r}")
     entry = parse_entry(doc)
     now = store.now()
-    task_id, _made = send_entry(app, entry, now, None, run_now=True)
+    task_id = send_entry(app, entry, now, None, run_now=True)
     store.record_run_now(name, {"slot": now, "taskId": task_id, "runNow": True})
     return task_id

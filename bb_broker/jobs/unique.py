@@ -30,7 +30,11 @@ class DuplicateJob(Exception):
     was deleted in between)."""
 
     def __init__(self, unique_key: str, task_id: str | None, job_id: str | None) -> None:
-        super().__init__(f"a job with unique key {unique_key!r} exists already (task id {task_id})")
+        # The fields as its args: pickle, and Celery's serialized exceptions, rebuild it as cls(*args).
+        super().__init__(unique_key, task_id, job_id)
         self.unique_key = unique_key
         self.task_id = task_id
         self.job_id = job_id
+
+    def __str__(self) -> str:
+        return f"a job with unique key {self.unique_key!r} exists already (task id {self.task_id})"

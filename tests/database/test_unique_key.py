@@ -83,3 +83,11 @@ def test_a_key_that_is_not_a_bounded_string_is_refused_and_nothing_written(app: 
 def test_the_longest_key_allowed_makes_its_job(app: Celery, db: Database) -> None:
     task_id = publish(app, "k" * MAX_UNIQUE_KEY_LENGTH)
     assert db.jobs.find_one({"taskId": task_id})["uniqueKey"] == "k" * MAX_UNIQUE_KEY_LENGTH
+
+
+def test_the_refusal_survives_pickling_as_a_celery_task_error_would_need() -> None:
+    import pickle
+
+    refused = pickle.loads(pickle.dumps(DuplicateJob("k", "task-1", "job-1")))
+    assert (refused.unique_key, refused.task_id, refused.job_id) == ("k", "task-1", "job-1")
+    assert str(refused) == "a job with unique key 'k' exists already (task id task-1)"

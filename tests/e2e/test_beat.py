@@ -246,3 +246,40 @@ def test_the_server_stopped_20_s_under_two_beats_makes_no_duplicate_and_the_poli
         client.close()
         for beat in beats:
             beat.kill()
+
+
+def test_entries_added_disabled_enabled_changed_and_removed_at_run_time_take_effect_without_a_restart(
+    beat_factory, db: Database, broker_url: str
+) -> None:
+    beat_factory()
+    store = ScheduleStore(db, ServerClock(db))
+    store.add("other", "tests.e2e_app.add", 1.0, args=[5, 5])
+    wait_for(lambda: len(slot_jobs(db, "other")) >= 2, 30, "the added entry's slots")
+
+    def ticks_after(n: int) -> Any:
+        seen = len(slot_jobs(db))
+        return lambda: len(slot_jobs(db)) >= seen + n
+
+    disabled = subprocess.run(
+        [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, "disable", "other"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert disabled.stdout == "disabled other\n"
+    # A look that began before the change may still send it once; the second slot's look began after.
+    wait_for(ticks_after(2), 30, "two slots of the enabled entry")
+    stopped = len(slot_jobs(db, "other"))
+    wait_for(ticks_after(3), 30, "3 more slots of the enabled entry")
+    assert len(slot_jobs(db, "other")) == stopped, "a disabled entry sent a job"
+
+    store.set_enabled("other", True)
+    store.change("other", schedule={"every": 2.0})
+    wait_for(lambda: len(slot_jobs(db, "other")) >= stopped + 3, 30, "the re-enabled entry's slots")
+    recent = slot_jobs(db, "other")[stopped:]
+    assert_one_job_per_slot(recent, every=timedelta(seconds=2))
+
+    store.remove("other")
+    wait_for(ticks_after(2), 30, "two slots after the removal")
+    gone = len(slot_jobs(db, "other"))
+    wait_for(ticks_after(3), 30, "3 more slots")
+    assert len(slot_jobs(db, "other")) == gone
+    assert_one_job_per_slot(slot_jobs(db))
