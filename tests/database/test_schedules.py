@@ -122,3 +122,9 @@ def test_the_cli_lists_runs_now_disables_and_enables_an_entry(
     assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is True
     missing = cli(broker_url, "disable", "weekly")
     assert (missing.returncode, missing.stderr) == (1, "bb-broker: disable: no entry named 'weekly'\n")
+
+
+def test_celery_beat_finds_the_scheduler_by_its_alias_bbmongo(beat_app: Celery) -> None:
+    from celery.beat import Service
+
+    assert isinstance(Service(beat_app, scheduler_cls="bbmongo").get_scheduler(lazy=True), JobScheduler)

@@ -78,3 +78,21 @@ def test_interval_slots_count_from_the_anchor_the_same_from_any_moment() -> None
 def test_a_schedule_no_slot_can_come_from_is_refused_saying_why(schedule, timezone: str, message: str) -> None:
     with pytest.raises(ScheduleError, match=message):
         slots_of(schedule, timezone=timezone, anchor=datetime(2026, 1, 1, tzinfo=UTC))
+
+
+def test_solar_slots_are_celerys_own_events_to_the_second() -> None:
+    from celery.schedules import solar
+
+    sunset = slots_of({"solar": "sunset", "lat": 48.85, "lon": 2.35}, timezone="Europe/Paris", anchor=None)
+    start = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    first, second = walk(sunset, start, 2)
+    celerys = solar("sunset", 48.85, 2.35, nowfun=lambda: start)
+    expected = start + celerys.remaining_estimate(start)
+    assert abs((first - expected).total_seconds()) <= 1 and first.microsecond == 0
+    assert first.date() == start.date() and 15 <= first.hour <= 17  # a Paris sunset in December, in UTC
+    assert timedelta(hours=23, minutes=55) < second - first < timedelta(hours=24, minutes=5)
+
+
+def test_a_solar_event_that_does_not_exist_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="invalid solar schedule"):
+        slots_of({"solar": "moonrise", "lat": 0, "lon": 0}, timezone="UTC", anchor=None)
