@@ -1,4 +1,4 @@
-"""`bb-broker schedules`: the periodic entries of bb_broker.beat, listed, run now, disabled, enabled."""
+"""`bb-broker schedules`: the periodic entries of bb_broker.beat, listed, added, run now, disabled, removed."""
 
 from __future__ import annotations
 
@@ -101,5 +101,82 @@ def schedules_commands(
     def enable(broker: str, name: str) -> None:
         """Send the entry's slots again, from now on (the slots it skipped are not caught up)."""
         _set_enabled(broker, name, True)
+
+    @schedules.command()
+    @click.argument("name")
+    @click.argument("task")
+    @click.option("--every", type=float, help="Seconds between slots.")
+    @click.option("--crontab", "cron", help='Five crontab fields, e.g. "0 3 * * *" (minute hour dom month dow).')
+    @click.option("--timezone", default="UTC", show_default=True, help="Where the crontab's fields are read (IANA).")
+    @click.option("--catch-up", type=click.Choice(["once", "all", "none"]), default="once", show_default=True)
+    @click.option("--args", "args_json", default="[]", help="The task's args, as a JSON list.")
+    @click.option("--kwargs", "kwargs_json", default="{}", help="The task's kwargs, as a JSON object.")
+    @click.option("--queue", help="The queue its jobs go to.")
+    @click.option("-A", "--app", "app_name", help="A Celery app whose tasks the task name is checked against.")
+    @click.pass_obj
+    def add(
+        broker: str,
+        name: str,
+        task: str,
+        every: float | None,
+        cron: str | None,
+        timezone: str,
+        catch_up: str,
+        args_json: str,
+        kwargs_json: str,
+        queue: str | None,
+        app_name: str | None,
+    ) -> None:
+        """Add an entry at run time (every beat picks it up without a restart)."""
+        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.clock import ServerClock
+
+        if (every is None) == (cron is None):
+            fail("add: give one of --every or --crontab")
+        try:
+            args, kwargs = json.loads(args_json), json.loads(kwargs_json)
+        except ValueError as exc:
+            fail(f"add: --args and --kwargs are JSON: {exc}")
+        known_tasks = None
+        if app_name:
+            from celery.app.utils import find_app
+
+            app = find_app(app_name)
+            app.loader.import_default_modules()
+            known_tasks = app.tasks
+        schedule = {"every": every} if every is not None else {"crontab": cron}
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            try:
+                ScheduleStore(db, ServerClock.of(db)).add(
+                    name,
+                    task,
+                    schedule,
+                    timezone=timezone,
+                    catch_up=catch_up,
+                    args=args,
+                    kwargs=kwargs,
+                    options={"queue": queue} if queue else {},
+                    known_tasks=known_tasks,
+                )
+            except EntryError as exc:
+                fail(f"add: {exc}")
+        click.echo(f"added {name}")
+
+    @schedules.command()
+    @click.argument("name")
+    @click.pass_obj
+    def remove(broker: str, name: str) -> None:
+        """Remove an entry (one from beat_schedule comes back at the next beat's start)."""
+        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.clock import ServerClock
+
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            try:
+                ScheduleStore(db, ServerClock.of(db)).remove(name)
+            except EntryError as exc:
+                fail(f"remove: {exc}")
+        click.echo(f"removed {name}")
 
     return schedules

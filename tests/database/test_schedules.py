@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -94,7 +95,8 @@ def test_beat_schedule_is_synced_as_configuration_and_a_bad_entry_left_out(
 
 def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, *args]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    env = {**os.environ, "BB_BROKER_URL": broker_url}  # read by tests/e2e_app.py, the app `-A` names
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_the_cli_lists_runs_now_disables_and_enables_an_entry(
@@ -128,3 +130,26 @@ def test_celery_beat_finds_the_scheduler_by_its_alias_bbmongo(beat_app: Celery) 
     from celery.beat import Service
 
     assert isinstance(Service(beat_app, scheduler_cls="bbmongo").get_scheduler(lazy=True), JobScheduler)
+
+
+def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing(broker_url: str, db: Database) -> None:
+    added = cli(broker_url, "add", "hourly", "tests.e2e_app.add", "--crontab", "0 * * * *", "--timezone",
+                "America/New_York", "--catch-up", "none", "--args", "[1, 2]", "--queue", "reports")  # fmt: skip
+    assert (added.returncode, added.stdout) == (0, "added hourly\n"), added.stderr
+    doc = db.bb_schedules.find_one({"_id": "hourly"})
+    assert (doc["schedule"], doc["timezone"], doc["catchUp"], doc["args"], doc["options"], doc["owner"]) == (
+        {"crontab": "0 * * * *"}, "America/New_York", "none", [1, 2], {"queue": "reports"}, "runtime",
+    )  # fmt: skip
+    refusals = {
+        ("add", "hourly", "tests.e2e_app.add", "--every", "5"): "add: an entry named 'hourly' exists already",
+        ("add", "bad", "tests.e2e_app.add", "--crontab", "0 9 * *"): "add: entry 'bad': a crontab has 5 fields",
+        ("add", "bad", "tests.e2e_app.add", "--every", "5", "--timezone", "Nowhere/City"): "unknown timezone",
+        ("add", "bad", "tests.e2e_app.nope", "--every", "5", "-A", "tests.e2e_app"): "unknown task 'tests.e2e_app.no",
+        ("add", "bad", "tests.e2e_app.add"): "add: give one of --every or --crontab",
+    }
+    for args, message in refusals.items():
+        refused = cli(broker_url, *args)
+        assert refused.returncode == 1 and message in refused.stderr, (args, refused.stderr)
+    assert [doc["_id"] for doc in db.bb_schedules.find()] == ["hourly"]
+    assert cli(broker_url, "remove", "hourly").stdout == "removed hourly\n"
+    assert db.bb_schedules.count_documents({}) == 0
