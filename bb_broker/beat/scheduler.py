@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery.beat import Scheduler
+from kombu.exceptions import OperationalError
 from pymongo.errors import PyMongoError
 
 from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
@@ -119,7 +120,8 @@ class JobScheduler(Scheduler):
                 continue
             try:
                 entry = self._send_due(entry)
-            except PyMongoError as exc:  # the server went away mid-look: the slot is sent at a later look
+            except (PyMongoError, OperationalError) as exc:  # the server went away mid-look (Kombu's name for it
+                # once its publish retries are spent): the slot is sent at a later look, under the same key
                 logger.warning("bb_broker beat: entry %r: %s; trying again", entry.name, exc)
                 return min(1.0, self.max_interval)
             except Exception:
