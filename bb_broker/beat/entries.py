@@ -34,6 +34,8 @@ SCHEDULES_COLLECTION = "bb_schedules"
 CATCH_UP_POLICIES = ("once", "all", "none")
 DEFAULT_CATCH_UP = "once"
 CONFIG, RUNTIME = "config", "runtime"
+#: The longest entry name: it is part of each job's unique key (bb_broker.jobs.unique.MAX_UNIQUE_KEY_LENGTH).
+MAX_NAME_LENGTH = 200
 #: Catch-ups kept in an entry, the latest last.
 CATCH_UPS_KEPT = 10
 #: The options of a Celery entry that are checked here; any other goes to apply_async as it is.
@@ -74,8 +76,9 @@ def _aware(moment: datetime) -> datetime:
 def parse_entry(doc: dict[str, Any]) -> Entry:
     """The Entry of a stored document, or EntryError naming the field that makes no sense (written by hand)."""
     name = doc.get("_id")
-    if not isinstance(name, str) or not name:
-        raise EntryError(f"the entry's _id (its name) must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
+        shown = repr(name)[:80]
+        raise EntryError(f"the entry's _id (its name) must be a string of 1 to {MAX_NAME_LENGTH} characters: {shown}")
     fields = _checked_fields(doc)
     last_slot = doc.get("lastSlot")
     if not isinstance(last_slot, datetime):
@@ -146,8 +149,9 @@ def entry_fields(
 ) -> dict[str, Any]:
     """The stored fields of an entry (its schedule as Celery writes it or as a document), checked as a beat will:
     EntryError saying what is wrong. `known_tasks`, when given (an app's `tasks`), must hold the task's name."""
-    if not isinstance(name, str) or not name.strip():
-        raise EntryError(f"an entry's name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LENGTH:
+        shown = repr(name)[:80]
+        raise EntryError(f"an entry's name must be a string of 1 to {MAX_NAME_LENGTH} characters, got {shown}")
     try:
         stored = schedule if isinstance(schedule, dict) else schedule_document(schedule)
     except ScheduleError as exc:

@@ -55,6 +55,13 @@ def test_an_entry_that_cannot_be_scheduled_is_refused_and_nothing_written(
     assert db.bb_schedules.count_documents({}) == 0
 
 
+def test_a_name_too_long_for_a_unique_key_is_refused(store: ScheduleStore, db: Database) -> None:
+    with pytest.raises(EntryError, match="an entry's name must be a string of 1 to 200 characters"):
+        store.add("n" * 201, "reports.nightly", 60)
+    assert db.bb_schedules.count_documents({}) == 0
+    store.add("n" * 200, "reports.nightly", 60)  # its keys fit: beat:<200>:<29-character time>
+
+
 def test_a_duplicate_entry_name_is_refused_and_the_first_kept(store: ScheduleStore, db: Database) -> None:
     store.add("nightly", "reports.nightly", crontab(hour=3, minute=0))
     with pytest.raises(EntryError, match="an entry named 'nightly' exists already"):
