@@ -72,3 +72,13 @@ def test_an_operator_runs_disables_and_enables_an_entry_and_a_viewer_cannot(db: 
     assert forged.status == 403
     assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is True
     assert db.jobs.count_documents({}) == 1
+
+    # The JSON API: the same entries, and the same rule for who may act.
+    listed = viewer.context.request.get(f"{flower.url}/api/schedules").json()["entries"]
+    assert [(e["name"], e["enabled"], e["lastTaskId"], e["runCount"]) for e in listed] == [
+        ("nightly", True, job["taskId"], 1)
+    ]
+    assert listed[0]["nextSlot"].startswith("20") and listed[0]["timezone"] == "Europe/Paris"
+    by_viewer = viewer.context.request.post(f"{flower.url}/api/schedules/run-now", form={"name": "nightly"})
+    assert by_viewer.status == 403 and "viewer may read the jobs but not act" in by_viewer.text()
+    assert db.jobs.count_documents({}) == 1
