@@ -228,6 +228,8 @@ class JobScheduler(Scheduler):
         beat moved it first."""
         assert self._store is not None
         missed = self._missed(entry, now)
+        if entry.catch_up == "all":
+            missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: no look is endless
         first, last = missed[0], missed[-1]
         record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
         record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]

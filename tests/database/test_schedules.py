@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from celery import Celery
@@ -160,3 +161,23 @@ def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing
     assert [doc["_id"] for doc in db.bb_schedules.find()] == ["hourly"]
     assert cli(broker_url, "remove", "hourly").stdout == "removed hourly\n"
     assert db.bb_schedules.count_documents({}) == 0
+
+
+def test_catch_up_all_sends_a_bounded_number_of_slots_a_look_and_the_rest_at_the_next(
+    beat_app: Celery, store: ScheduleStore, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bb_broker.beat import scheduler as beat_scheduler
+
+    monkeypatch.setattr(beat_scheduler, "MAX_SLOTS_PER_LOOK", 50)  # 1000 in use: the same logic, a quicker test
+    scheduler = JobScheduler(beat_app)
+    store.add("busy", "reports.nightly", 1.0, catch_up="all")
+    # as if every beat had been down for 120 slots
+    back = db.bb_schedules.find_one({"_id": "busy"})["anchor"] - timedelta(seconds=120)
+    db.bb_schedules.update_one({"_id": "busy"}, {"$set": {"anchor": back, "lastSlot": back}})
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "busy"})
+    looks = entry["catchUps"]
+    assert [(look["missed"], look["sent"]) for look in looks[:2]] == [(50, 50), (50, 50)]
+    assert looks[1]["from"] == looks[0]["to"] + timedelta(seconds=1)
+    slots = [job["uniqueKey"] for job in db.jobs.find({"uniqueKey": {"$regex": "^beat:busy:"}})]
+    assert len(slots) == len(set(slots)) == entry["runCount"] >= 110
