@@ -191,8 +191,10 @@ class JobScheduler(Scheduler):
     def _send_due(self, entry: Entry) -> Entry:
         """Deal with the entry's due slots; the entry as it now stands (its lastSlot moved on)."""
         assert self._store is not None and self._clock is not None
+        # One `now` for the whole look: a slot that was on time when the look began is sent as such, not found
+        # missed because the catch-up before it took a moment (that made a second catch-up of one slot).
+        now = self._clock()
         for _ in range(MAX_SLOTS_PER_LOOK):
-            now = self._clock()
             due = entry.slots.next_after(entry.last_slot)
             if due is None or due > now:
                 return entry

@@ -181,3 +181,22 @@ def test_catch_up_all_sends_a_bounded_number_of_slots_a_look_and_the_rest_at_the
     assert looks[1]["from"] == looks[0]["to"] + timedelta(seconds=1)
     slots = [job["uniqueKey"] for job in db.jobs.find({"uniqueKey": {"$regex": "^beat:busy:"}})]
     assert len(slots) == len(set(slots)) == entry["runCount"] >= 110
+
+
+def test_one_downtime_is_one_catch_up_however_long_the_look_takes(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    scheduler = JobScheduler(beat_app)  # slots missed after 10 s
+    store.add("late", "reports.nightly", 1.0)  # catch-up once
+    back = db.bb_schedules.find_one({"_id": "late"})["anchor"] - timedelta(seconds=30)
+    db.bb_schedules.update_one({"_id": "late"}, {"$set": {"anchor": back, "lastSlot": back}})
+    server_clock = scheduler._clock
+    readings = iter(range(1000))
+    # A slow look, as on a loaded machine: each reading of the clock 1.5 s after the one before.
+    scheduler._clock = lambda: server_clock() + timedelta(seconds=1.5 * next(readings))
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "late"})
+    (catch_up,) = entry["catchUps"]
+    assert catch_up["missed"] >= 19 and catch_up["sent"] == 1
+    slots = sorted(job["uniqueKey"] for job in db.jobs.find({"uniqueKey": {"$regex": "^beat:late:"}}))
+    assert len(slots) == entry["runCount"] >= 10  # the catch-up's job and each slot on time when the look began

@@ -173,6 +173,7 @@ def test_after_every_beat_was_down_the_missed_slots_follow_the_entrys_policy(
     catch_up = wait_for(lambda: (db.bb_schedules.find_one({"_id": ENTRY}).get("catchUps") or [None])[-1], 30)
     to = catch_up["to"].replace(tzinfo=UTC)
     wait_for(lambda: slot_jobs(db)[-1]["slot"] >= to + timedelta(seconds=3), 30, "3 slots after the catch-up")
+    assert db.bb_schedules.find_one({"_id": ENTRY})["catchUps"] == [catch_up], "one catch-up for one downtime"
     assert catch_up["policy"] == policy and catch_up["missed"] >= 5
     assert catch_up["from"].replace(tzinfo=UTC) == stopped_at + timedelta(seconds=1)
     jobs = slot_jobs(db)
