@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from bb_broker.connection import BrokerURLError
     from bb_broker.jobs.payloads import MalformedTaskMessage
     from bb_broker.jobs.store import JobTooLarge, ResultTooLarge
+    from bb_broker.jobs.unique import DuplicateJob
     from bb_broker.transport.channel import ServerUnreachable
     from bb_broker.worker.hooks import is_final_attempt
 
@@ -27,6 +28,7 @@ __all__ = [
     "STATUSES",
     "SUCCEEDED",
     "BrokerURLError",
+    "DuplicateJob",
     "JobTooLarge",
     "MalformedTaskMessage",
     "ResultTooLarge",
@@ -38,6 +40,7 @@ __all__ = [
 #: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
 _LAZY = {
     "BrokerURLError": "connection",
+    "DuplicateJob": "jobs.unique",
     "JobTooLarge": "jobs.store",
     "MalformedTaskMessage": "jobs.payloads",
     "ResultTooLarge": "jobs.store",

@@ -12,6 +12,7 @@ from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.lifecycle import SUCCEEDED
+from bb_broker.jobs.unique import UNIQUE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
     IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
     IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
+    UNIQUE_INDEX,
 ]
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.

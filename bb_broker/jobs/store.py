@@ -36,6 +36,7 @@ from bb_broker.jobs import admin, lifecycle
 from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
+from bb_broker.jobs.unique import DuplicateJob
 from bb_broker.ops import metrics
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
@@ -224,13 +225,15 @@ class JobStore:
         is_retry: bool,
         job_id: str | None = None,
         retry_of: tuple[str, int] | None = None,
+        unique_key: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
         `job_id`, when given, makes the insert safe to repeat: a second publish of the same message under the same
         id (a producer retrying a write whose answer it never got) finds the first and writes nothing.
         `retry_of`, the (job id, attempt) a retry comes from, fences the reschedule on that attempt: the retry of an
-        attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing."""
+        attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing.
+        `unique_key` (see bb_broker.jobs.unique): when another job holds it, DuplicateJob, and nothing written."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -269,10 +272,16 @@ class JobStore:
             "runAfter": due,
             "createdAt": now,
             "updatedAt": now,
+            **({} if unique_key is None else {"uniqueKey": unique_key}),
         }
         try:
             self._write(self.coll.insert_one, job)
         except DuplicateKeyError:
+            # Read after the refusal, never before: a read first would cost every publish a round trip, and would
+            # still race. A holder under our own id is this publish's earlier try, which the lines below find.
+            holder = None if unique_key is None else self.coll.find_one({"uniqueKey": unique_key}, {"taskId": 1})
+            if holder is not None and holder["_id"] != job["_id"]:
+                raise DuplicateJob(unique_key, holder.get("taskId"), holder["_id"]) from None
             first = self.coll.find_one({"_id": job["_id"]}, {"taskId": 1, "queue": 1})
             if first is not None and (first.get("taskId"), first.get("queue")) == (task_id, queue):
                 return job["_id"]  # the earlier try landed

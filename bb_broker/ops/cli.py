@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
+from bb_broker.ops.schedules import schedules_commands
 from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 
 if TYPE_CHECKING:
@@ -577,6 +578,8 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
     else:
         click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")
 
+
+main.add_command(schedules_commands(broker_option, _jobs, _fail, _operator), name="schedules")
 
 if __name__ == "__main__":
     main()

@@ -43,6 +43,7 @@ from bb_broker.jobs.payloads import (
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
 from bb_broker.jobs.store import Claimed, attempt_entry, new_job_id
+from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
 from bb_broker.threads import start_supervised
@@ -590,6 +591,7 @@ class Channel(virtual.Channel):
             is_retry=bool(headers.get("retries")),
             job_id=job_id,
             retry_of=_retry_of(headers),
+            unique_key=headers.get(UNIQUE_KEY_HEADER),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:

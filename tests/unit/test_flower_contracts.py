@@ -12,7 +12,7 @@ import tornado.template
 
 from bb_broker.contrib.flower import broker as adapter
 from bb_broker.contrib.flower import jobs_tab as jobs_view
-from bb_broker.contrib.flower import patches
+from bb_broker.contrib.flower import patches, schedules_tab
 from tests.support.flower_process import FLOWERS_ACTIONS
 
 PATCHES = "bb_broker/contrib/flower/patches.py"
@@ -184,7 +184,7 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
         "Flower's acting handlers changed: a new one is refused to everyone --jobs_admins does not name until it is "
         "looked at; " + where("guard_prepare")
     )
-    ours = {patches.handler_class_of(spec) for spec in jobs_view.HANDLERS}
+    ours = {patches.handler_class_of(spec) for spec in (*jobs_view.HANDLERS, *schedules_tab.HANDLERS)}
     for spec in table:
         handler = patches.handler_class_of(spec)
         writes = [

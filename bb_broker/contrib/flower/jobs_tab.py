@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html")
+OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
 FILTERS = ("status", "queue", "kind", "since", "until", "error")
 #: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
 MAX_ID_LENGTH = 512
@@ -70,6 +70,10 @@ NAVBAR_LINK = """
         <li class="nav-item">
           <a class="nav-link{% if active_tab == 'jobs' %} active{% end %}" href="{{ reverse_url('jobs') }}"
             {% if active_tab == 'jobs' %}aria-current="page"{% end %}>Jobs</a>
+        </li>
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'schedules' %} active{% end %}" href="{{ reverse_url('schedules') }}"
+            {% if active_tab == 'schedules' %}aria-current="page"{% end %}>Schedules</a>
         </li>"""
 BROKER_HEADER_ANCHOR = '<th class="broker-secondary-column">Idle since</th>'
 BROKER_CELL_ANCHOR = "{% raw format_value(queue.get('idle_since')) %}</td>"

@@ -172,12 +172,12 @@ def guard_prepares(handler_classes: Iterable[type[tornado.web.RequestHandler]], 
 def install() -> None:
     """Every patch of Flower's the Broker tab, the broker banner and the Jobs tab need; calling it again changes
     nothing."""
-    from bb_broker.contrib.flower import broker, jobs_tab  # they import this module
+    from bb_broker.contrib.flower import broker, jobs_tab, schedules_tab  # they import this module
 
     install_template_loader(broker.BannerLoader)
     install_workers_refresh_check(broker.fail_workers_refresh_while_broker_fails)
     install_cross_site_check(jobs_tab.refuse_cross_site_without_login)
     jobs_tab.define_options()
     guard_prepares(jobs_tab.flowers_actions(url_table()), jobs_tab.refuse_flowers_action_unless_allowed)
-    install_handlers(jobs_tab.HANDLERS, "jobs")
+    install_handlers(jobs_tab.HANDLERS + schedules_tab.HANDLERS, "jobs")
     install_broker_factory(broker.is_ours, broker.JobQueues)

@@ -1,0 +1,266 @@
+"""`celery beat -S bb_broker.beat:JobScheduler`: the schedule in `bb_schedules`, exactly one job per slot.
+
+Every beat sends every due slot; the job carries the unique key `beat:<entry>:<slot>` (bb_broker.jobs.unique), so
+whichever beat inserts first makes the slot's job and the others' inserts are refused by the index, at the cost of
+that one refused insert. No beat needs to lead, none waits for a lock to run out after another died: however many
+run, each slot makes one job, and the next slot is sent on time by whichever is alive. Slots are computed on the
+server's clock (bb_broker.clock.ServerClock), so a beat whose own clock is off by minutes sends at the same times.
+
+A slot is "missed" when a beat first finds it more than `bb_beat_missed_after` seconds (default
+DEFAULT_MISSED_AFTER) after its time: every beat was down, or the server was. The entry's catch-up policy then says
+what to send for the missed slots of one look: `once` one job (keyed on the first of them), `all` one each, `none`
+nothing; the catch-up is recorded in the entry's `catchUps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from celery.beat import Scheduler
+from kombu.exceptions import OperationalError
+from pymongo.errors import PyMongoError
+
+from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
+from bb_broker.beat.slots import ScheduleError
+from bb_broker.clock import ServerClock
+from bb_broker.connection import get_database, parse_broker_url
+from bb_broker.jobs.store import JobStore
+from bb_broker.jobs.unique import UNIQUE_KEY_HEADER, DuplicateJob
+
+logger = logging.getLogger(__name__)
+
+#: Seconds after its time past which a slot a beat finds unsent counts as missed (then its catch-up policy applies).
+DEFAULT_MISSED_AFTER = 10.0
+#: The most slots one look sends for an entry under the `all` policy: the rest are sent at the next looks.
+MAX_SLOTS_PER_LOOK = 1000
+#: Headers of a beat's job: the entry that made it, its slot, and whether it is an operator's "run now".
+ENTRY_HEADER, SLOT_HEADER, RUN_NOW_HEADER = "bb_beat_entry", "bb_beat_slot", "bb_beat_run_now"
+
+
+def slot_key(name: str, slot: datetime) -> str:
+    """The unique key of an entry's job for a slot: the same on every beat."""
+    return f"beat:{name}:{iso(slot)}"
+
+
+def iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds")
+
+
+def task_id_of(key: str) -> str:
+    # Derived from the key, so that a slot's job has one Celery task id whichever beat sent it.
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, key))
+
+
+def send_entry(
+    app: Any, entry: Entry, slot: datetime, key: str | None, *, producer: Any = None, run_now: bool = False
+) -> str | None:
+    """Send one job of `entry` for `slot`; with `key`, under that unique key. Returns the task id of the slot's job,
+    this call's or, when the index refused it (DuplicateJob), the existing one's (None if since deleted)."""
+    headers = {ENTRY_HEADER: entry.name, SLOT_HEADER: iso(slot), "celery_beat_task": True}
+    if key is not None:
+        headers[UNIQUE_KEY_HEADER] = key
+    if run_now:
+        headers[RUN_NOW_HEADER] = True
+    options = dict(entry.options)
+    options["headers"] = {**(options.get("headers") or {}), **headers}
+    try:
+        result = app.send_task(
+            entry.task,
+            args=entry.args,
+            kwargs=entry.kwargs,
+            task_id=task_id_of(key) if key is not None else None,
+            producer=producer,
+            **options,
+        )
+    except DuplicateJob as exc:
+        return exc.task_id
+    return result.id
+
+
+class JobScheduler(Scheduler):
+    """Celery's beat scheduler on the broker's database (see the module's doc)."""
+
+    #: Seconds between looks at the collection when no slot is due sooner: a change made at run time shows by then.
+    max_interval = 5.0
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        self._reported: dict[str, str] = {}  # entry name -> the problem last logged for it
+        self._store: ScheduleStore | None = None
+        self._clock: ServerClock | None = None
+        super().__init__(app, *args, **kwargs)
+        self.missed_after = timedelta(seconds=float(app.conf.get("bb_beat_missed_after") or DEFAULT_MISSED_AFTER))
+
+    # --- Celery's Scheduler interface --------------------------------------
+
+    def setup_schedule(self) -> None:
+        target = parse_broker_url(self.app.conf.broker_write_url or self.app.conf.broker_url)
+        db = get_database(target)
+        self._clock = ServerClock.of(db)
+        options = self.app.conf.broker_transport_options or {}
+        JobStore(db, collection=options.get("jobs_collection", "jobs")).ensure_indexes()  # the unique key's index
+        self._store = ScheduleStore(db, self._clock)
+        written = self._store.sync_config(self._config_entries())
+        logger.info("bb_broker beat: %d configured entries synced to %s", len(written), self._store.coll.full_name)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Send what is due; the seconds until the next slot (at most max_interval)."""
+        assert self._store is not None and self._clock is not None
+        try:
+            docs = self._store.load()
+        except PyMongoError as exc:
+            logger.warning("bb_broker beat: cannot read the schedule (%s); trying again", type(exc).__name__)
+            return min(1.0, self.max_interval)
+        next_look = self._clock() + timedelta(seconds=self.max_interval)
+        for doc in docs:
+            entry = self._checked(doc)
+            if entry is None or not entry.enabled:
+                continue
+            try:
+                entry = self._send_due(entry)
+            except (PyMongoError, OperationalError) as exc:  # the server went away mid-look (Kombu's name for it
+                # once its publish retries are spent): the slot is sent at a later look, under the same key
+                logger.warning("bb_broker beat: entry %r: %s; trying again", entry.name, exc)
+                return min(1.0, self.max_interval)
+            except Exception:
+                logger.exception("bb_broker beat: entry %r could not be sent", entry.name)
+                continue
+            upcoming = entry.slots.next_after(entry.last_slot)
+            if upcoming is not None:
+                next_look = min(next_look, upcoming)
+        return max((next_look - self._clock()).total_seconds(), 0.0)
+
+    @property
+    def schedule(self) -> dict[str, Any]:
+        # What `celery beat` shows and Celery's Scheduler reads; the entries live in the collection.
+        return {}
+
+    @schedule.setter
+    def schedule(self, value: Any) -> None:
+        pass
+
+    @property
+    def info(self) -> str:
+        return "    . db -> bb_schedules (bb_broker)"
+
+    def sync(self) -> None:
+        pass  # every change is written as it is made
+
+    # --- the entries --------------------------------------------------------
+
+    def _config_entries(self) -> dict[str, dict[str, Any]]:
+        """The entries of `beat_schedule` (and `add_periodic_task`), checked: one that is wrong is logged and left
+        out, and what the collection holds under its name is not changed."""
+        timezone = str(self.app.conf.timezone or "UTC")
+        fields = {}
+        for name, config in dict(self.app.conf.beat_schedule or {}).items():
+            try:
+                config = dict(config)
+                fields[name] = entry_fields(
+                    name,
+                    config.get("task"),
+                    config.get("schedule"),
+                    timezone=config.get("timezone", timezone),
+                    args=config.get("args") or (),
+                    kwargs=config.get("kwargs"),
+                    options=config.get("options"),
+                    catch_up=config.get("catch_up", "once"),
+                    known_tasks=self.app.tasks,
+                )
+            except (EntryError, ScheduleError, TypeError, ValueError) as exc:
+                logger.error("bb_broker beat: beat_schedule entry %r is not scheduled: %s", name, exc)
+        return fields
+
+    def _checked(self, doc: dict[str, Any]) -> Entry | None:
+        """The entry, or None (logged once per problem) when it is nonsense or its task is unknown here."""
+        name = str(doc.get("_id"))
+        try:
+            entry = parse_entry(doc)
+            if entry.task not in self.app.tasks and doc.get("owner") != CONFIG:
+                raise EntryError(f"entry {name!r}: unknown task {entry.task!r} (not registered in this beat's app)")
+        except EntryError as exc:
+            if self._reported.get(name) != str(exc):
+                self._reported[name] = str(exc)
+                logger.error("bb_broker beat: skipping an entry: %s", exc)
+            return None
+        self._reported.pop(name, None)
+        return entry
+
+    def _send_due(self, entry: Entry) -> Entry:
+        """Deal with the entry's due slots; the entry as it now stands (its lastSlot moved on)."""
+        assert self._store is not None and self._clock is not None
+        # One `now` for the whole look: a slot that was on time when the look began is sent as such, not found
+        # missed because the catch-up before it took a moment (that made a second catch-up of one slot).
+        now = self._clock()
+        for _ in range(MAX_SLOTS_PER_LOOK):
+            due = entry.slots.next_after(entry.last_slot)
+            if due is None or due > now:
+                return entry
+            if now - due > self.missed_after:
+                reached = self._catch_up(entry, now)
+            else:
+                task_id = send_entry(self.app, entry, due, slot_key(entry.name, due), producer=self.producer)
+                job = {"slot": due, "taskId": task_id, "runNow": False}
+                reached = due if self._store.advance(entry.name, entry.last_slot, due, job=job) else None
+            if reached is not None:
+                entry.last_slot = reached
+                continue
+            # Another beat dealt with the slot first: go on from where it left the entry.
+            doc = self._store.get(entry.name)
+            fresh = self._checked(doc) if doc is not None else None
+            if fresh is None or not fresh.enabled:
+                return entry
+            entry = fresh
+        return entry
+
+    def _missed(self, entry: Entry, now: datetime) -> list[datetime]:
+        """The entry's missed slots, oldest first (an interval of a second missed for a week is 600 000 slots:
+        those past 100 * MAX_SLOTS_PER_LOOK are dealt with at the next look)."""
+        missed: list[datetime] = []
+        slot = entry.slots.next_after(entry.last_slot)
+        while slot is not None and now - slot > self.missed_after and len(missed) < 100 * MAX_SLOTS_PER_LOOK:
+            missed.append(slot)
+            slot = entry.slots.next_after(slot)
+        return missed
+
+    def _catch_up(self, entry: Entry, now: datetime) -> datetime | None:
+        """Apply the entry's catch-up policy to its missed slots: the slot the entry is now at, or None when another
+        beat moved it first."""
+        assert self._store is not None
+        missed = self._missed(entry, now)
+        if entry.catch_up == "all":
+            missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: no look is endless
+        first, last = missed[0], missed[-1]
+        record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
+        record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]
+        logger.warning(
+            "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
+            entry.name, len(missed), iso(first), iso(last), entry.catch_up, record["sent"],
+        )  # fmt: skip
+        if entry.catch_up == "none":
+            return last if self._store.advance(entry.name, entry.last_slot, last, job=None, catch_up=record) else None
+        # `once`: keyed on the first missed slot, which every beat reading this lastSlot agrees on, whatever its now.
+        sent = missed if entry.catch_up == "all" else [first]
+        at = entry.last_slot
+        for n, slot in enumerate(sent):
+            task_id = send_entry(self.app, entry, slot, slot_key(entry.name, slot), producer=self.producer)
+            job = {"slot": slot, "taskId": task_id, "runNow": False, "late": True}
+            to = slot if entry.catch_up == "all" else last
+            if not self._store.advance(entry.name, at, to, job=job, catch_up=record if n == 0 else None):
+                return None
+            at = to
+        return at
+
+
+def run_now(app: Any, store: ScheduleStore, name: str) -> str:
+    """Send one extra job of entry `name` at once (no unique key: it is no slot's), marked as such; its task id."""
+    doc = store.get(name)
+    if doc is None:
+        raise EntryError(f"no entry named {name!r}")
+    entry = parse_entry(doc)
+    now = store.now()
+    task_id = send_entry(app, entry, now, None, run_now=True)
+    store.record_run_now(name, {"slot": now, "taskId": task_id, "runNow": True})
+    return task_id

@@ -1,0 +1,199 @@
+"""The slots of a periodic entry: the moments its runs are due, a pure function of the entry, the same on every beat.
+
+A schedule is stored as a document (SCHEDULE FORMS below) and read back into Slots, whose `next_after(t)` is the
+first slot after `t` (aware, UTC). Every beat computes the same slots from the same document, whatever its clock
+says: they are compared with the server's time, and a slot's time is part of its job's unique key.
+
+- `{"every": seconds}`: slots at `anchor + k * every` (k >= 1), `anchor` being when the entry was first stored;
+  whole milliseconds, as BSON keeps dates.
+- `{"crontab": "m h dom mon dow"}`: Celery's crontab fields (day of month AND day of week must match, as Celery's),
+  in the entry's timezone. Across a DST change each local wall time runs once: one that does not exist that day
+  (the hour skipped in spring) runs when it would have with the offset before the change, i.e. an hour later by the
+  new clock; one that happens twice (the hour repeated in autumn) runs at its first occurrence only.
+- `{"solar": event, "lat": degrees, "lon": degrees}`: Celery's solar events (the `ephem` package computes them),
+  to the whole second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
+from typing import Any, Protocol
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+#: How many days ahead a crontab is searched for its next slot (February 29th on a Monday comes round in 28 years).
+CRON_SEARCH_DAYS = 366 * 29
+
+
+class ScheduleError(ValueError):
+    """A schedule, or a timezone, no slot can be computed from."""
+
+
+class Slots(Protocol):
+    def next_after(self, moment: datetime) -> datetime | None:
+        """The first slot strictly after `moment` (aware), in UTC; None when there is none."""
+
+
+def zone(name: Any) -> tzinfo:
+    """The timezone of this IANA name, or ScheduleError."""
+    if not isinstance(name, str) or not name:
+        raise ScheduleError(f"the timezone must be an IANA name such as 'Europe/Paris', got {name!r}")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ScheduleError(f"unknown timezone {name!r}") from None
+
+
+@dataclass(frozen=True)
+class Every:
+    milliseconds: int
+    anchor: datetime
+
+    def next_after(self, moment: datetime) -> datetime:
+        elapsed = (moment - self.anchor) // timedelta(milliseconds=1)
+        k = max(elapsed // self.milliseconds + 1, 1)
+        return self.anchor + timedelta(milliseconds=k * self.milliseconds)
+
+
+@dataclass(frozen=True)
+class Cron:
+    minutes: tuple[int, ...]
+    hours: tuple[int, ...]
+    days_of_week: frozenset[int]  # 0 is Sunday, as in Celery
+    days_of_month: frozenset[int]
+    months: frozenset[int]
+    tz: tzinfo
+
+    def _matches(self, day: date) -> bool:
+        return day.month in self.months and day.day in self.days_of_month and day.isoweekday() % 7 in self.days_of_week
+
+    def _on(self, day: date) -> list[datetime]:
+        # Converted one by one: a time in a skipped hour maps later than the hour after it (see the module's doc).
+        return [
+            datetime.combine(day, time(hour, minute), self.tz).astimezone(UTC)
+            for hour in self.hours
+            for minute in self.minutes
+        ]
+
+    def next_after(self, moment: datetime) -> datetime | None:
+        day = moment.astimezone(self.tz).date() - timedelta(days=1)  # the day before may end after `moment` in UTC
+        for _ in range(CRON_SEARCH_DAYS):
+            if self._matches(day):
+                later = [slot for slot in self._on(day) if slot > moment]
+                if later:
+                    following = day + timedelta(days=1)  # a skipped time of `day` may map past its next day's first
+                    if self._matches(following):
+                        later += self._on(following)
+                    return min(later)
+            day += timedelta(days=1)
+        return None
+
+
+@dataclass(frozen=True)
+class Solar:
+    event: str
+    lat: float
+    lon: float
+    _celery: Any  # celery.schedules.solar, which holds the ephem observer
+
+    def next_after(self, moment: datetime) -> datetime | None:
+        ephem = self._celery.ephem
+        start = ephem.Date(moment.astimezone(UTC).replace(tzinfo=None) + timedelta(seconds=1))
+        self._celery.cal.date = start
+        found = self._celery._next_event(start)
+        if found == start:  # no such event within Celery's search (a polar night): checked again then
+            return None
+        slot = found.datetime().replace(tzinfo=UTC)
+        return slot.replace(microsecond=0) + (timedelta(seconds=1) if slot.microsecond >= 500_000 else timedelta())
+
+
+def cron_text(celery_crontab: Any) -> str:
+    """A Celery crontab as the five fields of `{"crontab": ...}` (minute hour day-of-month month day-of-week)."""
+
+    def field(value: Any) -> str:
+        if isinstance(value, (set, frozenset, list, tuple, range)):
+            return ",".join(str(v) for v in sorted(value))
+        return str(value)
+
+    parts = (
+        celery_crontab._orig_minute,
+        celery_crontab._orig_hour,
+        celery_crontab._orig_day_of_month,
+        celery_crontab._orig_month_of_year,
+        celery_crontab._orig_day_of_week,
+    )
+    return " ".join(field(part) for part in parts)
+
+
+def schedule_document(schedule: Any) -> dict[str, Any]:
+    """The stored form of what Celery accepts as an entry's `schedule`: seconds, a timedelta, or a Celery schedule,
+    crontab or solar."""
+    from celery import schedules
+
+    if isinstance(schedule, schedules.crontab):
+        return {"crontab": cron_text(schedule)}
+    if isinstance(schedule, schedules.solar):
+        return {"solar": schedule.event, "lat": schedule.lat, "lon": schedule.lon}
+    if isinstance(schedule, schedules.schedule):
+        return {"every": schedule.run_every.total_seconds()}
+    if isinstance(schedule, timedelta):
+        return {"every": schedule.total_seconds()}
+    if isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
+        return {"every": float(schedule)}
+    raise ScheduleError(f"a schedule must be seconds, a timedelta, a crontab or a solar, not {type(schedule).__name__}")
+
+
+def slots_of(schedule: Any, *, timezone: str, anchor: datetime | None) -> Slots:
+    """The Slots of a stored schedule document, or ScheduleError saying what is wrong with it."""
+    if not isinstance(schedule, dict) or len({"every", "crontab", "solar"} & set(schedule)) != 1:
+        raise ScheduleError(f"a schedule must have one of every, crontab or solar, got {schedule!r}"[:300])
+    tz = zone(timezone)
+    if "every" in schedule:
+        seconds = schedule["every"]
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0.001:
+            raise ScheduleError(f"every must be a number of seconds, at least 0.001, got {seconds!r}")
+        if not isinstance(anchor, datetime):
+            raise ScheduleError(f"an interval entry needs its anchor date, got {anchor!r}")
+        return Every(round(seconds * 1000), anchor if anchor.tzinfo else anchor.replace(tzinfo=UTC))
+    if "crontab" in schedule:
+        return _cron(schedule["crontab"], tz)
+    return _solar(schedule)
+
+
+def _cron(text: Any, tz: tzinfo) -> Cron:
+    from celery.schedules import crontab
+
+    if not isinstance(text, str):
+        raise ScheduleError(f"a crontab must be text such as '*/5 * * * *', got {text!r}")
+    fields = text.split()
+    if len(fields) != 5:
+        raise ScheduleError(f"a crontab has 5 fields (minute hour day-of-month month day-of-week), got {text!r}")
+    minute, hour, day_of_month, month, day_of_week = fields
+    try:
+        parsed = crontab(minute, hour, day_of_week, day_of_month, month)
+    except Exception as exc:  # Celery's parser raises ValueError and its own ParseException
+        raise ScheduleError(f"invalid crontab {text!r}: {exc}") from None
+    return Cron(
+        tuple(sorted(parsed.minute)),
+        tuple(sorted(parsed.hour)),
+        frozenset(parsed.day_of_week),
+        frozenset(parsed.day_of_month),
+        frozenset(parsed.month_of_year),
+        tz,
+    )
+
+
+def _solar(schedule: dict[str, Any]) -> Solar:
+    from celery.exceptions import ImproperlyConfigured
+    from celery.schedules import solar
+
+    event, lat, lon = schedule.get("solar"), schedule.get("lat"), schedule.get("lon")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lat, lon)):
+        raise ScheduleError(f"a solar schedule needs lat and lon in degrees, got {lat!r}, {lon!r}")
+    try:
+        celery_solar = solar(event, lat, lon)
+    except ImproperlyConfigured:
+        raise ScheduleError("solar schedules need the ephem package (pip install ephem)") from None
+    except (ValueError, TypeError) as exc:
+        raise ScheduleError(f"invalid solar schedule: {exc}") from None
+    return Solar(event, float(lat), float(lon), celery_solar)

@@ -1,0 +1,208 @@
+"""`bb-broker schedules`: the periodic entries of bb_broker.beat, listed, added, run now, disabled, removed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, NoReturn
+
+import click
+
+# pymongo and Celery are imported by the commands that use them: `--help` answers at once.
+
+
+def schedules_commands(
+    broker_option: Callable[[Any], Any],
+    jobs: Callable[[str, str], AbstractContextManager[Any]],
+    fail: Callable[[str], NoReturn],
+    operator: Callable[[], str],
+) -> click.Group:
+    """The `schedules` group, made with the CLI's own `--broker` option, job store context and error exit."""
+
+    @click.group(invoke_without_command=True)
+    @broker_option
+    @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+    @click.pass_context
+    def schedules(ctx: click.Context, broker: str, as_json: bool) -> None:
+        """The periodic entries (celery beat -S bb_broker.beat:JobScheduler): schedule, next slot, last job."""
+        ctx.obj = broker
+        if ctx.invoked_subcommand is not None:
+            return
+        from bb_broker.beat.overview import describe
+
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            rows = [describe(doc, db) for doc in db.bb_schedules.find({}).sort("_id", 1)]
+        _print_entries(rows, as_json=as_json)
+
+    @schedules.command(name="run-now")
+    @click.argument("name")
+    @click.pass_obj
+    def run_now(broker: str, name: str) -> None:
+        """Send one extra job of the entry now (marked "run now"; no slot is used up)."""
+        from celery import Celery
+
+        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.beat.scheduler import run_now as send_now
+        from bb_broker.clock import ServerClock
+
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            app = Celery("bb-broker", broker=broker, set_as_current=False)
+            try:
+                task_id = send_now(app, ScheduleStore(db, ServerClock.of(db)), name)
+            except EntryError as exc:
+                fail(f"run-now: {exc}")
+            finally:
+                app.close()
+        click.echo(f"sent {name} now: task id {task_id}")
+
+    def _set_enabled(broker: str, name: str, enabled: bool) -> None:
+        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.clock import ServerClock
+
+        command = "enable" if enabled else "disable"
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            try:
+                ScheduleStore(db, ServerClock.of(db)).set_enabled(name, enabled, by=operator())
+            except EntryError as exc:
+                fail(f"{command}: {exc}")
+        click.echo(f"{command}d {name}")
+
+    @schedules.command()
+    @click.argument("name")
+    @click.pass_obj
+    def disable(broker: str, name: str) -> None:
+        """Stop sending the entry's slots (every beat, without a restart)."""
+        _set_enabled(broker, name, False)
+
+    @schedules.command()
+    @click.argument("name")
+    @click.pass_obj
+    def enable(broker: str, name: str) -> None:
+        """Send the entry's slots again, from now on (the slots it skipped are not caught up)."""
+        _set_enabled(broker, name, True)
+
+    @schedules.command()
+    @click.argument("name")
+    @click.argument("task")
+    @click.option("--every", type=float, help="Seconds between slots.")
+    @click.option("--crontab", "cron", help='Five crontab fields, e.g. "0 3 * * *" (minute hour dom month dow).')
+    @click.option("--timezone", default="UTC", show_default=True, help="Where the crontab's fields are read (IANA).")
+    @click.option("--catch-up", type=click.Choice(["once", "all", "none"]), default="once", show_default=True)
+    @click.option("--args", "args_json", default="[]", help="The task's args, as a JSON list.")
+    @click.option("--kwargs", "kwargs_json", default="{}", help="The task's kwargs, as a JSON object.")
+    @click.option("--queue", help="The queue its jobs go to.")
+    @click.option("-A", "--app", "app_name", help="A Celery app whose tasks the task name is checked against.")
+    @click.pass_obj
+    def add(
+        broker: str,
+        name: str,
+        task: str,
+        every: float | None,
+        cron: str | None,
+        timezone: str,
+        catch_up: str,
+        args_json: str,
+        kwargs_json: str,
+        queue: str | None,
+        app_name: str | None,
+    ) -> None:
+        """Add an entry at run time (every beat picks it up without a restart)."""
+        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.clock import ServerClock
+
+        schedule = _schedule_of(every, cron, fail)
+        args, kwargs = _json_arguments(args_json, kwargs_json, fail)
+        known_tasks = _tasks_of(app_name) if app_name else None
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            try:
+                ScheduleStore(db, ServerClock.of(db)).add(
+                    name,
+                    task,
+                    schedule,
+                    timezone=timezone,
+                    catch_up=catch_up,
+                    args=args,
+                    kwargs=kwargs,
+                    options={"queue": queue} if queue else {},
+                    known_tasks=known_tasks,
+                )
+            except EntryError as exc:
+                fail(f"add: {exc}")
+        click.echo(f"added {name}")
+
+    @schedules.command()
+    @click.argument("name")
+    @click.pass_obj
+    def remove(broker: str, name: str) -> None:
+        """Remove an entry (one from beat_schedule comes back at the next beat's start)."""
+        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.clock import ServerClock
+
+        with jobs(broker, "jobs") as store:
+            db = store.coll.database
+            try:
+                ScheduleStore(db, ServerClock.of(db)).remove(name)
+            except EntryError as exc:
+                fail(f"remove: {exc}")
+        click.echo(f"removed {name}")
+
+    return schedules
+
+
+def _print_entries(rows: list[dict[str, Any]], *, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(rows, default=_as_json))
+        return
+    if not rows:
+        click.echo("no periodic entries")
+    for row in rows:
+        click.echo("\n".join(_entry_lines(row)))
+
+
+def _entry_lines(row: dict[str, Any]) -> list[str]:
+    """One entry as `bb-broker schedules` prints it: a line, and a second when beat skips it."""
+    state = "enabled" if row["enabled"] else "disabled"
+    next_slot = row["nextSlot"].isoformat(timespec="seconds") if row["nextSlot"] else "-"
+    last = "-"
+    if row["lastTaskId"]:
+        marked = " (run now)" if row["lastRunNow"] else ""
+        last = f"{row['lastTaskId']} {row['lastStatus']}{marked}"
+    lines = [
+        f"{row['name']}: {row['task']} {row['schedule']} [{row['timezone']}] {state}, "
+        f"catch-up {row['catchUp']}, runs {row['runCount']}, next {next_slot}, last {last}"
+    ]
+    if row["problem"]:
+        lines.append(f"  skipped by beat: {row['problem']}")
+    return lines
+
+
+def _tasks_of(app_name: str) -> Any:
+    """The registered tasks of the Celery app `-A` names, its task modules imported."""
+    from celery.app.utils import find_app
+
+    app = find_app(app_name)
+    app.loader.import_default_modules()
+    return app.tasks
+
+
+def _as_json(value: Any) -> str:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+def _schedule_of(every: float | None, cron: str | None, fail: Callable[[str], NoReturn]) -> dict[str, Any]:
+    """The entry's schedule from `add`'s options: exactly one of --every and --crontab."""
+    if (every is None) == (cron is None):
+        fail("add: give one of --every or --crontab")
+    return {"every": every} if every is not None else {"crontab": cron}
+
+
+def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[[str], NoReturn]) -> tuple[Any, Any]:
+    try:
+        return json.loads(args_json), json.loads(kwargs_json)
+    except ValueError as exc:
+        fail(f"add: --args and --kwargs are JSON: {exc}")

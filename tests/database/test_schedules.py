@@ -1,0 +1,210 @@
+"""The `bb_schedules` entries: bad input refused with nothing written, beat_schedule synced, the CLI's commands."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from celery import Celery
+from celery.schedules import crontab
+from pymongo.database import Database
+
+from bb_broker.beat import EntryError, JobScheduler, ScheduleStore
+from bb_broker.clock import ServerClock
+from tests.support.workers import ROOT
+
+
+@pytest.fixture
+def store(db: Database) -> ScheduleStore:
+    return ScheduleStore(db, ServerClock(db))
+
+
+@pytest.fixture
+def beat_app(broker_url: str) -> Iterator[Celery]:
+    app = Celery("beat_test", broker=broker_url, set_as_current=False)
+
+    @app.task(name="reports.nightly", shared=False)
+    def nightly() -> None:
+        pass
+
+    yield app
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("task", "schedule", "how", "message"),
+    [
+        ("reports.nightly", {"crontab": "0 25 * * *"}, {}, "invalid crontab '0 25"),
+        ("reports.nightly", crontab(minute="*/5"), {"timezone": "Mars/Olympus"}, "unknown timezone 'Mars/Olympus'"),
+        ("reports.nope", 60, {}, "unknown task 'reports.nope'"),
+        ("reports.nightly", 60, {"catch_up": "twice"}, "catchUp must be one of once, all, none"),
+        ("reports.nightly", 60, {"options": {"priority": 300}}, "option priority must be 0 to 255"),
+        ("reports.nightly", "daily", {}, "a schedule must be seconds, a timedelta, a crontab or a solar"),
+    ],
+)
+def test_an_entry_that_cannot_be_scheduled_is_refused_and_nothing_written(
+    store: ScheduleStore, beat_app: Celery, db: Database, task, schedule, how, message
+) -> None:
+    with pytest.raises(EntryError, match=message):
+        store.add("nightly", task, schedule, known_tasks=beat_app.tasks, **how)
+    assert db.bb_schedules.count_documents({}) == 0
+
+
+def test_a_name_too_long_for_a_unique_key_is_refused(store: ScheduleStore, db: Database) -> None:
+    with pytest.raises(EntryError, match="an entry's name must be a string of 1 to 200 characters"):
+        store.add("n" * 201, "reports.nightly", 60)
+    assert db.bb_schedules.count_documents({}) == 0
+    store.add("n" * 200, "reports.nightly", 60)  # its keys fit: beat:<200>:<29-character time>
+
+
+def test_a_duplicate_entry_name_is_refused_and_the_first_kept(store: ScheduleStore, db: Database) -> None:
+    store.add("nightly", "reports.nightly", crontab(hour=3, minute=0))
+    with pytest.raises(EntryError, match="an entry named 'nightly' exists already"):
+        store.add("nightly", "reports.other", 60)
+    assert db.bb_schedules.find_one({"_id": "nightly"})["schedule"] == {"crontab": "0 3 * * *"}
+
+
+def test_beat_schedule_is_synced_as_configuration_and_a_bad_entry_left_out(
+    beat_app: Celery, store: ScheduleStore, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.add("operator-added", "reports.nightly", 30)
+    beat_app.conf.timezone = "Europe/Paris"
+    beat_app.conf.beat_schedule = {
+        "nightly": {"task": "reports.nightly", "schedule": crontab(hour=3, minute=0), "catch_up": "none"},
+        "bad-cron": {"task": "reports.nightly", "schedule": {"crontab": "every day"}},
+        "bad-task": {"task": "reports.nope", "schedule": 10},
+        "operator-added": {"task": "reports.nightly", "schedule": 5},
+    }
+    beat_app.add_periodic_task(15.0, beat_app.tasks["reports.nightly"].s(), name="quarter-minute")
+    with caplog.at_level(logging.ERROR):
+        JobScheduler(beat_app)
+    names = sorted(doc["_id"] for doc in db.bb_schedules.find({"owner": "config"}))
+    assert names == ["nightly", "quarter-minute"]
+    nightly = db.bb_schedules.find_one({"_id": "nightly"})
+    assert (nightly["timezone"], nightly["catchUp"], nightly["enabled"]) == ("Europe/Paris", "none", True)
+    assert db.bb_schedules.find_one({"_id": "operator-added"})["schedule"] == {"every": 30.0}
+    logged = caplog.text
+    assert "'bad-cron' is not scheduled: entry 'bad-cron': a crontab has 5 fields" in logged
+    assert "'bad-task' is not scheduled: entry 'bad-task': unknown task 'reports.nope'" in logged
+    assert "an entry added at run time has that name" in logged
+    # an entry removed from the configuration goes at the next start; the operator's disabling is kept
+    store.set_enabled("quarter-minute", False)
+    beat_app.conf.beat_schedule = {"quarter-minute": beat_app.conf.beat_schedule["quarter-minute"]}
+    JobScheduler(beat_app)
+    assert sorted(doc["_id"] for doc in db.bb_schedules.find()) == ["operator-added", "quarter-minute"]
+    assert db.bb_schedules.find_one({"_id": "quarter-minute"})["enabled"] is False
+
+
+def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, *args]
+    env = {**os.environ, "BB_BROKER_URL": broker_url}  # read by tests/support/e2e_app.py, the app `-A` names
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_cli_lists_runs_now_disables_and_enables_an_entry(
+    broker_url: str, store: ScheduleStore, db: Database
+) -> None:
+    store.add("nightly", "reports.nightly", {"crontab": "0 3 * * *"}, timezone="Europe/Paris", catch_up="all")
+    listed = cli(broker_url)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith(
+        "nightly: reports.nightly crontab 0 3 * * * [Europe/Paris] enabled, catch-up all, runs 0, next "
+    )
+    ran = cli(broker_url, "run-now", "nightly")
+    assert ran.returncode == 0, ran.stderr
+    task_id = ran.stdout.strip().rpartition(" ")[2]
+    job = db.jobs.find_one({"taskId": task_id})
+    assert job["kind"] == "reports.nightly" and "uniqueKey" not in job
+    assert job["payload"]["headers"]["bb_beat_run_now"] is True
+    assert job["payload"]["headers"]["bb_beat_entry"] == "nightly"
+    rows = json.loads(cli(broker_url, "--json").stdout)
+    assert (rows[0]["lastTaskId"], rows[0]["lastRunNow"], rows[0]["lastStatus"]) == (task_id, True, "queued")
+    assert cli(broker_url, "disable", "nightly").stdout == "disabled nightly\n"
+    assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is False
+    assert "disabled" in cli(broker_url).stdout
+    assert cli(broker_url, "enable", "nightly").stdout == "enabled nightly\n"
+    assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is True
+    missing = cli(broker_url, "disable", "weekly")
+    assert (missing.returncode, missing.stderr) == (1, "bb-broker: disable: no entry named 'weekly'\n")
+
+
+def test_celery_beat_finds_the_scheduler_by_its_alias_bbmongo(beat_app: Celery) -> None:
+    from celery.beat import Service
+
+    assert isinstance(Service(beat_app, scheduler_cls="bbmongo").get_scheduler(lazy=True), JobScheduler)
+
+
+def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing(broker_url: str, db: Database) -> None:
+    added = cli(broker_url, "add", "hourly", "tests.support.e2e_app.add", "--crontab", "0 * * * *", "--timezone",
+                "America/New_York", "--catch-up", "none", "--args", "[1, 2]", "--queue", "reports")  # fmt: skip
+    assert (added.returncode, added.stdout) == (0, "added hourly\n"), added.stderr
+    doc = db.bb_schedules.find_one({"_id": "hourly"})
+    assert (doc["schedule"], doc["timezone"], doc["catchUp"], doc["args"], doc["options"], doc["owner"]) == (
+        {"crontab": "0 * * * *"}, "America/New_York", "none", [1, 2], {"queue": "reports"}, "runtime",
+    )  # fmt: skip
+    refusals = {
+        ("add", "hourly", "tests.support.e2e_app.add", "--every", "5"): "add: an entry named 'hourly' exists already",
+        ("add", "bad", "tests.support.e2e_app.add", "--crontab", "0 9 * *"): "add: entry 'bad': a crontab has 5 fields",
+        ("add", "bad", "tests.support.e2e_app.add", "--every", "5", "--timezone", "Nowhere/City"): "unknown timezone",
+        (
+            "add",
+            "bad",
+            "tests.support.e2e_app.nope",
+            "--every",
+            "5",
+            "-A",
+            "tests.support.e2e_app",
+        ): "unknown task 'tests.support.e2e_app.no",
+        ("add", "bad", "tests.support.e2e_app.add"): "add: give one of --every or --crontab",
+    }
+    for args, message in refusals.items():
+        refused = cli(broker_url, *args)
+        assert refused.returncode == 1 and message in refused.stderr, (args, refused.stderr)
+    assert [doc["_id"] for doc in db.bb_schedules.find()] == ["hourly"]
+    assert cli(broker_url, "remove", "hourly").stdout == "removed hourly\n"
+    assert db.bb_schedules.count_documents({}) == 0
+
+
+def test_catch_up_all_sends_a_bounded_number_of_slots_a_look_and_the_rest_at_the_next(
+    beat_app: Celery, store: ScheduleStore, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bb_broker.beat import scheduler as beat_scheduler
+
+    monkeypatch.setattr(beat_scheduler, "MAX_SLOTS_PER_LOOK", 50)  # 1000 in use: the same logic, a quicker test
+    scheduler = JobScheduler(beat_app)
+    store.add("busy", "reports.nightly", 1.0, catch_up="all")
+    # as if every beat had been down for 120 slots
+    back = db.bb_schedules.find_one({"_id": "busy"})["anchor"] - timedelta(seconds=120)
+    db.bb_schedules.update_one({"_id": "busy"}, {"$set": {"anchor": back, "lastSlot": back}})
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "busy"})
+    looks = entry["catchUps"]
+    assert [(look["missed"], look["sent"]) for look in looks[:2]] == [(50, 50), (50, 50)]
+    assert looks[1]["from"] == looks[0]["to"] + timedelta(seconds=1)
+    slots = [job["uniqueKey"] for job in db.jobs.find({"uniqueKey": {"$regex": "^beat:busy:"}})]
+    assert len(slots) == len(set(slots)) == entry["runCount"] >= 110
+
+
+def test_one_downtime_is_one_catch_up_however_long_the_look_takes(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    scheduler = JobScheduler(beat_app)  # slots missed after 10 s
+    store.add("late", "reports.nightly", 1.0)  # catch-up once
+    back = db.bb_schedules.find_one({"_id": "late"})["anchor"] - timedelta(seconds=30)
+    db.bb_schedules.update_one({"_id": "late"}, {"$set": {"anchor": back, "lastSlot": back}})
+    server_clock = scheduler._clock
+    readings = iter(range(1000))
+    # A slow look, as on a loaded machine: each reading of the clock 1.5 s after the one before.
+    scheduler._clock = lambda: server_clock() + timedelta(seconds=1.5 * next(readings))
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "late"})
+    (catch_up,) = entry["catchUps"]
+    assert catch_up["missed"] >= 19 and catch_up["sent"] == 1
+    slots = sorted(job["uniqueKey"] for job in db.jobs.find({"uniqueKey": {"$regex": "^beat:late:"}}))
+    assert len(slots) == entry["runCount"] >= 10  # the catch-up's job and each slot on time when the look began

@@ -1,0 +1,286 @@
+"""Real `celery beat` processes on bb_broker.beat: exactly one job per slot, however many beats, crashes, clocks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo.database import Database
+
+from bb_broker.beat import ScheduleStore
+from bb_broker.clock import ServerClock
+from tests.support.workers import ROOT, STARTED, wait_for
+
+ENTRY = "every-second"
+TICK = {ENTRY: {"task": "tests.support.e2e_app.add", "schedule": 1.0, "args": [1, 2]}}
+
+
+def skewed_clock_env(offset: str) -> dict[str, str]:
+    """libfaketime (the PyPI wheel ships the library) moves the process's wall clock by `offset` (as in
+    tests/faults/test_faults.py's clock tests)."""
+    import libfaketime
+
+    library = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    return {"LD_PRELOAD": str(library), "FAKETIME": offset, "DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+
+
+class Beat:
+    """A `celery beat -S bb_broker.beat:JobScheduler` process on tests/support/beat_app.py."""
+
+    def __init__(
+        self, broker_url: str, log_dir: Path, name: str, schedule: dict[str, Any], env: dict[str, str] | None = None
+    ) -> None:
+        self.log_path = log_dir / f"beat-{name}.log"
+        self.name = name
+        self.argv = [
+            sys.executable, "-m", "celery", "-A", "tests.support.beat_app", "beat", "-S", "bb_broker.beat:JobScheduler",
+            "--loglevel", "INFO", "-s", str(log_dir / f"unused-schedule-{name}"),
+        ]  # fmt: skip
+        self.env = {
+            **os.environ,
+            "BB_BROKER_URL": broker_url,
+            "BB_BEAT_SCHEDULE": json.dumps(schedule),
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Beat:
+        STARTED.append(self)  # conftest kills it after the test, whatever happened
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the beat writes to it for its whole life)
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_for(
+            lambda: self.process.poll() is not None or "entries synced" in self.log(), 60, f"beat {self.name} started"
+        )
+        assert self.process.poll() is None, f"beat {self.name} exited:\n{self.log()[-3000:]}"
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+
+@pytest.fixture
+def beat_factory(broker_url: str, tmp_path: Path, request: pytest.FixtureRequest):
+    started: list[Beat] = []
+
+    def make(schedule: dict[str, Any] = TICK, env: dict[str, str] | None = None) -> Beat:
+        beat = Beat(broker_url, tmp_path, f"b{len(started)}", schedule, env)
+        started.append(beat)
+        return beat.start()
+
+    yield make
+    for beat in started:
+        beat.kill()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for beat in started:
+            print(f"----- {beat.log_path.name} (last lines) -----\n{beat.log()[-4000:]}")
+
+
+def slot_jobs(db: Database, name: str = ENTRY) -> list[dict[str, Any]]:
+    """The jobs the entry's slots made (not "run now"), oldest slot first, each with its `slot` as a date."""
+    jobs = list(db.jobs.find({"uniqueKey": {"$regex": f"^beat:{name}:"}}))
+    for job in jobs:
+        job["slot"] = datetime.fromisoformat(job["uniqueKey"].removeprefix(f"beat:{name}:"))
+    return sorted(jobs, key=lambda job: job["slot"])
+
+
+def assert_one_job_per_slot(jobs: list[dict[str, Any]], every: timedelta = timedelta(seconds=1)) -> None:
+    slots = [job["slot"] for job in jobs]
+    assert len(set(slots)) == len(slots), "two jobs for one slot"
+    gaps = [(a, b) for a, b in zip(slots, slots[1:], strict=False) if b - a != every]
+    assert not gaps, f"slots missed between {gaps}"
+
+
+def delay(job: dict[str, Any]) -> float:
+    """Seconds from the slot's time to its job's insert, both on the server's clock."""
+    return (job["createdAt"].replace(tzinfo=UTC) - job["slot"]).total_seconds()
+
+
+def origin_pid(job: dict[str, Any]) -> int:
+    # Celery's `origin` header, gen<pid>@host, names the process that sent the message.
+    return int(job["payload"]["headers"]["origin"].removeprefix("gen").partition("@")[0])
+
+
+def test_three_then_two_beats_make_one_job_per_slot_and_a_kill_costs_no_slot(beat_factory, db: Database) -> None:
+    beats = [beat_factory() for _ in range(3)]
+    wait_for(lambda: len(slot_jobs(db)) >= 60, 120, "60 slots with three beats")
+    jobs = slot_jobs(db)
+    assert_one_job_per_slot(jobs)
+    senders = {origin_pid(job) for job in jobs}
+    assert senders <= {beat.process.pid for beat in beats}
+    last = jobs[-1]
+    victim = next(beat for beat in beats if beat.process.pid == origin_pid(last))
+    victim.kill()
+    killed_at = last["slot"]
+    wait_for(lambda: len(slot_jobs(db)) >= len(jobs) + 20, 60, "20 more slots with two beats")
+    jobs = slot_jobs(db)
+    assert_one_job_per_slot(jobs)
+    after = [job for job in jobs if job["slot"] > killed_at]
+    assert len(jobs) >= 80 and len(after) >= 20
+    assert victim.process.pid not in {origin_pid(job) for job in after}
+    worst = max(delay(job) for job in after)
+    print(f"largest delay after the kill: {worst:.3f} s; overall {max(delay(job) for job in jobs):.3f} s")
+    assert worst < 1.0, "a slot after the kill was late by a whole slot"
+    entry = db.bb_schedules.find_one({"_id": ENTRY})
+    assert entry["runCount"] == len(jobs) and entry["lastSlot"].replace(tzinfo=UTC) == jobs[-1]["slot"]
+
+
+def test_beats_with_clocks_30_s_ahead_and_behind_send_each_slot_once_at_the_servers_time(
+    beat_factory, db: Database
+) -> None:
+    beat_factory(env=skewed_clock_env("+30s"))
+    beat_factory(env=skewed_clock_env("-30s"))
+    wait_for(lambda: len(slot_jobs(db)) >= 15, 60, "15 slots")
+    jobs = slot_jobs(db)
+    assert_one_job_per_slot(jobs)
+    assert all(0 <= delay(job) < 1.0 for job in jobs), [delay(job) for job in jobs]
+    now = ServerClock(db)()
+    assert abs((now - jobs[-1]["slot"]).total_seconds()) < 3, "the slots follow the server's clock"
+
+
+@pytest.mark.parametrize(("policy", "sent"), [("once", 1), ("all", None), ("none", 0)])
+def test_after_every_beat_was_down_the_missed_slots_follow_the_entrys_policy(
+    beat_factory, db: Database, policy: str, sent: int | None
+) -> None:
+    schedule = {ENTRY: {**TICK[ENTRY], "catch_up": policy}}
+    env = {"BB_BEAT_MISSED_AFTER": "2"}
+    beat = beat_factory(schedule, env)
+    wait_for(lambda: len(slot_jobs(db)) >= 3, 30, "3 slots")
+    beat.kill()
+    stopped_at = db.bb_schedules.find_one({"_id": ENTRY})["lastSlot"].replace(tzinfo=UTC)
+    clock = ServerClock(db)
+    wait_for(lambda: clock() > stopped_at + timedelta(seconds=7.5), 30, "7 slots without a beat")
+    beat_factory(schedule, env)
+    catch_up = wait_for(lambda: (db.bb_schedules.find_one({"_id": ENTRY}).get("catchUps") or [None])[-1], 30)
+    to = catch_up["to"].replace(tzinfo=UTC)
+    wait_for(lambda: slot_jobs(db)[-1]["slot"] >= to + timedelta(seconds=3), 30, "3 slots after the catch-up")
+    assert db.bb_schedules.find_one({"_id": ENTRY})["catchUps"] == [catch_up], "one catch-up for one downtime"
+    assert catch_up["policy"] == policy and catch_up["missed"] >= 5
+    assert catch_up["from"].replace(tzinfo=UTC) == stopped_at + timedelta(seconds=1)
+    jobs = slot_jobs(db)
+    before = [job for job in jobs if job["slot"] <= stopped_at]
+    missed = [job for job in jobs if stopped_at < job["slot"] <= to]
+    after = [job for job in jobs if job["slot"] > to]
+    assert_one_job_per_slot(before)
+    assert_one_job_per_slot(after)
+    assert after[0]["slot"] == to + timedelta(seconds=1)
+    expected = catch_up["missed"] if sent is None else sent
+    assert len(missed) == expected == catch_up["sent"]
+    if policy == "once":
+        assert missed[0]["slot"] == stopped_at + timedelta(seconds=1)
+    if policy == "all":
+        assert_one_job_per_slot(missed)
+    entry = db.bb_schedules.find_one({"_id": ENTRY})
+    assert entry["runCount"] == len(jobs)
+
+
+def test_a_nonsense_entry_is_skipped_and_logged_while_the_others_keep_running(
+    beat_factory, db: Database, broker_url: str
+) -> None:
+    store = ScheduleStore(db, ServerClock(db))
+    store.add("unknown-task", "tests.support.e2e_app.no_such_task", 1.0)
+    beat = beat_factory()
+    store.add("edited", "tests.support.e2e_app.add", 1.0, args=[3, 4])
+    db.bb_schedules.update_one({"_id": "edited"}, {"$set": {"schedule": {"every": "soon"}}})
+    wait_for(lambda: len(slot_jobs(db)) >= 5, 30, "5 slots of the good entry")
+    wait_for(lambda: "entry 'edited': every must be a number" in beat.log(), 30, "the edited entry logged")
+    assert "unknown task 'tests.support.e2e_app.no_such_task'" in beat.log()
+    assert slot_jobs(db, "edited") == [] and slot_jobs(db, "unknown-task") == []
+    assert beat.log().count("entry 'edited': every must be a number") == 1, "logged once, not at every look"
+    assert_one_job_per_slot(slot_jobs(db))
+    # repaired at run time, it runs without a restart
+    db.bb_schedules.update_one({"_id": "edited"}, {"$set": {"schedule": {"every": 1.0}}})
+    wait_for(lambda: len(slot_jobs(db, "edited")) >= 2, 30, "the repaired entry's slots")
+
+
+def test_the_server_stopped_20_s_under_two_beats_makes_no_duplicate_and_the_policy_covers_the_gap(
+    own_server, tmp_path: Path
+) -> None:
+    from pymongo import MongoClient
+
+    from tests.support.servers import with_database
+
+    broker_url = with_database(own_server.url, "beat_outage")
+    env = {"BB_BEAT_MISSED_AFTER": "2"}
+    beats = [Beat(broker_url, tmp_path, f"b{n}", TICK, env).start() for n in range(2)]
+    client: MongoClient = MongoClient(own_server.url, tz_aware=True)
+    db = client.beat_outage
+    try:
+        wait_for(lambda: len(slot_jobs(db)) >= 5, 30, "5 slots")
+        own_server.stop()
+        outage_ends = time.monotonic() + 20
+        wait_for(lambda: time.monotonic() > outage_ends, 30, "20 s of outage")
+        own_server.start()
+        catch_up = wait_for(lambda: (db.bb_schedules.find_one({"_id": ENTRY}).get("catchUps") or [None])[-1], 60)
+        to = catch_up["to"].replace(tzinfo=UTC)
+        wait_for(lambda: slot_jobs(db)[-1]["slot"] >= to + timedelta(seconds=3), 30, "3 slots after the catch-up")
+        jobs = slot_jobs(db)
+        ranges = [(c["from"].replace(tzinfo=UTC), c["to"].replace(tzinfo=UTC)) for c in db.bb_schedules.find_one(
+            {"_id": ENTRY})["catchUps"]]  # fmt: skip
+        for first, last in ranges:
+            inside = [job for job in jobs if first <= job["slot"] <= last]
+            assert [job["slot"] for job in inside] == [first], "catch-up once: one job, for the first missed slot"
+        outside = [job for job in jobs if not any(first <= job["slot"] <= last for first, last in ranges)]
+        assert len({job["slot"] for job in outside}) == len(outside)
+        assert catch_up["missed"] >= 10
+        assert db.bb_schedules.find_one({"_id": ENTRY})["runCount"] == len(jobs)
+    finally:
+        client.close()
+        for beat in beats:
+            beat.kill()
+
+
+def test_entries_added_disabled_enabled_changed_and_removed_at_run_time_take_effect_without_a_restart(
+    beat_factory, db: Database, broker_url: str
+) -> None:
+    beat_factory()
+    store = ScheduleStore(db, ServerClock(db))
+    store.add("other", "tests.support.e2e_app.add", 1.0, args=[5, 5])
+    wait_for(lambda: len(slot_jobs(db, "other")) >= 2, 30, "the added entry's slots")
+
+    def ticks_after(n: int) -> Any:
+        seen = len(slot_jobs(db))
+        return lambda: len(slot_jobs(db)) >= seen + n
+
+    disabled = subprocess.run(
+        [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, "disable", "other"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert disabled.stdout == "disabled other\n"
+    # A look that began before the change may still send it once; the second slot's look began after.
+    wait_for(ticks_after(2), 30, "two slots of the enabled entry")
+    stopped = len(slot_jobs(db, "other"))
+    wait_for(ticks_after(3), 30, "3 more slots of the enabled entry")
+    assert len(slot_jobs(db, "other")) == stopped, "a disabled entry sent a job"
+
+    store.set_enabled("other", True)
+    store.change("other", schedule={"every": 2.0})
+    wait_for(lambda: len(slot_jobs(db, "other")) >= stopped + 3, 30, "the re-enabled entry's slots")
+    recent = slot_jobs(db, "other")[stopped:]
+    assert_one_job_per_slot(recent, every=timedelta(seconds=2))
+
+    store.remove("other")
+    wait_for(ticks_after(2), 30, "two slots after the removal")
+    gone = len(slot_jobs(db, "other"))
+    wait_for(ticks_after(3), 30, "3 more slots")
+    assert len(slot_jobs(db, "other")) == gone
+    assert_one_job_per_slot(slot_jobs(db))
