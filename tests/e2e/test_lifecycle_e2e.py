@@ -48,9 +48,11 @@ def test_success_failure_backoff_and_final_attempt(app, db, worker_factory) -> N
     failed = wait_for(settled(db, doomed, "failed"), message="always_fails failed")
     assert failed["attempts"] == 3 and failed["lastError"] == "ValueError: always fails"
     assert [r["final"] for r in db.runs.find({"taskId": doomed}).sort("attempt")] == [False, False, True]
-    # the broker's backoff: base 0.25 s here, 2^attempts: 0.5 s, then 1 s between attempts
+    # the broker's backoff: base 0.25 s here, 2^attempts: 0.5 s, then 1 s between attempts. The task notes its
+    # start on its own clock while the due time is on the server's, which each process measures to within a few
+    # milliseconds (bb_broker/clock.py): a loaded machine has seen 7 ms, so the gaps are read to within 50 ms.
     starts = [r["at"] for r in db.runs.find({"taskId": doomed}).sort("attempt")]
-    assert starts[1] - starts[0] >= 0.5 and starts[2] - starts[1] >= 1.0
+    assert starts[1] - starts[0] >= 0.5 - 0.05 and starts[2] - starts[1] >= 1.0 - 0.05
     assert bb_broker.statuses(db) == {"queued": 0, "running": 0, "succeeded": 2, "failed": 1}
     # Each attempt in the job's history, written by the settling writes themselves.
     assert outcomes(db, ok) == ["succeeded"] and outcomes(db, flaky) == ["failed", "succeeded"]

@@ -46,6 +46,7 @@ def test_an_operators_round_in_the_jobs_tab(app, db: Database, worker_factory, f
     # Open it: its attempts, each with its error, as the job document records them.
     rows.first.locator("a").click()
     expect(page.locator("#job-status")).to_have_text("failed")
+    page.wait_for_load_state("load")  # the page's script, which gives its buttons their clicks, has run
     history = db.jobs.find_one({"taskId": broken}).get("history") or []
     expect(page.locator("tr.attempt")).to_have_count(len(history))
     for entry in history:
@@ -189,6 +190,7 @@ def test_delete_on_a_jobs_page_deletes_that_job_alone_whatever_its_id(db: Databa
         page.goto(f"{flower.url}/jobs")
         page.locator(f'#jobs-table tbody tr[data-job="{job_id}"] a').click()  # the list refreshes: it re-finds the row
         expect(page.locator("#job-page")).to_have_attribute("data-job", job_id)
+        page.wait_for_load_state("load")  # the page's script, which gives its buttons their clicks, has run
         page.click("[data-action=delete]")
         expect(page.locator("#jobs-page")).to_be_visible()  # back on the list after the delete
         wait_for(lambda gone=job_id: db.jobs.find_one({"_id": gone}) is None, message=f"job {job_id!r} deleted")
