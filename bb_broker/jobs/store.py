@@ -162,8 +162,18 @@ def malformed(doc: dict[str, Any]) -> str | None:
 
 def bson_kind(value: Any) -> str:
     """The name MongoDB gives a value's type ($type), for errors a person reads."""
-    kinds = ((bool, "bool"), (int, "int"), (float, "double"), (str, "string"), (dict, "object"), (list, "array"))
-    kinds += ((datetime, "date"), (bytes, "binData"), (ObjectId, "objectId"), (type(None), "null"))
+    kinds: tuple[tuple[type, str], ...] = (
+        (bool, "bool"),  # before int: a bool is an int too
+        (int, "int"),
+        (float, "double"),
+        (str, "string"),
+        (dict, "object"),
+        (list, "array"),
+        (datetime, "date"),
+        (bytes, "binData"),
+        (ObjectId, "objectId"),
+        (type(None), "null"),
+    )
     return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
