@@ -75,7 +75,7 @@ def install_failure_as_retry(runs_again: Callable[[Any, Any, BaseException], boo
         return mark_as_failure(self, task_id, exc, traceback, request, store_result, call_errbacks, state)
 
     setattr(mark_as_failure_unless_retried, _INSTALLED, True)
-    BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]
+    BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]  # the patch itself
 
 
 def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]) -> None:
@@ -96,6 +96,7 @@ def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]
     if getattr(base, _INSTALLED, False):
         return
 
+    # The task's Request class is named by a string (Task.Request) and found at run time: a type mypy cannot know.
     class ExplainedRequest(base):  # type: ignore[misc, valid-type]
         def on_failure(self, exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             exc = getattr(exc_info, "exception", None)
@@ -348,7 +349,7 @@ def install_pool_queue_guard() -> None:
     from billiard.queues import SimpleQueue
 
     if SimpleQueue.get_payload is not _get_payload_guarded:
-        SimpleQueue.get_payload = _get_payload_guarded  # type: ignore[method-assign]
+        SimpleQueue.get_payload = _get_payload_guarded  # type: ignore[method-assign]  # the patch itself
 
 
 # --- the entry point -------------------------------------------------------------------------------------------------
