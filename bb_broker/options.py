@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ class BrokerOptions:
             float(given.get("backoff_base", Policy.backoff_base)),
             float(given.get("stale_after", Policy.stale_after)),
         )
-        read = {
+        read: dict[str, Callable[[Any], Any]] = {
             "message_ttl": float,
             "jobs_collection": str,
             "max_claim_batch": int,

@@ -137,7 +137,7 @@ def _checked_fields(doc: dict[str, Any]) -> dict[str, Any]:
 
 def entry_fields(
     name: str,
-    task: str,
+    task: Any,
     schedule: Any,
     *,
     timezone: str = "UTC",

@@ -84,7 +84,7 @@ class JobScheduler(Scheduler):
     """Celery's beat scheduler on the broker's database (see the module's doc)."""
 
     #: Seconds between looks at the collection when no slot is due sooner: a change made at run time shows by then.
-    max_interval = 5.0
+    max_interval = 5
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._reported: dict[str, str] = {}  # entry name -> the problem last logged for it
@@ -262,5 +262,6 @@ def run_now(app: Any, store: ScheduleStore, name: str) -> str:
     entry = parse_entry(doc)
     now = store.now()
     task_id = send_entry(app, entry, now, None, run_now=True)
+    assert task_id is not None  # sent without a unique key: no index refuses it, the id is the send's own
     store.record_run_now(name, {"slot": now, "taskId": task_id, "runNow": True})
     return task_id

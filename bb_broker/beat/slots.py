@@ -135,7 +135,8 @@ def schedule_document(schedule: Any) -> dict[str, Any]:
     if isinstance(schedule, schedules.solar):
         return {"solar": schedule.event, "lat": schedule.lat, "lon": schedule.lon}
     if isinstance(schedule, schedules.schedule):
-        return {"every": schedule.run_every.total_seconds()}
+        interval: Any = schedule  # celery-types omits `run_every`, which schedule.__init__ sets
+        return {"every": interval.run_every.total_seconds()}
     if isinstance(schedule, timedelta):
         return {"every": schedule.total_seconds()}
     if isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
@@ -170,7 +171,8 @@ def _cron(text: Any, tz: tzinfo) -> Cron:
         raise ScheduleError(f"a crontab has 5 fields (minute hour day-of-month month day-of-week), got {text!r}")
     minute, hour, day_of_month, month, day_of_week = fields
     try:
-        parsed = crontab(minute, hour, day_of_week, day_of_month, month)
+        # Any: celery-types omits the expanded sets (minute, hour, ...) crontab.__init__ sets.
+        parsed: Any = crontab(minute, hour, day_of_week, day_of_month, month)
     except Exception as exc:  # Celery's parser raises ValueError and its own ParseException
         raise ScheduleError(f"invalid crontab {text!r}: {exc}") from None
     return Cron(
@@ -187,9 +189,12 @@ def _solar(schedule: dict[str, Any]) -> Solar:
     from celery.exceptions import ImproperlyConfigured
     from celery.schedules import solar
 
-    event, lat, lon = schedule.get("solar"), schedule.get("lat"), schedule.get("lon")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lat, lon)):
+    # Any: a hand-written document's values; Celery's solar checks the event's name itself.
+    event: Any = schedule.get("solar")
+    lat, lon = schedule.get("lat"), schedule.get("lon")
+    if not (_is_degrees(lat) and _is_degrees(lon)):
         raise ScheduleError(f"a solar schedule needs lat and lon in degrees, got {lat!r}, {lon!r}")
+    assert isinstance(lat, int | float) and isinstance(lon, int | float)  # what _is_degrees says, for mypy
     try:
         celery_solar = solar(event, lat, lon)
     except ImproperlyConfigured:
@@ -197,3 +202,7 @@ def _solar(schedule: dict[str, Any]) -> Solar:
     except (ValueError, TypeError) as exc:
         raise ScheduleError(f"invalid solar schedule: {exc}") from None
     return Solar(event, float(lat), float(lon), celery_solar)
+
+
+def _is_degrees(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -163,8 +163,18 @@ def malformed(doc: dict[str, Any]) -> str | None:
 
 def bson_kind(value: Any) -> str:
     """The name MongoDB gives a value's type ($type), for errors a person reads."""
-    kinds = ((bool, "bool"), (int, "int"), (float, "double"), (str, "string"), (dict, "object"), (list, "array"))
-    kinds += ((datetime, "date"), (bytes, "binData"), (ObjectId, "objectId"), (type(None), "null"))
+    kinds: tuple[tuple[type, str], ...] = (
+        (bool, "bool"),  # before int: a bool is an int too
+        (int, "int"),
+        (float, "double"),
+        (str, "string"),
+        (dict, "object"),
+        (list, "array"),
+        (datetime, "date"),
+        (bytes, "binData"),
+        (ObjectId, "objectId"),
+        (type(None), "null"),
+    )
     return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
@@ -279,9 +289,10 @@ class JobStore:
         except DuplicateKeyError:
             # Read after the refusal, never before: a read first would cost every publish a round trip, and would
             # still race. A holder under our own id is this publish's earlier try, which the lines below find.
-            holder = None if unique_key is None else self.coll.find_one({"uniqueKey": unique_key}, {"taskId": 1})
-            if holder is not None and holder["_id"] != job["_id"]:
-                raise DuplicateJob(unique_key, holder.get("taskId"), holder["_id"]) from None
+            if unique_key is not None:
+                holder = self.coll.find_one({"uniqueKey": unique_key}, {"taskId": 1})
+                if holder is not None and holder["_id"] != job["_id"]:
+                    raise DuplicateJob(unique_key, holder.get("taskId"), holder["_id"]) from None
             first = self.coll.find_one({"_id": job["_id"]}, {"taskId": 1, "queue": 1})
             if first is not None and (first.get("taskId"), first.get("queue")) == (task_id, queue):
                 return job["_id"]  # the earlier try landed

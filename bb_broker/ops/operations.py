@@ -164,8 +164,8 @@ class JobFilter:
     @classmethod
     def parse(cls, values: dict[str, str | None], now: datetime) -> JobFilter:
         """A filter from request or command-line strings; a bad value raises FilterError saying which."""
-        clean = {name: (value.strip() if isinstance(value, str) else value) for name, value in values.items()}
-        clean = {name: value for name, value in clean.items() if value}
+        stripped = {name: (value.strip() if isinstance(value, str) else value) for name, value in values.items()}
+        clean = {name: value for name, value in stripped.items() if value}
         unknown = set(clean) - {"status", "queue", "kind", "since", "until", "error"}
         if unknown:
             raise FilterError(f"unknown filter {sorted(unknown)[0]!r}: use status, queue, kind, since, until, error")
@@ -213,7 +213,10 @@ class JobFilter:
 
     def as_dict(self) -> dict[str, str]:
         values = {"status": self.status, "queue": self.queue, "kind": self.kind, "error": self.error}
-        values |= {"since": self.since and self.since.isoformat(), "until": self.until and self.until.isoformat()}
+        values |= {
+            "since": self.since.isoformat() if self.since else None,
+            "until": self.until.isoformat() if self.until else None,
+        }
         return {name: value for name, value in values.items() if value}
 
 

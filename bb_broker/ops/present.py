@@ -25,7 +25,7 @@ def arguments(doc: dict[str, Any]) -> dict[str, Any]:
         return {}
     if "args" in payload:
         return {"args": payload.get("args"), "kwargs": payload.get("kwargs")}
-    headers = payload.get("headers") if isinstance(payload.get("headers"), dict) else {}
+    headers: dict[str, Any] = payload["headers"] if isinstance(payload.get("headers"), dict) else {}
     if "raw" in payload:
         try:
             headers = json.loads(payload["raw"]).get("headers") or {}

@@ -80,6 +80,10 @@ class JobResultBackend(ChordBackend):
     #: codec.decompressed_result.
     supports_result_compression = True
     persistent = True
+    # Set by Celery's Backend.__init__, which celery-types does not declare.
+    serializer: str
+    #: The content types a result may be read in (result_accept_content, else accept_content).
+    accept: set[str]
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(app, url=url, **kwargs)
@@ -194,7 +198,7 @@ class JobResultBackend(ChordBackend):
     def mark_as_failure(
         self,
         task_id: str,
-        exc: BaseException,
+        exc: Exception,
         traceback: str | None = None,
         request: Any = None,
         store_result: bool = True,
@@ -379,4 +383,5 @@ class JobResultBackend(ChordBackend):
         return self.url if include_password else connection.redact_url(self.url)
 
     def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        return super().__reduce__(args, {**(kwargs or {}), "url": self.url})
+        # Backend.__reduce__(args, kwargs) pickles the backend as its class and these: celery-types omits it.
+        return super().__reduce__(args, {**(kwargs or {}), "url": self.url})  # type: ignore[call-arg]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import chord, group, maybe_signature, states
+from celery import Celery, chord, group, maybe_signature, states
 from celery.backends.base import BaseBackend
 from celery.exceptions import ChordError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
@@ -38,6 +38,11 @@ def _first_message(signature: Any) -> Any:
 
 class ChordBackend(BaseBackend):
     """Celery's group and chord interface on `bb_results`, for a backend that says where and how it stores values."""
+
+    # Set by Celery's Backend.__init__, which celery-types does not declare.
+    app: Celery
+    #: result_expires in seconds (None or 0: results do not expire).
+    expires: float | None
 
     @property
     def side(self) -> Collection:
@@ -98,7 +103,7 @@ class ChordBackend(BaseBackend):
         )
         if not patches.is_lazy_result_list(header_result_args[1]):
             header = self.app.GroupResult(*header_result_args)
-            if any(isinstance(result, GroupResult) for result in header.results):
+            if any(isinstance(result, GroupResult) for result in header.results or []):
                 header.save(backend=self)  # nested groups: the callback gets their structure from a join
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
@@ -129,9 +134,10 @@ class ChordBackend(BaseBackend):
         if not self._claim_callback(group_id, key, first, counter.get("callback")):
             return
         try:
-            values = self._chord_values(
-                group_id, self.side.find_one({"_id": f"chord:{group_id}"}, {"parts": 1})["parts"]
-            )
+            counted = self.side.find_one({"_id": f"chord:{group_id}"}, {"parts": 1})
+            # Read back by _count_part just now, its expiry renewed by this very part: it is there.
+            assert counted is not None, f"chord {group_id}: its counter vanished before its callback was sent"
+            values = self._chord_values(group_id, counted["parts"])
         except ChordError as exc:
             logger.error("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, exc)
@@ -224,13 +230,13 @@ class ChordBackend(BaseBackend):
             # join: the part completing the count is counted before its own result is stored, so joining a header
             # that holds it would wait on itself for ever.
             by_task = {part["id"]: part for part in parts}
-            return [self._nested_value(result, by_task) for result in header.results]
+            return [self._nested_value(result, by_task) for result in header.results or []]
         return [self._loaded(part["value"], part["format"]) for part in ordered]
 
     def _nested_value(self, result: Any, parts: dict[str, dict[str, Any]]) -> Any:
         """A header member's value as a join gives it: a list for a group, nested as the groups are."""
         if isinstance(result, ResultSet):
-            return [self._nested_value(child, parts) for child in result.results]
+            return [self._nested_value(child, parts) for child in result.results or []]
         part = parts.get(result.id)
         if part is None:  # not one of the chord's parts: its result, as a join reads it
             with allow_join_result():

@@ -23,7 +23,7 @@ RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
 
 #: Celery stores a compressed result (result_compression) behind this marker, then its method and a NUL
 #: (celery.backends.base.compress_payload).
-_COMPRESSED_RESULT_MARK: bytes = celery_backends.COMPRESSED_PAYLOAD_MAGIC
+_COMPRESSED_RESULT_MARK: bytes = celery_backends.COMPRESSED_PAYLOAD_MAGIC  # type: ignore[attr-defined]  # celery-types predates 5.7
 
 
 def decompressed_result(payload: bytes) -> bytes:

@@ -53,25 +53,13 @@ class ResultConsumer:
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (task id, meta) as each task is ready: woken by a change stream on their jobs, else polling."""
         pending = {str(task_id) for task_id in task_ids}
-        for task_id in list(pending):
-            cached = self._cache.get(task_id)
-            if cached is not None and cached["status"] in ready_states:
-                pending.discard(task_id)
-                yield task_id, cached
+        yield from self._ready_in_cache(pending, ready_states)
         deadline = None if timeout is None else time.monotonic() + timeout
         stream, watched = None, None
         iterations = 0
         try:
             while pending:
-                metas = self.backend.metas(pending)
-                for task_id, meta in metas.items():
-                    if meta["status"] in ready_states:
-                        pending.discard(task_id)
-                        if meta["status"] == states.SUCCESS:
-                            self._cache[task_id] = meta
-                        if on_message is not None:
-                            on_message(meta)
-                        yield task_id, meta
+                yield from self._ready_in_read(pending, ready_states, on_message)
                 if not pending:
                     return
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -96,6 +84,29 @@ class ResultConsumer:
         finally:
             if stream is not None:
                 stream.close()
+
+    def _ready_in_cache(self, pending: set[str], ready_states: frozenset[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield (task id, meta) of the pending tasks whose ready result the cache holds, taking them out of
+        `pending`: those are not read again."""
+        for task_id in list(pending):
+            cached = self._cache.get(task_id)
+            if cached is not None and cached["status"] in ready_states:
+                pending.discard(task_id)
+                yield task_id, cached
+
+    def _ready_in_read(
+        self, pending: set[str], ready_states: frozenset[str], on_message: Any
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Read the pending tasks' metas once and yield (task id, meta) of those ready, taking them out of `pending`;
+        a success is cached, and each ready meta goes to `on_message` first (Celery's callback)."""
+        for task_id, meta in self.backend.metas(pending).items():
+            if meta["status"] in ready_states:
+                pending.discard(task_id)
+                if meta["status"] == states.SUCCESS:
+                    self._cache[task_id] = meta
+                if on_message is not None:
+                    on_message(meta)
+                yield task_id, meta
 
     def watch(self, job_ids: Iterable[str], unknown_task_ids: Iterable[str], task_ids: Iterable[str]) -> Any:
         """A change stream on what can change these results: their jobs, a new job for any of the task ids (a

@@ -865,7 +865,7 @@ class Channel(virtual.Channel):
         if self._ahead is not None and queue not in patches.consumed_queues(self):
             self._ahead.give_up(queue)
         self._take_landed_claims()
-        self._release(self._held.pop(queue, None) or [])
+        self._release(self._held.pop(queue, deque()))
         plain = self._held_plain.pop(queue, None)
         if plain:
             try:

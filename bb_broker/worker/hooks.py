@@ -132,7 +132,9 @@ def is_retryable(request: Any, exception: BaseException) -> bool:
     # A failure after the task's own Celery retries means its retry policy gave up; a result that cannot be encoded
     # or stored (ResultTooLarge is one) comes after the task's work is done, and running it again would do the work
     # again to the same end; a task that rejects its message without requeue asks never to run again.
-    if isinstance(exception, EncodeError) or (isinstance(exception, Reject) and not exception.requeue):
+    # Reject.__init__ sets `requeue`; celery-types does not declare it.
+    rejected_for_good = isinstance(exception, Reject) and not exception.requeue  # type: ignore[attr-defined]
+    if isinstance(exception, EncodeError) or rejected_for_good:
         return False
     return not (isinstance(exception, MaxRetriesExceededError) or own_retries(request))
 

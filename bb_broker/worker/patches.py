@@ -23,7 +23,10 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from celery.canvas import _chain
 
 #: The releases every function here was checked against (their sources read, the contract tests run on the newest).
 CHECKED_AGAINST = "celery 5.5.3, 5.6.3, 5.7.0; kombu 5.5.4, 5.6.2, 5.7.0; billiard 4.2.4, 4.3.2"
@@ -47,7 +50,7 @@ def install_failure_as_retry(runs_again: Callable[[Any, Any, BaseException], boo
     call_errbacks, state)` and `mark_as_retry(task_id, exc, traceback, request=)`. Checked against celery 5.5.3,
     5.6.3, 5.7.0."""
     from celery import states
-    from celery.backends.base import BaseBackend
+    from celery.backends.base import Backend, BaseBackend
 
     if getattr(BaseBackend.mark_as_failure, _INSTALLED, False):
         return
@@ -55,23 +58,24 @@ def install_failure_as_retry(runs_again: Callable[[Any, Any, BaseException], boo
 
     @wraps(mark_as_failure)
     def mark_as_failure_unless_retried(
-        self: BaseBackend,
+        self: Backend,
         task_id: str,
-        exc: BaseException,
+        exc: Exception,
         traceback: str | None = None,
         request: Any = None,
         store_result: bool = True,
         call_errbacks: bool = True,
         state: str = states.FAILURE,
-    ) -> Any:
-        if state == states.FAILURE and runs_again(self.app, request, exc):
+    ) -> None:
+        # Backend.__init__ sets `app`; celery-types does not declare it.
+        if state == states.FAILURE and runs_again(self.app, request, exc):  # type: ignore[attr-defined]
             if store_result:
                 self.mark_as_retry(task_id, exc, traceback, request=request)
             return None
         return mark_as_failure(self, task_id, exc, traceback, request, store_result, call_errbacks, state)
 
     setattr(mark_as_failure_unless_retried, _INSTALLED, True)
-    BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]
+    BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]  # the patch itself
 
 
 def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]) -> None:
@@ -92,6 +96,7 @@ def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]
     if getattr(base, _INSTALLED, False):
         return
 
+    # The task's Request class is named by a string (Task.Request) and found at run time: a type mypy cannot know.
     class ExplainedRequest(base):  # type: ignore[misc, valid-type]
         def on_failure(self, exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             exc = getattr(exc_info, "exception", None)
@@ -150,7 +155,7 @@ def forget_retry_override(task: Any) -> None:
 # --- Celery: private names read --------------------------------------------------------------------------------------
 
 
-def chain_class() -> type:
+def chain_class() -> type[_chain]:
     """The class of every chain signature, `celery.canvas._chain`.
 
     The public `celery.chain` is a subclass whose `__new__` builds chains; a chain that comes back from a message
@@ -168,7 +173,7 @@ def is_lazy_result_list(value: Any) -> bool:
     Checked against celery 5.5.3, 5.6.3, 5.7.0."""
     from celery.utils import functional
 
-    return isinstance(value, functional._regen)
+    return isinstance(value, functional._regen)  # type: ignore[attr-defined]  # private: celery-types omits it
 
 
 def result_meta(backend: Any, result: Any, state: str, traceback: str | None, request: Any) -> dict[str, Any]:
@@ -215,7 +220,7 @@ def serializer_content_types(name: str) -> tuple[str, str]:
     `name`. Kombu's registry keeps them only in its private `_encoders` table (Celery's BaseBackend reads it the same
     way); the public `name_to_type` has the content type but not the encoding. Checked against kombu 5.5.4, 5.6.2,
     5.7.0."""
-    from kombu.serialization import registry
+    from kombu.serialization import registry  # type: ignore[attr-defined]  # celery-types' kombu stubs omit it
 
     content_type, content_encoding, _ = registry._encoders[name]
     return content_type, content_encoding
@@ -316,7 +321,7 @@ def install_pool_queue_guard() -> None:
     from billiard.queues import SimpleQueue
 
     if SimpleQueue.get_payload is not _get_payload_guarded:
-        SimpleQueue.get_payload = _get_payload_guarded  # type: ignore[method-assign]
+        SimpleQueue.get_payload = _get_payload_guarded  # type: ignore[method-assign]  # the patch itself
 
 
 # --- the entry point -------------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ class BrokerHealth:
 
 def is_ours(broker_url: str | None) -> bool:
     """Whether Flower's broker URL is one of ours (bbmongo://, bbmongo+srv://)."""
-    return bool(broker_url) and broker_url.partition("://")[0].lower() in SCHEMES
+    return bool(broker_url and broker_url.partition("://")[0].lower() in SCHEMES)
 
 
 def broker_banner(handler: BaseHandler) -> str | None:
@@ -162,8 +162,9 @@ class BannerLoader(tornado.template.Loader):
         return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
 
 
-def fail_workers_refresh_while_broker_fails(handler: tornado.web.RequestHandler) -> None:
-    """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated"."""
+def fail_workers_refresh_while_broker_fails(handler: BaseHandler) -> None:
+    """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated".
+    `handler` is Flower's (its get_argument takes a `type`, Tornado's does not)."""
     if handler.get_argument("json", default=False, type=bool) and (banner := broker_banner(handler)):
         raise tornado.web.HTTPError(503, "%s", banner)
 

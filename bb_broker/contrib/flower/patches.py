@@ -52,8 +52,8 @@ def install_broker_factory(is_ours: Callable[[str], bool], ours: Callable[..., A
         return flowers_new(cls, broker_url, *args, **kwargs)
 
     setattr(__new__, INSTALLED, True)
-    __new__.flowers_new = flowers_new  # type: ignore[attr-defined]
-    factory.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
+    __new__.flowers_new = flowers_new  # type: ignore[attr-defined]  # kept on the function for flowers_broker_new
+    factory.__new__ = staticmethod(__new__)
 
 
 def flowers_broker_new() -> Callable[..., Any]:
@@ -88,7 +88,7 @@ def install_workers_refresh_check(prepare: Callable[[Any], None]) -> None:
     BaseHandler defining a prepare of its own (this one replaces Tornado's empty one, calling nothing before it).
     Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh."""
     if WorkersView.prepare is not prepare:
-        WorkersView.prepare = prepare  # type: ignore[method-assign]
+        WorkersView.prepare = prepare
 
 
 def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]) -> None:
@@ -108,8 +108,8 @@ def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]
         flowers(self)
 
     setattr(check_xsrf_cookie, INSTALLED, True)
-    check_xsrf_cookie.flowers = flowers  # type: ignore[attr-defined]
-    BaseHandler.check_xsrf_cookie = check_xsrf_cookie  # type: ignore[method-assign]
+    check_xsrf_cookie.flowers = flowers  # type: ignore[attr-defined]  # Flower's own, kept on its wrapper
+    BaseHandler.check_xsrf_cookie = check_xsrf_cookie
 
 
 def url_table() -> list[Any]:
@@ -155,8 +155,8 @@ def guard_prepare(handler_class: type[tornado.web.RequestHandler], guard: Callab
         await guard(self)
 
     setattr(guarded_prepare, INSTALLED, True)
-    guarded_prepare.flowers = flowers  # type: ignore[attr-defined]
-    handler_class.prepare = guarded_prepare  # type: ignore[method-assign]
+    guarded_prepare.flowers = flowers  # type: ignore[attr-defined]  # Flower's own, kept on its wrapper
+    handler_class.prepare = guarded_prepare  # type: ignore[method-assign]  # replacing the method is the patch
 
 
 def is_guarded(handler_class: type[tornado.web.RequestHandler]) -> bool:
