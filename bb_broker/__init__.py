@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from pymongo.database import Database
 
     from bb_broker.connection import BrokerURLError
+    from bb_broker.jobs.document import JobTooLarge, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
-    from bb_broker.jobs.store import JobTooLarge, ResultTooLarge
     from bb_broker.jobs.unique import DuplicateJob
     from bb_broker.transport.channel import ServerUnreachable
     from bb_broker.worker.hooks import is_final_attempt
@@ -41,9 +41,9 @@ __all__ = [
 _LAZY = {
     "BrokerURLError": "connection",
     "DuplicateJob": "jobs.unique",
-    "JobTooLarge": "jobs.store",
+    "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
-    "ResultTooLarge": "jobs.store",
+    "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "is_final_attempt": "worker.hooks",
 }

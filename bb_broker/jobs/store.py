@@ -1,17 +1,7 @@
-"""The hot path's queries on `jobs`: publish, claim, settle, leases, sweeps, counts (indexes and retention: admin.py).
+"""The hot path's queries on `jobs`: publish, claim, heartbeat and settle, each write on a held job fenced on it.
 
-The job document's record of its attempts and its Celery result (designed once, for the Jobs view and for the
-`bbmongo://` result backend in results.py), written inside writes that exist anyway, never in a round trip of its own:
-
-- `startedAt`: set by the claim (the claim is when an attempt starts holding the job).
-- `history`: the last HISTORY_LIMIT attempts, oldest first, each `{n, worker, startedAt, finishedAt, outcome, error,
-  traceback}`; `outcome` is `succeeded`, `failed` (the broker's retries included), `retry` (the task's own Celery
-  retry), `ignored` (the task raised Celery's `Ignore`, as `Task.replace` does: the job ends `succeeded`), `revoked`
-  or `lost` (the worker vanished: the stale sweep or its shutdown settled it). Pushed with
-  `$push`/`$slice` by the settling write (a failed attempt the broker retries: just before its retry's publish).
-- The result, set by the settling write when the backend is `bbmongo://` (see results.py): `state` (Celery's state),
-  `result` (the value as BSON when it came as JSON, else the encoded bytes; `resultFormat` says which), `traceback`,
-  `dateDone`, `children`, `groupId`, `parentId`.
+The job document itself is in document.py, the sweeps and counts JobStore inherits in sweeps.py, the indexes and
+retention in admin.py.
 """
 
 from __future__ import annotations
@@ -19,172 +9,51 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from bson import ObjectId
-from kombu.exceptions import EncodeError
 from pymongo import ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
 from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure
-from ulid import ULID
 
 from bb_broker.connection import scrub
 from bb_broker.jobs import admin, lifecycle
 from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
-from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Outcome, Policy
+from bb_broker.jobs.document import (
+    CLAIMED_FIELDS,
+    DOCUMENT_TOO_LARGE,
+    HISTORY_LIMIT,
+    MAX_DOCUMENT_BYTES,
+    RETRY_STATE,
+    UNAPPLICABLE_UPDATE,
+    Claimed,
+    JobTooLarge,
+    SettleTooLarge,
+    attempt_entry,
+    attempts_fence,
+    claim_query,
+    claimed,
+    has_entry_of_current_attempt,
+    malformed,
+    new_job_id,
+    pushed,
+)
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
+from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import DuplicateJob
 from bb_broker.ops import metrics
 
-#: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
-RETRY_STATE = "RETRY"
-
 logger = logging.getLogger(__name__)
-
-#: How statuses() names the documents that have no status.
-UNKNOWN_STATUS = "(none)"
-
-#: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
-#: `history` only its type; the history itself and the result fields stay on the server.
-CLAIMED_FIELDS = {
-    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1,
-    "historyType": {"$type": "$history"},
-}  # fmt: skip
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
 
-MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
-#: Attempts kept in a job's `history`, the newest last.
-HISTORY_LIMIT = 10
-#: A traceback in `history` is cut to its last this many characters (where the exception is).
-MAX_HISTORY_TRACEBACK = 4000
-#: Server error codes for an update whose document would exceed the limit (BSONObjectTooLarge and kin).
-DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
-
-#: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
-UNAPPLICABLE_UPDATE = {2, 14}
-
-#: The result backend's collection (same database) of what has no job: see results/backend.py.
-RESULTS_COLLECTION = "bb_results"
-
-
-def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The claim: the filter of `queue`'s due jobs (taken in CLAIM_ORDER) and the update that makes one `owner`'s."""
-    due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
-    take = {
-        "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
-        "$inc": {"attempts": 1},
-    }
-    return due, take
-
-
-class JobTooLarge(ValueError):
-    """The task message does not fit in one MongoDB document."""
-
-
-class SettleTooLarge(ValueError):
-    """A settling write (with a task's result) would make the job document larger than MongoDB's limit."""
-
-
-class ResultTooLarge(EncodeError):
-    """A task's result does not fit in its job document: the job fails with this as its error, never retried.
-
-    An EncodeError, so that Celery's tracer records it as the task's failure, as it does a result it cannot encode.
-    """
-
-
-def attempt_entry(
-    n: int,
-    *,
-    worker: str | None,
-    started_at: datetime | None,
-    finished_at: datetime,
-    outcome: str,
-    error: str | None = None,
-    traceback: str | None = None,
-) -> dict[str, Any]:
-    """One element of a job's `history`; the traceback is bounded to its end."""
-    entry: dict[str, Any] = {"n": n, "worker": worker, "startedAt": started_at, "finishedAt": finished_at}
-    entry["outcome"] = outcome
-    if error:
-        entry["error"] = error[: lifecycle.MAX_ERROR_LENGTH]
-    if traceback:
-        entry["traceback"] = traceback[-MAX_HISTORY_TRACEBACK:]
-    return entry
-
-
-def _pushed(entry: dict[str, Any] | None) -> dict[str, Any]:
-    return {} if entry is None else {"$push": {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}}
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A job a worker now holds: `attempts` is its fencing token for every later write."""
-
-    id: str
-    attempts: int
-    task_id: str | None
-    payload: Any
-    #: When the job was due, on the server's clock (None in a hand-edited document without it).
-    run_after: datetime | None = None
-
-
-def _claimed(doc: dict[str, Any], attempts: int) -> Claimed:
-    run_after = doc.get("runAfter")
-    if not isinstance(run_after, datetime):
-        run_after = None
-    elif run_after.tzinfo is None:
-        run_after = run_after.replace(tzinfo=UTC)
-    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after)
-
-
-def malformed(doc: dict[str, Any]) -> str | None:
-    """What makes a claimed job document one no worker can work through to its end, naming the field; None when it
-    can. A job's id travels to the worker as a string and every later write finds the job by it; its attempts are
-    its fencing token (a whole number in a header); its queue is what claims, counts and wake-ups go by; its history
-    (read as its type, `historyType`) takes a $push at each settle."""
-    job_id = doc.get("_id")
-    if not isinstance(job_id, str):
-        return f"_id must be a string, not {bson_kind(job_id)} {job_id!r}"[: lifecycle.MAX_ERROR_LENGTH]
-    attempts = doc.get("attempts")
-    if not isinstance(attempts, int) or isinstance(attempts, bool):
-        return f"attempts must be a whole number, not {bson_kind(attempts)} {attempts!r}"
-    if not isinstance(doc.get("queue"), str):
-        return f"queue must be a string, not {bson_kind(doc.get('queue'))}"
-    if doc.get("historyType", "missing") not in ("missing", "array"):
-        return f"history must be an array, not {doc['historyType']}"
-    return None
-
-
-def bson_kind(value: Any) -> str:
-    """The name MongoDB gives a value's type ($type), for errors a person reads."""
-    kinds: tuple[tuple[type, str], ...] = (
-        (bool, "bool"),  # before int: a bool is an int too
-        (int, "int"),
-        (float, "double"),
-        (str, "string"),
-        (dict, "object"),
-        (list, "array"),
-        (datetime, "date"),
-        (bytes, "binData"),
-        (ObjectId, "objectId"),
-        (type(None), "null"),
-    )
-    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
-
-
-def new_job_id() -> str:
-    """A job's id: a ULID, so that ids sort by creation time (the operator's lists page by it)."""
-    return str(ULID())
-
-
-class JobStore:
-    """A `jobs` collection as the hot path uses it; every write on a held job is fenced on its attempt."""
+class JobStore(Sweeps):
+    """A `jobs` collection as the hot path uses it (its sweeps and counts: Sweeps); every write on a held job is
+    fenced on its attempt."""
 
     #: Seconds a settling write keeps trying through an outage before it gives up to the stale sweep.
     settle_patience = 60.0
@@ -336,7 +205,7 @@ class JobStore:
             return None
         if self._failed_malformed(doc, doc["attempts"]):
             return None
-        return _claimed(doc, doc["attempts"])
+        return claimed(doc, doc["attempts"])
 
     def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
         """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch.
@@ -357,11 +226,11 @@ class JobStore:
         if not head:
             return []
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
-        mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **_fence(head, shift=1)}
+        mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **attempts_fence(head, shift=1)}
 
         def take() -> int:
             return self.coll.update_many(
-                {"_id": ids, "status": QUEUED, **_fence(head)}, taken, hint="_id_"
+                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, hint="_id_"
             ).modified_count
 
         with _claiming:
@@ -381,7 +250,7 @@ class JobStore:
                 }
                 head = [doc for doc in head if doc["_id"] in won]
         return [
-            _claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
+            claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
 
     def _hinted(self, query: Callable[[], Any]) -> Any:
@@ -459,7 +328,7 @@ class JobStore:
         """Settle a held job `succeeded`, with its history entry and (from the result backend) its result fields."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **_pushed(attempt)})
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **pushed(attempt)})
         if done:
             metrics.record("succeeded")
         return done
@@ -494,7 +363,7 @@ class JobStore:
         else:
             changes["finishedAt"] = now
         attempt = self._scrubbed(attempt)
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **_pushed(attempt)})
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **pushed(attempt)})
         if done:
             metrics.record("retried" if outcome.status == QUEUED else "failed")
         return outcome if done else None
@@ -505,7 +374,7 @@ class JobStore:
         The retry's publish then puts the job back in the queue (see publish): written first, the failure is never
         late for an attempt another worker already claimed."""
         changes = {"lastError": self._scrub(error)[: lifecycle.MAX_ERROR_LENGTH], "updatedAt": self.now()}
-        return self._settle(job_id, attempts, {"$set": changes, **_pushed(self._scrubbed(attempt))})
+        return self._settle(job_id, attempts, {"$set": changes, **pushed(self._scrubbed(attempt))})
 
     def attempt_recorded(self, job_id: str, attempts: int) -> bool:
         """Whether the held attempt has its history entry already (its broker retry recorded the failure)."""
@@ -513,7 +382,7 @@ class JobStore:
             {"_id": job_id, "status": RUNNING, "attempts": attempts},
             {"attempts": 1, "startedAt": 1, "history": {"$slice": -1}},
         )
-        return doc is not None and _has_entry_of_current_attempt(doc)
+        return doc is not None and has_entry_of_current_attempt(doc)
 
     def _scrubbed(self, attempt: dict[str, Any] | None) -> dict[str, Any] | None:
         if attempt is None:
@@ -526,7 +395,7 @@ class JobStore:
         """Set result fields (a STARTED or custom state, a Celery retry) on the job's current attempt, any status."""
         current = {"_id": job_id, "attempts": attempts}
         # MongoDB refuses an empty $set
-        update = {**({"$set": fields} if fields else {}), **_pushed(self._scrubbed(attempt))}
+        update = {**({"$set": fields} if fields else {}), **pushed(self._scrubbed(attempt))}
         if not update:
             return False
         return self._through_outages(lambda: self.coll.update_one(current, update)).modified_count == 1
@@ -558,7 +427,7 @@ class JobStore:
         attempt = None
         # A pool process killed between its broker retry's recorded failure and the retry's publish (a hard time
         # limit) left the attempt in the history already: one entry per attempt.
-        if not _has_entry_of_current_attempt(doc):
+        if not has_entry_of_current_attempt(doc):
             attempt = attempt_entry(
                 doc["attempts"],
                 worker=worker,
@@ -611,148 +480,3 @@ class JobStore:
 
     def _scrub(self, text: Any) -> Any:
         return scrub(text, self._secrets) if isinstance(text, str) else text
-
-    # --- recovering lost work ---------------------------------------------
-
-    def requeue_stale(self) -> tuple[int, int]:
-        """Running jobs whose lease ran out: back to the queue, or failed when no attempt is left."""
-        cutoff = self.now() - timedelta(seconds=self.policy.stale_after)
-        reason = f"worker lost: no heartbeat for {self.policy.stale_after:g} s"
-        return self._recover({"updatedAt": {"$lt": cutoff}}, reason, hint="bb_status_updated")
-
-    def fail_unclaimable_queued(self) -> int:
-        """Fail the queued jobs no claim can find, naming the field (a queue that is not a string, a runAfter that is
-        not a date: written by hand), so that none waits for ever as queued. Run with each stale sweep."""
-        now = self.now()
-        unclaimable = (
-            ("queue", {"$or": [{"queue": {"$not": {"$type": "string"}}}, {"queue": {"$type": "array"}}]}, "a string"),
-            ("runAfter", {"runAfter": {"$not": {"$type": "date"}}}, "a date"),
-        )
-        failed = 0
-        for field, selector, kind in unclaimable:
-            reason = f"malformed job document: {field} must be {kind}"
-            failed += self.coll.update_many(
-                {"status": QUEUED, **selector},
-                {"$set": {"status": FAILED, "lastError": reason, "updatedAt": now, "finishedAt": now}},
-            ).modified_count
-        metrics.record("failed", failed)
-        if failed:
-            logger.error("failed %d queued jobs no claim could find (a queue or a runAfter written by hand)", failed)
-        return failed
-
-    def release_owner(self, owner: str, reason: str) -> tuple[int, int]:
-        """At a worker's shutdown, whatever it still holds was cut short."""
-        # Among the running jobs (few: workers x prefetch) by the status index; one index less on every claim.
-        return self._recover({"leaseOwner": owner}, reason, hint="bb_status_updated")
-
-    def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
-        now = self.now()
-
-        def settled_lost(status: str, last_error: str) -> list[dict[str, Any]]:
-            # A pipeline update, so that each job's history entry takes its own attempt number, owner and start.
-            lost = {
-                "n": "$attempts",
-                "worker": "$leaseOwner",
-                "startedAt": "$startedAt",
-                "finishedAt": now,
-                "outcome": "lost",
-                "error": {"$literal": last_error},
-            }
-            history = {"$concatArrays": [_HISTORY_ARRAY, [lost]]}
-            # A broker retry records its attempt's failure, then publishes the retry: a worker lost between the two
-            # left the attempt in the history already. Its entry and error stay; the job goes where the retry would.
-            recorded = _attempt_recorded()
-            changes: dict[str, Any] = {
-                "status": status,
-                "lastError": {"$cond": [recorded, "$lastError", {"$literal": last_error}]},
-                "updatedAt": now,
-            }
-            changes["runAfter" if status == QUEUED else "finishedAt"] = now
-            # A history written by hand that is not an array is kept as it is: no sweep fails on it (for every job).
-            kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, _HISTORY_NOT_ARRAY]}]}
-            changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
-            return [{"$set": changes}, {"$unset": ["leaseOwner"]}]
-
-        retry = self._hinted(
-            lambda: self.coll.update_many(
-                {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
-                settled_lost(QUEUED, reason),
-                hint=hint,
-            )
-        )
-        give_up = self._hinted(
-            lambda: self.coll.update_many(
-                {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
-                settled_lost(FAILED, f"{reason}, and no attempt is left"),
-                hint=hint,
-            )
-        )
-        metrics.record("retried", retry.modified_count)
-        metrics.record("failed", give_up.modified_count)
-        if retry.modified_count or give_up.modified_count:
-            logger.warning(
-                "recovered lost jobs: %d re-queued, %d failed (%s)",
-                retry.modified_count,
-                give_up.modified_count,
-                reason,
-            )
-        return retry.modified_count, give_up.modified_count
-
-    # --- reading and operating --------------------------------------------
-
-    def statuses(self) -> dict[str, int]:
-        """Counts per status from one aggregation: the four statuses always, then any other status a document has
-        (written by hand or by another program) under its own name, `(none)` for none: they add up to the
-        collection's size."""
-        known = list(STATUSES)
-        group = {"$group": {"_id": "$status", "n": {"$sum": 1}}}
-        counts = dict.fromkeys(STATUSES, 0)
-        for row in self.coll.aggregate([{"$match": {"status": {"$in": known}}}, group]):
-            counts[row["_id"]] = row["n"]
-        others: dict[str, int] = {}
-        # The collection's size from its metadata: the read of the other statuses only when there may be some.
-        if self.coll.estimated_document_count() > sum(counts.values()):
-            for row in self.coll.aggregate([{"$match": {"status": {"$nin": known}}}, group]):
-                name = UNKNOWN_STATUS if row["_id"] is None else str(row["_id"])
-                others[name] = others.get(name, 0) + row["n"]
-        return {**counts, **dict(sorted(others.items()))}
-
-    def queued_count(self, queue: str) -> int:
-        return self.coll.count_documents({"status": QUEUED, "queue": queue})
-
-    def purge_queued(self, queue: str) -> int:
-        return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
-
-
-#: Aggregation expressions: a job's `history` as an array (none when it is missing, or is not one); whether it is not.
-_HISTORY_NOT_ARRAY = {"$not": [{"$isArray": "$history"}]}
-_HISTORY_ARRAY = {"$cond": [_HISTORY_NOT_ARRAY, [], "$history"]}
-
-
-def _attempt_recorded() -> dict[str, Any]:
-    """An aggregation expression: the job's current attempt has its entry in the history already (the last one, with
-    the attempt's number, finished since the attempt's claim: not an entry from before `bb-broker retry`)."""
-    last = {"$arrayElemAt": [_HISTORY_ARRAY, -1]}
-    current = {"$and": [{"$eq": ["$$last.n", "$attempts"]}, {"$gte": ["$$last.finishedAt", "$startedAt"]}]}
-    return {"$let": {"vars": {"last": last}, "in": current}}
-
-
-def _has_entry_of_current_attempt(doc: dict[str, Any]) -> bool:
-    """What _attempt_recorded says, of a job read with its `attempts`, `startedAt` and last history entry."""
-    last = (doc.get("history") or [None])[-1]
-    if not isinstance(last, dict) or last.get("n") != doc.get("attempts"):
-        return False
-    finished, started = last.get("finishedAt"), doc.get("startedAt")
-    return started is None or (finished is not None and finished >= started)
-
-
-def _fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
-    """The filter that holds each doc to its own attempts (plus `shift`): `{attempts: n}` when they all share one
-    value, as the head of a queue nearly always does, else one `$in` of ids per value under an `$or`. A server may
-    answer an `$or` by scanning the collection (the Rust stand-in does), where the plain form is a lookup by id."""
-    by_attempts: dict[int, list[Any]] = {}
-    for doc in docs:
-        by_attempts.setdefault(doc["attempts"] + shift, []).append(doc["_id"])
-    if len(by_attempts) == 1:
-        return {"attempts": next(iter(by_attempts))}
-    return {"$or": [{"_id": {"$in": ids}, "attempts": n} for n, ids in by_attempts.items()]}

@@ -358,7 +358,7 @@ def requeue_stale(
             2,
         )
     with _jobs(broker, collection, Policy(max_attempts=max_attempts, stale_after=stale)) as store:
-        sweep_log = logging.getLogger("bb_broker.jobs.store")
+        sweep_log = logging.getLogger("bb_broker.jobs.sweeps")
         level = sweep_log.level
         sweep_log.setLevel(logging.ERROR)  # its "recovered lost jobs" line would repeat what is printed below
         try:

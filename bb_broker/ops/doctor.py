@@ -16,7 +16,8 @@ from ulid import ULID
 
 from bb_broker import connection
 from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX
-from bb_broker.jobs.store import JobStore, claim_query
+from bb_broker.jobs.document import claim_query
+from bb_broker.jobs.store import JobStore
 from bb_broker.options import DEFAULTS
 from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
 

@@ -19,9 +19,10 @@ from ulid import ULID
 from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
+from bb_broker.jobs.document import RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import QueueControls
-from bb_broker.jobs.store import RESULTS_COLLECTION, JobStore, bson_kind
+from bb_broker.jobs.store import JobStore
 
 logger = logging.getLogger(__name__)
 

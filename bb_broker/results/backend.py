@@ -3,8 +3,8 @@
 Where things are kept:
 
 - A task run through `bbmongo://` has a job document; its Celery state and result are fields of it (`state`,
-  `result`/`resultFormat`, `traceback`, `dateDone`, `children`, `groupId`, `parentId`; see store.py), written by the
-  settling write the worker makes anyway: success and final failure cost no operation more than without results.
+  `result`/`resultFormat`, `traceback`, `dateDone`, `children`, `groupId`, `parentId`; see jobs/document.py), written by
+  the settling write the worker makes anyway: success and final failure cost no operation more than without results.
   A failure the broker retries stores `state: RETRY` (a caller's `get()` waits for the next attempt) and fires no
   errback, chain failure or chord part: those belong to the failure that ends the job. A task's exception is a
   Celery retry then (celery_hooks.retry_failed_attempts); a failure Celery reports from outside the task (a hard
@@ -50,8 +50,9 @@ from pymongo.collection import Collection
 from pymongo.uri_parser import parse_uri
 
 from bb_broker import connection
+from bb_broker.jobs.document import RESULTS_COLLECTION, ResultTooLarge, SettleTooLarge
 from bb_broker.jobs.lifecycle import FAILED, describe_error
-from bb_broker.jobs.store import RESULTS_COLLECTION, JobStore, ResultTooLarge, SettleTooLarge
+from bb_broker.jobs.store import JobStore
 from bb_broker.results import codec
 from bb_broker.results import states as job_states
 from bb_broker.results.chords import ChordBackend

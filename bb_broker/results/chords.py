@@ -22,7 +22,7 @@ from kombu.utils.uuid import uuid
 from pymongo import ReturnDocument
 from pymongo.collection import Collection
 
-from bb_broker.jobs.store import ResultTooLarge
+from bb_broker.jobs.document import ResultTooLarge
 from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from kombu.serialization import loads
 from kombu.utils.encoding import ensure_bytes
 
 from bb_broker import connection
+from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, ResultTooLarge
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import _bson_safe, decompress_bounded
-from bb_broker.jobs.store import MAX_DOCUMENT_BYTES, ResultTooLarge
 from bb_broker.worker import patches
 
 #: Room left in a job document for everything that is not the result (payload, history, the rest).

@@ -10,7 +10,7 @@ from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from pymongo.errors import OperationFailure
 
-from bb_broker.jobs.store import RESULTS_COLLECTION
+from bb_broker.jobs.document import RESULTS_COLLECTION
 from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
 
 if TYPE_CHECKING:

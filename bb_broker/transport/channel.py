@@ -26,6 +26,7 @@ from bb_broker import connection
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
+from bb_broker.jobs.document import Claimed, attempt_entry, new_job_id
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.outages import passes_with_time
 from bb_broker.jobs.payloads import (
@@ -42,7 +43,6 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
-from bb_broker.jobs.store import Claimed, attempt_entry, new_job_id
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store

@@ -459,7 +459,7 @@ class MessageStore:
         # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
         # A mark older than TAKE_LEASE is a take that never finished (its consumer lost the server and went away).
         abandoned = ObjectId.from_datetime(now - timedelta(seconds=TAKE_LEASE))
-        # One predicate, not an $or: a server may evaluate an $or against every document (see store._fence).
+        # One predicate, not an $or: a server may evaluate an $or against every document (see document.attempts_fence).
         unmarked = {"$not": {"$gte": abandoned}}  # no mark, or an older one
         live = {"queue": queue, "expiresAt": {"$gt": now}, TAKER: unmarked}
         if limit < TAKE_BATCH_MIN:

@@ -17,10 +17,11 @@ from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
 from bb_broker import connection
+from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
-from bb_broker.jobs.store import JobStore, attempt_entry
+from bb_broker.jobs.store import JobStore
 from bb_broker.ops import metrics
 from bb_broker.options import BrokerOptions, open_store
 from bb_broker.transport.channel import explain_rejection

@@ -14,8 +14,9 @@ from pymongo.database import Database
 
 import bb_broker
 import bb_broker.worker.hooks
+from bb_broker.jobs.document import HISTORY_LIMIT, attempt_entry
 from bb_broker.jobs.lifecycle import Policy
-from bb_broker.jobs.store import HISTORY_LIMIT, JobStore, attempt_entry
+from bb_broker.jobs.store import JobStore
 from bb_broker.results.backend import JobFailed, JobResultBackend
 from tests.support.workers import producer, wait_for
 

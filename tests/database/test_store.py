@@ -11,8 +11,9 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker import statuses
+from bb_broker.jobs.document import JobTooLarge, attempt_entry
 from bb_broker.jobs.lifecycle import Policy
-from bb_broker.jobs.store import JobStore, JobTooLarge, attempt_entry
+from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 

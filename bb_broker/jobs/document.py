@@ -1,0 +1,197 @@
+"""The job document: what it holds, how an attempt entry is built, its size limits and the claim's filter.
+
+The job document's record of its attempts and its Celery result (designed once, for the Jobs view and for the
+`bbmongo://` result backend in results.py), written inside writes that exist anyway, never in a round trip of its own:
+
+- `startedAt`: set by the claim (the claim is when an attempt starts holding the job).
+- `history`: the last HISTORY_LIMIT attempts, oldest first, each `{n, worker, startedAt, finishedAt, outcome, error,
+  traceback}`; `outcome` is `succeeded`, `failed` (the broker's retries included), `retry` (the task's own Celery
+  retry), `ignored` (the task raised Celery's `Ignore`, as `Task.replace` does: the job ends `succeeded`), `revoked`
+  or `lost` (the worker vanished: the stale sweep or its shutdown settled it). Pushed with
+  `$push`/`$slice` by the settling write (a failed attempt the broker retries: just before its retry's publish).
+- The result, set by the settling write when the backend is `bbmongo://` (see results.py): `state` (Celery's state),
+  `result` (the value as BSON when it came as JSON, else the encoded bytes; `resultFormat` says which), `traceback`,
+  `dateDone`, `children`, `groupId`, `parentId`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from bson import ObjectId
+from kombu.exceptions import EncodeError
+from ulid import ULID
+
+from bb_broker.jobs import lifecycle
+from bb_broker.jobs.lifecycle import QUEUED, RUNNING
+
+#: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
+RETRY_STATE = "RETRY"
+
+#: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
+#: `history` only its type; the history itself and the result fields stay on the server.
+CLAIMED_FIELDS = {
+    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1,
+    "historyType": {"$type": "$history"},
+}  # fmt: skip
+
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+
+#: Attempts kept in a job's `history`, the newest last.
+HISTORY_LIMIT = 10
+#: A traceback in `history` is cut to its last this many characters (where the exception is).
+MAX_HISTORY_TRACEBACK = 4000
+#: Server error codes for an update whose document would exceed the limit (BSONObjectTooLarge and kin).
+DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
+
+#: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
+UNAPPLICABLE_UPDATE = {2, 14}
+
+#: The result backend's collection (same database) of what has no job: see results/backend.py.
+RESULTS_COLLECTION = "bb_results"
+
+
+def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The claim: the filter of `queue`'s due jobs (taken in CLAIM_ORDER) and the update that makes one `owner`'s."""
+    due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+    take = {
+        "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
+        "$inc": {"attempts": 1},
+    }
+    return due, take
+
+
+class JobTooLarge(ValueError):
+    """The task message does not fit in one MongoDB document."""
+
+
+class SettleTooLarge(ValueError):
+    """A settling write (with a task's result) would make the job document larger than MongoDB's limit."""
+
+
+class ResultTooLarge(EncodeError):
+    """A task's result does not fit in its job document: the job fails with this as its error, never retried.
+
+    An EncodeError, so that Celery's tracer records it as the task's failure, as it does a result it cannot encode.
+    """
+
+
+def attempt_entry(
+    n: int,
+    *,
+    worker: str | None,
+    started_at: datetime | None,
+    finished_at: datetime,
+    outcome: str,
+    error: str | None = None,
+    traceback: str | None = None,
+) -> dict[str, Any]:
+    """One element of a job's `history`; the traceback is bounded to its end."""
+    entry: dict[str, Any] = {"n": n, "worker": worker, "startedAt": started_at, "finishedAt": finished_at}
+    entry["outcome"] = outcome
+    if error:
+        entry["error"] = error[: lifecycle.MAX_ERROR_LENGTH]
+    if traceback:
+        entry["traceback"] = traceback[-MAX_HISTORY_TRACEBACK:]
+    return entry
+
+
+def pushed(entry: dict[str, Any] | None) -> dict[str, Any]:
+    return {} if entry is None else {"$push": {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}}
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A job a worker now holds: `attempts` is its fencing token for every later write."""
+
+    id: str
+    attempts: int
+    task_id: str | None
+    payload: Any
+    #: When the job was due, on the server's clock (None in a hand-edited document without it).
+    run_after: datetime | None = None
+
+
+def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
+    run_after = doc.get("runAfter")
+    if not isinstance(run_after, datetime):
+        run_after = None
+    elif run_after.tzinfo is None:
+        run_after = run_after.replace(tzinfo=UTC)
+    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after)
+
+
+def malformed(doc: dict[str, Any]) -> str | None:
+    """What makes a claimed job document one no worker can work through to its end, naming the field; None when it
+    can. A job's id travels to the worker as a string and every later write finds the job by it; its attempts are
+    its fencing token (a whole number in a header); its queue is what claims, counts and wake-ups go by; its history
+    (read as its type, `historyType`) takes a $push at each settle."""
+    job_id = doc.get("_id")
+    if not isinstance(job_id, str):
+        return f"_id must be a string, not {bson_kind(job_id)} {job_id!r}"[: lifecycle.MAX_ERROR_LENGTH]
+    attempts = doc.get("attempts")
+    if not isinstance(attempts, int) or isinstance(attempts, bool):
+        return f"attempts must be a whole number, not {bson_kind(attempts)} {attempts!r}"
+    if not isinstance(doc.get("queue"), str):
+        return f"queue must be a string, not {bson_kind(doc.get('queue'))}"
+    if doc.get("historyType", "missing") not in ("missing", "array"):
+        return f"history must be an array, not {doc['historyType']}"
+    return None
+
+
+def bson_kind(value: Any) -> str:
+    """The name MongoDB gives a value's type ($type), for errors a person reads."""
+    kinds: tuple[tuple[type, str], ...] = (
+        (bool, "bool"),  # before int: a bool is an int too
+        (int, "int"),
+        (float, "double"),
+        (str, "string"),
+        (dict, "object"),
+        (list, "array"),
+        (datetime, "date"),
+        (bytes, "binData"),
+        (ObjectId, "objectId"),
+        (type(None), "null"),
+    )
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def new_job_id() -> str:
+    """A job's id: a ULID, so that ids sort by creation time (the operator's lists page by it)."""
+    return str(ULID())
+
+
+#: Aggregation expressions: a job's `history` as an array (none when it is missing, or is not one); whether it is not.
+HISTORY_NOT_ARRAY = {"$not": [{"$isArray": "$history"}]}
+HISTORY_ARRAY = {"$cond": [HISTORY_NOT_ARRAY, [], "$history"]}
+
+
+def attempt_recorded_expression() -> dict[str, Any]:
+    """An aggregation expression: the job's current attempt has its entry in the history already (the last one, with
+    the attempt's number, finished since the attempt's claim: not an entry from before `bb-broker retry`)."""
+    last = {"$arrayElemAt": [HISTORY_ARRAY, -1]}
+    current = {"$and": [{"$eq": ["$$last.n", "$attempts"]}, {"$gte": ["$$last.finishedAt", "$startedAt"]}]}
+    return {"$let": {"vars": {"last": last}, "in": current}}
+
+
+def has_entry_of_current_attempt(doc: dict[str, Any]) -> bool:
+    """What attempt_recorded_expression says, of a job read with its `attempts`, `startedAt` and last history entry."""
+    last = (doc.get("history") or [None])[-1]
+    if not isinstance(last, dict) or last.get("n") != doc.get("attempts"):
+        return False
+    finished, started = last.get("finishedAt"), doc.get("startedAt")
+    return started is None or (finished is not None and finished >= started)
+
+
+def attempts_fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
+    """The filter that holds each doc to its own attempts (plus `shift`): `{attempts: n}` when they all share one
+    value, as the head of a queue nearly always does, else one `$in` of ids per value under an `$or`. A server may
+    answer an `$or` by scanning the collection (the Rust stand-in does), where the plain form is a lookup by id."""
+    by_attempts: dict[int, list[Any]] = {}
+    for doc in docs:
+        by_attempts.setdefault(doc["attempts"] + shift, []).append(doc["_id"])
+    if len(by_attempts) == 1:
+        return {"attempts": next(iter(by_attempts))}
+    return {"$or": [{"_id": {"$in": ids}, "attempts": n} for n, ids in by_attempts.items()]}
