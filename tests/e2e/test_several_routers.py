@@ -14,7 +14,7 @@ from pymongo.database import Database
 from pymongo.errors import InvalidOperation
 
 from bb_broker.connection import get_database, parse_broker_url
-from tests.support.servers import with_database
+from tests.support.servers import read_exactly, with_database
 from tests.support.workers import Worker, producer, send, settled, wait_for
 
 #: The wire protocol's opcodes a router rewrites the answers of: OP_REPLY (the first handshake) and OP_MSG.
@@ -55,9 +55,9 @@ class Router:
 
     def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
         try:
-            while header := _read(source, 16):
+            while header := read_exactly(source, 16):
                 length, request_id, response_to, opcode = struct.unpack("<iiii", header)
-                body = _read(source, length - 16)
+                body = read_exactly(source, length - 16)
                 if answers:
                     body = _as_router(opcode, body)
                 sink.sendall(struct.pack("<iiii", 16 + len(body), request_id, response_to, opcode) + body)
@@ -66,16 +66,6 @@ class Router:
         finally:
             source.close()
             sink.close()
-
-
-def _read(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            return b""
-        data += chunk
-    return data
 
 
 def _as_router(opcode: int, body: bytes) -> bytes:

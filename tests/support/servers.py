@@ -144,13 +144,13 @@ class AnswerDroppingProxy:
 
 def _read_message(sock: socket.socket) -> bytes:
     """One MongoDB wire message (its header's first field is its length), or b"" when the peer closed."""
-    header = _read_exactly(sock, 4)
+    header = read_exactly(sock, 4)
     if not header:
         return b""
-    return header + _read_exactly(sock, int.from_bytes(header, "little") - 4)
+    return header + read_exactly(sock, int.from_bytes(header, "little") - 4)
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
+def read_exactly(sock: socket.socket, size: int) -> bytes:
     chunks = b""
     while len(chunks) < size:
         chunk = sock.recv(size - len(chunks))
