@@ -152,6 +152,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 def main() -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_stop_signal)
+    # Ctrl-C as KeyboardInterrupt even when the demo was started with SIGINT ignored (a shell's background job, a
+    # test runner's process): Python only installs its handler where the parent left SIGINT at its default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     once = os.environ.get("BB_DEMO_ONCE") == "1"
     data_root = Path(os.environ.get("BB_DEMO_DATA", ROOT / "bb-data")).resolve()
     logs = data_root / "logs"

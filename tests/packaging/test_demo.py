@@ -223,8 +223,12 @@ def test_the_demo_stops_every_child_when_nobody_reads_its_output(broker_url, tmp
     # `make demo 2>&1 | tee log`, then Ctrl-C: tee dies with the demo's terminal group and its pipe breaks.
     settings = {"BB_DEMO_DATA": str(tmp_path / "demo"), "BB_DEMO_FLOWER_PORT": str(free_port())}
     settings.update({"BB_DEMO_SERVER_PORT": str(free_port())} if own_server else {"BB_BROKER_URL": broker_url})
+    # Started with SIGINT ignored, as a shell starts a background job (and as a test runner's process may be
+    # started): the demo's Ctrl-C must work all the same.
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if stop.startswith("SIGINT") else None
     demo = subprocess.Popen(DEMO, cwd=ROOT, env=demo_env(**settings), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=ignore_sigint)  # fmt: skip
     pids: dict[str, int] = {}
     try:
         for line in demo.stdout:
