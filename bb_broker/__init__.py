@@ -66,8 +66,8 @@ def statuses(target: str | Database, *, collection: str = DEFAULTS.jobs_collecti
 
 
 def _register_transport(kombu_transport: ModuleType) -> None:
-    kombu_transport.TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport.channel:Transport"
-    kombu_transport.TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport.channel:Transport"
+    kombu_transport.TRANSPORT_ALIASES["bbmongo"] = "bb_broker.transport:Transport"
+    kombu_transport.TRANSPORT_ALIASES["bbmongo+srv"] = "bb_broker.transport:Transport"
 
 
 def _register_result_backend(celery_backends: ModuleType) -> None:

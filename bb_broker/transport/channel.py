@@ -1,24 +1,20 @@
-"""The Kombu transport behind `bbmongo://`: task messages become `jobs` documents, the rest is plumbing."""
+"""The Kombu Channel of `bbmongo://`: task messages become `jobs` documents, the rest is plumbing (plain messages)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import threading
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
-from queue import Empty, SimpleQueue
-from time import monotonic, sleep
-from typing import TYPE_CHECKING, Any, TypeAlias
+from queue import Empty
+from time import monotonic
+from typing import TYPE_CHECKING, Any
 
 import pymongo
 from bson import ObjectId
 from kombu.exceptions import ChannelError, OperationalError
 from kombu.transport import virtual
-from kombu.utils.scheduling import FairCycle
 from pymongo import errors as mongo_errors
 from pymongo.errors import PyMongoError
 
@@ -46,27 +42,19 @@ from bb_broker.jobs.queues import PausedQueues, QueueControls
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
-from bb_broker.threads import start_supervised
+from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
-from bb_broker.transport.wakeups import Doorbell, Look, Wakeups
+from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
+from bb_broker.transport.wakeups import Look
 from bb_broker.worker import patches
+
+if TYPE_CHECKING:
+    from bb_broker.transport.transport import Transport
 
 logger = logging.getLogger(__name__)
 
-#: lastError of a job rejected without a reason given (Celery gives one for the messages it refuses).
-REJECTED = "the worker rejected the message without requeue"
-
-REQUEUED = "the worker rejected the task and requeued it"
-
 #: Seconds between looks at the topology while a new channel waits for its server.
 REACHABLE_SLICE = 0.25
-
-#: The fewest jobs a batch claim takes: it costs two round trips, so it pays from three jobs up.
-BATCH_MIN = 3
-
-#: Where a delivered plain message was stored, (queue, expiresAt), kept beside its Kombu payload: a requeue gives it
-#: back to that queue only, with that expiry (not routed again, which would copy a fanout message to every queue).
-STORED_AS = "bb_stored_as"
 
 #: The threads running an event loop a connection of this process joined (register_with_event_loop), by how many
 #: joined it: the plain messages they publish go through the outbox (MessageStore.put's `soon`).
@@ -78,265 +66,30 @@ def _on_a_loop_thread() -> bool:
     return threading.get_ident() in _loop_threads
 
 
+def joined_event_loop() -> int:
+    """The calling thread runs an event loop a connection of this process joined; returns the thread's id."""
+    thread = threading.get_ident()
+    _loop_threads[thread] += 1
+    return thread
+
+
+def left_event_loop(thread: int) -> None:
+    """A connection left the event loop `thread` runs (the id joined_event_loop returned)."""
+    _loop_threads[thread] -= 1
+    if _loop_threads[thread] <= 0:
+        del _loop_threads[thread]
+
+
 #: Per (server, database, jobs collection) indexed by this process: the deletes its server's missing TTL indexes
 #: leave to the workers' periodic sweep.
 _indexed: dict[tuple[str, str, str], list[Callable[[], int]]] = {}
 _indexed_lock = threading.Lock()
 
 
-class ServerUnavailable(mongo_errors.ConnectionFailure):
-    """A transient error the server answered a consumer with, raised as a lost connection: Celery reconnects on
-    one (a connection error), while an OperationFailure (a channel error) ends its worker."""
-
-
-@contextlib.contextmanager
-def _transient_errors_as_lost_connection() -> Iterator[None]:
-    try:
-        yield
-    except mongo_errors.OperationFailure as exc:
-        if not passes_with_time(exc):
-            raise
-        name = (exc.details or {}).get("codeName") or "a transient error"
-        raise ServerUnavailable(f"the server answered {name} (code {exc.code}): connecting again") from exc
-
-
-class JobMessage(virtual.Message):
-    """A delivered message that remembers which job, and which attempt of it, it is."""
-
-    def __init__(self, payload: dict[str, Any], channel: Any = None, **kwargs: Any) -> None:
-        super().__init__(payload, channel=channel, **kwargs)
-        headers = self.headers or {}
-        self.job_id: str | None = headers.get(JOB_ID_HEADER)
-        #: Which attempt of the job this delivery is; set with job_id by the claim, 0 on a plain message.
-        self.attempts: int = int(headers.get(ATTEMPTS_HEADER) or 0)
-        #: Why the consumer refused it, when it says: set only through explain_rejection.
-        self.rejection_reason: str | None = None
-        #: A plain message's queue and expiry where it was stored (see STORED_AS).
-        self.stored_as: tuple[str, datetime] | None = payload.get(STORED_AS)
-
-
-def explain_rejection(message: Any, reason: str) -> None:
-    """The one way a reason reaches a job's rejection. Celery's receivers (worker/hooks.py) say it before the
-    rejection (a lost pool process) or just after it, still inside the delivery (an unknown task, an invalid message):
-    the QoS fails the job with it, in the write that settles the rejection. A message not of a job has nothing to tell.
-    """
-    if isinstance(message, JobMessage):
-        message.rejection_reason = reason
-
-
-class JobQoS(virtual.QoS):
-    """A rejected job message settles its job; nothing is restored from memory."""
-
-    channel: Channel
-    # Kombu's, which its __init__ sets (its stubs leave them optional, or leave _quick_ack out).
-    _delivered: OrderedDict[str, Any]
-    _dirty: set[str]
-    _quick_ack: Callable[[str], None]
-
-    #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
-    batch_patience = 0.05
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._rejected_in_delivery: list[JobMessage] = []
-        self._waiting_for_batch_since: float | None = None
-
-    def ack(self, delivery_tag: str) -> None:
-        super().ack(delivery_tag)
-        self.channel.connection.poke()
-
-    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message = patches.delivered_messages(self).get(delivery_tag)
-        if not (isinstance(message, JobMessage) and message.job_id):
-            return super().reject(delivery_tag, requeue=requeue)
-        if requeue:
-            # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message
-            # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
-            # reason is the message's own when it has one (celery_hooks names a lost pool process).
-            self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
-        elif self.channel.connection.delivering_here():
-            # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
-            # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
-            self._rejected_in_delivery.append(message)
-        else:
-            self._fail_rejected(message)
-        patches.ack_without_restore(self, delivery_tag)
-        self.channel.connection.poke()
-
-    def settle_rejections(self) -> None:
-        """Fail the jobs rejected during the delivery that just ended."""
-        while self._rejected_in_delivery:
-            self._fail_rejected(self._rejected_in_delivery.pop(0))
-        self.channel.connection.poke()
-
-    def _fail_rejected(self, message: JobMessage) -> None:
-        self._fail(message, message.rejection_reason or REJECTED, retryable=False)
-
-    def _fail(self, message: JobMessage, reason: str, *, retryable: bool = True, backoff: bool = True) -> None:
-        # The attempt goes in the job's history in the same write; it never ran, so it has no start.
-        if message.job_id is None:
-            return  # a plain message: no job to fail (each caller checked already)
-        jobs = self.channel.jobs
-        entry = attempt_entry(
-            message.attempts,
-            worker=self.channel.owner,
-            started_at=None,
-            finished_at=jobs.now(),
-            outcome="failed",
-            error=reason,
-        )
-        jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
-
-    def live_jobs(self) -> list[str]:
-        delivered = patches.delivered_messages(self)
-        return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
-
-    def claimable(self) -> int:
-        """How many more messages the prefetch limit lets this consumer take now: a batch claim takes no more.
-
-        Celery sets the limit (worker_prefetch_multiplier × pool size) and grows and shrinks it with the pool; a
-        Celery worker acks a task message when a pool process starts it, which makes room for the next."""
-        estimate = self.can_consume_max_estimate()  # None without a prefetch limit
-        return sys.maxsize if estimate is None else estimate
-
-    def can_consume(self) -> bool:
-        return super().can_consume() and self.batch_wait() == 0.0
-
-    def batch_wait(self) -> float:
-        """Seconds this consumer should let room build up before it claims again; 0 when it should claim now.
-
-        Working through a backlog, a consumer whose prefetch holds a batch lets freed slots wait, up to batch_room,
-        while messages it took still wait in the worker (Celery acks each as a pool process starts it): the next
-        claim then takes a batch, not a job per round trip. Never longer than batch_patience, for a consumer that acks
-        only once it has more."""
-        room = self.claimable()
-        holding = self.channel.is_holding()  # jobs claimed already are handed out at once, whatever the room
-        if holding or not (
-            BATCH_MIN <= self.batch_room() <= self.prefetch_count
-            and 0 < room < self.batch_room()  # below the limit: messages it took wait in the worker
-            and self.channel.is_backlogged()
-        ):
-            self._waiting_for_batch_since = None
-            return 0.0
-        now = monotonic()
-        if self._waiting_for_batch_since is None:
-            self._waiting_for_batch_since = now
-        return max(self._waiting_for_batch_since + self.batch_patience - now, 0.0)
-
-    def batch_room(self) -> int:
-        """The room worth a batch claim: half the prefetch limit, at least BATCH_MIN, at most what one claim takes
-        (below BATCH_MIN no claim is a batch, and nothing is worth waiting for). Each claim costs the server a read
-        of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps the
-        pool busy while the claim is on its way."""
-        return min(max(BATCH_MIN, self.prefetch_count // 2), self.channel.options.max_claim_batch)
-
-    def claimed(self) -> None:
-        """A claim was made: the next wait for a batch starts afresh."""
-        self._waiting_for_batch_since = None
-
-
-class ClaimOnItsWay(Empty):
-    """Nothing to deliver yet: a claim for the queue is on its way, and rings the event loop when it lands."""
-
-
-@dataclass(frozen=True)
-class LandedClaim:
-    """What a claim ClaimsAhead made brought back: the jobs of `queue` it took (up to `wanted`), or the error it met."""
-
-    queue: str
-    wanted: int
-    jobs: list[Claimed] = field(default_factory=list)
-    error: BaseException | None = None
-
-
-class ClaimsAhead:
-    """On Celery's event loop, the claims of a backlogged queue run on a thread of their own: the loop keeps handing
-    the jobs it has to the pool while the server answers, instead of waiting for it between batches.
-
-    Two threads, nothing changed by both. The consuming thread (the event loop's) asks for a claim (`start`), takes
-    what landed (`landed`), alone knows which claim is on its way, and says which queues it consumes no more
-    (`give_up`); this class's thread only runs the claims it is handed through one queue and hands each result back
-    through another, then rings the loop. So the channel's held jobs and backlog (Channel._held,
-    Channel._backlogged) change on the consuming thread only, when it takes a landed claim in
-    (Channel._take_landed_claims)."""
-
-    def __init__(
-        self,
-        claim: Callable[[str, int], list[Claimed]],
-        ring: Callable[[], None],
-        release: Callable[[Collection[Claimed]], None],
-    ) -> None:
-        self._claim = claim
-        self._ring = ring
-        self._release = release
-        self._requests: SimpleQueue[tuple[str, int] | None] = SimpleQueue()  # None: closed
-        self._landed: SimpleQueue[LandedClaim] = SimpleQueue()
-        self._on_its_way: tuple[str, int] | None = None  # the consuming thread's alone
-        # What no consumer here takes any more: a claim of it that lands, this thread gives back at once (the
-        # consuming thread may be gone, or not look again). Told under the lock a landing claim looks under, so that
-        # each claim is either handed over or given back, never left in the queue for no one.
-        self._handing = threading.Lock()
-        self._unwanted: set[str] = set()
-        self._closed = False
-        # A daemon: a claim stuck on a server that is gone must not hold the process at exit.
-        start_supervised("bb-claims-ahead", self._run)
-
-    def busy_with(self, queue: str) -> bool:
-        return self._on_its_way is not None and self._on_its_way[0] == queue
-
-    @property
-    def pending(self) -> int:
-        """Jobs the claim on its way may bring."""
-        return 0 if self._on_its_way is None else self._on_its_way[1]
-
-    def start(self, queue: str, wanted: int) -> None:
-        """Claim up to `wanted` jobs of `queue` in the background (unless a claim is on its way); rings when done."""
-        if self._on_its_way is None and not self._closed:
-            with self._handing:
-                self._unwanted.discard(queue)
-            self._on_its_way = (queue, wanted)
-            self._requests.put((queue, wanted))
-
-    def give_up(self, queue: str) -> None:
-        """`queue` is consumed here no more: the jobs a claim of it brings from now on go back at once."""
-        with self._handing:
-            self._unwanted.add(queue)
-
-    def landed(self) -> LandedClaim | None:
-        """The claim that landed, if one did: no claim is on its way after it."""
-        try:
-            landed = self._landed.get_nowait()
-        except Empty:
-            return None
-        self._on_its_way = None
-        return landed
-
-    def close(self) -> list[LandedClaim]:
-        """Stop; returns what landed and was not taken (a claim that lands later, this thread gives back)."""
-        with self._handing:
-            self._closed = True
-        self._requests.put(None)
-        taken = []
-        while (landed := self.landed()) is not None:
-            taken.append(landed)
-        return taken
-
-    def _run(self) -> None:
-        while (request := self._requests.get()) is not None:
-            if self._closed:
-                return
-            queue, wanted = request
-            try:
-                landed = LandedClaim(queue, wanted, self._claim(queue, wanted))
-            except BaseException as exc:
-                landed = LandedClaim(queue, wanted, error=exc)
-            with self._handing:
-                unwanted = self._closed or queue in self._unwanted
-                # Handed over empty when unwanted: the consuming thread still learns that the claim landed.
-                self._landed.put(replace(landed, jobs=[]) if unwanted else landed)
-            if unwanted:
-                self._release(landed.jobs)  # its consumer was cancelled while the claim was on its way
-            self._ring()
+class ServerUnreachable(OperationalError):
+    """No server of the broker URL answers: one line naming the URL as written (password masked) and the cause in
+    words, as `bb-broker` prints it. Kombu's OperationalError, and one of the transport's connection errors, so that
+    Kombu's and Celery's retries and reconnects treat it as every transport's lost connection."""
 
 
 class Channel(virtual.Channel):
@@ -996,288 +749,3 @@ def _moment(headers: dict[str, Any], name: str, *, strict: bool = True) -> datet
         if strict:
             raise ValueError(f"task message has an unreadable {name} header {value!r}") from None
         return None
-
-
-class ServerUnreachable(OperationalError):
-    """No server of the broker URL answers: one line naming the URL as written (password masked) and the cause in
-    words, as `bb-broker` prints it. Kombu's OperationalError, and one of the transport's connection errors, so that
-    Kombu's and Celery's retries and reconnects treat it as every transport's lost connection."""
-
-
-#: Channel, for the annotations inside Transport, whose own Channel attribute hides the class there.
-_JobChannel: TypeAlias = Channel
-
-
-class Transport(virtual.Transport):
-    Channel = Channel
-    # Kombu's __init__ sets both; its channels are only ever this transport's Channel (the stubs say Kombu's).
-    channels: list[_JobChannel]  # type: ignore[assignment]
-    cycle: FairCycle
-
-    can_parse_url = True
-    polling_interval = 1.0
-    default_port = 27017
-    driver_type = "mongodb"
-    driver_name = "pymongo"
-
-    connection_errors = virtual.Transport.connection_errors + (mongo_errors.ConnectionFailure, ServerUnreachable)
-    channel_errors = virtual.Transport.channel_errors + (mongo_errors.ConnectionFailure, mongo_errors.OperationFailure)
-    # Asynchronous: a Celery worker runs its event loop (asynloop) on this transport, as on Redis and RabbitMQ,
-    # and registers it with the loop (register_with_event_loop). The blocking drain_events serves everyone else.
-    implements = virtual.Transport.implements.extend(
-        asynchronous=True, exchange_type=frozenset(["direct", "topic", "fanout"])
-    )
-
-    #: The pause after a poll that found work; it doubles up to polling_interval while queues stay empty.
-    min_polling_interval = 0.05
-    #: The most messages one turn of the event loop delivers before the loop's other readers and timers get theirs.
-    loop_delivery_limit = 64
-    #: The least an event loop waits after a look that delivered nothing: never a spin, whatever the wake-ups say.
-    loop_idle_floor = 0.005
-
-    def __init__(self, client: Any, **kwargs: Any) -> None:
-        super().__init__(client, **kwargs)
-        self.broker_url = connection.client_url(client)
-        # Refused here, while the client still holds the URL as written: once exposed in Kombu's fields, a clone of
-        # the connection (Celery's producer pool) rebuilds it from them, `bbmongo://host` as `bbmongo://host:27017//`.
-        # Not a +srv URL: parsing one asks DNS, whose blip would end the caller here with a BrokerURLError that Kombu
-        # does not retry; it stays whole in Kombu's fields, and the channel parses it.
-        if not self.broker_url.partition("://")[0].lower().endswith("+srv"):
-            connection.parse_broker_url(self.broker_url)
-        connection.expose_as_kombu_does(client, self.broker_url)
-        self.wakeups: Wakeups | None = None
-        #: The thread inside _deliver, if any: a rejection there waits for its reason until the delivery returns.
-        self._delivering_thread: int | None = None
-        self._pause = self.min_polling_interval
-        # On an event loop: the loop, the doorbell it watches, and the timer entry of the next poll that falls due.
-        self._loop: Any = None
-        self._loop_thread: int | None = None  # the thread the loop runs on (the one that registered it)
-        self._bell: Doorbell | None = None
-        self._timer: Any = None
-        self._timer_due = float("inf")
-
-    def watch(self, channel: _JobChannel) -> None:
-        """Start the change stream that wakes this connection's consumers (once, for the first consumer)."""
-        if self.wakeups is None and channel.options.use_change_streams:
-            self.wakeups = Wakeups(
-                channel.jobs.coll.database,
-                jobs=channel.jobs.coll.name,
-                messages=channel.plumbing.messages.name,
-                bindings=channel.plumbing.bindings.name,
-                controls=channel.queue_controls.coll.name,
-                clock=channel.jobs.now,
-                safety_poll_interval=channel.options.safety_poll_interval,
-                on_news=self.ring,
-            )
-
-    def consumers_changed(self) -> None:
-        """Tell the change stream which queues this connection's consumers read now: only their changes are news."""
-        if self.wakeups is not None:
-            self.wakeups.consume_only(
-                {
-                    queue
-                    for channel in list(self.channels)
-                    if patches.has_consumers(channel)
-                    for queue in patches.consumed_queues(channel)
-                }
-            )
-
-    def delivering_here(self) -> bool:
-        """Whether the calling thread is inside this connection's delivery of a message."""
-        return self._delivering_thread == threading.get_ident()
-
-    def _deliver(self, message: Any, queue: str | None) -> None:
-        self._delivering_thread = threading.get_ident()
-        try:
-            super()._deliver(message, queue)
-        except Exception as exc:
-            self._fail_unsettled_delivery(message, exc)
-            raise
-        finally:
-            self._delivering_thread = None
-            for channel in list(self.channels):
-                if channel.qos._rejected_in_delivery:
-                    channel.qos.settle_rejections()
-
-    def _fail_unsettled_delivery(self, message: dict[str, Any], exc: Exception) -> None:
-        """The consumer raised receiving a job it neither acked nor rejected: a message it chokes on in a way the
-        claim's checks did not foresee. The job fails, once, before the error goes on (a Celery worker ends on it);
-        left running, it would go back unspent and end every worker that takes it. A lost connection is no fault
-        of the message: its jobs go back as after any outage."""
-        if isinstance(exc, self.connection_errors + (PyMongoError,)):
-            return
-        tag = (message.get("properties") or {}).get("delivery_tag")
-        if tag is None:
-            return  # delivered by no channel here
-        for channel in list(self.channels):
-            delivered = patches.delivered_messages(channel.qos).get(tag)
-            if isinstance(delivered, JobMessage) and delivered.job_id and not delivered.acknowledged:
-                reason = f"the worker could not take the message: {type(exc).__name__}: {exc}"
-                try:
-                    channel.qos._fail(delivered, reason, retryable=False)
-                except PyMongoError as error:
-                    logger.warning("could not fail job %s (%s)", delivered.job_id, type(error).__name__)
-                    return
-                patches.ack_without_restore(channel.qos, tag)
-
-    # --- Celery's event loop (asynloop) ----------------------------------------
-
-    def register_with_event_loop(self, connection_: Any, loop: Any) -> None:
-        """Join Celery's hub, as Kombu's qpid transport does: pymongo has no socket for the hub to watch, so a pipe
-        (the doorbell) is rung whenever a consumer has something to do (news from the change stream, room made by
-        an ack, a new consumer) and the hub reads it; a timer brings the due times and the safety polls."""
-        self._leave_event_loop()
-        self._loop = loop
-        self._loop_thread = threading.get_ident()
-        _loop_threads[self._loop_thread] += 1
-        self._bell = Doorbell()
-        loop.add_reader(self._bell.fileno(), self._on_readable)
-        self._bell.ring()  # the first look, once the worker's consumers are declared
-
-    def _on_readable(self) -> None:
-        bell = self._bell
-        if bell is None:
-            return
-        bell.drain()  # first: a ring from here on calls this again
-        delivered = 0
-        while delivered < self.loop_delivery_limit:
-            try:
-                with _transient_errors_as_lost_connection():
-                    self.cycle.get(self._deliver, timeout=0)
-            except Empty:
-                break
-            delivered += 1
-        else:
-            bell.ring()  # more may be waiting: after the loop's other work
-            return
-        self._arm_timer(self._next_poll_in(found=bool(delivered)), delivered)
-
-    def _arm_timer(self, wait: float | None, delivered: int) -> None:
-        if wait is None or self._loop is None:
-            return  # every consumer is at its prefetch limit: only an ack makes room, and it rings
-        if not delivered:
-            wait = max(wait, self.loop_idle_floor)
-        due = monotonic() + wait
-        if self._timer is not None and not self._timer.canceled and self._timer_due <= due:
-            return  # an earlier look is set already (if it finds nothing to do, it sets the next)
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_due = self._loop.call_later(wait, self._on_timer), due
-
-    def _on_timer(self) -> None:
-        # The look itself happens in the reader, where the hub hands a lost connection to Celery to reconnect.
-        self._timer, self._timer_due = None, float("inf")
-        self.ring()
-
-    def ring(self) -> None:
-        bell = self._bell
-        if bell is not None:
-            bell.ring()
-
-    @property
-    def on_event_loop(self) -> bool:
-        return self._bell is not None
-
-    def _leave_event_loop(self) -> None:
-        loop, bell, timer = self._loop, self._bell, self._timer
-        self._loop = self._bell = self._timer = None
-        if self._loop_thread is not None:
-            _loop_threads[self._loop_thread] -= 1
-            if _loop_threads[self._loop_thread] <= 0:
-                del _loop_threads[self._loop_thread]
-            self._loop_thread = None
-        if timer is not None:
-            timer.cancel()
-        if loop is not None and bell is not None:
-            with contextlib.suppress(Exception):  # a hub that was reset already forgot it
-                loop.remove_reader(bell.fileno())
-        if bell is not None:
-            bell.close()
-
-    def close_connection(self, connection_: Any) -> None:
-        self._leave_event_loop()
-        super().close_connection(connection_)
-        # Its wake-ups end with it (a connection re-established later subscribes again).
-        wakeups, self.wakeups = self.wakeups, None
-        if wakeups is not None:
-            wakeups.stop()
-
-    def poke(self) -> None:
-        """Something changed in this process (an ack made room): the consumers look again."""
-        if self.wakeups is not None:
-            self.wakeups.poke()
-        else:
-            self.ring()
-
-    # --- the blocking loop (drain_events) ------------------------------------
-
-    # Kombu's virtual Transport narrows its base's **kwargs to timeout as well (and its stubs ignore the same).
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
-        # Kombu's loop, waiting for a wake-up (or adapting its pause) instead of sleeping a fixed interval.
-        started = monotonic()
-        while True:
-            if self.wakeups is not None:
-                self.wakeups.event.clear()
-            try:
-                with _transient_errors_as_lost_connection():
-                    self.cycle.get(self._deliver, timeout=timeout)
-            except Empty:
-                pass
-            else:
-                self._pause = self.min_polling_interval
-                return
-            remaining = None if timeout is None else timeout - (monotonic() - started)
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError()
-            self._idle(remaining)
-
-    def _idle(self, remaining: float | None) -> None:
-        wait = self._next_poll_in(found=False)
-        if wait is None:
-            wait = self.polling_interval  # only an ack (a poke) makes room
-        if remaining is not None:
-            wait = min(wait, remaining)
-        if self.wakeups is not None:
-            self.wakeups.event.wait(wait)
-        else:
-            sleep(wait)
-
-    # --- both loops ----------------------------------------------------------
-
-    def _next_poll_in(self, *, found: bool) -> float | None:
-        """Seconds until the consumers should look again; None when every one is at its prefetch limit."""
-        # A consumer letting room build up for a batch claims when its patience ends, whatever else happens.
-        batch_waits = [
-            wait for channel in self.channels if patches.has_consumers(channel) and (wait := channel.qos.batch_wait())
-        ]
-        pollable = self._pollable_queues()
-        if not pollable:
-            return min(batch_waits, default=None)  # else every consumer is at its limit: an ack makes room (a poke)
-        wakeups = self.wakeups
-        if wakeups is not None and wakeups.available:
-            wait = wakeups.seconds_until_next_poll(pollable)
-        else:
-            # Polling, as Kombu's virtual transports do, pausing longer while the queues stay empty.
-            if found:
-                self._pause = self.min_polling_interval
-            wait, self._pause = self._pause, min(self._pause * 2, self.polling_interval)
-        return min([wait, *batch_waits])
-
-    def _pollable_queues(self) -> set[str]:
-        """The queues of the consumers with room for more: those a look may take from."""
-        return {
-            queue
-            for channel in self.channels
-            if patches.has_consumers(channel) and channel.qos.can_consume()
-            for queue in patches.consumed_queues(channel)
-            if not (channel._ahead and channel._ahead.busy_with(queue))  # its claim rings when it lands
-        }
-
-    def driver_version(self) -> str:
-        import pymongo
-
-        return pymongo.version
-
-    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        url = connection.client_url(self.client)
-        return url if include_password else connection.redact_url(url)

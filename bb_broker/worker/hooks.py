@@ -24,7 +24,7 @@ from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELI
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops import metrics
 from bb_broker.options import BrokerOptions, open_store
-from bb_broker.transport.channel import explain_rejection
+from bb_broker.transport.qos import explain_rejection
 from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)

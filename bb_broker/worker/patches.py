@@ -6,13 +6,13 @@ the function here, when a release moves it. The rest of bb_broker calls these fu
 of those packages itself. What a patch does for the broker (the decision, the reason it records) is passed in by its
 caller (bb_broker.worker.hooks): this module knows the upstream shapes, not the broker's rules.
 
-Not here: the methods bb_broker.transport.channel overrides on Kombu's virtual Channel, QoS and Transport
-(`_get`, `_put`, `_size`, `_purge`, `_delete`, `_new_queue`, `_has_queue`, `_queue_bind`, `_lookup`, `_put_fanout`,
-`_deliver`): underscored, but the interface Kombu's virtual transports are written against (its docstrings tell
-subclasses to implement them). Their signatures are asserted by the contract tests all the same. Nor are Celery's
-BaseBackend methods results.backend implements (`_store_result`, `_get_task_meta_for`, `_forget`, the group ones),
-for the same reason, nor the public registries bb_broker/__init__.py adds its names to (Kombu's TRANSPORT_ALIASES,
-Celery's BACKEND_ALIASES).
+Not here: the methods bb_broker.transport (channel.py, qos.py, transport.py) overrides on Kombu's virtual Channel,
+QoS and Transport (`_get`, `_put`, `_size`, `_purge`, `_delete`, `_new_queue`, `_has_queue`, `_queue_bind`,
+`_lookup`, `_put_fanout`, `_deliver`): underscored, but the interface Kombu's virtual transports are written against
+(its docstrings tell subclasses to implement them). Their signatures are asserted by the contract tests all the same.
+Nor are Celery's BaseBackend methods results.backend implements (`_store_result`, `_get_task_meta_for`, `_forget`,
+the group ones), for the same reason, nor the public registries bb_broker/__init__.py adds its names to (Kombu's
+TRANSPORT_ALIASES, Celery's BACKEND_ALIASES).
 
 Celery, Kombu and billiard are imported inside the functions: this module is imported while `celery` and
 `kombu.transport` themselves are (bb_broker registers its transport and hooks from their post-import hooks).

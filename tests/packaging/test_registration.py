@@ -60,7 +60,7 @@ def test_a_result_backend_url_resolves_without_import(plain_app: Path, broker_ur
 def test_a_producer_names_the_transport_class_instead_of_importing_bb_broker(plain_app, broker_url, db) -> None:
     code = (
         "from plain_app import app, add\n"
-        "app.conf.broker_transport = 'bb_broker.transport.channel:Transport'\n"
+        "app.conf.broker_transport = 'bb_broker.transport:Transport'\n"
         "print(add.delay(2, 3).id)\n"
     )
     result = run_python(code, broker_url, plain_app)

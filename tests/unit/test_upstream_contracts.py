@@ -259,19 +259,20 @@ def test_a_virtual_qos_tracks_what_it_delivered(channel: Any) -> None:
 def test_the_virtual_transport_methods_bbmongo_overrides_keep_their_parameters() -> None:
     from kombu.transport import virtual
 
-    from bb_broker.transport.channel import Channel, Transport
+    from bb_broker.transport.channel import Channel
+    from bb_broker.transport.transport import Transport
 
     overridden = {
         virtual.Channel: ("_get", "_put", "_size", "_purge", "_delete", "_new_queue", "_has_queue", "_lookup"),
         virtual.Transport: ("_deliver",),
     }
     for base, names in overridden.items():
-        ours = Channel if base is virtual.Channel else Transport
+        ours, module = (Channel, "channel") if base is virtual.Channel else (Transport, "transport")
         for name in names:
             kombus, mine = parameters(getattr(base, name)), parameters(getattr(ours, name))
             assert mine[: len(kombus)] == kombus or "args" in kombus, (
                 f"kombu.transport.virtual.{base.__name__}.{name} now takes {kombus}, bbmongo:// overrides it with "
-                f"{mine}: Kombu changed its virtual transport interface; see bb_broker/transport/channel.py"
+                f"{mine}: Kombu changed its virtual transport interface; see bb_broker/transport/{module}.py"
             )
     assert "self._queue_bind(exchange, *meta)" in source(virtual.Channel.queue_bind), (
         "kombu.transport.virtual.Channel.queue_bind no longer calls _queue_bind(exchange, routing key, pattern, "

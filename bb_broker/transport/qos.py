@@ -1,0 +1,167 @@
+"""The acks and rejections side of the `bbmongo://` transport (Kombu's QoS): a delivered message knows its job, a
+rejection settles that job on the server, and the prefetch limit says how much the next claim may take."""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import datetime
+from time import monotonic
+from typing import TYPE_CHECKING, Any
+
+from kombu.transport import virtual
+
+from bb_broker.jobs.document import attempt_entry
+from bb_broker.jobs.payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
+from bb_broker.worker import patches
+
+if TYPE_CHECKING:
+    from bb_broker.transport.channel import Channel
+
+#: lastError of a job rejected without a reason given (Celery gives one for the messages it refuses).
+REJECTED = "the worker rejected the message without requeue"
+
+REQUEUED = "the worker rejected the task and requeued it"
+
+#: The fewest jobs a batch claim takes: it costs two round trips, so it pays from three jobs up.
+BATCH_MIN = 3
+
+#: Where a delivered plain message was stored, (queue, expiresAt), kept beside its Kombu payload: a requeue gives it
+#: back to that queue only, with that expiry (not routed again, which would copy a fanout message to every queue).
+STORED_AS = "bb_stored_as"
+
+
+class JobMessage(virtual.Message):
+    """A delivered message that remembers which job, and which attempt of it, it is."""
+
+    def __init__(self, payload: dict[str, Any], channel: Any = None, **kwargs: Any) -> None:
+        super().__init__(payload, channel=channel, **kwargs)
+        headers = self.headers or {}
+        self.job_id: str | None = headers.get(JOB_ID_HEADER)
+        #: Which attempt of the job this delivery is; set with job_id by the claim, 0 on a plain message.
+        self.attempts: int = int(headers.get(ATTEMPTS_HEADER) or 0)
+        #: Why the consumer refused it, when it says: set only through explain_rejection.
+        self.rejection_reason: str | None = None
+        #: A plain message's queue and expiry where it was stored (see STORED_AS).
+        self.stored_as: tuple[str, datetime] | None = payload.get(STORED_AS)
+
+
+def explain_rejection(message: Any, reason: str) -> None:
+    """The one way a reason reaches a job's rejection. Celery's receivers (worker/hooks.py) say it before the
+    rejection (a lost pool process) or just after it, still inside the delivery (an unknown task, an invalid message):
+    the QoS fails the job with it, in the write that settles the rejection. A message not of a job has nothing to tell.
+    """
+    if isinstance(message, JobMessage):
+        message.rejection_reason = reason
+
+
+class JobQoS(virtual.QoS):
+    """A rejected job message settles its job; nothing is restored from memory."""
+
+    channel: Channel
+    # Kombu's, which its __init__ sets (its stubs leave them optional, or leave _quick_ack out).
+    _delivered: OrderedDict[str, Any]
+    _dirty: set[str]
+    _quick_ack: Callable[[str], None]
+
+    #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
+    batch_patience = 0.05
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rejected_in_delivery: list[JobMessage] = []
+        self._waiting_for_batch_since: float | None = None
+
+    def ack(self, delivery_tag: str) -> None:
+        super().ack(delivery_tag)
+        self.channel.connection.poke()
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        message = patches.delivered_messages(self).get(delivery_tag)
+        if not (isinstance(message, JobMessage) and message.job_id):
+            return super().reject(delivery_tag, requeue=requeue)
+        if requeue:
+            # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message
+            # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
+            # reason is the message's own when it has one (celery_hooks names a lost pool process).
+            self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
+        elif self.channel.connection.delivering_here():
+            # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
+            # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
+            self._rejected_in_delivery.append(message)
+        else:
+            self._fail_rejected(message)
+        patches.ack_without_restore(self, delivery_tag)
+        self.channel.connection.poke()
+
+    def settle_rejections(self) -> None:
+        """Fail the jobs rejected during the delivery that just ended."""
+        while self._rejected_in_delivery:
+            self._fail_rejected(self._rejected_in_delivery.pop(0))
+        self.channel.connection.poke()
+
+    def _fail_rejected(self, message: JobMessage) -> None:
+        self._fail(message, message.rejection_reason or REJECTED, retryable=False)
+
+    def _fail(self, message: JobMessage, reason: str, *, retryable: bool = True, backoff: bool = True) -> None:
+        # The attempt goes in the job's history in the same write; it never ran, so it has no start.
+        if message.job_id is None:
+            return  # a plain message: no job to fail (each caller checked already)
+        jobs = self.channel.jobs
+        entry = attempt_entry(
+            message.attempts,
+            worker=self.channel.owner,
+            started_at=None,
+            finished_at=jobs.now(),
+            outcome="failed",
+            error=reason,
+        )
+        jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
+
+    def live_jobs(self) -> list[str]:
+        delivered = patches.delivered_messages(self)
+        return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
+
+    def claimable(self) -> int:
+        """How many more messages the prefetch limit lets this consumer take now: a batch claim takes no more.
+
+        Celery sets the limit (worker_prefetch_multiplier × pool size) and grows and shrinks it with the pool; a
+        Celery worker acks a task message when a pool process starts it, which makes room for the next."""
+        estimate = self.can_consume_max_estimate()  # None without a prefetch limit
+        return sys.maxsize if estimate is None else estimate
+
+    def can_consume(self) -> bool:
+        return super().can_consume() and self.batch_wait() == 0.0
+
+    def batch_wait(self) -> float:
+        """Seconds this consumer should let room build up before it claims again; 0 when it should claim now.
+
+        Working through a backlog, a consumer whose prefetch holds a batch lets freed slots wait, up to batch_room,
+        while messages it took still wait in the worker (Celery acks each as a pool process starts it): the next
+        claim then takes a batch, not a job per round trip. Never longer than batch_patience, for a consumer that acks
+        only once it has more."""
+        room = self.claimable()
+        holding = self.channel.is_holding()  # jobs claimed already are handed out at once, whatever the room
+        if holding or not (
+            BATCH_MIN <= self.batch_room() <= self.prefetch_count
+            and 0 < room < self.batch_room()  # below the limit: messages it took wait in the worker
+            and self.channel.is_backlogged()
+        ):
+            self._waiting_for_batch_since = None
+            return 0.0
+        now = monotonic()
+        if self._waiting_for_batch_since is None:
+            self._waiting_for_batch_since = now
+        return max(self._waiting_for_batch_since + self.batch_patience - now, 0.0)
+
+    def batch_room(self) -> int:
+        """The room worth a batch claim: half the prefetch limit, at least BATCH_MIN, at most what one claim takes
+        (below BATCH_MIN no claim is a batch, and nothing is worth waiting for). Each claim costs the server a read
+        of the queue's head, so fewer and larger batches; the other half, still waiting in the worker, keeps the
+        pool busy while the claim is on its way."""
+        return min(max(BATCH_MIN, self.prefetch_count // 2), self.channel.options.max_claim_batch)
+
+    def claimed(self) -> None:
+        """A claim was made: the next wait for a batch starts afresh."""
+        self._waiting_for_batch_since = None
