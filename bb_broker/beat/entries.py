@@ -27,6 +27,7 @@ from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
 from bb_broker.beat.slots import ScheduleError, Slots, schedule_document, slots_of
+from bb_broker.jobs.payloads import MAX_SCHEDULE_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ SCHEDULES_COLLECTION = "bb_schedules"
 CATCH_UP_POLICIES = ("once", "all", "none")
 DEFAULT_CATCH_UP = "once"
 CONFIG, RUNTIME = "config", "runtime"
-#: The longest entry name: it is part of each job's unique key (bb_broker.jobs.unique.MAX_UNIQUE_KEY_LENGTH).
-MAX_NAME_LENGTH = 200
+#: The longest entry name: it is part of each job's unique key (bb_broker.jobs.unique.MAX_UNIQUE_KEY_LENGTH) and
+#: the value of its `schedule` field.
+MAX_NAME_LENGTH = MAX_SCHEDULE_LENGTH
 #: Catch-ups kept in an entry, the latest last.
 CATCH_UPS_KEPT = 10
 #: The options of a Celery entry that are checked here; any other goes to apply_async as it is.

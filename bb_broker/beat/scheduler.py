@@ -27,6 +27,7 @@ from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, ent
 from bb_broker.beat.slots import ScheduleError
 from bb_broker.clock import ServerClock
 from bb_broker.connection import get_database, parse_broker_url
+from bb_broker.jobs.payloads import SCHEDULE_HEADER
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER, DuplicateJob
 
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MISSED_AFTER = 10.0
 #: The most slots one look sends for an entry under the `all` policy: the rest are sent at the next looks.
 MAX_SLOTS_PER_LOOK = 1000
-#: Headers of a beat's job: the entry that made it, its slot, and whether it is an operator's "run now".
-ENTRY_HEADER, SLOT_HEADER, RUN_NOW_HEADER = "bb_beat_entry", "bb_beat_slot", "bb_beat_run_now"
+#: Headers of a beat's job: the entry that made it (the job's `schedule` field: the Jobs view's filter), its slot,
+#: and whether it is an operator's "run now".
+ENTRY_HEADER, SLOT_HEADER, RUN_NOW_HEADER = SCHEDULE_HEADER, "bb_beat_slot", "bb_beat_run_now"
 
 
 def slot_key(name: str, slot: datetime) -> str:
