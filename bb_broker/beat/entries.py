@@ -69,6 +69,15 @@ class Entry:
     catch_up: str
     enabled: bool
     last_slot: datetime
+    #: The last slot of the latest catch-up recorded (None: none recorded, or a hand-written record that has none):
+    #: a beat that finds another's `all` catch-up under way sends on within it instead of recording one of its own.
+    catching_up_to: datetime | None = None
+
+
+def _latest_catch_up_end(records: Any) -> datetime | None:
+    latest = records[-1] if isinstance(records, list) and records else None
+    end = latest.get("to") if isinstance(latest, dict) else None
+    return _aware(end) if isinstance(end, datetime) else None
 
 
 def _aware(moment: datetime) -> datetime:
@@ -103,6 +112,7 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
         catch_up=fields["catchUp"],
         enabled=enabled,
         last_slot=_aware(last_slot),
+        catching_up_to=_latest_catch_up_end(doc.get("catchUps")),
     )
 
 

@@ -232,15 +232,22 @@ class JobScheduler(Scheduler):
         beat moved it first."""
         assert self._store is not None
         missed = self._missed(entry, now)
-        if entry.catch_up == "all":
-            missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: no look is endless
+        record: dict[str, Any] | None = None
+        if entry.catch_up == "all" and entry.catching_up_to is not None and missed[0] <= entry.catching_up_to:
+            # Another beat's catch-up, under way slot by slot (this beat lost a fenced write to it): its record
+            # names these slots already, so they are sent on (one job each, as its record says) without a second.
+            missed = [slot for slot in missed if slot <= entry.catching_up_to][:MAX_SLOTS_PER_LOOK]
+        else:
+            if entry.catch_up == "all":
+                missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: none is endless
+            first, last = missed[0], missed[-1]
+            record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
+            record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]
+            logger.warning(
+                "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
+                entry.name, len(missed), iso(first), iso(last), entry.catch_up, record["sent"],
+            )  # fmt: skip
         first, last = missed[0], missed[-1]
-        record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
-        record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]
-        logger.warning(
-            "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
-            entry.name, len(missed), iso(first), iso(last), entry.catch_up, record["sent"],
-        )  # fmt: skip
         if entry.catch_up == "none":
             return last if self._store.advance(entry.name, entry.last_slot, last, job=None, catch_up=record) else None
         # `once`: keyed on the first missed slot, which every beat reading this lastSlot agrees on, whatever its now.
