@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from celery import Celery
@@ -321,3 +321,26 @@ def test_the_schedules_view_points_at_the_entrys_jobs(broker_url: str, store: Sc
         "  jobs: Flower /jobs?schedule=night+%26+day; failed ones: bb-broker failed --schedule 'night & day'"
     )
     assert json.loads(cli(broker_url, "--json").stdout)[0]["jobsQuery"] == "schedule=night+%26+day"
+
+
+def test_a_beat_that_finds_another_beats_catch_up_under_way_sends_on_within_it_without_a_record_of_its_own(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    scheduler = JobScheduler(beat_app)  # slots missed after 10 s
+    store.add("busy", "reports.nightly", 1.0, catch_up="all")
+    anchor = db.bb_schedules.find_one({"_id": "busy"})["anchor"] - timedelta(seconds=60)
+    first, to = anchor + timedelta(seconds=1), anchor + timedelta(seconds=40)
+    # As another beat leaves it when it lost the server (or this beat's fenced write won over it) three slots into
+    # its catch-up of slots 1 to 40.
+    record = {"from": first, "to": to, "missed": 40, "sent": 40, "policy": "all", "at": anchor}
+    db.bb_schedules.update_one(
+        {"_id": "busy"},
+        {"$set": {"anchor": anchor, "lastSlot": anchor + timedelta(seconds=3), "catchUps": [record]}},
+    )
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "busy"})
+    keyed = sorted(job["uniqueKey"] for job in db.jobs.find({"schedule": "busy"}))
+    sent = [datetime.fromisoformat(key.removeprefix("beat:busy:")) for key in keyed]
+    assert sent[:37] == [anchor + timedelta(seconds=n) for n in range(4, 41)], "slots 4 to 40, one job each"
+    later = entry["catchUps"][1:]  # slots 41 on, missed too by now: a catch-up of their own, after the first
+    assert entry["catchUps"][0] == record and all(c["from"] > to for c in later), entry["catchUps"]
