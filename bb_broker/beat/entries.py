@@ -27,6 +27,7 @@ from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
 from bb_broker.beat.slots import ScheduleError, Slots, schedule_document, slots_of
+from bb_broker.jobs.payloads import MAX_SCHEDULE_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ SCHEDULES_COLLECTION = "bb_schedules"
 CATCH_UP_POLICIES = ("once", "all", "none")
 DEFAULT_CATCH_UP = "once"
 CONFIG, RUNTIME = "config", "runtime"
-#: The longest entry name: it is part of each job's unique key (bb_broker.jobs.unique.MAX_UNIQUE_KEY_LENGTH).
-MAX_NAME_LENGTH = 200
+#: The longest entry name: it is part of each job's unique key (bb_broker.jobs.unique.MAX_UNIQUE_KEY_LENGTH) and
+#: the value of its `schedule` field.
+MAX_NAME_LENGTH = MAX_SCHEDULE_LENGTH
 #: Catch-ups kept in an entry, the latest last.
 CATCH_UPS_KEPT = 10
 #: The options of a Celery entry that are checked here; any other goes to apply_async as it is.
@@ -67,6 +69,15 @@ class Entry:
     catch_up: str
     enabled: bool
     last_slot: datetime
+    #: The last slot of the latest catch-up recorded (None: none recorded, or a hand-written record that has none):
+    #: a beat that finds another's `all` catch-up under way sends on within it instead of recording one of its own.
+    catching_up_to: datetime | None = None
+
+
+def _latest_catch_up_end(records: Any) -> datetime | None:
+    latest = records[-1] if isinstance(records, list) and records else None
+    end = latest.get("to") if isinstance(latest, dict) else None
+    return _aware(end) if isinstance(end, datetime) else None
 
 
 def _aware(moment: datetime) -> datetime:
@@ -101,6 +112,7 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
         catch_up=fields["catchUp"],
         enabled=enabled,
         last_slot=_aware(last_slot),
+        catching_up_to=_latest_catch_up_end(doc.get("catchUps")),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from pymongo.database import Database
 
@@ -27,9 +28,16 @@ def _aware(moment: Any) -> Any:
     return moment.replace(tzinfo=UTC) if isinstance(moment, datetime) and moment.tzinfo is None else moment
 
 
+def jobs_query(name: Any) -> str:
+    """The query string of the Jobs view (Flower's /jobs, /api/jobs) that lists the jobs of the entry `name`: its
+    slots' and its run-nows' (the jobs' `schedule` field)."""
+    return urlencode({"schedule": str(name)})
+
+
 def describe(doc: dict[str, Any], db: Database, *, jobs_collection: str = "jobs") -> dict[str, Any]:
     """One entry for an operator: its schedule, timezone, next slot, last job (id and status), state, policy;
-    `problem` says why a beat skips it (a document edited into nonsense)."""
+    `problem` says why a beat skips it (a document edited into nonsense); `jobsQuery` finds its jobs in the Jobs
+    view."""
     problem = None
     next_slot = None
     try:
@@ -58,4 +66,5 @@ def describe(doc: dict[str, Any], db: Database, *, jobs_collection: str = "jobs"
         "runCount": doc.get("runCount", 0),
         "catchUps": doc.get("catchUps") or [],
         "problem": problem,
+        "jobsQuery": jobs_query(doc.get("_id")),
     }

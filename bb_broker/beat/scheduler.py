@@ -27,6 +27,7 @@ from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, ent
 from bb_broker.beat.slots import ScheduleError
 from bb_broker.clock import ServerClock
 from bb_broker.connection import get_database, parse_broker_url
+from bb_broker.jobs.payloads import SCHEDULE_HEADER
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER, DuplicateJob
 
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MISSED_AFTER = 10.0
 #: The most slots one look sends for an entry under the `all` policy: the rest are sent at the next looks.
 MAX_SLOTS_PER_LOOK = 1000
-#: Headers of a beat's job: the entry that made it, its slot, and whether it is an operator's "run now".
-ENTRY_HEADER, SLOT_HEADER, RUN_NOW_HEADER = "bb_beat_entry", "bb_beat_slot", "bb_beat_run_now"
+#: Headers of a beat's job: the entry that made it (the job's `schedule` field: the Jobs view's filter), its slot,
+#: and whether it is an operator's "run now".
+ENTRY_HEADER, SLOT_HEADER, RUN_NOW_HEADER = SCHEDULE_HEADER, "bb_beat_slot", "bb_beat_run_now"
 
 
 def slot_key(name: str, slot: datetime) -> str:
@@ -230,15 +232,22 @@ class JobScheduler(Scheduler):
         beat moved it first."""
         assert self._store is not None
         missed = self._missed(entry, now)
-        if entry.catch_up == "all":
-            missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: no look is endless
+        record: dict[str, Any] | None = None
+        if entry.catch_up == "all" and entry.catching_up_to is not None and missed[0] <= entry.catching_up_to:
+            # Another beat's catch-up, under way slot by slot (this beat lost a fenced write to it): its record
+            # names these slots already, so they are sent on (one job each, as its record says) without a second.
+            missed = [slot for slot in missed if slot <= entry.catching_up_to][:MAX_SLOTS_PER_LOOK]
+        else:
+            if entry.catch_up == "all":
+                missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: none is endless
+            first, last = missed[0], missed[-1]
+            record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
+            record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]
+            logger.warning(
+                "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
+                entry.name, len(missed), iso(first), iso(last), entry.catch_up, record["sent"],
+            )  # fmt: skip
         first, last = missed[0], missed[-1]
-        record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
-        record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]
-        logger.warning(
-            "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
-            entry.name, len(missed), iso(first), iso(last), entry.catch_up, record["sent"],
-        )  # fmt: skip
         if entry.catch_up == "none":
             return last if self._store.advance(entry.name, entry.last_slot, last, job=None, catch_up=record) else None
         # `once`: keyed on the first missed slot, which every beat reading this lastSlot agrees on, whatever its now.

@@ -28,6 +28,11 @@ BROKER_RETRIES_HEADER = "bb_broker_retries"
 #: The job ids a task message's publish chose, per queue, kept in the producer's properties (Kombu retries a
 #: publish with the same properties dict), never stored in the payload.
 PUBLISH_ID_PROPERTY = "bb_publish_id"
+#: The header of a task message a periodic entry sent (bb_broker.beat): the entry's name, which the job keeps in its
+#: `schedule` field, so that the jobs of an entry are found through the partial index bb_list_schedule.
+SCHEDULE_HEADER = "bb_beat_entry"
+#: The longest entry name (it is part of each slot's unique key too: bb_broker.jobs.unique.MAX_UNIQUE_KEY_LENGTH).
+MAX_SCHEDULE_LENGTH = 200
 
 #: The most a compressed body may expand to: a body compressed to fit a job document (MongoDB's 16 MB limit) from a
 #: few times that. Past it, a small stored body (a decompression bomb) would take a worker's memory; its job fails.
@@ -292,6 +297,8 @@ def check_envelope(message: dict[str, Any]) -> None:
     _check(headers, "compression", "header", _known_compression, f"one of {compression.encoders()} or null")
     expected_key = f"a non-empty string of at most {MAX_UNIQUE_KEY_LENGTH} characters"
     _check(headers, UNIQUE_KEY_HEADER, "header", _unique_key, expected_key, absent_only=True)
+    expected_name = f"a non-empty string of at most {MAX_SCHEDULE_LENGTH} characters (a periodic entry's name)"
+    _check(headers, SCHEDULE_HEADER, "header", _schedule_name, expected_name, absent_only=True)
     for name in _TEXT_PROPERTIES:
         _check(properties, name, "property", _text_or_none, "a string or null")
     _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")
@@ -417,6 +424,10 @@ def _iso_moment(value: Any) -> bool:
 
 def _unique_key(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_UNIQUE_KEY_LENGTH
+
+
+def _schedule_name(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_SCHEDULE_LENGTH
 
 
 def _count(value: Any) -> bool:

@@ -105,6 +105,7 @@ class JobStore(Sweeps):
         job_id: str | None = None,
         retry_of: tuple[str, int] | None = None,
         unique_key: str | None = None,
+        schedule: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -112,7 +113,8 @@ class JobStore(Sweeps):
         id (a producer retrying a write whose answer it never got) finds the first and writes nothing.
         `retry_of`, the (job id, attempt) a retry comes from, fences the reschedule on that attempt: the retry of an
         attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing.
-        `unique_key` (see bb_broker.jobs.unique): when another job holds it, DuplicateJob, and nothing written."""
+        `unique_key` (see bb_broker.jobs.unique): when another job holds it, DuplicateJob, and nothing written.
+        `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -152,6 +154,7 @@ class JobStore(Sweeps):
             "createdAt": now,
             "updatedAt": now,
             **({} if unique_key is None else {"uniqueKey": unique_key}),
+            **({} if schedule is None else {"schedule": schedule}),
         }
         try:
             self._write(self.coll.insert_one, job)

@@ -236,6 +236,7 @@ def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
 @broker_option
 @collection_option
 @click.option("--kind", help="Only this task name.")
+@click.option("--schedule", help="Only the jobs of this periodic entry (bb_broker.beat): its slots' and run-nows'.")
 @click.option("--older-than", type=DURATION, help="Failed more than this long ago (30m, 2h, 7d).")
 @click.option("--newer-than", type=DURATION, help="Failed within this long (30m, 2h, 7d).")
 @click.option(
@@ -250,6 +251,7 @@ def failed(
     broker: str,
     collection: str,
     kind: str | None,
+    schedule: str | None,
     older_than: timedelta | None,
     newer_than: timedelta | None,
     limit: int,
@@ -259,7 +261,9 @@ def failed(
     from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
-        docs = Operations(store).failed_jobs(kind=kind, older_than=older_than, newer_than=newer_than, limit=limit)
+        docs = Operations(store).failed_jobs(
+            kind=kind, schedule=schedule, older_than=older_than, newer_than=newer_than, limit=limit
+        )
     jobs = [
         {
             "id": doc["_id"],

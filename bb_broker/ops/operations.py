@@ -31,7 +31,7 @@ FAILED_FIELDS = {"_id": 1, "kind": 1, "queue": 1, "taskId": 1, "attempts": 1, "l
 #: The fields of a row in a list of jobs (the payload and the history stay on the detail page).
 LIST_FIELDS = (
     "kind", "queue", "status", "attempts", "taskId", "lastError", "priority",
-    "createdAt", "updatedAt", "finishedAt", "runAfter", "leaseOwner",
+    "createdAt", "updatedAt", "finishedAt", "runAfter", "leaseOwner", "schedule", "uniqueKey",
 )  # fmt: skip
 #: The most characters of a text a row of a list carries (the page shows the first line's first 160).
 LIST_TEXT_LENGTH = 500
@@ -107,8 +107,15 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "delete": (SUCCEEDED, FAILED),
 }
 
+#: The filters a list, a count or a bulk action takes (JobFilter's fields, by the names of the URL and the CLI).
+FILTER_NAMES = ("status", "queue", "kind", "schedule", "since", "until", "error")
 #: The index each filtered list reads through, by the most selective field it filters on (see JobFilter.hint).
-LIST_INDEXES = {"kind": "bb_list_kind", "queue": "bb_list_queue", "status": "bb_list_status"}
+LIST_INDEXES = {
+    "schedule": "bb_list_schedule",
+    "kind": "bb_list_kind",
+    "queue": "bb_list_queue",
+    "status": "bb_list_status",
+}
 
 
 class FilterError(ValueError):
@@ -161,16 +168,21 @@ class JobFilter:
     since: datetime | None = None
     until: datetime | None = None
     error: str | None = None  # text searched in lastError, case-insensitive
+    schedule: str | None = None  # the periodic entry (bb_broker.beat) that sent the jobs: its slots' and run-nows'
 
     @classmethod
     def parse(cls, values: dict[str, str | None], now: datetime) -> JobFilter:
-        """A filter from request or command-line strings; a bad value raises FilterError saying which."""
-        stripped = {name: (value.strip() if isinstance(value, str) else value) for name, value in values.items()}
+        """A filter from request or command-line strings; a bad value raises FilterError saying which. An entry's
+        name (`schedule`) is taken as it is, spaces included: it names one entry exactly."""
+        stripped = {
+            name: (value.strip() if isinstance(value, str) and name != "schedule" else value)
+            for name, value in values.items()
+        }
         clean = {name: value for name, value in stripped.items() if value}
-        unknown = set(clean) - {"status", "queue", "kind", "since", "until", "error"}
+        unknown = set(clean) - set(FILTER_NAMES)
         if unknown:
-            raise FilterError(f"unknown filter {sorted(unknown)[0]!r}: use status, queue, kind, since, until, error")
-        for name in ("queue", "kind", "error"):
+            raise FilterError(f"unknown filter {sorted(unknown)[0]!r}: use {', '.join(FILTER_NAMES)}")
+        for name in ("queue", "kind", "error", "schedule"):
             if len(clean.get(name) or "") > MAX_FILTER_LENGTH:
                 raise FilterError(f"{name} is longer than {MAX_FILTER_LENGTH} characters")
         status = clean.get("status")
@@ -180,12 +192,16 @@ class JobFilter:
         until = parse_moment(clean["until"], now) if "until" in clean else None
         if since and until and since > until:
             raise FilterError("since is after until")
-        return cls(status, clean.get("queue"), clean.get("kind"), since, until, clean.get("error"))
+        return cls(
+            status, clean.get("queue"), clean.get("kind"), since, until, clean.get("error"), clean.get("schedule")
+        )
 
     def query(self) -> dict[str, Any]:
         """The find filter; without a status, every status is named so that an index on (field, status, _id)
         still gives the jobs in id order (the server merges one scan per status)."""
         query: dict[str, Any] = {}
+        if self.schedule is not None:
+            query["schedule"] = self.schedule  # a value, compared whole: an entry's name may be `a.*` or `$x`
         if self.kind is not None:
             query["kind"] = self.kind
         if self.queue is not None:
@@ -214,6 +230,7 @@ class JobFilter:
 
     def as_dict(self) -> dict[str, str]:
         values = {"status": self.status, "queue": self.queue, "kind": self.kind, "error": self.error}
+        values["schedule"] = self.schedule
         values |= {
             "since": self.since.isoformat() if self.since else None,
             "until": self.until.isoformat() if self.until else None,
@@ -383,14 +400,18 @@ class Operations:
         self,
         *,
         kind: str | None = None,
+        schedule: str | None = None,
         older_than: timedelta | None = None,
         newer_than: timedelta | None = None,
         limit: int = 0,
     ) -> list[dict[str, Any]]:
-        """Failed jobs, the most recently failed first (a failed job's updatedAt is when it failed); 0 = no limit."""
+        """Failed jobs, the most recently failed first (a failed job's updatedAt is when it failed); 0 = no limit.
+        `schedule`: only those the periodic entry of that name sent."""
         query: dict[str, Any] = {"status": FAILED, **self._age(older_than, newer_than)}
         if kind is not None:
             query["kind"] = str(kind)
+        if schedule is not None:
+            query["schedule"] = str(schedule)
         cursor = self.coll.find(
             query,
             FAILED_FIELDS,

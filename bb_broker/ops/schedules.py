@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
@@ -165,7 +166,7 @@ def _print_entries(rows: list[dict[str, Any]], *, as_json: bool) -> None:
 
 
 def _entry_lines(row: dict[str, Any]) -> list[str]:
-    """One entry as `bb-broker schedules` prints it: a line, and a second when beat skips it."""
+    """One entry as `bb-broker schedules` prints it: a line, a second when beat skips it, and where its jobs are."""
     state = "enabled" if row["enabled"] else "disabled"
     next_slot = row["nextSlot"].isoformat(timespec="seconds") if row["nextSlot"] else "-"
     last = "-"
@@ -178,6 +179,8 @@ def _entry_lines(row: dict[str, Any]) -> list[str]:
     ]
     if row["problem"]:
         lines.append(f"  skipped by beat: {row['problem']}")
+    name = shlex.quote(str(row["name"]))
+    lines.append(f"  jobs: Flower /jobs?{row['jobsQuery']}; failed ones: bb-broker failed --schedule {name}")
     return lines
 
 

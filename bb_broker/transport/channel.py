@@ -29,6 +29,7 @@ from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
     PUBLISH_ID_PROPERTY,
+    SCHEDULE_HEADER,
     MalformedTaskMessage,
     PayloadError,
     check_body,
@@ -345,6 +346,7 @@ class Channel(virtual.Channel):
             job_id=job_id,
             retry_of=_retry_of(headers),
             unique_key=headers.get(UNIQUE_KEY_HEADER),
+            schedule=headers.get(SCHEDULE_HEADER),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:

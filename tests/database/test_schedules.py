@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from celery import Celery
 from celery.schedules import crontab
 from pymongo.database import Database
 
-from bb_broker.beat import EntryError, JobScheduler, ScheduleStore
+from bb_broker import MalformedTaskMessage
+from bb_broker.beat import EntryError, JobScheduler, ScheduleStore, run_now
 from bb_broker.clock import ServerClock
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import JobFilter, Operations
+from tests.support.store import CommandLog, assert_each_reads_through_an_index
 from tests.support.workers import ROOT
 
 
@@ -208,3 +213,134 @@ def test_one_downtime_is_one_catch_up_however_long_the_look_takes(
     assert catch_up["missed"] >= 19 and catch_up["sent"] == 1
     slots = sorted(job["uniqueKey"] for job in db.jobs.find({"uniqueKey": {"$regex": "^beat:late:"}}))
     assert len(slots) == entry["runCount"] >= 10  # the catch-up's job and each slot on time when the look began
+
+
+#: Entry names a pattern would confuse: a prefix of another, regex metacharacters, MongoDB's `$` and `.`.
+TRICKY_NAMES = ("nightly", "nightly.eu", "a.*", "$where", "cost$", "night & day")
+
+
+def backdated(db: Database, name: str, seconds: float) -> None:
+    """As if the entry had been stored `seconds` ago: its slots since are due (fewer than bb_beat_missed_after's
+    10 s ago: sent one by one, not caught up)."""
+    back = db.bb_schedules.find_one({"_id": name})["anchor"] - timedelta(seconds=seconds)
+    db.bb_schedules.update_one({"_id": name}, {"$set": {"anchor": back, "lastSlot": back}})
+
+
+def jobs_keyed_for(db: Database, name: str) -> set[str]:
+    """The entry's slot jobs found another way: by their unique key's prefix, the name escaped."""
+    return {job["_id"] for job in db.jobs.find({"uniqueKey": {"$regex": "^" + re.escape(f"beat:{name}:")}})}
+
+
+def test_the_jobs_of_an_entry_are_its_slots_and_run_nows_whatever_its_name_holds(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    scheduler = JobScheduler(beat_app)  # the jobs' indexes too
+    for name in TRICKY_NAMES:  # every entry sends the same task
+        store.add(name, "reports.nightly", 1.0)
+        backdated(db, name, 3)
+    scheduler.tick()
+    run_nows = {name: run_now(beat_app, store, name) for name in ("nightly", "a.*")}
+    plain = beat_app.send_task("reports.nightly").id  # the task sent by hand, not by an entry
+    operations = Operations(JobStore(db))
+    for name in TRICKY_NAMES:
+        listed = operations.list_jobs(JobFilter(schedule=name), limit=200).jobs
+        slots = {job["_id"] for job in listed if "uniqueKey" in job}
+        assert slots == jobs_keyed_for(db, name) and len(slots) >= 2, name
+        extra = [job for job in listed if "uniqueKey" not in job]
+        # A run-now job is listed with its entry's, told apart by having no slot (no unique key).
+        assert [job["taskId"] for job in extra] == ([run_nows[name]] if name in run_nows else []), name
+        assert all(job["schedule"] == name and job["kind"] == "reports.nightly" for job in listed)
+        assert operations.count(JobFilter(schedule=name), "cancel") == len(listed)
+    assert "schedule" not in db.jobs.find_one({"taskId": plain})
+    by_kind = operations.list_jobs(JobFilter(kind="reports.nightly"), limit=200).jobs
+    assert len(by_kind) == db.jobs.count_documents({}), "the kind filter mixes every entry and the hand-sent job"
+
+
+def test_the_entry_filter_combines_with_the_others_and_narrows_a_bulk_action(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    JobScheduler(beat_app)
+    for name in ("a.*", "a.b"):
+        store.add(name, "reports.nightly", 60)
+        run_now(beat_app, store, name)
+        run_now(beat_app, store, name)
+    operations = Operations(JobStore(db))
+    first = operations.list_jobs(JobFilter(schedule="a.*"), limit=1).jobs[0]
+    db.jobs.update_one({"_id": first["_id"]}, {"$set": {"status": "failed", "lastError": "boom"}})
+    assert [job["_id"] for job in operations.list_jobs(JobFilter(schedule="a.*", status="failed")).jobs] == [
+        first["_id"]
+    ]
+    assert operations.list_jobs(JobFilter(schedule="a.b", status="failed")).jobs == []
+    assert operations.list_jobs(JobFilter(schedule="a.*", kind="reports.other")).jobs == []
+    assert len(operations.list_jobs(JobFilter(schedule="a.*", queue="celery")).jobs) == 2
+    assert operations.act_on_filter("cancel", JobFilter(schedule="a.*"), by="tester") == 1  # the queued one
+    statuses = {job["schedule"] + " " + job["status"] for job in db.jobs.find({}, {"schedule": 1, "status": 1})}
+    assert sorted(statuses) == ["a.* failed", "a.b queued"]
+    assert db.jobs.count_documents({"schedule": "a.b", "status": "queued"}) == 2
+    failed = operations.failed_jobs(schedule="a.*")  # the CLI's `bb-broker failed --schedule a.*`
+    assert {job["_id"] for job in failed} == {doc["_id"] for doc in db.jobs.find({"schedule": "a.*"})}
+
+
+def test_the_entry_filter_reads_through_its_partial_index(
+    mongo_url: str, beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    from pymongo import MongoClient
+
+    JobScheduler(beat_app)
+    for name in ("nightly", "$where"):
+        store.add(name, "reports.nightly", 60)
+        run_now(beat_app, store, name)
+    beat_app.send_task("reports.nightly")
+    index = next(ix for ix in db.jobs.list_indexes() if ix["name"] == "bb_list_schedule")
+    assert dict(index["partialFilterExpression"]) == {"schedule": {"$exists": True}}
+    assert db.jobs.count_documents({"schedule": {"$exists": True}}) == 2  # the hand-sent job is not in the index
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        operations = Operations(JobStore(client[db.name]))
+        for job_filter in (JobFilter(schedule="$where"), JobFilter(schedule="nightly", status="queued")):
+            assert len(operations.list_jobs(job_filter).jobs) == 1
+            operations.count(job_filter, "cancel")
+        operations.act_on_filter("cancel", JobFilter(schedule="nightly"), by="tester")
+    assert [next(iter(command)) for command in log.commands] == ["find", "aggregate"] * 2 + ["update"]
+    assert_each_reads_through_an_index(db, log.commands)
+
+
+@pytest.mark.parametrize("name", ["", "n" * 201, 42, None])
+def test_an_entry_header_that_is_no_entry_name_is_refused_and_nothing_written(
+    beat_app: Celery, db: Database, name: object
+) -> None:
+    with pytest.raises(MalformedTaskMessage, match="header 'bb_beat_entry'"):
+        beat_app.send_task("reports.nightly", headers={"bb_beat_entry": name})
+    assert db.jobs.count_documents({}) == 0
+
+
+def test_the_schedules_view_points_at_the_entrys_jobs(broker_url: str, store: ScheduleStore) -> None:
+    store.add("night & day", "reports.nightly", 60)
+    listed = cli(broker_url)
+    assert listed.stdout.splitlines()[1] == (
+        "  jobs: Flower /jobs?schedule=night+%26+day; failed ones: bb-broker failed --schedule 'night & day'"
+    )
+    assert json.loads(cli(broker_url, "--json").stdout)[0]["jobsQuery"] == "schedule=night+%26+day"
+
+
+def test_a_beat_that_finds_another_beats_catch_up_under_way_sends_on_within_it_without_a_record_of_its_own(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    scheduler = JobScheduler(beat_app)  # slots missed after 10 s
+    store.add("busy", "reports.nightly", 1.0, catch_up="all")
+    anchor = db.bb_schedules.find_one({"_id": "busy"})["anchor"] - timedelta(seconds=60)
+    first, to = anchor + timedelta(seconds=1), anchor + timedelta(seconds=40)
+    # As another beat leaves it when it lost the server (or this beat's fenced write won over it) three slots into
+    # its catch-up of slots 1 to 40.
+    record = {"from": first, "to": to, "missed": 40, "sent": 40, "policy": "all", "at": anchor}
+    db.bb_schedules.update_one(
+        {"_id": "busy"},
+        {"$set": {"anchor": anchor, "lastSlot": anchor + timedelta(seconds=3), "catchUps": [record]}},
+    )
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "busy"})
+    keyed = sorted(job["uniqueKey"] for job in db.jobs.find({"schedule": "busy"}))
+    sent = [datetime.fromisoformat(key.removeprefix("beat:busy:")) for key in keyed]
+    assert sent[:37] == [anchor + timedelta(seconds=n) for n in range(4, 41)], "slots 4 to 40, one job each"
+    later = entry["catchUps"][1:]  # slots 41 on, missed too by now: a catch-up of their own, after the first
+    assert entry["catchUps"][0] == record and all(c["from"] > to for c in later), entry["catchUps"]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Iterator
+from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +15,8 @@ from pymongo.database import Database
 
 from bb_broker.beat import ScheduleStore
 from bb_broker.clock import ServerClock
-from tests.support.workers import ROOT, STARTED, wait_for
-
-ENTRY = "every-second"
-TICK = {ENTRY: {"task": "tests.support.e2e_app.add", "schedule": 1.0, "args": [1, 2]}}
+from tests.support.beat_process import ENTRY, TICK, Beat, assert_one_job_per_slot, slot_jobs
+from tests.support.workers import ROOT, process_factory, wait_for
 
 
 def skewed_clock_env(offset: str) -> dict[str, str]:
@@ -33,81 +28,14 @@ def skewed_clock_env(offset: str) -> dict[str, str]:
     return {"LD_PRELOAD": str(library), "FAKETIME": offset, "DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
 
 
-class Beat:
-    """A `celery beat -S bb_broker.beat:JobScheduler` process on tests/support/beat_app.py."""
-
-    def __init__(
-        self, broker_url: str, log_dir: Path, name: str, schedule: dict[str, Any], env: dict[str, str] | None = None
-    ) -> None:
-        self.log_path = log_dir / f"beat-{name}.log"
-        self.name = name
-        self.argv = [
-            sys.executable, "-m", "celery", "-A", "tests.support.beat_app", "beat", "-S", "bb_broker.beat:JobScheduler",
-            "--loglevel", "INFO", "-s", str(log_dir / f"unused-schedule-{name}"),
-        ]  # fmt: skip
-        self.env = {
-            **os.environ,
-            "BB_BROKER_URL": broker_url,
-            "BB_BEAT_SCHEDULE": json.dumps(schedule),
-            "PYTHONPATH": str(ROOT),
-            **(env or {}),
-        }
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Beat:
-        STARTED.append(self)  # conftest kills it after the test, whatever happened
-        log = open(self.log_path, "ab")  # noqa: SIM115 (the beat writes to it for its whole life)
-        self.process = subprocess.Popen(
-            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        wait_for(
-            lambda: self.process.poll() is not None or "entries synced" in self.log(), 60, f"beat {self.name} started"
-        )
-        assert self.process.poll() is None, f"beat {self.name} exited:\n{self.log()[-3000:]}"
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def kill(self) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)
-
-
 @pytest.fixture
-def beat_factory(broker_url: str, tmp_path: Path, request: pytest.FixtureRequest):
-    started: list[Beat] = []
+def beat_factory(broker_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Beat]]:
+    """`make(schedule=TICK, env=None)` starts a beat on the test's database; each is killed after the test."""
 
-    def make(schedule: dict[str, Any] = TICK, env: dict[str, str] | None = None) -> Beat:
-        beat = Beat(broker_url, tmp_path, f"b{len(started)}", schedule, env)
-        started.append(beat)
-        return beat.start()
+    def build(n: int, schedule: dict[str, Any] = TICK, env: dict[str, str] | None = None) -> Beat:
+        return Beat(broker_url, tmp_path, f"b{n}", schedule, env)
 
-    yield make
-    for beat in started:
-        beat.kill()
-    report = getattr(request.node, "report_call", None)
-    if report is not None and report.failed:
-        for beat in started:
-            print(f"----- {beat.log_path.name} (last lines) -----\n{beat.log()[-4000:]}")
-
-
-def slot_jobs(db: Database, name: str = ENTRY) -> list[dict[str, Any]]:
-    """The jobs the entry's slots made (not "run now"), oldest slot first, each with its `slot` as a date."""
-    jobs = list(db.jobs.find({"uniqueKey": {"$regex": f"^beat:{name}:"}}))
-    for job in jobs:
-        job["slot"] = datetime.fromisoformat(job["uniqueKey"].removeprefix(f"beat:{name}:"))
-    return sorted(jobs, key=lambda job: job["slot"])
-
-
-def assert_one_job_per_slot(jobs: list[dict[str, Any]], every: timedelta = timedelta(seconds=1)) -> None:
-    slots = [job["slot"] for job in jobs]
-    assert len(set(slots)) == len(slots), "two jobs for one slot"
-    gaps = [(a, b) for a, b in zip(slots, slots[1:], strict=False) if b - a != every]
-    assert not gaps, f"slots missed between {gaps}"
+    yield from process_factory(request, build, Beat.kill)
 
 
 def delay(job: dict[str, Any]) -> float:
@@ -163,13 +91,13 @@ def test_after_every_beat_was_down_the_missed_slots_follow_the_entrys_policy(
 ) -> None:
     schedule = {ENTRY: {**TICK[ENTRY], "catch_up": policy}}
     env = {"BB_BEAT_MISSED_AFTER": "2"}
-    beat = beat_factory(schedule, env)
+    beat = beat_factory(schedule=schedule, env=env)
     wait_for(lambda: len(slot_jobs(db)) >= 3, 30, "3 slots")
     beat.kill()
     stopped_at = db.bb_schedules.find_one({"_id": ENTRY})["lastSlot"].replace(tzinfo=UTC)
     clock = ServerClock(db)
     wait_for(lambda: clock() > stopped_at + timedelta(seconds=7.5), 30, "7 slots without a beat")
-    beat_factory(schedule, env)
+    beat_factory(schedule=schedule, env=env)
     catch_up = wait_for(lambda: (db.bb_schedules.find_one({"_id": ENTRY}).get("catchUps") or [None])[-1], 30)
     to = catch_up["to"].replace(tzinfo=UTC)
     wait_for(lambda: slot_jobs(db)[-1]["slot"] >= to + timedelta(seconds=3), 30, "3 slots after the catch-up")

@@ -254,8 +254,8 @@ def test_a_bulk_action_needs_a_filter_and_the_count_confirmed(store: JobStore, d
     jobs = seed(store)
     flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
     no_filter = {
-        "error": "bulk delete needs a filter (status, queue, kind, since, until, error): without one it would take "
-        "every job"
+        "error": "bulk delete needs a filter (status, queue, kind, schedule, since, until, error): without one it "
+        "would take every job"
     }
     # The paths a job called `bulk` once took (`/jobs/bulk/delete` was its page's Delete), with and without a count.
     for path in ("/api/jobs/bulk/delete", "/jobs/bulk/delete", "/api/jobs/bulk/delete?expected=2",
@@ -280,6 +280,50 @@ def test_a_bulk_action_needs_a_filter_and_the_count_confirmed(store: JobStore, d
         {"message": "delete: 1 job", "count": 1},
     )
     assert db.jobs.find_one({"_id": jobs["succeeded"]}) is None and db.jobs.count_documents({}) == len(jobs) - 1
+
+
+def beat_job(store: JobStore, entry: str, slot: str | None) -> str:
+    """A job as a periodic entry's publish stores it: `schedule` its name, `uniqueKey` its slot (a run-now has none)."""
+    task_id = f"{entry}-{slot or 'now'}"
+    payload = {"args": [], "kwargs": {}, "options": {}, "headers": {"id": task_id, "bb_beat_entry": entry},
+               "properties": {}}  # fmt: skip
+    key = None if slot is None else f"beat:{entry}:{slot}"
+    return store.publish(queue="celery", kind="reports.nightly", task_id=task_id, payload=payload, priority=0,
+                         run_after=None, is_retry=False, unique_key=key, schedule=entry)  # fmt: skip
+
+
+def test_the_jobs_of_one_periodic_entry_by_its_name_in_the_api(store: JobStore, db: Database, flower_factory) -> None:
+    ours = [beat_job(store, "night & day", "2026-12-01T03:00:00.000+00:00"), beat_job(store, "night & day", None)]
+    beat_job(store, "night", "2026-12-01T03:00:00.000+00:00")  # a name that is a prefix of the other
+    beat_job(store, " night & day ", None)  # the same name with spaces is another entry
+    publish(store, "by-hand", kind="reports.nightly")
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+    query = "schedule=" + urllib.parse.quote("night & day")
+    status, body = data(flower, f"/api/jobs?{query}")
+    assert (
+        status == 200
+        and [job["id"] for job in body["jobs"]] == ours[::-1]
+        and body["filter"] == {"schedule": "night & day"}
+    )
+    run_now, slot = body["jobs"]
+    assert (slot["schedule"], slot["uniqueKey"]) == ("night & day", "beat:night & day:2026-12-01T03:00:00.000+00:00")
+    assert run_now["schedule"] == "night & day" and "uniqueKey" not in run_now  # a run-now: no slot
+    spaced = data(flower, "/api/jobs?schedule=" + urllib.parse.quote(" night & day "))[1]
+    assert [job["taskId"] for job in spaced["jobs"]] == [" night & day -now"]
+    assert data(flower, f"/api/jobs?{query}&status=failed")[1]["jobs"] == []
+    assert len(data(flower, "/api/jobs?kind=reports.nightly")[1]["jobs"]) == 5  # the task's name mixes them all
+    assert data(flower, "/api/jobs?schedule=" + "n" * 201) == (
+        400,
+        {"error": "bad filter: schedule is longer than 200 characters"},
+    )
+    # A bulk action on the entry's jobs: counted, confirmed, done; the other entries' and the hand-sent job stay.
+    counted = data(flower, f"/api/jobs/bulk/cancel?{query}")[1]
+    assert counted["count"] == 2
+    done = act(flower, f"/api/jobs/bulk/cancel?{query}&expected=2&asOf={urllib.parse.quote(counted['asOf'])}")
+    assert done == (200, {"message": "cancel: 2 jobs", "count": 2})
+    assert sorted(doc["taskId"] for doc in db.jobs.find({"status": "queued"})) == [
+        " night & day -now", "by-hand", "night-2026-12-01T03:00:00.000+00:00",
+    ]  # fmt: skip
 
 
 def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(

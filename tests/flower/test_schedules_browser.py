@@ -1,8 +1,10 @@
-"""Flower's Schedules view in a real browser: run now, disable, enable; a read-only user and a forged post refused."""
+"""Flower's Schedules view in a real browser: run now, disable, enable; a read-only user and a forged post refused;
+an entry's jobs link lists exactly its jobs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +13,15 @@ from playwright.sync_api import expect
 from pymongo.database import Database
 
 from bb_broker.beat import ScheduleStore
+from bb_broker.beat.entries import parse_entry
+from bb_broker.beat.scheduler import send_entry, slot_key
 from bb_broker.clock import ServerClock
 from tests.support.flower_process import FlowerProcess
-from tests.support.workers import process_factory, wait_for
+from tests.support.workers import process_factory, producer, send, wait_for
 
 ADMIN = {"username": "admin", "password": "s3cret"}
 VIEWER = {"username": "viewer", "password": "peek"}
+DAY = timedelta(days=1)
 
 
 @pytest.fixture
@@ -27,7 +32,9 @@ def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Pa
     yield from process_factory(request, build, FlowerProcess.stop)
 
 
-def test_an_operator_runs_disables_and_enables_an_entry_and_a_viewer_cannot(db: Database, flower_factory, browser):
+def test_an_operator_runs_disables_and_enables_an_entry_and_a_viewer_cannot(
+    db: Database, broker_url: str, flower_factory, browser
+):
     ScheduleStore(db, ServerClock(db)).add(
         "nightly", "tests.support.e2e_app.add", {"crontab": "0 3 * * *"}, timezone="Europe/Paris", args=[1, 2]
     )
@@ -82,3 +89,27 @@ def test_an_operator_runs_disables_and_enables_an_entry_and_a_viewer_cannot(db: 
     by_viewer = viewer.context.request.post(f"{flower.url}/api/schedules/run-now", form={"name": "nightly"})
     assert by_viewer.status == 403 and "viewer may read the jobs but not act" in by_viewer.text()
     assert db.jobs.count_documents({}) == 1
+
+    # Following an entry's "jobs" link lists exactly its jobs: its slots' and its run-now, not those of another
+    # entry of the same task, nor the task sent by hand.
+    store = ScheduleStore(db, ServerClock(db))
+    store.add("nightly.eu", "tests.support.e2e_app.add", {"crontab": "0 4 * * *"})
+    sender = producer(broker_url)
+    try:
+        for name in ("nightly", "nightly.eu"):
+            entry = parse_entry(db.bb_schedules.find_one({"_id": name}))
+            for slot in (entry.slots.next_after(entry.last_slot), entry.slots.next_after(entry.last_slot + DAY)):
+                send_entry(sender, entry, slot, slot_key(name, slot))  # as a beat sends a slot's job
+        send(sender, "add", 1, 2)
+    finally:
+        sender.close()
+    ours = {doc["_id"] for doc in db.jobs.find({"payload.headers.bb_beat_entry": "nightly"})}
+    assert len(ours) == 3 and db.jobs.count_documents({}) == 6
+    admin.goto(f"{flower.url}/jobs/schedules")
+    admin.locator('#schedules-table tr[data-entry="nightly"] a.entry-jobs').click()
+    expect(admin.locator("#f-schedule")).to_have_value("nightly")
+    rows = admin.locator("#jobs-table tbody tr[data-job]")
+    expect(rows).to_have_count(3)
+    assert {rows.nth(i).get_attribute("data-job") for i in range(3)} == ours
+    marks = sorted(rows.nth(i).locator(".job-beat").inner_text() for i in range(3))
+    assert marks[0] == "beat nightly, run now" and all(mark.startswith("beat nightly, slot 20") for mark in marks[1:])

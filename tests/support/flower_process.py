@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import html
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.servers import free_port
-from tests.support.workers import FAST_OPTIONS, ROOT, wait_for
+from tests.support.workers import FAST_OPTIONS, ROOT, kill_group, wait_for
 
 #: Flower's API refuses requests without authentication unless this is set.
 FLOWER_ENV = {"FLOWER_UNAUTHENTICATED_API": "true"}
@@ -156,11 +154,7 @@ class FlowerProcess:
     def stop(self) -> None:
         """SIGKILL Flower and its children, once a test is done with it: on SIGTERM Flower's exit waits for the
         inspect broadcasts under way, each up to inspect_timeout, and nothing a test checks comes after."""
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(15)
+        kill_group(self.process, 15)
         self.process = None
 
 

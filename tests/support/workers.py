@@ -95,11 +95,17 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the main process and its whole pool, as a crash or an OOM killer would."""
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)
+        kill_group(self.process)
+
+
+def kill_group(process: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
+    """SIGKILL a process started in a session of its own (start_new_session=True) with every process of its group
+    (a worker's pool, Flower's children), as a crash or an OOM killer would, and reap it; None: nothing started."""
+    if process is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout)
 
 
 def producer(broker_url: str) -> Celery:

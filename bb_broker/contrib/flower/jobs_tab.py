@@ -46,6 +46,7 @@ from bb_broker.jobs.lifecycle import STATUSES
 from bb_broker.jobs.queues import QueueControls
 from bb_broker.ops.operations import (
     ACTIONS,
+    FILTER_NAMES,
     MAX_PAGE,
     ActionRefused,
     FilterError,
@@ -60,7 +61,6 @@ T = TypeVar("T")
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
-FILTERS = ("status", "queue", "kind", "since", "until", "error")
 #: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
 MAX_ID_LENGTH = 512
 
@@ -282,10 +282,17 @@ class _JobsHandler(BaseHandler):
         """`call(*args, **kwargs)` in the Jobs tab's threads: Flower's event loop keeps serving pages meanwhile."""
         return await _tab(self).run(call, *args, **kwargs)
 
+    def filter_arguments(self, default: str | None) -> dict[str, str | None]:
+        """The request's filter values by name; an entry's name (`schedule`) whole, spaces included, as
+        JobFilter.parse takes it (Tornado strips arguments unless told)."""
+        return {
+            name: self.get_argument(name, default=default, escape=False, strip=name != "schedule")
+            for name in FILTER_NAMES
+        }
+
     def parse_filter(self, now: datetime) -> JobFilter:
-        values = {name: self.get_argument(name, default=None, escape=False) for name in FILTERS}
         try:
-            return JobFilter.parse(values, now)
+            return JobFilter.parse(self.filter_arguments(None), now)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
 
@@ -308,7 +315,7 @@ class _JobsHandler(BaseHandler):
         job_filter = await self.job_filter()
         if not job_filter.as_dict():
             raise tornado.web.HTTPError(
-                400, f"bulk {action} needs a filter ({', '.join(FILTERS)}): without one it would take every job"
+                400, f"bulk {action} needs a filter ({', '.join(FILTER_NAMES)}): without one it would take every job"
             )
         return job_filter
 
@@ -471,8 +478,9 @@ class JobsPage(_JobsHandler):
         self.render(
             "bb_jobs.html",
             filters=job_filter.as_dict(),
-            raw_filters={name: self.get_argument(name, default="", escape=False) for name in FILTERS},
+            raw_filters=self.filter_arguments(""),
             statuses=list(STATUSES),
+            filter_names=list(FILTER_NAMES),
             can_act=can_act(self),
             user=user_name(self),
         )
