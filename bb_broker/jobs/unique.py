@@ -291,11 +291,12 @@ def chosen_arguments(
 
 def digest(value: Any, task_name: str) -> str:
     """SHA-256 of `value` as canonical JSON (sorted keys, no spaces; Kombu's JSON for dates, UUIDs, decimals)."""
+    from kombu.exceptions import EncodeError
     from kombu.utils import json as kombu_json
 
     try:
         text = kombu_json.dumps(value, sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, EncodeError) as exc:
         raise UniqueOptionError(
             f"the arguments of {task_name} are not JSON, so no key can be made of them ({exc}): give unique_key, "
             "or unique_on naming JSON arguments"
