@@ -252,3 +252,52 @@ def test_show_tells_the_key_its_mode_and_whether_it_is_held(tasks, operations, b
     operations.act("cancel", first.id, by="ops")
     shown = CliRunner().invoke(main, ["show", "--broker", broker_url, first.id])
     assert "held while queued; given back)" in shown.output
+
+
+@pytest.mark.parametrize(("max_attempts", "after", "held"), [(3, "queued", True), (1, "failed", False)])
+def test_the_stale_sweep_keeps_the_key_of_a_job_it_requeues_and_frees_one_it_fails(
+    tasks, db: Database, max_attempts: int, after: str, held: bool
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from bb_broker.jobs.lifecycle import Policy
+    from bb_broker.jobs.store import JobStore
+
+    first = tasks["add"].delay(9, 9)
+    claimed = JobStore(db).claim("celery", "crashed-worker")
+    assert claimed is not None and claimed.task_id == first.id
+    later = datetime.now(UTC) + timedelta(hours=1)  # the lease long expired: the worker is gone
+    JobStore(db, Policy(max_attempts=max_attempts), clock=lambda: later).requeue_stale()
+    swept = the_job(db, first.id)
+    assert swept["status"] == after and ("uniqueActive" in swept) is held
+    if held:
+        assert refused_task_id(lambda: tasks["add"].delay(9, 9)) == first.id
+    else:
+        assert tasks["add"].delay(9, 9).id != first.id
+
+
+def test_the_claim_frees_a_queued_only_key_and_leaves_the_others(tasks, db: Database) -> None:
+    from bb_broker.jobs.store import JobStore
+
+    queued_only, active = tasks["hold_queued"].delay("/x"), tasks["hold"].delay("/x")
+    store = JobStore(db)
+    assert {job.task_id for job in store.claim_many("celery", "w", 5)} == {queued_only.id, active.id}
+    assert "uniqueQueued" not in the_job(db, queued_only.id) and "uniqueActive" in the_job(db, active.id)
+    tasks["hold_queued"].delay("/x")
+    assert refused_task_id(lambda: tasks["hold"].delay("/x")) == active.id
+
+
+def refused_task_id(publish) -> str | None:
+    with pytest.raises(DuplicateJob) as duplicate:
+        publish()
+    assert type(duplicate.value) is DuplicateJob
+    return duplicate.value.task_id
+
+
+def test_the_refusals_counter_is_exposed_to_prometheus(tasks) -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    tasks["add"].delay(6, 6)
+    with pytest.raises(DuplicateJob):
+        tasks["add"].delay(6, 6)
+    assert "jobs_duplicates_refused_total" in generate_latest(REGISTRY).decode()
