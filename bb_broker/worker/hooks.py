@@ -339,8 +339,8 @@ def _unique_headers(
         return
     if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
         args, kwargs = body[0], body[1]
-    else:  # protocol 1
-        args, kwargs = (body or {}).get("args"), (body or {}).get("kwargs")
+    else:  # protocol 1: a dict
+        args, kwargs = (body.get("args"), body.get("kwargs")) if isinstance(body, dict) else ((), {})
     try:
         headers.update(options.headers(str(sender), args or (), kwargs or {}, getattr(task, "run", None)))
     except unique.UniqueOptionError as exc:
