@@ -55,7 +55,7 @@ def register(app: Celery) -> dict[str, Any]:
             raise ValueError("not yet")
         return path
 
-    @app.task(bind=True, name=NAME + "retries_self", unique=True, max_retries=5)
+    @app.task(bind=True, name=NAME + "retries_self", unique=True, max_retries=50)
     def retries_self(self: Any, path: str) -> str:
         """Its own Celery retry (`self.retry()`), until `path` exists."""
         if not os.path.exists(path):
