@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from bb_broker.connection import BrokerURLError
     from bb_broker.jobs.document import JobTooLarge, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
-    from bb_broker.jobs.unique import DuplicateJob
+    from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
     from bb_broker.worker.hooks import is_final_attempt
 
@@ -33,6 +33,7 @@ __all__ = [
     "MalformedTaskMessage",
     "ResultTooLarge",
     "ServerUnreachable",
+    "UniqueOptionError",
     "is_final_attempt",
     "statuses",
 ]
@@ -45,6 +46,7 @@ _LAZY = {
     "MalformedTaskMessage": "jobs.payloads",
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
+    "UniqueOptionError": "jobs.unique",
     "is_final_attempt": "worker.hooks",
 }
 

@@ -12,7 +12,7 @@ from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.lifecycle import SUCCEEDED
-from bb_broker.jobs.unique import UNIQUE_INDEX
+from bb_broker.jobs.unique import UNIQUE_INDEXES
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ INDEXES = [
         name="bb_list_schedule",
         partialFilterExpression={"schedule": {"$exists": True}},
     ),
-    UNIQUE_INDEX,
+    *UNIQUE_INDEXES,  # one per unique mode (bb_broker.jobs.unique)
 ]
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.

@@ -26,6 +26,7 @@ from ulid import ULID
 
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.lifecycle import QUEUED, RUNNING
+from bb_broker.jobs.unique import RELEASED_BY_CLAIM
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
 RETRY_STATE = "RETRY"
@@ -59,6 +60,7 @@ def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], 
     take = {
         "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
         "$inc": {"attempts": 1},
+        "$unset": RELEASED_BY_CLAIM,  # a `queued` unique key is free once a worker holds its job
     }
     return due, take
 

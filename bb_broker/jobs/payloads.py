@@ -16,7 +16,7 @@ from typing import Any
 from kombu import compression
 from kombu.utils import json as kombu_json
 
-from bb_broker.jobs.unique import MAX_UNIQUE_KEY_LENGTH, UNIQUE_KEY_HEADER
+from bb_broker.jobs import unique
 
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
 JOB_ID_HEADER = "bb_job_id"
@@ -295,8 +295,9 @@ def check_envelope(message: dict[str, Any]) -> None:
     _check(headers, "stamped_headers", "header", _texts_or_none, "a list of strings or null")
     _check(headers, "stamps", "header", _document_or_none, "a document or null")
     _check(headers, "compression", "header", _known_compression, f"one of {compression.encoders()} or null")
-    expected_key = f"a non-empty string of at most {MAX_UNIQUE_KEY_LENGTH} characters"
-    _check(headers, UNIQUE_KEY_HEADER, "header", _unique_key, expected_key, absent_only=True)
+    if (unique_problem := unique.header_problem(headers)) is not None:
+        name, expected, value = unique_problem
+        raise MalformedTaskMessage(f"header {name!r}", expected, value)
     expected_name = f"a non-empty string of at most {MAX_SCHEDULE_LENGTH} characters (a periodic entry's name)"
     _check(headers, SCHEDULE_HEADER, "header", _schedule_name, expected_name, absent_only=True)
     for name in _TEXT_PROPERTIES:
@@ -420,10 +421,6 @@ def _iso_moment(value: Any) -> bool:
         except ValueError:
             return False
     return _MOMENTS[0] <= moment.replace(tzinfo=UTC) <= _MOMENTS[1]
-
-
-def _unique_key(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_UNIQUE_KEY_LENGTH
 
 
 def _schedule_name(value: Any) -> bool:

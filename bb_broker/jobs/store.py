@@ -42,7 +42,7 @@ from bb_broker.jobs.document import (
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
 from bb_broker.jobs.sweeps import Sweeps
-from bb_broker.jobs.unique import DuplicateJob
+from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class JobStore(Sweeps):
         is_retry: bool,
         job_id: str | None = None,
         retry_of: tuple[str, int] | None = None,
-        unique_key: str | None = None,
+        unique: Hold | None = None,
         schedule: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
@@ -113,7 +113,8 @@ class JobStore(Sweeps):
         id (a producer retrying a write whose answer it never got) finds the first and writes nothing.
         `retry_of`, the (job id, attempt) a retry comes from, fences the reschedule on that attempt: the retry of an
         attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing.
-        `unique_key` (see bb_broker.jobs.unique): when another job holds it, DuplicateJob, and nothing written.
+        `unique` (see bb_broker.jobs.unique): when another job holds its key, DuplicateJob, and nothing written. A
+        retry's reschedule leaves the job's key as it is: the key stays taken through retries.
         `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field."""
         now = self.now()
         due = run_after or now
@@ -153,7 +154,7 @@ class JobStore(Sweeps):
             "runAfter": due,
             "createdAt": now,
             "updatedAt": now,
-            **({} if unique_key is None else {"uniqueKey": unique_key}),
+            **({} if unique is None else unique.fields()),
             **({} if schedule is None else {"schedule": schedule}),
         }
         try:
@@ -161,10 +162,11 @@ class JobStore(Sweeps):
         except DuplicateKeyError:
             # Read after the refusal, never before: a read first would cost every publish a round trip, and would
             # still race. A holder under our own id is this publish's earlier try, which the lines below find.
-            if unique_key is not None:
-                holder = self.coll.find_one({"uniqueKey": unique_key}, {"taskId": 1})
+            if unique is not None:
+                holder = self.coll.find_one({unique.field: unique.key}, {"taskId": 1})
                 if holder is not None and holder["_id"] != job["_id"]:
-                    raise DuplicateJob(unique_key, holder.get("taskId"), holder["_id"]) from None
+                    metrics.record("refused_duplicate")
+                    raise DuplicateJob(unique.key, holder.get("taskId"), holder["_id"]) from None
             first = self.coll.find_one({"_id": job["_id"]}, {"taskId": 1, "queue": 1})
             if first is not None and (first.get("taskId"), first.get("queue")) == (task_id, queue):
                 return job["_id"]  # the earlier try landed
@@ -285,7 +287,7 @@ class JobStore(Sweeps):
                         "updatedAt": now,
                         "finishedAt": now,
                     },
-                    "$unset": {"leaseOwner": ""},
+                    "$unset": {"leaseOwner": "", **RELEASED_AT_END},
                 },
             )
         )
@@ -304,7 +306,8 @@ class JobStore(Sweeps):
                         "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
                         "updatedAt": self.now(),
                         "finishedAt": self.now(),
-                    }
+                    },
+                    "$unset": RELEASED_AT_END,
                 },
             )
             metrics.record("failed", result.modified_count)
@@ -331,7 +334,8 @@ class JobStore(Sweeps):
         """Settle a held job `succeeded`, with its history entry and (from the result backend) its result fields."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **pushed(attempt)})
+        released = {"leaseOwner": "", **RELEASED_AT_END}  # the job's unique key, in the write that ends it
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": released, **pushed(attempt)})
         if done:
             metrics.record("succeeded")
         return done
@@ -346,8 +350,11 @@ class JobStore(Sweeps):
         backoff: bool = True,
         attempt: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None,
+        revoked: bool = False,
     ) -> Outcome | None:
         """Record a failed attempt: back to the queue (with backoff unless told otherwise), or failed for good.
+
+        Failed for good, the job gives back its unique key (see bb_broker.jobs.unique); `revoked`, even a `period` one.
 
         `result` (from the result backend) is stored as it is when the job fails for good; when the job goes back to
         the queue its `state` becomes RETRY, so a caller waiting on the result waits for the next attempt.
@@ -361,12 +368,14 @@ class JobStore(Sweeps):
             changes = {**result, **changes}
             if outcome.status == QUEUED:
                 changes["state"] = RETRY_STATE
+        released = {"leaseOwner": ""}
         if outcome.status == QUEUED:
-            changes["runAfter"] = outcome.run_after
+            changes["runAfter"] = outcome.run_after  # a retry: the job keeps its unique key
         else:
             changes["finishedAt"] = now
+            released |= RELEASED_BY_CANCEL if revoked else RELEASED_AT_END
         attempt = self._scrubbed(attempt)
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **pushed(attempt)})
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": released, **pushed(attempt)})
         if done:
             metrics.record("retried" if outcome.status == QUEUED else "failed")
         return outcome if done else None

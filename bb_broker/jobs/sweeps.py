@@ -16,6 +16,7 @@ from pymongo.collection import Collection as MongoCollection
 
 from bb_broker.jobs.document import HISTORY_ARRAY, HISTORY_LIMIT, HISTORY_NOT_ARRAY, attempt_recorded_expression
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, Policy
+from bb_broker.jobs.unique import RELEASED_AT_END
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,10 @@ class Sweeps:
             reason = f"malformed job document: {field} must be {kind}"
             failed += self.coll.update_many(
                 {"status": QUEUED, **selector},
-                {"$set": {"status": FAILED, "lastError": reason, "updatedAt": now, "finishedAt": now}},
+                {
+                    "$set": {"status": FAILED, "lastError": reason, "updatedAt": now, "finishedAt": now},
+                    "$unset": RELEASED_AT_END,
+                },
             ).modified_count
         metrics.record("failed", failed)
         if failed:
@@ -91,7 +95,9 @@ class Sweeps:
             # A history written by hand that is not an array is kept as it is: no sweep fails on it (for every job).
             kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, HISTORY_NOT_ARRAY]}]}
             changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
-            return [{"$set": changes}, {"$unset": ["leaseOwner"]}]
+            # Requeued, the job keeps its unique key; failed for good, it gives it back.
+            released = ["leaseOwner"] if status == QUEUED else ["leaseOwner", *RELEASED_AT_END]
+            return [{"$set": changes}, {"$unset": released}]
 
         retry = self._hinted(
             lambda: self.coll.update_many(

@@ -319,6 +319,10 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
         missed = {identifier: operations.why_not_retried(identifier, kind) for identifier in retried.unmatched}
         count = retried.count
     click.echo(f"retried {count} failed job{'' if count == 1 else 's'}")
+    for reason in retried.held.values():
+        click.echo(reason, err=True)
+    if retried.held and not missed:
+        _fail(f"retry: {len(retried.held)} job{'' if len(retried.held) == 1 else 's'} left failed: unique key held")
     if missed:
         reasons = ", ".join(f"{job_id} ({why})" for job_id, why in missed.items())
         _fail(f"retry: {len(missed)} id{'' if len(missed) == 1 else 's'} matched no failed job: {reasons}")

@@ -21,13 +21,16 @@ from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 logger = logging.getLogger(__name__)
 
 #: The events JobStore reports, one counter each (exposed as jobs_<event>_total).
-Event = Literal["enqueued", "succeeded", "retried", "failed"]
+Event = Literal["enqueued", "succeeded", "retried", "failed", "refused_duplicate"]
 
 COUNTERS: dict[str, Counter] = {
     "enqueued": Counter("jobs_enqueued", "Jobs inserted as queued by producers."),
     "succeeded": Counter("jobs_succeeded", "Jobs that ended succeeded."),
     "retried": Counter("jobs_retried", "Attempts that failed or were cut short and sent their job back to the queue."),
     "failed": Counter("jobs_failed", "Jobs that ended failed."),
+    "refused_duplicate": Counter(
+        "jobs_duplicates_refused", "Publishes refused because another job holds their unique key (DuplicateJob)."
+    ),
 }
 
 #: Restarts of bb_broker's background threads whose loop died (threads.py), per thread name.

@@ -13,7 +13,7 @@ from typing import Any
 
 from bson import ObjectId
 from pymongo import DESCENDING, UpdateOne
-from pymongo.errors import ExecutionTimeout
+from pymongo.errors import BulkWriteError, ExecutionTimeout
 from ulid import ULID
 
 from bb_broker.clock import aware
@@ -23,6 +23,7 @@ from bb_broker.jobs.document import RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import QueueControls
 from bb_broker.jobs.store import JobStore
+from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,10 @@ def list_row(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 #: What a retry reads of each job it sends back.
-RETRY_FIELDS = {"_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1}
+RETRY_FIELDS = {
+    "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1, "unique": 1,
+    **dict.fromkeys(HOLD_FIELDS.values(), 1),
+}  # fmt: skip
 #: The most rows one page of a list holds.
 MAX_PAGE = 200
 #: How long a search in lastError may scan before it answers with what it found.
@@ -253,6 +257,8 @@ class Retried:
 
     job_ids: list[str] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
+    #: Failed jobs left failed because another job holds their unique key now: job id -> why.
+    held: dict[str, str] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -442,7 +448,10 @@ class Operations:
             raise ActionRefused("conflict", f"job {doc['_id']} has an actions field that is {kind}, not an array")
         if action == "requeue" and not self._lease_expired(doc):
             raise ActionRefused("conflict", f"job {doc['_id']} is running with a live lease: its worker holds it")
-        done = self._apply(action, job_filter, by=by)
+        held: dict[str, str] = {}
+        done = self._apply(action, job_filter, by=by, held=held)
+        if doc["_id"] in held:
+            raise ActionRefused("conflict", held[doc["_id"]])
         if not done:
             raise ActionRefused("conflict", f"job {doc['_id']} changed meanwhile: look again")
         return self.find(doc["_id"]) or {"_id": doc["_id"], "deleted": True}
@@ -476,12 +485,13 @@ class Operations:
             seen = {doc["_id"] for doc in docs}
             more = self.coll.find(by_task, RETRY_FIELDS, **self._hint_if_indexed("bb_task_id"))
             docs += [doc for doc in more if doc["_id"] not in seen]
-        job_ids = self._retry_docs(docs, by=by)
+        held: dict[str, str] = {}
+        job_ids = self._retry_docs(docs, by=by, held=held)
         unmatched = []
         if wanted is not None:
             found = {doc["_id"] for doc in docs} | {doc.get("taskId") for doc in docs}
             unmatched = [identifier for identifier in wanted if identifier not in found]
-        return Retried(job_ids, unmatched)
+        return Retried(job_ids, unmatched, held)
 
     def why_not_retried(self, identifier: str, kind: str | None = None) -> str:
         """Why a job id or task id given to retry() is in its `unmatched`."""
@@ -510,6 +520,7 @@ class Operations:
             {"taskId": {"$in": ids}, "status": QUEUED},
             {
                 "$set": {"status": FAILED, "lastError": REVOKED, "updatedAt": now, "finishedAt": now, "revokedAt": now},
+                "$unset": RELEASED_BY_CANCEL,
                 "$push": _record("revoke", by, now),
             },
             **self._hint_if_indexed("bb_task_id"),
@@ -552,13 +563,14 @@ class Operations:
         by: str,
         hint: str | None = None,
         unchanged_since: datetime | None = None,
+        held: dict[str, str] | None = None,
     ) -> int:
         now = self.now()
         selected = _unchanged(self._action_query(query, action), unchanged_since)
         options = self._hint_if_indexed(hint) if hint else {}
         if action == "retry":
             docs = self.coll.find(selected, RETRY_FIELDS, **options)
-            return len(self._retry_docs(docs, by=by))
+            return len(self._retry_docs(docs, by=by, held={} if held is None else held))
         if action == "cancel":
             update = {
                 "$set": {
@@ -567,6 +579,7 @@ class Operations:
                     "updatedAt": now,
                     "finishedAt": now,
                 },
+                "$unset": RELEASED_BY_CANCEL,  # a cancelled job gives back its unique key (not a beat slot's)
                 "$push": _record("cancel", by, now),
             }
             return self.coll.update_many(selected, update, **options).modified_count
@@ -598,9 +611,11 @@ class Operations:
             narrowed["updatedAt"] = {"$lt": self.now() - timedelta(seconds=self.store.policy.stale_after)}
         return narrowed
 
-    def _retry_docs(self, docs: Iterable[dict[str, Any]], *, by: str) -> list[str]:
+    def _retry_docs(self, docs: Iterable[dict[str, Any]], *, by: str, held: dict[str, str]) -> list[str]:
         """Each failed job back to queued, fenced on its status. A revoked job gets a new Celery task id: every
-        worker that saw the revoke keeps the old id in memory and would discard it unrun."""
+        worker that saw the revoke keeps the old id in memory and would discard it unrun. A job whose unique key
+        was given back takes it again in the same write; where another job holds it now, the unique index refuses
+        the write and the job stays failed, the reason in `held`."""
         now = self.now()
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne]] = []
@@ -617,14 +632,15 @@ class Operations:
                 record = _record("retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id)
                 if doc.get("taskId"):
                     renamed[doc["_id"]] = (doc["taskId"], new_id)
+            changes |= _key_taken_again(doc)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
             update = {"$set": changes, "$unset": {"finishedAt": "", "revokedAt": ""}, "$push": record}
             batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
             if len(batch) >= 500:
-                retried += self._write_batch(batch)
+                retried += self._write_batch(batch, held)
                 batch = []
         if batch:
-            retried += self._write_batch(batch)
+            retried += self._write_batch(batch, held)
         self._keep_revoked([renamed[job_id] for job_id in retried if job_id in renamed], by=by, now=now)
         return retried
 
@@ -654,13 +670,36 @@ class Operations:
         ]
         self.coll.database[RESULTS_COLLECTION].bulk_write(writes, ordered=False)
 
-    def _write_batch(self, batch: list[tuple[str, UpdateOne]]) -> list[str]:
-        result = self.coll.bulk_write([op for _, op in batch], ordered=False)
+    def _write_batch(self, batch: list[tuple[str, UpdateOne]], held: dict[str, str]) -> list[str]:
         ids = [job_id for job_id, _ in batch]
-        if result.modified_count == len(batch):
+        try:
+            modified = self.coll.bulk_write([op for _, op in batch], ordered=False).modified_count
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(error.get("code") != DUPLICATE_KEY for error in errors):
+                raise
+            for error in errors:
+                job_id = ids[error["index"]]
+                held[job_id] = self._why_held(job_id)
+            modified = -1  # which of the others landed: read below
+        if modified == len(batch):
             return ids
         # Some changed meanwhile: the ones that are now queued by this write are ours.
         return [doc["_id"] for doc in self.coll.find({"_id": {"$in": ids}, "status": QUEUED}, {"_id": 1})]
+
+    def _why_held(self, job_id: str) -> str:
+        """Why a failed job's retry could not take its unique key again: which job holds it now."""
+        unique = (self.coll.find_one({"_id": job_id}, {"unique": 1}) or {}).get("unique") or {}
+        key, mode = unique.get("key"), unique.get("mode")
+        holder = self.coll.find_one({HOLD_FIELDS[mode]: key}, {"taskId": 1, "status": 1}) if mode in MODES else None
+        by = (
+            "another job"
+            if holder is None
+            else f"job {holder['_id']} (task {holder.get('taskId')}, {holder.get('status')})"
+        )
+        return (
+            f"job {job_id} stays failed: its unique key {key!r} is held by {by} now; retry it once that job has ended"
+        )
 
     def _renamed(self, job_id: str, task_id: str) -> dict[str, Any]:
         """The fields that give a job's stored message a new Celery task id."""
@@ -713,6 +752,22 @@ def _other_id_forms(identifier: str) -> list[Any]:
     if ObjectId.is_valid(identifier) and len(identifier) == 24:
         forms.append(ObjectId(identifier))
     return forms
+
+
+#: The server's code for a write a unique index refused.
+DUPLICATE_KEY = 11000
+
+
+def _key_taken_again(doc: dict[str, Any]) -> dict[str, Any]:
+    """The `$set` that makes a retried job hold its unique key again, when it gave the key back (a beat slot's is
+    never given back; a key written by hand that is not one is left alone)."""
+    unique = doc.get("unique")
+    if not isinstance(unique, dict) or unique.get("mode") not in MODES or unique["mode"] == FOREVER_MODE:
+        return {}
+    field_name = HOLD_FIELDS[unique["mode"]]
+    if field_name in doc or not isinstance(unique.get("key"), str) or not unique["key"]:
+        return {}
+    return {field_name: unique["key"]}
 
 
 def _record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any]:

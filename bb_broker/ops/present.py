@@ -8,6 +8,7 @@ from typing import Any
 
 from bb_broker.clock import aware
 from bb_broker.jobs.lifecycle import QUEUED
+from bb_broker.jobs.unique import ACTIVE_MODE, FOREVER_MODE, HOLD_FIELDS, PERIOD_MODE, QUEUED_MODE
 
 #: The fields shown first, in this order; the rest of the document follows.
 SUMMARY_FIELDS = (
@@ -16,6 +17,28 @@ SUMMARY_FIELDS = (
 )  # fmt: skip
 #: Fields shown in sections of their own.
 SECTION_FIELDS = ("payload", "history", "actions")
+#: The unique key's fields, shown as one line (see unique_of).
+UNIQUE_FIELDS = ("unique", *HOLD_FIELDS.values())
+#: What each unique mode holds its key through, as a person reads it.
+HELD_WHILE = {
+    QUEUED_MODE: "while queued",
+    ACTIVE_MODE: "while queued or running",
+    PERIOD_MODE: "in every status for its period",
+    FOREVER_MODE: "for good",
+}
+
+
+def unique_of(doc: dict[str, Any]) -> str | None:
+    """The job's unique key, its mode and whether the job holds the key now; None for a job without one."""
+    unique = doc.get("unique")
+    if isinstance(unique, dict) and unique.get("mode") in HELD_WHILE:
+        key, mode = unique.get("key"), unique["mode"]
+    elif "uniqueKey" in doc:  # a job made before the modes: a beat slot's
+        key, mode = doc["uniqueKey"], FOREVER_MODE
+    else:
+        return None
+    now = "held now" if HOLD_FIELDS[mode] in doc else "given back"
+    return f"{as_text(key)} (mode {mode}: held {HELD_WHILE[mode]}; {now})"
 
 
 def arguments(doc: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +90,8 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
             lines.append(("id" if name == "_id" else name, as_text(doc[name])))
     if doc.get("status") == QUEUED and doc.get("attempts"):
         lines.append(("next attempt", as_text(doc.get("runAfter"))))
+    if (unique := unique_of(doc)) is not None:
+        lines.append(("unique key", unique))
     for name, value in arguments(doc).items():
         lines.append((name, as_text(value)))
     for row in attempts_of(doc):
@@ -79,7 +104,7 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
     for action in actions_of(doc):
         lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
     for name, value in doc.items():
-        if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS:
+        if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS and (unique is None or name not in UNIQUE_FIELDS):
             lines.append((name, as_text(value)))
     return lines
 

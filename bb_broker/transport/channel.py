@@ -40,7 +40,7 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import PausedQueues, QueueControls
-from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
+from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
@@ -322,6 +322,9 @@ class Channel(virtual.Channel):
         if isinstance(body, str):
             body = body.encode(message.get("content-encoding") or "utf-8")
         headers = message["headers"]
+        if UNIQUE_REFUSED_HEADER in headers:
+            # The publisher's unique options could not make a key: its before_task_publish receiver cannot raise.
+            raise UniqueOptionError(str(headers[UNIQUE_REFUSED_HEADER]))
         check_envelope(message)  # refused here, with nothing written, rather than failed at its claim
         # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
         # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
@@ -345,7 +348,7 @@ class Channel(virtual.Channel):
             is_retry=bool(headers.get("retries")),
             job_id=job_id,
             retry_of=_retry_of(headers),
-            unique_key=headers.get(UNIQUE_KEY_HEADER),
+            unique=hold_of(headers, self.clock),
             schedule=headers.get(SCHEDULE_HEADER),
         )
 

@@ -17,6 +17,7 @@ from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
 from bb_broker import connection
+from bb_broker.jobs import unique
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
@@ -318,7 +319,33 @@ def _on_revoked(
         return
     reason = revoke_reason(terminated, expired, signum)
     entry = attempt_for(store, request, job[1], "revoked", reason)
-    store.fail(*job, reason, retryable=False, attempt=entry, result=attempt_state(request).pending_result)
+    store.fail(*job, reason, retryable=False, attempt=entry, result=attempt_state(request).pending_result, revoked=True)
+
+
+@signals.before_task_publish.connect
+def _unique_headers(
+    sender: Any = None, body: Any = None, headers: Any = None, properties: Any = None, **_: Any
+) -> None:
+    """The unique options of a publish (the call's, from apply_async's keywords, which Celery puts in the message's
+    properties; the task's attributes under them) as the message's unique headers (bb_broker.jobs.unique)."""
+    if not isinstance(headers, dict) or not isinstance(properties, dict):
+        return
+    call = {name: properties.pop(name) for name in unique.OPTION_NAMES if name in properties}
+    if unique.UNIQUE_KEY_HEADER in headers:
+        return  # a retry (its message carries the request's headers), a beat's slot, or a header set by hand
+    task = patches.registered_task(sender) if isinstance(sender, str) else None
+    options = unique.UniqueOptions.read(task, call)
+    if not options.wanted:
+        return
+    if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
+        args, kwargs = body[0], body[1]
+    else:  # protocol 1: a dict
+        args, kwargs = (body.get("args"), body.get("kwargs")) if isinstance(body, dict) else ((), {})
+    try:
+        headers.update(options.headers(str(sender), args or (), kwargs or {}, getattr(task, "run", None)))
+    except unique.UniqueOptionError as exc:
+        # Celery's signals swallow what a receiver raises: the transport raises it, writing nothing.
+        headers[unique.UNIQUE_REFUSED_HEADER] = str(exc)
 
 
 @signals.task_unknown.connect

@@ -166,6 +166,25 @@ def chain_class() -> type[_chain]:
     return canvas._chain
 
 
+def registered_task(name: str) -> Any:
+    """The task registered as `name` in a Celery app of this process (the current app first), or None.
+
+    A `before_task_publish` receiver is told the task's name only, not its app or task: its unique options are the
+    task's attributes. No public name lists a process's apps (`celery._state._get_active_apps`), and each app's
+    registry is read as `app._tasks`, since `app.tasks` would finalize an app mid-publish. A task being published
+    is in its app's registry already (a task proxy registers itself as it is evaluated). Checked against celery
+    5.5.3, 5.6.3, 5.7.0."""
+    from celery import _state
+
+    current = _state.get_current_app()
+    others = [app for app in list(_state._get_active_apps()) if app is not current]  # type: ignore[attr-defined]  # private: celery-types omits it
+    for app in [current, *others]:
+        task = app._tasks.get(name)
+        if task is not None:
+            return task
+    return None
+
+
 def is_lazy_result_list(value: Any) -> bool:
     """True for the lazily evaluated list Celery passes as a chord header's results when the header is a generator
     (`celery.utils.functional._regen`): it cannot be walked for nested groups before the header is sent.

@@ -32,6 +32,12 @@ POISONS: list[tuple[str, dict[str, Any], str]] = [
     ("expires junk", {"$set": {"payload.headers.expires": "5j"}}, "header 'expires'"),
     ("expires a number", {"$set": {"payload.headers.expires": 5}}, "header 'expires'"),
     ("retries negative", {"$set": {"payload.headers.retries": -1}}, "header 'retries'"),
+    (
+        "unique mode unknown",
+        {"$set": {"payload.headers.bb_unique_key": "k", "payload.headers.bb_unique_mode": "sometimes"}},
+        "header 'bb_unique_mode'",
+    ),
+    ("unique period without its mode", {"$set": {"payload.headers.bb_unique_period": 5}}, "header 'bb_unique_key'"),
     ("retries text", {"$set": {"payload.headers.retries": "x"}}, "header 'retries'"),
     ("id a list", {"$set": {"payload.headers.id": [1, 2]}}, "header 'id'"),
     ("task a list", {"$set": {"payload.headers.task": ["tests.support.e2e_app.add"]}}, "header 'task'"),

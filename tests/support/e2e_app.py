@@ -14,6 +14,7 @@ from pymongo import monitoring
 
 import bb_broker
 from bb_broker.connection import get_database, parse_broker_url
+from tests.support import unique_app
 
 app = Celery("e2e_app")
 app.conf.update(
@@ -399,3 +400,6 @@ def exits_until(self, succeed_on_attempt):
     if self.request.bb_attempts < succeed_on_attempt:
         os._exit(1)
     return "ok"
+
+
+unique_tasks = unique_app.register(app)  # tests/e2e/test_unique_jobs.py

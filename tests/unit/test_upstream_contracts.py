@@ -130,6 +130,38 @@ def test_a_chain_from_a_message_is_a_private_chain(app: Celery) -> None:
     )
 
 
+def test_a_publishing_process_apps_and_their_registries_are_found_without_finalizing(app: Celery) -> None:
+    from celery import _state
+
+    assert hasattr(_state, "_get_active_apps") and app in _state._get_active_apps(), (
+        "celery._state._get_active_apps no longer lists the apps of the process: the unique options of a task "
+        "cannot be found; " + where("registered_task")
+    )
+
+    @app.task(name="contracts.unique", unique=True)
+    def unique_task() -> None:
+        pass
+
+    unique_task.name  # noqa: B018 (evaluating the task proxy registers the task, as apply_async does)
+    assert patches.registered_task("contracts.unique").unique is True and not app.finalized, (
+        "a task is no longer in `app._tasks` once its proxy is evaluated, or reading it finalizes the app; "
+        + where("registered_task")
+    )
+    assert patches.registered_task("contracts.nowhere") is None
+
+
+def test_before_task_publish_hands_receivers_the_headers_and_properties_it_publishes(app: Celery) -> None:
+    from celery.app import amqp
+
+    body = source(amqp.AMQP._create_task_sender)
+    sent = body.index("send_before_publish(")
+    assert "properties.update(kwargs)" in body[:sent] and "**properties" in body[sent:], (
+        "Celery no longer puts apply_async's unknown keywords in the properties it sends before_task_publish and "
+        "then publishes: the per-call unique options cannot be read there; see bb_broker/worker/hooks.py:"
+        "_unique_headers"
+    )
+
+
 def test_a_generator_chord_header_is_a_regen() -> None:
     from celery.utils.functional import regen
 
