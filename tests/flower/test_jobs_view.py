@@ -13,6 +13,7 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
+from bb_broker.jobs.unique import FOREVER_MODE, Hold
 from tests.support.flower_process import FlowerProcess, broker_rows
 from tests.support.store import wait_past
 
@@ -287,9 +288,9 @@ def beat_job(store: JobStore, entry: str, slot: str | None) -> str:
     task_id = f"{entry}-{slot or 'now'}"
     payload = {"args": [], "kwargs": {}, "options": {}, "headers": {"id": task_id, "bb_beat_entry": entry},
                "properties": {}}  # fmt: skip
-    key = None if slot is None else f"beat:{entry}:{slot}"
+    hold = None if slot is None else Hold(f"beat:{entry}:{slot}", FOREVER_MODE)
     return store.publish(queue="celery", kind="reports.nightly", task_id=task_id, payload=payload, priority=0,
-                         run_after=None, is_retry=False, unique_key=key, schedule=entry)  # fmt: skip
+                         run_after=None, is_retry=False, unique=hold, schedule=entry)  # fmt: skip
 
 
 def test_the_jobs_of_one_periodic_entry_by_its_name_in_the_api(store: JobStore, db: Database, flower_factory) -> None:
