@@ -28,6 +28,14 @@ INDEXES = [
     IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
     IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
     UNIQUE_INDEX,
+    # A queue's concurrency limit: the running jobs of a limited queue each hold one of its slots (`limitSlot`, set by
+    # the claim, unset by whatever ends the attempt); a second claim of a slot is refused (see JobStore.claim).
+    IndexModel(
+        [("queue", ASCENDING), ("limitSlot", ASCENDING)],
+        name="bb_limit_slot",
+        unique=True,
+        partialFilterExpression={"limitSlot": {"$exists": True}},
+    ),
 ]
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.

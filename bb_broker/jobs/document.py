@@ -63,6 +63,13 @@ def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], 
     return due, take
 
 
+#: What a job holds only while it is `running`, unset by every write that ends its attempt (a settle, a retry's
+#: reschedule, a release, the stale sweep, an operator's requeue), in the write that exists anyway: its lease, and
+#: the slot of its queue's concurrency limit (LIMIT_SLOT_INDEX) it holds.
+RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot")
+HOLDS_RELEASED = dict.fromkeys(RUNNING_ONLY_FIELDS, "")
+
+
 class JobTooLarge(ValueError):
     """The task message does not fit in one MongoDB document."""
 

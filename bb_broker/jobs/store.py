@@ -7,6 +7,7 @@ retention in admin.py.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from bb_broker.jobs.document import (
     CLAIMED_FIELDS,
     DOCUMENT_TOO_LARGE,
     HISTORY_LIMIT,
+    HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
     RETRY_STATE,
     UNAPPLICABLE_UPDATE,
@@ -41,6 +43,7 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
+from bb_broker.jobs.queues import LimitReached, QueueLimits
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import DuplicateJob
 from bb_broker.ops import metrics
@@ -129,7 +132,7 @@ class JobStore(Sweeps):
                         "runAfter": due,
                         "updatedAt": now,
                     },
-                    "$unset": {"leaseOwner": ""},
+                    "$unset": HOLDS_RELEASED,
                 },
                 projection={"_id": 1},
             )
@@ -180,9 +183,15 @@ class JobStore(Sweeps):
 
     # --- working -----------------------------------------------------------
 
-    def claim(self, queue: str, owner: str) -> Claimed | None:
-        """Atomically move the next due job of `queue` to running, held by `owner`."""
+    def claim(self, queue: str, owner: str, limits: QueueLimits | None = None) -> Claimed | None:
+        """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
+        (LimitReached when they let no job start now)."""
         due, take = claim_query(queue, owner, self.now())
+        if limits is not None and limits.concurrency is not None:
+            return self._claim_in_a_slot(queue, due, take, limits.concurrency)
+        return self._claim_one(due, take)
+
+    def _claim_one(self, due: dict[str, Any], take: dict[str, Any]) -> Claimed | None:
         try:
             with _claiming:
                 doc = self._hinted(
@@ -207,13 +216,49 @@ class JobStore(Sweeps):
             return None
         return claimed(doc, doc["attempts"])
 
-    def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
-        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch.
+    def _claim_in_a_slot(self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int) -> Claimed | None:
+        """The claim of a queue limited to `limit` jobs running at once: the job takes one of the queue's slots
+        0..limit-1 in the claim's own write, and the unique index bb_limit_slot refuses a slot another running job
+        holds. A first guess costs nothing more than the claim; only a refused one reads the slots taken (one read
+        through that index), then tries the free ones. Every write that ends the attempt unsets the slot, the stale
+        sweep's too, so a dead worker's slot comes back with its job. Slots at `limit` and above (a limit lowered)
+        are never taken again: their jobs drain."""
+        taken: set[int] = set()
+        looked = False
+        while free := [slot for slot in range(limit) if slot not in taken]:
+            slot = random.choice(free)  # workers guessing at once spread over the slots
+            held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": {"concurrency": limit}}}
+            try:
+                return self._claim_one(due, held)
+            except DuplicateKeyError:
+                if looked:
+                    taken.add(slot)  # taken since the read
+                else:
+                    taken, looked = self._slots_taken(queue), True
+        metrics.record_held_back("concurrency")
+        raise LimitReached(queue, f"concurrency limit {limit}")
+
+    def _slots_taken(self, queue: str) -> set[int]:
+        """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot)."""
+        holders = self._hinted(
+            lambda: list(
+                self.coll.find(
+                    {"queue": queue, "limitSlot": {"$exists": True}}, {"_id": 0, "limitSlot": 1}, hint="bb_limit_slot"
+                )
+            )
+        )
+        return {doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int}
+
+    def claim_many(self, queue: str, owner: str, limit: int, limits: QueueLimits | None = None) -> list[Claimed]:
+        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch; a queue
+        with `limits` claims one job per round trip (each takes its own slot), LimitReached once they are met.
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
         all ours, or its outcome is unknown, does a third read say which jobs are.
         """
+        if limits:
+            return self._claim_each(queue, owner, limit, limits)
         if limit <= 1:
             job = self.claim(queue, owner)
             return [] if job is None else [job]
@@ -253,6 +298,18 @@ class JobStore(Sweeps):
             claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
 
+    def _claim_each(self, queue: str, owner: str, wanted: int, limits: QueueLimits) -> list[Claimed]:
+        jobs: list[Claimed] = []
+        while len(jobs) < wanted:
+            try:
+                job = self.claim(queue, owner, limits)
+            except LimitReached as exc:
+                raise LimitReached(exc.queue, exc.limit, jobs) from None
+            if job is None:
+                break
+            jobs.append(job)
+        return jobs
+
     def _hinted(self, query: Callable[[], Any]) -> Any:
         """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""
         try:
@@ -282,7 +339,7 @@ class JobStore(Sweeps):
                         "updatedAt": now,
                         "finishedAt": now,
                     },
-                    "$unset": {"leaseOwner": ""},
+                    "$unset": HOLDS_RELEASED,
                 },
             )
         )
@@ -328,7 +385,7 @@ class JobStore(Sweeps):
         """Settle a held job `succeeded`, with its history entry and (from the result backend) its result fields."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **pushed(attempt)})
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": HOLDS_RELEASED, **pushed(attempt)})
         if done:
             metrics.record("succeeded")
         return done
@@ -363,7 +420,7 @@ class JobStore(Sweeps):
         else:
             changes["finishedAt"] = now
         attempt = self._scrubbed(attempt)
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": {"leaseOwner": ""}, **pushed(attempt)})
+        done = self._settle(job_id, attempts, {"$set": changes, "$unset": HOLDS_RELEASED, **pushed(attempt)})
         if done:
             metrics.record("retried" if outcome.status == QUEUED else "failed")
         return outcome if done else None
@@ -453,7 +510,7 @@ class JobStore(Sweeps):
         last = (doc.get("history") or [None])[-1]
         previous_start = last.get("startedAt") if isinstance(last, dict) and last.get("n") == attempts - 1 else None
         changes: dict[str, Any] = {"status": QUEUED, "updatedAt": self.now()}
-        unset = {"leaseOwner": ""}
+        unset = dict(HOLDS_RELEASED)
         if isinstance(previous_start, datetime):
             changes["startedAt"] = previous_start
         else:

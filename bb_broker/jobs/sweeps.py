@@ -14,7 +14,13 @@ from typing import Any
 
 from pymongo.collection import Collection as MongoCollection
 
-from bb_broker.jobs.document import HISTORY_ARRAY, HISTORY_LIMIT, HISTORY_NOT_ARRAY, attempt_recorded_expression
+from bb_broker.jobs.document import (
+    HISTORY_ARRAY,
+    HISTORY_LIMIT,
+    HISTORY_NOT_ARRAY,
+    RUNNING_ONLY_FIELDS,
+    attempt_recorded_expression,
+)
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, Policy
 from bb_broker.ops import metrics
 
@@ -91,7 +97,7 @@ class Sweeps:
             # A history written by hand that is not an array is kept as it is: no sweep fails on it (for every job).
             kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, HISTORY_NOT_ARRAY]}]}
             changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
-            return [{"$set": changes}, {"$unset": ["leaseOwner"]}]
+            return [{"$set": changes}, {"$unset": list(RUNNING_ONLY_FIELDS)}]
 
         retry = self._hinted(
             lambda: self.coll.update_many(

@@ -19,9 +19,9 @@ from ulid import ULID
 from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.jobs.document import RESULTS_COLLECTION, bson_kind
+from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from bb_broker.jobs.queues import QueueControls
+from bb_broker.jobs.queues import QueueControls, QueueLimits, parse_concurrency
 from bb_broker.jobs.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -296,15 +296,22 @@ class Operations:
 
     def queues(self, consumed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
         """Every queue holding queued, running or failed jobs, every queue named in `consumed` (what workers
-        consume) and every paused queue: its depths and whether it is paused, sorted by name."""
+        consume) and every paused or limited queue: its depths, whether it is paused and its limits (`concurrency`,
+        beside the `running` it counts), sorted by name."""
         depths = self.queue_depths()
-        paused = self.controls.paused()
+        controls = self.controls.controls()
         rows: dict[str, dict[str, Any]] = {}
-        for name in sorted({*depths, *consumed, *paused}):
-            rows[name] = {**depths.get(name, dict.fromkeys((QUEUED, RUNNING, FAILED), 0)), "paused": name in paused}
-            if name in paused:
-                rows[name]["pausedBy"] = paused[name].get("pausedBy")
-                rows[name]["pausedAt"] = paused[name].get("pausedAt")
+        for name in sorted({*depths, *consumed, *controls}):
+            control = controls.get(name, {})
+            paused = control.get("paused") is True
+            rows[name] = {**depths.get(name, dict.fromkeys((QUEUED, RUNNING, FAILED), 0)), "paused": paused}
+            if paused:
+                rows[name]["pausedBy"] = control.get("pausedBy")
+                rows[name]["pausedAt"] = control.get("pausedAt")
+            limits = QueueLimits.of(control)
+            if limits:
+                rows[name] |= {"limitedBy": control.get("limitedBy"), "limitedAt": control.get("limitedAt")}
+                rows[name]["concurrency"] = limits.concurrency
         return rows
 
     # --- reading jobs ----------------------------------------------------------
@@ -521,6 +528,14 @@ class Operations:
     def paused(self) -> dict[str, dict[str, Any]]:
         return self.controls.paused()
 
+    def set_limits(self, queue: str, *, concurrency: object, by: str) -> QueueLimits:
+        """Set (or with None clear) `queue`'s concurrency limit for every worker; a value that cannot be a limit is
+        refused with LimitError, and nothing changes. The limits the queue has now."""
+        name = _queue_name(queue)
+        wanted = None if concurrency is None else parse_concurrency(concurrency)
+        self.controls.set_limits(name, concurrency=wanted, by=by, now=self.now())
+        return QueueLimits(concurrency=wanted)
+
     # --- helpers -----------------------------------------------------------------
 
     def _apply(
@@ -553,7 +568,7 @@ class Operations:
             reason = f"requeued by {by}: its lease had expired"[:MAX_ERROR_LENGTH]
             update = {
                 "$set": {"status": QUEUED, "runAfter": now, "updatedAt": now, "lastError": reason},
-                "$unset": {"leaseOwner": ""},
+                "$unset": HOLDS_RELEASED,
                 "$push": _record("requeue", by, now),
             }
             return self.coll.update_many(selected, update, **options).modified_count

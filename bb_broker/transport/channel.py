@@ -42,7 +42,7 @@ from bb_broker.jobs.payloads import (
     to_document,
     to_message,
 )
-from bb_broker.jobs.queues import PausedQueues, QueueControls
+from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
@@ -381,7 +381,8 @@ class Channel(virtual.Channel):
         self.clock = ServerClock.of(db)
         self.plumbing = MessageStore(db, ttl=self.options.message_ttl, secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)
-        self.paused = PausedQueues(
+        #: The paused and limited queues, as this consumer last read them.
+        self.known_controls = KnownControls(
             self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
         )
         self.owner = connection.lease_owner()
@@ -737,7 +738,7 @@ class Channel(virtual.Channel):
         held = self._held.setdefault(queue, deque())
         while True:
             if not held:
-                if queue in self.paused:
+                if queue in self.known_controls:
                     raise Empty()
                 wanted = self._batch_size(queue)
                 ahead = self._claims_ahead(queue) if wanted > 1 else None  # a batch; one job is one round trip
@@ -801,7 +802,17 @@ class Channel(virtual.Channel):
         self._held.setdefault(queue, deque()).extend(jobs)
 
     def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
-        return self.jobs.claim_many(queue, self.owner, wanted)
+        limits = self.known_controls.limits(queue)
+        if not limits:
+            return self.jobs.claim_many(queue, self.owner, wanted)
+        wakeups = self.connection.wakeups if self.connection is not None else None
+        if wakeups is not None:
+            # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
+            wakeups.wake_when_freed(queue)
+        try:
+            return self.jobs.claim_many(queue, self.owner, wanted, limits)
+        except LimitReached as exc:
+            return exc.claimed  # the next claim comes when a job of the queue ends somewhere (or the safety poll)
 
     def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
         if taken < wanted:

@@ -41,6 +41,8 @@ FIRST_PACE = 0.005
 #: this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached. A stream
 #: of repeats costs a getMore per this many repeats, or per BUSY_PACE when they come slower than that.
 PACED_CHANGES = 16
+#: The field a job holds a slot of its queue's concurrency limit in: its removal frees the slot (see JobStore.claim).
+FREED_FIELD = "limitSlot"
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
 
@@ -94,6 +96,8 @@ class Wakeups:
         #: What the news of each dirty queue told of, counted per collection (math.inf: an unknown amount).
         self._news: dict[str, Look] = {}
         self._inflight: set[str] = set()  # queues being looked at: a change to one is no news to the consumer
+        #: Limited queues whose claim may be held back: news once a running job gives back what a limit counts.
+        self._waiting_for_freed: set[str] = set()
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
@@ -145,6 +149,13 @@ class Wakeups:
         if self.available:
             with self._lock:
                 self._add_news(queue, jobs=math.inf)
+
+    def wake_when_freed(self, queue: str) -> None:
+        """The claims of `queue` are limited (a concurrency limit): the next job that ends holding a slot (of any
+        queue: the change does not say which) is news for `queue`, once. No poll in between: a held-back queue costs
+        nothing while its limit is reached."""
+        with self._lock:
+            self._waiting_for_freed.add(queue)
 
     def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
         news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))
@@ -224,6 +235,9 @@ class Wakeups:
             self._notify()
             return Seen.NEWS
         in_messages = (change.get("ns") or {}).get("coll") == self._messages
+        freed = FREED_FIELD in ((change.get("updateDescription") or {}).get("removedFields") or ())
+        if freed and not _requeued(change):
+            return self._on_freed()
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")
@@ -253,6 +267,17 @@ class Wakeups:
         if seen is not Seen.OTHER:
             self._notify()
         return seen
+
+    def _on_freed(self) -> Seen:
+        """A running job of a limited queue ended: the queues held back by a limit look again."""
+        with self._lock:
+            waiting, self._waiting_for_freed = self._waiting_for_freed, set()
+            for queue in waiting:
+                self._add_news(queue, jobs=math.inf)
+        if not waiting:
+            return Seen.OTHER
+        self._notify()
+        return Seen.NEWS
 
     def _seconds_until(self, due: Any) -> float:
         if not isinstance(due, datetime):
@@ -331,12 +356,15 @@ class _Feed:
             {"$match": {"$or": [
                 {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
+                # A job ending with a slot of a concurrency limit: only jobs of limited queues have one.
+                {"ns.coll": jobs, "operationType": "update", "updateDescription.removedFields": FREED_FIELD},
                 {"ns.coll": messages, "operationType": "insert"},
                 *([{"ns.coll": self._bindings}] if self._bindings else []),
                 *([{"ns.coll": self._controls}] if self._controls else []),
             ]}},
             {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
-                          "updateDescription.updatedFields.runAfter": 1}},
+                          "updateDescription.updatedFields.runAfter": 1, "updateDescription.updatedFields.status": 1,
+                          "updateDescription.removedFields": 1}},
         ]  # fmt: skip
 
     def _watch(self) -> None:
@@ -423,6 +451,11 @@ class Seen(enum.Enum):
     NEWS = "news"  # a queue it reads has work it did not know of: read on at once
     REPEAT = "repeat"  # work it knows of already (a queue marked, a due time set): no hurry
     OTHER = "other"  # a queue it does not read: its own replies and events, other workers' queues
+
+
+def _requeued(change: dict[str, Any]) -> bool:
+    """Whether an update sent its job back to the queue (which is news of its own, whatever else it did)."""
+    return ((change.get("updateDescription") or {}).get("updatedFields") or {}).get("status") == "queued"
 
 
 def _worth_a_pace(batch: set[Seen], others_before: bool) -> bool:
