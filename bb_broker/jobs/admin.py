@@ -12,6 +12,7 @@ from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.lifecycle import SUCCEEDED
+from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ INDEXES = [
         unique=True,
         partialFilterExpression={"limitSlot": {"$exists": True}},
     ),
+    SERIAL_INDEX,
 ]
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.

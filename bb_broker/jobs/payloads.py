@@ -16,6 +16,7 @@ from typing import Any
 from kombu import compression
 from kombu.utils import json as kombu_json
 
+from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
 from bb_broker.jobs.unique import MAX_UNIQUE_KEY_LENGTH, UNIQUE_KEY_HEADER
 
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
@@ -292,6 +293,8 @@ def check_envelope(message: dict[str, Any]) -> None:
     _check(headers, "compression", "header", _known_compression, f"one of {compression.encoders()} or null")
     expected_key = f"a non-empty string of at most {MAX_UNIQUE_KEY_LENGTH} characters"
     _check(headers, UNIQUE_KEY_HEADER, "header", _unique_key, expected_key, absent_only=True)
+    expected_serial = f"a non-empty string of at most {MAX_SERIAL_KEY_LENGTH} characters"
+    _check(headers, SERIAL_KEY_HEADER, "header", is_serial_key, expected_serial, absent_only=True)
     for name in _TEXT_PROPERTIES:
         _check(properties, name, "property", _text_or_none, "a string or null")
     _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")

@@ -44,11 +44,15 @@ from bb_broker.jobs.document import (
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
 from bb_broker.jobs.queues import LimitReached, QueueLimits
+from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import DuplicateJob
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
+
+#: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
+MAX_KEY_SKIPS = 16
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
@@ -108,6 +112,7 @@ class JobStore(Sweeps):
         job_id: str | None = None,
         retry_of: tuple[str, int] | None = None,
         unique_key: str | None = None,
+        serial_key: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -115,7 +120,8 @@ class JobStore(Sweeps):
         id (a producer retrying a write whose answer it never got) finds the first and writes nothing.
         `retry_of`, the (job id, attempt) a retry comes from, fences the reschedule on that attempt: the retry of an
         attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing.
-        `unique_key` (see bb_broker.jobs.unique): when another job holds it, DuplicateJob, and nothing written."""
+        `unique_key` (see bb_broker.jobs.unique): when another job holds it, DuplicateJob, and nothing written.
+        `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -155,6 +161,7 @@ class JobStore(Sweeps):
             "createdAt": now,
             "updatedAt": now,
             **({} if unique_key is None else {"uniqueKey": unique_key}),
+            **({} if serial_key is None else {"serialKey": serial_key}),
         }
         try:
             self._write(self.coll.insert_one, job)
@@ -183,13 +190,45 @@ class JobStore(Sweeps):
 
     # --- working -----------------------------------------------------------
 
-    def claim(self, queue: str, owner: str, limits: QueueLimits | None = None) -> Claimed | None:
+    def claim(
+        self, queue: str, owner: str, limits: QueueLimits | None = None, busy_keys: set[str] | None = None
+    ) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
-        (LimitReached when they let no job start now)."""
-        due, take = claim_query(queue, owner, self.now())
-        if limits is not None and limits.concurrency is not None:
-            return self._claim_in_a_slot(queue, due, take, limits.concurrency)
-        return self._claim_one(due, take)
+        (LimitReached when they let no job start now).
+
+        A job whose serial key another running job holds is skipped (see serial.py): its key is added to `busy_keys`,
+        which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed."""
+        busy = set() if busy_keys is None else busy_keys
+        for _ in range(MAX_KEY_SKIPS):
+            due, take = claim_query(queue, owner, self.now())
+            if busy:
+                due["serialKey"] = {"$nin": sorted(busy)}
+            try:
+                if limits is not None and limits.concurrency is not None:
+                    return self._claim_in_a_slot(queue, due, take, limits.concurrency)
+                return self._claim_one(due, take)
+            except DuplicateKeyError as exc:
+                ours, key = busy_key(exc)
+                if not ours:
+                    raise
+                if key is None:  # a server that does not name the key: the head of the queue is the refused job
+                    key = self._head_key(due)
+                if is_serial_key(key) and self._wait_for_key(key):
+                    busy.add(key)
+                metrics.record_held_back("serial key")
+        return None
+
+    def _head_key(self, due: dict[str, Any]) -> Any:
+        head = self._hinted(lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
+        return None if head is None else head.get("serialKey")
+
+    def _wait_for_key(self, key: str) -> bool:
+        """Flag the running job of `key` so that its end wakes the claimers; False when it ended meanwhile (then the
+        key is free: claim again)."""
+        flagged = self.coll.update_one(
+            {"serialKey": key, "status": RUNNING}, {"$set": {WAITERS_FIELD: True}}, hint=SERIAL_INDEX_NAME
+        )
+        return flagged.matched_count == 1
 
     def _claim_one(self, due: dict[str, Any], take: dict[str, Any]) -> Claimed | None:
         try:
@@ -230,7 +269,9 @@ class JobStore(Sweeps):
             held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": {"concurrency": limit}}}
             try:
                 return self._claim_one(due, held)
-            except DuplicateKeyError:
+            except DuplicateKeyError as exc:
+                if busy_key(exc)[0]:
+                    raise  # the job's serial key, not its slot: the caller skips the key
                 if looked:
                     taken.add(slot)  # taken since the read
                 else:
@@ -249,18 +290,26 @@ class JobStore(Sweeps):
         )
         return {doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int}
 
-    def claim_many(self, queue: str, owner: str, limit: int, limits: QueueLimits | None = None) -> list[Claimed]:
-        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch; a queue
-        with `limits` claims one job per round trip (each takes its own slot), LimitReached once they are met.
+    def claim_many(
+        self,
+        queue: str,
+        owner: str,
+        limit: int,
+        limits: QueueLimits | None = None,
+        busy_keys: set[str] | None = None,
+    ) -> list[Claimed]:
+        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch. A queue with
+        `limits`, or with serial keys at its head, claims one job per round trip (each takes its own slot or key),
+        LimitReached once the limits are met; `busy_keys` as for claim.
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
         all ours, or its outcome is unknown, does a third read say which jobs are.
         """
-        if limits:
-            return self._claim_each(queue, owner, limit, limits)
+        if limits or busy_keys:
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if limit <= 1:
-            job = self.claim(queue, owner)
+            job = self.claim(queue, owner, busy_keys=busy_keys)
             return [] if job is None else [job]
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
@@ -268,6 +317,9 @@ class JobStore(Sweeps):
         )
         if not all(type(doc.get("attempts")) is int for doc in head):
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
+        if any("serialKey" in doc for doc in head):
+            # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if not head:
             return []
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
@@ -298,11 +350,14 @@ class JobStore(Sweeps):
             claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
 
-    def _claim_each(self, queue: str, owner: str, wanted: int, limits: QueueLimits) -> list[Claimed]:
+    def _claim_each(
+        self, queue: str, owner: str, wanted: int, limits: QueueLimits | None, busy_keys: set[str] | None
+    ) -> list[Claimed]:
         jobs: list[Claimed] = []
+        busy = set() if busy_keys is None else busy_keys
         while len(jobs) < wanted:
             try:
-                job = self.claim(queue, owner, limits)
+                job = self.claim(queue, owner, limits, busy)
             except LimitReached as exc:
                 raise LimitReached(exc.queue, exc.limit, jobs) from None
             if job is None:

@@ -43,6 +43,7 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls
+from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
@@ -399,6 +400,11 @@ class Channel(virtual.Channel):
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
         self._claim_error: BaseException | None = None  # met by ClaimsAhead's last claim, raised by the next _get
+        # Serial keys found busy, per queue: skipped by the claims until a job holding a key ends (the wake-ups'
+        # `freed` count moves). Claims run on the consuming thread and on ClaimsAhead's: under a lock.
+        self._busy_lock = threading.Lock()
+        self._busy_keys: dict[str, set[str]] = {}
+        self._busy_read_at: dict[str, int | None] = {}
         self._keeper: LeaseKeeper | None = None
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
@@ -593,6 +599,7 @@ class Channel(virtual.Channel):
             job_id=job_id,
             retry_of=_retry_of(headers),
             unique_key=headers.get(UNIQUE_KEY_HEADER),
+            serial_key=headers.get(SERIAL_KEY_HEADER),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
@@ -803,16 +810,29 @@ class Channel(virtual.Channel):
 
     def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
         limits = self.known_controls.limits(queue)
-        if not limits:
-            return self.jobs.claim_many(queue, self.owner, wanted)
         wakeups = self.connection.wakeups if self.connection is not None else None
-        if wakeups is not None:
+        freed_before = wakeups.freed if wakeups is not None and wakeups.available else None
+        with self._busy_lock:
+            if freed_before is None or self._busy_read_at.get(queue) != freed_before:
+                # A job that held a slot or a busy key ended since (or nothing would say so): try every key again.
+                self._busy_keys.pop(queue, None)
+            busy = set(self._busy_keys.get(queue, ()))
+        if wakeups is not None and limits:
             # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
             wakeups.wake_when_freed(queue)
         try:
-            return self.jobs.claim_many(queue, self.owner, wanted, limits)
+            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy)
         except LimitReached as exc:
-            return exc.claimed  # the next claim comes when a job of the queue ends somewhere (or the safety poll)
+            jobs = exc.claimed  # the next claim comes when a job of the queue ends somewhere (or the safety poll)
+        if busy and wakeups is not None:
+            wakeups.wake_when_freed(queue)
+            if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed
+                busy = set()
+                wakeups.more_jobs_may_wait(queue)
+        with self._busy_lock:
+            self._busy_keys[queue] = busy
+            self._busy_read_at[queue] = freed_before
+        return jobs
 
     def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
         if taken < wanted:

@@ -41,8 +41,9 @@ FIRST_PACE = 0.005
 #: this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached. A stream
 #: of repeats costs a getMore per this many repeats, or per BUSY_PACE when they come slower than that.
 PACED_CHANGES = 16
-#: The field a job holds a slot of its queue's concurrency limit in: its removal frees the slot (see JobStore.claim).
-FREED_FIELD = "limitSlot"
+#: The fields whose removal from a job frees what another claim waits for: the slot of its queue's concurrency limit
+#: (see JobStore.claim), the flag that others wait for its serial key (see bb_broker.jobs.serial).
+FREED_FIELDS = ("limitSlot", "serialWaiters")
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
 
@@ -96,8 +97,11 @@ class Wakeups:
         #: What the news of each dirty queue told of, counted per collection (math.inf: an unknown amount).
         self._news: dict[str, Look] = {}
         self._inflight: set[str] = set()  # queues being looked at: a change to one is no news to the consumer
-        #: Limited queues whose claim may be held back: news once a running job gives back what a limit counts.
+        #: Queues whose claim may be held back (a limit, a busy serial key): news once a running job gives back what
+        #: held it (a slot, a key others wait for).
         self._waiting_for_freed: set[str] = set()
+        #: Goes up each time such a job ends: a consumer's busy serial keys may be free again.
+        self.freed = 0
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
@@ -151,9 +155,9 @@ class Wakeups:
                 self._add_news(queue, jobs=math.inf)
 
     def wake_when_freed(self, queue: str) -> None:
-        """The claims of `queue` are limited (a concurrency limit): the next job that ends holding a slot (of any
-        queue: the change does not say which) is news for `queue`, once. No poll in between: a held-back queue costs
-        nothing while its limit is reached."""
+        """The claims of `queue` are held back (a concurrency limit, a busy serial key): the next job that ends
+        holding a slot or a waited-for key (of any queue: the change does not say which) is news for `queue`, once.
+        No poll in between: a held-back queue costs nothing while what holds it back lasts."""
         with self._lock:
             self._waiting_for_freed.add(queue)
 
@@ -235,7 +239,8 @@ class Wakeups:
             self._notify()
             return Seen.NEWS
         in_messages = (change.get("ns") or {}).get("coll") == self._messages
-        freed = FREED_FIELD in ((change.get("updateDescription") or {}).get("removedFields") or ())
+        removed = (change.get("updateDescription") or {}).get("removedFields") or ()
+        freed = any(name in removed for name in FREED_FIELDS)
         if freed and not _requeued(change):
             return self._on_freed()
         if change["operationType"] == "insert":
@@ -269,8 +274,10 @@ class Wakeups:
         return seen
 
     def _on_freed(self) -> Seen:
-        """A running job of a limited queue ended: the queues held back by a limit look again."""
+        """A running job that held a slot of a limit, or a serial key others wait for, ended: the queues held back
+        look again."""
         with self._lock:
+            self.freed += 1
             waiting, self._waiting_for_freed = self._waiting_for_freed, set()
             for queue in waiting:
                 self._add_news(queue, jobs=math.inf)
@@ -356,8 +363,10 @@ class _Feed:
             {"$match": {"$or": [
                 {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
-                # A job ending with a slot of a concurrency limit: only jobs of limited queues have one.
-                {"ns.coll": jobs, "operationType": "update", "updateDescription.removedFields": FREED_FIELD},
+                # A job ending with a slot of a concurrency limit, or with a serial key others wait for: only jobs of
+                # limited queues and contended keys have these fields.
+                *({"ns.coll": jobs, "operationType": "update", "updateDescription.removedFields": name}
+                  for name in FREED_FIELDS),
                 {"ns.coll": messages, "operationType": "insert"},
                 *([{"ns.coll": self._bindings}] if self._bindings else []),
                 *([{"ns.coll": self._controls}] if self._controls else []),

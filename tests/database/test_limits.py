@@ -248,3 +248,80 @@ def test_a_control_document_edited_by_hand_limits_nothing(store: JobStore, db: D
     for value in ("2", 0, -3, 2.5, [2], None):
         db.bb_queues.replace_one({"_id": "limited"}, {"concurrency": value}, upsert=True)
         assert not KnownControls(QueueControls(db), max_age=0.0).limits("limited")
+
+
+# --- serial keys -----------------------------------------------------------------------------------------------------
+
+
+def publish_keyed(store: JobStore, task_id: str, key: str | None, queue: str = "keyed") -> str:
+    return store.publish(queue=queue, kind="app.task", task_id=task_id, payload={"args": [], "kwargs": {}},
+                         priority=0, run_after=None, is_retry=False, serial_key=key)  # fmt: skip
+
+
+def test_one_job_per_serial_key_runs_and_the_others_of_the_key_wait_in_order(store: JobStore, db: Database) -> None:
+    for n in range(3):
+        publish_keyed(store, f"a{n}", "account-a")
+    publish_keyed(store, "b0", "account-b")
+    publish_keyed(store, "free", None)
+    busy: set[str] = set()
+    taken = [store.claim("keyed", "w", busy_keys=busy) for _ in range(4)]
+    assert [job.task_id if job else None for job in taken] == ["a0", "b0", "free", None]
+    assert busy == {"account-a"}  # the key found busy, skipped by the next claims
+    holder = db.jobs.find_one({"taskId": "a0"})
+    assert holder["serialKey"] == "account-a" and holder["serialWaiters"] is True  # its end wakes the waiters
+    assert db.jobs.find_one({"taskId": "free"}).get("serialWaiters") is None
+
+    assert store.succeed(taken[0].id, taken[0].attempts)
+    assert "serialWaiters" not in db.jobs.find_one({"taskId": "a0"})
+    order = []
+    for _ in range(2):
+        job = store.claim("keyed", "w")  # a fresh claimer: tries every key
+        order.append(job.task_id)
+        assert store.claim("keyed", "other") is None  # the key is busy again
+        store.succeed(job.id, job.attempts)
+    assert order == ["a1", "a2"]
+
+
+def test_every_write_that_ends_a_keyed_attempt_frees_its_key(store: JobStore, db: Database, clock) -> None:
+    for n in range(5):
+        publish_keyed(store, f"k{n}", "key")
+
+    def cycle(end) -> None:
+        job = store.claim("keyed", "w")
+        assert job is not None and store.claim("keyed", "w") is None
+        end(job)
+        assert db.jobs.count_documents({"serialWaiters": {"$exists": True}}) == 0
+
+    cycle(lambda job: store.succeed(job.id, job.attempts))
+    cycle(lambda job: store.fail(job.id, job.attempts, "again", backoff=False))
+    cycle(lambda job: store.release(job.id, job.attempts))
+
+    def lost(job) -> None:
+        clock.advance(31)
+        assert sum(store.requeue_stale()) == 1
+
+    cycle(lost)
+    assert db.jobs.find_one({"taskId": "k0"})["status"] == "succeeded"
+
+
+def test_a_batch_claim_takes_keyed_jobs_one_by_one(store: JobStore, db: Database) -> None:
+    for n in range(3):
+        publish_keyed(store, f"a{n}", "a")
+        publish_keyed(store, f"free{n}", None)
+    jobs = store.claim_many("keyed", "w", 6)
+    assert sorted(job.task_id for job in jobs) == ["a0", "free0", "free1", "free2"]
+    assert db.jobs.count_documents({"serialKey": "a", "status": "running"}) == 1
+
+
+def test_serial_keys_and_a_concurrency_limit_together(store: JobStore, db: Database) -> None:
+    for n in range(2):
+        publish_keyed(store, f"a{n}", "a")
+    publish_keyed(store, "b0", "b")
+    publish_keyed(store, "c0", "c")
+    limits = QueueLimits(concurrency=2)
+    busy: set[str] = set()
+    first = store.claim("keyed", "w", limits, busy)
+    second = store.claim("keyed", "w", limits, busy)  # a1 is skipped (its key is busy), b0 takes the second slot
+    assert (first.task_id, second.task_id) == ("a0", "b0") and busy == {"a"}
+    with pytest.raises(LimitReached):
+        store.claim("keyed", "w", limits, busy)

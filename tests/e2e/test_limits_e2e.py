@@ -122,3 +122,54 @@ def test_a_limit_changed_while_jobs_wait_takes_effect_at_once(
         wait_for(lambda: running_in("limited")(db) == 6, message="every job running")
         gate.touch()
         wait_for(all_succeeded(db, ids), timeout=120, message="every job")
+
+
+def intervals(db: Database, ids: list[str]) -> list[tuple[float, float]]:
+    """Each task's run, (start, end), from its own records, in the order of `ids`."""
+    runs = {(run["taskId"], run["phase"]): run["at"] for run in db.runs.find({"taskId": {"$in": ids}})}
+    return [(runs[(task_id, "start")], runs[(task_id, "end")]) for task_id in ids]
+
+
+def test_jobs_of_one_serial_key_never_overlap_and_run_in_queue_order(
+    app, db: Database, mongo_url: str, worker_factory
+) -> None:
+    for _ in range(3):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+
+    def keyed(key: str) -> str:
+        return send(app, "sleep", 0.2, queue="limited", headers={"bb_serial_key": key})
+
+    def running_of(key: str) -> Callable[[Database], int]:
+        return lambda own: own.jobs.count_documents({"serialKey": key, "status": "running"})
+
+    with sampled(mongo_url, db, running_of("account-a")) as samples:
+        by_key: dict[str, list[str]] = {"account-a": [], "account-b": []}
+        free = []
+        for _ in range(8):
+            for key, ids in by_key.items():
+                ids.append(keyed(key))
+            free.append(send(app, "sleep", 0.2, queue="limited"))
+        everything = [*by_key["account-a"], *by_key["account-b"], *free]
+        wait_for(all_succeeded(db, everything), timeout=180, message="every job")
+    assert max(samples) == 1
+    for ids in by_key.values():
+        runs = intervals(db, ids)
+        assert all(earlier[1] <= later[0] for earlier, later in zip(runs, runs[1:], strict=False)), runs
+    assert {doc["serialKey"] for doc in db.jobs.find({"taskId": {"$in": by_key["account-a"]}})} == {"account-a"}
+    assert db.jobs.count_documents({"serialWaiters": {"$exists": True}}) == 0
+    # The two keys, and the jobs without one, ran beside each other: a key holds back only its own jobs.
+    a_runs, b_runs = intervals(db, by_key["account-a"]), intervals(db, by_key["account-b"])
+    assert any(a[0] < b[1] and b[0] < a[1] for a in a_runs for b in b_runs)
+
+
+def test_a_serial_key_that_cannot_be_is_refused_at_the_producer(app, db: Database) -> None:
+    from bb_broker.jobs.payloads import MalformedTaskMessage
+
+    for bad in (42, "", "k" * 513, ["a"]):
+        try:
+            send(app, "add", 1, 1, queue="limited", headers={"bb_serial_key": bad})
+        except MalformedTaskMessage as exc:
+            assert "'bb_serial_key'" in str(exc) and "a non-empty string of at most 512 characters" in str(exc)
+        else:
+            raise AssertionError(f"a serial key {bad!r} was published")
+    assert db.jobs.count_documents({}) == 0
