@@ -21,6 +21,13 @@ QUEUES_COLLECTION = "bb_queues"
 MAX_CONCURRENCY = 10_000
 
 
+class Unchanged:
+    """A limit set_limits leaves as it is."""
+
+
+UNCHANGED = Unchanged()
+
+
 class LimitError(ValueError):
     """A limit that cannot be set: the message says which and why; nothing was changed."""
 
@@ -34,15 +41,49 @@ def parse_concurrency(value: object) -> int:
     return int(text)
 
 
+#: A rate's periods, as an operator writes them, in seconds.
+RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+#: The most starts a rate lets through per period.
+MAX_RATE = 1_000_000
+
+
+@dataclass(frozen=True)
+class Rate:
+    """At most `starts` job starts per `period` seconds (fixed windows of the server's clock, see JobStore.claim)."""
+
+    starts: int
+    period: float
+
+    def __str__(self) -> str:
+        unit = next((name for name, seconds in RATE_PERIODS.items() if seconds == self.period), None)
+        return f"{self.starts}/{unit}" if unit else f"{self.starts} per {self.period:g} s"
+
+
+def parse_rate(value: object) -> Rate:
+    """A rate as an operator types it, N/s, N/m, N/h or N/d (N a whole number from 1), else LimitError."""
+    text = str(value).strip()
+    count, _, unit = text.partition("/")
+    count, unit = count.strip(), unit.strip()
+    if not (count.isascii() and count.isdigit()) or len(count) > 7 or not 1 <= int(count) <= MAX_RATE:
+        raise LimitError(f"a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to {MAX_RATE}, not {text!r}")
+    if unit not in RATE_PERIODS:
+        raise LimitError(f"a rate's period is s, m, h or d (10/m: ten starts a minute), not {unit!r} in {text!r}")
+    return Rate(int(count), RATE_PERIODS[unit])
+
+
 class LimitReached(Exception):
     """A claim took no more jobs of `queue`: its limit (`limit`, as a person reads it) is reached. `claimed`: the
-    jobs a batch claim took before it was."""
+    jobs a batch claim took before it was; `retry_in`: seconds until the limit lets a job start again, when known
+    (a rate's next window), else None (a concurrency limit: when a job ends)."""
 
-    def __init__(self, queue: str, limit: str, claimed: list[Any] | None = None) -> None:
+    def __init__(
+        self, queue: str, limit: str, claimed: list[Any] | None = None, *, retry_in: float | None = None
+    ) -> None:
         super().__init__(queue, limit)
         self.queue = queue
         self.limit = limit
         self.claimed = claimed or []
+        self.retry_in = retry_in
 
     def __str__(self) -> str:
         return f"queue {self.queue}: {self.limit} reached"
@@ -54,16 +95,23 @@ class QueueLimits:
 
     #: At most this many of the queue's jobs `running` at once, across every worker.
     concurrency: int | None = None
+    #: At most so many of the queue's jobs started per period, across every worker.
+    rate: Rate | None = None
 
     @classmethod
     def of(cls, control: Mapping[str, Any]) -> QueueLimits:
         """The limits of a control document; a value no operation writes (edited by hand) limits nothing."""
         concurrency = control.get("concurrency")
         valid = type(concurrency) is int and 1 <= concurrency <= MAX_CONCURRENCY
-        return cls(concurrency=concurrency if valid else None)
+        starts, period = control.get("rateStarts"), control.get("ratePeriod")
+        rate = None
+        # A period is one of RATE_PERIODS' (as a float or an int: a server may give back either), never a bool.
+        if isinstance(period, (int, float)) and not isinstance(period, bool) and period in RATE_PERIODS.values():
+            rate = Rate(starts, float(period)) if type(starts) is int and 1 <= starts <= MAX_RATE else None
+        return cls(concurrency=concurrency if valid else None, rate=rate)
 
     def __bool__(self) -> bool:
-        return self.concurrency is not None
+        return self.concurrency is not None or self.rate is not None
 
 
 class QueueControls:
@@ -97,19 +145,34 @@ class QueueControls:
         """Every paused queue, with who paused it and when."""
         return {doc.pop("_id"): doc for doc in self.coll.find({"paused": True})}
 
-    def set_limits(self, queue: str, *, concurrency: int | None, by: str, now: datetime) -> None:
-        """Limit `queue`'s claims to `concurrency` jobs running at once (None: no concurrency limit); each worker
-        learns of it as it learns of a pause. A limit lowered below the jobs running drains: no job is stopped."""
-        changes = {"limitedBy": by, "limitedAt": now}
+    def set_limits(
+        self,
+        queue: str,
+        *,
+        concurrency: int | None | Unchanged = UNCHANGED,
+        rate: Rate | None | Unchanged = UNCHANGED,
+        by: str,
+        now: datetime,
+    ) -> None:
+        """Set `queue`'s limits for every worker: a concurrency limit, a rate, None to remove one, UNCHANGED to leave
+        it; each worker learns of it as it learns of a pause. A concurrency limit lowered below the jobs running
+        drains: no job is stopped."""
+        changes: dict[str, Any] = {"limitedBy": by, "limitedAt": now}
+        removed: dict[str, Any] = {}
         if concurrency is None:
-            update: dict[str, Any] = {"$set": changes, "$unset": {"concurrency": ""}}
-        else:
-            update = {"$set": {**changes, "concurrency": parse_concurrency(concurrency)}}
+            removed["concurrency"] = ""
+        elif not isinstance(concurrency, Unchanged):
+            changes["concurrency"] = parse_concurrency(concurrency)
+        if rate is None:
+            removed |= {"rateStarts": "", "ratePeriod": ""}
+        elif not isinstance(rate, Unchanged):
+            changes |= {"rateStarts": rate.starts, "ratePeriod": rate.period}
+        update: dict[str, Any] = {"$set": changes, **({"$unset": removed} if removed else {})}
         self.coll.update_one({"_id": queue}, update, upsert=True)
 
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
-        selector = {"$or": [{"paused": True}, {"concurrency": {"$exists": True}}]}
+        selector = {"$or": [{"paused": True}, {"concurrency": {"$exists": True}}, {"rateStarts": {"$exists": True}}]}
         return {doc.pop("_id"): doc for doc in self.coll.find(selector)}
 
 

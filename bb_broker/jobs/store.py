@@ -7,6 +7,7 @@ retention in admin.py.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -43,13 +44,16 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
-from bb_broker.jobs.queues import LimitReached, QueueLimits
+from bb_broker.jobs.queues import LimitReached, QueueLimits, Rate
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import DuplicateJob
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
+
+#: The counters of the rate-limited queues' starts, one document per queue and window (see JobStore._take_start).
+RATES_COLLECTION = "bb_rates"
 
 #: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
 MAX_KEY_SKIPS = 16
@@ -200,14 +204,21 @@ class JobStore(Sweeps):
         which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed."""
         busy = set() if busy_keys is None else busy_keys
         for _ in range(MAX_KEY_SKIPS):
-            due, take = claim_query(queue, owner, self.now())
+            now = self.now()
+            due, take = claim_query(queue, owner, now)
             if busy:
                 due["serialKey"] = {"$nin": sorted(busy)}
+            rate = None if limits is None else limits.rate
+            window = None if rate is None else self._take_start(queue, rate, now)
+            if rate is not None:
+                take["$set"]["claimLimits"] = {"rate": str(rate)}
             try:
                 if limits is not None and limits.concurrency is not None:
-                    return self._claim_in_a_slot(queue, due, take, limits.concurrency)
-                return self._claim_one(due, take)
+                    job = self._claim_in_a_slot(queue, due, take, limits.concurrency)
+                else:
+                    job = self._claim_one(due, take)
             except DuplicateKeyError as exc:
+                self._give_start_back(window)
                 ours, key = busy_key(exc)
                 if not ours:
                     raise
@@ -216,7 +227,40 @@ class JobStore(Sweeps):
                 if is_serial_key(key) and self._wait_for_key(key):
                     busy.add(key)
                 metrics.record_held_back("serial key")
+                continue
+            except BaseException:
+                self._give_start_back(window)
+                raise
+            if job is None:
+                self._give_start_back(window)  # nothing started: the start is not spent
+            return job
         return None
+
+    def _take_start(self, queue: str, rate: Rate, now: datetime) -> dict[str, Any]:
+        """Count one start of `queue` in the current window of its `rate` (fixed windows of the server's clock, a
+        counter document per queue and window in RATES_COLLECTION, `$inc`ed only while below the rate: a full window
+        refuses the upsert with a DuplicateKeyError); LimitReached, with the seconds to the next window, when full.
+        The counter's _id, to give the start back with when no job starts."""
+        window = math.floor(now.timestamp() / rate.period)
+        key = {"queue": queue, "period": rate.period, "window": window}
+        counters = self.coll.database[RATES_COLLECTION]
+        ends = datetime.fromtimestamp((window + 1) * rate.period, tz=UTC)
+        try:
+            counted = counters.update_one(
+                {"_id": key, "n": {"$lt": rate.starts}},
+                {"$inc": {"n": 1}, "$setOnInsert": {"endsAt": ends}},
+                upsert=True,
+            )
+        except DuplicateKeyError:
+            metrics.record_held_back("rate")
+            raise LimitReached(queue, f"rate limit {rate}", retry_in=(ends - now).total_seconds()) from None
+        if counted.upserted_id is not None:  # a new window: the queue's past ones are of no more use
+            counters.delete_many({"_id.queue": queue, "endsAt": {"$lte": now}})
+        return key
+
+    def _give_start_back(self, window: dict[str, Any] | None) -> None:
+        if window is not None:
+            self.coll.database[RATES_COLLECTION].update_one({"_id": window, "n": {"$gt": 0}}, {"$inc": {"n": -1}})
 
     def _head_key(self, due: dict[str, Any]) -> Any:
         head = self._hinted(lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
@@ -266,7 +310,8 @@ class JobStore(Sweeps):
         looked = False
         while free := [slot for slot in range(limit) if slot not in taken]:
             slot = random.choice(free)  # workers guessing at once spread over the slots
-            held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": {"concurrency": limit}}}
+            limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
+            held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
             try:
                 return self._claim_one(due, held)
             except DuplicateKeyError as exc:
@@ -359,7 +404,7 @@ class JobStore(Sweeps):
             try:
                 job = self.claim(queue, owner, limits, busy)
             except LimitReached as exc:
-                raise LimitReached(exc.queue, exc.limit, jobs) from None
+                raise LimitReached(exc.queue, exc.limit, jobs, retry_in=exc.retry_in) from None
             if job is None:
                 break
             jobs.append(job)

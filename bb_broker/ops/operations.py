@@ -21,7 +21,7 @@ from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from bb_broker.jobs.queues import QueueControls, QueueLimits, parse_concurrency
+from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class Operations:
     def queues(self, consumed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
         """Every queue holding queued, running or failed jobs, every queue named in `consumed` (what workers
         consume) and every paused or limited queue: its depths, whether it is paused and its limits (`concurrency`,
-        beside the `running` it counts), sorted by name."""
+        beside the `running` it counts, and `rate`, as "10/m"), sorted by name."""
         depths = self.queue_depths()
         controls = self.controls.controls()
         rows: dict[str, dict[str, Any]] = {}
@@ -311,7 +311,10 @@ class Operations:
             limits = QueueLimits.of(control)
             if limits:
                 rows[name] |= {"limitedBy": control.get("limitedBy"), "limitedAt": control.get("limitedAt")}
-                rows[name]["concurrency"] = limits.concurrency
+                if limits.concurrency is not None:
+                    rows[name]["concurrency"] = limits.concurrency
+                if limits.rate is not None:
+                    rows[name]["rate"] = str(limits.rate)
         return rows
 
     # --- reading jobs ----------------------------------------------------------
@@ -528,13 +531,28 @@ class Operations:
     def paused(self) -> dict[str, dict[str, Any]]:
         return self.controls.paused()
 
-    def set_limits(self, queue: str, *, concurrency: object, by: str) -> QueueLimits:
-        """Set (or with None clear) `queue`'s concurrency limit for every worker; a value that cannot be a limit is
-        refused with LimitError, and nothing changes. The limits the queue has now."""
+    def set_limits(
+        self, queue: str, *, concurrency: object = None, rate: object = None, clear: bool = False, by: str
+    ) -> QueueLimits:
+        """Set `queue`'s limits for every worker: `concurrency` (N running at once) and `rate` ("10/m"), each left as
+        it is when None and removed when "none"; `clear` removes both. A value that cannot be a limit is refused with
+        LimitError, and nothing changes. The limits the queue has now."""
         name = _queue_name(queue)
-        wanted = None if concurrency is None else parse_concurrency(concurrency)
-        self.controls.set_limits(name, concurrency=wanted, by=by, now=self.now())
-        return QueueLimits(concurrency=wanted)
+        if clear and (concurrency is not None or rate is not None):
+            raise LimitError("clear removes every limit: give it alone")
+        if not clear and concurrency is None and rate is None:
+            raise LimitError("give a concurrency limit, a rate, or clear")
+        wanted: dict[str, Any] = {}
+        if clear or _is_none(concurrency):
+            wanted["concurrency"] = None
+        elif concurrency is not None:
+            wanted["concurrency"] = parse_concurrency(concurrency)
+        if clear or _is_none(rate):
+            wanted["rate"] = None
+        elif rate is not None:
+            wanted["rate"] = parse_rate(rate)
+        self.controls.set_limits(name, **wanted, by=by, now=self.now())
+        return QueueLimits.of(self.controls.coll.find_one({"_id": name}) or {})
 
     # --- helpers -----------------------------------------------------------------
 
@@ -720,6 +738,11 @@ def _unchanged(query: dict[str, Any], since: datetime | None) -> dict[str, Any]:
     if since is None:
         return query
     return {**query, "updatedAt": {**query.get("updatedAt", {}), "$lte": since}}
+
+
+def _is_none(value: object) -> bool:
+    """Whether a limit given as text says to remove it."""
+    return isinstance(value, str) and value.strip().lower() == "none"
 
 
 def _queue_name(queue: str) -> str:

@@ -823,7 +823,11 @@ class Channel(virtual.Channel):
         try:
             jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy)
         except LimitReached as exc:
-            jobs = exc.claimed  # the next claim comes when a job of the queue ends somewhere (or the safety poll)
+            # The next claim comes when a job of the queue ends somewhere, or a rate's next window opens (or at the
+            # safety poll).
+            jobs = exc.claimed
+            if exc.retry_in is not None and wakeups is not None:
+                wakeups.wake_in(queue, exc.retry_in)
         if busy and wakeups is not None:
             wakeups.wake_when_freed(queue)
             if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed

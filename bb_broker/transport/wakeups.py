@@ -161,6 +161,11 @@ class Wakeups:
         with self._lock:
             self._waiting_for_freed.add(queue)
 
+    def wake_in(self, queue: str, seconds: float) -> None:
+        """`queue` is worth a look in `seconds` (a rate's next window), news or not."""
+        with self._lock:
+            heapq.heappush(self._timers, (time.monotonic() + max(seconds, 0.0), queue))
+
     def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
         news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))
         news.jobs += jobs

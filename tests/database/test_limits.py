@@ -230,7 +230,7 @@ def test_limits_are_set_changed_and_cleared_and_workers_read_them_with_the_pause
     assert known.limits("limited").concurrency == 1
     row = operations.queues()["limited"]
     assert row["concurrency"] == 1 and row["limitedBy"] == "tester" and row["paused"]
-    operations.set_limits("limited", concurrency=None, by="tester")
+    operations.set_limits("limited", clear=True, by="tester")
     assert not known.limits("limited") and "concurrency" not in operations.queues()["limited"]
 
 
@@ -325,3 +325,74 @@ def test_serial_keys_and_a_concurrency_limit_together(store: JobStore, db: Datab
     assert (first.task_id, second.task_id) == ("a0", "b0") and busy == {"a"}
     with pytest.raises(LimitReached):
         store.claim("keyed", "w", limits, busy)
+
+
+# --- rates -----------------------------------------------------------------------------------------------------------
+
+
+def test_a_rate_counts_starts_per_window_in_the_database(store: JobStore, db: Database, clock) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    for n in range(8):
+        publish(store, f"t{n}")
+    limits = QueueLimits(rate=Rate(3, 60.0))
+    clock.advance(10)  # ten seconds into a window of a minute
+    assert [store.claim("limited", f"w{n}", limits) is not None for n in range(3)] == [True, True, True]
+    with pytest.raises(LimitReached, match="rate limit 3/m reached") as reached:
+        store.claim("limited", "w9", limits)
+    assert reached.value.retry_in == 50.0  # until the next window opens
+    assert db.jobs.count_documents({"status": "running"}) == 3
+    assert {doc["claimLimits"]["rate"] for doc in running(db)} == {"3/m"}
+    clock.advance(50)
+    assert store.claim("limited", "w", limits) is not None
+    assert db.bb_rates.count_documents({}) == 1  # the past window's counter went when the new one came
+
+
+def test_a_claim_that_starts_nothing_spends_no_start(store: JobStore, db: Database) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    limits = QueueLimits(rate=Rate(1, 3600.0))
+    assert store.claim("limited", "w", limits) is None  # an empty queue
+    publish(store, "t0")
+    assert store.claim("limited", "w", limits) is not None
+    publish(store, "t1")
+    with pytest.raises(LimitReached):
+        store.claim("limited", "w", limits)
+
+
+def test_a_rate_and_a_concurrency_limit_together(store: JobStore, db: Database) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    for n in range(4):
+        publish(store, f"t{n}")
+    limits = QueueLimits(concurrency=1, rate=Rate(5, 3600.0))
+    job = store.claim("limited", "w", limits)
+    assert running(db)[0]["claimLimits"] == {"rate": "5/h", "concurrency": 1}
+    with pytest.raises(LimitReached, match="concurrency limit 1"):
+        store.claim("limited", "w", limits)
+    assert db.bb_rates.find_one()["n"] == 1  # the start the concurrency limit refused was given back
+    store.succeed(job.id, job.attempts)
+    assert store.claim("limited", "w", limits) is not None
+
+
+def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: JobStore, db: Database) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    operations = Operations(store)
+    known = KnownControls(QueueControls(db), max_age=0.0)
+    assert operations.set_limits("limited", rate="10/s", by="tester") == QueueLimits(rate=Rate(10, 1.0))
+    assert known.limits("limited").rate == Rate(10, 1.0)
+    operations.set_limits("limited", concurrency="2", by="tester")  # the rate stays
+    assert known.limits("limited") == QueueLimits(concurrency=2, rate=Rate(10, 1.0))
+    assert operations.queues()["limited"]["rate"] == "10/s"
+    operations.set_limits("limited", rate="none", by="tester")
+    assert known.limits("limited") == QueueLimits(concurrency=2)
+    before = db.bb_queues.find_one({"_id": "limited"})
+    for bad in ("10", "10/week", "0/s", "-1/m", "x/m", "1.5/s", "/s", "10/"):
+        with pytest.raises(LimitError):
+            operations.set_limits("limited", rate=bad, by="mallory")
+    with pytest.raises(LimitError, match="clear removes every limit"):
+        operations.set_limits("limited", rate="1/s", clear=True, by="mallory")
+    with pytest.raises(LimitError, match="give a concurrency limit, a rate, or clear"):
+        operations.set_limits("limited", by="mallory")
+    assert db.bb_queues.find_one({"_id": "limited"}) == before

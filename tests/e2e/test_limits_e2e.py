@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,7 +119,7 @@ def test_a_limit_changed_while_jobs_wait_takes_effect_at_once(
         wait_for(settled(db, proof, "succeeded"), message="the workers claim again")
         assert max(samples) == 4
 
-        operations.set_limits("limited", concurrency=None, by="tester")  # cleared: the rest start
+        operations.set_limits("limited", clear=True, by="tester")  # cleared: the rest start
         wait_for(lambda: running_in("limited")(db) == 6, message="every job running")
         gate.touch()
         wait_for(all_succeeded(db, ids), timeout=120, message="every job")
@@ -173,3 +174,16 @@ def test_a_serial_key_that_cannot_be_is_refused_at_the_producer(app, db: Databas
         else:
             raise AssertionError(f"a serial key {bad!r} was published")
     assert db.jobs.count_documents({}) == 0
+
+
+def test_a_rate_holds_across_three_workers_counted_from_the_jobs_starts(app, db: Database, worker_factory) -> None:
+    Operations(JobStore(db)).set_limits("limited", rate="4/s", by="tester")
+    for _ in range(3):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+    ids = [send(app, "add", n, n, queue="limited") for n in range(14)]
+    wait_for(all_succeeded(db, ids), timeout=120, message="every rate-limited job")
+    # Each start is the claim's, on the server's clock: counted per second of that clock (the rate's windows).
+    per_second = Counter(int(doc["startedAt"].timestamp()) for doc in db.jobs.find({"taskId": {"$in": ids}}))
+    assert max(per_second.values()) <= 4, per_second
+    assert len(per_second) >= 4  # fourteen starts at four a second take at least four windows
+    assert all(doc["attempts"] == 1 for doc in db.jobs.find({"taskId": {"$in": ids}}))

@@ -45,7 +45,7 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
     store: JobStore, db: Database, flower_factory
 ) -> None:
     flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
-    answer = {"message": "queue mail: at most 2 running at once", "queue": "mail", "concurrency": 2}
+    answer = {"message": "queue mail: at most 2 running at once", "queue": "mail", "concurrency": 2, "rate": None}
     assert post(flower, "/api/queues/mail/limit", concurrency="2") == (200, answer)
     control = db.bb_queues.find_one({"_id": "mail"})
     assert control["concurrency"] == 2 and control["limitedBy"] == "admin"
@@ -54,10 +54,20 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
     assert post(flower, "/jobs/queue/mail/limit", concurrency="5")[1]["concurrency"] == 5  # the page's own endpoint
     assert post(flower, "/api/queues/mail/limit", clear="1") == (
         200,
-        {"message": "queue mail: no limit", "queue": "mail", "concurrency": None},
+        {"message": "queue mail: no limit", "queue": "mail", "concurrency": None, "rate": None},
     )
     assert "concurrency" not in db.bb_queues.find_one({"_id": "mail"})
     assert "concurrency" not in queue_row(flower, "mail")
+    status, answer = post(flower, "/api/queues/mail/limit", rate="10/m")
+    assert status == 200 and answer["message"] == "queue mail: at most 10/m started" and answer["rate"] == "10/m"
+    assert queue_row(flower, "mail")["rate"] == "10/m"
+    assert post(flower, "/api/queues/mail/limit", concurrency="3")[1]["rate"] == "10/m"  # the rate stays
+    assert post(flower, "/api/queues/mail/limit", rate="none")[1] == {
+        "message": "queue mail: at most 3 running at once",
+        "queue": "mail",
+        "concurrency": 3,
+        "rate": None,
+    }
 
 
 @pytest.mark.parametrize(
@@ -67,8 +77,10 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
         ({"concurrency": "-2"}, "a concurrency limit is a whole number from 1 to 10000, not '-2'"),
         ({"concurrency": "1.5"}, "a concurrency limit is a whole number from 1 to 10000, not '1.5'"),
         ({"concurrency": "lots"}, "a concurrency limit is a whole number from 1 to 10000, not 'lots'"),
-        ({}, "give concurrency=<N> to set the limit, or clear=1 to remove it"),
-        ({"concurrency": "2", "clear": "1"}, "give concurrency=<N> to set the limit, or clear=1 to remove it"),
+        ({}, "give a concurrency limit, a rate, or clear"),
+        ({"concurrency": "2", "clear": "1"}, "clear removes every limit: give it alone"),
+        ({"rate": "10/week"}, "a rate's period is s, m, h or d (10/m: ten starts a minute), not 'week' in '10/week'"),
+        ({"rate": "0/s"}, "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not '0/s'"),
     ],
 )
 def test_a_limit_that_cannot_be_is_a_400_and_changes_nothing(
@@ -100,7 +112,7 @@ def test_the_queue_tables_limit_button(store: JobStore, db: Database, flower_fac
     flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
     context = browser.new_context(http_credentials={"username": "admin", "password": "s3cret"})
     page = context.new_page()
-    answers = iter(["2", "0", ""])  # a limit, one that cannot be, then none
+    answers = iter(["2", "0", "", "5/m", ""])  # a limit, one that cannot be, none; a rate, none
     page.on("dialog", lambda dialog: dialog.accept(next(answers)))
     page.goto(f"{flower.url}/jobs")
     row = page.locator("#queue-controls tr[data-queue=mail]")
@@ -114,6 +126,11 @@ def test_the_queue_tables_limit_button(store: JobStore, db: Database, flower_fac
     row.locator("button[data-change=limit]").click()
     expect(row.locator(".queue-limit")).to_have_text("none")
     assert "concurrency" not in db.bb_queues.find_one({"_id": "mail"})
+    row.locator("button[data-change=rate]").click()
+    expect(row.locator(".queue-limit")).to_have_text("at most 5/m started (set by admin)")
+    assert db.bb_queues.find_one({"_id": "mail"})["rateStarts"] == 5
+    row.locator("button[data-change=rate]").click()
+    expect(row.locator(".queue-limit")).to_have_text("none")
     context.close()
 
     viewer = browser.new_context(http_credentials={"username": "viewer", "password": "peek"}).new_page()

@@ -530,6 +530,39 @@ def test_limit_sets_shows_changes_and_clears_a_concurrency_limit(
     assert "at most" not in bb(broker_url, "status").stdout
 
 
+def test_limit_sets_and_removes_a_rate_beside_the_concurrency_limit(
+    store: JobStore, db: Database, broker_url: str
+) -> None:
+    add_job(store, "app.mail", queue="mail")
+    result = bb(broker_url, "limit", "mail", "--rate", "10/m")
+    assert result.exit_code == 0 and result.stdout == "queue mail: at most 10/m started (0 running, 1 queued)\n"
+    assert db.bb_queues.find_one({"_id": "mail"})["rateStarts"] == 10
+    both = bb(broker_url, "limit", "mail", "--concurrency", "2").stdout
+    assert both == "queue mail: at most 2 running at once, at most 10/m started (0 running, 1 queued)\n"
+    assert bb(broker_url, "limit", "mail", "--rate", "none").stdout.startswith(
+        "queue mail: at most 2 running at once ("
+    )
+    assert "rateStarts" not in db.bb_queues.find_one({"_id": "mail"})
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("10/week", "a rate's period is s, m, h or d (10/m: ten starts a minute), not 'week' in '10/week'"),
+        ("0/s", "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not '0/s'"),
+        ("ten/s", "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not 'ten/s'"),
+    ],
+)
+def test_limit_refuses_a_rate_that_cannot_be_and_changes_nothing(
+    store: JobStore, db: Database, broker_url: str, value: str, error: str
+) -> None:
+    assert bb(broker_url, "limit", "mail", "--rate", "5/s").exit_code == 0
+    before = db.bb_queues.find_one({"_id": "mail"})
+    result = bb(broker_url, "limit", "mail", "--rate", value, "--concurrency", "3")
+    assert result.exit_code == 2 and result.stderr == f"bb-broker: limit: {error}\n"
+    assert db.bb_queues.find_one({"_id": "mail"}) == before  # not even the good half of the change
+
+
 def test_show_says_which_limit_a_job_was_claimed_under(store: JobStore, db: Database, broker_url: str) -> None:
     from bb_broker.jobs.queues import QueueLimits
 

@@ -442,25 +442,30 @@ class _JobsHandler(BaseHandler):
         return {"message": message, "queue": queue, "changed": changed}
 
     async def queue_limits(self, queue: str) -> dict[str, Any]:
-        """Set a queue's concurrency limit (`concurrency=N`) or remove its limits (`clear=1`); a value that cannot be
-        a limit is a 400, and nothing changes."""
+        """Set a queue's limits: `concurrency=N`, `rate=10/m` (each `none` removes it), or `clear=1` (both); a value
+        that cannot be a limit is a 400, and nothing changes."""
         _refuse_unless_allowed(self)
         concurrency = self.get_argument("concurrency", default=None, escape=False)
+        rate = self.get_argument("rate", default=None, escape=False)
         clear = self.get_argument("clear", default="", escape=False) in ("1", "true")
-        if clear == (concurrency is not None):
-            raise tornado.web.HTTPError(400, "give concurrency=<N> to set the limit, or clear=1 to remove it")
         operations = _operations(self)
         try:
             limits = await self.run_query(
-                operations.set_limits, queue, concurrency=None if clear else concurrency, by=user_name(self)
+                operations.set_limits, queue, concurrency=concurrency, rate=rate, clear=clear, by=user_name(self)
             )
         except (FilterError, LimitError) as exc:
             raise tornado.web.HTTPError(400, str(exc)) from None
-        if limits.concurrency is None:
-            message = f"queue {queue}: no limit"
-        else:
-            message = f"queue {queue}: at most {limits.concurrency} running at once"
-        return {"message": message, "queue": queue, "concurrency": limits.concurrency}
+        shown = []
+        if limits.concurrency is not None:
+            shown.append(f"at most {limits.concurrency} running at once")
+        if limits.rate is not None:
+            shown.append(f"at most {limits.rate} started")
+        return {
+            "message": f"queue {queue}: {', '.join(shown) or 'no limit'}",
+            "queue": queue,
+            "concurrency": limits.concurrency,
+            "rate": None if limits.rate is None else str(limits.rate),
+        }
 
     async def summary(self, *, breakdowns: bool = True) -> dict[str, Any]:
         """Counts per status and each queue's depths; per queue and per kind too unless `breakdowns` is False (the
