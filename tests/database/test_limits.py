@@ -396,3 +396,57 @@ def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: J
     with pytest.raises(LimitError, match="give a concurrency limit, a rate, or clear"):
         operations.set_limits("limited", by="mallory")
     assert db.bb_queues.find_one({"_id": "limited"}) == before
+
+
+# --- wake-ups ----------------------------------------------------------------------------------------------------
+
+
+def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
+    mongo_url: str, db: Database, store: JobStore
+) -> None:
+    from datetime import UTC, datetime
+
+    from bb_broker.transport.wakeups import Wakeups
+    from tests.support.workers import wait_for
+
+    with MongoClient(mongo_url, tz_aware=True) as client:
+        wakeups = Wakeups(client[db.name], jobs="jobs", messages="bb_messages", clock=lambda: datetime.now(UTC),
+                          safety_poll_interval=3600)  # fmt: skip
+        wakeups.consume_only({"limited", "keyed", "marker"})
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+
+        def drain(queue: str) -> bool:
+            """Take every look `queue` is owed; whether there was one."""
+            looked = False
+            while (look := wakeups.look(queue, job_queue=True)) is not None:
+                look.took("jobs", 0, all_there_was=True)
+                look.took("messages", 0, all_there_was=True)
+                wakeups.looked(queue, look)
+                looked = True
+            return looked
+
+        for queue in ("limited", "keyed", "marker"):
+            drain(queue)  # the first looks: everything once
+        publish(store, "slot")
+        publish_keyed(store, "k0", "key")
+        publish_keyed(store, "k1", "key")
+        publish(store, "m0", queue="marker")  # the stream is in order: once this is news, so is everything before
+        wait_for(lambda: drain("marker"), message="the inserts are news")
+        assert drain("limited") and drain("keyed")
+
+        slot = store.claim("limited", "w", QueueLimits(concurrency=1))
+        busy: set[str] = set()
+        key = store.claim("keyed", "w", busy_keys=busy)
+        assert store.claim("keyed", "w", busy_keys=busy) is None and busy == {"key"}
+        wakeups.wake_when_freed("limited")
+        freed = wakeups.freed
+        store.heartbeat([slot.id, key.id], "w")  # a running job's lease: news to nobody
+        store.succeed(slot.id, slot.attempts)  # frees the slot
+        wait_for(lambda: wakeups.freed > freed, message="the freed slot is reported")
+        assert drain("limited") and not drain("keyed")  # only the queue held back on a slot looks again
+        wakeups.wake_when_freed("keyed")
+        freed = wakeups.freed
+        store.succeed(key.id, key.attempts)  # frees the key others wait for
+        wait_for(lambda: wakeups.freed > freed, message="the freed key is reported")
+        assert drain("keyed")
+        wakeups.stop()

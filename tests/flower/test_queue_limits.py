@@ -3,6 +3,7 @@ read-only users and for a limit that cannot be, and shown beside the queue's run
 
 from __future__ import annotations
 
+import html
 import json
 from typing import Any
 
@@ -45,6 +46,9 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
     store: JobStore, db: Database, flower_factory
 ) -> None:
     flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+    # The job claimed under the limit says so on its page.
+    page = html.unescape(flower.page("/jobs/job?id=mail-0"))
+    assert "claimed under its queue's concurrency limit 2, slot " in page
     answer = {"message": "queue mail: at most 2 running at once", "queue": "mail", "concurrency": 2, "rate": None}
     assert post(flower, "/api/queues/mail/limit", concurrency="2") == (200, answer)
     control = db.bb_queues.find_one({"_id": "mail"})
