@@ -12,6 +12,7 @@ from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.lifecycle import SUCCEEDED
+from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEXES
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,15 @@ INDEXES = [
         partialFilterExpression={"schedule": {"$exists": True}},
     ),
     *UNIQUE_INDEXES,  # one per unique mode (bb_broker.jobs.unique)
+    # A queue's concurrency limit: the running jobs of a limited queue each hold one of its slots (`limitSlot`, set by
+    # the claim, unset by whatever ends the attempt); a second claim of a slot is refused (see JobStore.claim).
+    IndexModel(
+        [("queue", ASCENDING), ("limitSlot", ASCENDING)],
+        name="bb_limit_slot",
+        unique=True,
+        partialFilterExpression={"limitSlot": {"$exists": True}},
+    ),
+    SERIAL_INDEX,
 ]
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.

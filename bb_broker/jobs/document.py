@@ -34,7 +34,7 @@ RETRY_STATE = "RETRY"
 #: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
 #: `history` only its type; the history itself and the result fields stay on the server.
 CLAIMED_FIELDS = {
-    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1,
+    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1, "serialKey": 1,
     "historyType": {"$type": "$history"},
 }  # fmt: skip
 
@@ -63,6 +63,14 @@ def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], 
         "$unset": RELEASED_BY_CLAIM,  # a `queued` unique key is free once a worker holds its job
     }
     return due, take
+
+
+#: What a job holds only while it is `running`, unset by every write that ends its attempt (a settle, a retry's
+#: reschedule, a release, the stale sweep, an operator's requeue), in the write that exists anyway: its lease, and
+#: the slot of its queue's concurrency limit (bb_limit_slot) it holds, and the flag that others wait for its serial key
+#: (see serial.py).
+RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot", "serialWaiters")
+HOLDS_RELEASED = dict.fromkeys(RUNNING_ONLY_FIELDS, "")
 
 
 class JobTooLarge(ValueError):

@@ -17,6 +17,7 @@ from kombu import compression
 from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
+from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
 
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
 JOB_ID_HEADER = "bb_job_id"
@@ -300,6 +301,8 @@ def check_envelope(message: dict[str, Any]) -> None:
         raise MalformedTaskMessage(f"header {name!r}", expected, value)
     expected_name = f"a non-empty string of at most {MAX_SCHEDULE_LENGTH} characters (a periodic entry's name)"
     _check(headers, SCHEDULE_HEADER, "header", _schedule_name, expected_name, absent_only=True)
+    expected_serial = f"a non-empty string of at most {MAX_SERIAL_KEY_LENGTH} characters"
+    _check(headers, SERIAL_KEY_HEADER, "header", is_serial_key, expected_serial, absent_only=True)
     for name in _TEXT_PROPERTIES:
         _check(properties, name, "property", _text_or_none, "a string or null")
     _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")

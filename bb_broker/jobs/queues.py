@@ -1,10 +1,12 @@
-"""Paused queues, kept in the `bb_queues` collection: an operator pauses a queue once, every worker's claims skip it."""
+"""Queue controls, kept in the `bb_queues` collection: an operator pauses a queue, or limits how many of its jobs run
+at once, once, and every worker's claims obey it (see docs/guides/flow-control.md for the limits)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -12,8 +14,104 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
-#: The collection of queue controls: one document per queue that was ever paused, `_id` the queue's name.
+#: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
 QUEUES_COLLECTION = "bb_queues"
+
+#: The largest concurrency limit: a claim of a limited queue picks one of its N slots (see JobStore.claim).
+MAX_CONCURRENCY = 10_000
+
+
+class Unchanged:
+    """A limit set_limits leaves as it is."""
+
+
+UNCHANGED = Unchanged()
+
+
+class LimitError(ValueError):
+    """A limit that cannot be set: the message says which and why; nothing was changed."""
+
+
+def parse_concurrency(value: object) -> int:
+    """A concurrency limit as an operator types it (a whole number from 1 to MAX_CONCURRENCY), else LimitError."""
+    text = str(value).strip()
+    # ASCII digits only: str.isdigit() takes '²', which int() refuses; a sign is refused with the rest.
+    if not (text.isascii() and text.isdigit()) or len(text) > 6 or not 1 <= int(text) <= MAX_CONCURRENCY:
+        raise LimitError(f"a concurrency limit is a whole number from 1 to {MAX_CONCURRENCY}, not {text!r}")
+    return int(text)
+
+
+#: A rate's periods, as an operator writes them, in seconds.
+RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+#: The most starts a rate lets through per period.
+MAX_RATE = 1_000_000
+
+
+@dataclass(frozen=True)
+class Rate:
+    """At most `starts` job starts per `period` seconds (fixed windows of the server's clock, see JobStore.claim)."""
+
+    starts: int
+    period: float
+
+    def __str__(self) -> str:
+        unit = next((name for name, seconds in RATE_PERIODS.items() if seconds == self.period), None)
+        return f"{self.starts}/{unit}" if unit else f"{self.starts} per {self.period:g} s"
+
+
+def parse_rate(value: object) -> Rate:
+    """A rate as an operator types it, N/s, N/m, N/h or N/d (N a whole number from 1), else LimitError."""
+    text = str(value).strip()
+    count, _, unit = text.partition("/")
+    count, unit = count.strip(), unit.strip()
+    if not (count.isascii() and count.isdigit()) or len(count) > 7 or not 1 <= int(count) <= MAX_RATE:
+        raise LimitError(f"a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to {MAX_RATE}, not {text!r}")
+    if unit not in RATE_PERIODS:
+        raise LimitError(f"a rate's period is s, m, h or d (10/m: ten starts a minute), not {unit!r} in {text!r}")
+    return Rate(int(count), RATE_PERIODS[unit])
+
+
+class LimitReached(Exception):
+    """A claim took no more jobs of `queue`: its limit (`limit`, as a person reads it) is reached. `claimed`: the
+    jobs a batch claim took before it was; `retry_in`: seconds until the limit lets a job start again, when known
+    (a rate's next window), else None (a concurrency limit: when a job ends)."""
+
+    def __init__(
+        self, queue: str, limit: str, claimed: list[Any] | None = None, *, retry_in: float | None = None
+    ) -> None:
+        super().__init__(queue, limit)
+        self.queue = queue
+        self.limit = limit
+        self.claimed = claimed or []
+        self.retry_in = retry_in
+
+    def __str__(self) -> str:
+        return f"queue {self.queue}: {self.limit} reached"
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """What limits the claims of one queue, as its control document says; None: no such limit."""
+
+    #: At most this many of the queue's jobs `running` at once, across every worker.
+    concurrency: int | None = None
+    #: At most so many of the queue's jobs started per period, across every worker.
+    rate: Rate | None = None
+
+    @classmethod
+    def of(cls, control: Mapping[str, Any]) -> QueueLimits:
+        """The limits of a control document; a value no operation writes (edited by hand) limits nothing."""
+        concurrency = control.get("concurrency")
+        valid = type(concurrency) is int and 1 <= concurrency <= MAX_CONCURRENCY
+        starts, period = control.get("rateStarts"), control.get("ratePeriod")
+        rate = None
+        # A period is one of RATE_PERIODS' (as a float or an int: a server may give back either), never a bool.
+        if isinstance(period, (int, float)) and not isinstance(period, bool) and period in RATE_PERIODS.values():
+            rate = Rate(starts, float(period)) if type(starts) is int and 1 <= starts <= MAX_RATE else None
+        return cls(concurrency=concurrency if valid else None, rate=rate)
+
+    def __bool__(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
 
 
 class QueueControls:
@@ -47,15 +145,46 @@ class QueueControls:
         """Every paused queue, with who paused it and when."""
         return {doc.pop("_id"): doc for doc in self.coll.find({"paused": True})}
 
+    def set_limits(
+        self,
+        queue: str,
+        *,
+        concurrency: int | None | Unchanged = UNCHANGED,
+        rate: Rate | None | Unchanged = UNCHANGED,
+        by: str,
+        now: datetime,
+    ) -> None:
+        """Set `queue`'s limits for every worker: a concurrency limit, a rate, None to remove one, UNCHANGED to leave
+        it; each worker learns of it as it learns of a pause. A concurrency limit lowered below the jobs running
+        drains: no job is stopped."""
+        changes: dict[str, Any] = {"limitedBy": by, "limitedAt": now}
+        removed: dict[str, Any] = {}
+        if concurrency is None:
+            removed["concurrency"] = ""
+        elif not isinstance(concurrency, Unchanged):
+            changes["concurrency"] = parse_concurrency(concurrency)
+        if rate is None:
+            removed |= {"rateStarts": "", "ratePeriod": ""}
+        elif not isinstance(rate, Unchanged):
+            changes |= {"rateStarts": rate.starts, "ratePeriod": rate.period}
+        update: dict[str, Any] = {"$set": changes, **({"$unset": removed} if removed else {})}
+        self.coll.update_one({"_id": queue}, update, upsert=True)
+
+    def controls(self) -> dict[str, dict[str, Any]]:
+        """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
+        selector = {"$or": [{"paused": True}, {"concurrency": {"$exists": True}}, {"rateStarts": {"$exists": True}}]}
+        return {doc.pop("_id"): doc for doc in self.coll.find(selector)}
+
 
 #: Seconds a consumer trusts its read of the paused queues while a live change stream would report any change.
 WATCHED_MAX_AGE = 60.0
 
 
-class PausedQueues:
-    """What a consumer knows of the paused queues, read again when `version()` changes (its change stream saw a
-    queue paused or resumed, or came back after an outage) and otherwise after `max_age` seconds, or after
-    WATCHED_MAX_AGE while `version()` is not None (a live change stream would have said)."""
+class KnownControls:
+    """What a consumer knows of the paused and limited queues (`queue in known` when it is paused, `limits(queue)`),
+    read again when `version()` changes (its change stream saw a queue control change, or came back after an
+    outage) and otherwise after `max_age` seconds, or after WATCHED_MAX_AGE while `version()` is not None (a live
+    change stream would have said). One read serves both: a consumer pays nothing more for the limits."""
 
     def __init__(
         self, controls: QueueControls, *, max_age: float, version: Callable[[], int | None] = lambda: None
@@ -65,15 +194,27 @@ class PausedQueues:
         self._version = version
         self._lock = threading.Lock()
         self._names: frozenset[str] = frozenset()
+        self._limits: dict[str, QueueLimits] = {}
         self._read_at = float("-inf")
         self._read_version: int | None = -1
 
     def __contains__(self, queue: str) -> bool:
+        with self._lock:
+            self._read_if_old()
+            return queue in self._names
+
+    def limits(self, queue: str) -> QueueLimits:
+        """The limits of `queue` (falsy when it has none)."""
+        with self._lock:
+            self._read_if_old()
+            return self._limits.get(queue) or QueueLimits()
+
+    def _read_if_old(self) -> None:
         now, version = time.monotonic(), self._version()
         max_age = self.max_age if version is None else max(self.max_age, WATCHED_MAX_AGE)
-        with self._lock:
-            if now - self._read_at >= max_age or version != self._read_version:
-                # Read the version first: a change after it is seen at the next check.
-                self._names = frozenset(self.controls.paused())
-                self._read_at, self._read_version = now, version
-            return queue in self._names
+        if now - self._read_at >= max_age or version != self._read_version:
+            # Read the version first: a change after it is seen at the next check.
+            controls = self.controls.controls()
+            self._names = frozenset(name for name, control in controls.items() if control.get("paused") is True)
+            self._limits = {name: limits for name, control in controls.items() if (limits := QueueLimits.of(control))}
+            self._read_at, self._read_version = now, version

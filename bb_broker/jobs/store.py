@@ -7,6 +7,8 @@ retention in admin.py.
 from __future__ import annotations
 
 import logging
+import math
+import random
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from datetime import UTC, datetime
@@ -24,6 +26,7 @@ from bb_broker.jobs.document import (
     CLAIMED_FIELDS,
     DOCUMENT_TOO_LARGE,
     HISTORY_LIMIT,
+    HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
     RETRY_STATE,
     UNAPPLICABLE_UPDATE,
@@ -41,11 +44,19 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
+from bb_broker.jobs.queues import LimitReached, QueueLimits, Rate
+from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
+
+#: The counters of the rate-limited queues' starts, one document per queue and window (see JobStore._take_start).
+RATES_COLLECTION = "bb_rates"
+
+#: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
+MAX_KEY_SKIPS = 16
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
@@ -106,6 +117,7 @@ class JobStore(Sweeps):
         retry_of: tuple[str, int] | None = None,
         unique: Hold | None = None,
         schedule: str | None = None,
+        serial_key: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -115,7 +127,8 @@ class JobStore(Sweeps):
         attempt whose job was taken over (the stale sweep gave it to another worker) writes nothing.
         `unique` (see bb_broker.jobs.unique): when another job holds its key, DuplicateJob, and nothing written. A
         retry's reschedule leaves the job's key as it is: the key stays taken through retries.
-        `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field."""
+        `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field.
+        `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -132,7 +145,7 @@ class JobStore(Sweeps):
                         "runAfter": due,
                         "updatedAt": now,
                     },
-                    "$unset": {"leaseOwner": ""},
+                    "$unset": HOLDS_RELEASED,
                 },
                 projection={"_id": 1},
             )
@@ -156,6 +169,7 @@ class JobStore(Sweeps):
             "updatedAt": now,
             **({} if unique is None else unique.fields()),
             **({} if schedule is None else {"schedule": schedule}),
+            **({} if serial_key is None else {"serialKey": serial_key}),
         }
         try:
             self._write(self.coll.insert_one, job)
@@ -185,9 +199,87 @@ class JobStore(Sweeps):
 
     # --- working -----------------------------------------------------------
 
-    def claim(self, queue: str, owner: str) -> Claimed | None:
-        """Atomically move the next due job of `queue` to running, held by `owner`."""
-        due, take = claim_query(queue, owner, self.now())
+    def claim(
+        self, queue: str, owner: str, limits: QueueLimits | None = None, busy_keys: set[str] | None = None
+    ) -> Claimed | None:
+        """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
+        (LimitReached when they let no job start now).
+
+        A job whose serial key another running job holds is skipped (see serial.py): its key is added to `busy_keys`,
+        which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed."""
+        busy = set() if busy_keys is None else busy_keys
+        for _ in range(MAX_KEY_SKIPS):
+            now = self.now()
+            due, take = claim_query(queue, owner, now)
+            if busy:
+                due["serialKey"] = {"$nin": sorted(busy)}
+            rate = None if limits is None else limits.rate
+            window = None if rate is None else self._take_start(queue, rate, now)
+            if rate is not None:
+                take["$set"]["claimLimits"] = {"rate": str(rate)}
+            try:
+                if limits is not None and limits.concurrency is not None:
+                    job = self._claim_in_a_slot(queue, due, take, limits.concurrency)
+                else:
+                    job = self._claim_one(due, take)
+            except DuplicateKeyError as exc:
+                self._give_start_back(window)
+                ours, key = busy_key(exc)
+                if not ours:
+                    raise
+                if key is None:  # a server that does not name the key: the head of the queue is the refused job
+                    key = self._head_key(due)
+                if is_serial_key(key) and self._wait_for_key(key):
+                    busy.add(key)
+                metrics.record_held_back("serial key")
+                continue
+            except BaseException:
+                self._give_start_back(window)
+                raise
+            if job is None:
+                self._give_start_back(window)  # nothing started: the start is not spent
+            return job
+        return None
+
+    def _take_start(self, queue: str, rate: Rate, now: datetime) -> dict[str, Any]:
+        """Count one start of `queue` in the current window of its `rate` (fixed windows of the server's clock, a
+        counter document per queue and window in RATES_COLLECTION, `$inc`ed only while below the rate: a full window
+        refuses the upsert with a DuplicateKeyError); LimitReached, with the seconds to the next window, when full.
+        The counter's _id, to give the start back with when no job starts."""
+        window = math.floor(now.timestamp() / rate.period)
+        key = {"queue": queue, "period": rate.period, "window": window}
+        counters = self.coll.database[RATES_COLLECTION]
+        ends = datetime.fromtimestamp((window + 1) * rate.period, tz=UTC)
+        try:
+            counted = counters.update_one(
+                {"_id": key, "n": {"$lt": rate.starts}},
+                {"$inc": {"n": 1}, "$setOnInsert": {"endsAt": ends}},
+                upsert=True,
+            )
+        except DuplicateKeyError:
+            metrics.record_held_back("rate")
+            raise LimitReached(queue, f"rate limit {rate}", retry_in=(ends - now).total_seconds()) from None
+        if counted.upserted_id is not None:  # a new window: the queue's past ones are of no more use
+            counters.delete_many({"_id.queue": queue, "endsAt": {"$lte": now}})
+        return key
+
+    def _give_start_back(self, window: dict[str, Any] | None) -> None:
+        if window is not None:
+            self.coll.database[RATES_COLLECTION].update_one({"_id": window, "n": {"$gt": 0}}, {"$inc": {"n": -1}})
+
+    def _head_key(self, due: dict[str, Any]) -> Any:
+        head = self._hinted(lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
+        return None if head is None else head.get("serialKey")
+
+    def _wait_for_key(self, key: str) -> bool:
+        """Flag the running job of `key` so that its end wakes the claimers; False when it ended meanwhile (then the
+        key is free: claim again)."""
+        flagged = self.coll.update_one(
+            {"serialKey": key, "status": RUNNING}, {"$set": {WAITERS_FIELD: True}}, hint=SERIAL_INDEX_NAME
+        )
+        return flagged.matched_count == 1
+
+    def _claim_one(self, due: dict[str, Any], take: dict[str, Any]) -> Claimed | None:
         try:
             with _claiming:
                 doc = self._hinted(
@@ -212,15 +304,62 @@ class JobStore(Sweeps):
             return None
         return claimed(doc, doc["attempts"])
 
-    def claim_many(self, queue: str, owner: str, limit: int) -> list[Claimed]:
-        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch.
+    def _claim_in_a_slot(self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int) -> Claimed | None:
+        """The claim of a queue limited to `limit` jobs running at once: the job takes one of the queue's slots
+        0..limit-1 in the claim's own write, and the unique index bb_limit_slot refuses a slot another running job
+        holds. A first guess costs nothing more than the claim; only a refused one reads the slots taken (one read
+        through that index), then tries the free ones. Every write that ends the attempt unsets the slot, the stale
+        sweep's too, so a dead worker's slot comes back with its job. Slots at `limit` and above (a limit lowered)
+        are never taken again: their jobs drain."""
+        taken: set[int] = set()
+        looked = False
+        while free := [slot for slot in range(limit) if slot not in taken]:
+            slot = random.choice(free)  # workers guessing at once spread over the slots
+            limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
+            held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
+            try:
+                return self._claim_one(due, held)
+            except DuplicateKeyError as exc:
+                if busy_key(exc)[0]:
+                    raise  # the job's serial key, not its slot: the caller skips the key
+                if looked:
+                    taken.add(slot)  # taken since the read
+                else:
+                    taken, looked = self._slots_taken(queue), True
+        metrics.record_held_back("concurrency")
+        raise LimitReached(queue, f"concurrency limit {limit}")
+
+    def _slots_taken(self, queue: str) -> set[int]:
+        """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot)."""
+        holders = self._hinted(
+            lambda: list(
+                self.coll.find(
+                    {"queue": queue, "limitSlot": {"$exists": True}}, {"_id": 0, "limitSlot": 1}, hint="bb_limit_slot"
+                )
+            )
+        )
+        return {doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int}
+
+    def claim_many(
+        self,
+        queue: str,
+        owner: str,
+        limit: int,
+        limits: QueueLimits | None = None,
+        busy_keys: set[str] | None = None,
+    ) -> list[Claimed]:
+        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch. A queue with
+        `limits`, or with serial keys at its head, claims one job per round trip (each takes its own slot or key),
+        LimitReached once the limits are met; `busy_keys` as for claim.
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
         all ours, or its outcome is unknown, does a third read say which jobs are.
         """
+        if limits or busy_keys:
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if limit <= 1:
-            job = self.claim(queue, owner)
+            job = self.claim(queue, owner, busy_keys=busy_keys)
             return [] if job is None else [job]
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
@@ -228,6 +367,9 @@ class JobStore(Sweeps):
         )
         if not all(type(doc.get("attempts")) is int for doc in head):
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
+        if any("serialKey" in doc for doc in head):
+            # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if not head:
             return []
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
@@ -258,6 +400,21 @@ class JobStore(Sweeps):
             claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
 
+    def _claim_each(
+        self, queue: str, owner: str, wanted: int, limits: QueueLimits | None, busy_keys: set[str] | None
+    ) -> list[Claimed]:
+        jobs: list[Claimed] = []
+        busy = set() if busy_keys is None else busy_keys
+        while len(jobs) < wanted:
+            try:
+                job = self.claim(queue, owner, limits, busy)
+            except LimitReached as exc:
+                raise LimitReached(exc.queue, exc.limit, jobs, retry_in=exc.retry_in) from None
+            if job is None:
+                break
+            jobs.append(job)
+        return jobs
+
     def _hinted(self, query: Callable[[], Any]) -> Any:
         """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""
         try:
@@ -287,7 +444,7 @@ class JobStore(Sweeps):
                         "updatedAt": now,
                         "finishedAt": now,
                     },
-                    "$unset": {"leaseOwner": "", **RELEASED_AT_END},
+                    "$unset": {**HOLDS_RELEASED, **RELEASED_AT_END},
                 },
             )
         )
@@ -334,7 +491,7 @@ class JobStore(Sweeps):
         """Settle a held job `succeeded`, with its history entry and (from the result backend) its result fields."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
-        released = {"leaseOwner": "", **RELEASED_AT_END}  # the job's unique key, in the write that ends it
+        released = {**HOLDS_RELEASED, **RELEASED_AT_END}  # the job's unique key, in the write that ends it
         done = self._settle(job_id, attempts, {"$set": changes, "$unset": released, **pushed(attempt)})
         if done:
             metrics.record("succeeded")
@@ -368,7 +525,7 @@ class JobStore(Sweeps):
             changes = {**result, **changes}
             if outcome.status == QUEUED:
                 changes["state"] = RETRY_STATE
-        released = {"leaseOwner": ""}
+        released = dict(HOLDS_RELEASED)
         if outcome.status == QUEUED:
             changes["runAfter"] = outcome.run_after  # a retry: the job keeps its unique key
         else:
@@ -465,7 +622,7 @@ class JobStore(Sweeps):
         last = (doc.get("history") or [None])[-1]
         previous_start = last.get("startedAt") if isinstance(last, dict) and last.get("n") == attempts - 1 else None
         changes: dict[str, Any] = {"status": QUEUED, "updatedAt": self.now()}
-        unset = {"leaseOwner": ""}
+        unset = dict(HOLDS_RELEASED)
         if isinstance(previous_start, datetime):
             changes["startedAt"] = previous_start
         else:

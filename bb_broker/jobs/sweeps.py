@@ -14,7 +14,13 @@ from typing import Any
 
 from pymongo.collection import Collection as MongoCollection
 
-from bb_broker.jobs.document import HISTORY_ARRAY, HISTORY_LIMIT, HISTORY_NOT_ARRAY, attempt_recorded_expression
+from bb_broker.jobs.document import (
+    HISTORY_ARRAY,
+    HISTORY_LIMIT,
+    HISTORY_NOT_ARRAY,
+    RUNNING_ONLY_FIELDS,
+    attempt_recorded_expression,
+)
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, Policy
 from bb_broker.jobs.unique import RELEASED_AT_END
 from bb_broker.ops import metrics
@@ -96,7 +102,7 @@ class Sweeps:
             kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, HISTORY_NOT_ARRAY]}]}
             changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
             # Requeued, the job keeps its unique key; failed for good, it gives it back.
-            released = ["leaseOwner"] if status == QUEUED else ["leaseOwner", *RELEASED_AT_END]
+            released = [*RUNNING_ONLY_FIELDS] if status == QUEUED else [*RUNNING_ONLY_FIELDS, *RELEASED_AT_END]
             return [{"$set": changes}, {"$unset": released}]
 
         retry = self._hinted(

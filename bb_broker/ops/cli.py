@@ -221,6 +221,11 @@ def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
                 since = control.get("pausedAt")
                 when = f" since {since:%Y-%m-%d %H:%M:%S} UTC" if since else ""
                 click.echo(f"paused queue {name} (by {control.get('pausedBy')}{when}): its jobs wait")
+        limited = {name: row for name, row in operations.queues().items() if "limitedBy" in row}
+        if limited:
+            click.echo("")
+            for name, row in limited.items():
+                click.echo(_limits_line(name, row))
 
 
 def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
@@ -585,6 +590,52 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
         click.echo(f"paused queue {queue}" if changed else f"queue {queue} was already paused")
     else:
         click.echo(f"resumed queue {queue}" if changed else f"queue {queue} was not paused")
+
+
+@main.command()
+@broker_option
+@collection_option
+@click.argument("queue")
+@click.option(
+    "--concurrency",
+    metavar="N",
+    help="At most N of the queue's jobs running at once, across every worker (a whole number from 1; none removes it).",
+)
+@click.option(
+    "--rate",
+    metavar="N/PERIOD",
+    help="At most N of the queue's jobs started per period, across every worker: 10/s, 10/m, 10/h, 10/d (none "
+    "removes it).",
+)
+@click.option("--clear", is_flag=True, help="Remove the queue's limits.")
+def limit(broker: str, collection: str, queue: str, concurrency: str | None, rate: str | None, clear: bool) -> None:
+    """Limit a queue for every worker, now and later, or with no option show its limits and what they count."""
+    from bb_broker.jobs.queues import LimitError
+    from bb_broker.ops.operations import FilterError, Operations
+
+    if not queue.strip():
+        _fail("limit: the queue name is empty", 2)
+    if clear and (concurrency is not None or rate is not None):
+        _fail("limit: --clear removes every limit: give it alone", 2)
+    with _jobs(broker, collection) as store:
+        operations = Operations(store)
+        try:
+            if clear or concurrency is not None or rate is not None:
+                operations.set_limits(queue, concurrency=concurrency, rate=rate, clear=clear, by=_operator())
+            row = operations.queues([queue.strip()])[queue.strip()]
+        except (LimitError, FilterError) as exc:  # nothing was changed
+            _fail(f"limit: {exc}", 2)
+    click.echo(_limits_line(queue.strip(), row))
+
+
+def _limits_line(queue: str, row: dict[str, Any]) -> str:
+    counts = f"({row[RUNNING]} running, {row[QUEUED]} queued)"
+    limits = []
+    if row.get("concurrency") is not None:
+        limits.append(f"at most {row['concurrency']} running at once")
+    if row.get("rate") is not None:
+        limits.append(f"at most {row['rate']} started")
+    return f"queue {queue}: {', '.join(limits) or 'no limit'} {counts}"
 
 
 main.add_command(schedules_commands(broker_option, _jobs, _fail, _operator), name="schedules")

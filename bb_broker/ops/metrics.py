@@ -38,6 +38,10 @@ THREAD_RESTARTS = Counter(
     "bb_broker_thread_restarts", "Background threads of bb_broker restarted after an unexpected error.", ["thread"]
 )
 
+#: Claims a queue's limit refused, per limit ("concurrency"): each left the queue's next job queued, to be claimed when
+#: the limit lets it (a held-back claim is retried at a settle, so a job may be held back more than once).
+HELD_BACK = Counter("jobs_held_back", "Claims refused by a queue's limit: the job stayed queued.", ["limit"])
+
 #: The gauges, read from the jobs collection at each scrape.
 GAUGES = {
     QUEUED: "Jobs queued now (due or waiting for their time).",
@@ -65,6 +69,17 @@ def record(event: Event, amount: int = 1) -> None:
     try:
         COUNTERS[event].inc(amount)
     except Exception as exc:  # a full disk or a missing PROMETHEUS_MULTIPROC_DIR, say
+        if not _warned:
+            _warned = True
+            logger.warning("job metrics are not being counted: %s", exc)
+
+
+def record_held_back(limit: str) -> None:
+    """Count a claim a queue's `limit` refused; a metrics problem never fails the claim."""
+    global _warned
+    try:
+        HELD_BACK.labels(limit=limit).inc()
+    except Exception as exc:
         if not _warned:
             _warned = True
             logger.warning("job metrics are not being counted: %s", exc)
@@ -110,7 +125,7 @@ def registry_for(store: StatusSource) -> CollectorRegistry:
     if directory:
         MultiProcessCollector(registry, path=directory)
     else:
-        for counter in [*COUNTERS.values(), THREAD_RESTARTS]:
+        for counter in [*COUNTERS.values(), HELD_BACK, THREAD_RESTARTS]:
             registry.register(counter)
     registry.register(StatusGauges(store))
     return registry

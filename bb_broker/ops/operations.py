@@ -19,9 +19,9 @@ from ulid import ULID
 from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.jobs.document import RESULTS_COLLECTION, bson_kind
+from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from bb_broker.jobs.queues import QueueControls
+from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
 
@@ -319,15 +319,25 @@ class Operations:
 
     def queues(self, consumed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
         """Every queue holding queued, running or failed jobs, every queue named in `consumed` (what workers
-        consume) and every paused queue: its depths and whether it is paused, sorted by name."""
+        consume) and every paused or limited queue: its depths, whether it is paused and its limits (`concurrency`,
+        beside the `running` it counts, and `rate`, as "10/m"), sorted by name."""
         depths = self.queue_depths()
-        paused = self.controls.paused()
+        controls = self.controls.controls()
         rows: dict[str, dict[str, Any]] = {}
-        for name in sorted({*depths, *consumed, *paused}):
-            rows[name] = {**depths.get(name, dict.fromkeys((QUEUED, RUNNING, FAILED), 0)), "paused": name in paused}
-            if name in paused:
-                rows[name]["pausedBy"] = paused[name].get("pausedBy")
-                rows[name]["pausedAt"] = paused[name].get("pausedAt")
+        for name in sorted({*depths, *consumed, *controls}):
+            control = controls.get(name, {})
+            paused = control.get("paused") is True
+            rows[name] = {**depths.get(name, dict.fromkeys((QUEUED, RUNNING, FAILED), 0)), "paused": paused}
+            if paused:
+                rows[name]["pausedBy"] = control.get("pausedBy")
+                rows[name]["pausedAt"] = control.get("pausedAt")
+            limits = QueueLimits.of(control)
+            if limits:
+                rows[name] |= {"limitedBy": control.get("limitedBy"), "limitedAt": control.get("limitedAt")}
+                if limits.concurrency is not None:
+                    rows[name]["concurrency"] = limits.concurrency
+                if limits.rate is not None:
+                    rows[name]["rate"] = str(limits.rate)
         return rows
 
     # --- reading jobs ----------------------------------------------------------
@@ -553,6 +563,29 @@ class Operations:
     def paused(self) -> dict[str, dict[str, Any]]:
         return self.controls.paused()
 
+    def set_limits(
+        self, queue: str, *, concurrency: object = None, rate: object = None, clear: bool = False, by: str
+    ) -> QueueLimits:
+        """Set `queue`'s limits for every worker: `concurrency` (N running at once) and `rate` ("10/m"), each left as
+        it is when None and removed when "none"; `clear` removes both. A value that cannot be a limit is refused with
+        LimitError, and nothing changes. The limits the queue has now."""
+        name = _queue_name(queue)
+        if clear and (concurrency is not None or rate is not None):
+            raise LimitError("clear removes every limit: give it alone")
+        if not clear and concurrency is None and rate is None:
+            raise LimitError("give a concurrency limit, a rate, or clear")
+        wanted: dict[str, Any] = {}
+        if clear or _is_none(concurrency):
+            wanted["concurrency"] = None
+        elif concurrency is not None:
+            wanted["concurrency"] = parse_concurrency(concurrency)
+        if clear or _is_none(rate):
+            wanted["rate"] = None
+        elif rate is not None:
+            wanted["rate"] = parse_rate(rate)
+        self.controls.set_limits(name, **wanted, by=by, now=self.now())
+        return QueueLimits.of(self.controls.coll.find_one({"_id": name}) or {})
+
     # --- helpers -----------------------------------------------------------------
 
     def _apply(
@@ -587,7 +620,7 @@ class Operations:
             reason = f"requeued by {by}: its lease had expired"[:MAX_ERROR_LENGTH]
             update = {
                 "$set": {"status": QUEUED, "runAfter": now, "updatedAt": now, "lastError": reason},
-                "$unset": {"leaseOwner": ""},
+                "$unset": HOLDS_RELEASED,
                 "$push": _record("requeue", by, now),
             }
             return self.coll.update_many(selected, update, **options).modified_count
@@ -781,6 +814,11 @@ def _unchanged(query: dict[str, Any], since: datetime | None) -> dict[str, Any]:
     if since is None:
         return query
     return {**query, "updatedAt": {**query.get("updatedAt", {}), "$lte": since}}
+
+
+def _is_none(value: object) -> bool:
+    """Whether a limit given as text says to remove it."""
+    return isinstance(value, str) and value.strip().lower() == "none"
 
 
 def _queue_name(queue: str) -> str:

@@ -16,7 +16,7 @@ SUMMARY_FIELDS = (
     "runAfter", "finishedAt", "leaseOwner", "lastError",
 )  # fmt: skip
 #: Fields shown in sections of their own.
-SECTION_FIELDS = ("payload", "history", "actions")
+SECTION_FIELDS = ("payload", "history", "actions", "claimLimits")
 #: The unique key's fields, shown as one line (see unique_of).
 UNIQUE_FIELDS = ("unique", *HOLD_FIELDS.values())
 #: What each unique mode holds its key through, as a person reads it.
@@ -81,6 +81,19 @@ def actions_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [action for action in actions if isinstance(action, dict)] if isinstance(actions, list) else []
 
 
+def limits_of(doc: dict[str, Any]) -> str:
+    """The limits of its queue the job's last claim was held to (`claimLimits`), as a person reads them; "" for none."""
+    limits = doc.get("claimLimits")
+    if not isinstance(limits, dict):
+        return "" if limits is None else as_text(limits)
+    shown = []
+    if "concurrency" in limits:
+        slot = f", slot {doc['limitSlot']}" if "limitSlot" in doc else ""
+        shown.append(f"claimed under its queue's concurrency limit {as_text(limits['concurrency'])}{slot}")
+    shown += [f"{name} {as_text(value)}" for name, value in limits.items() if name != "concurrency"]
+    return "; ".join(shown)
+
+
 def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, text) lines for a person: the summary fields, the arguments, each attempt, each action, the rest;
     a line with an empty label continues the one above."""
@@ -101,6 +114,8 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
         if row.get("error"):
             lines.append(("", str(row["error"])))
+    if limits := limits_of(doc):
+        lines.append(("limits", limits))
     for action in actions_of(doc):
         lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
     for name, value in doc.items():

@@ -39,7 +39,8 @@ from bb_broker.jobs.payloads import (
     to_document,
     to_message,
 )
-from bb_broker.jobs.queues import PausedQueues, QueueControls
+from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls
+from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
@@ -135,7 +136,8 @@ class Channel(virtual.Channel):
         self.clock = ServerClock.of(db)
         self.plumbing = MessageStore(db, ttl=self.options.message_ttl, secrets=self.target.secrets)
         self.queue_controls = QueueControls(db)
-        self.paused = PausedQueues(
+        #: The paused and limited queues, as this consumer last read them.
+        self.known_controls = KnownControls(
             self.queue_controls, max_age=float(self.pause_check_interval), version=self._controls_version
         )
         self.owner = connection.lease_owner()
@@ -152,6 +154,11 @@ class Channel(virtual.Channel):
         self._backlogged: set[str] = set()  # job queues whose last claim came back full
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
         self._claim_error: BaseException | None = None  # met by ClaimsAhead's last claim, raised by the next _get
+        # Serial keys found busy, per queue: skipped by the claims until a job holding a key ends (the wake-ups'
+        # `freed` count moves). Claims run on the consuming thread and on ClaimsAhead's: under a lock.
+        self._busy_lock = threading.Lock()
+        self._busy_keys: dict[str, set[str]] = {}
+        self._busy_read_at: dict[str, int | None] = {}
         self._keeper: LeaseKeeper | None = None
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
@@ -350,6 +357,7 @@ class Channel(virtual.Channel):
             retry_of=_retry_of(headers),
             unique=hold_of(headers, self.clock),
             schedule=headers.get(SCHEDULE_HEADER),
+            serial_key=headers.get(SERIAL_KEY_HEADER),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
@@ -495,7 +503,7 @@ class Channel(virtual.Channel):
         held = self._held.setdefault(queue, deque())
         while True:
             if not held:
-                if queue in self.paused:
+                if queue in self.known_controls:
                     raise Empty()
                 wanted = self._batch_size(queue)
                 ahead = self._claims_ahead(queue) if wanted > 1 else None  # a batch; one job is one round trip
@@ -559,7 +567,34 @@ class Channel(virtual.Channel):
         self._held.setdefault(queue, deque()).extend(jobs)
 
     def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
-        return self.jobs.claim_many(queue, self.owner, wanted)
+        limits = self.known_controls.limits(queue)
+        wakeups = self.connection.wakeups if self.connection is not None else None
+        freed_before = wakeups.freed if wakeups is not None and wakeups.available else None
+        with self._busy_lock:
+            if freed_before is None or self._busy_read_at.get(queue) != freed_before:
+                # A job that held a slot or a busy key ended since (or nothing would say so): try every key again.
+                self._busy_keys.pop(queue, None)
+            busy = set(self._busy_keys.get(queue, ()))
+        if wakeups is not None and limits:
+            # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
+            wakeups.wake_when_freed(queue)
+        try:
+            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy)
+        except LimitReached as exc:
+            # The next claim comes when a job of the queue ends somewhere, or a rate's next window opens (or at the
+            # safety poll).
+            jobs = exc.claimed
+            if exc.retry_in is not None and wakeups is not None:
+                wakeups.wake_in(queue, exc.retry_in)
+        if busy and wakeups is not None:
+            wakeups.wake_when_freed(queue)
+            if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed
+                busy = set()
+                wakeups.more_jobs_may_wait(queue)
+        with self._busy_lock:
+            self._busy_keys[queue] = busy
+            self._busy_read_at[queue] = freed_before
+        return jobs
 
     def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
         if taken < wanted:

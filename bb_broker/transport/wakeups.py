@@ -41,6 +41,9 @@ FIRST_PACE = 0.005
 #: this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached. A stream
 #: of repeats costs a getMore per this many repeats, or per BUSY_PACE when they come slower than that.
 PACED_CHANGES = 16
+#: The fields whose removal from a job frees what another claim waits for: the slot of its queue's concurrency limit
+#: (see JobStore.claim), the flag that others wait for its serial key (see bb_broker.jobs.serial).
+FREED_FIELDS = ("limitSlot", "serialWaiters")
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
 
@@ -94,6 +97,11 @@ class Wakeups:
         #: What the news of each dirty queue told of, counted per collection (math.inf: an unknown amount).
         self._news: dict[str, Look] = {}
         self._inflight: set[str] = set()  # queues being looked at: a change to one is no news to the consumer
+        #: Queues whose claim may be held back (a limit, a busy serial key): news once a running job gives back what
+        #: held it (a slot, a key others wait for).
+        self._waiting_for_freed: set[str] = set()
+        #: Goes up each time such a job ends: a consumer's busy serial keys may be free again.
+        self.freed = 0
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
         self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
@@ -145,6 +153,18 @@ class Wakeups:
         if self.available:
             with self._lock:
                 self._add_news(queue, jobs=math.inf)
+
+    def wake_when_freed(self, queue: str) -> None:
+        """The claims of `queue` are held back (a concurrency limit, a busy serial key): the next job that ends
+        holding a slot or a waited-for key (of any queue: the change does not say which) is news for `queue`, once.
+        No poll in between: a held-back queue costs nothing while what holds it back lasts."""
+        with self._lock:
+            self._waiting_for_freed.add(queue)
+
+    def wake_in(self, queue: str, seconds: float) -> None:
+        """`queue` is worth a look in `seconds` (a rate's next window), news or not."""
+        with self._lock:
+            heapq.heappush(self._timers, (time.monotonic() + max(seconds, 0.0), queue))
 
     def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
         news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))
@@ -224,6 +244,10 @@ class Wakeups:
             self._notify()
             return Seen.NEWS
         in_messages = (change.get("ns") or {}).get("coll") == self._messages
+        removed = (change.get("updateDescription") or {}).get("removedFields") or ()
+        freed = any(name in removed for name in FREED_FIELDS)
+        if freed and not _requeued(change):
+            return self._on_freed()
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")
@@ -253,6 +277,19 @@ class Wakeups:
         if seen is not Seen.OTHER:
             self._notify()
         return seen
+
+    def _on_freed(self) -> Seen:
+        """A running job that held a slot of a limit, or a serial key others wait for, ended: the queues held back
+        look again."""
+        with self._lock:
+            self.freed += 1
+            waiting, self._waiting_for_freed = self._waiting_for_freed, set()
+            for queue in waiting:
+                self._add_news(queue, jobs=math.inf)
+        if not waiting:
+            return Seen.OTHER
+        self._notify()
+        return Seen.NEWS
 
     def _seconds_until(self, due: Any) -> float:
         if not isinstance(due, datetime):
@@ -331,12 +368,17 @@ class _Feed:
             {"$match": {"$or": [
                 {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
+                # A job ending with a slot of a concurrency limit, or with a serial key others wait for: only jobs of
+                # limited queues and contended keys have these fields.
+                *({"ns.coll": jobs, "operationType": "update", "updateDescription.removedFields": name}
+                  for name in FREED_FIELDS),
                 {"ns.coll": messages, "operationType": "insert"},
                 *([{"ns.coll": self._bindings}] if self._bindings else []),
                 *([{"ns.coll": self._controls}] if self._controls else []),
             ]}},
             {"$project": {"ns.coll": 1, "operationType": 1, "fullDocument.queue": 1, "fullDocument.runAfter": 1,
-                          "updateDescription.updatedFields.runAfter": 1}},
+                          "updateDescription.updatedFields.runAfter": 1, "updateDescription.updatedFields.status": 1,
+                          "updateDescription.removedFields": 1}},
         ]  # fmt: skip
 
     def _watch(self) -> None:
@@ -423,6 +465,11 @@ class Seen(enum.Enum):
     NEWS = "news"  # a queue it reads has work it did not know of: read on at once
     REPEAT = "repeat"  # work it knows of already (a queue marked, a due time set): no hurry
     OTHER = "other"  # a queue it does not read: its own replies and events, other workers' queues
+
+
+def _requeued(change: dict[str, Any]) -> bool:
+    """Whether an update sent its job back to the queue (which is news of its own, whatever else it did)."""
+    return ((change.get("updateDescription") or {}).get("updatedFields") or {}).get("status") == "queued"
 
 
 def _worth_a_pace(batch: set[Seen], others_before: bool) -> bool:

@@ -248,14 +248,14 @@ def test_counting_a_search_that_takes_too_long_is_refused(ops: Operations, db: D
 
 
 def test_a_consumers_view_of_the_pauses_follows_the_change_stream_or_the_clock(db: Database, clock: FakeClock) -> None:
-    from bb_broker.jobs.queues import PausedQueues, QueueControls
+    from bb_broker.jobs.queues import KnownControls, QueueControls
     from tests.support.workers import wait_for
 
     controls = QueueControls(db)
     controls.pause("mail", by="t", now=clock.now)
-    polled = PausedQueues(controls, max_age=0.05)  # no change stream: read again every max_age
+    polled = KnownControls(controls, max_age=0.05)  # no change stream: read again every max_age
     version = [1]
-    watched = PausedQueues(controls, max_age=0.05, version=lambda: version[0])
+    watched = KnownControls(controls, max_age=0.05, version=lambda: version[0])
     assert "mail" in polled and "mail" in watched and "celery" not in polled
     controls.resume("mail", by="t", now=clock.now)
     wait_for(lambda: "mail" not in polled, message="the polled view sees the resume")

@@ -292,6 +292,7 @@ COMMANDS = [
     ["cancel", "some-id"],
     ["pause", "celery"],
     ["resume", "celery"],
+    ["limit", "celery", "--concurrency", "2"],
     ["requeue-stale"],
     ["purge", "--status", "succeeded"],
     ["serve-metrics", "--port", "0"],
@@ -510,6 +511,91 @@ def test_pause_resume_and_status_shows_paused_queues(store: JobStore, db: Databa
     too_long = bb(broker_url, "pause", "q" * 201)
     assert too_long.exit_code == 2 and too_long.stderr == "bb-broker: pause: a queue name must be 1 to 200 characters\n"
     assert db.bb_queues.find_one({"_id": "q" * 201}) is None
+
+
+def test_limit_sets_shows_changes_and_clears_a_concurrency_limit(
+    store: JobStore, db: Database, broker_url: str
+) -> None:
+    add_job(store, "app.mail", queue="mail")
+    add_job(store, "app.mail", queue="mail", outcome="running")
+    assert bb(broker_url, "limit", "mail").stdout == "queue mail: no limit (1 running, 1 queued)\n"
+    result = bb(broker_url, "limit", "mail", "--concurrency", "2")
+    assert result.exit_code == 0 and result.stdout == "queue mail: at most 2 running at once (1 running, 1 queued)\n"
+    control = db.bb_queues.find_one({"_id": "mail"})
+    assert control["concurrency"] == 2 and control["limitedBy"].endswith("(bb-broker)")
+    assert "queue mail: at most 2 running at once" in bb(broker_url, "status").stdout
+    assert bb(broker_url, "limit", "mail", "--concurrency", "5").stdout.startswith("queue mail: at most 5 running")
+    assert bb(broker_url, "limit", "mail", "--clear").stdout == "queue mail: no limit (1 running, 1 queued)\n"
+    assert "concurrency" not in db.bb_queues.find_one({"_id": "mail"})
+    assert "at most" not in bb(broker_url, "status").stdout
+
+
+def test_limit_sets_and_removes_a_rate_beside_the_concurrency_limit(
+    store: JobStore, db: Database, broker_url: str
+) -> None:
+    add_job(store, "app.mail", queue="mail")
+    result = bb(broker_url, "limit", "mail", "--rate", "10/m")
+    assert result.exit_code == 0 and result.stdout == "queue mail: at most 10/m started (0 running, 1 queued)\n"
+    assert db.bb_queues.find_one({"_id": "mail"})["rateStarts"] == 10
+    both = bb(broker_url, "limit", "mail", "--concurrency", "2").stdout
+    assert both == "queue mail: at most 2 running at once, at most 10/m started (0 running, 1 queued)\n"
+    assert bb(broker_url, "limit", "mail", "--rate", "none").stdout.startswith(
+        "queue mail: at most 2 running at once ("
+    )
+    assert "rateStarts" not in db.bb_queues.find_one({"_id": "mail"})
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("10/week", "a rate's period is s, m, h or d (10/m: ten starts a minute), not 'week' in '10/week'"),
+        ("0/s", "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not '0/s'"),
+        ("ten/s", "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not 'ten/s'"),
+    ],
+)
+def test_limit_refuses_a_rate_that_cannot_be_and_changes_nothing(
+    store: JobStore, db: Database, broker_url: str, value: str, error: str
+) -> None:
+    assert bb(broker_url, "limit", "mail", "--rate", "5/s").exit_code == 0
+    before = db.bb_queues.find_one({"_id": "mail"})
+    result = bb(broker_url, "limit", "mail", "--rate", value, "--concurrency", "3")
+    assert result.exit_code == 2 and result.stderr == f"bb-broker: limit: {error}\n"
+    assert db.bb_queues.find_one({"_id": "mail"}) == before  # not even the good half of the change
+
+
+def test_show_says_which_limit_a_job_was_claimed_under(store: JobStore, db: Database, broker_url: str) -> None:
+    from bb_broker.jobs.queues import QueueLimits
+
+    add_job(store, "app.mail", queue="mail")
+    job = store.claim("mail", "w", QueueLimits(concurrency=2))
+    shown = bb(broker_url, "show", job.id).stdout
+    assert "limits:       claimed under its queue's concurrency limit 2, slot " in shown
+    assert "claimLimits" not in shown
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "two", "", "10001"])
+def test_limit_refuses_a_limit_that_cannot_be_and_changes_nothing(
+    store: JobStore, db: Database, broker_url: str, value: str
+) -> None:
+    assert bb(broker_url, "limit", "mail", "--concurrency", "3").exit_code == 0
+    before = db.bb_queues.find_one({"_id": "mail"})
+    result = bb(broker_url, "limit", "mail", "--concurrency", value)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"bb-broker: limit: a concurrency limit is a whole number from 1 to 10000, not {value!r}\n"
+    )
+    assert db.bb_queues.find_one({"_id": "mail"}) == before
+
+
+def test_limit_refuses_clear_with_a_limit_and_a_name_no_queue_has(
+    store: JobStore, db: Database, broker_url: str
+) -> None:
+    both = bb(broker_url, "limit", "mail", "--concurrency", "3", "--clear")
+    assert both.exit_code == 2 and "--clear removes every limit: give it alone" in both.stderr
+    assert bb(broker_url, "limit", " ", "--concurrency", "3").exit_code == 2
+    too_long = bb(broker_url, "limit", "q" * 201, "--concurrency", "3")
+    assert too_long.exit_code == 2 and too_long.stderr == "bb-broker: limit: a queue name must be 1 to 200 characters\n"
+    assert db.bb_queues.count_documents({}) == 0
 
 
 def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url: str) -> None:

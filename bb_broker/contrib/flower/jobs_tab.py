@@ -43,7 +43,7 @@ from tornado.web import url
 from bb_broker.connection import parse_broker_url, quick_timeouts
 from bb_broker.contrib.flower import patches
 from bb_broker.jobs.lifecycle import STATUSES
-from bb_broker.jobs.queues import QueueControls
+from bb_broker.jobs.queues import LimitError, QueueControls
 from bb_broker.ops.operations import (
     ACTIONS,
     FILTER_NAMES,
@@ -448,6 +448,32 @@ class _JobsHandler(BaseHandler):
             message = f"queue {queue} was not paused"
         return {"message": message, "queue": queue, "changed": changed}
 
+    async def queue_limits(self, queue: str) -> dict[str, Any]:
+        """Set a queue's limits: `concurrency=N`, `rate=10/m` (each `none` removes it), or `clear=1` (both); a value
+        that cannot be a limit is a 400, and nothing changes."""
+        _refuse_unless_allowed(self)
+        concurrency = self.get_argument("concurrency", default=None, escape=False)
+        rate = self.get_argument("rate", default=None, escape=False)
+        clear = self.get_argument("clear", default="", escape=False) in ("1", "true")
+        operations = _operations(self)
+        try:
+            limits = await self.run_query(
+                operations.set_limits, queue, concurrency=concurrency, rate=rate, clear=clear, by=user_name(self)
+            )
+        except (FilterError, LimitError) as exc:
+            raise tornado.web.HTTPError(400, str(exc)) from None
+        shown = []
+        if limits.concurrency is not None:
+            shown.append(f"at most {limits.concurrency} running at once")
+        if limits.rate is not None:
+            shown.append(f"at most {limits.rate} started")
+        return {
+            "message": f"queue {queue}: {', '.join(shown) or 'no limit'}",
+            "queue": queue,
+            "concurrency": limits.concurrency,
+            "rate": None if limits.rate is None else str(limits.rate),
+        }
+
     async def summary(self, *, breakdowns: bool = True) -> dict[str, Any]:
         """Counts per status and each queue's depths; per queue and per kind too unless `breakdowns` is False (the
         page asks for those only while they are shown: on a large collection they cost a scan of an index)."""
@@ -519,6 +545,12 @@ class QueueAction(_JobsHandler):
     @tornado.web.authenticated
     async def post(self, queue: str, change: str) -> None:
         self.write(await self.queue_control(queue, change))
+
+
+class QueueLimitAction(_JobsHandler):
+    @tornado.web.authenticated
+    async def post(self, queue: str) -> None:
+        self.write(await self.queue_limits(queue))
 
 
 class JobPage(_JobsHandler):
@@ -594,6 +626,10 @@ class QueueActionApi(QueueAction, _ApiHandler):
     pass
 
 
+class QueueLimitApi(QueueLimitAction, _ApiHandler):
+    pass
+
+
 ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
 
 # No job id or task id is ever part of a path: one job is `job?id=<id>` (its actions `job/<action>` with `id`), so
@@ -607,11 +643,13 @@ HANDLERS = [
     (r"/jobs/bulk/" + ACTION_PATTERN + r"/count", JobsBulkCount),
     (r"/jobs/bulk/" + ACTION_PATTERN, JobsBulkAction),
     (r"/jobs/queue/([^/]+)/(pause|resume)", QueueAction),
+    (r"/jobs/queue/([^/]+)/limit", QueueLimitAction),
     (r"/api/jobs", JobsApi),
     (r"/api/jobs/job", JobApi),
     (r"/api/jobs/job/" + ACTION_PATTERN, JobActionApi),
     (r"/api/jobs/bulk/" + ACTION_PATTERN, BulkApi),
     (r"/api/queues/([^/]+)/(pause|resume)", QueueActionApi),
+    (r"/api/queues/([^/]+)/limit", QueueLimitApi),
 ]
 
 

@@ -1,0 +1,54 @@
+"""Per-key serialisation: jobs that share a `serialKey` queue up freely, and at most one of them runs at a time.
+
+A task message whose header SERIAL_KEY_HEADER holds a key becomes a job with that key in `serialKey`. The unique index
+SERIAL_INDEX covers only the `running` jobs that have a key, so the claim that would make a second job of a key
+`running` is refused by the server in the claim's own write: nothing is read first, nothing is locked, and a job
+that ends (settled, sent back, or recovered by the stale sweep) leaves the index with its status. Jobs without a key
+are not in the index and pay nothing.
+
+A refused claim names the busy key (the error's keyValue); the claimer flags the key's running job
+(WAITERS_FIELD, one write, only when a key is contended), excludes the key from its next claims, and looks again when
+a flagged job ends: its settling write unsets the flag (HOLDS_RELEASED), which the change stream reports. The key's
+next job is then the first of them in claim order, so a key's jobs run in queue order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pymongo import ASCENDING, IndexModel
+from pymongo.errors import DuplicateKeyError
+
+from bb_broker.jobs.lifecycle import RUNNING
+
+#: The header of a task message that carries its job's serialisation key.
+SERIAL_KEY_HEADER = "bb_serial_key"
+#: The longest key (an index key must stay well below the server's limits).
+MAX_SERIAL_KEY_LENGTH = 512
+SERIAL_INDEX_NAME = "bb_serial_key_running"
+
+SERIAL_INDEX = IndexModel(
+    [("serialKey", ASCENDING)],
+    name=SERIAL_INDEX_NAME,
+    unique=True,
+    partialFilterExpression={"serialKey": {"$exists": True}, "status": RUNNING},
+)
+
+#: Set on the running job of a key whose next job a claim found waiting; its removal wakes the waiting consumers.
+WAITERS_FIELD = "serialWaiters"
+
+
+def is_serial_key(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_SERIAL_KEY_LENGTH
+
+
+def busy_key(exc: DuplicateKeyError) -> tuple[bool, Any]:
+    """Whether a claim's DuplicateKeyError is SERIAL_INDEX's, and then the key it names (None when the server did not
+    say: the caller reads it)."""
+    details = exc.details or {}
+    pattern = details.get("keyPattern")
+    ours = (isinstance(pattern, dict) and list(pattern) == ["serialKey"]) or SERIAL_INDEX_NAME in str(
+        details.get("errmsg", "")
+    )
+    value = details.get("keyValue")
+    return ours, value.get("serialKey") if isinstance(value, dict) else None

@@ -1,0 +1,452 @@
+"""Queue limits in the store against a real server: a concurrency limit's slots, held by the claim itself, given back
+by every write that ends an attempt (the stale sweep's too), and set, changed and refused through the controls."""
+
+from __future__ import annotations
+
+import pytest
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from bb_broker.jobs.document import attempt_entry
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
+from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(db: Database, clock: FakeClock) -> JobStore:
+    store = JobStore(db, Policy(stale_after=30), clock=clock)
+    store.ensure_indexes()
+    return store
+
+
+def publish(store: JobStore, task_id: str, queue: str = "limited") -> str:
+    return store.publish(queue=queue, kind="app.task", task_id=task_id, payload={"args": [], "kwargs": {}},
+                         priority=0, run_after=None, is_retry=False)  # fmt: skip
+
+
+def running(db: Database, queue: str = "limited") -> list[dict]:
+    return list(db.jobs.find({"queue": queue, "status": "running"}))
+
+
+TWO = QueueLimits(concurrency=2)
+
+
+def test_a_concurrency_limit_lets_n_jobs_run_and_each_holds_its_own_slot(store: JobStore, db: Database) -> None:
+    for n in range(4):
+        publish(store, f"t{n}")
+    first = store.claim("limited", "w1", TWO)
+    second = store.claim("limited", "w2", TWO)
+    assert first is not None and second is not None
+    with pytest.raises(LimitReached, match="concurrency limit 2 reached"):
+        store.claim("limited", "w3", TWO)
+    held = running(db)
+    assert sorted(doc["limitSlot"] for doc in held) == [0, 1]
+    assert all(doc["claimLimits"] == {"concurrency": 2} for doc in held)
+    assert db.jobs.count_documents({"status": "queued", "limitSlot": {"$exists": True}}) == 0
+
+    assert store.succeed(first.id, first.attempts)
+    done = db.jobs.find_one({"_id": first.id})
+    assert "limitSlot" not in done and done["claimLimits"] == {"concurrency": 2}  # the record stays, the slot goes
+    third = store.claim("limited", "w3", TWO)
+    assert third is not None and len(running(db)) == 2
+
+
+def test_a_queue_without_a_limit_and_other_queues_are_not_counted(store: JobStore, db: Database) -> None:
+    for n in range(3):
+        publish(store, f"free{n}", queue="free")
+        publish(store, f"lim{n}")
+    assert [store.claim("free", "w") is not None for _ in range(3)] == [True, True, True]
+    assert all("limitSlot" not in doc for doc in running(db, "free"))
+    assert store.claim("limited", "w", QueueLimits(concurrency=1)) is not None
+    with pytest.raises(LimitReached):
+        store.claim("limited", "w", QueueLimits(concurrency=1))
+
+
+def test_every_write_that_ends_an_attempt_gives_its_slot_back(store: JobStore, db: Database, clock) -> None:
+    one = QueueLimits(concurrency=1)
+    for n in range(6):
+        publish(store, f"t{n}")
+
+    def cycle(end) -> None:
+        job = store.claim("limited", "w", one)
+        assert job is not None
+        with pytest.raises(LimitReached):
+            store.claim("limited", "w", one)
+        end(job)
+        assert db.jobs.count_documents({"limitSlot": {"$exists": True}}) == 0
+
+    cycle(lambda job: store.succeed(job.id, job.attempts))
+    cycle(lambda job: store.fail(job.id, job.attempts, "boom", retryable=False))
+    cycle(lambda job: store.fail(job.id, job.attempts, "again", backoff=False))  # back to the queue
+    cycle(lambda job: store.release(job.id, job.attempts))
+
+    def retried(job) -> None:  # a Celery retry's reschedule (the broker's, or self.retry())
+        entry = attempt_entry(job.attempts, worker="w", started_at=None, finished_at=clock(), outcome="retry")
+        store.record_failed_attempt(job.id, job.attempts, "retry", attempt=entry)
+        store.publish(queue="limited", kind="app.task", task_id=job.task_id, payload={}, priority=0,
+                      run_after=None, is_retry=True, retry_of=(job.id, job.attempts))  # fmt: skip
+
+    cycle(retried)
+
+    def lost(job) -> None:  # the worker died: the stale sweep settles its job
+        clock.advance(31)
+        assert sum(store.requeue_stale()) == 1
+
+    cycle(lost)
+    cycle(lambda job: store.release_owner("w", "worker stopped"))
+
+
+def test_the_stale_sweep_frees_the_slot_of_a_job_with_no_attempt_left(store: JobStore, db: Database, clock) -> None:
+    store.policy = Policy(stale_after=30, max_attempts=1)
+    publish(store, "once")
+    publish(store, "next")
+    assert store.claim("limited", "dead", QueueLimits(concurrency=1)) is not None
+    clock.advance(31)
+    assert store.requeue_stale() == (0, 1)
+    assert store.claim("limited", "alive", QueueLimits(concurrency=1)) is not None
+
+
+def test_an_operators_requeue_of_an_expired_lease_frees_its_slot(store: JobStore, db: Database, clock) -> None:
+    publish(store, "t0")
+    publish(store, "t1")
+    job = store.claim("limited", "dead", QueueLimits(concurrency=1))
+    clock.advance(31)
+    Operations(store).act("requeue", job.id, by="tester")
+    assert db.jobs.count_documents({"limitSlot": {"$exists": True}}) == 0
+
+
+def test_a_lowered_limit_drains_the_slots_above_it_and_a_raised_one_takes_effect_at_once(
+    store: JobStore, db: Database
+) -> None:
+    for n in range(8):
+        publish(store, f"t{n}")
+    jobs = [store.claim("limited", "w", QueueLimits(concurrency=4)) for _ in range(4)]
+    slot_of = {doc["_id"]: doc["limitSlot"] for doc in running(db)}
+    lowered = QueueLimits(concurrency=2)
+    with pytest.raises(LimitReached):
+        store.claim("limited", "w", lowered)
+    for job in jobs:
+        if slot_of[job.id] >= 2:
+            store.succeed(job.id, job.attempts)
+    with pytest.raises(LimitReached):  # slots 2 and 3 are free, but no longer the queue's
+        store.claim("limited", "w", lowered)
+    assert len(running(db)) == 2
+    raised = QueueLimits(concurrency=5)
+    assert [store.claim("limited", "w", raised) is not None for _ in range(3)] == [True, True, True]
+    with pytest.raises(LimitReached):
+        store.claim("limited", "w", raised)
+
+
+def test_a_batch_claim_of_a_limited_queue_stops_at_the_limit_with_what_it_took(store: JobStore, db: Database) -> None:
+    for n in range(6):
+        publish(store, f"t{n}")
+    with pytest.raises(LimitReached) as reached:
+        store.claim_many("limited", "w", 5, QueueLimits(concurrency=3))
+    assert len(reached.value.claimed) == 3 and len(running(db)) == 3
+    assert store.claim_many("other", "w", 5, QueueLimits(concurrency=3)) == []  # an empty queue is not a limit
+
+
+def test_many_claimers_at_once_never_exceed_the_limit(mongo_url: str, db: Database, clock) -> None:
+    import threading
+
+    store = JobStore(db, Policy(), clock=clock)
+    store.ensure_indexes()
+    for n in range(40):
+        publish(store, f"t{n}")
+    limits = QueueLimits(concurrency=3)
+    won: list[str] = []
+    lock = threading.Lock()
+
+    def claimer(name: str) -> None:
+        own = JobStore(MongoClient(mongo_url, tz_aware=True)[db.name], Policy(), clock=clock)
+        for _ in range(10):
+            try:
+                job = own.claim("limited", name, limits)
+            except LimitReached:
+                continue
+            if job is not None:
+                with lock:
+                    won.append(job.id)
+
+    threads = [threading.Thread(target=claimer, args=(f"w{n}",)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 3 and len(running(db)) == 3
+
+
+def test_the_read_of_the_slots_taken_goes_through_its_index(store: JobStore, db: Database, mongo_url: str) -> None:
+    for n in range(3):
+        publish(store, f"t{n}")
+    log = CommandLog()
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True, event_listeners=[log])
+    watched = JobStore(client[db.name], Policy(), clock=store.now)
+    one = QueueLimits(concurrency=1)
+    watched.claim("limited", "w", one)
+    log.commands.clear()
+    with pytest.raises(LimitReached):
+        watched.claim("limited", "w", one)
+    reads = [command for command in log.commands if "find" in command]
+    assert len(reads) == 1
+    assert_each_reads_through_an_index(db, reads)
+    client.close()
+
+
+def test_a_claim_within_the_limit_costs_one_round_trip(store: JobStore, db: Database, mongo_url: str) -> None:
+    publish(store, "t0")
+    log = CommandLog()
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True, event_listeners=[log])
+    watched = JobStore(client[db.name], Policy(), clock=store.now)
+    assert watched.claim("limited", "w", QueueLimits(concurrency=2)) is not None
+    assert [next(iter(command)) for command in log.commands] == ["findAndModify"]
+    client.close()
+
+
+# --- the controls ----------------------------------------------------------------------------------------------------
+
+
+def test_limits_are_set_changed_and_cleared_and_workers_read_them_with_the_pauses(
+    store: JobStore, db: Database
+) -> None:
+    controls = QueueControls(db)
+    operations = Operations(store, controls)
+    known = KnownControls(controls, max_age=0.0)  # read again at every look
+    assert not known.limits("limited")
+    operations.set_limits("limited", concurrency=3, by="tester")
+    assert known.limits("limited") == QueueLimits(concurrency=3)
+    assert "limited" not in known  # limited, not paused
+    operations.pause("limited", by="tester")
+    assert "limited" in known and known.limits("limited").concurrency == 3
+    operations.set_limits("limited", concurrency=1, by="tester")
+    assert known.limits("limited").concurrency == 1
+    row = operations.queues()["limited"]
+    assert row["concurrency"] == 1 and row["limitedBy"] == "tester" and row["paused"]
+    operations.set_limits("limited", clear=True, by="tester")
+    assert not known.limits("limited") and "concurrency" not in operations.queues()["limited"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2.5", "two", "", " ", "1e3", "²", 10_001, True])
+def test_a_limit_that_cannot_be_is_refused_and_nothing_changes(store: JobStore, db: Database, bad) -> None:
+    operations = Operations(store)
+    operations.set_limits("limited", concurrency=4, by="tester")
+    before = db.bb_queues.find_one({"_id": "limited"})
+    with pytest.raises(LimitError, match="a concurrency limit is a whole number from 1 to 10000"):
+        operations.set_limits("limited", concurrency=bad, by="mallory")
+    assert db.bb_queues.find_one({"_id": "limited"}) == before
+
+
+def test_a_control_document_edited_by_hand_limits_nothing(store: JobStore, db: Database) -> None:
+    for value in ("2", 0, -3, 2.5, [2], None):
+        db.bb_queues.replace_one({"_id": "limited"}, {"concurrency": value}, upsert=True)
+        assert not KnownControls(QueueControls(db), max_age=0.0).limits("limited")
+
+
+# --- serial keys -----------------------------------------------------------------------------------------------------
+
+
+def publish_keyed(store: JobStore, task_id: str, key: str | None, queue: str = "keyed") -> str:
+    return store.publish(queue=queue, kind="app.task", task_id=task_id, payload={"args": [], "kwargs": {}},
+                         priority=0, run_after=None, is_retry=False, serial_key=key)  # fmt: skip
+
+
+def test_one_job_per_serial_key_runs_and_the_others_of_the_key_wait_in_order(store: JobStore, db: Database) -> None:
+    for n in range(3):
+        publish_keyed(store, f"a{n}", "account-a")
+    publish_keyed(store, "b0", "account-b")
+    publish_keyed(store, "free", None)
+    busy: set[str] = set()
+    taken = [store.claim("keyed", "w", busy_keys=busy) for _ in range(4)]
+    assert [job.task_id if job else None for job in taken] == ["a0", "b0", "free", None]
+    assert busy == {"account-a"}  # the key found busy, skipped by the next claims
+    holder = db.jobs.find_one({"taskId": "a0"})
+    assert holder["serialKey"] == "account-a" and holder["serialWaiters"] is True  # its end wakes the waiters
+    assert db.jobs.find_one({"taskId": "free"}).get("serialWaiters") is None
+
+    assert store.succeed(taken[0].id, taken[0].attempts)
+    assert "serialWaiters" not in db.jobs.find_one({"taskId": "a0"})
+    order = []
+    for _ in range(2):
+        job = store.claim("keyed", "w")  # a fresh claimer: tries every key
+        order.append(job.task_id)
+        assert store.claim("keyed", "other") is None  # the key is busy again
+        store.succeed(job.id, job.attempts)
+    assert order == ["a1", "a2"]
+
+
+def test_every_write_that_ends_a_keyed_attempt_frees_its_key(store: JobStore, db: Database, clock) -> None:
+    for n in range(5):
+        publish_keyed(store, f"k{n}", "key")
+
+    def cycle(end) -> None:
+        job = store.claim("keyed", "w")
+        assert job is not None and store.claim("keyed", "w") is None
+        end(job)
+        assert db.jobs.count_documents({"serialWaiters": {"$exists": True}}) == 0
+
+    cycle(lambda job: store.succeed(job.id, job.attempts))
+    cycle(lambda job: store.fail(job.id, job.attempts, "again", backoff=False))
+    cycle(lambda job: store.release(job.id, job.attempts))
+
+    def lost(job) -> None:
+        clock.advance(31)
+        assert sum(store.requeue_stale()) == 1
+
+    cycle(lost)
+    assert db.jobs.find_one({"taskId": "k0"})["status"] == "succeeded"
+
+
+def test_a_batch_claim_takes_keyed_jobs_one_by_one(store: JobStore, db: Database) -> None:
+    for n in range(3):
+        publish_keyed(store, f"a{n}", "a")
+        publish_keyed(store, f"free{n}", None)
+    jobs = store.claim_many("keyed", "w", 6)
+    assert sorted(job.task_id for job in jobs) == ["a0", "free0", "free1", "free2"]
+    assert db.jobs.count_documents({"serialKey": "a", "status": "running"}) == 1
+
+
+def test_serial_keys_and_a_concurrency_limit_together(store: JobStore, db: Database) -> None:
+    for n in range(2):
+        publish_keyed(store, f"a{n}", "a")
+    publish_keyed(store, "b0", "b")
+    publish_keyed(store, "c0", "c")
+    limits = QueueLimits(concurrency=2)
+    busy: set[str] = set()
+    first = store.claim("keyed", "w", limits, busy)
+    second = store.claim("keyed", "w", limits, busy)  # a1 is skipped (its key is busy), b0 takes the second slot
+    assert (first.task_id, second.task_id) == ("a0", "b0") and busy == {"a"}
+    with pytest.raises(LimitReached):
+        store.claim("keyed", "w", limits, busy)
+
+
+# --- rates -----------------------------------------------------------------------------------------------------------
+
+
+def test_a_rate_counts_starts_per_window_in_the_database(store: JobStore, db: Database, clock) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    for n in range(8):
+        publish(store, f"t{n}")
+    limits = QueueLimits(rate=Rate(3, 60.0))
+    clock.advance(10)  # ten seconds into a window of a minute
+    assert [store.claim("limited", f"w{n}", limits) is not None for n in range(3)] == [True, True, True]
+    with pytest.raises(LimitReached, match="rate limit 3/m reached") as reached:
+        store.claim("limited", "w9", limits)
+    assert reached.value.retry_in == 50.0  # until the next window opens
+    assert db.jobs.count_documents({"status": "running"}) == 3
+    assert {doc["claimLimits"]["rate"] for doc in running(db)} == {"3/m"}
+    clock.advance(50)
+    assert store.claim("limited", "w", limits) is not None
+    assert db.bb_rates.count_documents({}) == 1  # the past window's counter went when the new one came
+
+
+def test_a_claim_that_starts_nothing_spends_no_start(store: JobStore, db: Database) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    limits = QueueLimits(rate=Rate(1, 3600.0))
+    assert store.claim("limited", "w", limits) is None  # an empty queue
+    publish(store, "t0")
+    assert store.claim("limited", "w", limits) is not None
+    publish(store, "t1")
+    with pytest.raises(LimitReached):
+        store.claim("limited", "w", limits)
+
+
+def test_a_rate_and_a_concurrency_limit_together(store: JobStore, db: Database) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    for n in range(4):
+        publish(store, f"t{n}")
+    limits = QueueLimits(concurrency=1, rate=Rate(5, 3600.0))
+    job = store.claim("limited", "w", limits)
+    assert running(db)[0]["claimLimits"] == {"rate": "5/h", "concurrency": 1}
+    with pytest.raises(LimitReached, match="concurrency limit 1"):
+        store.claim("limited", "w", limits)
+    assert db.bb_rates.find_one()["n"] == 1  # the start the concurrency limit refused was given back
+    store.succeed(job.id, job.attempts)
+    assert store.claim("limited", "w", limits) is not None
+
+
+def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: JobStore, db: Database) -> None:
+    from bb_broker.jobs.queues import Rate
+
+    operations = Operations(store)
+    known = KnownControls(QueueControls(db), max_age=0.0)
+    assert operations.set_limits("limited", rate="10/s", by="tester") == QueueLimits(rate=Rate(10, 1.0))
+    assert known.limits("limited").rate == Rate(10, 1.0)
+    operations.set_limits("limited", concurrency="2", by="tester")  # the rate stays
+    assert known.limits("limited") == QueueLimits(concurrency=2, rate=Rate(10, 1.0))
+    assert operations.queues()["limited"]["rate"] == "10/s"
+    operations.set_limits("limited", rate="none", by="tester")
+    assert known.limits("limited") == QueueLimits(concurrency=2)
+    before = db.bb_queues.find_one({"_id": "limited"})
+    for bad in ("10", "10/week", "0/s", "-1/m", "x/m", "1.5/s", "/s", "10/"):
+        with pytest.raises(LimitError):
+            operations.set_limits("limited", rate=bad, by="mallory")
+    with pytest.raises(LimitError, match="clear removes every limit"):
+        operations.set_limits("limited", rate="1/s", clear=True, by="mallory")
+    with pytest.raises(LimitError, match="give a concurrency limit, a rate, or clear"):
+        operations.set_limits("limited", by="mallory")
+    assert db.bb_queues.find_one({"_id": "limited"}) == before
+
+
+# --- wake-ups ----------------------------------------------------------------------------------------------------
+
+
+def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
+    mongo_url: str, db: Database, store: JobStore
+) -> None:
+    from datetime import UTC, datetime
+
+    from bb_broker.transport.wakeups import Wakeups
+    from tests.support.workers import wait_for
+
+    with MongoClient(mongo_url, tz_aware=True) as client:
+        wakeups = Wakeups(client[db.name], jobs="jobs", messages="bb_messages", clock=lambda: datetime.now(UTC),
+                          safety_poll_interval=3600)  # fmt: skip
+        wakeups.consume_only({"limited", "keyed", "marker"})
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+
+        def drain(queue: str) -> bool:
+            """Take every look `queue` is owed; whether there was one."""
+            looked = False
+            while (look := wakeups.look(queue, job_queue=True)) is not None:
+                look.took("jobs", 0, all_there_was=True)
+                look.took("messages", 0, all_there_was=True)
+                wakeups.looked(queue, look)
+                looked = True
+            return looked
+
+        for queue in ("limited", "keyed", "marker"):
+            drain(queue)  # the first looks: everything once
+        publish(store, "slot")
+        publish_keyed(store, "k0", "key")
+        publish_keyed(store, "k1", "key")
+        publish(store, "m0", queue="marker")  # the stream is in order: once this is news, so is everything before
+        wait_for(lambda: drain("marker"), message="the inserts are news")
+        assert drain("limited") and drain("keyed")
+
+        slot = store.claim("limited", "w", QueueLimits(concurrency=1))
+        busy: set[str] = set()
+        key = store.claim("keyed", "w", busy_keys=busy)
+        assert store.claim("keyed", "w", busy_keys=busy) is None and busy == {"key"}
+        wakeups.wake_when_freed("limited")
+        freed = wakeups.freed
+        store.heartbeat([slot.id, key.id], "w")  # a running job's lease: news to nobody
+        store.succeed(slot.id, slot.attempts)  # frees the slot
+        wait_for(lambda: wakeups.freed > freed, message="the freed slot is reported")
+        assert drain("limited") and not drain("keyed")  # only the queue held back on a slot looks again
+        wakeups.wake_when_freed("keyed")
+        freed = wakeups.freed
+        store.succeed(key.id, key.attempts)  # frees the key others wait for
+        wait_for(lambda: wakeups.freed > freed, message="the freed key is reported")
+        assert drain("keyed")
+        wakeups.stop()

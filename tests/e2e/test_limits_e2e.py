@@ -1,0 +1,189 @@
+"""Queue limits with real workers: what the collection says holds whatever the number of workers and their `-c`."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
+from tests.support.workers import send, settled, wait_for
+
+LIMITED = ("-Q", "limited,other")
+
+
+@contextmanager
+def sampled(mongo_url: str, db: Database, count: Callable[[Database], int]) -> Iterator[list[int]]:
+    """Every value of `count` read from the collection, as often as the server answers, while the block runs: from
+    a thread and a client of its own, so that the test's own waits go on meanwhile."""
+    samples: list[int] = []
+    stop = threading.Event()
+    client: MongoClient = MongoClient(mongo_url)
+
+    def sample() -> None:
+        own = client[db.name]
+        while not stop.is_set():
+            samples.append(count(own))
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+
+
+def running_in(queue: str) -> Callable[[Database], int]:
+    return lambda db: db.jobs.count_documents({"queue": queue, "status": "running"})
+
+
+def all_succeeded(db: Database, ids: list[str]) -> Callable[[], bool]:
+    return lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids)
+
+
+def test_a_limit_of_two_holds_across_three_workers_of_two_processes(
+    app, db: Database, mongo_url: str, worker_factory
+) -> None:
+    Operations(JobStore(db)).set_limits("limited", concurrency=2, by="tester")
+    for _ in range(3):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+    with sampled(mongo_url, db, running_in("limited")) as samples:
+        ids = [send(app, "sleep", 0.3, queue="limited") for _ in range(14)]
+        wait_for(all_succeeded(db, ids), timeout=120, message="every limited job")
+    assert max(samples) == 2, samples  # reached, and never exceeded
+    assert {doc["claimLimits"]["concurrency"] for doc in db.jobs.find({"taskId": {"$in": ids}})} == {2}
+    assert db.jobs.count_documents({"limitSlot": {"$exists": True}}) == 0  # every slot given back
+    # and the pool processes themselves never ran more than two at once (their own start and end records)
+    edges = sorted(
+        (run["at"], 1 if run["phase"] == "start" else -1) for run in db.runs.find({"name": {"$regex": "sleep"}})
+    )
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    assert peak <= 2
+
+
+def test_a_sigkilled_workers_slot_comes_back_with_its_job_and_the_rest_finish(
+    app, db: Database, mongo_url: str, worker_factory, tmp_path: Path
+) -> None:
+    Operations(JobStore(db)).set_limits("limited", concurrency=1, by="tester")
+    quick_sweep = {"stale_after": 3.0}
+    doomed_worker = worker_factory(concurrency=2, extra_args=LIMITED, options=quick_sweep)
+    gate = tmp_path / "gate"
+    held = send(app, "hold_until", str(gate), queue="limited")
+    wait_for(settled(db, held, "running"), message="the first job holds the only slot")
+    wait_for(lambda: db.runs.find_one({"taskId": held}), message="the first job started")
+    later = [send(app, "add", n, n, queue="limited") for n in range(4)]
+    survivor = worker_factory(concurrency=2, extra_args=LIMITED, options=quick_sweep)
+    proof = send(app, "add", 0, 0, queue="other")
+    wait_for(settled(db, proof, "succeeded"), message="the workers claim (another queue's job ran)")
+    assert db.jobs.count_documents({"taskId": {"$in": later}, "status": "queued"}) == 4  # held back by the limit
+
+    with sampled(mongo_url, db, running_in("limited")) as samples:
+        doomed_worker.kill()
+        gate.touch()  # the job runs to its end once the sweep gives it to the survivor
+        wait_for(all_succeeded(db, [held, *later]), timeout=120, message="the lost job and the rest")
+    assert max(samples) <= 1
+    lost = db.jobs.find_one({"taskId": held})
+    assert lost["attempts"] == 2 and [entry["outcome"] for entry in lost["history"]] == ["lost", "succeeded"]
+    assert survivor.process.poll() is None
+
+
+def test_a_limit_changed_while_jobs_wait_takes_effect_at_once(
+    app, db: Database, mongo_url: str, worker_factory, tmp_path: Path
+) -> None:
+    operations = Operations(JobStore(db))
+    operations.set_limits("limited", concurrency=1, by="tester")
+    for _ in range(3):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+    gate = tmp_path / "gate"
+    ids = [send(app, "hold_until", str(gate), queue="limited") for _ in range(6)]
+    with sampled(mongo_url, db, running_in("limited")) as samples:
+        wait_for(lambda: running_in("limited")(db) == 1, message="one job running")
+        proof = send(app, "add", 0, 0, queue="other")
+        wait_for(settled(db, proof, "succeeded"), message="the workers claim (another queue's job ran)")
+        assert max(samples) == 1
+
+        operations.set_limits("limited", concurrency=4, by="tester")  # raised: three more start, no more
+        wait_for(lambda: running_in("limited")(db) == 4, message="four jobs running")
+        proof = send(app, "add", 1, 1, queue="other")
+        wait_for(settled(db, proof, "succeeded"), message="the workers claim again")
+        assert max(samples) == 4
+
+        operations.set_limits("limited", clear=True, by="tester")  # cleared: the rest start
+        wait_for(lambda: running_in("limited")(db) == 6, message="every job running")
+        gate.touch()
+        wait_for(all_succeeded(db, ids), timeout=120, message="every job")
+
+
+def intervals(db: Database, ids: list[str]) -> list[tuple[float, float]]:
+    """Each task's run, (start, end), from its own records, in the order of `ids`."""
+    runs = {(run["taskId"], run["phase"]): run["at"] for run in db.runs.find({"taskId": {"$in": ids}})}
+    return [(runs[(task_id, "start")], runs[(task_id, "end")]) for task_id in ids]
+
+
+def test_jobs_of_one_serial_key_never_overlap_and_run_in_queue_order(
+    app, db: Database, mongo_url: str, worker_factory
+) -> None:
+    for _ in range(3):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+
+    def keyed(key: str) -> str:
+        return send(app, "sleep", 0.2, queue="limited", headers={"bb_serial_key": key})
+
+    def running_of(key: str) -> Callable[[Database], int]:
+        return lambda own: own.jobs.count_documents({"serialKey": key, "status": "running"})
+
+    with sampled(mongo_url, db, running_of("account-a")) as samples:
+        by_key: dict[str, list[str]] = {"account-a": [], "account-b": []}
+        free = []
+        for _ in range(8):
+            for key, ids in by_key.items():
+                ids.append(keyed(key))
+            free.append(send(app, "sleep", 0.2, queue="limited"))
+        everything = [*by_key["account-a"], *by_key["account-b"], *free]
+        wait_for(all_succeeded(db, everything), timeout=180, message="every job")
+    assert max(samples) == 1
+    for ids in by_key.values():
+        runs = intervals(db, ids)
+        assert all(earlier[1] <= later[0] for earlier, later in zip(runs, runs[1:], strict=False)), runs
+    assert {doc["serialKey"] for doc in db.jobs.find({"taskId": {"$in": by_key["account-a"]}})} == {"account-a"}
+    assert db.jobs.count_documents({"serialWaiters": {"$exists": True}}) == 0
+    # The two keys, and the jobs without one, ran beside each other: a key holds back only its own jobs.
+    a_runs, b_runs = intervals(db, by_key["account-a"]), intervals(db, by_key["account-b"])
+    assert any(a[0] < b[1] and b[0] < a[1] for a in a_runs for b in b_runs)
+
+
+def test_a_serial_key_that_cannot_be_is_refused_at_the_producer(app, db: Database) -> None:
+    from bb_broker.jobs.payloads import MalformedTaskMessage
+
+    for bad in (42, "", "k" * 513, ["a"]):
+        try:
+            send(app, "add", 1, 1, queue="limited", headers={"bb_serial_key": bad})
+        except MalformedTaskMessage as exc:
+            assert "'bb_serial_key'" in str(exc) and "a non-empty string of at most 512 characters" in str(exc)
+        else:
+            raise AssertionError(f"a serial key {bad!r} was published")
+    assert db.jobs.count_documents({}) == 0
+
+
+def test_a_rate_holds_across_three_workers_counted_from_the_jobs_starts(app, db: Database, worker_factory) -> None:
+    Operations(JobStore(db)).set_limits("limited", rate="4/s", by="tester")
+    for _ in range(3):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+    ids = [send(app, "add", n, n, queue="limited") for n in range(14)]
+    wait_for(all_succeeded(db, ids), timeout=120, message="every rate-limited job")
+    # Each start is the claim's, on the server's clock: counted per second of that clock (the rate's windows).
+    per_second = Counter(int(doc["startedAt"].timestamp()) for doc in db.jobs.find({"taskId": {"$in": ids}}))
+    assert max(per_second.values()) <= 4, per_second
+    assert len(per_second) >= 4  # fourteen starts at four a second take at least four windows
+    assert all(doc["attempts"] == 1 for doc in db.jobs.find({"taskId": {"$in": ids}}))
