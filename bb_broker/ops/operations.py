@@ -1,4 +1,5 @@
-"""The operator's queries and actions on `jobs`: counts, lists, look-ups, retry/cancel/requeue/delete, revoke, pause."""
+"""The operator's queries and actions on `jobs`: counts, lists, look-ups, retry/cancel/requeue/delete/run-now, revoke,
+pause."""
 
 from __future__ import annotations
 
@@ -105,7 +106,10 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "cancel": (QUEUED,),
     "requeue": (RUNNING,),
     "delete": (SUCCEEDED, FAILED),
+    "run-now": (QUEUED,),  # only a queued job whose runAfter is still to come (a countdown, an ETA, a backoff)
 }
+#: The action that makes a waiting job due now.
+RUN_NOW = "run-now"
 
 #: The index each filtered list reads through, by the most selective field it filters on (see JobFilter.hint).
 LIST_INDEXES = {"kind": "bb_list_kind", "queue": "bb_list_queue", "status": "bb_list_status"}
@@ -421,6 +425,10 @@ class Operations:
             raise ActionRefused("conflict", f"job {doc['_id']} has an actions field that is {kind}, not an array")
         if action == "requeue" and not self._lease_expired(doc):
             raise ActionRefused("conflict", f"job {doc['_id']} is running with a live lease: its worker holds it")
+        if action == RUN_NOW and not self.waiting(doc):
+            raise ActionRefused(
+                "conflict", f"job {doc['_id']} is due already: a worker that consumes {doc.get('queue')} takes it next"
+            )
         done = self._apply(action, job_filter, by=by)
         if not done:
             raise ActionRefused("conflict", f"job {doc['_id']} changed meanwhile: look again")
@@ -549,6 +557,10 @@ class Operations:
                 "$push": _record("cancel", by, now),
             }
             return self.coll.update_many(selected, update, **options).modified_count
+        if action == RUN_NOW:
+            # Due now, behind the jobs due before it: the change stream's update of runAfter wakes the workers.
+            update = {"$set": {"runAfter": now, "updatedAt": now}, "$push": _record(RUN_NOW, by, now)}
+            return self.coll.update_many(selected, update, **options).modified_count
         if action == "requeue":
             reason = f"requeued by {by}: its lease had expired"[:MAX_ERROR_LENGTH]
             update = {
@@ -575,6 +587,8 @@ class Operations:
         narrowed = {**query, "status": allowed[0] if len(allowed) == 1 else {"$in": allowed}}
         if action == "requeue":
             narrowed["updatedAt"] = {"$lt": self.now() - timedelta(seconds=self.store.policy.stale_after)}
+        if action == RUN_NOW:
+            narrowed["runAfter"] = {"$gt": self.now()}
         return narrowed
 
     def _retry_docs(self, docs: Iterable[dict[str, Any]], *, by: str) -> list[str]:
@@ -661,6 +675,19 @@ class Operations:
         if isinstance(payload.get("properties"), dict):
             changes["payload.properties.correlation_id"] = task_id
         return changes
+
+    def waiting(self, doc: dict[str, Any]) -> bool:
+        """Whether a job is queued and not due yet (its runAfter is still to come): what run-now applies to."""
+        run_after = doc.get("runAfter")
+        return doc.get("status") == QUEUED and isinstance(run_after, datetime) and aware(run_after) > self.now()
+
+    def applicable(self, doc: dict[str, Any]) -> list[str]:
+        """The actions that apply to a job as it is now (run-now only while it waits for its runAfter)."""
+        return [
+            name
+            for name, statuses in ACTIONS.items()
+            if doc.get("status") in statuses and (name != RUN_NOW or self.waiting(doc))
+        ]
 
     def _lease_expired(self, doc: dict[str, Any]) -> bool:
         updated = doc.get("updatedAt")

@@ -331,6 +331,9 @@ class _Feed:
             {"$match": {"$or": [
                 {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
+                # A queued job made due sooner (an operator's run-now) changes its runAfter alone: its status stays.
+                {"ns.coll": jobs, "operationType": "update",
+                 "updateDescription.updatedFields.runAfter": {"$exists": True}},
                 {"ns.coll": messages, "operationType": "insert"},
                 *([{"ns.coll": self._bindings}] if self._bindings else []),
                 *([{"ns.coll": self._controls}] if self._controls else []),

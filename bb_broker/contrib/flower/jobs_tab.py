@@ -61,6 +61,8 @@ T = TypeVar("T")
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
 FILTERS = ("status", "queue", "kind", "since", "until", "error")
+#: What an action's button says, where its name alone is not it.
+ACTION_LABELS = {"run-now": "Run now"}
 #: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
 MAX_ID_LENGTH = 512
 
@@ -531,7 +533,8 @@ class JobPage(_JobsHandler):
             # Linked to Flower's task page only when it is a task id (a hand-written one may be anything).
             task_id=doc.get("taskId") if isinstance(doc.get("taskId"), str) else None,
             arguments=jsonable(arguments(doc)),
-            actions=[name for name, statuses in ACTIONS.items() if doc.get("status") in statuses],
+            actions=await self.run_query(_operations(self).applicable, doc),
+            action_labels=ACTION_LABELS,
             can_act=can_act(self),
             jsonable=jsonable,
             as_text=as_text,
