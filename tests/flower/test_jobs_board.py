@@ -107,3 +107,84 @@ def test_run_now_in_a_read_only_flower_and_without_the_pages_token(
     status, body = open_flower.request("POST", "/jobs/job/run-now", {"id": later})
     assert status == 403 and "_xsrf" in body
     assert "actions" not in db.jobs.find_one({"_id": later})
+
+
+# --- orphans and holders -------------------------------------------------------------------------------------------
+
+
+def test_orphans_are_marked_counted_and_filtered_and_holders_listed(
+    store: JobStore, db: Database, flower_factory
+) -> None:
+    now = store.now()
+    owner = "box-a:101:01JOWNERA0000000000000000"
+    for job_id, heartbeat_ago in (("01J0000000000000000000LIVE", 5), ("01J0000000000000000000LOST", 301)):
+        db.jobs.insert_one({"_id": job_id, "taskId": f"t-{job_id}", "kind": "app.add", "queue": "celery",
+                            "status": "running", "attempts": 1, "leaseOwner": owner, "createdAt": now,
+                            "startedAt": now - timedelta(seconds=400),
+                            "updatedAt": now - timedelta(seconds=heartbeat_ago)})  # fmt: skip
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS, user=VIEWER)  # a reader sees them all
+
+    status, body = answer(flower, "GET", "/api/jobs?counts=1")
+    assert status == 200 and body["orphaned"] == 1
+    orphaned = {job["id"]: job.get("orphaned", False) for job in body["jobs"]}
+    assert orphaned == {"01J0000000000000000000LIVE": False, "01J0000000000000000000LOST": True}
+    (holder,) = body["holders"]
+    assert (holder["owner"], holder["running"], holder["orphaned"], holder["worker"]) == (owner, 2, 1, None)
+    assert holder["jobs"] == ["01J0000000000000000000LIVE", "01J0000000000000000000LOST"]
+    status, listed = answer(flower, "GET", "/api/jobs?orphaned=1")
+    assert [job["id"] for job in listed["jobs"]] == ["01J0000000000000000000LOST"]
+    assert listed["filter"] == {"status": "running", "orphaned": "1"}
+    assert answer(flower, "GET", "/api/jobs?orphaned=1&status=queued") == (
+        400,
+        {"error": "bad filter: orphaned jobs are running: status queued has none"},
+    )
+    assert 'id="job-orphaned"' in flower.page("/jobs/job?id=01J0000000000000000000LOST")
+    assert 'id="job-orphaned"' not in flower.page("/jobs/job?id=01J0000000000000000000LIVE")
+    # The orphans of a filter are what the bulk requeue takes.
+    admin = ADMIN
+    status, counted = answer(flower, "GET", "/api/jobs/bulk/requeue?orphaned=1", auth=admin)
+    assert status == 200 and counted["count"] == 1
+    assert answer(flower, "POST", "/api/jobs/bulk/requeue?orphaned=1&expected=1", auth=admin)[1]["count"] == 1
+    assert answer(flower, "GET", "/api/jobs?counts=1")[1]["orphaned"] == 0
+
+
+# --- search inside arguments ---------------------------------------------------------------------------------------
+
+
+def test_argument_searches_over_http_take_values_as_text(store: JobStore, db: Database, flower_factory) -> None:
+    awkward = ["$where", "a.b", 'O\'Brien "q"', "ünïcødé ✓", "x&y=z#"]
+    ids = {value: publish(store, f"t-{n}", args=[value], kwargs={"account": value}) for n, value in enumerate(awkward)}
+    invoice = publish(store, "t-invoice", queue="bills", kwargs={"invoice_id": 42}, headers={"tenant": "acme"})
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+
+    def listed(**query: str) -> list[str]:
+        status, body = answer(flower, "GET", "/api/jobs?" + urllib.parse.urlencode(query))
+        assert status == 200, body
+        return [job["id"] for job in body["jobs"]]
+
+    for value, job_id in ids.items():
+        assert listed(**{"kwargs.account": value}) == [job_id], value
+        assert listed(**{"args.0": value}) == [job_id], value
+    assert listed(**{"kwargs.invoice_id": "42", "queue": "bills", "headers.tenant": "acme"}) == [invoice]
+    assert listed(**{"kwargs.invoice_id": "42", "queue": "celery"}) == []
+    status, body = answer(flower, "GET", "/api/jobs?" + urllib.parse.urlencode({"kwargs.$where": "1"}))
+    assert (status, body) == (
+        400,
+        {"error": "bad filter: 'kwargs.$where': after kwargs. comes a keyword argument's name"},
+    )
+    status, body = answer(flower, "GET", "/jobs/data?" + urllib.parse.urlencode({"kwargs.account": "$where"}))
+    assert (
+        body["filter"] == {"kwargs.account": "$where"} and body["searchFrom"] is None and body["searchWindow"] == 10_000
+    )
+
+    # A bulk action on an argument search: counted, then confirmed, takes exactly those jobs.
+    search = urllib.parse.urlencode({"kwargs.account": "a.b"})
+    status, counted = answer(flower, "GET", f"/api/jobs/bulk/cancel?{search}")
+    assert status == 200 and counted["count"] == 1 and counted["searchFrom"] is None
+    assert (
+        answer(flower, "POST", f"/api/jobs/bulk/cancel?{search}&expected=1&asOf={urllib.parse.quote(counted['asOf'])}")[
+            1
+        ]["count"]
+        == 1
+    )
+    assert {doc["_id"] for doc in db.jobs.find({"status": "failed"})} == {ids["a.b"]}
