@@ -556,6 +556,49 @@ def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
         _fail("cancel: " + "; ".join(problems))
 
 
+@main.command("run-now")
+@broker_option
+@collection_option
+@click.argument("identifiers", metavar="[ID]...", nargs=-1)
+@click.option("--queue", help="Every waiting job of this queue.")
+@click.option("--kind", help="Every waiting job of this task name.")
+@click.option("--all", "every", is_flag=True, help="Every queued job that waits for its runAfter.")
+def run_now(
+    broker: str, collection: str, identifiers: tuple[str, ...], queue: str | None, kind: str | None, every: bool
+) -> None:
+    """Queued jobs that wait for their countdown, ETA or backoff, due now: by job id or Celery task id, or every one of
+    a queue or a kind (--all: every one). A worker that consumes the queue takes each next; recorded on each job."""
+    selected = bool(queue or kind)
+    if identifiers and (selected or every):
+        _fail("run-now: give job ids, or --queue/--kind, or --all, not both", 2)
+    if every and selected:
+        _fail("run-now: --all cannot be combined with --queue or --kind", 2)
+    if not (identifiers or selected or every):
+        _fail("run-now: say which jobs: ID... (job ids or task ids), --queue NAME, --kind NAME, or --all", 2)
+    from bb_broker.ops.operations import RUN_NOW, ActionRefused, FilterError, JobFilter, Operations
+
+    problems = []
+    with _jobs(broker, collection) as store:
+        operations = Operations(store)
+        if not identifiers:
+            try:
+                job_filter = JobFilter.parse({"status": QUEUED, "queue": queue, "kind": kind}, store.now())
+            except FilterError as exc:
+                _fail(f"run-now: {exc}", 2)
+            count = operations.act_on_filter(RUN_NOW, job_filter, by=_operator())
+            click.echo(f"{count} waiting job{'' if count == 1 else 's'} due now")
+            return
+        for identifier in identifiers:
+            try:
+                doc = operations.act(RUN_NOW, identifier, by=_operator())
+            except ActionRefused as exc:
+                problems.append(str(exc))
+            else:
+                click.echo(f"job {doc['_id']} ({doc.get('kind')}) is due now")
+    if problems:
+        _fail("run-now: " + "; ".join(problems))
+
+
 @main.command()
 @broker_option
 @collection_option

@@ -1,4 +1,5 @@
-"""The operator's queries and actions on `jobs`: counts, lists, look-ups, retry/cancel/requeue/delete, revoke, pause."""
+"""The operator's queries and actions on `jobs`: counts, lists, look-ups, retry/cancel/requeue/delete/run-now, revoke,
+pause."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import re
 import uuid
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -100,6 +101,8 @@ SEARCH_MAX_MS = 2000
 ACTIONS_KEPT = 20
 #: The lastError of a job revoked while it was still queued (as a worker's own revoke says it).
 REVOKED = "revoked before it ran"
+#: The job ids each holder (a worker's lease owner) lists; its count says how many it holds in all.
+HOLDER_JOBS_SHOWN = 10
 #: The longest filter value taken (queue and kind names, search text).
 MAX_FILTER_LENGTH = 200
 
@@ -109,10 +112,11 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "cancel": (QUEUED,),
     "requeue": (RUNNING,),
     "delete": (SUCCEEDED, FAILED),
+    "run-now": (QUEUED,),  # only a queued job whose runAfter is still to come (a countdown, an ETA, a backoff)
 }
+#: The action that makes a waiting job due now.
+RUN_NOW = "run-now"
 
-#: The filters a list, a count or a bulk action takes (JobFilter's fields, by the names of the URL and the CLI).
-FILTER_NAMES = ("status", "queue", "kind", "schedule", "since", "until", "error")
 #: The index each filtered list reads through, by the most selective field it filters on (see JobFilter.hint).
 LIST_INDEXES = {
     "schedule": "bb_list_schedule",
@@ -162,9 +166,32 @@ def _ulid_bound(moment: datetime, *, upper: bool) -> str:
     return str(ULID(millis.to_bytes(6, "big") + (b"\xff" if upper else b"\x00") * 10))
 
 
+#: The values that ask for a yes/no filter (`orphaned=1`), and those that leave it off.
+YES, NO = ("1", "true", "yes"), ("0", "false", "no")
+#: The filters by name, as a request or the command line gives them.
+FILTER_NAMES = ("status", "queue", "kind", "schedule", "since", "until", "error", "orphaned")
+#: Searches inside what a task was called with, `<prefix>.<name>=<value>`: where each prefix's values are in the job
+#: document (a JSON body is stored decoded there: payloads.to_document), and what a name after it must be (checked
+#: whole, so that no name is ever a path of its own or an operator: no `$`, no `.`).
+ARGUMENT_FIELDS = {
+    "kwargs": ("payload.kwargs", re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}"), "a keyword argument's name"),
+    "args": ("payload.args", re.compile(r"[0-9]{1,3}"), "a position from 0 to 999"),
+    "headers": ("payload.headers", re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}"), "a header's name"),
+}
+#: The most argument searches one filter combines.
+MAX_ARGUMENT_FILTERS = 5
+#: An argument search reads through no index: it looks among this many of the newest jobs of the rest of the filter
+#: (found through its index), and says so when there were more.
+ARGUMENT_SEARCH_WINDOW = 10_000
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+_DECIMAL = re.compile(r"-?[0-9]{1,18}\.[0-9]{1,18}")
+
+
 @dataclass(frozen=True)
 class JobFilter:
-    """Which jobs a list, a count or a bulk action is about; `since`/`until` bound the creation time."""
+    """Which jobs a list, a count or a bulk action is about; `since`/`until` bound the creation time;
+    `lease_expired_before` keeps the running jobs whose lease (their updatedAt, which each heartbeat refreshes) is
+    older than that: orphaned, their worker gone or stuck, not yet sent back by the stale sweep."""
 
     status: str | None = None
     queue: str | None = None
@@ -173,31 +200,61 @@ class JobFilter:
     until: datetime | None = None
     error: str | None = None  # text searched in lastError, case-insensitive
     schedule: str | None = None  # the periodic entry (bb_broker.beat) that sent the jobs: its slots' and run-nows'
+    lease_expired_before: datetime | None = None
+    #: (`kwargs.invoice_id`, "42") pairs: the task's arguments or headers that must have these values.
+    arguments: tuple[tuple[str, str], ...] = ()
+    #: The oldest job id an argument search looks at (Operations.bounded sets it): the newest of the rest of the filter.
+    search_from: str | None = None
 
     @classmethod
-    def parse(cls, values: dict[str, str | None], now: datetime) -> JobFilter:
-        """A filter from request or command-line strings; a bad value raises FilterError saying which. An entry's
-        name (`schedule`) is taken as it is, spaces included: it names one entry exactly."""
+    def parse(
+        cls, values: dict[str, str | None], now: datetime, *, stale_after: float = lifecycle.Policy.stale_after
+    ) -> JobFilter:
+        """A filter from request or command-line strings; a bad value raises FilterError saying which. `stale_after`
+        (the workers' lease, in seconds) is what makes a running job orphaned. An entry's name (`schedule`) is taken
+        as it is, spaces included: it names one entry exactly."""
+        searched = {name: value for name, value in values.items() if name.partition(".")[0] in ARGUMENT_FIELDS}
+        arguments = parse_arguments(searched)
         stripped = {
             name: (value.strip() if isinstance(value, str) and name != "schedule" else value)
             for name, value in values.items()
+            if name not in searched
         }
         clean = {name: value for name, value in stripped.items() if value}
         unknown = set(clean) - set(FILTER_NAMES)
         if unknown:
-            raise FilterError(f"unknown filter {sorted(unknown)[0]!r}: use {', '.join(FILTER_NAMES)}")
+            raise FilterError(
+                f"unknown filter {sorted(unknown)[0]!r}: use {', '.join(FILTER_NAMES)}, "
+                "or kwargs.<name>, args.<position>, headers.<name>"
+            )
         for name in ("queue", "kind", "error", "schedule"):
             if len(clean.get(name) or "") > MAX_FILTER_LENGTH:
                 raise FilterError(f"{name} is longer than {MAX_FILTER_LENGTH} characters")
         status = clean.get("status")
         if status is not None and status not in STATUSES:
             raise FilterError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+        lease_cutoff = None
+        orphaned = str(clean.get("orphaned", "")).lower()
+        if orphaned in YES:
+            if status not in (None, RUNNING):
+                raise FilterError(f"orphaned jobs are {RUNNING}: status {status} has none")
+            status, lease_cutoff = RUNNING, ago(now, timedelta(seconds=stale_after))
+        elif orphaned and orphaned not in NO:
+            raise FilterError(f"orphaned must be 1 (only jobs whose lease ran out) or 0, not {clean['orphaned']!r}")
         since = parse_moment(clean["since"], now) if "since" in clean else None
         until = parse_moment(clean["until"], now) if "until" in clean else None
         if since and until and since > until:
             raise FilterError("since is after until")
         return cls(
-            status, clean.get("queue"), clean.get("kind"), since, until, clean.get("error"), clean.get("schedule")
+            status,
+            clean.get("queue"),
+            clean.get("kind"),
+            since,
+            until,
+            clean.get("error"),
+            schedule=clean.get("schedule"),
+            lease_expired_before=lease_cutoff,
+            arguments=arguments,
         )
 
     def query(self) -> dict[str, Any]:
@@ -219,10 +276,17 @@ class JobFilter:
             ids["$gte"] = _ulid_bound(self.since, upper=False)
         if self.until is not None:
             ids["$lte"] = _ulid_bound(self.until, upper=True)
+        if self.search_from is not None:
+            ids["$gte"] = max(ids.get("$gte", ""), self.search_from)
         if ids:
             query["_id"] = ids
+        for name, value in self.arguments:
+            prefix, _, rest = name.partition(".")
+            query[f"{ARGUMENT_FIELDS[prefix][0]}.{rest}"] = {"$in": argument_values(value)}
         if self.error:
             query["lastError"] = {"$regex": re.escape(self.error), "$options": "i"}
+        if self.lease_expired_before is not None:
+            query["updatedAt"] = {"$lt": self.lease_expired_before}
         return query
 
     @property
@@ -238,8 +302,49 @@ class JobFilter:
         values |= {
             "since": self.since.isoformat() if self.since else None,
             "until": self.until.isoformat() if self.until else None,
+            "orphaned": "1" if self.lease_expired_before is not None else None,
         }
-        return {name: value for name, value in values.items() if value}
+        shown = {name: value for name, value in values.items() if value}
+        return shown | dict(self.arguments)
+
+    @property
+    def unindexed(self) -> dict[str, Any]:
+        """The filter without its argument searches (which no index serves): what bounds their window."""
+        return replace(self, error=None, arguments=(), search_from=None).query()
+
+
+def parse_arguments(values: dict[str, str | None]) -> tuple[tuple[str, str], ...]:
+    """The argument searches of a filter (`kwargs.<name>`, `args.<position>`, `headers.<name>`), each name checked
+    whole against its prefix's pattern; the value is taken as it is (no trimming: it is matched exactly), an empty
+    one is no search."""
+    found = []
+    for name, value in sorted(values.items()):
+        if value is None or value == "":
+            continue
+        prefix, _, rest = name.partition(".")
+        pattern, expected = ARGUMENT_FIELDS[prefix][1:]
+        if not pattern.fullmatch(rest):
+            raise FilterError(f"{name[:80]!r}: after {prefix}. comes {expected}")
+        if len(value) > MAX_FILTER_LENGTH:
+            raise FilterError(f"{name} is longer than {MAX_FILTER_LENGTH} characters")
+        found.append((name, value))
+    if len(found) > MAX_ARGUMENT_FILTERS:
+        raise FilterError(f"at most {MAX_ARGUMENT_FILTERS} argument searches at a time, not {len(found)}")
+    return tuple(found)
+
+
+def argument_values(text: str) -> list[Any]:
+    """The stored values a searched text stands for: itself, and the number, boolean or null it spells (a query
+    string has only text; a JSON argument may be 42, 4.5 or true). Only ever values, never an operator."""
+    values: list[Any] = [text]
+    if _INTEGER.fullmatch(text):
+        values.append(int(text))
+    elif _DECIMAL.fullmatch(text):
+        values.append(float(text))
+    elif text in ("true", "false"):
+        values.append(text == "true")
+    # Not null: {field: null} matches the jobs without the field too.
+    return values
 
 
 @dataclass
@@ -267,6 +372,9 @@ class Retried:
 
 class Operations:
     """An operator's view of one jobs collection and its queue controls."""
+
+    #: How many of the newest jobs an argument search looks among (see bounded).
+    search_window = ARGUMENT_SEARCH_WINDOW
 
     def __init__(self, store: JobStore, controls: QueueControls | None = None) -> None:
         self.store = store
@@ -340,6 +448,76 @@ class Operations:
                     rows[name]["rate"] = str(limits.rate)
         return rows
 
+    # --- argument searches ----------------------------------------------------
+
+    def bounded(self, job_filter: JobFilter) -> JobFilter:
+        """An argument search bounded to the newest `search_window` jobs of the rest of its filter: its
+        `search_from` is the oldest of them (read through the filter's index), or None when there are no more than
+        that (nothing is left out). A filter without argument searches, or already bounded, is returned as it is."""
+        if not job_filter.arguments or job_filter.search_from is not None:
+            return job_filter
+        oldest = list(
+            self.coll.find(
+                job_filter.unindexed,
+                {"_id": 1},
+                sort=[("_id", DESCENDING)],
+                skip=self.search_window - 1,
+                limit=1,
+                **self._hint_if_indexed(job_filter.hint),
+            )
+        )
+        return replace(job_filter, search_from=str(oldest[0]["_id"])) if oldest else job_filter
+
+    # --- orphans and holders --------------------------------------------------
+
+    def lease_cutoff(self) -> datetime:
+        """A running job last heartbeat before this has lost its lease (the stale sweep's cutoff)."""
+        return ago(self.now(), timedelta(seconds=self.store.policy.stale_after))
+
+    def orphaned(self, doc: dict[str, Any], cutoff: datetime | None = None) -> bool:
+        """Whether a job is running on a lease that ran out: its worker is gone or stuck, and the stale sweep has not
+        sent it back yet."""
+        updated = doc.get("updatedAt")
+        if doc.get("status") != RUNNING or not isinstance(updated, datetime):
+            return False
+        return aware(updated) < (cutoff or self.lease_cutoff())
+
+    def orphaned_count(self) -> int:
+        """How many running jobs have lost their lease (through the index the stale sweep reads)."""
+        query = {"status": RUNNING, "updatedAt": {"$lt": self.lease_cutoff()}}
+        return self.coll.count_documents(query, **self._hint_if_indexed("bb_status_updated"))
+
+    def holders(self) -> list[dict[str, Any]]:
+        """What each worker holds, from the running jobs' `leaseOwner` (`host:pid:id` as a worker writes it): per
+        owner, its running and orphaned jobs, its last heartbeat, since when it holds its oldest, and the first
+        HOLDER_JOBS_SHOWN of its job ids. Running jobs are few (workers x prefetch), read through the status index."""
+        cutoff = self.lease_cutoff()
+        dated = {"$eq": [{"$type": "$updatedAt"}, "date"]}  # as the sweep's query: a job without one is not lost
+        rows = self.coll.aggregate(
+            [
+                {"$match": {"status": RUNNING}},
+                {"$sort": {"_id": 1}},
+                {
+                    "$group": {
+                        "_id": "$leaseOwner",
+                        "running": {"$sum": 1},
+                        "orphaned": {"$sum": {"$cond": [{"$and": [dated, {"$lt": ["$updatedAt", cutoff]}]}, 1, 0]}},
+                        "lastHeartbeat": {"$max": "$updatedAt"},
+                        "since": {"$min": "$startedAt"},
+                        "jobs": {"$push": "$_id"},
+                    }
+                },
+            ],
+            **self._hint_if_indexed("bb_status_updated"),
+        )
+        holders = []
+        for row in rows:
+            owner = row.pop("_id")
+            host, pid = _owner_process(owner)
+            jobs = row.pop("jobs")
+            holders.append({"owner": owner, "host": host, "pid": pid, **row, "jobs": jobs[:HOLDER_JOBS_SHOWN]})
+        return sorted(holders, key=lambda holder: str(holder["owner"]))
+
     # --- reading jobs ----------------------------------------------------------
 
     def find(self, identifier: str) -> dict[str, Any] | None:
@@ -363,7 +541,7 @@ class Operations:
         stops after `search_ms` and says so (`stopped_early`), keeping what it found."""
         if not 1 <= limit <= MAX_PAGE:
             raise FilterError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
-        query = job_filter.query()
+        query = self.bounded(job_filter).query()
         if after is not None:
             if not after or len(after) > 64:
                 raise FilterError("after must be a job id (the `next` of the previous page)")
@@ -376,9 +554,13 @@ class Operations:
             options |= {"max_time_ms": search_ms, "batch_size": 10}  # small batches: what is found comes back
         jobs: list[dict[str, Any]] = []
         stopped_early = False
+        cutoff = self.lease_cutoff()
         try:
             for doc in self.coll.find(query, LIST_PROJECTION, **options):
-                jobs.append(list_row(doc))
+                row = list_row(doc)
+                if self.orphaned(row, cutoff):
+                    row["orphaned"] = True
+                jobs.append(row)
         except ExecutionTimeout:
             if not job_filter.error:
                 raise
@@ -403,7 +585,7 @@ class Operations:
         options = self._hint_if_indexed(job_filter.hint)
         if job_filter.error:
             options["maxTimeMS"] = search_ms
-        query = _unchanged(self._action_query(job_filter.query(), action), unchanged_since)
+        query = _unchanged(self._action_query(self.bounded(job_filter).query(), action), unchanged_since)
         try:
             return self.coll.count_documents(query, **options)
         except ExecutionTimeout:
@@ -458,6 +640,10 @@ class Operations:
             raise ActionRefused("conflict", f"job {doc['_id']} has an actions field that is {kind}, not an array")
         if action == "requeue" and not self._lease_expired(doc):
             raise ActionRefused("conflict", f"job {doc['_id']} is running with a live lease: its worker holds it")
+        if action == RUN_NOW and not self.waiting(doc):
+            raise ActionRefused(
+                "conflict", f"job {doc['_id']} is due already: a worker that consumes {doc.get('queue')} takes it next"
+            )
         held: dict[str, str] = {}
         done = self._apply(action, job_filter, by=by, held=held)
         if doc["_id"] in held:
@@ -474,7 +660,8 @@ class Operations:
         one that came into the action's status, after the operator saw the count."""
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
-        return self._apply(action, job_filter.query(), by=by, hint=job_filter.hint, unchanged_since=unchanged_since)
+        query = self.bounded(job_filter).query()
+        return self._apply(action, query, by=by, hint=job_filter.hint, unchanged_since=unchanged_since)
 
     def retry(
         self, identifiers: Iterable[str] | None = None, *, kind: str | None = None, by: str = "operator"
@@ -616,6 +803,10 @@ class Operations:
                 "$push": _record("cancel", by, now),
             }
             return self.coll.update_many(selected, update, **options).modified_count
+        if action == RUN_NOW:
+            # Due now, behind the jobs due before it: the change stream's update of runAfter wakes the workers.
+            update = {"$set": {"runAfter": now, "updatedAt": now}, "$push": _record(RUN_NOW, by, now)}
+            return self.coll.update_many(selected, update, **options).modified_count
         if action == "requeue":
             reason = f"requeued by {by}: its lease had expired"[:MAX_ERROR_LENGTH]
             update = {
@@ -642,6 +833,8 @@ class Operations:
         narrowed = {**query, "status": allowed[0] if len(allowed) == 1 else {"$in": allowed}}
         if action == "requeue":
             narrowed["updatedAt"] = {"$lt": self.now() - timedelta(seconds=self.store.policy.stale_after)}
+        if action == RUN_NOW:
+            narrowed["runAfter"] = {"$gt": self.now()}
         return narrowed
 
     def _retry_docs(self, docs: Iterable[dict[str, Any]], *, by: str, held: dict[str, str]) -> list[str]:
@@ -755,6 +948,19 @@ class Operations:
             changes["payload.properties.correlation_id"] = task_id
         return changes
 
+    def waiting(self, doc: dict[str, Any]) -> bool:
+        """Whether a job is queued and not due yet (its runAfter is still to come): what run-now applies to."""
+        run_after = doc.get("runAfter")
+        return doc.get("status") == QUEUED and isinstance(run_after, datetime) and aware(run_after) > self.now()
+
+    def applicable(self, doc: dict[str, Any]) -> list[str]:
+        """The actions that apply to a job as it is now (run-now only while it waits for its runAfter)."""
+        return [
+            name
+            for name, statuses in ACTIONS.items()
+            if doc.get("status") in statuses and (name != RUN_NOW or self.waiting(doc))
+        ]
+
     def _lease_expired(self, doc: dict[str, Any]) -> bool:
         updated = doc.get("updatedAt")
         cutoff = self.now() - timedelta(seconds=self.store.policy.stale_after)
@@ -801,6 +1007,18 @@ def _key_taken_again(doc: dict[str, Any]) -> dict[str, Any]:
     if field_name in doc or not isinstance(unique.get("key"), str) or not unique["key"]:
         return {}
     return {field_name: unique["key"]}
+
+
+def _owner_process(owner: Any) -> tuple[str | None, int | None]:
+    """The host and process id of a lease owner as a worker writes it (`host:pid:id`); (None, None) for any other
+    value (none, or written by hand)."""
+    if not isinstance(owner, str):
+        return None, None
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if not host or not (pid.isascii() and pid.isdigit() and len(pid) <= 10):
+        return None, None
+    return host, int(pid)
 
 
 def _record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any]:

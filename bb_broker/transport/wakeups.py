@@ -372,6 +372,9 @@ class _Feed:
                 # limited queues and contended keys have these fields.
                 *({"ns.coll": jobs, "operationType": "update", "updateDescription.removedFields": name}
                   for name in FREED_FIELDS),
+                # A queued job made due sooner (an operator's run-now) changes its runAfter alone: its status stays.
+                {"ns.coll": jobs, "operationType": "update",
+                 "updateDescription.updatedFields.runAfter": {"$exists": True}},
                 {"ns.coll": messages, "operationType": "insert"},
                 *([{"ns.coll": self._bindings}] if self._bindings else []),
                 *([{"ns.coll": self._controls}] if self._controls else []),

@@ -206,3 +206,27 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
         "Flower's revoke no longer takes the task id as its one path argument; see "
         "bb_broker/contrib/flower/jobs_tab.py:_record_revoke"
     )
+
+
+def test_flowers_event_state_gives_each_workers_node_name_and_process_id() -> None:
+    import flower.app
+    import flower.events
+    from celery.events.state import State, Worker
+
+    assert "self.events = events or Events(" in inspect.getsource(flower.app.Flower.__init__), (
+        "Flower's application no longer keeps its Events as `events`: " + where("known_workers")
+    )
+    assert issubclass(flower.events.EventsState, State), "Flower's event state is no longer Celery's State"
+    assert "self.state = EventsState(" in inspect.getsource(flower.events.Events.__init__), (
+        "Flower's Events no longer keeps its state as `state`: " + where("known_workers")
+    )
+    assert {"hostname", "pid"} <= set(Worker._fields), "Celery's event Worker lost hostname or pid"
+
+    class Application:
+        events = flower.events.Events.__new__(flower.events.Events)
+
+    Application.events.state = flower.events.EventsState()
+    Application.events.state.event({"type": "worker-heartbeat", "hostname": "w1@box", "pid": 4242, "timestamp": 1.0,
+                                    "local_received": 1.0, "clock": 1})  # fmt: skip
+    assert patches.known_workers(Application()) == {"w1@box": 4242}
+    assert patches.known_workers(object()) == {}  # an application without events: no worker known

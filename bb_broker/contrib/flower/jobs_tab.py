@@ -22,6 +22,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +47,7 @@ from bb_broker.jobs.lifecycle import STATUSES
 from bb_broker.jobs.queues import LimitError, QueueControls
 from bb_broker.ops.operations import (
     ACTIONS,
+    ARGUMENT_FIELDS,
     FILTER_NAMES,
     MAX_PAGE,
     ActionRefused,
@@ -61,6 +63,8 @@ T = TypeVar("T")
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
+#: What an action's button says, where its name alone is not it.
+ACTION_LABELS = {"run-now": "Run now"}
 #: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
 MAX_ID_LENGTH = 512
 
@@ -291,10 +295,27 @@ class _JobsHandler(BaseHandler):
         }
 
     def parse_filter(self, now: datetime) -> JobFilter:
+        values = self.filter_arguments(None)
+        values |= self.argument_filters()
         try:
-            return JobFilter.parse(self.filter_arguments(None), now)
+            job_filter = JobFilter.parse(values, now, stale_after=_operations(self).store.policy.stale_after)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
+        search_from = self.get_argument("searchFrom", default="", escape=False)
+        if search_from and job_filter.arguments:
+            if len(search_from) > 64:
+                raise tornado.web.HTTPError(400, "bad filter: searchFrom must be the searchFrom of a list or a count")
+            job_filter = replace(job_filter, search_from=search_from)
+        return job_filter
+
+    def argument_filters(self) -> dict[str, str | None]:
+        """The request's searches inside arguments and headers (`kwargs.<name>=`, `args.<n>=`, `headers.<name>=`),
+        their values exactly as sent; JobFilter.parse checks each name."""
+        return {
+            name: self.get_argument(name, default=None, escape=False, strip=False)
+            for name in self.request.arguments
+            if name.partition(".")[0] in ARGUMENT_FIELDS
+        }
 
     def job_id(self) -> str:
         """The job an action or a look-up is about: its job id or Celery task id, from the `id` argument (a task id
@@ -307,8 +328,10 @@ class _JobsHandler(BaseHandler):
         return identifier
 
     async def job_filter(self) -> JobFilter:
-        """The request's filter, its ages (`since=1h`) on the server's clock."""
-        return self.parse_filter(await self.run_query(_operations(self).now))
+        """The request's filter, its ages (`since=1h`) on the server's clock, an argument search bounded to its
+        window (the request's `searchFrom`, the one its count or list answered, else the newest jobs now)."""
+        job_filter = self.parse_filter(await self.run_query(_operations(self).now))
+        return await self.run_query(_operations(self).bounded, job_filter)
 
     async def bulk_filter(self, action: str) -> JobFilter:
         """The filter of a bulk action, which must narrow it: an empty one would take every job of the collection."""
@@ -372,6 +395,7 @@ class _JobsHandler(BaseHandler):
             "jobs": [jsonable({"id": doc.pop("_id"), **doc}) for doc in page.jobs],
             "next": page.next,
             "stoppedEarly": page.stopped_early,
+            **search_window(job_filter, _operations(self)),
         }
 
     async def count(self, job_filter: JobFilter, action: str, unchanged_since: datetime | None = None) -> int:
@@ -385,7 +409,13 @@ class _JobsHandler(BaseHandler):
         job_filter = await self.bulk_filter(action)
         as_of = await self.run_query(_operations(self).now)
         count = await self.count(job_filter, action, as_of)  # exactly the jobs the action, bounded by as_of, takes
-        return {"action": action, "count": count, "asOf": as_of.isoformat(), "filter": job_filter.as_dict()}
+        return {
+            "action": action,
+            "count": count,
+            "asOf": as_of.isoformat(),
+            "filter": job_filter.as_dict(),
+            **search_window(job_filter, _operations(self)),
+        }
 
     def as_of(self) -> datetime | None:
         text = self.get_argument("asOf", default=None, escape=False)
@@ -480,13 +510,42 @@ class _JobsHandler(BaseHandler):
         operations = _operations(self)
         consumed = self.get_active_queue_names()
 
+        workers = patches.known_workers(self.application)
+
         def read() -> dict[str, Any]:
             body = {"statuses": operations.statuses(), "queues": jsonable(operations.queues(consumed))}
+            body["orphaned"] = operations.orphaned_count()
+            body["holders"] = [
+                jsonable(holder | {"worker": worker_of(holder, workers)}) for holder in operations.holders()
+            ]
             if breakdowns:
                 body |= {"byQueue": operations.breakdown("queue"), "byKind": operations.breakdown("kind")}
             return body
 
         return await self.run_query(read)
+
+
+def search_window(job_filter: JobFilter, operations: Operations) -> dict[str, Any]:
+    """What an answer says of an argument search's bounds: `searchFrom`, the oldest job it looked at when it could not
+    look at them all (pass it back to page on, or to act on what was counted), and the window's size."""
+    if not job_filter.arguments:
+        return {}
+    return {"searchFrom": job_filter.search_from, "searchWindow": operations.search_window}
+
+
+def worker_of(holder: dict[str, Any], workers: dict[str, int | None]) -> str | None:
+    """The node name of the Celery worker (as Flower knows it) that is the holder's process: the same process id, on
+    the host its node name names (`name@host`, where the host may be the lease's or its fully qualified form)."""
+    host, pid = holder.get("host"), holder.get("pid")
+    if host is None or pid is None:
+        return None
+    for name, worker_pid in workers.items():
+        node_host = name.partition("@")[2]
+        if worker_pid == pid and (
+            node_host == host or node_host.startswith(host + ".") or host.startswith(node_host + ".")
+        ):
+            return name
+    return None
 
 
 # --- the pages -----------------------------------------------------------------------------------------------------
@@ -505,6 +564,7 @@ class JobsPage(_JobsHandler):
             "bb_jobs.html",
             filters=job_filter.as_dict(),
             raw_filters=self.filter_arguments(""),
+            argument_filters=job_filter.arguments,
             statuses=list(STATUSES),
             filter_names=list(FILTER_NAMES),
             can_act=can_act(self),
@@ -571,7 +631,10 @@ class JobPage(_JobsHandler):
             # Linked to Flower's task page only when it is a task id (a hand-written one may be anything).
             task_id=doc.get("taskId") if isinstance(doc.get("taskId"), str) else None,
             arguments=jsonable(arguments(doc)),
-            actions=[name for name, statuses in ACTIONS.items() if doc.get("status") in statuses],
+            actions=await self.run_query(_operations(self).applicable, doc),
+            orphaned=await self.run_query(_operations(self).orphaned, doc),
+            stale_after=_operations(self).store.policy.stale_after,
+            action_labels=ACTION_LABELS,
             can_act=can_act(self),
             jsonable=jsonable,
             as_text=as_text,

@@ -1,0 +1,135 @@
+"""The Jobs tab's run now, orphans and holders, argument search and charts in a real browser (Playwright, Chromium)."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote
+
+from playwright.sync_api import Page, expect
+from pymongo.database import Database
+
+from tests.support.workers import ARTIFACTS, FAST_OPTIONS, job, send, settled, wait_for
+
+ADMIN = {"username": "admin", "password": "s3cret"}
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"jobs-board-{name}.png"), full_page=True)
+
+
+def test_run_now_from_a_jobs_page_and_for_a_filter(app, db: Database, worker_factory, flower_factory, browser) -> None:
+    worker_factory(extra_args=("-Q", "celery,mail"), options={"safety_poll_interval": 3600.0})
+    flower = flower_factory(basic_auth="admin:s3cret")
+    later = send(app, "add", 1, 2, countdown=3600)
+    mail = [send(app, "add", n, n, countdown=3600, queue="mail") for n in range(2)]
+    for task_id in [later, *mail]:
+        wait_for(settled(db, task_id, "queued"), message=f"{task_id} waiting for its countdown")
+
+    context = browser.new_context(http_credentials=ADMIN, viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto(f"{flower.url}/jobs/job?id={later}")
+    page.wait_for_load_state("load")  # the page's script, which gives its buttons their clicks, has run
+    expect(page.locator("[data-action=run-now]")).to_have_text("Run now")
+    shot(page, "run-now-job")
+    page.click("[data-action=run-now]")
+    expect(page.locator("#job-action-log")).to_contain_text("run-now")  # the page reloads itself after an action
+    done = wait_for(settled(db, later, "succeeded"), message="the job ran after its page's Run now")
+    assert done["actions"][-1]["by"] == "admin"
+
+    page.goto(f"{flower.url}/jobs?queue=mail")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(2)
+    page.click("[data-bulk=run-now]")
+    expect(page.locator("#notice")).to_have_text("run-now: 2 jobs")
+    for task_id in mail:
+        wait_for(settled(db, task_id, "succeeded"), message=f"{task_id} ran after the bulk Run now")
+    expect(page.locator("#jobs-table tbody tr[data-status=succeeded]")).to_have_count(2)
+    context.close()
+
+
+#: A lease that runs out within the test: heartbeats every 1.2 s, a job without one for 6 s is orphaned.
+SHORT_LEASE = {**FAST_OPTIONS, "stale_after": 6.0}
+
+
+def test_a_sigkilled_workers_job_is_orphaned_until_the_sweep(
+    app, db: Database, worker_factory, flower_factory, browser
+) -> None:
+    flower = flower_factory(basic_auth="admin:s3cret", env={"BB_TRANSPORT_OPTIONS": json.dumps(SHORT_LEASE)})
+    worker = worker_factory(options=SHORT_LEASE)
+    held = send(app, "sleep", 600)
+    doc = wait_for(settled(db, held, "running"), message="the worker holds the sleeping job")
+    context = browser.new_context(http_credentials=ADMIN, viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+
+    # While the worker lives: it holds the job, linked to its page in Flower (known from its heartbeats).
+    page.goto(f"{flower.url}/jobs")
+    holder = page.locator(f'#holders tbody tr[data-owner="{doc["leaseOwner"]}"]')
+    expect(holder.locator(".holder-running")).to_have_text("1")
+    expect(holder.locator(".holder-orphaned")).to_have_text("0")
+    node = f"{worker.name}@{worker_host(doc)}"
+    expect(holder.locator(".holder-worker a")).to_have_attribute("href", "/worker/" + quote(node, safe=""))
+    expect(holder.locator(".holder-worker a")).to_have_text(node)
+    expect(holder.locator(".holder-jobs a")).to_have_text(doc["_id"])
+    expect(page.locator("#count-orphaned")).to_have_text("orphaned 0")
+    shot(page, "holders")
+
+    # SIGKILLed: no heartbeat any more, and no other worker to sweep. Its job is orphaned in the list and its page.
+    worker.kill()
+    expect(page.locator("#count-orphaned")).to_have_text("orphaned 1")
+    row = page.locator(f'#jobs-table tbody tr[data-job="{doc["_id"]}"]')
+    expect(row.locator(".job-orphaned")).to_have_text("orphaned")
+    expect(holder.locator(".holder-orphaned")).to_have_text("1")
+    shot(page, "orphaned")
+    page.click("#count-orphaned")
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(1)
+    page.goto(f"{flower.url}/jobs/job?id={doc['_id']}")
+    expect(page.locator("#job-orphaned")).to_have_text("orphaned")
+    expect(page.locator("#orphan-note")).to_contain_text(doc["leaseOwner"])
+    assert job(db, held)["status"] == "running"  # still: nobody swept
+
+    # A new worker sweeps as it starts: the job goes back to the queue (a lost attempt), and is orphaned no more.
+    worker_factory(options=SHORT_LEASE)
+    swept = wait_for(lambda: (d := job(db, held)).get("attempts") == 2 and d, message="the sweep sent it back")
+    assert swept["history"][0]["outcome"] == "lost"
+    page.goto(f"{flower.url}/jobs")
+    expect(page.locator("#count-orphaned")).to_have_text("orphaned 0")
+    expect(page.locator(f'#jobs-table tbody tr[data-job="{doc["_id"]}"] .job-orphaned')).to_have_count(0)
+    context.close()
+
+
+def worker_host(doc: dict) -> str:
+    """The host of the worker node name `name@%h`: Celery's %h, the host part of the lease owner `host:pid:id`."""
+    return doc["leaseOwner"].split(":")[0]
+
+
+def test_searching_inside_arguments_from_the_filters(db: Database, flower_factory, browser) -> None:
+    # More jobs than a search looks among (10,000): written as a publish writes them, the newest with the searched
+    # value, the oldest too (out of the window).
+    docs = [
+        {"_id": f"01J{n:023d}", "taskId": f"t-{n}", "kind": "app.bill", "queue": "celery", "status": "succeeded",
+         "attempts": 1, "payload": {"args": [n], "kwargs": {"account": "a.b" if n % 1000 == 0 else "other"},
+                                    "headers": {"id": f"t-{n}", "task": "app.bill"}}}
+        for n in range(10_050)
+    ]  # fmt: skip
+    db.jobs.insert_many(docs)
+    flower = flower_factory(basic_auth="admin:s3cret")
+    context = browser.new_context(http_credentials=ADMIN, viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.goto(f"{flower.url}/jobs")
+    page.wait_for_load_state("load")
+    page.fill("#f-arg-name", "kwargs.account")
+    page.fill("#f-arg-value", "a.b")
+    page.click("#apply-filters")
+    # Jobs 10000 down to 1000 hold it within the newest 10,000 (50 to 10049); job 0 is older than the window.
+    rows = page.locator("#jobs-table tbody tr[data-job]")
+    expect(rows).to_have_count(10)
+    expect(rows.first).to_have_attribute("data-job", f"01J{10_000:023d}")
+    expect(page.locator(".argument-chip")).to_contain_text("kwargs.account = a.b")
+    expect(page.locator("#search-window")).to_contain_text("looked at the newest 10,000 jobs")
+    expect(page.locator("#search-window")).to_contain_text(f"01J{50:023d}")
+    shot(page, "argument-search")
+    page.click(".remove-argument")
+    expect(rows).to_have_count(50)  # a whole page again
+    expect(page.locator("#search-window")).to_be_hidden()
+    context.close()
