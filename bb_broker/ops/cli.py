@@ -556,6 +556,62 @@ def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
         _fail("cancel: " + "; ".join(problems))
 
 
+@main.command()
+@broker_option
+@collection_option
+@click.option(
+    "--since",
+    "window",
+    default="1h",
+    show_default=True,
+    type=Duration(positive=True, longest=timedelta(days=31)),
+    help="The window, ending now: 1h (a minute per line), 1d (15 minutes), 1w (an hour); at most 31d.",
+)
+@click.option("--by", type=click.Choice(BREAKDOWNS), help="A table per queue or per kind.")
+@click.option("--queue", help="Only this queue's jobs.")
+@click.option("--kind", help="Only this task name's jobs.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the Jobs tab's chart numbers (GET /api/jobs/stats) as JSON."
+)
+def stats(
+    broker: str, collection: str, window: timedelta, by: str | None, queue: str | None, kind: str | None, as_json: bool
+) -> None:
+    """What finished, waited and ran over time, per interval: attempts succeeded, jobs failed for good, attempts
+    retried, and the wait (runAfter to start) and run time of the jobs that finished, p50 and p95 in seconds. The
+    numbers of the Jobs tab's charts; intervals without a finished attempt are left out of the table."""
+    from bb_broker.ops.operations import FilterError, JobFilter, Operations
+    from bb_broker.ops.stats import job_stats
+
+    with _jobs(broker, collection) as store:
+        try:
+            job_filter = JobFilter.parse({"queue": queue, "kind": kind}, store.now())
+            numbers = job_stats(Operations(store), job_filter, window, by)
+        except FilterError as exc:
+            _fail(f"stats: {exc}", 2)
+    if as_json:
+        click.echo(json.dumps(numbers))
+        return
+    for name, series in numbers["series"].items():
+        if by is not None:
+            click.echo(f"{by} {name or '(none)'}:")
+        click.echo(_stats_table(numbers["intervals"], series))
+    if not numbers["series"]:
+        click.echo(f"nothing finished since {numbers['from'][:16].replace('T', ' ')} UTC")
+
+
+def _stats_table(intervals: list[str], series: dict[str, list[Any]]) -> str:
+    header = ("FROM (UTC)", "SUCCEEDED", "FAILED", "RETRIED", "WAIT P50", "WAIT P95", "RUN P50", "RUN P95")
+    lines = ["  ".join(f"{cell:>9}" if n else f"{cell:<16}" for n, cell in enumerate(header))]
+    for n, start in enumerate(intervals):
+        counts = [series[name][n] for name in ("succeeded", "failed", "retried")]
+        if not any(counts):
+            continue
+        times = [series[name][n] for name in ("waitP50", "waitP95", "runP50", "runP95")]
+        cells = [start[:16].replace("T", " "), *map(str, counts), *("" if t is None else f"{t:.3f}" for t in times)]
+        lines.append("  ".join(f"{cell:>9}" if i else f"{cell:<16}" for i, cell in enumerate(cells)))
+    return "\n".join(lines)
+
+
 @main.command("run-now")
 @broker_option
 @collection_option

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from datetime import UTC, datetime, timedelta
 from urllib.parse import quote
 
 from playwright.sync_api import Page, expect
@@ -133,3 +135,49 @@ def test_searching_inside_arguments_from_the_filters(db: Database, flower_factor
     expect(rows).to_have_count(50)  # a whole page again
     expect(page.locator("#search-window")).to_be_hidden()
     context.close()
+
+
+def test_the_charts_draw_the_apis_numbers_in_light_and_dark(db: Database, flower_factory, browser) -> None:
+    now = datetime.now(UTC).replace(second=30, microsecond=0) - timedelta(minutes=5)  # mid-interval, 5 min ago
+    for n, (queue, status, run) in enumerate([("a", "succeeded", 2.0), ("a", "succeeded", 4.0), ("b", "failed", 8.0)]):
+        started = now - timedelta(seconds=run)
+        db.jobs.insert_one({"_id": f"01J{n:023d}", "taskId": f"t-{n}", "queue": queue, "kind": f"app.{queue}",
+                            "status": status, "attempts": 1, "runAfter": started - timedelta(seconds=1),
+                            "startedAt": started, "finishedAt": now, "updatedAt": now, "createdAt": started,
+                            "history": [{"n": 1, "outcome": status, "finishedAt": now}]})  # fmt: skip
+    flower = flower_factory(basic_auth="admin:s3cret")
+    api = flower.get("/api/jobs/stats?window=1h")
+    (series,) = api["series"].values()
+    at = next(n for n, value in enumerate(series["succeeded"]) if value)
+    assert (series["succeeded"][at], series["failed"][at], series["runP50"][at], series["runP95"][at]) == (2, 1, 4, 8)
+    for scheme in ("light", "dark"):
+        context = browser.new_context(
+            http_credentials=ADMIN, viewport={"width": 1400, "height": 1200}, color_scheme=scheme
+        )
+        page = context.new_page()
+        page.goto(f"{flower.url}/jobs")
+        page.wait_for_load_state("load")
+        page.click("#charts summary")
+        # Drawn from the page's own request, which may be a minute later than the API's: the same values, maybe
+        # one interval further left.
+        expect(page.locator("#charts")).to_have_attribute("data-drawn", re.compile(r"\d{4}-"))
+        drawn = page.evaluate("() => window.bbCharts['chart-finished'].data")
+        assert [v for v in drawn[1] if v] == [2] and [v for v in drawn[2] if v] == [1] and not any(drawn[3])
+        assert [v for v in page.evaluate("() => window.bbCharts['chart-run'].data")[2] if v is not None] == [8]
+        assert len(drawn[0]) == 60 and page.locator("#chart-finished canvas").count() == 1
+        page.click("#chart-numbers >> xpath=.. >> summary")
+        row = page.locator("#chart-numbers tbody tr")
+        expect(row).to_have_count(1)
+        expect(row.locator("td").nth(1)).to_have_text("2")
+        expect(row.locator("td").nth(6)).to_have_text("4.000")
+        ink = page.evaluate("() => getComputedStyle(document.body).color")
+        legend = page.evaluate("() => getComputedStyle(document.querySelector('#chart-finished .u-legend')).color")
+        assert legend == ink, (scheme, legend, ink)  # the legend in the theme's ink, readable on its background
+        shot(page, f"charts-{scheme}")
+        # Grouped by queue: queue b alone.
+        page.select_option("#chart-by", "queue")
+        expect(page.locator("#chart-group option")).to_have_count(2)
+        page.select_option("#chart-group", "b")
+        page.wait_for_function("() => window.bbCharts['chart-finished'].data[2].some(v => v === 1) && "
+                               "!window.bbCharts['chart-finished'].data[1].some(v => v > 0)")  # fmt: skip
+        context.close()

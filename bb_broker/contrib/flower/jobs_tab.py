@@ -43,7 +43,7 @@ from tornado.web import url
 
 from bb_broker.connection import parse_broker_url, quick_timeouts
 from bb_broker.contrib.flower import patches
-from bb_broker.jobs.lifecycle import STATUSES
+from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError, QueueControls
 from bb_broker.ops.operations import (
     ACTIONS,
@@ -56,12 +56,15 @@ from bb_broker.ops.operations import (
     Operations,
 )
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
+from bb_broker.ops.stats import job_stats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+#: The chart library served with the page (uPlot, vendored: operators' networks often have no way to a CDN).
+STATIC = Path(__file__).resolve().parent / "static"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
 #: What an action's button says, where its name alone is not it.
 ACTION_LABELS = {"run-now": "Run now"}
@@ -583,6 +586,23 @@ class JobsData(_JobsHandler):
         self.write(body)
 
 
+class JobsStats(_JobsHandler):
+    """The charts' numbers: `window` (1h, 1d, 1w or any duration up to 31 days) ending now, `by` queue or kind, the
+    page's filters."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        job_filter = await self.job_filter()
+        text = self.get_argument("window", default="1h", escape=False).strip() or "1h"
+        by = self.get_argument("by", default="", escape=False).strip() or None
+        try:
+            length = parse_duration(text)
+            body = await self.run_query(job_stats, _operations(self), job_filter, length, by)
+        except (FilterError, ValueError) as exc:
+            raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
+        self.write(body)
+
+
 class JobsBulkCount(_JobsHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
@@ -677,6 +697,10 @@ class JobActionApi(JobAction, _ApiHandler):
     pass
 
 
+class JobsStatsApi(JobsStats, _ApiHandler):
+    pass
+
+
 class BulkApi(JobsBulkAction, _ApiHandler):
     @tornado.web.authenticated
     async def get(self, action: str) -> None:
@@ -701,6 +725,8 @@ ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
 HANDLERS = [
     url(r"/jobs", JobsPage, name="jobs"),
     (r"/jobs/data", JobsData),
+    (r"/jobs/stats", JobsStats),
+    (r"/jobs/static/(uPlot\.iife\.min\.js|uPlot\.min\.css)", tornado.web.StaticFileHandler, {"path": str(STATIC)}),
     url(r"/jobs/job", JobPage, name="job"),
     (r"/jobs/job/" + ACTION_PATTERN, JobAction),
     (r"/jobs/bulk/" + ACTION_PATTERN + r"/count", JobsBulkCount),
@@ -709,6 +735,7 @@ HANDLERS = [
     (r"/jobs/queue/([^/]+)/limit", QueueLimitAction),
     (r"/api/jobs", JobsApi),
     (r"/api/jobs/job", JobApi),
+    (r"/api/jobs/stats", JobsStatsApi),
     (r"/api/jobs/job/" + ACTION_PATTERN, JobActionApi),
     (r"/api/jobs/bulk/" + ACTION_PATTERN, BulkApi),
     (r"/api/queues/([^/]+)/(pause|resume)", QueueActionApi),
