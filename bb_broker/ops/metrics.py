@@ -63,33 +63,26 @@ class StatusSource(Protocol):
 
 def record(event: Event, amount: int = 1) -> None:
     """Count an event that has happened in this process; a metrics problem never fails a job's write."""
-    global _warned
-    if amount <= 0:
-        return
-    try:
-        COUNTERS[event].inc(amount)
-    except Exception as exc:  # a full disk or a missing PROMETHEUS_MULTIPROC_DIR, say
-        if not _warned:
-            _warned = True
-            logger.warning("job metrics are not being counted: %s", exc)
+    if amount > 0:
+        _count(lambda: COUNTERS[event].inc(amount))
 
 
 def record_held_back(limit: str) -> None:
     """Count a claim a queue's `limit` refused; a metrics problem never fails the claim."""
-    global _warned
-    try:
-        HELD_BACK.labels(limit=limit).inc()
-    except Exception as exc:
-        if not _warned:
-            _warned = True
-            logger.warning("job metrics are not being counted: %s", exc)
+    _count(lambda: HELD_BACK.labels(limit=limit).inc())
 
 
 def record_restart(thread: str) -> None:
     """Count a restart of the background thread named `thread`; a metrics problem never stops the restart."""
+    _count(lambda: THREAD_RESTARTS.labels(thread=thread).inc())
+
+
+def _count(increment: Callable[[], None]) -> None:
+    """Run one counter's increment; a failure (a full disk or a missing PROMETHEUS_MULTIPROC_DIR, say) is logged
+    once per process and goes no further."""
     global _warned
     try:
-        THREAD_RESTARTS.labels(thread=thread).inc()
+        increment()
     except Exception as exc:
         if not _warned:
             _warned = True

@@ -15,12 +15,9 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from tests.support.flower_process import FlowerProcess
+from tests.support.flower_process import ADMIN, VIEWER, FlowerProcess
 from tests.support.servers import AUTH_PASSWORD, EmbeddedServer, with_database
 from tests.support.workers import wait_for
-
-ADMIN = "admin:s3cret"
-VIEWER = "viewer:peek"
 
 
 def publish(store: JobStore, task_id: str, *, queue: str = "celery") -> str:

@@ -14,13 +14,8 @@ from pymongo.database import Database
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import FOREVER_MODE, Hold
-from tests.support.flower_process import FlowerProcess, broker_rows
+from tests.support.flower_process import ADMIN, AUTH_ARGS, USERS, VIEWER, FlowerProcess, broker_rows
 from tests.support.store import wait_past
-
-ADMIN = "admin:s3cret"
-VIEWER = "viewer:peek"
-USERS = f"{ADMIN},{VIEWER}"
-AUTH_ARGS = ("--jobs_admins=admin",)
 
 
 @pytest.fixture

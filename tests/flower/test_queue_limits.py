@@ -14,12 +14,7 @@ from pymongo.database import Database
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.queues import QueueLimits
 from bb_broker.jobs.store import JobStore
-from tests.support.flower_process import FlowerProcess
-
-ADMIN = "admin:s3cret"
-VIEWER = "viewer:peek"
-USERS = f"{ADMIN},{VIEWER}"
-AUTH_ARGS = ("--jobs_admins=admin",)
+from tests.support.flower_process import ADMIN, AUTH_ARGS, USERS, VIEWER, FlowerProcess
 
 
 @pytest.fixture

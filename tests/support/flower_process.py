@@ -21,6 +21,11 @@ from tests.support.workers import FAST_OPTIONS, ROOT, kill_group, wait_for
 
 #: Flower's API refuses requests without authentication unless this is set.
 FLOWER_ENV = {"FLOWER_UNAUTHENTICATED_API": "true"}
+#: The basic-auth users of the Jobs tab's tests: an admin (--jobs_admins) who may act, and a viewer who may only look.
+ADMIN = "admin:s3cret"
+VIEWER = "viewer:peek"
+USERS = f"{ADMIN},{VIEWER}"
+AUTH_ARGS = ("--jobs_admins=admin",)
 
 
 class FlowerProcess:
