@@ -106,16 +106,16 @@ def worker_host(doc: dict) -> str:
 
 
 def test_searching_inside_arguments_from_the_filters(db: Database, flower_factory, browser) -> None:
-    # More jobs than a search looks among (10,000): written as a publish writes them, the newest with the searched
-    # value, the oldest too (out of the window).
+    # More jobs than a search looks among (--jobs_search_window, 100 here; 10,000 by default): written as a publish
+    # writes them, the newest with the searched value, the oldest too (out of the window).
     docs = [
         {"_id": f"01J{n:023d}", "taskId": f"t-{n}", "kind": "app.bill", "queue": "celery", "status": "succeeded",
-         "attempts": 1, "payload": {"args": [n], "kwargs": {"account": "a.b" if n % 1000 == 0 else "other"},
+         "attempts": 1, "payload": {"args": [n], "kwargs": {"account": "a.b" if n % 10 == 0 else "other"},
                                     "headers": {"id": f"t-{n}", "task": "app.bill"}}}
-        for n in range(10_050)
+        for n in range(105)
     ]  # fmt: skip
     db.jobs.insert_many(docs)
-    flower = flower_factory(basic_auth="admin:s3cret")
+    flower = flower_factory(basic_auth="admin:s3cret", extra_args=("--jobs_search_window=100",))
     context = browser.new_context(http_credentials=ADMIN, viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     page.goto(f"{flower.url}/jobs")
@@ -123,13 +123,13 @@ def test_searching_inside_arguments_from_the_filters(db: Database, flower_factor
     page.fill("#f-arg-name", "kwargs.account")
     page.fill("#f-arg-value", "a.b")
     page.click("#apply-filters")
-    # Jobs 10000 down to 1000 hold it within the newest 10,000 (50 to 10049); job 0 is older than the window.
+    # Jobs 100 down to 10 hold it within the newest 100 (5 to 104); job 0 is older than the window.
     rows = page.locator("#jobs-table tbody tr[data-job]")
     expect(rows).to_have_count(10)
-    expect(rows.first).to_have_attribute("data-job", f"01J{10_000:023d}")
+    expect(rows.first).to_have_attribute("data-job", f"01J{100:023d}")
     expect(page.locator(".argument-chip")).to_contain_text("kwargs.account = a.b")
-    expect(page.locator("#search-window")).to_contain_text("looked at the newest 10,000 jobs")
-    expect(page.locator("#search-window")).to_contain_text(f"01J{50:023d}")
+    expect(page.locator("#search-window")).to_contain_text("looked at the newest 100 jobs")
+    expect(page.locator("#search-window")).to_contain_text(f"01J{5:023d}")
     shot(page, "argument-search")
     page.click(".remove-argument")
     expect(rows).to_have_count(50)  # a whole page again

@@ -38,6 +38,7 @@ from flower.views.tasks import TasksDataTable
 from pymongo.errors import ConnectionFailure, OperationFailure
 from tornado import httputil
 from tornado.ioloop import IOLoop
+from tornado.options import Error as OptionError
 from tornado.options import options as tornado_options
 from tornado.web import url
 
@@ -48,6 +49,7 @@ from bb_broker.jobs.queues import LimitError, QueueControls
 from bb_broker.ops.operations import (
     ACTIONS,
     ARGUMENT_FIELDS,
+    ARGUMENT_SEARCH_WINDOW,
     FILTER_NAMES,
     MAX_PAGE,
     ActionRefused,
@@ -110,6 +112,7 @@ class JobsTab:
         if store is None:
             raise tornado.web.HTTPError(404, "the Jobs tab needs a bbmongo:// broker")
         self.operations = Operations(store, QueueControls(store.coll.database))
+        self.operations.search_window = app.options.jobs_search_window
         self.health = BrokerHealth.of(app.broker_uri_with_password)
         self.executor = ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="bb-jobs-tab")
         self.running: Counter[str] = Counter()  # requests running, by user; only the event loop's thread counts
@@ -817,8 +820,8 @@ async def _record_revoke(handler: TaskRevoke) -> None:
 
 
 def define_options() -> None:
-    """The Jobs tab's `jobs_admins` option among Flower's (Tornado's global options, which Flower parses); calling it
-    twice changes nothing."""
+    """The Jobs tab's options (`jobs_admins`, `jobs_search_window`) among Flower's (Tornado's global options, which
+    Flower parses); calling it twice changes nothing."""
     if "jobs_admins" not in tornado_options:
         tornado_options.define(
             "jobs_admins",
@@ -827,3 +830,20 @@ def define_options() -> None:
             default=[],
             help="bb_broker Jobs tab: the users who may act on jobs and queues (everyone else reads only)",
         )
+    if "jobs_search_window" not in tornado_options:
+        tornado_options.define(
+            "jobs_search_window",
+            type=int,
+            default=ARGUMENT_SEARCH_WINDOW,
+            help="bb_broker Jobs tab: how many of the newest jobs of a filter a search inside arguments looks among",
+            callback=_check_search_window,
+        )
+
+
+#: The largest search window taken: past it a search inside arguments would read most of a big collection.
+MAX_SEARCH_WINDOW = 1_000_000
+
+
+def _check_search_window(value: int) -> None:
+    if not 1 <= value <= MAX_SEARCH_WINDOW:
+        raise OptionError(f"--jobs_search_window must be from 1 to {MAX_SEARCH_WINDOW}, not {value}")
