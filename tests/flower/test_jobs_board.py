@@ -183,3 +183,9 @@ def test_argument_searches_over_http_take_values_as_text(store: JobStore, db: Da
         == 1
     )
     assert {doc["_id"] for doc in db.jobs.find({"status": "failed"})} == {ids["a.b"]}
+
+
+def test_a_search_window_out_of_range_is_refused_with_its_reason(db: Database, flower_factory) -> None:
+    flower = flower_factory(extra_args=("--jobs_search_window=0",))
+    status, body = answer(flower, "GET", "/api/jobs?kwargs.account=a")
+    assert status == 500 and "--jobs_search_window must be from 1 to 1000000, not 0" in str(body), (status, body)

@@ -38,7 +38,6 @@ from flower.views.tasks import TasksDataTable
 from pymongo.errors import ConnectionFailure, OperationFailure
 from tornado import httputil
 from tornado.ioloop import IOLoop
-from tornado.options import Error as OptionError
 from tornado.options import options as tornado_options
 from tornado.web import url
 
@@ -61,6 +60,8 @@ from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, d
 from bb_broker.ops.stats import job_stats
 
 logger = logging.getLogger(__name__)
+#: The largest --jobs_search_window taken: past it a search inside arguments would read most of a big collection.
+MAX_SEARCH_WINDOW = 1_000_000
 
 T = TypeVar("T")
 
@@ -112,7 +113,11 @@ class JobsTab:
         if store is None:
             raise tornado.web.HTTPError(404, "the Jobs tab needs a bbmongo:// broker")
         self.operations = Operations(store, QueueControls(store.coll.database))
-        self.operations.search_window = app.options.jobs_search_window
+        window = app.options.jobs_search_window
+        if not 1 <= window <= MAX_SEARCH_WINDOW:  # Flower parses its options where no callback of ours is called
+            limits = f"from 1 to {MAX_SEARCH_WINDOW}"
+            raise tornado.web.HTTPError(500, f"--jobs_search_window must be {limits}, not {window}")
+        self.operations.search_window = window
         self.health = BrokerHealth.of(app.broker_uri_with_password)
         self.executor = ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="bb-jobs-tab")
         self.running: Counter[str] = Counter()  # requests running, by user; only the event loop's thread counts
@@ -836,14 +841,4 @@ def define_options() -> None:
             type=int,
             default=ARGUMENT_SEARCH_WINDOW,
             help="bb_broker Jobs tab: how many of the newest jobs of a filter a search inside arguments looks among",
-            callback=_check_search_window,
         )
-
-
-#: The largest search window taken: past it a search inside arguments would read most of a big collection.
-MAX_SEARCH_WINDOW = 1_000_000
-
-
-def _check_search_window(value: int) -> None:
-    if not 1 <= value <= MAX_SEARCH_WINDOW:
-        raise OptionError(f"--jobs_search_window must be from 1 to {MAX_SEARCH_WINDOW}, not {value}")
