@@ -430,23 +430,33 @@ def get_database(target: BrokerTarget, **client_options: Any) -> Database:
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            options = {"appname": "bb_broker", "tz_aware": True, **client_options}
-            with _termination_signals_blocked():
-                client = _clients[key] = MongoClient(target.mongo_uri, **options)
+            client = _clients[key] = new_client(target.mongo_uri, appname="bb_broker", tz_aware=True, **client_options)
     return client[target.database]
 
 
-#: Signals that end a process: the client's background threads must never be the ones to take them.
-_TERMINATION_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP}
+def new_client(uri: str, **options: Any) -> MongoClient:
+    """A MongoClient whose background threads never take a signal that ends the process (see below): every client
+    bb_broker, its CLI and the demo make is made here."""
+    with stop_signals_blocked():
+        return MongoClient(uri, **options)
+
+
+#: Signals that end a process: only its main thread may take them.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP}
 
 
 @contextmanager
-def _termination_signals_blocked() -> Iterator[None]:
-    # pymongo starts its monitor threads in the constructor and they inherit this mask. A Celery pool process
-    # blocks SIGTERM in its main thread while it writes its exit notice to the pool's shared result queue; a
-    # second SIGTERM (the parent's, on revoke with terminate) delivered to an unblocked thread killed it mid-write,
-    # left that queue's lock held, and wedged every later pool process on its first write.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINATION_SIGNALS)
+def stop_signals_blocked() -> Iterator[None]:
+    """Block STOP_SIGNALS in this thread meanwhile: threads started inside inherit the mask and keep it.
+
+    The kernel hands a process-directed signal to any thread that does not block it. Taken by a background
+    thread, it did harm twice: a Celery pool process blocks SIGTERM in its main thread while it writes its exit
+    notice to the pool's shared result queue, and a second SIGTERM (the parent's, on revoke with terminate) taken
+    by a pymongo monitor thread killed it mid-write, left that queue's lock held, and wedged every later pool
+    process on its first write; and on CPython 3.11 a Ctrl-C taken by a background thread while the main thread
+    blocked it (making a client) never reached Python's handler, so `make demo` went on running (1 stop in 15
+    under load). Blocked in every thread but the main one, the signal waits for the main thread."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:

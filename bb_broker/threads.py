@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from bb_broker.connection import stop_signals_blocked
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ def start_supervised(
 
     `after_crash` runs after each death, before the pause: what the loop's users must know while it is down."""
     thread = threading.Thread(target=_supervise, args=(name, loop, after_crash), name=name, daemon=True)
-    thread.start()
+    with stop_signals_blocked():  # the process's stop signals are its main thread's (connection.py says why)
+        thread.start()
     return thread
 
 

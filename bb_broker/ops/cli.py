@@ -30,15 +30,13 @@ DEFAULT_BROKER = "bbmongo://localhost:27017/bountyboard"
 
 
 def _store(broker: str, collection: str = DEFAULTS.jobs_collection, policy: Policy = DEFAULTS.policy) -> JobStore:
-    from pymongo import MongoClient
-
     from bb_broker import connection
 
     target = connection.parse_broker_url(broker)
     timeouts: dict[str, Any] = connection.quick_timeouts(target)
     # A client of the command's own, closed when it is done: else pymongo's exit waits up to a second for its
     # monitor, blocked in an awaited `hello`.
-    db = MongoClient(target.mongo_uri, appname="bb-broker", tz_aware=True, **timeouts)[target.database]
+    db = connection.new_client(target.mongo_uri, appname="bb-broker", tz_aware=True, **timeouts)[target.database]
     options = BrokerOptions(policy=policy, jobs_collection=collection)
     return open_store(db, options, secrets=target.secrets)
 
