@@ -12,7 +12,7 @@ from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
 from bb_broker.ops.stats import Window, job_stats, percentile
-from tests.support.store import FakeClock
+from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
 
 @pytest.fixture
@@ -89,3 +89,23 @@ def test_windows_and_bad_values(ops: Operations, clock: FakeClock) -> None:
         job_stats(ops, JobFilter(), timedelta(hours=1), by="status")
     assert percentile([], 0.5) is None and percentile([3.0], 0.95) == 3.0
     assert percentile([float(n) for n in range(1, 101)], 0.95) == 95.0
+
+
+def test_every_chart_reads_through_the_status_index(ops: Operations, db: Database, clock: FakeClock,
+                                                   mongo_url: str) -> None:  # fmt: skip
+    # The charts add no index of their own: the window is a range of bb_status_updated, which the sweeps use.
+    from pymongo import MongoClient
+
+    now = clock()
+    for n, queue in enumerate(("mail", "celery", "mail")):
+        finished(db, now, f"j{n}", queue=queue, status="succeeded", ago=60 * n, wait=1, run=2)
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        watched = Operations(JobStore(client[db.name], Policy(), clock=clock))
+        for job_filter, by in ((JobFilter(), None), (JobFilter(queue="mail"), None), (JobFilter(kind="app.mail"), None),
+                               (JobFilter(status="failed"), "queue"), (JobFilter(), "kind")):  # fmt: skip
+            job_stats(watched, job_filter, timedelta(hours=1), by)
+    aggregates = [command for command in log.commands if "aggregate" in command]
+    assert len(aggregates) == 5
+    assert_each_reads_through_an_index(db, aggregates)
+    assert all(command["hint"] == "bb_status_updated" for command in aggregates)
