@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pymongo import MongoClient
@@ -23,28 +24,26 @@ def _signals_blocked_by(thread: threading.Thread) -> set[signal.Signals]:
     return {signum for signum in signal.Signals if mask & (1 << (signum - 1))}
 
 
-def _started_by(make: Callable[[], object]) -> Iterator[threading.Thread]:
+@contextmanager
+def _threads_of(make: Callable[[], MongoClient]) -> Iterator[list[threading.Thread]]:
+    """The pymongo threads the client `make` returns started, while it is open."""
     before = set(threading.enumerate())
-    made = make()
-    try:
-        yield from (thread for thread in threading.enumerate() if thread not in before and thread.is_alive())
-    finally:
-        if isinstance(made, MongoClient):
-            made.close()
+    with make():
+        yield [thread for thread in threading.enumerate() if thread not in before and thread.name.startswith("pymongo")]
 
 
 def test_the_threads_of_a_client_bb_broker_makes_leave_the_stop_signals_to_the_main_thread() -> None:
-    started = list(_started_by(lambda: connection.new_client(NOWHERE)))
-    assert started, "pymongo started no thread"
-    for thread in started:
-        assert _signals_blocked_by(thread) >= connection.STOP_SIGNALS, thread.name
+    with _threads_of(lambda: connection.new_client(NOWHERE)) as started:
+        assert started, "pymongo started no thread"
+        for thread in started:
+            assert _signals_blocked_by(thread) >= connection.STOP_SIGNALS, thread.name
     assert not connection.STOP_SIGNALS & _signals_blocked_by(threading.main_thread())
 
 
 def test_a_plain_client_s_threads_would_take_them() -> None:
     # What the test above tells apart: pymongo's own threads inherit the main thread's mask, which blocks nothing.
-    started = list(_started_by(lambda: MongoClient(NOWHERE)))
-    assert started and all(not connection.STOP_SIGNALS & _signals_blocked_by(thread) for thread in started)
+    with _threads_of(lambda: MongoClient(NOWHERE)) as started:
+        assert started and all(not connection.STOP_SIGNALS & _signals_blocked_by(thread) for thread in started)
 
 
 def test_a_supervised_thread_leaves_them_to_the_main_thread_too() -> None:
