@@ -1,10 +1,11 @@
 """Per-key serialisation: jobs that share a `serialKey` queue up freely, and at most one of them runs at a time.
 
-A task message whose header SERIAL_KEY_HEADER holds a key becomes a job with that key in `serialKey`. The unique index
-SERIAL_INDEX covers only the `running` jobs that have a key, so the claim that would make a second job of a key
-`running` is refused by the server in the claim's own write: nothing is read first, nothing is locked, and a job
-that ends (settled, sent back, or recovered by the stale sweep) leaves the index with its status. Jobs without a key
-are not in the index and pay nothing.
+A task message whose header SERIAL_KEY_HEADER holds a key becomes a job with that key in `serialKey`; the task options
+`serial_key` (the key) and `serial_on` (the arguments the key is made of), on the task or on `apply_async`, set it.
+The unique index SERIAL_INDEX covers only the `running` jobs that have a key, so the claim that would make a second
+job of a key `running` is refused by the server in the claim's own write: nothing is read first, nothing is locked,
+and a job that ends (settled, sent back, or recovered by the stale sweep) leaves the index with its status. Jobs
+without a key are not in the index and pay nothing.
 
 A refused claim names the busy key (the error's keyValue); the claimer flags the key's running job
 (WAITERS_FIELD, one write, only when a key is contended), excludes the key from its next claims, and looks again when
@@ -14,12 +15,14 @@ next job is then the first of them in claim order, so a key's jobs run in queue 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pymongo import ASCENDING, IndexModel
 from pymongo.errors import DuplicateKeyError
 
 from bb_broker.jobs.lifecycle import RUNNING
+from bb_broker.jobs.unique import UniqueOptionError, chosen_arguments, digest, shown
 
 #: The header of a task message that carries its job's serialisation key.
 SERIAL_KEY_HEADER = "bb_serial_key"
@@ -38,8 +41,43 @@ SERIAL_INDEX = IndexModel(
 WAITERS_FIELD = "serialWaiters"
 
 
+#: The options, as task attributes (`@app.task(serial_on=("account_id",))`) and as `apply_async` keyword arguments;
+#: a call's own override the task's.
+OPTION_NAMES = ("serial_key", "serial_on")
+
+
 def is_serial_key(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_SERIAL_KEY_LENGTH
+
+
+def serial_key_of(
+    task: Any,
+    call: Mapping[str, Any],
+    task_name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    run: Callable[..., Any] | None,
+) -> str | None:
+    """The serial key of a publish: the call's `serial_key` or `serial_on`, else the task's (None: no key).
+
+    `serial_on` names arguments (as `unique_on` does): the key is the task name and a SHA-256 of their values, so that
+    the jobs of one account, say, run one at a time. UniqueOptionError says why the options make no key."""
+    given = {name: call[name] for name in OPTION_NAMES if call.get(name) is not None}
+    if not given and task is not None:
+        given = {name: getattr(task, name) for name in OPTION_NAMES if getattr(task, name, None) is not None}
+    if not given:
+        return None
+    if len(given) == len(OPTION_NAMES):
+        raise UniqueOptionError("serial_key and serial_on do not go together: the key is given")
+    if "serial_key" in given:
+        key = given["serial_key"]
+        if not is_serial_key(key):
+            raise UniqueOptionError(
+                f"serial_key must be a non-empty string of at most {MAX_SERIAL_KEY_LENGTH} characters, not {shown(key)}"
+            )
+        return str(key)
+    chosen = chosen_arguments(given["serial_on"], task_name, args, kwargs, run, option="serial_on")
+    return f"{task_name}:{digest(chosen, task_name, option='serial')}"
 
 
 def busy_key(exc: DuplicateKeyError) -> tuple[bool, Any]:

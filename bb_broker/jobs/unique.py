@@ -97,8 +97,9 @@ class DuplicateJob(Exception):
 
 
 class UniqueOptionError(ValueError, TypeError):
-    """A unique option that cannot make a key (a key that is not a bounded string, an unknown mode, a period that is
-    not a positive number, `unique_on` naming an argument the task does not have): nothing was published.
+    """A unique or serial option that cannot make a key (a key that is not a bounded string, an unknown mode, a
+    period that is not a positive number, `unique_on` or `serial_on` naming an argument the task does not have):
+    nothing was published.
 
     Both a ValueError and a TypeError, as the option was a wrong value or of a wrong type."""
 
@@ -242,7 +243,7 @@ class UniqueOptions:
             if not valid_key(self.unique_key):
                 raise UniqueOptionError(
                     f"unique_key must be a non-empty string of at most {MAX_UNIQUE_KEY_LENGTH} characters, "
-                    f"not {_shown(self.unique_key)}"
+                    f"not {shown(self.unique_key)}"
                 )
             return str(self.unique_key)
         if self.unique_on is None:
@@ -253,13 +254,19 @@ class UniqueOptions:
 
 
 def chosen_arguments(
-    names: Any, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any], run: Callable[..., Any] | None
+    names: Any,
+    task_name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    run: Callable[..., Any] | None,
+    option: str = "unique_on",
 ) -> dict[str, Any]:
-    """The arguments `unique_on` names, by name (str) or position (int), with the task's defaults filled in."""
+    """The arguments `names` (the value of `option`) name, by name (str) or position (int), with the task's defaults
+    filled in."""
     if isinstance(names, (str, int)):
         names = (names,)
     if not isinstance(names, (list, tuple)) or not names:
-        raise UniqueOptionError(f"unique_on must be argument names or positions, not {_shown(names)}")
+        raise UniqueOptionError(f"{option} must be argument names or positions, not {shown(names)}")
     bound: dict[str, Any] = dict(kwargs)
     parameters: list[str] = []
     if run is not None:
@@ -275,21 +282,21 @@ def chosen_arguments(
     for name in names:
         if isinstance(name, int) and not isinstance(name, bool):
             if not -len(args) <= name < len(args):
-                raise UniqueOptionError(f"unique_on position {name} is not among the {len(args)} positional arguments")
+                raise UniqueOptionError(f"{option} position {name} is not among the {len(args)} positional arguments")
             chosen[f"#{name % len(args)}"] = args[name]
         elif isinstance(name, str):
             if name not in bound:
                 known = ", ".join(parameters or sorted(bound)) or "none"
                 raise UniqueOptionError(
-                    f"unique_on names {name!r}, not an argument of {task_name} (its arguments: {known})"
+                    f"{option} names {name!r}, not an argument of {task_name} (its arguments: {known})"
                 )
             chosen[name] = bound[name]
         else:
-            raise UniqueOptionError(f"unique_on must be argument names or positions, not {_shown(name)}")
+            raise UniqueOptionError(f"{option} must be argument names or positions, not {shown(name)}")
     return chosen
 
 
-def digest(value: Any, task_name: str) -> str:
+def digest(value: Any, task_name: str, option: str = "unique") -> str:
     """SHA-256 of `value` as canonical JSON (sorted keys, no spaces; Kombu's JSON for dates, UUIDs, decimals)."""
     from kombu.exceptions import EncodeError
     from kombu.utils import json as kombu_json
@@ -298,12 +305,12 @@ def digest(value: Any, task_name: str) -> str:
         text = kombu_json.dumps(value, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError, EncodeError) as exc:
         raise UniqueOptionError(
-            f"the arguments of {task_name} are not JSON, so no key can be made of them ({exc}): give unique_key, "
-            "or unique_on naming JSON arguments"
+            f"the arguments of {task_name} are not JSON, so no key can be made of them ({exc}): give {option}_key, "
+            f"or {option}_on naming JSON arguments"
         ) from None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:57]}..."

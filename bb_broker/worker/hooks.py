@@ -17,7 +17,7 @@ from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
 from bb_broker import connection
-from bb_broker.jobs import unique
+from bb_broker.jobs import serial, unique
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
@@ -323,26 +323,30 @@ def _on_revoked(
 
 
 @signals.before_task_publish.connect
-def _unique_headers(
+def _flow_control_headers(
     sender: Any = None, body: Any = None, headers: Any = None, properties: Any = None, **_: Any
 ) -> None:
-    """The unique options of a publish (the call's, from apply_async's keywords, which Celery puts in the message's
-    properties; the task's attributes under them) as the message's unique headers (bb_broker.jobs.unique)."""
+    """The unique and serial options of a publish (the call's, from apply_async's keywords, which Celery puts in the
+    message's properties; the task's attributes under them) as the message's headers (bb_broker.jobs.unique and
+    bb_broker.jobs.serial)."""
     if not isinstance(headers, dict) or not isinstance(properties, dict):
         return
-    call = {name: properties.pop(name) for name in unique.OPTION_NAMES if name in properties}
-    if unique.UNIQUE_KEY_HEADER in headers:
-        return  # a retry (its message carries the request's headers), a beat's slot, or a header set by hand
+    call = {name: properties.pop(name) for name in (*unique.OPTION_NAMES, *serial.OPTION_NAMES) if name in properties}
     task = patches.registered_task(sender) if isinstance(sender, str) else None
-    options = unique.UniqueOptions.read(task, call)
-    if not options.wanted:
-        return
     if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
         args, kwargs = body[0], body[1]
     else:  # protocol 1: a dict
         args, kwargs = (body.get("args"), body.get("kwargs")) if isinstance(body, dict) else ((), {})
+    args, kwargs, run = args or (), kwargs or {}, getattr(task, "run", None)
     try:
-        headers.update(options.headers(str(sender), args or (), kwargs or {}, getattr(task, "run", None)))
+        # A header already there is a retry's (its message carries the request's headers), a beat's slot, or set
+        # by hand: kept as it is.
+        if unique.UNIQUE_KEY_HEADER not in headers:
+            headers.update(unique.UniqueOptions.read(task, call).headers(str(sender), args, kwargs, run))
+        if serial.SERIAL_KEY_HEADER not in headers:
+            key = serial.serial_key_of(task, call, str(sender), args, kwargs, run)
+            if key is not None:
+                headers[serial.SERIAL_KEY_HEADER] = key
     except unique.UniqueOptionError as exc:
         # Celery's signals swallow what a receiver raises: the transport raises it, writing nothing.
         headers[unique.UNIQUE_REFUSED_HEADER] = str(exc)

@@ -157,8 +157,8 @@ def test_before_task_publish_hands_receivers_the_headers_and_properties_it_publi
     sent = body.index("send_before_publish(")
     assert "properties.update(kwargs)" in body[:sent] and "**properties" in body[sent:], (
         "Celery no longer puts apply_async's unknown keywords in the properties it sends before_task_publish and "
-        "then publishes: the per-call unique options cannot be read there; see bb_broker/worker/hooks.py:"
-        "_unique_headers"
+        "then publishes: the per-call unique and serial options cannot be read there; see "
+        "bb_broker/worker/hooks.py:_flow_control_headers"
     )
 
 
