@@ -430,7 +430,8 @@ def get_database(target: BrokerTarget, **client_options: Any) -> Database:
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            client = _clients[key] = new_client(target.mongo_uri, appname="bb_broker", tz_aware=True, **client_options)
+            options = {"appname": "bb_broker", "tz_aware": True, **client_options}
+            client = _clients[key] = new_client(target.mongo_uri, **options)
     return client[target.database]
 
 
