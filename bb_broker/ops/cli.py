@@ -23,6 +23,7 @@ from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 
 if TYPE_CHECKING:
     from bb_broker.jobs.store import JobStore
+    from bb_broker.ops.operations import Operations
 
 # pymongo, Celery, Kombu and Flower are imported by the commands that use them: `--help` answers at once.
 
@@ -538,20 +539,27 @@ def _json_value(value: Any) -> Any:
 @click.argument("identifiers", metavar="ID...", nargs=-1, required=True)
 def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
     """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
-    from bb_broker.ops.operations import ActionRefused, Operations
+    from bb_broker.ops.operations import Operations
+
+    with _jobs(broker, collection) as store:
+        _act_on_each(Operations(store), "cancel", identifiers, "cancelled job {id} ({kind})")
+
+
+def _act_on_each(operations: Operations, action: str, identifiers: tuple[str, ...], done: str) -> None:
+    """`action` on each job: `done` (with {id} and {kind}) said for each one done, then one exit 1 naming every
+    refusal."""
+    from bb_broker.ops.operations import ActionRefused
 
     problems = []
-    with _jobs(broker, collection) as store:
-        operations = Operations(store)
-        for identifier in identifiers:
-            try:
-                doc = operations.act("cancel", identifier, by=_operator())
-            except ActionRefused as exc:
-                problems.append(str(exc))
-            else:
-                click.echo(f"cancelled job {doc['_id']} ({doc.get('kind')})")
+    for identifier in identifiers:
+        try:
+            doc = operations.act(action, identifier, by=_operator())
+        except ActionRefused as exc:
+            problems.append(str(exc))
+        else:
+            click.echo(done.format(id=doc["_id"], kind=doc.get("kind")))
     if problems:
-        _fail("cancel: " + "; ".join(problems))
+        _fail(f"{action}: " + "; ".join(problems))
 
 
 @main.command()
@@ -629,9 +637,8 @@ def run_now(
         _fail("run-now: --all cannot be combined with --queue or --kind", 2)
     if not (identifiers or selected or every):
         _fail("run-now: say which jobs: ID... (job ids or task ids), --queue NAME, --kind NAME, or --all", 2)
-    from bb_broker.ops.operations import RUN_NOW, ActionRefused, FilterError, JobFilter, Operations
+    from bb_broker.ops.operations import RUN_NOW, FilterError, JobFilter, Operations
 
-    problems = []
     with _jobs(broker, collection) as store:
         operations = Operations(store)
         if not identifiers:
@@ -642,15 +649,7 @@ def run_now(
             count = operations.act_on_filter(RUN_NOW, job_filter, by=_operator())
             click.echo(f"{count} waiting job{'' if count == 1 else 's'} due now")
             return
-        for identifier in identifiers:
-            try:
-                doc = operations.act(RUN_NOW, identifier, by=_operator())
-            except ActionRefused as exc:
-                problems.append(str(exc))
-            else:
-                click.echo(f"job {doc['_id']} ({doc.get('kind')}) is due now")
-    if problems:
-        _fail("run-now: " + "; ".join(problems))
+        _act_on_each(operations, RUN_NOW, identifiers, "job {id} ({kind}) is due now")
 
 
 @main.command()
