@@ -14,7 +14,7 @@ from pymongo.database import Database
 
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
-from tests.support.workers import send, settled, wait_for
+from tests.support.workers import job, send, settled, wait_for
 
 LIMITED = ("-Q", "limited,other")
 
@@ -116,8 +116,10 @@ def test_a_limit_changed_while_jobs_wait_takes_effect_at_once(
 
         operations.set_limits("limited", concurrency=4, by="tester")  # raised: three more start, no more
         wait_for(lambda: running_in("limited")(db) == 4, message="four jobs running")
+        # Claimed, not run: the claim may go to a worker whose two processes both hold a limited job (its
+        # prefetch has room), and there it waits for the gate like they do.
         proof = send(app, "add", 1, 1, queue="other")
-        wait_for(settled(db, proof, "succeeded"), message="the workers claim again")
+        wait_for(lambda: job(db, proof).get("status") in ("running", "succeeded"), message="the workers claim again")
         assert max(samples) == 4
 
         operations.set_limits("limited", clear=True, by="tester")  # cleared: the rest start
