@@ -30,6 +30,10 @@ METRICS: list[tuple[str, str, str]] = [
     ("server_cpu_ms_per_task", "server CPU per task, under load", "ms"),
     ("server_cpu_ms_per_task_events", "server CPU per task, events drain", "ms"),
     ("server_cpu_ms_per_task_events_celery_prefetch", "  with Celery's prefetch (4)", "ms"),
+    ("worker_cpu_ms_per_task", "worker CPU per task, drain (main + pool)", "ms"),
+    ("worker_pool_cpu_ms_per_task", "  of which the pool processes", "ms"),
+    ("worker_cpu_ms_per_task_celery_prefetch", "  with Celery's prefetch (4)", "ms"),
+    ("worker_pool_cpu_ms_per_task_celery_prefetch", "  of which the pool processes", "ms"),
     ("idle_ops_per_s", "idle server ops/s (1 worker)", "ops/s"),
     ("worker_rss_mb", "worker RSS (main + pool)", "MB"),
 ]
@@ -54,6 +58,12 @@ RATIOS = [
     ("bbmongo", "redis", "publish_tps"),
     ("bbmongo", "redis", "idle_latency_p50_ms"),
     ("bbmongo", "redis", "ping_saturated_p50_ms"),
+    ("bbmongo", "redis", "worker_cpu_ms_per_task"),
+    ("bbmongo", "redis", "worker_pool_cpu_ms_per_task"),
+    ("bbmongo", "redis", "worker_cpu_ms_per_task_celery_prefetch"),
+    ("bbmongo", "redis", "worker_pool_cpu_ms_per_task_celery_prefetch"),
+    ("bbmongo", "mongodb", "worker_cpu_ms_per_task"),
+    ("bbmongo", "mongodb", "worker_cpu_ms_per_task_celery_prefetch"),
     ("bbmongo_results", "mongodb_results", "drain_tps"),
     ("bbmongo_results", "mongodb_results", "ops_per_task"),
     ("bbmongo_results", "mongodb_results", "ops_per_task_celery_prefetch"),
@@ -120,6 +130,30 @@ def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str
         "publish >= 1.0x mongodb://": (rat.get("bbmongo/mongodb publish_tps"), lambda v: v >= 1.0),
         "saturated worker answers ping, p95 < 1000 ms": (bb.get("ping_saturated_p95_ms"), lambda v: v < 1000),
         "server ops per task, results on, <= 3 (prefetch 1)": (bb_results.get("ops_per_task"), lambda v: v <= 3),
+        # What a task costs on the worker (issue 25): against Redis in the same round.
+        "worker CPU per task <= 1.15x redis:// (prefetch 4)": (
+            rat.get("bbmongo/redis worker_cpu_ms_per_task_celery_prefetch"),
+            lambda v: v <= 1.15,
+        ),
+        "worker CPU per task <= 1.3x redis:// (prefetch 1)": (
+            rat.get("bbmongo/redis worker_cpu_ms_per_task"),
+            lambda v: v <= 1.3,
+        ),
+        "server ops per task <= 2.5 (prefetch 1)": (bb.get("ops_per_task"), lambda v: v <= 2.5),
+        "server ops per task <= 2.0 (prefetch 4)": (bb.get("ops_per_task_celery_prefetch"), lambda v: v <= 2.0),
+        "server ops per task, results on, <= 2.5 (prefetch 1)": (
+            bb_results.get("ops_per_task"),
+            lambda v: v <= 2.5,
+        ),
+        "server ops per task, results on, <= 2.0 (prefetch 4)": (
+            bb_results.get("ops_per_task_celery_prefetch"),
+            lambda v: v <= 2.0,
+        ),
+        "drain >= 1.0x mongodb:// (prefetch 1)": (rat.get("bbmongo/mongodb drain_tps"), lambda v: v >= 1.0),
+        "drain >= 1.0x mongodb:// (prefetch 4)": (
+            rat.get("bbmongo/mongodb drain_tps_celery_prefetch"),
+            lambda v: v >= 1.0,
+        ),
     }
     return {
         name: {"value": None if value is None else round(value, 3), "met": value is not None and ok(value)}

@@ -247,6 +247,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def worker_cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU of a worker's main process, and of its pool processes summed (its children)."""
+    pool = 0.0
+    for child in _children(pid):
+        with contextlib.suppress(OSError):  # a pool process that has just exited
+            pool += cpu_seconds(child)
+    return cpu_seconds(pid), pool
+
+
+def drain_cpu(worker: Worker, stamps: Stamps, tag: str, n: int, suffix: str) -> dict[str, float]:
+    """What the worker's own processes spend per task while it drains a backlog of `n` tasks tagged `tag`, from the
+    first task's finish (start-up left out) to the last's: the main process, the pool's processes, and both."""
+    pid = worker.process.pid
+    stamps.wait(tag, 1, timeout=120)
+    (main, pool), done = worker_cpu_seconds(pid), len(stamps.of(tag))
+    stamps.wait(tag, n, timeout=120 + n / 2)
+    main_end, pool_end = worker_cpu_seconds(pid)
+    counted = max(1, n - done)
+    return {
+        f"worker_main_cpu_ms_per_task{suffix}": (main_end - main) * 1000 / counted,
+        f"worker_pool_cpu_ms_per_task{suffix}": (pool_end - pool) * 1000 / counted,
+        f"worker_cpu_ms_per_task{suffix}": (main_end - main + pool_end - pool) * 1000 / counted,
+    }
+
+
 def percentile(values: list[float], p: float) -> float:
     """Nearest rank: the smallest value with at least p% of the values at or below it."""
     ordered = sorted(values)
@@ -440,6 +465,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         result["publish_ops_per_task"] = counter.delta(before, counter.total()) / n
 
         worker.start()
+        result |= drain_cpu(worker, stamps, "d", n, "")
         drained = stamps.wait("d", n, timeout=120 + n / 2)
         first_start = min(row[2] for row in drained)
         last_finish = max(row[3] for row in drained)
@@ -502,6 +528,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
             send(app, "x")
         worker = worker_with(DEFAULT_PREFETCH, f"{broker.name}-{rep}-prefetch{DEFAULT_PREFETCH}")
         worker.start()
+        result |= drain_cpu(worker, stamps, "x", n, "_celery_prefetch")
         drained = stamps.wait("x", n, timeout=120 + n / 2)
         result["drain_tps_celery_prefetch"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
 
