@@ -53,6 +53,9 @@ class AttemptState:
     pending_result: dict[str, Any] | None = None
     #: The broker retried the attempt, its failure already recorded: Celery's retry that follows records nothing.
     retried_by_broker: bool = False
+    #: The job store of the task's app, looked up once per attempt by store_of (each lookup reads the app's conf).
+    store: JobStore | None = None
+    store_looked_up: bool = False
 
 
 def attempt_state(request: Any) -> AttemptState:
@@ -88,6 +91,15 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
             target = connection.parse_broker_url(url)
             store = stores[key] = open_store(target, BrokerOptions.parse(options), **client_options)
     return store
+
+
+def store_of(task: Any) -> JobStore | None:
+    """store_for(task.app), looked up once for the attempt the task's request runs: a task's signals each need it,
+    and the lookup reads the app's conf (a few microseconds each, in every pool process, for every task)."""
+    state = attempt_state(task.request)
+    if not state.store_looked_up:
+        state.store, state.store_looked_up = store_for(task.app), True
+    return state.store
 
 
 def job_of(request: Any) -> tuple[str, int] | None:
@@ -227,14 +239,14 @@ def attempt_for(
 
 @signals.task_prerun.connect
 def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    store = store_for(sender.app) if sender is not None else None
+    store = store_of(sender) if sender is not None else None
     if store is not None and task_id and job_of(sender.request) is not None:
         attempt_state(sender.request).started_at = store.now()
 
 
 @signals.task_success.connect
 def _on_success(sender: Any = None, **_: Any) -> None:
-    store, job = store_for(sender.app), job_of(sender.request)
+    store, job = store_of(sender), job_of(sender.request)
     if store is not None and job is not None and not _settled_already(sender.request):
         store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "succeeded"))
 
@@ -279,7 +291,7 @@ def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
     # no success or failure signal. Its job is done, not lost: left running, the stale sweep would run it again.
     if state != states.IGNORED or sender is None:
         return
-    store, job = store_for(sender.app), job_of(sender.request)
+    store, job = store_of(sender), job_of(sender.request)
     if store is not None and job is not None and not _settled_already(sender.request):
         store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "ignored"))
 
