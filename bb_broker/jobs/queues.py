@@ -3,11 +3,12 @@ at once, once, and every worker's claims obey it (see docs/guides/flow-control.m
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pymongo.collection import Collection
@@ -16,6 +17,8 @@ from pymongo.errors import DuplicateKeyError
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
 QUEUES_COLLECTION = "bb_queues"
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 #: The largest concurrency limit: a claim of a limited queue picks one of its N slots (see JobStore.claim).
 MAX_CONCURRENCY = 10_000
@@ -49,14 +52,42 @@ MAX_RATE = 1_000_000
 
 @dataclass(frozen=True)
 class Rate:
-    """At most `starts` job starts per `period` seconds (fixed windows of the server's clock, see JobStore.claim)."""
+    """At most `starts` job starts per `period` seconds, in any period: starts spaced evenly, `spacing_us` apart, as
+    Celery's own `rate_limit` spaces them in one worker (a token bucket that holds one token), but across every worker
+    (see JobStore.claim)."""
 
     starts: int
     period: float
 
+    @property
+    def spacing_us(self) -> int:
+        """The least time between two starts, in microseconds (rounded up: never more than `starts` per period)."""
+        return math.ceil(self.period * 1_000_000 / self.starts)
+
     def __str__(self) -> str:
         unit = next((name for name, seconds in RATE_PERIODS.items() if seconds == self.period), None)
         return f"{self.starts}/{unit}" if unit else f"{self.starts} per {self.period:g} s"
+
+
+@dataclass(frozen=True)
+class RateStart:
+    """One start taken from a queue's rate: its counter's _id (`key`), the moment it was taken at and the `next` it
+    set, in microseconds since the epoch, to give the start back with (see JobStore._take_start)."""
+
+    key: dict[str, Any]
+    taken_at: int
+    next: int
+
+    @property
+    def queue(self) -> str:
+        return str(self.key["queue"])
+
+    @classmethod
+    def at(cls, queue: str, rate: Rate, now: datetime) -> RateStart:
+        # The claim's moment as the job's `startedAt` keeps it (BSON dates hold milliseconds): starts counted from
+        # the jobs are then spaced as the counter spaced them.
+        taken_at = (now - EPOCH) // timedelta(milliseconds=1) * 1000
+        return cls({"queue": queue, "starts": rate.starts, "period": rate.period}, taken_at, taken_at + rate.spacing_us)
 
 
 def parse_rate(value: object) -> Rate:
@@ -74,7 +105,7 @@ def parse_rate(value: object) -> Rate:
 class LimitReached(Exception):
     """A claim took no more jobs of `queue`: its limit (`limit`, as a person reads it) is reached. `claimed`: the
     jobs a batch claim took before it was; `retry_in`: seconds until the limit lets a job start again, when known
-    (a rate's next window), else None (a concurrency limit: when a job ends)."""
+    (a rate's next start), else None (a concurrency limit: when a job ends)."""
 
     def __init__(
         self, queue: str, limit: str, claimed: list[Any] | None = None, *, retry_in: float | None = None

@@ -7,7 +7,6 @@ retention in admin.py.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -44,16 +43,21 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
-from bb_broker.jobs.queues import LimitReached, QueueLimits, Rate
+from bb_broker.jobs.queues import LimitReached, QueueLimits, Rate, RateStart
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.sweeps import Sweeps
-from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold
+from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
 
-#: The counters of the rate-limited queues' starts, one document per queue and window (see JobStore._take_start).
+#: The counters of the rate-limited queues' starts, one document per queue and rate (see JobStore._take_start).
 RATES_COLLECTION = "bb_rates"
+#: How far a rate counter's next start may be ahead of a claimer's clock beyond one spacing before it is taken for a
+#: hand edit (or a clock far ahead) and replaced: workers' clocks kept by NTP are milliseconds apart, not a minute.
+MAX_RATE_CLOCK_SKEW_US = 60_000_000
+#: The tries one claim makes at a counter that changes under it before it waits a spacing.
+MAX_RATE_TRIES = 3
 
 #: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
 MAX_KEY_SKIPS = 16
@@ -214,7 +218,7 @@ class JobStore(Sweeps):
             if busy:
                 due["serialKey"] = {"$nin": sorted(busy)}
             rate = None if limits is None else limits.rate
-            window = None if rate is None else self._take_start(queue, rate, now)
+            start = None if rate is None else self._take_start(queue, rate, now)
             if rate is not None:
                 take["$set"]["claimLimits"] = {"rate": str(rate)}
             try:
@@ -223,7 +227,7 @@ class JobStore(Sweeps):
                 else:
                     job = self._claim_one(due, take)
             except DuplicateKeyError as exc:
-                self._give_start_back(window)
+                self._give_start_back(start)
                 ours, key = busy_key(exc)
                 if not ours:
                     raise
@@ -234,38 +238,65 @@ class JobStore(Sweeps):
                 metrics.record_held_back("serial key")
                 continue
             except BaseException:
-                self._give_start_back(window)
+                self._give_start_back(start)
                 raise
             if job is None:
-                self._give_start_back(window)  # nothing started: the start is not spent
+                self._give_start_back(start)  # nothing started: the start is not spent
             return job
         return None
 
-    def _take_start(self, queue: str, rate: Rate, now: datetime) -> dict[str, Any]:
-        """Count one start of `queue` in the current window of its `rate` (fixed windows of the server's clock, a
-        counter document per queue and window in RATES_COLLECTION, `$inc`ed only while below the rate: a full window
-        refuses the upsert with a DuplicateKeyError); LimitReached, with the seconds to the next window, when full.
-        The counter's _id, to give the start back with when no job starts."""
-        window = math.floor(now.timestamp() / rate.period)
-        key = {"queue": queue, "period": rate.period, "window": window}
-        counters = self.coll.database[RATES_COLLECTION]
-        ends = datetime.fromtimestamp((window + 1) * rate.period, tz=UTC)
-        try:
-            counted = counters.update_one(
-                {"_id": key, "n": {"$lt": rate.starts}},
-                {"$inc": {"n": 1}, "$setOnInsert": {"endsAt": ends}},
-                upsert=True,
-            )
-        except DuplicateKeyError:
-            metrics.record_held_back("rate")
-            raise LimitReached(queue, f"rate limit {rate}", retry_in=(ends - now).total_seconds()) from None
-        if counted.upserted_id is not None:  # a new window: the queue's past ones are of no more use
-            counters.delete_many({"_id.queue": queue, "endsAt": {"$lte": now}})
-        return key
+    def _take_start(self, queue: str, rate: Rate, now: datetime) -> RateStart:
+        """Take one start of `queue` at `now` within its `rate` (see RateStart); LimitReached, with the seconds until
+        the next start, when the last one was less than the rate's spacing ago.
 
-    def _give_start_back(self, window: dict[str, Any] | None) -> None:
-        if window is not None:
-            self.coll.database[RATES_COLLECTION].update_one({"_id": window, "n": {"$gt": 0}}, {"$inc": {"n": -1}})
+        One counter document per queue and rate in RATES_COLLECTION holds `next`, the earliest moment (in
+        microseconds) the next start may be. The start is taken by moving `next` one spacing past now, only where it
+        is not ahead of now: when it is, the filter matches nothing and the upsert's insert collides with the counter's
+        _id, so of two workers at once only one moves it."""
+        counters = self.coll.database[RATES_COLLECTION]
+        start = RateStart.at(queue, rate, now)
+        for _ in range(MAX_RATE_TRIES):
+            try:
+                taken = counters.update_one(
+                    {"_id": start.key, "next": {"$lte": start.taken_at}}, {"$set": {"next": start.next}}, upsert=True
+                )
+            except DuplicateKeyError:
+                retry_in = self._rate_wait(counters, start, rate)
+                if retry_in is None:
+                    continue  # the counter changed under us, or was replaced: take it again
+                metrics.record_held_back("rate")
+                raise LimitReached(queue, f"rate limit {rate}", retry_in=retry_in) from None
+            if taken.upserted_id is not None:  # a new rate for the queue: its earlier rates' counters are of no use
+                counters.delete_many({"_id.queue": queue, "_id": {"$ne": start.key}})
+            return start
+        metrics.record_held_back("rate")
+        raise LimitReached(queue, f"rate limit {rate}", retry_in=rate.spacing_us / 1_000_000)
+
+    def _rate_wait(self, counters: MongoCollection, start: RateStart, rate: Rate) -> float | None:
+        """The seconds until the refused `start`'s counter lets the next one through; None to take it again: the
+        counter let it through meanwhile, or held a `next` no claim writes (not a whole number, or further ahead than
+        one spacing and MAX_RATE_CLOCK_SKEW_US: edited by hand, or written by a clock far ahead), which is logged and
+        replaced, so that a bad counter never stops a queue."""
+        counter = counters.find_one({"_id": start.key})
+        if counter is None:
+            return None
+        next_at = counter.get("next")
+        if isinstance(next_at, int) and not isinstance(next_at, bool):
+            if next_at <= start.taken_at:
+                return None
+            if next_at - start.taken_at <= rate.spacing_us + MAX_RATE_CLOCK_SKEW_US:
+                return (next_at - start.taken_at) / 1_000_000
+        logger.warning("queue %s: its rate counter's next start %r is not one a claim writes: replaced", start.queue,
+                       shown(next_at))  # fmt: skip
+        counters.update_one({"_id": start.key, "next": next_at}, {"$set": {"next": start.taken_at}})
+        return None
+
+    def _give_start_back(self, start: RateStart | None) -> None:
+        """Undo a start no job took, unless another claim has taken the next one since."""
+        if start is not None:
+            self.coll.database[RATES_COLLECTION].update_one(
+                {"_id": start.key, "next": start.next}, {"$set": {"next": start.taken_at}}
+            )
 
     def _head_key(self, due: dict[str, Any]) -> Any:
         head = self._hinted(lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))

@@ -581,7 +581,7 @@ class Channel(virtual.Channel):
         try:
             jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy)
         except LimitReached as exc:
-            # The next claim comes when a job of the queue ends somewhere, or a rate's next window opens (or at the
+            # The next claim comes when a job of the queue ends somewhere, or a rate's next start is due (or at the
             # safety poll).
             jobs = exc.claimed
             if exc.retry_in is not None and wakeups is not None:

@@ -162,7 +162,7 @@ class Wakeups:
             self._waiting_for_freed.add(queue)
 
     def wake_in(self, queue: str, seconds: float) -> None:
-        """`queue` is worth a look in `seconds` (a rate's next window), news or not."""
+        """`queue` is worth a look in `seconds` (a rate's next start), news or not."""
         with self._lock:
             heapq.heappush(self._timers, (time.monotonic() + max(seconds, 0.0), queue))
 

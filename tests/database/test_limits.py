@@ -3,13 +3,15 @@ by every write that ends an attempt (the stale sweep's too), and set, changed an
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.lifecycle import Policy
-from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits
+from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits, Rate
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
@@ -330,27 +332,54 @@ def test_serial_keys_and_a_concurrency_limit_together(store: JobStore, db: Datab
 # --- rates -----------------------------------------------------------------------------------------------------------
 
 
-def test_a_rate_counts_starts_per_window_in_the_database(store: JobStore, db: Database, clock) -> None:
-    from bb_broker.jobs.queues import Rate
-
+def test_a_rate_spaces_starts_evenly_and_says_when_the_next_may_come(store: JobStore, db: Database, clock) -> None:
     for n in range(8):
         publish(store, f"t{n}")
-    limits = QueueLimits(rate=Rate(3, 60.0))
-    clock.advance(10)  # ten seconds into a window of a minute
-    assert [store.claim("limited", f"w{n}", limits) is not None for n in range(3)] == [True, True, True]
+    limits = QueueLimits(rate=Rate(3, 60.0))  # a start every 20 s
+    assert store.claim("limited", "w1", limits) is not None
     with pytest.raises(LimitReached, match="rate limit 3/m reached") as reached:
-        store.claim("limited", "w9", limits)
-    assert reached.value.retry_in == 50.0  # until the next window opens
-    assert db.jobs.count_documents({"status": "running"}) == 3
+        store.claim("limited", "w2", limits)
+    assert reached.value.retry_in == 20.0
+    clock.advance(5)
+    with pytest.raises(LimitReached) as reached:
+        store.claim("limited", "w2", limits)
+    assert reached.value.retry_in == 15.0
+    clock.advance(15)
+    assert store.claim("limited", "w2", limits) is not None
+    assert db.jobs.count_documents({"status": "running"}) == 2
     assert {doc["claimLimits"]["rate"] for doc in running(db)} == {"3/m"}
-    clock.advance(50)
-    assert store.claim("limited", "w", limits) is not None
-    assert db.bb_rates.count_documents({}) == 1  # the past window's counter went when the new one came
+    assert db.bb_rates.count_documents({}) == 1
+
+
+def test_no_period_anywhere_holds_more_starts_than_the_rate(store: JobStore, db: Database, clock) -> None:
+    """Fixed windows let 2N starts through across a window's edge; evenly spaced starts never do."""
+    for n in range(40):
+        publish(store, f"t{n}")
+    limits = QueueLimits(rate=Rate(4, 1.0))
+    clock.advance(0.5)  # half way into a second of the clock
+    starts = []
+    for _ in range(60):  # 15 seconds, five workers claiming every quarter of a second
+        for worker in range(5):
+            try:
+                if store.claim("limited", f"w{worker}", limits) is not None:
+                    starts.append(clock.now)
+            except LimitReached:
+                pass
+        clock.advance(0.25)
+    assert len(starts) >= 40 - 1  # the rate lets through all it allows
+    for first in range(len(starts) - 4):
+        assert starts[first + 4] - starts[first] >= timedelta(seconds=1), starts[first : first + 5]
+
+
+def test_a_rate_changed_starts_a_counter_of_its_own(store: JobStore, db: Database, clock) -> None:
+    for n in range(4):
+        publish(store, f"t{n}")
+    assert store.claim("limited", "w", QueueLimits(rate=Rate(1, 3600.0))) is not None
+    assert store.claim("limited", "w", QueueLimits(rate=Rate(10, 1.0))) is not None  # the faster rate at once
+    assert [doc["_id"] for doc in db.bb_rates.find()] == [{"queue": "limited", "starts": 10, "period": 1.0}]
 
 
 def test_a_claim_that_starts_nothing_spends_no_start(store: JobStore, db: Database) -> None:
-    from bb_broker.jobs.queues import Rate
-
     limits = QueueLimits(rate=Rate(1, 3600.0))
     assert store.claim("limited", "w", limits) is None  # an empty queue
     publish(store, "t0")
@@ -360,24 +389,39 @@ def test_a_claim_that_starts_nothing_spends_no_start(store: JobStore, db: Databa
         store.claim("limited", "w", limits)
 
 
-def test_a_rate_and_a_concurrency_limit_together(store: JobStore, db: Database) -> None:
-    from bb_broker.jobs.queues import Rate
-
+def test_a_rate_and_a_concurrency_limit_together(store: JobStore, db: Database, clock) -> None:
     for n in range(4):
         publish(store, f"t{n}")
     limits = QueueLimits(concurrency=1, rate=Rate(5, 3600.0))
     job = store.claim("limited", "w", limits)
     assert running(db)[0]["claimLimits"] == {"rate": "5/h", "concurrency": 1}
+    clock.advance(720)  # the rate's spacing: the next start is the concurrency limit's to refuse
+    before = db.bb_rates.find_one()["next"]
     with pytest.raises(LimitReached, match="concurrency limit 1"):
         store.claim("limited", "w", limits)
-    assert db.bb_rates.find_one()["n"] == 1  # the start the concurrency limit refused was given back
+    assert db.bb_rates.find_one()["next"] == before  # the start the concurrency limit refused was given back
     store.succeed(job.id, job.attempts)
     assert store.claim("limited", "w", limits) is not None
 
 
-def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: JobStore, db: Database) -> None:
-    from bb_broker.jobs.queues import Rate
+@pytest.mark.parametrize("edited", ["soon", 2**62, 4.0e18, True, None])
+def test_a_rate_counter_edited_by_hand_is_replaced_and_never_stops_the_queue(
+    store: JobStore, db: Database, clock, edited, caplog
+) -> None:
+    publish(store, "t0")
+    key = {"queue": "limited", "starts": 1, "period": 60.0}
+    db.bb_rates.insert_one({"_id": key, "next": edited})
+    with caplog.at_level("WARNING", logger="bb_broker.jobs.store"):
+        assert store.claim("limited", "w", QueueLimits(rate=Rate(1, 60.0))) is not None
+    assert "rate counter's next start" in caplog.text
+    assert isinstance(db.bb_rates.find_one({"_id": key})["next"], int)
+    publish(store, "t1")
+    with pytest.raises(LimitReached) as reached:  # and the rate holds again
+        store.claim("limited", "w", QueueLimits(rate=Rate(1, 60.0)))
+    assert reached.value.retry_in == 60.0
 
+
+def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: JobStore, db: Database) -> None:
     operations = Operations(store)
     known = KnownControls(QueueControls(db), max_age=0.0)
     assert operations.set_limits("limited", rate="10/s", by="tester") == QueueLimits(rate=Rate(10, 1.0))
