@@ -67,9 +67,9 @@ def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], 
 
 #: What a job holds only while it is `running`, unset by every write that ends its attempt (a settle, a retry's
 #: reschedule, a release, the stale sweep, an operator's requeue), in the write that exists anyway: its lease, and
-#: the slot of its queue's concurrency limit (bb_limit_slot) it holds, and the flag that others wait for its serial key
-#: (see serial.py).
-RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot", "serialWaiters")
+#: the slot of its queue's concurrency limit (bb_limit_slot) it holds, the flag that claims wait for a slot of that
+#: limit (JobStore._wait_for_slot), and the flag that others wait for its serial key (see serial.py).
+RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot", "slotWaiters", "serialWaiters")
 HOLDS_RELEASED = dict.fromkeys(RUNNING_ONLY_FIELDS, "")
 
 

@@ -20,6 +20,13 @@ QUEUES_COLLECTION = "bb_queues"
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
+#: Set on the jobs holding a limited queue's slots when a claim found none free; its removal when one of them ends
+#: (HOLDS_RELEASED) wakes the claimers held back. Only a limit reached writes it: a limited queue whose jobs never
+#: wait for a slot costs no change event per job.
+SLOT_WAITERS_FIELD = "slotWaiters"
+#: The looks a claim takes at the slots when they are freed faster than it flags their holders.
+MAX_SLOT_LOOKS = 3
+
 #: The largest concurrency limit: a claim of a limited queue picks one of its N slots (see JobStore.claim).
 MAX_CONCURRENCY = 10_000
 

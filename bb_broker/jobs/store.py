@@ -43,7 +43,7 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
-from bb_broker.jobs.queues import LimitReached, QueueLimits, Rate, RateStart
+from bb_broker.jobs.queues import MAX_SLOT_LOOKS, SLOT_WAITERS_FIELD, LimitReached, QueueLimits, Rate, RateStart
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
@@ -339,26 +339,43 @@ class JobStore(Sweeps):
         """The claim of a queue limited to `limit` jobs running at once: the job takes one of the queue's slots
         0..limit-1 in the claim's own write, and the unique index bb_limit_slot refuses a slot another running job
         holds. A first guess costs nothing more than the claim; only a refused one reads the slots taken (one read
-        through that index), then tries the free ones. Every write that ends the attempt unsets the slot, the stale
-        sweep's too, so a dead worker's slot comes back with its job. Slots at `limit` and above (a limit lowered)
-        are never taken again: their jobs drain."""
-        taken: set[int] = set()
-        looked = False
-        while free := [slot for slot in range(limit) if slot not in taken]:
-            slot = random.choice(free)  # workers guessing at once spread over the slots
-            limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
-            held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
-            try:
-                return self._claim_one(due, held)
-            except DuplicateKeyError as exc:
-                if busy_key(exc)[0]:
-                    raise  # the job's serial key, not its slot: the caller skips the key
-                if looked:
-                    taken.add(slot)  # taken since the read
-                else:
-                    taken, looked = self._slots_taken(queue), True
+        through that index), then tries the free ones, and with none free flags their holders (_wait_for_slot). Every
+        write that ends the attempt unsets the slot, the stale sweep's too, so a dead worker's slot comes back with its
+        job. Slots at `limit` and above (a limit lowered) are never taken again: their jobs drain."""
+        for _ in range(MAX_SLOT_LOOKS):
+            taken: set[int] = set()
+            looked = False
+            while free := [slot for slot in range(limit) if slot not in taken]:
+                slot = random.choice(free)  # workers guessing at once spread over the slots
+                limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
+                held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
+                try:
+                    return self._claim_one(due, held)
+                except DuplicateKeyError as exc:
+                    if busy_key(exc)[0]:
+                        raise  # the job's serial key, not its slot: the caller skips the key
+                    if looked:
+                        taken.add(slot)  # taken since the read
+                    else:
+                        taken, looked = self._slots_taken(queue), True
+            if self._wait_for_slot(queue, limit):
+                break
         metrics.record_held_back("concurrency")
         raise LimitReached(queue, f"concurrency limit {limit}")
+
+    def _wait_for_slot(self, queue: str, limit: int) -> bool:
+        """Flag the jobs holding `queue`'s slots below `limit` (SLOT_WAITERS_FIELD, each once), so that the first of
+        them to end wakes the claimers held back; False when fewer hold them than the limit once they are flagged: a
+        slot was freed before its holder was flagged, and nothing would report it, so the claim looks again."""
+        holders = {"queue": queue, "limitSlot": {"$exists": True, "$lt": limit}}
+        self._hinted(
+            lambda: self.coll.update_many(
+                {**holders, SLOT_WAITERS_FIELD: {"$exists": False}},
+                {"$set": {SLOT_WAITERS_FIELD: True}},
+                hint="bb_limit_slot",
+            )
+        )
+        return self._hinted(lambda: self.coll.count_documents(holders, hint="bb_limit_slot")) >= limit
 
     def _slots_taken(self, queue: str) -> set[int]:
         """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot)."""

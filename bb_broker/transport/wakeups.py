@@ -19,6 +19,8 @@ from pymongo.database import Database
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker.forks import reset_in_child
+from bb_broker.jobs.queues import SLOT_WAITERS_FIELD
+from bb_broker.jobs.serial import WAITERS_FIELD
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import BindingsWatch
 
@@ -41,9 +43,11 @@ FIRST_PACE = 0.005
 #: this many to come, so that the news after the burst waits milliseconds, not the pace the ramp reached. A stream
 #: of repeats costs a getMore per this many repeats, or per BUSY_PACE when they come slower than that.
 PACED_CHANGES = 16
-#: The fields whose removal from a job frees what another claim waits for: the slot of its queue's concurrency limit
-#: (see JobStore.claim), the flag that others wait for its serial key (see bb_broker.jobs.serial).
-FREED_FIELDS = ("limitSlot", "serialWaiters")
+#: The fields whose removal from a job frees what another claim waits for: the flag that claims wait for a slot of
+#: its queue's concurrency limit (set only once the limit is reached, see JobStore._wait_for_slot), and the flag that
+#: others wait for its serial key (see bb_broker.jobs.serial). `limitSlot` itself is not one: every job of a limited
+#: queue has it, and a change event per job would wake nobody while the limit is not reached.
+FREED_FIELDS = (SLOT_WAITERS_FIELD, WAITERS_FIELD)
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
 
@@ -368,8 +372,8 @@ class _Feed:
             {"$match": {"$or": [
                 {"ns.coll": jobs, "operationType": "insert", "fullDocument.status": "queued"},
                 {"ns.coll": jobs, "operationType": "update", "updateDescription.updatedFields.status": "queued"},
-                # A job ending with a slot of a concurrency limit, or with a serial key others wait for: only jobs of
-                # limited queues and contended keys have these fields.
+                # A job ending with a slot of a concurrency limit, or with a serial key, that others wait for: only the
+                # jobs of reached limits and contended keys have these fields.
                 *({"ns.coll": jobs, "operationType": "update", "updateDescription.removedFields": name}
                   for name in FREED_FIELDS),
                 # A queued job made due sooner (an operator's run-now) changes its runAfter alone: its status stays.

@@ -4,9 +4,10 @@ by every write that ends an attempt (the stale sweep's too), and set, changed an
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
-from pymongo import MongoClient
+from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker.jobs.document import attempt_entry
@@ -199,7 +200,73 @@ def test_the_read_of_the_slots_taken_goes_through_its_index(store: JobStore, db:
         watched.claim("limited", "w", one)
     reads = [command for command in log.commands if "find" in command]
     assert len(reads) == 1
-    assert_each_reads_through_an_index(db, reads)
+    flags = [command for command in log.commands if "updates" in command]  # the holders flagged
+    assert len(flags) == 1 and flags[0]["updates"][0]["multi"]
+    assert_each_reads_through_an_index(db, reads + flags)
+    client.close()
+
+
+def test_only_a_limit_reached_flags_the_slot_holders_and_only_their_ends_wake_anyone(
+    store: JobStore, db: Database
+) -> None:
+    from bb_broker.transport.wakeups import FREED_FIELDS
+
+    for n in range(5):
+        publish(store, f"t{n}")
+    two = QueueLimits(concurrency=2)
+    freed = [{"updateDescription.removedFields": name} for name in FREED_FIELDS]
+    with db.jobs.watch([{"$match": {"$or": freed}}]) as stream:
+        alone = store.claim("limited", "w", two)
+        assert db.jobs.find_one({"_id": alone.id}).get("slotWaiters") is None
+        assert store.succeed(alone.id, alone.attempts)  # within the limit: its end is news to nobody
+        first, second = store.claim("limited", "w", two), store.claim("limited", "w", two)
+        with pytest.raises(LimitReached):
+            store.claim("limited", "w", two)
+        assert {doc["_id"] for doc in db.jobs.find({"slotWaiters": True})} == {first.id, second.id}
+        assert store.succeed(first.id, first.attempts)
+        ended = []
+        while not ended:
+            change = stream.try_next()
+            if change is not None:
+                ended.append(change["documentKey"]["_id"])
+    assert ended == [first.id]  # the change stream is in order: the first job's end would have come before
+    assert "slotWaiters" not in db.jobs.find_one({"_id": first.id})
+
+
+class EndsAJobBeforeItsHoldersAreFlagged(monitoring.CommandListener):
+    """Succeeds `job` from another client the moment a claim sends the flag of the slot holders: a slot freed after
+    the claim found none free, before anything would report its end."""
+
+    def __init__(self, other: JobStore) -> None:
+        self.other = other
+        self.job: Any = None
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        job, updates = self.job, event.command.get("updates") or []
+        if job is not None and updates and updates[0].get("hint") == "bb_limit_slot":
+            self.job = None
+            assert self.other.succeed(job.id, job.attempts)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_a_slot_freed_before_its_holders_are_flagged_is_taken_not_waited_for(
+    store: JobStore, db: Database, mongo_url: str
+) -> None:
+    for n in range(3):
+        publish(store, f"t{n}")
+    one = QueueLimits(concurrency=1)
+    ender = EndsAJobBeforeItsHoldersAreFlagged(store)
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True, event_listeners=[ender])
+    watched = JobStore(client[db.name], Policy(), clock=store.now)
+    ender.job = watched.claim("limited", "w1", one)
+    taken = watched.claim("limited", "w2", one)  # refused, then the slot frees before the flag
+    assert taken is not None and ender.job is None
+    assert [doc["_id"] for doc in running(db)] == [taken.id]
     client.close()
 
 
@@ -472,6 +539,7 @@ def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
         for queue in ("limited", "keyed", "marker"):
             drain(queue)  # the first looks: everything once
         publish(store, "slot")
+        publish(store, "slot-waiter")
         publish_keyed(store, "k0", "key")
         publish_keyed(store, "k1", "key")
         publish(store, "m0", queue="marker")  # the stream is in order: once this is news, so is everything before
@@ -479,6 +547,8 @@ def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
         assert drain("limited") and drain("keyed")
 
         slot = store.claim("limited", "w", QueueLimits(concurrency=1))
+        with pytest.raises(LimitReached):  # the limit reached: only now does the slot's end wake anyone
+            store.claim("limited", "w", QueueLimits(concurrency=1))
         busy: set[str] = set()
         key = store.claim("keyed", "w", busy_keys=busy)
         assert store.claim("keyed", "w", busy_keys=busy) is None and busy == {"key"}
