@@ -1,8 +1,10 @@
-"""At 100k jobs, the claims, the stale sweep, statuses() and the operator's lists and look-ups read through an index,
-with no in-memory sort."""
+"""At 100k jobs, the claims, the stale sweep, statuses() and the operator's lists, look-ups, charts and argument
+searches read through an index, with no in-memory sort; the charts' and searches' times are printed (run with -s, or
+see docs/explanation/performance.md)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -11,7 +13,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import Operations
+from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.stats import Window, job_stats
 from tests.support.store import (
     CommandLog,
     FakeClock,
@@ -46,15 +49,19 @@ def job(i: int, clock: FakeClock) -> dict:
     }
 
 
+def fill(store: JobStore, db: Database, clock: FakeClock) -> None:
+    store.ensure_indexes(retention=0)  # the fake clock is months back: a TTL would expire the succeeded jobs
+    for start in range(0, JOBS, BATCH):
+        db.jobs.insert_many([job(i, clock) for i in range(start, start + BATCH)], ordered=False)
+    assert db.jobs.estimated_document_count() == JOBS
+
+
 @pytest.mark.heavy
 @pytest.mark.timeout(1800)  # inserting 100k jobs into eight indexes takes minutes on the Python stand-in
 def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: str, db: Database) -> None:
     clock = FakeClock()
     store = JobStore(db, Policy(stale_after=300.0), clock=clock)
-    store.ensure_indexes(retention=0)  # the fake clock is months back: a TTL would expire the succeeded jobs
-    for start in range(0, JOBS, BATCH):
-        db.jobs.insert_many([job(i, clock) for i in range(start, start + BATCH)], ordered=False)
-    assert db.jobs.estimated_document_count() == JOBS
+    fill(store, db, clock)
 
     log = CommandLog()
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
@@ -74,3 +81,44 @@ def test_claim_sweep_and_statuses_read_through_an_index_at_100k_jobs(mongo_url: 
     lists = CommandLog()
     with MongoClient(mongo_url, event_listeners=[lists], tz_aware=True) as client:
         assert_lists_read_through_an_index(Operations(JobStore(client[db.name], clock=clock)), db, lists)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1800)
+def test_charts_and_argument_searches_read_through_an_index_at_100k_jobs(mongo_url: str, db: Database) -> None:
+    """The Jobs tab's charts and argument searches: each one query, through an index, with the numbers it must
+    give; their times printed (-s)."""
+    clock = FakeClock()
+    fill(JobStore(db, clock=clock), db, clock)
+    answers = CommandLog()
+    timings: dict[str, float] = {}
+    with MongoClient(mongo_url, event_listeners=[answers], tz_aware=True) as client:
+        operations = Operations(JobStore(client[db.name], clock=clock))
+
+        def timed(name: str, answer):
+            began = time.perf_counter()
+            result = answer()
+            timings[name] = time.perf_counter() - began
+            return result
+
+        mail, week = JobFilter(queue="mail"), timedelta(days=7)
+        for length, name in ((timedelta(hours=1), "1h"), (timedelta(days=1), "1d"), (timedelta(days=7), "7d")):
+            chart = timed(f"chart {name}", lambda length=length: job_stats(operations, JobFilter(), length))
+            start = Window.ending(clock.now, length).start
+            expected = db.jobs.count_documents({"status": {"$in": [SUCCEEDED, FAILED]}, "finishedAt": {"$gte": start}})
+            assert sum(chart["series"]["all"]["succeeded"]) + sum(chart["series"]["all"]["failed"]) == expected, name
+        by_queue = timed("chart 7d by queue", lambda: job_stats(operations, JobFilter(), week, "queue"))
+        assert sorted(by_queue["series"]) == sorted(QUEUES)
+        of_mail = timed("chart 7d of queue=mail", lambda: job_stats(operations, mail, week))
+        assert sum(of_mail["series"]["all"]["succeeded"]) == sum(by_queue["series"]["mail"]["succeeded"])
+        newest = JobFilter.parse({"args.0": str(JOBS - 1)}, clock.now)
+        found = timed("search args.0", lambda: operations.list_jobs(newest))
+        assert [row["taskId"] for row in found.jobs] == [f"task-{JOBS - 1}"]
+        in_mail = JobFilter.parse({"args.0": str(JOBS - 3), "queue": "mail"}, clock.now)  # JOBS - 3 is mail's
+        assert [
+            row["taskId"] for row in timed("search args.0 in mail", lambda: operations.list_jobs(in_mail)).jobs
+        ] == [f"task-{JOBS - 3}"]
+        searched_chart = timed("chart 1d of a search", lambda: job_stats(operations, newest, timedelta(days=1)))
+        assert sum(searched_chart["series"]["all"]["succeeded"]) + sum(searched_chart["series"]["all"]["failed"]) <= 1
+    assert_each_reads_through_an_index(db, answers.commands)
+    print("\n".join(f"{name:<28} {seconds * 1000:8.0f} ms" for name, seconds in timings.items()))
