@@ -967,9 +967,11 @@ class Operations:
         return isinstance(updated, datetime) and aware(updated) < cutoff
 
     def _hint_if_indexed(self, index: str) -> dict[str, Any]:
-        # An operator may look at a database no worker has indexed yet, where a hint would be an error.
+        # An operator may look at a database no worker has indexed yet, where a hint would be an error. The _id index
+        # is always there (a missing collection ignores the hint), and hinted: a planner may otherwise scan and sort
+        # the whole collection for a newest-first read with nothing else in its filter (the Python stand-in does).
         if index == "_id_":
-            return {}
+            return {"hint": index}
         return {"hint": index} if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
 
     def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
