@@ -1,9 +1,10 @@
 """What happened over time, from the job documents: attempts finished per interval by outcome, and the wait and run
 times of the jobs that finished, p50 and p95, per queue or kind (the Jobs tab's charts, `bb-broker stats`).
 
-One aggregation per answer, bounded by its window through the `bb_status_updated` index: every write to a job sets
-its `updatedAt`, so a job with an attempt that finished in the window was last written in it or after. The server
-sends each such job's timings (never its payload or result); the intervals and percentiles are counted here.
+Two aggregations per answer, bounded by its window through the `bb_status_updated` index: every write to a job
+sets its `updatedAt`, so a job with an attempt that finished in the window was last written in it or after. The
+server groups the finished jobs by interval and sends each group's count and timings (never a payload or result),
+and counts the retried attempts of each interval from the history; the percentiles are computed here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ LONG_STEP = timedelta(hours=1)
 UNSUCCESSFUL = ("failed", "retry", "lost")
 #: What the series of each group hold, one value per interval.
 SERIES = ("succeeded", "failed", "retried", "waitP50", "waitP95", "runP50", "runP95")
+#: The most jobs of one interval, status and group whose timings the server sends (about 100 bytes each).
+TIMED_PER_GROUP = 5_000
 #: The group name when the numbers are not grouped.
 ALL = "all"
 
@@ -81,22 +84,36 @@ def job_stats(
     if not isinstance(query.get("status"), str):
         query["status"] = {"$in": list(STATUSES)}  # the index's first field, so the window below is a range of it
     query["updatedAt"] = {**query.get("updatedAt", {}), "$gte": window.start}
-    projection = {
-        "queue": 1, "kind": 1, "status": 1, "attempts": 1, "runAfter": 1, "startedAt": 1, "finishedAt": 1,
-        "history.n": 1, "history.outcome": 1, "history.finishedAt": 1,
-    }  # fmt: skip
-    cursor = operations.coll.aggregate(
-        [{"$match": query}, {"$project": projection}], **operations._hint_if_indexed("bb_status_updated")
-    )
+    hint = operations._hint_if_indexed("bb_status_updated")
     groups: dict[str, dict[str, list[Any]]] = {}
-    for doc in cursor:
-        name = ALL if by is None else str(doc.get(by) if doc.get(by) is not None else "")
-        group = groups.get(name)
-        if group is None:
-            group = groups[name] = {"succeeded": [0] * window.count, "failed": [0] * window.count,
-                                    "retried": [0] * window.count, "waits": [[] for _ in range(window.count)],
-                                    "runs": [[] for _ in range(window.count)]}  # fmt: skip
-        _count_attempts(doc, window, group)
+
+    def group_of(value: Any) -> dict[str, list[Any]]:
+        name = ALL if by is None else str(value if value is not None else "")
+        if name not in groups:
+            groups[name] = {"succeeded": [0] * window.count, "failed": [0] * window.count,
+                            "retried": [0] * window.count, "waits": [[] for _ in range(window.count)],
+                            "runs": [[] for _ in range(window.count)]}  # fmt: skip
+        return groups[name]
+
+    # The server groups the jobs by interval (and queue or kind) and sends one document per group: shipping each
+    # job's timings as a document of its own costs several times more at 100,000 jobs (docs/explanation/performance.md).
+    for bucket in operations.coll.aggregate(_finished_pipeline(query, window, by), **hint):
+        at = window.index(bucket["_id"].get("at"))
+        status = bucket["_id"].get("status")
+        if at is None or status not in (SUCCEEDED, FAILED):
+            continue
+        group = group_of(bucket["_id"].get("group"))
+        group[status][at] += bucket["jobs"]
+        for times in bucket["times"]:
+            started, due, finished = times.get("started"), times.get("due"), times.get("finished")
+            if isinstance(started, datetime) and isinstance(finished, datetime):
+                if isinstance(due, datetime):
+                    group["waits"][at].append(max((aware(started) - aware(due)).total_seconds(), 0.0))
+                group["runs"][at].append(max((aware(finished) - aware(started)).total_seconds(), 0.0))
+    for bucket in operations.coll.aggregate(_retried_pipeline(query, window, by), **hint):
+        at = window.index(bucket["_id"].get("at"))
+        if at is not None and bucket["attempts"]:
+            group_of(bucket["_id"].get("group"))["retried"][at] += bucket["attempts"]
     series = {name: _series(group) for name, group in sorted(groups.items())}
     return {
         "from": window.start.isoformat(),
@@ -109,25 +126,47 @@ def job_stats(
     }
 
 
-def _count_attempts(doc: dict[str, Any], window: Window, group: dict[str, list[Any]]) -> None:
-    status, attempts = doc.get("status"), doc.get("attempts")
-    history = doc.get("history")
-    for entry in history if isinstance(history, list) else []:
-        if not isinstance(entry, dict) or entry.get("outcome") not in UNSUCCESSFUL:
-            continue
-        last_of_failed_job = status == FAILED and entry.get("n") == attempts
-        at = window.index(entry.get("finishedAt"))
-        if at is not None and not last_of_failed_job:
-            group["retried"][at] += 1
-    at = window.index(doc.get("finishedAt"))
-    if at is None or status not in (SUCCEEDED, FAILED):
-        return
-    group[status][at] += 1
-    started, due, finished = doc.get("startedAt"), doc.get("runAfter"), doc["finishedAt"]
-    if isinstance(started, datetime):
-        if isinstance(due, datetime):
-            group["waits"][at].append(max((aware(started) - aware(due)).total_seconds(), 0.0))
-        group["runs"][at].append(max((aware(finished) - aware(started)).total_seconds(), 0.0))
+def _interval(moment: str, window: Window) -> dict[str, Any]:
+    """The start of the interval of `window` a date falls in, on the server. Intervals are whole minutes counted from
+    2000-01-01, $dateTrunc's reference, which whole minutes, quarter hours and hours from the epoch are too."""
+    minutes = int(window.step.total_seconds() // 60)
+    return {"$dateTrunc": {"date": moment, "unit": "minute", "binSize": minutes}}
+
+
+def _finished_pipeline(query: dict[str, Any], window: Window, by: str | None) -> list[dict[str, Any]]:
+    """The jobs that finished in `window`, per interval, status and group: how many, and each one's timings."""
+    in_window = {"$gte": window.start, "$lt": window.end}  # dates only: a finishedAt edited into text is left out
+    return [
+        {"$match": query},
+        {"$match": {"status": {"$in": [SUCCEEDED, FAILED]}, "finishedAt": in_window}},
+        {"$group": {
+            "_id": {"at": _interval("$finishedAt", window), "status": "$status",
+                    "group": None if by is None else f"${by}"},
+            "jobs": {"$sum": 1},
+            # A group's document must stay far below the server's 16 MB: the percentiles of a busier interval are
+            # those of its first TIMED_PER_GROUP jobs in the index's order (by updatedAt); the counts stay exact.
+            "times": {"$firstN": {"n": TIMED_PER_GROUP,
+                                  "input": {"started": "$startedAt", "due": "$runAfter", "finished": "$finishedAt"}}},
+        }},
+    ]  # fmt: skip
+
+
+def _retried_pipeline(query: dict[str, Any], window: Window, by: str | None) -> list[dict[str, Any]]:
+    """The attempts that ended unsuccessfully in `window` and were not their failed job's last, per interval and
+    group."""
+    entry_in_window = {"history.outcome": {"$in": list(UNSUCCESSFUL)},
+                       "history.finishedAt": {"$gte": window.start, "$lt": window.end}}  # fmt: skip
+    last_of_failed_job = {"$and": [{"$eq": ["$status", FAILED]}, {"$eq": ["$history.n", "$attempts"]}]}
+    return [
+        {"$match": query},
+        {"$match": {"history.outcome": {"$in": list(UNSUCCESSFUL)}}},
+        {"$unwind": "$history"},
+        {"$match": entry_in_window},
+        {"$group": {
+            "_id": {"at": _interval("$history.finishedAt", window), "group": None if by is None else f"${by}"},
+            "attempts": {"$sum": {"$cond": [last_of_failed_job, 0, 1]}},
+        }},
+    ]  # fmt: skip
 
 
 def _series(group: dict[str, list[Any]]) -> dict[str, list[Any]]:

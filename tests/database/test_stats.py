@@ -78,6 +78,20 @@ def test_counts_and_percentiles_per_interval(ops: Operations, db: Database, cloc
     assert list(only_b) == ["all"] and only_b["all"]["succeeded"][49] == 1 and sum(only_b["all"]["retried"]) == 2
 
 
+def test_a_busy_intervals_percentiles_are_of_its_first_jobs_and_its_counts_stay_exact(
+    ops: Operations, db: Database, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bb_broker.ops.stats
+
+    monkeypatch.setattr(bb_broker.ops.stats, "TIMED_PER_GROUP", 3)  # so that five jobs make a busy interval
+    now = clock.now
+    for n, run in enumerate((1, 2, 3, 40, 50)):  # finished in this order within one minute
+        finished(db, now, f"j{n}", queue="a", status="succeeded", ago=600 - n, wait=0, run=run)
+    (everything,) = job_stats(ops, JobFilter(), timedelta(hours=1))["series"].values()
+    assert everything["succeeded"][49] == 5
+    assert everything["runP95"][49] == 3  # of the first three the server sent
+
+
 def test_windows_and_bad_values(ops: Operations, clock: FakeClock) -> None:
     day = Window.ending(clock.now, timedelta(days=1))
     assert (day.step, day.count) == (timedelta(minutes=15), 96)
@@ -106,6 +120,6 @@ def test_every_chart_reads_through_the_status_index(ops: Operations, db: Databas
                                (JobFilter(status="failed"), "queue"), (JobFilter(), "kind")):  # fmt: skip
             job_stats(watched, job_filter, timedelta(hours=1), by)
     aggregates = [command for command in log.commands if "aggregate" in command]
-    assert len(aggregates) == 5
+    assert len(aggregates) == 10  # two a chart: its finished jobs and its retried attempts
     assert_each_reads_through_an_index(db, aggregates)
     assert all(command["hint"] == "bb_status_updated" for command in aggregates)
