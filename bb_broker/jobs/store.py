@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 #: The counters of the rate-limited queues' starts, one document per queue and rate (see JobStore._take_start).
 RATES_COLLECTION = "bb_rates"
 #: How far a rate counter's next start may be ahead of a claimer's clock beyond one spacing before it is taken for a
-#: hand edit (or a clock far ahead) and replaced: workers' clocks kept by NTP are milliseconds apart, not a minute.
+#: hand edit (or a clock far ahead) and replaced: the workers read the server's time (ServerClock) within milliseconds.
 MAX_RATE_CLOCK_SKEW_US = 60_000_000
 #: The tries one claim makes at a counter that changes under it before it waits a spacing.
 MAX_RATE_TRIES = 3
