@@ -36,7 +36,8 @@ def test_run_now_makes_a_job_with_an_hours_countdown_run_on_a_real_worker(app, d
     assert "startedAt" not in before
 
     doc = Operations(JobStore(db, Policy())).act(RUN_NOW, task_id, by="ops@example")
-    assert doc["status"] == "queued" and aware(doc["runAfter"]) <= datetime.now(UTC)
+    # Read back after the write: the woken worker may have claimed the job already (it claims at once).
+    assert doc["status"] in ("queued", "running", "succeeded") and aware(doc["runAfter"]) <= datetime.now(UTC)
     assert doc["actions"][-1]["action"] == RUN_NOW and doc["actions"][-1]["by"] == "ops@example"
 
     done = wait_for(settled(db, task_id, "succeeded"), message="the job ran after run-now")
