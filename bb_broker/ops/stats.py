@@ -1,15 +1,17 @@
 """What happened over time, from the job documents: attempts finished per interval by outcome, and the wait and run
 times of the jobs that finished, p50 and p95, per queue or kind (the Jobs tab's charts, `bb-broker stats`).
 
-Two aggregations per answer, bounded by its window through the `bb_status_updated` index: every write to a job
-sets its `updatedAt`, so a job with an attempt that finished in the window was last written in it or after. The
-server groups the finished jobs by interval and sends each group's count and timings (never a payload or result),
-and counts the retried attempts of each interval from the history; the percentiles are computed here.
+Two aggregations per answer, run at once, bounded by its window through the `bb_status_updated` index: every write
+to a job sets its `updatedAt`, so a job with an attempt that finished in the window was last written in it or after. The
+server groups the finished jobs by interval and sends each group's count and wait and run times (never a payload or
+result), and counts the retried attempts of each interval from the history; the percentiles are computed here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -95,25 +97,31 @@ def job_stats(
                             "runs": [[] for _ in range(window.count)]}  # fmt: skip
         return groups[name]
 
-    # The server groups the jobs by interval (and queue or kind) and sends one document per group: a document per job
-    # took 2.0 s for a week of 100,000 jobs against 1.2 s grouped (docs/explanation/performance.md).
-    for bucket in operations.coll.aggregate(_finished_pipeline(query, window, by), **hint):
-        at = window.index(bucket["_id"].get("at"))
-        status = bucket["_id"].get("status")
-        if at is None or status not in (SUCCEEDED, FAILED):
-            continue
-        group = group_of(bucket["_id"].get("group"))
-        group[status][at] += bucket["jobs"]
-        for times in bucket["times"]:
-            started, due, finished = times.get("started"), times.get("due"), times.get("finished")
-            if isinstance(started, datetime) and isinstance(finished, datetime):
-                if isinstance(due, datetime):
-                    group["waits"][at].append(max((aware(started) - aware(due)).total_seconds(), 0.0))
-                group["runs"][at].append(max((aware(finished) - aware(started)).total_seconds(), 0.0))
-    for bucket in operations.coll.aggregate(_retried_pipeline(query, window, by), **hint):
-        at = window.index(bucket["_id"].get("at"))
-        if at is not None and bucket["attempts"]:
-            group_of(bucket["_id"].get("group"))["retried"][at] += bucket["attempts"]
+    # The server groups the jobs by interval (and queue or kind) and sends one document per group, with each job's
+    # wait and run time worked out there in milliseconds: no document per job, no date decoded here. The retried
+    # attempts are counted meanwhile, on a thread of their own, so that the server runs both aggregations at once
+    # (pymongo's client is shared between threads; docs/explanation/performance.md has the figures). Only this
+    # thread writes `groups`.
+    finished = _finished_query(query)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-stats") as retried_reader:
+        retried = retried_reader.submit(lambda: list(operations.coll.aggregate(_retried_pipeline(query, window, by),
+                                                                               **hint)))  # fmt: skip
+        buckets: Iterable[dict[str, Any]] = (
+            operations.coll.aggregate(_finished_pipeline(finished, window, by), **hint) if finished else []
+        )
+        for bucket in buckets:
+            at = window.index(bucket["_id"].get("at"))
+            status = bucket["_id"].get("status")
+            if at is None or status not in (SUCCEEDED, FAILED):
+                continue
+            group = group_of(bucket["_id"].get("group"))
+            group[status][at] += bucket["jobs"]
+            group["waits"][at] += _seconds(bucket["waits"])
+            group["runs"][at] += _seconds(bucket["runs"])
+        for bucket in retried.result():
+            at = window.index(bucket["_id"].get("at"))
+            if at is not None and bucket["attempts"]:
+                group_of(bucket["_id"].get("group"))["retried"][at] += bucket["attempts"]
     series = {name: _series(group) for name, group in sorted(groups.items())}
     return {
         "from": window.start.isoformat(),
@@ -133,20 +141,43 @@ def _interval(moment: str, window: Window) -> dict[str, Any]:
     return {"$dateTrunc": {"date": moment, "unit": "minute", "binSize": minutes}}
 
 
+def _finished_query(query: dict[str, Any]) -> dict[str, Any] | None:
+    """`query` narrowed to the jobs that have finished for good, or None when it asks for jobs that have not: the
+    index's first field is the status, so a status fewer is a range of the index the server does not read."""
+    status = query.get("status")
+    if isinstance(status, str):
+        return query if status in (SUCCEEDED, FAILED) else None
+    return {**query, "status": {"$in": [SUCCEEDED, FAILED]}}
+
+
+def _milliseconds(start: str, end: str) -> dict[str, Any]:
+    """From one date field of the job to another, in milliseconds, on the server; None (not an error that would fail
+    the whole chart) when either is missing or is not a date, as in a hand-edited document."""
+    both_dates = {"$and": [{"$eq": [{"$type": start}, "date"]}, {"$eq": [{"$type": end}, "date"]}]}
+    return {"$cond": [both_dates, {"$dateDiff": {"startDate": start, "endDate": end, "unit": "millisecond"}}, None]}
+
+
+def _seconds(milliseconds: list[Any]) -> list[float]:
+    """The times the server sent, in seconds, a missing one left out: none is negative, though a publisher's clock
+    that runs ahead of the server's can write a runAfter later than the claim that starts the job."""
+    return [max(ms / 1000, 0.0) for ms in milliseconds if isinstance(ms, int | float) and not isinstance(ms, bool)]
+
+
 def _finished_pipeline(query: dict[str, Any], window: Window, by: str | None) -> list[dict[str, Any]]:
-    """The jobs that finished in `window`, per interval, status and group: how many, and each one's timings."""
+    """The jobs that finished in `window`, per interval, status and group: how many, and their wait (runAfter to
+    the start of their last attempt) and run time (that start to their finish)."""
     in_window = {"$gte": window.start, "$lt": window.end}  # dates only: a finishedAt edited into text is left out
+    # A group's document must stay far below the server's 16 MB: the percentiles of a busier interval are those of
+    # its first TIMED_PER_GROUP jobs in the index's order (by updatedAt); the counts stay exact.
     return [
         {"$match": query},
-        {"$match": {"status": {"$in": [SUCCEEDED, FAILED]}, "finishedAt": in_window}},
+        {"$match": {"finishedAt": in_window}},
         {"$group": {
             "_id": {"at": _interval("$finishedAt", window), "status": "$status",
                     "group": None if by is None else f"${by}"},
             "jobs": {"$sum": 1},
-            # A group's document must stay far below the server's 16 MB: the percentiles of a busier interval are
-            # those of its first TIMED_PER_GROUP jobs in the index's order (by updatedAt); the counts stay exact.
-            "times": {"$firstN": {"n": TIMED_PER_GROUP,
-                                  "input": {"started": "$startedAt", "due": "$runAfter", "finished": "$finishedAt"}}},
+            "waits": {"$firstN": {"n": TIMED_PER_GROUP, "input": _milliseconds("$runAfter", "$startedAt")}},
+            "runs": {"$firstN": {"n": TIMED_PER_GROUP, "input": _milliseconds("$startedAt", "$finishedAt")}},
         }},
     ]  # fmt: skip
 

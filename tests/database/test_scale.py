@@ -28,10 +28,18 @@ QUEUES = ("celery", "mail", "reports")
 
 
 def job(i: int, clock: FakeClock) -> dict:
-    """The shape publish() writes, in the mix a long-lived deployment holds: mostly finished, some waiting."""
+    """The shape the lifecycle writes, in the mix a long-lived deployment holds: mostly finished, some waiting, a
+    third of the finished ones after a failed attempt or two (in their history)."""
     status = (SUCCEEDED,) * 6 + (QUEUED, QUEUED, RUNNING, FAILED)
     created = clock.now - timedelta(seconds=JOBS - i)
     state = status[i % len(status)]
+    attempts = 0 if state == QUEUED else 1 + i % 3
+    started = created - timedelta(seconds=i % 5)  # the last attempt's start, i % 5 s before its finish
+    earlier = [
+        {"n": n, "worker": "host:w", "startedAt": started, "finishedAt": started, "outcome": "failed"}
+        for n in range(1, attempts)
+    ]
+    last = [{"n": attempts, "worker": "host:w", "startedAt": started, "finishedAt": created, "outcome": state}]
     return {
         "_id": f"{i:026d}",
         "kind": "app.task",
@@ -40,12 +48,19 @@ def job(i: int, clock: FakeClock) -> dict:
         "priority": i % 10,
         "payload": {"args": [i], "kwargs": {}, "options": {}},
         "status": state,
-        "attempts": 0 if state == QUEUED else 1 + i % 3,
-        "runAfter": created + timedelta(seconds=(i % 7) * 30),  # some due, some not yet
+        "attempts": attempts,
+        # Some queued jobs are due, some not yet; the others waited i % 7 s for their last attempt.
+        "runAfter": created + timedelta(seconds=(i % 7) * 30)
+        if state == QUEUED
+        else started - timedelta(seconds=i % 7),
         "createdAt": created,
         "updatedAt": created,
-        **({"leaseOwner": f"host:{i % 16}:w"} if state == RUNNING else {}),
-        **({"finishedAt": created} if state in (SUCCEEDED, FAILED) else {}),
+        **({"leaseOwner": f"host:{i % 16}:w", "startedAt": started, "history": earlier} if state == RUNNING else {}),
+        **(
+            {"startedAt": started, "finishedAt": created, "history": earlier + last}
+            if state in (SUCCEEDED, FAILED)
+            else {}
+        ),
     }
 
 
@@ -107,6 +122,12 @@ def test_charts_and_argument_searches_read_through_an_index_at_100k_jobs(mongo_u
             start = Window.ending(clock.now, length).start
             expected = db.jobs.count_documents({"status": {"$in": [SUCCEEDED, FAILED]}, "finishedAt": {"$gte": start}})
             assert sum(chart["series"]["all"]["succeeded"]) + sum(chart["series"]["all"]["failed"]) == expected, name
+        # Every attempt before a job's last failed; every job waited i % 7 s and ran i % 5 s.
+        retried = sum(max(job(i, clock)["attempts"] - 1, 0) for i in range(JOBS))
+        week_chart = chart["series"]["all"]
+        assert sum(week_chart["retried"]) == retried
+        assert max(v for v in week_chart["runP95"] if v is not None) == 4
+        assert max(v for v in week_chart["waitP95"] if v is not None) == 6
         by_queue = timed("chart 7d by queue", lambda: job_stats(operations, JobFilter(), week, "queue"))
         assert sorted(by_queue["series"]) == sorted(QUEUES)
         of_mail = timed("chart 7d of queue=mail", lambda: job_stats(operations, mail, week))

@@ -92,6 +92,27 @@ def test_a_busy_intervals_percentiles_are_of_its_first_jobs_and_its_counts_stay_
     assert everything["runP95"][49] == 3  # of the first three the server sent
 
 
+def test_hand_edited_times_leave_their_job_counted_and_untimed_and_fail_no_chart(
+    ops: Operations, db: Database, clock: FakeClock
+) -> None:
+    now = clock.now
+    finished(db, now, "good", queue="a", status="succeeded", ago=600, wait=2, run=3)
+    finished(db, now, "text-start", queue="a", status="succeeded", ago=600, wait=1, run=1)
+    db.jobs.update_one({"_id": "text-start"}, {"$set": {"startedAt": "yesterday"}})
+    finished(db, now, "no-due", queue="a", status="failed", ago=600, wait=1, run=7)
+    db.jobs.update_one({"_id": "no-due"}, {"$set": {"runAfter": 12}})
+    finished(db, now, "text-finish", queue="a", status="succeeded", ago=600, wait=1, run=1)
+    db.jobs.update_one({"_id": "text-finish"}, {"$set": {"finishedAt": "soon"}})
+    finished(db, now, "early", queue="a", status="succeeded", ago=600, wait=-5, run=3)  # runAfter after its start
+
+    (everything,) = job_stats(ops, JobFilter(), timedelta(hours=1))["series"].values()
+    # Counted: every job with a finishedAt date in the window; text-finish has none.
+    assert (everything["succeeded"][49], everything["failed"][49]) == (3, 1)
+    # Timed: good (wait 2, run 3), early (wait clamped to 0, run 3), no-due (run 7 only); text-start neither.
+    assert (everything["waitP50"][49], everything["waitP95"][49]) == (0, 2)
+    assert (everything["runP50"][49], everything["runP95"][49]) == (3, 7)
+
+
 def test_windows_and_bad_values(ops: Operations, clock: FakeClock) -> None:
     day = Window.ending(clock.now, timedelta(days=1))
     assert (day.step, day.count) == (timedelta(minutes=15), 96)
