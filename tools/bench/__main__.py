@@ -24,6 +24,10 @@ HOW_OPS_ARE_COUNTED = (
 )
 
 
+#: The flow-control round's concurrency limit: far above a `-c 2` worker's, so it is never reached.
+UNREACHED_LIMIT = 1_000
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -62,6 +66,10 @@ def main() -> int:
             # Results on: bbmongo:// on the job documents, against mongodb:// with Celery's MongoDB backend.
             mongo_broker("bbmongo_results", "bbmongo", mongo.url, mongo, ops, results=True),
             mongo_broker("mongodb_results", "mongodb", mongo.url, mongo, ops, results=True),
+            # Flow control (docs/guides/unique-jobs.md, flow-control.md): every task unique on its own arguments,
+            # or the task queue limited to more running jobs than the worker can ever run: what each costs.
+            mongo_broker("bbmongo_unique", "bbmongo", mongo.url, mongo, ops, send_options={"unique": True}),
+            mongo_broker("bbmongo_limited", "bbmongo", mongo.url, mongo, ops, concurrency_limit=UNREACHED_LIMIT),
         ]
         wanted = os.environ.get("BENCH_BROKERS")
         if wanted:

@@ -38,6 +38,9 @@ METRICS: list[tuple[str, str, str]] = [
     ("worker_rss_mb", "worker RSS (main + pool)", "MB"),
 ]
 
+#: The flow-control rounds: bbmongo:// with every task unique, and with a concurrency limit it never reaches.
+FLOW_CONTROL = ("bbmongo_unique", "bbmongo_limited")
+
 #: Same-round ratios: (numerator broker, denominator broker, metric).
 RATIOS = [
     ("bbmongo", "mongodb", "drain_tps"),
@@ -68,6 +71,11 @@ RATIOS = [
     ("bbmongo_results", "mongodb_results", "ops_per_task"),
     ("bbmongo_results", "mongodb_results", "ops_per_task_celery_prefetch"),
     ("bbmongo_results", "bbmongo", "ops_per_task"),
+    *(
+        (flow, "bbmongo", metric)
+        for flow in FLOW_CONTROL
+        for metric in ("drain_tps", "drain_tps_celery_prefetch", "ops_per_task", "ops_per_task_celery_prefetch")
+    ),
 ]
 
 
@@ -155,6 +163,17 @@ def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str
             lambda v: v >= 1.0,
         ),
     }
+    # Flow control (issue 23): unique keys on every task, and a limit never reached, cost no drain and no operation.
+    for flow in FLOW_CONTROL:
+        for prefetch, suffix in (("1", ""), ("4", "_celery_prefetch")):
+            checks[f"{flow} drain >= 0.95x bbmongo:// (prefetch {prefetch})"] = (
+                rat.get(f"{flow}/bbmongo drain_tps{suffix}"),
+                lambda v: v >= 0.95,
+            )
+            checks[f"{flow} ops per task <= 1.02x bbmongo:// (prefetch {prefetch})"] = (
+                rat.get(f"{flow}/bbmongo ops_per_task{suffix}"),
+                lambda v: v <= 1.02,
+            )
     return {
         name: {"value": None if value is None else round(value, 3), "met": value is not None and ok(value)}
         for name, (value, ok) in checks.items()

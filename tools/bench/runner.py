@@ -20,6 +20,8 @@ from celery import Celery
 from celery.utils.nodenames import host_format
 from pymongo import MongoClient
 
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
 from tests.support.servers import with_database
 from tests.support.workers import ROOT, Worker, wait_for
 from tools.bench.app import HOLD_TASK, PROBE_QUEUE, QUEUE, TASK
@@ -133,13 +135,26 @@ class Broker:
     ping: bool = True
     #: Whether the round drains with task events on (the rounds with results on skip it, as the ping).
     events: bool = True
+    #: Options every task of the round is sent with (the flow-control rounds: `unique=True`).
+    send_options: dict[str, Any] = field(default_factory=dict)
+    #: What the round sets up after its reset, before anything is published (a queue's limit).
+    prepare: Callable[[int], None] = field(default=lambda rep: None)
 
 
 def mongo_broker(
-    name: str, scheme: str, url: str, server: Server, counter: MongoOps, *, results: bool = False
+    name: str,
+    scheme: str,
+    url: str,
+    server: Server,
+    counter: MongoOps,
+    *,
+    results: bool = False,
+    send_options: dict[str, Any] | None = None,
+    concurrency_limit: int | None = None,
 ) -> Broker:
     """A MongoDB broker; with `results`, the same URL is also the result backend: bb_broker.results.backend for bbmongo://,
-    Celery's own MongoDB backend (a `celery_taskmeta` document per task) for mongodb://."""
+    Celery's own MongoDB backend (a `celery_taskmeta` document per task) for mongodb://. The flow-control rounds of
+    bbmongo:// send every task with `send_options`, or limit the task queue to `concurrency_limit` running jobs."""
 
     def database(rep: int) -> str:
         return f"bench_{name}_{rep}"
@@ -149,6 +164,13 @@ def mongo_broker(
         counter.client.drop_database(database(rep))
         if rep > 0:
             counter.client.drop_database(database(rep - 1))
+
+    flow_control = bool(send_options) or concurrency_limit is not None
+
+    def prepare(rep: int) -> None:
+        if concurrency_limit is not None:
+            operations = Operations(JobStore(counter.client[database(rep)]))
+            operations.set_limits(QUEUE, concurrency=concurrency_limit, by="bench")
 
     quiet = "&".join(f"{k}={v}" for k, v in QUIET_CLIENT.items())
 
@@ -179,8 +201,11 @@ def mongo_broker(
         reset=reset,
         check=check,
         result_backend=(lambda rep: with_database(url, database(rep), scheme)) if results else None,
-        ping=not results,
-        events=not results,
+        # The flow-control rounds differ from bbmongo:// only in the drains and the operations they cost.
+        ping=not results and not flow_control,
+        events=not results and not flow_control,
+        send_options=send_options or {},
+        prepare=prepare,
     )
 
 
@@ -314,8 +339,8 @@ def producer(url: str) -> Celery:
     return app
 
 
-def send(app: Celery, tag: str, queue: str = QUEUE) -> None:
-    app.send_task(TASK, args=[time.time(), tag], queue=queue)
+def send(app: Celery, tag: str, queue: str = QUEUE, options: dict[str, Any] | None = None) -> None:
+    app.send_task(TASK, args=[time.time(), tag], queue=queue, **(options or {}))
 
 
 def saturated_ping(app: Celery, worker: Worker, stamps: Stamps, settings: Settings, flag: Path) -> dict[str, Any]:
@@ -433,10 +458,15 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     """Every figure of one broker, measured once; the caller repeats rounds and interleaves brokers."""
     n, counter = settings.n, broker.counter
     broker.reset(rep)
+    broker.prepare(rep)
     stamps_path = workdir / f"{broker.name}-{rep}.stamps"
     stamps_path.unlink(missing_ok=True)
     stamps = Stamps(stamps_path)
     app = producer(broker.producer_url(rep))
+
+    def publish(tag: str, queue: str = QUEUE) -> None:
+        send(app, tag, queue, broker.send_options)
+
     commands = workdir / f"{broker.name}-{rep}.commands"
     diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
     results = {"BENCH_RESULT_BACKEND": broker.result_backend(rep)} if broker.result_backend else {}
@@ -455,11 +485,11 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     worker = worker_with(settings.prefetch, f"{broker.name}-{rep}")
     result: dict[str, Any] = {"round": rep}
     try:
-        send(app, "w", queue="warmup")  # connect, declare and index outside the timed loop (nobody consumes it)
+        publish("w", queue="warmup")  # connect, declare and index outside the timed loop (nobody consumes it)
         before = counter.total()
         started = time.perf_counter()
         for _ in range(n):
-            send(app, "d")
+            publish("d")
         elapsed = time.perf_counter() - started
         result["publish_tps"] = n / elapsed
         result["publish_ops_per_task"] = counter.delta(before, counter.total()) / n
@@ -482,7 +512,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         # Enqueue→start when idle: one probe at a time, at a random moment (a poller's phase is random too).
         for k in range(settings.probes):
             time.sleep(random.uniform(0.2, 0.6))
-            send(app, "i", queue=PROBE_QUEUE)
+            publish("i", queue=PROBE_QUEUE)
             stamps.wait("i", k + 1, timeout=60)
         idle = [row[2] - row[1] for row in stamps.of("i")]
         result["idle_latency_p50_ms"] = percentile(idle, 50) * 1000
@@ -495,10 +525,10 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         before, window_start = counter.total(), time.time()
         server_cpu = cpu_seconds(broker.server_pid())
         for _ in range(n):
-            send(app, "l")
+            publish("l")
         probes = 0
         while len(stamps.of("l")) < n:
-            send(app, "p", queue=PROBE_QUEUE)
+            publish("p", queue=PROBE_QUEUE)
             probes += 1
             stamps.wait("p", probes, timeout=120)
             time.sleep(random.uniform(0.01, 0.05))
@@ -518,14 +548,14 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         # costs. Each probe is a lone task on an idle queue, whose wake-up is a change-stream getMore of its own.
         before = counter.total()
         for _ in range(n):
-            send(app, "z")
+            publish("z")
         stamps.wait("z", n, timeout=120 + n / 2)
         result["ops_per_task"] = counter.delta(before, counter.total()) / n
         stop_worker(worker)
 
         # The same drain with Celery's default prefetch (4 per process), what users of the others run.
         for _ in range(n):
-            send(app, "x")
+            publish("x")
         worker = worker_with(DEFAULT_PREFETCH, f"{broker.name}-{rep}-prefetch{DEFAULT_PREFETCH}")
         worker.start()
         result |= drain_cpu(worker, stamps, "x", n, "_celery_prefetch")
@@ -535,14 +565,14 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         # The loaded window again at that prefetch, where a worker may take several jobs in one claim.
         before = counter.total()
         for _ in range(n):
-            send(app, "y")
+            publish("y")
         stamps.wait("y", n, timeout=120 + n / 2)
         result["ops_per_task_celery_prefetch"] = counter.delta(before, counter.total()) / n
         stop_worker(worker)
 
         ran_with_events = 0
         if settings.events and broker.events:
-            ran_with_events = events_drains(broker, settings, rep, workdir, app, stamps, worker_with, result)
+            ran_with_events = events_drains(broker, settings, rep, workdir, publish, stamps, worker_with, result)
         if "events_error" not in result:  # a stalled events-on drain leaves its backlog queued: nothing to check
             expected = 5 * n + settings.probes + probes + result.get("held_tasks", 0) + ran_with_events
             result.update(broker.check(rep, expected))
@@ -557,7 +587,7 @@ def events_drains(
     settings: Settings,
     rep: int,
     workdir: Path,
-    app: Celery,
+    publish: Callable[..., None],
     stamps: Stamps,
     worker_with: Callable[..., Worker],
     result: dict[str, Any],
@@ -577,7 +607,7 @@ def events_drains(
         monitor.start()
         for prefetch, tag, suffix in ((settings.prefetch, "e", ""), (DEFAULT_PREFETCH, "f", "_celery_prefetch")):
             for _ in range(n):
-                send(app, tag)
+                publish(tag)
             worker = worker_with(prefetch, f"{broker.name}-{rep}-events-prefetch{prefetch}", events=True)
             try:
                 # What the server serves from the worker's start until the monitor has read the drain's events:
