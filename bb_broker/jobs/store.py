@@ -13,10 +13,16 @@ from collections.abc import Callable, Hashable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from pymongo import ReturnDocument
+from pymongo import ReturnDocument, UpdateOne
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
-from pymongo.errors import ConnectionFailure, DocumentTooLarge, DuplicateKeyError, OperationFailure
+from pymongo.errors import (
+    BulkWriteError,
+    ConnectionFailure,
+    DocumentTooLarge,
+    DuplicateKeyError,
+    OperationFailure,
+)
 
 from bb_broker.connection import scrub
 from bb_broker.jobs import admin, lifecycle
@@ -24,6 +30,7 @@ from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
 from bb_broker.jobs.document import (
     CLAIMED_FIELDS,
     DOCUMENT_TOO_LARGE,
+    DUPLICATE_KEY,
     HISTORY_LIMIT,
     HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
@@ -396,22 +403,24 @@ class JobStore(Sweeps):
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
     ) -> list[Claimed]:
-        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch. A queue with
-        `limits`, or with serial keys at its head, claims one job per round trip (each takes its own slot or key),
-        LimitReached once the limits are met; `busy_keys` as for claim.
+        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch, also in a
+        queue with a concurrency limit (each job in a slot of its own: _take_in_slots). A queue with a rate, or with
+        serial keys at its head, claims one job per round trip (each takes its own start or key). LimitReached once
+        the limits are met, with the jobs taken before; `busy_keys` as for claim.
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
         all ours, or its outcome is unknown, does a third read say which jobs are.
         """
-        if limits or busy_keys:
+        slots = None if limits is None else limits.concurrency
+        if busy_keys or (limits is not None and limits.rate is not None) or limit <= 1 or slots == 1:
+            # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip.
             return self._claim_each(queue, owner, limit, limits, busy_keys)
-        if limit <= 1:
-            job = self.claim(queue, owner, busy_keys=busy_keys)
-            return [] if job is None else [job]
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
-            lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=limit))
+            lambda: list(
+                self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=min(limit, slots or limit))
+            )
         )
         if not all(type(doc.get("attempts")) is int for doc in head):
             return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
@@ -422,12 +431,8 @@ class JobStore(Sweeps):
             return []
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
         mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **attempts_fence(head, shift=1)}
-
-        def take() -> int:
-            return self.coll.update_many(
-                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, hint="_id_"
-            ).modified_count
-
+        take = self._take_in_slots(head, taken, slots) if slots else self._take_all(head, ids, taken)
+        asked = len(head)
         with _claiming:
             try:
                 complete = take() == len(head)
@@ -444,9 +449,49 @@ class JobStore(Sweeps):
                     for doc in self._through_outages(lambda: list(self.coll.find(mine, {"_id": 1}, hint="_id_")))
                 }
                 head = [doc for doc in head if doc["_id"] in won]
-        return [
+        jobs = [
             claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
+        if slots and len(jobs) < limit and (len(head) < asked or slots < limit):
+            # A guessed slot was taken, or the limit is below what was asked: the claims of one job go on, and read
+            # the free slots, or flag their holders and say the limit is reached, as a claim of one job does.
+            try:
+                jobs += self._claim_each(queue, owner, limit - len(jobs), limits, busy_keys)
+            except LimitReached as exc:
+                raise LimitReached(exc.queue, exc.limit, jobs + exc.claimed, retry_in=exc.retry_in) from None
+        return jobs
+
+    def _take_all(self, head: list[dict[str, Any]], ids: dict[str, Any], taken: dict[str, Any]) -> Callable[[], int]:
+        """The write that takes every job of `head` still queued at its attempts: one updateMany, how many it took."""
+        return lambda: (
+            self.coll.update_many(
+                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, hint="_id_"
+            ).modified_count
+        )
+
+    def _take_in_slots(self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int) -> Callable[[], int]:
+        """The write that takes the jobs of `head` in a queue limited to `limit` running at once, each in a slot of its
+        own, guessed at random as a single claim's first guess is (_claim_in_a_slot): one unordered bulk of updates,
+        how many it took. bb_limit_slot refuses a slot another running job holds, and only that job stays queued."""
+        updates = [
+            UpdateOne(
+                {"_id": doc["_id"], "status": QUEUED, "attempts": doc["attempts"]},
+                {**taken, "$set": {**taken["$set"], "limitSlot": slot, "claimLimits": {"concurrency": limit}}},
+                hint="_id_",
+            )
+            for doc, slot in zip(head, random.sample(range(limit), len(head)), strict=True)
+        ]
+
+        def take() -> int:
+            try:
+                return self.coll.bulk_write(updates, ordered=False).modified_count
+            except BulkWriteError as exc:
+                refused = [error for error in exc.details.get("writeErrors", []) if error.get("code") != DUPLICATE_KEY]
+                if refused:
+                    raise
+                return int(exc.details.get("nModified", 0))
+
+        return take
 
     def _claim_each(
         self, queue: str, owner: str, wanted: int, limits: QueueLimits | None, busy_keys: set[str] | None

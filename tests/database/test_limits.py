@@ -157,6 +157,78 @@ def test_a_batch_claim_of_a_limited_queue_stops_at_the_limit_with_what_it_took(s
     assert store.claim_many("other", "w", 5, QueueLimits(concurrency=3)) == []  # an empty queue is not a limit
 
 
+def test_a_batch_claim_of_a_queue_below_its_limit_is_a_read_and_one_write_with_a_slot_each(
+    store: JobStore, db: Database, mongo_url: str
+) -> None:
+    for n in range(6):
+        publish(store, f"t{n}")
+    log = CommandLog()
+    client: MongoClient = MongoClient(mongo_url, tz_aware=True, event_listeners=[log])
+    watched = JobStore(client[db.name], Policy(), clock=store.now)
+    jobs = watched.claim_many("limited", "w", 4, QueueLimits(concurrency=100))
+    client.close()
+    assert len(jobs) == 4
+    assert [next(iter(command)) for command in log.commands] == ["find", "update"]  # as without a limit
+    held = running(db)
+    assert len(held) == 4 and len({doc["limitSlot"] for doc in held}) == 4
+    assert all(0 <= doc["limitSlot"] < 100 and doc["claimLimits"] == {"concurrency": 100} for doc in held)
+    assert_each_reads_through_an_index(db, log.commands)
+
+
+def test_a_batch_claim_whose_guessed_slots_are_taken_takes_the_free_ones_and_stops_at_the_limit(
+    store: JobStore, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import random
+
+    for n in range(8):
+        publish(store, f"t{n}")
+    four = QueueLimits(concurrency=4)
+    assert len(store.claim_many("limited", "w1", 2, four)) == 2  # slots, say, 0 and 1 (random)
+    taken = sorted(doc["limitSlot"] for doc in running(db))
+    # The next batch guesses every slot, the two taken among them: only two of its jobs can be taken.
+    monkeypatch.setattr(random, "sample", lambda population, k: list(population)[:k])
+    with pytest.raises(LimitReached) as reached:
+        store.claim_many("limited", "w2", 4, four)
+    assert len(reached.value.claimed) == 2
+    held = running(db)
+    assert len(held) == 4 and sorted(doc["limitSlot"] for doc in held) == [0, 1, 2, 3], taken
+    assert db.jobs.count_documents({"status": "queued", "limitSlot": {"$exists": True}}) == 0
+    with pytest.raises(LimitReached) as again:
+        store.claim_many("limited", "w3", 4, four)
+    assert again.value.claimed == [] and len(running(db)) == 4
+
+
+def test_many_batch_claimers_at_once_never_exceed_the_limit(mongo_url: str, db: Database, clock) -> None:
+    import threading
+
+    store = JobStore(db, Policy(), clock=clock)
+    store.ensure_indexes()
+    for n in range(40):
+        publish(store, f"t{n}")
+    limits = QueueLimits(concurrency=5)
+    won: list[str] = []
+    lock = threading.Lock()
+
+    def claimer(name: str) -> None:
+        own = JobStore(MongoClient(mongo_url, tz_aware=True)[db.name], Policy(), clock=clock)
+        for _ in range(5):
+            try:
+                jobs = own.claim_many("limited", name, 3, limits)
+            except LimitReached as exc:
+                jobs = exc.claimed
+            with lock:
+                won.extend(job.id for job in jobs)
+
+    threads = [threading.Thread(target=claimer, args=(f"w{n}",)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    held = running(db)
+    assert len(won) == 5 == len(set(won)) and len(held) == 5
+    assert sorted(doc["limitSlot"] for doc in held) == [0, 1, 2, 3, 4]
+
+
 def test_many_claimers_at_once_never_exceed_the_limit(mongo_url: str, db: Database, clock) -> None:
     import threading
 
