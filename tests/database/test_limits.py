@@ -198,22 +198,25 @@ def test_a_batch_claim_whose_guessed_slots_are_taken_takes_the_free_ones_and_sto
     assert again.value.claimed == [] and len(running(db)) == 4
 
 
-def test_many_batch_claimers_at_once_never_exceed_the_limit(mongo_url: str, db: Database, clock) -> None:
+@pytest.mark.parametrize(("limit", "batch"), [(3, 1), (5, 3)], ids=["claims of one", "batch claims"])
+def test_many_claimers_at_once_never_exceed_the_limit(
+    mongo_url: str, db: Database, clock, limit: int, batch: int
+) -> None:
     import threading
 
     store = JobStore(db, Policy(), clock=clock)
     store.ensure_indexes()
     for n in range(40):
         publish(store, f"t{n}")
-    limits = QueueLimits(concurrency=5)
+    limits = QueueLimits(concurrency=limit)
     won: list[str] = []
     lock = threading.Lock()
 
     def claimer(name: str) -> None:
         own = JobStore(MongoClient(mongo_url, tz_aware=True)[db.name], Policy(), clock=clock)
-        for _ in range(5):
+        for _ in range(10):
             try:
-                jobs = own.claim_many("limited", name, 3, limits)
+                jobs = own.claim_many("limited", name, batch, limits)
             except LimitReached as exc:
                 jobs = exc.claimed
             with lock:
@@ -225,38 +228,8 @@ def test_many_batch_claimers_at_once_never_exceed_the_limit(mongo_url: str, db: 
     for thread in threads:
         thread.join()
     held = running(db)
-    assert len(won) == 5 == len(set(won)) and len(held) == 5
-    assert sorted(doc["limitSlot"] for doc in held) == [0, 1, 2, 3, 4]
-
-
-def test_many_claimers_at_once_never_exceed_the_limit(mongo_url: str, db: Database, clock) -> None:
-    import threading
-
-    store = JobStore(db, Policy(), clock=clock)
-    store.ensure_indexes()
-    for n in range(40):
-        publish(store, f"t{n}")
-    limits = QueueLimits(concurrency=3)
-    won: list[str] = []
-    lock = threading.Lock()
-
-    def claimer(name: str) -> None:
-        own = JobStore(MongoClient(mongo_url, tz_aware=True)[db.name], Policy(), clock=clock)
-        for _ in range(10):
-            try:
-                job = own.claim("limited", name, limits)
-            except LimitReached:
-                continue
-            if job is not None:
-                with lock:
-                    won.append(job.id)
-
-    threads = [threading.Thread(target=claimer, args=(f"w{n}",)) for n in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(won) == 3 and len(running(db)) == 3
+    assert len(won) == limit == len(set(won)) and len(held) == limit
+    assert sorted(doc["limitSlot"] for doc in held) == list(range(limit))
 
 
 def test_the_read_of_the_slots_taken_goes_through_its_index(store: JobStore, db: Database, mongo_url: str) -> None:
