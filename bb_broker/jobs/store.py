@@ -423,7 +423,8 @@ class JobStore(Sweeps):
             )
         )
         if not all(type(doc.get("attempts")) is int for doc in head):
-            return self.claim_many(queue, owner, 1)  # a hand-edited document: the single claim deals with it
+            # A hand-edited document: the claim of one job deals with it, within the queue's limits.
+            return self.claim_many(queue, owner, 1, limits, busy_keys)
         if any("serialKey" in doc for doc in head):
             # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
             return self._claim_each(queue, owner, limit, limits, busy_keys)

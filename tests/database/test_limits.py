@@ -198,6 +198,25 @@ def test_a_batch_claim_whose_guessed_slots_are_taken_takes_the_free_ones_and_sto
     assert again.value.claimed == [] and len(running(db)) == 4
 
 
+def test_a_hand_edited_job_at_a_limited_queues_head_fails_alone_and_the_batch_claims_keep_the_limit(
+    store: JobStore, db: Database
+) -> None:
+    publish(store, "t0")
+    bad = publish(store, "bad")  # second in the queue: the batch's read finds it behind a good job
+    db.jobs.update_one({"_id": bad}, {"$set": {"attempts": "two"}})
+    for n in range(1, 4):
+        publish(store, f"t{n}")
+    three = QueueLimits(concurrency=3)
+    claimed: list[str] = []
+    with pytest.raises(LimitReached):
+        for _ in range(5):
+            claimed += [job.task_id for job in store.claim_many("limited", "w", 4, three)]
+    failed = db.jobs.find_one({"_id": bad})
+    assert failed["status"] == "failed" and "attempts" in failed["lastError"]
+    held = running(db)
+    assert len(held) == 3 and sorted(doc["limitSlot"] for doc in held) == [0, 1, 2]
+
+
 @pytest.mark.parametrize(("limit", "batch"), [(3, 1), (5, 3)], ids=["claims of one", "batch claims"])
 def test_many_claimers_at_once_never_exceed_the_limit(
     mongo_url: str, db: Database, clock, limit: int, batch: int
