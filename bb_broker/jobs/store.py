@@ -44,6 +44,7 @@ from bb_broker.jobs.document import (
     claim_query,
     claimed,
     has_entry_of_current_attempt,
+    in_slot,
     malformed,
     new_job_id,
     pushed,
@@ -354,10 +355,8 @@ class JobStore(Sweeps):
             looked = False
             while free := [slot for slot in range(limit) if slot not in taken]:
                 slot = random.choice(free)  # workers guessing at once spread over the slots
-                limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
-                held = {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
                 try:
-                    return self._claim_one(due, held)
+                    return self._claim_one(due, in_slot(take, slot, limit))
                 except DuplicateKeyError as exc:
                     if busy_key(exc)[0]:
                         raise  # the job's serial key, not its slot: the caller skips the key
@@ -413,14 +412,13 @@ class JobStore(Sweeps):
         all ours, or its outcome is unknown, does a third read say which jobs are.
         """
         slots = None if limits is None else limits.concurrency
-        if busy_keys or (limits is not None and limits.rate is not None) or limit <= 1 or slots == 1:
+        batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
+        if busy_keys or (limits is not None and limits.rate is not None) or batch <= 1:
             # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip.
             return self._claim_each(queue, owner, limit, limits, busy_keys)
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
-            lambda: list(
-                self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=min(limit, slots or limit))
-            )
+            lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=batch))
         )
         if not all(type(doc.get("attempts")) is int for doc in head):
             # A hand-edited document: the claim of one job deals with it, within the queue's limits.
@@ -453,7 +451,7 @@ class JobStore(Sweeps):
         jobs = [
             claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
-        if slots and len(jobs) < limit and (len(head) < asked or slots < limit):
+        if slots and len(jobs) < limit and (len(head) < asked or batch < limit):
             # A guessed slot was taken, or the limit is below what was asked: the claims of one job go on, and read
             # the free slots, or flag their holders and say the limit is reached, as a claim of one job does.
             try:
@@ -477,7 +475,7 @@ class JobStore(Sweeps):
         updates = [
             UpdateOne(
                 {"_id": doc["_id"], "status": QUEUED, "attempts": doc["attempts"]},
-                {**taken, "$set": {**taken["$set"], "limitSlot": slot, "claimLimits": {"concurrency": limit}}},
+                in_slot(taken, slot, limit),
                 hint="_id_",
             )
             for doc, slot in zip(head, random.sample(range(limit), len(head)), strict=True)
