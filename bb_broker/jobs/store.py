@@ -7,6 +7,7 @@ retention in admin.py.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -53,6 +54,7 @@ from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome
 from bb_broker.jobs.outages import is_transient, through_outages
 from bb_broker.jobs.queues import MAX_SLOT_LOOKS, SLOT_WAITERS_FIELD, LimitReached, QueueLimits, Rate, RateStart
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
+from bb_broker.jobs.settles import GroupCommit, Settle
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
@@ -69,6 +71,9 @@ MAX_RATE_TRIES = 3
 
 #: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
 MAX_KEY_SKIPS = 16
+
+#: The error of a job whose settle would make its document exceed MongoDB's limit (each settle's own replacement).
+TOO_LARGE_TO_SETTLE = f"the job's settle does not fit in its document ({MAX_DOCUMENT_BYTES} bytes at most)"
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
@@ -96,6 +101,9 @@ class JobStore(Sweeps):
         self._secrets = tuple(secrets)
         #: Seconds succeeded jobs are kept where the server has no TTL index (set by ensure_indexes), else None.
         self.retention_sweep: int | None = None
+        #: The writer of this process's settle_soon, made at the first (one per process: see GroupCommit.pid).
+        self._group_commit: GroupCommit | None = None
+        self._group_commit_lock = threading.Lock()
 
     @property
     def key(self) -> Hashable:
@@ -581,13 +589,23 @@ class JobStore(Sweeps):
         result: dict[str, Any] | None = None,
     ) -> bool:
         """Settle a held job `succeeded`, with its history entry and (from the result backend) its result fields."""
+        return self.settle(self.success(job_id, attempts, attempt=attempt, result=result))
+
+    def success(
+        self,
+        job_id: str,
+        attempts: int,
+        *,
+        attempt: dict[str, Any] | None = None,
+        result: dict[str, Any] | None = None,
+        if_too_large: Callable[[], Settle] | None = None,
+    ) -> Settle:
+        """The settle of succeed(), to write now (settle) or with others (settle_soon)."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
         released = {**HOLDS_RELEASED, **RELEASED_AT_END}  # the job's unique key, in the write that ends it
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": released, **pushed(attempt)})
-        if done:
-            metrics.record("succeeded")
-        return done
+        update = {"$set": changes, "$unset": released, **pushed(attempt)}
+        return self._held_settle(job_id, attempts, update, "succeeded", if_too_large)
 
     def fail(
         self,
@@ -608,6 +626,38 @@ class JobStore(Sweeps):
         `result` (from the result backend) is stored as it is when the job fails for good; when the job goes back to
         the queue its `state` becomes RETRY, so a caller waiting on the result waits for the next attempt.
         """
+        outcome, settle = self._failure(
+            job_id, attempts, error, retryable, backoff, attempt, result, revoked=revoked, if_too_large=None
+        )
+        return outcome if self.settle(settle) else None
+
+    def failure(
+        self,
+        job_id: str,
+        attempts: int,
+        error: str,
+        *,
+        retryable: bool = True,
+        attempt: dict[str, Any] | None = None,
+        result: dict[str, Any] | None = None,
+        if_too_large: Callable[[], Settle] | None = None,
+    ) -> Settle:
+        """The settle of fail(), to write now (settle) or with others (settle_soon)."""
+        return self._failure(job_id, attempts, error, retryable, True, attempt, result, if_too_large=if_too_large)[1]
+
+    def _failure(
+        self,
+        job_id: str,
+        attempts: int,
+        error: str,
+        retryable: bool,
+        backoff: bool,
+        attempt: dict[str, Any] | None,
+        result: dict[str, Any] | None,
+        *,
+        revoked: bool = False,
+        if_too_large: Callable[[], Settle] | None,
+    ) -> tuple[Outcome, Settle]:
         now = self.now()
         outcome = lifecycle.after_failure(
             self.policy, attempts, self._scrub(error), now, retryable=retryable, backoff=backoff
@@ -623,11 +673,45 @@ class JobStore(Sweeps):
         else:
             changes["finishedAt"] = now
             released |= RELEASED_BY_CANCEL if revoked else RELEASED_AT_END
-        attempt = self._scrubbed(attempt)
-        done = self._settle(job_id, attempts, {"$set": changes, "$unset": released, **pushed(attempt)})
+        update = {"$set": changes, "$unset": released, **pushed(self._scrubbed(attempt))}
+        counted: metrics.Event = "retried" if outcome.status == QUEUED else "failed"
+        return outcome, self._held_settle(job_id, attempts, update, counted, if_too_large)
+
+    def _held_settle(
+        self,
+        job_id: str,
+        attempts: int,
+        update: dict[str, Any],
+        outcome: metrics.Event,
+        if_too_large: Callable[[], Settle] | None,
+    ) -> Settle:
+        # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
+        fence = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        if if_too_large is None:  # written only when needed: the job fails for good, on the size
+            if_too_large = lambda: self.failure(job_id, attempts, TOO_LARGE_TO_SETTLE, retryable=False)  # noqa: E731
+        return Settle(job_id, fence, update, outcome, if_too_large)
+
+    def settle(self, settle: Settle) -> bool:
+        """Write a settle now; True when it landed (its attempt was still the job's)."""
+        done = self._settle(settle.job_id, settle.fence["attempts"], settle.update, fence=settle.fence)
         if done:
-            metrics.record("retried" if outcome.status == QUEUED else "failed")
-        return outcome if done else None
+            metrics.record(settle.outcome)
+        return done
+
+    def settle_soon(self, settle: Settle) -> None:
+        """Write a settle with the others this process makes meanwhile, in one round trip (see jobs/settles.py)."""
+        group = self._group_commit
+        if group is None or group.pid != os.getpid():
+            with self._group_commit_lock:
+                group = self._group_commit
+                if group is None or group.pid != os.getpid():  # a parent's writer does not follow a fork
+                    group = self._group_commit = GroupCommit(self.coll, patience=self.settle_patience)
+        group.submit(settle)
+
+    def flush_settles(self, timeout: float | None = None) -> bool:
+        """Wait for the settles settle_soon took; False when `timeout` ran out first."""
+        group = self._group_commit
+        return group is None or group.flush(timeout)
 
     def record_failed_attempt(self, job_id: str, attempts: int, error: str, *, attempt: dict[str, Any]) -> bool:
         """Record the failure of the attempt a Celery retry is about to run again, while this worker still holds it.

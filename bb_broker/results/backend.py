@@ -39,6 +39,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from celery import states
@@ -52,6 +53,7 @@ from pymongo.uri_parser import parse_uri
 from bb_broker import connection
 from bb_broker.jobs.document import RESULTS_COLLECTION, ResultTooLarge, SettleTooLarge
 from bb_broker.jobs.lifecycle import FAILED, describe_error
+from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JobStore
 from bb_broker.results import codec
 from bb_broker.results import states as job_states
@@ -64,6 +66,11 @@ from bb_broker.worker import patches
 __all__ = ["JobFailed", "JobResultBackend"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Why a job failed whose result, or whose failure, did not fit in its document (its ResultTooLarge).
+RESULT_DOES_NOT_FIT = "the task's result does not fit in its job document"
+FAILURE_DOES_NOT_FIT = "the task's failure does not fit in its job document"
 
 
 def _servers(target: connection.BrokerTarget) -> frozenset[Any]:
@@ -139,18 +146,28 @@ class JobResultBackend(ChordBackend):
 
     def _stored(self, value: Any) -> tuple[Any, str]:
         """A value as the document keeps it (see codec.stored)."""
+        return self._stored_payload(self.encode(value))
+
+    def _stored_payload(self, payload: str | bytes) -> tuple[Any, str]:
         # result_compression: Celery >= 5.7
-        return codec.stored(self.encode(value), self.serializer, compressed=bool(getattr(self, "compression", None)))
+        return codec.stored(payload, self.serializer, compressed=bool(getattr(self, "compression", None)))
 
     def _loaded(self, value: Any, fmt: str | None) -> Any:
         return codec.loaded(value, fmt, serializer=self.serializer, accept=self.accept)
 
     def _result_fields(self, result: Any, state: str, traceback: str | None, request: Any) -> dict[str, Any]:
         """The fields of a result, `result` already prepared by encode_result."""
+        return self._sized_result_fields(result, state, traceback, request)[0]
+
+    def _sized_result_fields(
+        self, result: Any, state: str, traceback: str | None, request: Any
+    ) -> tuple[dict[str, Any], int]:
+        """_result_fields, and about how many bytes they are (the encoded result and the traceback)."""
         meta = patches.result_meta(self, result, state, traceback, request)
         if state in states.EXCEPTION_STATES:
             result = self._masked(result)  # an error's text, as lastError and the traceback have it
-        value, fmt = self._stored(result)
+        payload = self.encode(result)
+        value, fmt = self._stored_payload(payload)
         fields = {
             "state": state,
             "result": value,
@@ -162,7 +179,7 @@ class JobResultBackend(ChordBackend):
         for ours, celerys in (("groupId", "group_id"), ("parentId", "parent_id")):
             if meta.get(celerys):
                 fields[ours] = meta[celerys]
-        return fields
+        return fields, len(payload) + len(traceback or "")
 
     def _masked(self, encoded: Any) -> Any:
         return codec.masked(encoded, self.target.secrets)
@@ -182,7 +199,9 @@ class JobResultBackend(ChordBackend):
         stored = store_result and not getattr(request, "ignore_result", False)
         if held is None:
             return super().mark_as_done(task_id, result, request=request, store_result=store_result, state=state)
-        fields = self._result_fields(self.encode_result(result, state), state, None, request) if stored else None
+        fields, size = None, 0
+        if stored:
+            fields, size = self._sized_result_fields(self.encode_result(result, state), state, None, request)
         if request.chord:
             # Counted before the job settles: a worker killed in between loses no part (a rerun counts once).
             self.on_chord_part_return(request, state, result)
@@ -190,10 +209,12 @@ class JobResultBackend(ChordBackend):
             return  # the task_success signal settles the job
         store, job = held
         attempt = celery_hooks.attempt_for(store, request, job[1], "succeeded")
+        too_large = partial(self._failed_on_size, store, job, attempt, request, RESULT_DOES_NOT_FIT)
         try:
-            store.succeed(*job, attempt=attempt, result=fields)
+            settle = store.success(*job, attempt=attempt, result=fields, if_too_large=too_large)
+            celery_hooks.settle_ran(store, request, settle, size)
         except SettleTooLarge as exc:
-            raise ResultTooLarge(f"the task's result does not fit in its job document: {exc}") from None
+            raise ResultTooLarge(f"{RESULT_DOES_NOT_FIT}: {exc}") from None
         celery_hooks.settled_by_backend(request)
 
     def mark_as_failure(
@@ -223,15 +244,18 @@ class JobResultBackend(ChordBackend):
         if store_result:
             error = describe_error(exc)
             attempt = celery_hooks.attempt_for(store, request, job[1], "failed", error, traceback)
+            too_large = partial(self._failed_on_size, store, job, attempt, request, FAILURE_DOES_NOT_FIT)
             try:
-                fields = self._result_fields(self.encode_result(exc, state), state, traceback, request)
-                store.fail(*job, error, retryable=retryable, attempt=attempt, result=fields)
-            except (ResultTooLarge, SettleTooLarge) as too_large:
+                fields, size = self._sized_result_fields(self.encode_result(exc, state), state, traceback, request)
+                settle = store.failure(
+                    *job, error, retryable=retryable, attempt=attempt, result=fields, if_too_large=too_large
+                )
+                celery_hooks.settle_ran(store, request, settle, size + len(attempt.get("traceback") or ""))
+            except (ResultTooLarge, SettleTooLarge) as exc_too_large:
                 # The exception or its traceback is what does not fit: the job fails on that, for good.
                 final = True
-                reason = ResultTooLarge(f"the task's failure does not fit in its job document: {too_large}")
-                fields = self._result_fields(self.encode_result(reason, state), state, None, request)
-                store.fail(*job, describe_error(reason), retryable=False, attempt=attempt, result=fields)
+                reason = f"{FAILURE_DOES_NOT_FIT}: {exc_too_large}"
+                store.settle(self._failed_on_size(store, job, attempt, request, reason))
             celery_hooks.settled_by_backend(request)
         if not final:
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
@@ -240,6 +264,14 @@ class JobResultBackend(ChordBackend):
         patches.fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result, state)
         if call_errbacks and request.errbacks:
             patches.call_errbacks(self, request, exc, traceback)
+
+    def _failed_on_size(
+        self, store: JobStore, job: tuple[str, int], attempt: dict[str, Any], request: Any, reason: str
+    ) -> Settle:
+        """The settle that fails a job for good because its result or failure does not fit in its document."""
+        error = ResultTooLarge(reason)
+        fields = self._result_fields(self.encode_result(error, states.FAILURE), states.FAILURE, None, request)
+        return store.failure(*job, describe_error(error), retryable=False, attempt=attempt, result=fields)
 
     def mark_as_revoked(
         self,

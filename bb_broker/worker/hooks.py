@@ -17,11 +17,12 @@ from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
 from bb_broker import connection
-from bb_broker.jobs import serial, unique
+from bb_broker.jobs import serial, settles, unique
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
+from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops import metrics
 from bb_broker.options import BrokerOptions, open_store
@@ -237,6 +238,16 @@ def attempt_for(
     )
 
 
+def settle_ran(store: JobStore, request: Any, settle: Settle, size: int = 0) -> None:
+    """Write the settle of an attempt `request` ran: in a worker's tracer, with the other settles this process makes
+    meanwhile (settles.py; `size`, the bytes of its result and tracebacks, sends a large one alone); called directly
+    (a script, a test calling the backend), at once."""
+    if getattr(request, "called_directly", True) or size > settles.GROUP_COMMIT_MAX_BYTES:
+        store.settle(settle)
+    else:
+        store.settle_soon(settle)
+
+
 @signals.task_prerun.connect
 def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     store = store_of(sender) if sender is not None else None
@@ -248,7 +259,8 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
 def _on_success(sender: Any = None, **_: Any) -> None:
     store, job = store_of(sender), job_of(sender.request)
     if store is not None and job is not None and not _settled_already(sender.request):
-        store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "succeeded"))
+        attempt = attempt_for(store, sender.request, job[1], "succeeded")
+        settle_ran(store, sender.request, store.success(*job, attempt=attempt))
 
 
 @signals.task_failure.connect
@@ -278,7 +290,8 @@ def _on_failure(
             # Another process ran the attempt (a pool process this worker lost): its broker retry recorded the
             # failure, then the process died before the retry's publish. The attempt has its entry.
             entry = None
-        store.fail(*job, error, retryable=retryable, attempt=entry)
+        size = 0 if entry is None else len(entry.get("traceback") or "")
+        settle_ran(store, request, store.failure(*job, error, retryable=retryable, attempt=entry), size)
     elif task_id:
         # A hard time limit is reported by the main process, without the task's request.
         worker = getattr(request, "hostname", None) or socket.gethostname()
@@ -293,7 +306,8 @@ def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
         return
     store, job = store_of(sender), job_of(sender.request)
     if store is not None and job is not None and not _settled_already(sender.request):
-        store.succeed(*job, attempt=attempt_for(store, sender.request, job[1], "ignored"))
+        attempt = attempt_for(store, sender.request, job[1], "ignored")
+        settle_ran(store, sender.request, store.success(*job, attempt=attempt))
 
 
 @signals.task_retry.connect
@@ -435,6 +449,13 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
 @signals.worker_shutting_down.connect
 def _stopping(**_: Any) -> None:
     connection.begin_shutdown()
+
+
+@signals.worker_process_shutdown.connect
+@signals.worker_shutdown.connect
+def _write_the_last_settles(**_: Any) -> None:
+    # A pool process exits with os._exit (no atexit): the settles its writer still has go out first.
+    settles.flush_all(connection.SHUTDOWN_PATIENCE)
 
 
 @signals.import_modules.connect

@@ -59,6 +59,31 @@ class ReadLog(monitoring.CommandListener):
         pass
 
 
+class SettleLog(monitoring.CommandListener):
+    """BB_TEST_SETTLE_LOG: a line per `update` of held jobs this process sends (`update`, the number of statements
+    it carries), for tests/e2e/test_group_commit_e2e.py to count the round trips of a worker's settles."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name != "update" or event.command["update"] != "jobs":
+            return
+        statements = event.command.get("updates") or []
+        fence = statements[0].get("q", {}) if statements else {}
+        if fence.get("status") == "running" and "_id" in fence and "attempts" in fence:  # a settle's fence
+            os.write(self.fd, f"update {len(statements)} {os.getpid()} {time.time():.4f}\n".encode())
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+if os.environ.get("BB_TEST_SETTLE_LOG"):
+    monitoring.register(SettleLog(os.environ["BB_TEST_SETTLE_LOG"]))
+
 if os.environ.get("BB_TEST_READ_LOG"):
     monitoring.register(ReadLog(os.environ["BB_TEST_READ_LOG"]))  # before any client, so the worker's reports
 
@@ -233,6 +258,12 @@ def overrun(self):
 @app.task(bind=True)
 def echo(self, value):
     record(self)
+    return value
+
+
+@app.task
+def identity(value):
+    """Its argument, with no write of its own: a burst of these finishes tasks faster than a round trip apart."""
     return value
 
 

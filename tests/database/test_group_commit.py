@@ -1,0 +1,106 @@
+"""Settles group-committed (bb_broker/jobs/settles.py): what one write carries, fencing inside it, an outage in the
+middle of it, and a settle in it that does not fit in its document."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pymongo import MongoClient
+
+from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
+from bb_broker.ops import metrics
+from tests.support.faults import fail_point
+from tests.support.store import CommandLog
+from tests.support.workers import wait_for
+
+
+@pytest.fixture
+def log() -> CommandLog:
+    return CommandLog()
+
+
+@pytest.fixture
+def client(own_server, log: CommandLog) -> Iterator[MongoClient]:
+    with MongoClient(own_server.url, tz_aware=True, event_listeners=[log]) as client:
+        yield client
+
+
+@pytest.fixture
+def store(client: MongoClient) -> JobStore:
+    store = JobStore(client.grouped)
+    store.ensure_indexes()
+    return store
+
+
+def held_jobs(store: JobStore, count: int, payload: dict | None = None) -> list[str]:
+    """`count` jobs claimed by worker `w`, at their first attempt."""
+    for n in range(count):
+        store.publish(queue="celery", kind="k", task_id=f"t{n}", payload=payload or {"args": [n]}, priority=0,
+                      run_after=None, is_retry=False)  # fmt: skip
+    return [job.id for job in store.claim_many("celery", "w", count)]
+
+
+def settles_sent(log: CommandLog) -> list[int]:
+    """The statements of each settling `update` sent (their fence names the attempt)."""
+    return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
+
+
+def first_settle_held_on_the_server(client: MongoClient, store: JobStore, log: CommandLog, job_id: str) -> None:
+    """Settle `job_id` in a write the server holds for a second: what is settled meanwhile waits for the next."""
+    log.commands.clear()
+    fail_point(client, 1, failCommands=["update"], blockConnection=True, blockTimeMS=1000)
+    store.settle_soon(store.success(job_id, 1))
+    wait_for(lambda: settles_sent(log), message="the first settle sent")
+
+
+def statuses(store: JobStore, ids: list[str]) -> list[str]:
+    docs = {doc["_id"]: doc["status"] for doc in store.coll.find({"_id": {"$in": ids}})}
+    return [docs[job_id] for job_id in ids]
+
+
+def test_settles_made_while_one_is_in_flight_go_in_one_write_and_a_stale_one_changes_nothing(
+    client: MongoClient, store: JobStore, log: CommandLog
+) -> None:
+    ids = held_jobs(store, 5)
+    store.coll.update_one({"_id": ids[4]}, {"$set": {"attempts": 2}})  # another worker took it over meanwhile
+    succeeded = metrics.COUNTERS["succeeded"]._value.get()
+    first_settle_held_on_the_server(client, store, log, ids[0])
+    store.settle_soon(store.success(ids[1], 1))
+    store.settle_soon(store.failure(ids[2], 1, "RuntimeError: boom"))  # a retry: back to the queue
+    store.settle_soon(store.success(ids[3], 1))
+    store.settle_soon(store.success(ids[4], 1))  # stale: its attempt is no longer the job's
+    assert store.flush_settles(30)
+    assert settles_sent(log) == [1, 4]
+    assert statuses(store, ids) == ["succeeded", "succeeded", "queued", "succeeded", "running"]
+    assert store.coll.find_one({"_id": ids[4]})["attempts"] == 2  # untouched
+    assert metrics.COUNTERS["succeeded"]._value.get() == succeeded + 3  # the stale one is not counted
+
+
+def test_an_outage_in_the_middle_of_a_batch_settles_each_job_once_after_it(
+    own_server, client: MongoClient, store: JobStore, log: CommandLog
+) -> None:
+    ids = held_jobs(store, 4)
+    first_settle_held_on_the_server(client, store, log, ids[0])
+    for job_id in ids[1:]:
+        store.settle_soon(store.success(job_id, 1, attempt={"n": 1, "outcome": "succeeded"}))
+    own_server.stop()  # the first write is cut off, the batch behind it meets a server that is gone
+    own_server.start()
+    assert store.flush_settles(60)
+    assert statuses(store, ids) == ["succeeded"] * 4
+    for doc in store.coll.find({"_id": {"$in": ids[1:]}}):
+        assert len(doc["history"]) == 1, doc["history"]  # written once, even where a write was tried again
+
+
+def test_a_settle_in_a_batch_that_does_not_fit_fails_its_job_alone(
+    client: MongoClient, store: JobStore, log: CommandLog
+) -> None:
+    ids = held_jobs(store, 2)
+    (big,) = held_jobs(store, 1, payload={"args": ["x" * (9 * 1024 * 1024)]})  # 9 MB of arguments
+    first_settle_held_on_the_server(client, store, log, ids[0])
+    store.settle_soon(store.success(big, 1, result={"result": "y" * (9 * 1024 * 1024)}))  # fits alone, not beside
+    store.settle_soon(store.success(ids[1], 1))
+    assert store.flush_settles(60)
+    assert statuses(store, [*ids, big]) == ["succeeded", "succeeded", "failed"]
+    doc = store.coll.find_one({"_id": big}, {"lastError": 1, "result": 1})
+    assert doc["lastError"] == TOO_LARGE_TO_SETTLE and "result" not in doc

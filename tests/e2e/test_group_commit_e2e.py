@@ -1,0 +1,84 @@
+"""A worker's settles, group-committed (bb_broker/jobs/settles.py): a burst settles in fewer round trips than tasks,
+each result is there when its batch lands, and a worker killed with settles waiting loses no job."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from celery import group
+from pymongo import MongoClient
+
+from tests.support.faults import fail_point, start_worker
+from tests.support.servers import with_database
+from tests.support.workers import producer, send, wait_for
+
+T = "tests.support.e2e_app."
+TASKS = 40
+
+
+def settle_commands(log: Path) -> list[int]:
+    """The statements of each settling `update` the worker's processes sent (tests/support/e2e_app.py SettleLog)."""
+    return [int(line.split()[1]) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.parametrize("results", ["bbmongo results", "no results"])
+def test_a_burst_of_tasks_settles_in_fewer_round_trips_than_tasks(results: str, own_server, tmp_path: Path) -> None:
+    url = with_database(own_server.url, "burst")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.burst
+    log = tmp_path / "settles.log"
+    env = {"BB_TEST_SETTLE_LOG": str(log)}
+    app = producer(url)
+    if results == "bbmongo results":
+        app.conf.result_backend = url
+        env["BB_RESULT_BACKEND"] = url
+    burst = group(app.signature(T + "identity", args=(i,)) for i in range(TASKS)).apply_async()
+    # A round trip longer than a task, as to a database across a network: each write waits 100 ms on the server.
+    fail_point(client, 200, failCommands=["update"], blockConnection=True, blockTimeMS=100)
+    start_worker(url, tmp_path, "w0", concurrency=1, env=env)
+    if results == "bbmongo results":
+        assert burst.get(timeout=120) == list(range(TASKS))  # each get() returns as its batch lands
+    else:
+        ids = [result.id for result in burst.results]
+        wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == TASKS,
+                 timeout=120, message="the burst succeeded")  # fmt: skip
+    client.admin.command("configureFailPoint", "failCommand", mode="off")
+    commands = settle_commands(log)
+    assert sum(commands) == TASKS, commands  # each job settled once
+    assert len(commands) < TASKS / 2, commands  # in fewer round trips than tasks: most carried several
+    assert db.jobs.count_documents({"status": "succeeded", "history.0.outcome": "succeeded"}) == TASKS
+
+
+def test_a_worker_killed_with_settles_waiting_loses_no_job(own_server, tmp_path: Path) -> None:
+    url = with_database(own_server.url, "waiting_settles")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.waiting_settles
+    options = {"stale_after": 2.0}
+    app = producer(url)
+    ids = [send(app, "sleep", 0.5) for _ in range(2)]
+    worker = start_worker(url, tmp_path, "w0", concurrency=1, options=options)  # one claim takes both
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "running"}) == 2,
+             message="both jobs claimed")  # fmt: skip
+    # From now on every update waits five seconds on the server: the first task's settle is in flight until after
+    # the kill, the second one's waits in the pool process's writer.
+    slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 5000}
+    client.admin.command("configureFailPoint", "failCommand", mode="alwaysOn", data=slow)
+    try:
+        wait_for(lambda: db.runs.count_documents({"taskId": {"$in": ids}, "phase": "end"}) == 2,
+                 message="both tasks finished")  # fmt: skip
+        unsettled = db.jobs.count_documents({"taskId": {"$in": ids}, "status": "running"})
+        worker.kill()
+    finally:
+        client.admin.command("configureFailPoint", "failCommand", mode="off")
+    assert unsettled == 2, "the settles did not wait"
+    start_worker(url, tmp_path, "w1", concurrency=1, options=options)
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == 2,
+             timeout=90, message="each job settled or run again")  # fmt: skip
+    starts = Counter(d["taskId"] for d in db.runs.find({"taskId": {"$in": ids}, "phase": "start"}))
+    attempts = {d["taskId"]: d["attempts"] for d in db.jobs.find({"taskId": {"$in": ids}})}
+    # The settle the server had when the worker died may land; the one still waiting in the worker is lost, and
+    # the stale sweep runs its job again: once more, never left running.
+    assert starts == attempts, (starts, attempts)
+    assert attempts[ids[1]] == 2 and attempts[ids[0]] in (1, 2), attempts
