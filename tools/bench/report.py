@@ -25,6 +25,8 @@ METRICS: list[tuple[str, str, str]] = [
     ("ops_per_task_with_probes", "  with latency probes in the window", "ops"),
     ("publish_ops_per_task", "  of which publishing", "ops"),
     ("ops_per_task_celery_prefetch", "  with Celery's prefetch (4)", "ops"),
+    ("round_trips_per_task", "server round trips per task, under load", "requests"),
+    ("round_trips_per_task_celery_prefetch", "  with Celery's prefetch (4)", "requests"),
     ("ops_per_task_events", "server ops per task, events drain", "ops"),
     ("ops_per_task_events_celery_prefetch", "  with Celery's prefetch (4)", "ops"),
     ("server_cpu_ms_per_task", "server CPU per task, under load", "ms"),
@@ -51,6 +53,8 @@ RATIOS = [
     ("bbmongo", "mongodb", "idle_latency_p50_ms"),
     ("bbmongo", "mongodb", "ops_per_task"),
     ("bbmongo", "mongodb", "ops_per_task_celery_prefetch"),
+    ("bbmongo", "mongodb", "round_trips_per_task"),
+    ("bbmongo", "mongodb", "round_trips_per_task_celery_prefetch"),
     ("bbmongo", "mongodb", "ops_per_task_events"),
     ("bbmongo", "mongodb", "idle_ops_per_s"),
     ("bbmongo", "mongodb", "ping_saturated_p50_ms"),
@@ -149,6 +153,12 @@ def targets(med: dict[str, dict[str, float]], rat: dict[str, float]) -> dict[str
         ),
         "server ops per task <= 2.5 (prefetch 1)": (bb.get("ops_per_task"), lambda v: v <= 2.5),
         "server ops per task <= 2.0 (prefetch 4)": (bb.get("ops_per_task_celery_prefetch"), lambda v: v <= 2.0),
+        # A settle's share: a bulk of settles is one round trip, and each of its statements an op to the server.
+        "server round trips per task <= 2.5 (prefetch 1)": (bb.get("round_trips_per_task"), lambda v: v <= 2.5),
+        "server round trips per task <= 2.0 (prefetch 4)": (
+            bb.get("round_trips_per_task_celery_prefetch"),
+            lambda v: v <= 2.0,
+        ),
         "server ops per task, results on, <= 2.5 (prefetch 1)": (
             bb_results.get("ops_per_task"),
             lambda v: v <= 2.5,

@@ -74,21 +74,35 @@ class Settings:
 
 
 class Counter:
-    """A server's count of the operations it served, less the measuring command's own."""
+    """A server's count of the operations it served, less the measuring command's own; and, where the server keeps
+    one, of the requests it answered (round trips: a bulk write of many statements is one request, many ops)."""
 
     #: Operations one reading adds to the count (its own command), measured by calibrate().
     own = 1
+    #: Requests one reading adds to theirs.
+    own_requests = 1
+    #: The server's count of requests at the last total(), or None where it keeps none.
+    requests: int | None = None
 
     def total(self) -> int:
         raise NotImplementedError
 
     def calibrate(self) -> None:
-        samples = [self.total() for _ in range(6)]
+        samples = [(self.total(), self.requests) for _ in range(6)]
         # Back to back, the only operations in between are the measuring commands themselves.
-        self.own = min(b - a for a, b in zip(samples, samples[1:], strict=False))
+        self.own = min(b[0] - a[0] for a, b in zip(samples, samples[1:], strict=False))
+        requests = [count for _, count in samples if count is not None]
+        if len(requests) == len(samples):
+            self.own_requests = min(b - a for a, b in zip(requests, requests[1:], strict=False))
 
     def delta(self, before: int, after: int) -> int:
         return after - before - self.own
+
+    def requests_since(self, before: int | None) -> int | None:
+        """Requests since the total() that read `before`, to the last total(); None where the server counts none."""
+        if before is None or self.requests is None:
+            return None
+        return self.requests - before - self.own_requests
 
 
 class MongoOps(Counter):
@@ -98,7 +112,9 @@ class MongoOps(Counter):
         self.client: MongoClient = MongoClient(url, **QUIET_CLIENT)
 
     def total(self) -> int:
-        return sum(int(v) for v in self.client.admin.command("serverStatus")["opcounters"].values())
+        status = self.client.admin.command("serverStatus")
+        self.requests = status.get("network", {}).get("numRequests")
+        return sum(int(v) for v in status["opcounters"].values())
 
     def close(self) -> None:
         self.client.close()
@@ -139,6 +155,9 @@ class Broker:
     send_options: dict[str, Any] = field(default_factory=dict)
     #: What the round sets up after its reset, before anything is published (a queue's limit).
     prepare: Callable[[int], None] = field(default=lambda rep: None)
+    #: How many of the round's jobs are not settled yet, where a settle can land after the task's stamp (bbmongo://
+    #: group-commits them); None where nothing settles after the stamp.
+    unsettled: Callable[[int], int] | None = None
 
 
 def mongo_broker(
@@ -191,6 +210,9 @@ def mongo_broker(
                 raise AssertionError(f"results on the jobs: {stored} of {expected}, or a celery_taskmeta appeared")
         return {"statuses": counts}
 
+    def unsettled(rep: int) -> int:
+        return counter.client[database(rep)]["jobs"].count_documents({"status": "running"})
+
     return Broker(
         name=name,
         server=server.label,
@@ -206,6 +228,7 @@ def mongo_broker(
         events=not results and not flow_control,
         send_options=send_options or {},
         prepare=prepare,
+        unsettled=unsettled if scheme == "bbmongo" else None,
     )
 
 
@@ -295,6 +318,30 @@ def drain_cpu(worker: Worker, stamps: Stamps, tag: str, n: int, suffix: str) -> 
         f"worker_pool_cpu_ms_per_task{suffix}": (pool_end - pool) * 1000 / counted,
         f"worker_cpu_ms_per_task{suffix}": (main_end - main + pool_end - pool) * 1000 / counted,
     }
+
+
+def window_costs(broker: Broker, rep: int, before: tuple[int, int | None], tasks: int, suffix: str) -> dict[str, float]:
+    """The server operations (and round trips, where the server counts them) per task since `before`, once every
+    job of the window is settled: a settle may land just after its task's stamp. Each look at the jobs is a
+    command of its own, taken off the count."""
+    looks = 0
+    if broker.unsettled is not None:
+        looks = 1
+        while broker.unsettled(rep):
+            looks += 1
+            time.sleep(0.02)
+    counter = broker.counter
+    ops = counter.delta(before[0], counter.total()) - looks
+    out = {f"ops_per_task{suffix}": ops / tasks}
+    requests = counter.requests_since(before[1])
+    if requests is not None:
+        out[f"round_trips_per_task{suffix}"] = (requests - looks) / tasks
+    return out
+
+
+def reading(counter: Counter) -> tuple[int, int | None]:
+    """The counter's operations and requests now, for window_costs."""
+    return counter.total(), counter.requests
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -546,11 +593,11 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
 
         # The loaded window again without the probes, as at Celery's prefetch below: what a task of a backlog
         # costs. Each probe is a lone task on an idle queue, whose wake-up is a change-stream getMore of its own.
-        before = counter.total()
+        before_window = reading(counter)
         for _ in range(n):
             publish("z")
         stamps.wait("z", n, timeout=120 + n / 2)
-        result["ops_per_task"] = counter.delta(before, counter.total()) / n
+        result |= window_costs(broker, rep, before_window, n, "")
         stop_worker(worker)
 
         # The same drain with Celery's default prefetch (4 per process), what users of the others run.
@@ -563,11 +610,11 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         result["drain_tps_celery_prefetch"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
 
         # The loaded window again at that prefetch, where a worker may take several jobs in one claim.
-        before = counter.total()
+        before_window = reading(counter)
         for _ in range(n):
             publish("y")
         stamps.wait("y", n, timeout=120 + n / 2)
-        result["ops_per_task_celery_prefetch"] = counter.delta(before, counter.total()) / n
+        result |= window_costs(broker, rep, before_window, n, "_celery_prefetch")
         stop_worker(worker)
 
         ran_with_events = 0
