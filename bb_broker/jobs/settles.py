@@ -13,8 +13,8 @@ round trip or two; through an outage, up to `settle_patience`). If its process d
 `running` in the worker's name but no longer in its heartbeats (Celery has the task's outcome): the stale sweep
 takes it back after `stale_after` and it runs again, as a job of a worker lost in the middle of its task does.
 
-Threads: whoever submits (a pool process's main thread, a threads pool's threads) only appends to the waiting list
-under the writer's lock; the writer thread alone takes from it and writes. `flush` waits until what was submitted
+Threads: whoever submits (a pool process's main thread, a threads pool's threads) only puts on the writer's queue;
+the writer thread alone takes from it and writes. `flush` waits until what was submitted
 before it is written: a pool process flushes as it exits (worker_process_shutdown), a worker's main process as it
 stops.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -95,22 +96,23 @@ class GroupCommit:
         self.patience = patience
         #: The process this writer belongs to: its thread does not follow a fork.
         self.pid = os.getpid()
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._waiting: list[Settle] = []
-        self._unwritten = 0  # waiting, or in the write in flight
+        # A C queue: a put wakes the writer without the lock ping-pong of a Condition (a tenth of a pool process's
+        # CPU in a drain, `py-spy record --gil`). Besides settles it carries flush's markers, set once the settles
+        # put before them are written.
+        self._queue: queue.SimpleQueue[Settle | threading.Event] = queue.SimpleQueue()
+        self._writing = False  # the writer's, read by submit: whether a write is in flight
+        self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, settle: Settle) -> None:
         """Write `settle` as soon as the write in flight, if any, is answered."""
-        with self._lock:
-            self._waiting.append(settle)
-            self._unwritten += 1
-            if self._thread is None:
-                self._thread = start_supervised("bb-settles", self._run)
-                _writers.add(self)
-            idle = self._unwritten == 1  # no write in flight: this one goes alone, now
-            self._changed.notify_all()
+        idle = not self._writing and self._queue.empty()  # this one goes alone, now
+        self._queue.put(settle)
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = start_supervised("bb-settles", self._run)
+                    _writers.add(self)
         if idle:
             # Let the writer take the GIL at once, rather than when this thread next blocks (Celery's bookkeeping
             # of the task, its log line, the result's way back to the main process): a lone settle then lands as
@@ -119,33 +121,36 @@ class GroupCommit:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every settle submitted so far is written or given up; False when `timeout` ran out first."""
-        if self.pid != os.getpid():
-            return True  # a parent's writer, in a forked child: its settles are the parent's to write
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._unwritten:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._changed.wait(left)
-        return True
+        if self.pid != os.getpid() or self._thread is None:
+            return True  # a parent's writer, in a forked child (its settles are the parent's), or one never used
+        written = threading.Event()
+        self._queue.put(written)
+        return written.wait(timeout)
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._waiting:
-                    self._changed.wait()
-                batch = self._waiting[: self.max_batch]
-                del self._waiting[: len(batch)]
+            batch: list[Settle] = []
+            markers: list[threading.Event] = []
+            item = self._queue.get()
+            while True:
+                if isinstance(item, threading.Event):
+                    markers.append(item)
+                else:
+                    batch.append(item)
+                if len(batch) >= self.max_batch or self._queue.empty():
+                    break
+                item = self._queue.get_nowait()
+            self._writing = True
             try:
-                self._write(batch)
+                if batch:
+                    self._write(batch)
             except Exception:
                 # Left `running`, each of these jobs is taken back by the stale sweep and runs again.
                 logger.exception("the settles of %d jobs were not written: %s", len(batch), _ids(batch))
             finally:
-                with self._lock:
-                    self._unwritten -= len(batch)
-                    self._changed.notify_all()
+                self._writing = False
+                for marker in markers:
+                    marker.set()
 
     def _write(self, batch: list[Settle]) -> None:
         requests = [UpdateOne(settle.fence, settle.update) for settle in batch]
