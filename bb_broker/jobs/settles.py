@@ -14,9 +14,8 @@ round trip or two; through an outage, up to `settle_patience`). If its process d
 takes it back after `stale_after` and it runs again, as a job of a worker lost in the middle of its task does.
 
 Threads: whoever submits (a pool process's main thread, a threads pool's threads) only puts on the writer's queue;
-the writer thread alone takes from it and writes. `flush` waits until what was submitted
-before it is written: a pool process flushes as it exits (worker_process_shutdown), a worker's main process as it
-stops.
+the writer thread alone takes from it and writes. `flush` waits until what was submitted before it is written: a
+pool process flushes as it exits (worker_process_shutdown), a worker's main process as it stops.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class Settle:
     outcome: metrics.Event
     #: The settle to write instead when this one would make the job document exceed MongoDB's limit (a result or
     #: a traceback too large beside the job's arguments): built only then.
-    if_too_large: Callable[[], Settle] | None = None
+    if_too_large: Callable[[], Settle]
 
     def landed_in(self, doc: dict[str, Any]) -> bool:
         """Whether `doc`, read after the write, is the job as this settle left it (each settle sets its updatedAt)."""
@@ -191,9 +190,6 @@ class GroupCommit:
 
     def _replace(self, settle: Settle) -> None:
         """Write what stands for a settle that does not fit in its job's document."""
-        if settle.if_too_large is None:
-            logger.error("the settle of job %s does not fit in its document; the stale sweep takes it", settle.job_id)
-            return
         logger.error("the settle of job %s does not fit in its document: the job fails on that", settle.job_id)
         replacement = settle.if_too_large()
         if self._update_one(replacement):
