@@ -307,6 +307,10 @@ class JobFilter:
         shown = {name: value for name, value in values.items() if value}
         return shown | dict(self.arguments)
 
+    def only_queue_and_kind(self) -> bool:
+        """Whether the filter names no more than a queue and a kind (what the charts' summaries are kept by)."""
+        return replace(self, queue=None, kind=None) == JobFilter()
+
     @property
     def unindexed(self) -> dict[str, Any]:
         """The filter without its argument searches (which no index serves): what bounds their window."""

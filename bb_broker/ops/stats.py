@@ -5,12 +5,14 @@ Two aggregations per answer, run at once, bounded by its window through the `bb_
 to a job sets its `updatedAt`, so a job with an attempt that finished in the window was last written in it or after. The
 server groups the finished jobs by interval and sends each group's count and wait and run times (never a payload or
 result), and counts the retried attempts of each interval from the history; the percentiles are computed here.
+
+A day's or a week's chart reads the jobs of its last minutes only: the quarter hours before are read from their
+summaries (bb_broker.ops.summaries), which the first chart that needs one writes with the same two aggregations.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -19,6 +21,7 @@ from typing import Any
 from bb_broker.clock import aware
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, STATUSES, SUCCEEDED
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
+from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, Summaries
 
 #: The longest window charted; and the step of the intervals for a window up to each length.
 LONGEST_WINDOW = timedelta(days=31)
@@ -48,9 +51,7 @@ class Window:
             raise FilterError(f"a chart's window must be from 1 minute to {LONGEST_WINDOW.days} days")
         step = next((step for longest, step in STEPS if length <= longest), LONG_STEP)
         count = math.ceil(length / step)
-        seconds = step.total_seconds()
-        last = datetime.fromtimestamp(math.floor(until.timestamp() / seconds) * seconds, UTC)
-        return cls(last - step * (count - 1), step, count)
+        return cls(_floor(until, step) - step * (count - 1), step, count)
 
     @property
     def end(self) -> datetime:
@@ -73,56 +74,42 @@ def percentile(values: list[float], fraction: float) -> float | None:
 
 
 def job_stats(
-    operations: Operations, job_filter: JobFilter, length: timedelta, by: str | None = None
+    operations: Operations,
+    job_filter: JobFilter,
+    length: timedelta,
+    by: str | None = None,
+    *,
+    keep_summaries: bool = True,
 ) -> dict[str, Any]:
     """The numbers of the charts for the window of `length` ending now, of the jobs of `job_filter`, per queue or
     kind with `by`: per interval, attempts succeeded, jobs failed for good, attempts retried (failed, lost or
     retried by the task, with another attempt after them), and of the jobs that finished there the wait (runAfter
-    to start of their last attempt) and run time (its start to finish), p50 and p95 in seconds (None: no job)."""
+    to start of their last attempt) and run time (its start to finish), p50 and p95 in seconds (None: no job).
+
+    A window in steps of a quarter hour or more, of every job or of one queue or kind, draws its quarter hours
+    older than SUMMARY_LAG from their summaries (bb_broker.ops.summaries), summarizing those that have none yet
+    unless `keep_summaries` is False (a read-only Flower), and reads the jobs for the rest only."""
     if by is not None and by not in BREAKDOWNS:
         raise FilterError(f"by must be one of {', '.join(BREAKDOWNS)}, not {by!r}")
-    window = Window.ending(operations.now(), length)
+    now = operations.now()
+    window = Window.ending(now, length)
+    tally = Tally(window, by)
+    live_from = window.start
+    if window.step >= SUMMARY_STEP and job_filter.only_queue_and_kind():
+        live_from = max(window.start, min(window.end, _floor(now - SUMMARY_LAG, SUMMARY_STEP)))
+        summaries = Summaries(operations.coll, operations.now, keep=keep_summaries)
+        for group in _summarized(operations, summaries, window.start, live_from, job_filter):
+            tally.add_summary(group)
     query = operations.bounded(job_filter).query()
     if not isinstance(query.get("status"), str):
         query["status"] = {"$in": list(STATUSES)}  # the index's first field, so the window below is a range of it
-    query["updatedAt"] = {**query.get("updatedAt", {}), "$gte": window.start}
-    hint = operations._hint_if_indexed("bb_status_updated")
-    groups: dict[str, dict[str, list[Any]]] = {}
-
-    def group_of(value: Any) -> dict[str, list[Any]]:
-        name = ALL if by is None else str(value if value is not None else "")
-        if name not in groups:
-            groups[name] = {"succeeded": [0] * window.count, "failed": [0] * window.count,
-                            "retried": [0] * window.count, "waits": [[] for _ in range(window.count)],
-                            "runs": [[] for _ in range(window.count)]}  # fmt: skip
-        return groups[name]
-
-    # The server groups the jobs by interval (and queue or kind) and sends one document per group, with each job's
-    # wait and run time worked out there in milliseconds: no document per job, no date decoded here. The retried
-    # attempts are counted meanwhile, on a thread of their own, so that the server runs both aggregations at once
-    # (pymongo's client is shared between threads; docs/explanation/performance.md has the figures). Only this
-    # thread writes `groups`.
-    finished = _finished_query(query)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-stats") as retried_reader:
-        retried = retried_reader.submit(lambda: list(operations.coll.aggregate(_retried_pipeline(query, window, by),
-                                                                               **hint)))  # fmt: skip
-        buckets: Iterable[dict[str, Any]] = (
-            operations.coll.aggregate(_finished_pipeline(finished, window, by), **hint) if finished else []
-        )
+    if live_from < window.end:
+        grouped_by = None if by is None else f"${by}"
+        buckets, retried = _aggregate(operations, query, live_from, window.end, window.step, grouped_by)
         for bucket in buckets:
-            at = window.index(bucket["_id"].get("at"))
-            status = bucket["_id"].get("status")
-            if at is None or status not in (SUCCEEDED, FAILED):
-                continue
-            group = group_of(bucket["_id"].get("group"))
-            group[status][at] += bucket["jobs"]
-            group["waits"][at] += _seconds(bucket["waits"])
-            group["runs"][at] += _seconds(bucket["runs"])
-        for bucket in retried.result():
-            at = window.index(bucket["_id"].get("at"))
-            if at is not None and bucket["attempts"]:
-                group_of(bucket["_id"].get("group"))["retried"][at] += bucket["attempts"]
-    series = {name: _series(group) for name, group in sorted(groups.items())}
+            tally.add_finished(bucket["_id"], bucket)
+        for bucket in retried:
+            tally.add_retried(bucket["_id"], bucket["attempts"])
     return {
         "from": window.start.isoformat(),
         "until": window.end.isoformat(),
@@ -130,14 +117,166 @@ def job_stats(
         "by": by,
         "filter": job_filter.as_dict(),
         "intervals": [(window.start + window.step * n).isoformat() for n in range(window.count)],
-        "series": series,
+        "series": tally.series(),
+        # Up to where the numbers came from summaries of closed quarter hours (None: none did).
+        "summarizedUntil": live_from.isoformat() if live_from > window.start else None,
     }
 
 
-def _interval(moment: str, window: Window) -> dict[str, Any]:
-    """The start of the interval of `window` a date falls in, on the server. Intervals are whole minutes counted from
+class Tally:
+    """A chart's numbers as they are gathered, per group (ALL when not grouped) and interval. Owned by the thread
+    that calls job_stats."""
+
+    def __init__(self, window: Window, by: str | None) -> None:
+        self.window = window
+        self.by = by
+        self.groups: dict[str, dict[str, list[Any]]] = {}
+
+    def add_finished(self, key: dict[str, Any], bucket: dict[str, Any]) -> None:
+        """A bucket of the finished jobs' aggregation: `key` has the interval, the status and the group."""
+        at = self.window.index(key.get("at"))
+        status = key.get("status")
+        if at is None or status not in (SUCCEEDED, FAILED):
+            return
+        group = self._group(key.get("group"))
+        group[status][at] += _count(bucket.get("jobs"))
+        group["waits"][at] += _seconds(bucket.get("waits"))
+        group["runs"][at] += _seconds(bucket.get("runs"))
+
+    def add_retried(self, key: dict[str, Any], attempts: Any) -> None:
+        at = self.window.index(key.get("at"))
+        if at is not None and _count(attempts):
+            self._group(key.get("group"))["retried"][at] += _count(attempts)
+
+    def add_summary(self, summary: dict[str, Any]) -> None:
+        """A summary's group: one queue and kind's numbers of one quarter hour."""
+        at = self.window.index(summary.get("at"))
+        if at is None:
+            return
+        group = self._group(summary.get(self.by) if self.by else None)
+        for name in ("succeeded", "failed", "retried"):
+            group[name][at] += _count(summary.get(name))
+        group["waits"][at] += _seconds(summary.get("waits"))
+        group["runs"][at] += _seconds(summary.get("runs"))
+
+    def series(self) -> dict[str, dict[str, list[Any]]]:
+        return {name: _series(group) for name, group in sorted(self.groups.items())}
+
+    def _group(self, value: Any) -> dict[str, list[Any]]:
+        name = ALL if self.by is None else str(value if value is not None else "")
+        if name not in self.groups:
+            count = self.window.count
+            self.groups[name] = {"succeeded": [0] * count, "failed": [0] * count, "retried": [0] * count,
+                                 "waits": [[] for _ in range(count)], "runs": [[] for _ in range(count)]}  # fmt: skip
+        return self.groups[name]
+
+
+def _summarized(
+    operations: Operations, summaries: Summaries, start: datetime, end: datetime, job_filter: JobFilter
+) -> list[dict[str, Any]]:
+    """The summaries' groups of the quarter hours of [start, end) of `job_filter`'s queue and kind: those kept, and
+    those of the quarter hours that had none, summarized now from the jobs (and kept, if the summaries may be)."""
+    if start >= end:
+        return []
+    done = summaries.summarized(start, end)
+    quarters = [start + SUMMARY_STEP * n for n in range(math.ceil((end - start) / SUMMARY_STEP))]
+    kept = [group for group in summaries.groups(start, end, queue=job_filter.queue, kind=job_filter.kind)
+            if isinstance(group.get("at"), datetime) and aware(group["at"]) in done] if done else []  # fmt: skip
+    missing = [at for at in quarters if at not in done]
+    built: list[dict[str, Any]] = []
+    for first, last in _runs(missing):
+        built += _summaries_of(operations, first, last + SUMMARY_STEP)
+    if missing:
+        summaries.write(built, missing)
+    chosen = [group for group in built if job_filter.queue in (None, group.get("queue"))
+              and job_filter.kind in (None, group.get("kind"))]  # fmt: skip
+    return kept + chosen
+
+
+def _summaries_of(operations: Operations, start: datetime, end: datetime) -> list[dict[str, Any]]:
+    """The summaries' groups of every queue and kind of the quarter hours of [start, end), from the jobs."""
+    query = {"status": {"$in": list(STATUSES)}}
+    buckets, retried = _aggregate(operations, query, start, end, SUMMARY_STEP, {"queue": "$queue", "kind": "$kind"})
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def group_of(key: dict[str, Any]) -> dict[str, Any] | None:
+        at, names = key.get("at"), key.get("group") or {}
+        if not isinstance(at, datetime):
+            return None
+        queue, kind = names.get("queue"), names.get("kind")
+        place = (aware(at), repr(queue), repr(kind))  # repr: a hand-edited queue may be any BSON value
+        if place not in groups:
+            groups[place] = {"at": aware(at), "queue": queue, "kind": kind, "succeeded": 0, "failed": 0,
+                             "retried": 0, "waits": [], "runs": []}  # fmt: skip
+        return groups[place]
+
+    for bucket in buckets:
+        status, group = bucket["_id"].get("status"), group_of(bucket["_id"])
+        if group is not None and status in (SUCCEEDED, FAILED):
+            group[status] += _count(bucket.get("jobs"))
+            group["waits"] += [ms for ms in bucket.get("waits") or [] if _is_number(ms)]
+            group["runs"] += [ms for ms in bucket.get("runs") or [] if _is_number(ms)]
+    for bucket in retried:
+        group = group_of(bucket["_id"])
+        if group is not None:
+            group["retried"] += _count(bucket.get("attempts"))
+    return list(groups.values())
+
+
+def _aggregate(
+    operations: Operations, query: dict[str, Any], start: datetime, end: datetime, step: timedelta, group: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The finished jobs' buckets and the retried attempts' of [start, end) in intervals of `step`, per `group`.
+
+    Both are bounded through the `bb_status_updated` index: every write to a job sets its `updatedAt`, so a job with
+    an attempt that finished at `start` or later was last written then or after. The retried attempts are counted on
+    a thread of their own, so that the server runs both aggregations at once (pymongo's client is shared between
+    threads; docs/explanation/performance.md has the figures)."""
+    query = {**query, "updatedAt": {**query.get("updatedAt", {}), "$gte": start}}
+    hint = operations._hint_if_indexed("bb_status_updated")
+    finished = _finished_query(query)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-stats") as retried_reader:
+        retried = retried_reader.submit(
+            lambda: list(operations.coll.aggregate(_retried_pipeline(query, start, end, step, group), **hint))
+        )
+        buckets = (
+            list(operations.coll.aggregate(_finished_pipeline(finished, start, end, step, group), **hint))
+            if finished
+            else []
+        )
+        return buckets, retried.result()
+
+
+def _runs(moments: list[datetime]) -> list[tuple[datetime, datetime]]:
+    """Consecutive quarter hours as (first, last) pairs, so that each run is summarized by one pair of reads."""
+    runs: list[tuple[datetime, datetime]] = []
+    for at in moments:
+        if runs and at - runs[-1][1] == SUMMARY_STEP:
+            runs[-1] = (runs[-1][0], at)
+        else:
+            runs.append((at, at))
+    return runs
+
+
+def _floor(moment: datetime, step: timedelta) -> datetime:
+    """The start of the interval of `step` that holds `moment`, counted from the epoch."""
+    seconds = step.total_seconds()
+    return datetime.fromtimestamp(math.floor(moment.timestamp() / seconds) * seconds, UTC)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> int:
+    """A count as the server or a summary gave it; anything else (a hand-edited summary) counts nothing."""
+    return int(value) if _is_number(value) and value > 0 else 0
+
+
+def _interval(moment: str, step: timedelta) -> dict[str, Any]:
+    """The start of the interval of `step` a date falls in, on the server. Intervals are whole minutes counted from
     2000-01-01, $dateTrunc's reference, which whole minutes, quarter hours and hours from the epoch are too."""
-    minutes = int(window.step.total_seconds() // 60)
+    minutes = int(step.total_seconds() // 60)
     return {"$dateTrunc": {"date": moment, "unit": "minute", "binSize": minutes}}
 
 
@@ -157,24 +296,27 @@ def _milliseconds(start: str, end: str) -> dict[str, Any]:
     return {"$cond": [both_dates, {"$dateDiff": {"startDate": start, "endDate": end, "unit": "millisecond"}}, None]}
 
 
-def _seconds(milliseconds: list[Any]) -> list[float]:
-    """The times the server sent, in seconds, a missing one left out: none is negative, though a publisher's clock
-    that runs ahead of the server's can write a runAfter later than the claim that starts the job."""
-    return [max(ms / 1000, 0.0) for ms in milliseconds if isinstance(ms, int | float) and not isinstance(ms, bool)]
+def _seconds(milliseconds: Any) -> list[float]:
+    """The times the server sent (or a summary kept), in seconds, a missing one left out: none is negative, though a
+    publisher's clock that runs ahead of the server's can write a runAfter later than the claim that starts the job."""
+    if not isinstance(milliseconds, list):
+        return []
+    return [max(ms / 1000, 0.0) for ms in milliseconds if _is_number(ms)]
 
 
-def _finished_pipeline(query: dict[str, Any], window: Window, by: str | None) -> list[dict[str, Any]]:
-    """The jobs that finished in `window`, per interval, status and group: how many, and their wait (runAfter to
-    the start of their last attempt) and run time (that start to their finish)."""
-    in_window = {"$gte": window.start, "$lt": window.end}  # dates only: a finishedAt edited into text is left out
+def _finished_pipeline(
+    query: dict[str, Any], start: datetime, end: datetime, step: timedelta, group: Any
+) -> list[dict[str, Any]]:
+    """The jobs that finished in [start, end), per interval of `step`, status and `group`: how many, and their wait
+    (runAfter to the start of their last attempt) and run time (that start to their finish)."""
+    in_window = {"$gte": start, "$lt": end}  # dates only: a finishedAt edited into text is left out
     # A group's document must stay far below the server's 16 MB: the percentiles of a busier interval are those of
     # its first TIMED_PER_GROUP jobs in the index's order (by updatedAt); the counts stay exact.
     return [
         {"$match": query},
         {"$match": {"finishedAt": in_window}},
         {"$group": {
-            "_id": {"at": _interval("$finishedAt", window), "status": "$status",
-                    "group": None if by is None else f"${by}"},
+            "_id": {"at": _interval("$finishedAt", step), "status": "$status", "group": group},
             "jobs": {"$sum": 1},
             "waits": {"$firstN": {"n": TIMED_PER_GROUP, "input": _milliseconds("$runAfter", "$startedAt")}},
             "runs": {"$firstN": {"n": TIMED_PER_GROUP, "input": _milliseconds("$startedAt", "$finishedAt")}},
@@ -182,11 +324,13 @@ def _finished_pipeline(query: dict[str, Any], window: Window, by: str | None) ->
     ]  # fmt: skip
 
 
-def _retried_pipeline(query: dict[str, Any], window: Window, by: str | None) -> list[dict[str, Any]]:
-    """The attempts that ended unsuccessfully in `window` and were not their failed job's last, per interval and
-    group."""
+def _retried_pipeline(
+    query: dict[str, Any], start: datetime, end: datetime, step: timedelta, group: Any
+) -> list[dict[str, Any]]:
+    """The attempts that ended unsuccessfully in [start, end) and were not their failed job's last, per interval of
+    `step` and `group`."""
     entry_in_window = {"history.outcome": {"$in": list(UNSUCCESSFUL)},
-                       "history.finishedAt": {"$gte": window.start, "$lt": window.end}}  # fmt: skip
+                       "history.finishedAt": {"$gte": start, "$lt": end}}  # fmt: skip
     last_of_failed_job = {"$and": [{"$eq": ["$status", FAILED]}, {"$eq": ["$history.n", "$attempts"]}]}
     return [
         {"$match": query},
@@ -194,7 +338,7 @@ def _retried_pipeline(query: dict[str, Any], window: Window, by: str | None) -> 
         {"$unwind": "$history"},
         {"$match": entry_in_window},
         {"$group": {
-            "_id": {"at": _interval("$history.finishedAt", window), "group": None if by is None else f"${by}"},
+            "_id": {"at": _interval("$history.finishedAt", step), "group": group},
             "attempts": {"$sum": {"$cond": [last_of_failed_job, 0, 1]}},
         }},
     ]  # fmt: skip

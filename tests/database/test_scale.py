@@ -122,6 +122,8 @@ def test_charts_and_argument_searches_read_through_an_index_at_100k_jobs(mongo_u
             start = Window.ending(clock.now, length).start
             expected = db.jobs.count_documents({"status": {"$in": [SUCCEEDED, FAILED]}, "finishedAt": {"$gte": start}})
             assert sum(chart["series"]["all"]["succeeded"]) + sum(chart["series"]["all"]["failed"]) == expected, name
+            if name == "1d":
+                day_chart = chart
         # Every attempt before a job's last failed; every job waited i % 7 s and ran i % 5 s.
         retried = sum(max(job(i, clock)["attempts"] - 1, 0) for i in range(JOBS))
         week_chart = chart["series"]["all"]
@@ -141,5 +143,12 @@ def test_charts_and_argument_searches_read_through_an_index_at_100k_jobs(mongo_u
         ] == [f"task-{JOBS - 3}"]
         searched_chart = timed("chart 1d of a search", lambda: job_stats(operations, newest, timedelta(days=1)))
         assert sum(searched_chart["series"]["all"]["succeeded"]) + sum(searched_chart["series"]["all"]["failed"]) <= 1
+        # The first day's and week's charts summarized their closed quarter hours: the next ones read those, and the
+        # jobs of the last minutes only, with the same numbers.
+        for length, name, first in ((timedelta(days=1), "1d", day_chart), (timedelta(days=7), "7d", chart)):
+            again = timed(f"chart {name} again", lambda length=length: job_stats(operations, JobFilter(), length))
+            assert again["summarizedUntil"] is not None and again["series"] == first["series"], name
+        again_by_queue = timed("chart 7d by queue again", lambda: job_stats(operations, JobFilter(), week, "queue"))
+        assert again_by_queue["series"] == by_queue["series"]
     assert_each_reads_through_an_index(db, answers.commands)
     print("\n".join(f"{name:<28} {seconds * 1000:8.0f} ms" for name, seconds in timings.items()))

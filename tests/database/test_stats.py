@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
 from bb_broker.ops.stats import Window, job_stats, percentile
+from tests.support.servers import AUTH_PASSWORD
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
 
@@ -129,8 +132,6 @@ def test_windows_and_bad_values(ops: Operations, clock: FakeClock) -> None:
 def test_every_chart_reads_through_the_status_index(ops: Operations, db: Database, clock: FakeClock,
                                                    mongo_url: str) -> None:  # fmt: skip
     # The charts add no index of their own: the window is a range of bb_status_updated, which the sweeps use.
-    from pymongo import MongoClient
-
     now = clock()
     for n, queue in enumerate(("mail", "celery", "mail")):
         finished(db, now, f"j{n}", queue=queue, status="succeeded", ago=60 * n, wait=1, run=2)
@@ -144,3 +145,145 @@ def test_every_chart_reads_through_the_status_index(ops: Operations, db: Databas
     assert len(aggregates) == 10  # two a chart: its finished jobs and its retried attempts
     assert_each_reads_through_an_index(db, aggregates)
     assert all(command["hint"] == "bb_status_updated" for command in aggregates)
+
+
+# --- the summaries of closed quarter hours ---------------------------------------------------------------------------
+# A day's window in the fake clock's time: 00:15 yesterday to 00:15, 96 quarter hours; summarized until 23:45 (five
+# minutes before 00:00, floored to its quarter hour), the quarter hours after read from the jobs.
+DAY = timedelta(days=1)
+
+
+def three_finished_at_23(db: Database, now: datetime) -> None:
+    """Three jobs that finished in the quarter hour of 23:00 (the day's interval 91), one after a lost attempt; one
+    at 22:00 (interval 87)."""
+    finished(db, now, "a1", queue="a", status="succeeded", ago=3600, wait=1, run=2)
+    finished(db, now, "a2", queue="a", status="succeeded", ago=3590, wait=3, run=4)
+    finished(db, now, "b1", queue="b", status="failed", ago=3000, wait=2, run=5,
+             history=[entry(now, 1, "lost", 3100), entry(now, 2, "failed", 3000)])  # fmt: skip
+    finished(db, now, "old", queue="a", status="succeeded", ago=7200, wait=1, run=1)
+
+
+def nonzero(series: dict[str, list[Any]]) -> dict[str, dict[int, Any]]:
+    """Each series' intervals with a value, the series with none left out."""
+    found = {name: {n: v for n, v in enumerate(values) if v} for name, values in series.items()}
+    return {name: values for name, values in found.items() if values}
+
+
+def test_a_days_chart_summarizes_its_closed_quarter_hours_once_and_reads_only_the_rest_from_the_jobs(
+    ops: Operations, db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    now = clock.now
+    three_finished_at_23(db, now)
+    finished(db, now, "t1", queue="a", status="succeeded", ago=120, wait=1, run=1)  # 23:58, after the summaries
+
+    first = job_stats(ops, JobFilter(), DAY)
+    assert first["summarizedUntil"] == "2025-12-31T23:45:00+00:00"
+    (everything,) = first["series"].values()
+    found = nonzero(everything)
+    assert found["succeeded"] == {87: 1, 91: 2, 94: 1} and found["failed"] == {91: 1} and found["retried"] == {91: 1}
+    assert (everything["runP50"][91], everything["runP95"][91]) == (4, 5)  # of 2, 4, 5
+    assert (everything["waitP50"][91], everything["waitP95"][91]) == (2, 3)  # of 1, 3, 2
+    # One marker per summarized quarter hour (00:15 to 23:30, 94 of them), and a group per queue and kind with jobs.
+    assert db.bb_stats.count_documents({"group": False}) == 94
+    groups = {(doc["at"].strftime("%H:%M"), doc["queue"]): doc for doc in db.bb_stats.find({"group": True})}
+    assert sorted(groups) == [("22:00", "a"), ("23:00", "a"), ("23:00", "b")]
+    assert (groups[("23:00", "a")]["succeeded"], sorted(groups[("23:00", "a")]["runs"])) == (2, [2000, 4000])
+    assert (groups[("23:00", "b")]["failed"], groups[("23:00", "b")]["retried"]) == (1, 1)
+
+    # Kept as it was: a job deleted since (retention, an operator) is still counted where it finished; a job that
+    # finished after the summaries is read from the jobs.
+    db.jobs.delete_one({"_id": "a1"})
+    finished(db, now, "t2", queue="b", status="failed", ago=60, wait=0, run=1)
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        again = job_stats(Operations(JobStore(client[db.name], Policy(), clock=clock)), JobFilter(), DAY)
+    found = nonzero(again["series"]["all"])
+    assert found["succeeded"] == {87: 1, 91: 2, 94: 1} and found["failed"] == {91: 1, 94: 1}
+    aggregates = [command for command in log.commands if "aggregate" in command]
+    assert len(aggregates) == 2  # the quarter hours since 23:45 only
+    assert all(str(command["pipeline"][0]["$match"]["updatedAt"]["$gte"]).startswith("2025-12-31 23:45")
+               for command in aggregates)  # fmt: skip
+    assert not [command for command in log.commands if "update" in command]  # nothing written the second time
+    assert_each_reads_through_an_index(db, [command for command in log.commands if "find" in command])
+
+
+def test_a_weeks_chart_by_queue_and_one_queues_chart_draw_on_the_same_summaries(
+    ops: Operations, db: Database, clock: FakeClock
+) -> None:
+    now = clock.now
+    three_finished_at_23(db, now)
+    finished(db, now, "t1", queue="a", status="succeeded", ago=120, wait=1, run=1)  # 23:58, after the summaries
+    job_stats(ops, JobFilter(), DAY)  # summarizes the day: the week's chart summarizes only the six days before it
+
+    week = job_stats(ops, JobFilter(), timedelta(weeks=1), by="queue")
+    assert week["summarizedUntil"] == "2025-12-31T23:45:00+00:00" and set(week["series"]) == {"a", "b"}
+    # The hour of 23:00 (the week's interval 166): a1 and a2 from its summarized quarter, t1 from the jobs.
+    assert nonzero(week["series"]["a"])["succeeded"] == {165: 1, 166: 3}
+    assert nonzero(week["series"]["b"]) == {"failed": {166: 1}, "retried": {166: 1}, "waitP50": {166: 2},
+                                            "waitP95": {166: 2}, "runP50": {166: 5}, "runP95": {166: 5}}  # fmt: skip
+    # Every quarter hour from the week's start (01:00 on the 25th) to 23:45, once: 166 hours and three quarters.
+    assert db.bb_stats.count_documents({"group": False}) == 667
+
+    only_b = job_stats(ops, JobFilter(queue="b"), DAY)["series"]
+    assert nonzero(only_b["all"])["failed"] == {91: 1} and sum(only_b["all"]["succeeded"]) == 0
+    of_kind = job_stats(ops, JobFilter(kind="app.a"), DAY)["series"]
+    assert nonzero(of_kind["all"])["succeeded"] == {87: 1, 91: 2, 94: 1}
+    # Any other filter reads the jobs, as before: a status is the job's now, which no summary knows.
+    failed = job_stats(ops, JobFilter(status="failed"), DAY)
+    assert failed["summarizedUntil"] is None and nonzero(failed["series"]["all"])["failed"] == {91: 1}
+
+
+def test_a_chart_that_may_not_keep_summaries_gives_the_same_numbers_and_writes_nothing(
+    ops: Operations, db: Database, clock: FakeClock
+) -> None:
+    three_finished_at_23(db, clock.now)
+    read_only = job_stats(ops, JobFilter(), DAY, keep_summaries=False)
+    assert "bb_stats" not in db.list_collection_names()
+    assert read_only["series"] == job_stats(ops, JobFilter(), DAY)["series"]
+    assert db.bb_stats.count_documents({}) > 0
+    # A read-only chart draws on the summaries there are.
+    assert job_stats(ops, JobFilter(), DAY, keep_summaries=False)["series"] == read_only["series"]
+
+
+def test_hand_edited_summaries_count_nothing_they_cannot_and_fail_no_chart(
+    ops: Operations, db: Database, clock: FakeClock
+) -> None:
+    three_finished_at_23(db, clock.now)
+    job_stats(ops, JobFilter(), DAY)
+    db.bb_stats.update_one({"group": True, "queue": "a", "succeeded": 2},
+                           {"$set": {"succeeded": "two", "runs": "slow", "waits": [None, "x", 5000]}})  # fmt: skip
+    db.bb_stats.update_one({"group": True, "queue": "b"}, {"$set": {"at": "noon", "failed": 7}})
+    (everything,) = job_stats(ops, JobFilter(), DAY)["series"].values()
+    found = nonzero(everything)
+    assert found["succeeded"] == {87: 1} and "failed" not in found  # "two" counts nothing; b's has no interval
+    assert (everything["waitP50"][91], everything["runP50"][91]) == (5, None)
+
+
+def test_charts_summarizing_the_same_quarter_hours_at_once_agree_and_keep_one_summary_each(
+    db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    three_finished_at_23(db, clock.now)
+    clients = [MongoClient(mongo_url, tz_aware=True) for _ in range(4)]
+    try:
+        readers = [Operations(JobStore(client[db.name], Policy(), clock=clock)) for client in clients]
+        with ThreadPoolExecutor(len(readers)) as charts:
+            answers = list(charts.map(lambda reader: job_stats(reader, JobFilter(), DAY)["series"], readers))
+    finally:
+        for client in clients:
+            client.close()
+    assert all(answer == answers[0] for answer in answers)
+    assert nonzero(answers[0]["all"])["succeeded"] == {87: 1, 91: 2}
+    assert db.bb_stats.count_documents({"group": False}) == 94 and db.bb_stats.count_documents({"group": True}) == 3
+    assert job_stats(Operations(JobStore(db, Policy(), clock=clock)), JobFilter(), DAY)["series"] == answers[0]
+
+
+def test_a_database_user_who_may_only_read_gets_the_chart_and_writes_no_summary(auth_server, clock: FakeClock) -> None:
+    admin_url = f"mongodb://bb:{AUTH_PASSWORD}@127.0.0.1:{auth_server.port}/?authSource=admin"
+    with MongoClient(admin_url, tz_aware=True) as admin:
+        three_finished_at_23(admin.charts, clock.now)
+        admin.charts.command("createUser", "viewer", pwd="v1ew-only", roles=[{"role": "read", "db": "charts"}])
+        with MongoClient(f"mongodb://viewer:v1ew-only@127.0.0.1:{auth_server.port}/?authSource=charts",
+                         tz_aware=True) as viewer:  # fmt: skip
+            chart = job_stats(Operations(JobStore(viewer.charts, Policy(), clock=clock)), JobFilter(), DAY)
+        assert nonzero(chart["series"]["all"])["succeeded"] == {87: 1, 91: 2}
+        assert "bb_stats" not in admin.charts.list_collection_names()

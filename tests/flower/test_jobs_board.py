@@ -88,7 +88,7 @@ def test_run_now_one_job_and_a_filter_with_the_rules_of_every_action(
     assert answer(flower, "GET", "/api/jobs/bulk/run-now?queue=mail")[1]["count"] == 0
 
 
-def test_run_now_in_a_read_only_flower_and_without_the_pages_token(
+def test_run_now_and_chart_summaries_in_a_read_only_flower_and_run_now_without_the_pages_token(
     store: JobStore, db: Database, flower_factory
 ) -> None:
     later = publish(store, "later", in_seconds=3600)
@@ -97,8 +97,14 @@ def test_run_now_in_a_read_only_flower_and_without_the_pages_token(
     assert answer(read_only, "POST", f"/api/jobs/job/run-now?{one(later)}") == (403, error)
     assert answer(read_only, "POST", "/api/jobs/bulk/run-now?queue=celery&expected=1") == (403, error)
     assert 'data-action="run-now"' not in read_only.page(f"/jobs/job?{one(later)}")
+    # A day's chart in a read-only Flower writes no summary of its quarter hours; in another, it does.
+    status, chart = answer(read_only, "GET", "/api/jobs/stats?window=1d")
+    assert status == 200 and chart["summarizedUntil"] is not None
+    assert "bb_stats" not in db.list_collection_names()
     # --no-auth: the page's own endpoint wants the page's XSRF token, which another site's form cannot send.
     open_flower = flower_factory(env={"FLOWER_UNAUTHENTICATED_API": "false"})
+    assert answer(open_flower, "GET", "/jobs/stats?window=1d")[1]["series"] == chart["series"]  # the page's own
+    assert db.bb_stats.count_documents({"group": False}) > 0
     status, body = open_flower.request("POST", "/jobs/job/run-now", {"id": later})
     assert status == 403 and "_xsrf" in body
     assert "actions" not in db.jobs.find_one({"_id": later})

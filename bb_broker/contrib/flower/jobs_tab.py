@@ -605,7 +605,10 @@ class JobsStats(_JobsHandler):
         by = self.get_argument("by", default="", escape=False).strip() or None
         try:
             length = parse_duration(text)
-            body = await self.run_query(job_stats, _operations(self), job_filter, length, by)
+            # A read-only Flower reads the charts' summaries there are and writes none.
+            body = await self.run_query(
+                job_stats, _operations(self), job_filter, length, by, keep_summaries=not read_only(self)
+            )
         except (FilterError, ValueError) as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
         self.write(body)

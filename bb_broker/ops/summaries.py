@@ -1,0 +1,115 @@
+"""The charts' summaries of closed intervals: one document per quarter hour, queue and kind of what finished in it,
+kept in SUMMARIES_COLLECTION beside the jobs, so that a day's or a week's chart reads a few hundred small documents
+instead of every job of its window (bb_broker.ops.stats builds them; this module reads and keeps them).
+
+A quarter hour is summarized once it is SUMMARY_LAG old, by the first chart that needs it: a group document per
+queue and kind (`group: True`) with its counts and its jobs' wait and run times in milliseconds, then the interval's
+marker (`group: False`), written last so that a marked interval has all its groups. What is summarized stays as it
+was: a job deleted since (retention) or retried by an operator since is still counted where it finished then.
+Each write deletes the summaries older than SUMMARY_KEPT, markers before groups, so that no interval is ever marked
+without its groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo import ASCENDING, IndexModel, ReplaceOne
+from pymongo.collection import Collection
+from pymongo.errors import BulkWriteError, OperationFailure
+
+from bb_broker.clock import aware
+
+logger = logging.getLogger(__name__)
+
+SUMMARIES_COLLECTION = "bb_stats"
+#: The length of a summarized interval: the day's chart's step, a quarter of the week's.
+SUMMARY_STEP = timedelta(minutes=15)
+#: How old an interval must be to be summarized: far longer than a settle takes to land after the finish time it
+#: carries (a worker's writes keep trying through an outage for `settle_patience`, 60 s by default), so that nothing
+#: that finished in it arrives after its summary.
+SUMMARY_LAG = timedelta(minutes=5)
+#: How long a summary is kept: a day beyond the longest window a chart draws (31 days).
+SUMMARY_KEPT = timedelta(days=32)
+INDEX = IndexModel([("jobs", ASCENDING), ("group", ASCENDING), ("at", ASCENDING)], name="bb_stats_at")
+#: Server answers that mean the summaries cannot be kept: a user who may only read (13), or a server without
+#: createIndexes (115, 238). Summaries are a cache: without them the charts read the jobs.
+NO_INDEXES = {115, 238}
+DUPLICATE_KEY = 11000
+CANNOT_KEEP = {13, *NO_INDEXES}
+
+
+class Summaries:
+    """The summaries of one jobs collection's charts."""
+
+    def __init__(self, jobs: Collection, clock: Callable[[], datetime], *, keep: bool = True) -> None:
+        self.coll = jobs.database[SUMMARIES_COLLECTION]
+        self.jobs = jobs.name
+        self.now = clock
+        #: Whether new summaries are written (a read-only Flower reads those there are and writes none).
+        self.keep = keep
+
+    def summarized(self, start: datetime, end: datetime) -> set[datetime]:
+        """The starts of the intervals of [start, end) that have a summary."""
+        found = self.coll.find(self._in(start, end, group=False), {"at": 1})
+        return {aware(doc["at"]) for doc in found if isinstance(doc.get("at"), datetime)}
+
+    def groups(
+        self, start: datetime, end: datetime, *, queue: str | None = None, kind: str | None = None
+    ) -> Iterable[dict[str, Any]]:
+        """The group documents of [start, end), of `queue` and `kind` when given (values, compared whole)."""
+        query = self._in(start, end, group=True)
+        if queue is not None:
+            query["queue"] = queue
+        if kind is not None:
+            query["kind"] = kind
+        return self.coll.find(query, {"_id": 0, "jobs": 0, "group": 0})
+
+    def write(self, groups: list[dict[str, Any]], intervals: list[datetime]) -> bool:
+        """Keep `groups` (each with `at`, `queue`, `kind` and its numbers) and mark `intervals` summarized, the
+        markers after the groups; False when they were not kept (not allowed, or a server that cannot): the caller
+        has the numbers either way, and a later chart builds the intervals again."""
+        if not self.keep or not intervals:
+            return self.keep
+        old = {"$lt": self.now() - SUMMARY_KEPT}
+        try:
+            self._ensure_index()
+            # An old interval's marker goes before its groups; a new one's comes after them.
+            self.coll.delete_many({"jobs": self.jobs, "group": False, "at": old})
+            self.coll.delete_many({"jobs": self.jobs, "group": True, "at": old})
+            if groups:
+                self.coll.bulk_write([self._replacing(group) for group in groups], ordered=False)
+            # Markers are inserted, not upserted (an upsert each is far slower on some servers): one that is there
+            # already was written by a chart that summarized the same interval at once, from the same jobs.
+            markers = [{"_id": {"jobs": self.jobs, "at": at}, "jobs": self.jobs, "at": at, "group": False}
+                       for at in intervals]  # fmt: skip
+            self.coll.insert_many(markers, ordered=False)
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(error.get("code") != DUPLICATE_KEY for error in errors):
+                raise
+            # A chart summarizing the same intervals at once: its writes went first, with the same numbers.
+        except OperationFailure as exc:
+            if exc.code not in CANNOT_KEEP:
+                raise
+            logger.info("chart summaries not kept (code %s): the charts read the jobs", exc.code)
+            return False
+        return True
+
+    def _replacing(self, group: dict[str, Any]) -> ReplaceOne[Any]:
+        key = {"jobs": self.jobs, "at": group["at"], "queue": group.get("queue"), "kind": group.get("kind")}
+        return ReplaceOne({"_id": key}, {**group, "jobs": self.jobs, "group": True}, upsert=True)
+
+    def _ensure_index(self) -> None:
+        try:
+            self.coll.create_indexes([INDEX])
+        except OperationFailure as exc:
+            if exc.code not in NO_INDEXES:
+                raise
+            # A server without createIndexes: the summaries are few, read without an index.
+
+    def _in(self, start: datetime, end: datetime, *, group: bool) -> dict[str, Any]:
+        return {"jobs": self.jobs, "group": group, "at": {"$gte": start, "$lt": end}}
