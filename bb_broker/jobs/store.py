@@ -26,6 +26,7 @@ from pymongo.errors import (
 )
 
 from bb_broker.connection import scrub
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs import admin, lifecycle
 from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
 from bb_broker.jobs.document import (
@@ -77,6 +78,13 @@ TOO_LARGE_TO_SETTLE = f"the job's settle does not fit in its document ({MAX_DOCU
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
+
+
+@reset_in_child
+def _forget_parent_claim() -> None:
+    # A parent's claim in flight at the fork is not the child's: its lock would never be released there.
+    global _claiming
+    _claiming = threading.Lock()
 
 
 class JobStore(Sweeps):

@@ -88,6 +88,14 @@ _indexed: dict[tuple[str, str, str], list[Callable[[], int]]] = {}
 _indexed_lock = threading.Lock()
 
 
+@reset_in_child
+def _forget_parent_indexing() -> None:
+    # A task that publishes runs a channel in its pool process: a lock a parent's thread held at the fork would
+    # never be released there. What the parent indexed stays known: the same server has the same indexes.
+    global _indexed_lock
+    _indexed_lock = threading.Lock()
+
+
 class ServerUnreachable(OperationalError):
     """No server of the broker URL answers: one line naming the URL as written (password masked) and the cause in
     words, as `bb-broker` prints it. Kombu's OperationalError, and one of the transport's connection errors, so that

@@ -17,6 +17,7 @@ from celery.worker import state as worker_state
 from kombu.exceptions import EncodeError
 
 from bb_broker import connection
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs import serial, settles, unique
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.leases import add_process_source
@@ -34,6 +35,15 @@ logger = logging.getLogger(__name__)
 #: The attribute of a Celery app holding its job stores, one per (process, broker URL, options, client options).
 APP_STORES = "bb_broker_stores"
 _stores_lock = threading.Lock()
+
+
+@reset_in_child
+def _forget_parent_stores_lock() -> None:
+    # A lock a parent's thread held at the fork would never be released in the child, whose first task would wait
+    # for it forever; the stores themselves are kept by process (their key holds the pid).
+    global _stores_lock
+    _stores_lock = threading.Lock()
+
 
 #: The attribute of a task's request (Celery's `task.request`, a Context) that holds its AttemptState.
 ATTEMPT_STATE = "bb_attempt_state"
