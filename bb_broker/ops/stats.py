@@ -35,6 +35,8 @@ SERIES = ("succeeded", "failed", "retried", "waitP50", "waitP95", "runP50", "run
 TIMED_PER_GROUP = 5_000
 #: The group name when the numbers are not grouped.
 ALL = "all"
+#: How far back the Jobs tab summarizes ahead of its charts: the longest window its buttons show.
+SUMMARIZED_AHEAD = timedelta(weeks=1)
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,36 @@ class Tally:
         return self.groups[name]
 
 
+def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD) -> int:
+    """Summarize the closed quarter hours of the last `length` that have none yet, so that the charts find them
+    written (the Jobs tab runs this in the background, bb_broker.contrib.flower.jobs_tab.ChartSummaries): none
+    before the oldest job's last write. How many quarter hours were summarized."""
+    now = operations.now()
+    end = _floor(now - SUMMARY_LAG, SUMMARY_STEP)
+    oldest = _oldest_write(operations)
+    if oldest is None:
+        return 0
+    start = max(Window.ending(now, length).start, _floor(oldest, SUMMARY_STEP))
+    missing, _ = _summarize_missing(operations, Summaries(operations.coll, operations.now), start, end)
+    return len(missing)
+
+
+def _oldest_write(operations: Operations) -> datetime | None:
+    """The earliest `updatedAt` of any job, one read per status through `bb_status_updated`; None without jobs."""
+    hint = operations._hint_if_indexed("bb_status_updated")
+    oldest = [
+        doc["updatedAt"]
+        for status in STATUSES
+        if (
+            doc := operations.coll.find_one(
+                {"status": status, "updatedAt": {"$type": "date"}}, {"updatedAt": 1}, sort=[("updatedAt", 1)], **hint
+            )
+        )
+        is not None  # fmt: skip
+    ]
+    return aware(min(oldest)) if oldest else None
+
+
 def _summarized(
     operations: Operations, summaries: Summaries, start: datetime, end: datetime, job_filter: JobFilter
 ) -> list[dict[str, Any]]:
@@ -179,18 +211,29 @@ def _summarized(
     if start >= end:
         return []
     done = summaries.summarized(start, end)
-    quarters = [start + SUMMARY_STEP * n for n in range(math.ceil((end - start) / SUMMARY_STEP))]
     kept = [group for group in summaries.groups(start, end, queue=job_filter.queue, kind=job_filter.kind)
             if isinstance(group.get("at"), datetime) and aware(group["at"]) in done] if done else []  # fmt: skip
+    _, built = _summarize_missing(operations, summaries, start, end, done)
+    chosen = [group for group in built if job_filter.queue in (None, group.get("queue"))
+              and job_filter.kind in (None, group.get("kind"))]  # fmt: skip
+    return kept + chosen
+
+
+def _summarize_missing(
+    operations: Operations, summaries: Summaries, start: datetime, end: datetime, done: set[datetime] | None = None
+) -> tuple[list[datetime], list[dict[str, Any]]]:
+    """The quarter hours of [start, end) without a summary (`done`: those with one, read here when not given), and
+    their groups, summarized from the jobs and kept if the summaries may be."""
+    if done is None:
+        done = summaries.summarized(start, end) if start < end else set()
+    quarters = [start + SUMMARY_STEP * n for n in range(max(math.ceil((end - start) / SUMMARY_STEP), 0))]
     missing = [at for at in quarters if at not in done]
     built: list[dict[str, Any]] = []
     for first, last in _runs(missing):
         built += _summaries_of(operations, first, last + SUMMARY_STEP)
     if missing:
         summaries.write(built, missing)
-    chosen = [group for group in built if job_filter.queue in (None, group.get("queue"))
-              and job_filter.kind in (None, group.get("kind"))]  # fmt: skip
-    return kept + chosen
+    return missing, built
 
 
 def _summaries_of(operations: Operations, start: datetime, end: datetime) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pymongo.database import Database
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
-from bb_broker.ops.stats import Window, job_stats, percentile
+from bb_broker.ops.stats import Window, job_stats, percentile, summarize_ahead
 from tests.support.servers import AUTH_PASSWORD
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
@@ -287,3 +287,19 @@ def test_a_database_user_who_may_only_read_gets_the_chart_and_writes_no_summary(
             chart = job_stats(Operations(JobStore(viewer.charts, Policy(), clock=clock)), JobFilter(), DAY)
         assert nonzero(chart["series"]["all"])["succeeded"] == {87: 1, 91: 2}
         assert "bb_stats" not in admin.charts.list_collection_names()
+
+
+def test_summarizing_ahead_writes_the_closed_quarter_hours_back_to_the_oldest_job_and_the_charts_then_write_none(
+    ops: Operations, db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    assert summarize_ahead(ops) == 0 and "bb_stats" not in db.list_collection_names()  # no job, nothing to summarize
+    three_finished_at_23(db, clock.now)  # the oldest at 22:00: 22:00 to 23:30 closed, 7 quarter hours
+    assert summarize_ahead(ops) == 7 and summarize_ahead(ops) == 0
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        reader = Operations(JobStore(client[db.name], Policy(), clock=clock))
+        chart = job_stats(reader, JobFilter(), DAY)
+    assert nonzero(chart["series"]["all"])["succeeded"] == {87: 1, 91: 2}
+    # The day's quarter hours before 22:00 had no job: the chart marks them (one insert) and writes no group.
+    writes = [command for command in log.commands if "update" in command]
+    assert writes == [] and db.bb_stats.count_documents({"group": True}) == 3

@@ -39,6 +39,7 @@ from celery import Celery, signals
 from flower.views import BaseHandler
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
+from tornado.options import options as tornado_options
 
 from bb_broker.connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from bb_broker.contrib.flower import jobs_tab as jobs_view
@@ -178,6 +179,8 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
         broker_url = conn.as_uri(include_password=True)
     if is_ours(broker_url):
         BrokerHealth.of(broker_url)
+        if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
+            jobs_view.ChartSummaries.start_for(sender, broker_url)
 
 
 class JobQueues:
