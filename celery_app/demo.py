@@ -224,11 +224,13 @@ def main() -> int:
                 for child in children:
                     child.check()
                 _check_server(client, url, children)
+                # Settled first, then the counts: read the other way round, a job settling in between showed as
+                # still running in the last line BB_DEMO_ONCE prints.
+                settled = db.jobs.count_documents({"taskId": {"$in": ids}, "status": {"$in": ["succeeded", "failed"]}})
                 counts = bb_broker.statuses(db)
                 if counts != last:
                     say(json.dumps(counts))
                     last = counts
-                settled = db.jobs.count_documents({"taskId": {"$in": ids}, "status": {"$in": ["succeeded", "failed"]}})
                 if once and settled == len(ids):
                     with contextlib.suppress(BrokenPipeError):
                         print(json.dumps(counts), flush=True)

@@ -165,8 +165,8 @@ class JobsTab:
 class ChartSummaries:
     """Summarizes each closed quarter hour ahead of the charts (bb_broker.ops.stats.summarize_ahead), so that a day's
     or a week's chart finds them written instead of summarizing them in its request: at Flower's start, then every
-    third of a quarter hour, in a thread of its own per broker URL, on a client of its own. A read-only Flower starts
-    none (its charts read the summaries there are)."""
+    third of a quarter hour, in a thread of its own per broker URL, on the Jobs tab's client (pymongo's clients are
+    shared between threads). A read-only Flower starts none (its charts read the summaries there are)."""
 
     interval = SUMMARY_STEP.total_seconds() / 3
     _running: dict[str, ChartSummaries] = {}
