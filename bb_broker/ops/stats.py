@@ -190,17 +190,13 @@ def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD
 def _oldest_write(operations: Operations) -> datetime | None:
     """The earliest `updatedAt` of any job, one read per status through `bb_status_updated`; None without jobs."""
     hint = operations._hint_if_indexed("bb_status_updated")
-    oldest = [
-        doc["updatedAt"]
-        for status in STATUSES
-        if (
-            doc := operations.coll.find_one(
-                {"status": status, "updatedAt": {"$type": "date"}}, {"updatedAt": 1}, sort=[("updatedAt", 1)], **hint
-            )
-        )
-        is not None  # fmt: skip
-    ]
-    return aware(min(oldest)) if oldest else None
+    oldest: list[datetime] = []
+    for status in STATUSES:
+        first = {"status": status, "updatedAt": {"$type": "date"}}
+        doc = operations.coll.find_one(first, {"updatedAt": 1}, sort=[("updatedAt", 1)], **hint)
+        if doc is not None:
+            oldest.append(aware(doc["updatedAt"]))
+    return min(oldest, default=None)
 
 
 def _summarized(
