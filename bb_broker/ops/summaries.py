@@ -2,12 +2,12 @@
 kept in SUMMARIES_COLLECTION beside the jobs, so that a day's or a week's chart reads a few hundred small documents
 instead of every job of its window (bb_broker.ops.stats builds them; this module reads and keeps them).
 
-A quarter hour is summarized once it is SUMMARY_LAG old, by the first chart that needs it: a group document per
-queue and kind (`group: True`) with its counts and its jobs' wait and run times in milliseconds, then the interval's
-marker (`group: False`), written last so that a marked interval has all its groups. What is summarized stays as it
-was: a job deleted since (retention) or retried by an operator since is still counted where it finished then.
-Each write deletes the summaries older than SUMMARY_KEPT, markers before groups, so that no interval is ever marked
-without its groups.
+A quarter hour is summarized once it is SUMMARY_LAG old, by the first chart that needs it or ahead of the charts
+by Flower (bb_broker.contrib.flower.jobs_tab.ChartSummaries): a group document per queue and kind (`group: True`)
+with its counts and its jobs' wait and run times in milliseconds, then the interval's marker (`group: False`),
+written last so that a marked interval has all its groups. What is summarized stays as it was: a job deleted since
+(retention) or retried by an operator since is still counted where it finished then. Each write deletes the
+summaries older than SUMMARY_KEPT, markers before groups, so that no interval is ever marked without its groups.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, OperationFailure
 
 from bb_broker.clock import aware
+from bb_broker.jobs.document import DUPLICATE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ INDEX = IndexModel([("jobs", ASCENDING), ("group", ASCENDING), ("at", ASCENDING)
 #: Server answers that mean the summaries cannot be kept: a user who may only read (13), or a server without
 #: createIndexes (115, 238). Summaries are a cache: without them the charts read the jobs.
 NO_INDEXES = {115, 238}
-DUPLICATE_KEY = 11000
 CANNOT_KEEP = {13, *NO_INDEXES}
 
 
