@@ -50,9 +50,10 @@ TEST_PROCESSES ?= 6
 test: lint docs browser
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup
 
-# The inner loop: tests/unit and tests/database, in one process, no worker processes (about a minute).
+# The inner loop: tests/unit and tests/database, no worker processes, in three pytest processes (each starts a
+# server of its own): 1:06 for their 475 tests on the 2-core machine, 1:39 in one process.
 test-fast: install
-	$(PY) -m pytest tests/unit tests/database
+	$(PY) -m pytest -n 3 --dist loadgroup tests/unit tests/database
 
 test-heavy: install
 	$(PY) -m pytest -m heavy
