@@ -42,10 +42,11 @@ browser:
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# Six pytest processes, each with its own server (every test has its own database and free ports): the suite's
+# Eight pytest processes, each with its own server (every test has its own database and free ports): the suite's
 # tests mostly wait on workers, Flower and servers. On the 2-core machine three kept the cores 60% busy (13:40),
-# four 66% (11:05), six 78% (8:20); loadgroup keeps the tests of an xdist_group (a fixed resource) on one process.
-TEST_PROCESSES ?= 6
+# four 66% (11:05), six 78% (8:36), eight 81% (6:59); loadgroup keeps the tests of an xdist_group (a fixed resource)
+# on one process.
+TEST_PROCESSES ?= 8
 
 test: lint docs browser
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup
