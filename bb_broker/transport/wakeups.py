@@ -108,7 +108,9 @@ class Wakeups:
         self.freed = 0
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
-        self._timers: list[tuple[float, str | None]] = []  # (monotonic due, queue or None for every job queue)
+        #: (monotonic due, the jobs it tells of, queue or None for every job queue): a due time tells of the one job
+        #: due then, a rate's next start (wake_in) of every job waiting for it.
+        self._timers: list[tuple[float, float, str | None]] = []
         #: The queues this connection's consumers read: only their changes are news or repeats to it. The rest
         #: (its own replies and events, other workers' queues) are marked, in case it consumes them later, and else
         #: only pace the watcher while they keep coming.
@@ -166,9 +168,11 @@ class Wakeups:
             self._waiting_for_freed.add(queue)
 
     def wake_in(self, queue: str, seconds: float) -> None:
-        """`queue` is worth a look in `seconds` (a rate's next start), news or not."""
+        """`queue` is worth a look in `seconds` (a rate's next start), news or not: a look that claims until the rate
+        stops it, not one job (a claim of one that the rate let through would leave the jobs behind it waiting for
+        the safety poll)."""
         with self._lock:
-            heapq.heappush(self._timers, (time.monotonic() + max(seconds, 0.0), queue))
+            heapq.heappush(self._timers, (time.monotonic() + max(seconds, 0.0), math.inf, queue))
 
     def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
         news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))
@@ -201,7 +205,7 @@ class Wakeups:
             fired = self._fire_timers(now)
             if not self._dirty.isdisjoint(consumed) or None in fired:
                 return 0.0
-            candidates = [due - now for due, _ in self._timers[:1]]
+            candidates = [due - now for due, _, _ in self._timers[:1]]
             candidates += [self._last_poll.get(queue, float("-inf")) + self._safety - now for queue in consumed]
         return max(0.0, min(candidates, default=self._safety))
 
@@ -209,12 +213,12 @@ class Wakeups:
         """Turn the due times that have come into news; the queues they were for (None: every job queue)."""
         fired: set[str | None] = set()
         while self._timers and self._timers[0][0] <= now:
-            _, queue = heapq.heappop(self._timers)
+            _, jobs, queue = heapq.heappop(self._timers)
             fired.add(queue)
             if queue is None:
                 self._jobs_touched_at = now
             else:
-                self._add_news(queue, jobs=1.0)  # the job inserted with that due time
+                self._add_news(queue, jobs=jobs)
         return fired
 
     def _notify(self) -> None:
@@ -264,7 +268,7 @@ class Wakeups:
         delay = self._seconds_until(due)
         with self._lock:
             if delay > 0:
-                heapq.heappush(self._timers, (now + delay, queue))
+                heapq.heappush(self._timers, (now + delay, 1.0, queue))  # the job inserted with that due time
                 seen = Seen.REPEAT  # a timer: nothing to poll before it fires
             elif queue is None:
                 seen = Seen.NEWS

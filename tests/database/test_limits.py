@@ -628,3 +628,36 @@ def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
         wait_for(lambda: wakeups.freed > freed, message="the freed key is reported")
         assert drain("keyed")
         wakeups.stop()
+
+
+def test_a_rates_next_start_is_a_look_that_claims_until_the_rate_stops_it(mongo_url: str, db: Database) -> None:
+    """A due time tells of one job; a rate's next start tells of every job held back by it. Were it one job, a claim
+    of it that the rate let through would spend the news, and the jobs behind it would wait for the safety poll."""
+    import math
+    from datetime import UTC, datetime
+
+    from bb_broker.transport.wakeups import Wakeups
+    from tests.support.workers import wait_for
+
+    with MongoClient(mongo_url, tz_aware=True) as client:
+        wakeups = Wakeups(client[db.name], jobs="jobs", messages="bb_messages", clock=lambda: datetime.now(UTC),
+                          safety_poll_interval=3600)  # fmt: skip
+        wakeups.consume_only({"limited"})
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+        look = wakeups.look("limited", job_queue=True)  # the first look: everything once
+        assert look is not None
+        look.took("jobs", 0, all_there_was=True)
+        look.took("messages", 0, all_there_was=True)
+        wakeups.looked("limited", look)
+        assert wakeups.look("limited", job_queue=True) is None
+        wakeups.wake_in("limited", 0.0)
+        look = wakeups.look("limited", job_queue=True)
+        assert look is not None and look.jobs == math.inf
+        look.took("jobs", 1, all_there_was=False)  # a claim of one job, which the rate let through
+        wakeups.looked("limited", look)
+        look = wakeups.look("limited", job_queue=True)  # the next look claims again, until the rate says when
+        assert look is not None and look.jobs == math.inf
+        look.took("jobs", 0, all_there_was=True)  # held back by the rate: the news is spent, the next wake-up set
+        wakeups.looked("limited", look)
+        assert wakeups.look("limited", job_queue=True) is None
+        wakeups.stop()
