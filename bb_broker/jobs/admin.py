@@ -46,6 +46,10 @@ INDEXES = [
     SERIAL_INDEX,
 ]
 
+#: The TTL index that removes a rate counter once its next start has come (`expireAt`, see JobStore._take_start):
+#: a rate per key makes a counter for each key it meets.
+RATE_EXPIRY = IndexModel([("expireAt", ASCENDING)], name="bb_rate_expiry", expireAfterSeconds=0)
+
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.
 DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
@@ -110,6 +114,16 @@ def ensure_indexes(coll: MongoCollection, *, retention: float | None = None) -> 
         seconds = DEFAULT_RETENTION if retention is None else retention
         return math.ceil(seconds) or None
     return None
+
+
+def ensure_rate_expiry(counters: MongoCollection) -> None:
+    """The TTL index on the rate counters; a server without TTL indexes keeps them (one small document per key)."""
+    try:
+        counters.create_indexes([RATE_EXPIRY])
+    except OperationFailure as exc:
+        if exc.code not in NOT_IMPLEMENTED:
+            raise
+        say_no_ttl_once(exc)
 
 
 def expire_succeeded(coll: MongoCollection, retention_sweep: int | None, now: datetime) -> int:

@@ -17,6 +17,7 @@ from kombu import compression
 from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
+from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
 
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
@@ -303,6 +304,8 @@ def check_envelope(message: dict[str, Any]) -> None:
     _check(headers, SCHEDULE_HEADER, "header", _schedule_name, expected_name, absent_only=True)
     expected_serial = f"a non-empty string of at most {MAX_SERIAL_KEY_LENGTH} characters"
     _check(headers, SERIAL_KEY_HEADER, "header", is_serial_key, expected_serial, absent_only=True)
+    expected_rate_key = f"a non-empty string of at most {MAX_RATE_KEY_LENGTH} characters"
+    _check(headers, RATE_KEY_HEADER, "header", is_rate_key, expected_rate_key, absent_only=True)
     for name in _TEXT_PROPERTIES:
         _check(properties, name, "property", _text_or_none, "a string or null")
     _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")

@@ -57,14 +57,20 @@ RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_RATE = 1_000_000
 
 
+#: What follows a rate for one of each rate key (`10/m per key`) rather than one for the whole queue.
+PER_KEY = "per key"
+
+
 @dataclass(frozen=True)
 class Rate:
     """At most `starts` job starts per `period` seconds, in any period: starts spaced evenly, `spacing_us` apart, as
     Celery's own `rate_limit` spaces them in one worker (a token bucket that holds one token), but across every worker
-    (see JobStore.claim)."""
+    (see JobStore.claim). `per_key`: so many for each rate key (the jobs' `rateKey`, see rate_keys.py; the jobs
+    without one count as one more key), rather than for the queue."""
 
     starts: int
     period: float
+    per_key: bool = False
 
     @property
     def spacing_us(self) -> int:
@@ -73,7 +79,15 @@ class Rate:
 
     def __str__(self) -> str:
         unit = next((name for name, seconds in RATE_PERIODS.items() if seconds == self.period), None)
-        return f"{self.starts}/{unit}" if unit else f"{self.starts} per {self.period:g} s"
+        text = f"{self.starts}/{unit}" if unit else f"{self.starts} per {self.period:g} s"
+        return f"{text} {PER_KEY}" if self.per_key else text
+
+
+def moment_us(now: datetime) -> int:
+    """`now` in microseconds since the epoch, as a rate counter keeps its moments: at the claim's moment as the job's
+    `startedAt` keeps it (BSON dates hold milliseconds), so that starts counted from the jobs are spaced as the
+    counter spaced them."""
+    return (now - EPOCH) // timedelta(milliseconds=1) * 1000
 
 
 @dataclass(frozen=True)
@@ -89,24 +103,36 @@ class RateStart:
     def queue(self) -> str:
         return str(self.key["queue"])
 
+    @property
+    def expires_at(self) -> datetime:
+        """When the counter is of no more use (its next start has come: a counter gone lets a start through as it
+        would), for the TTL index on RATES_COLLECTION that removes the counters of keys no longer seen."""
+        return EPOCH + timedelta(microseconds=self.next)
+
     @classmethod
-    def at(cls, queue: str, rate: Rate, now: datetime) -> RateStart:
-        # The claim's moment as the job's `startedAt` keeps it (BSON dates hold milliseconds): starts counted from
-        # the jobs are then spaced as the counter spaced them.
-        taken_at = (now - EPOCH) // timedelta(milliseconds=1) * 1000
-        return cls({"queue": queue, "starts": rate.starts, "period": rate.period}, taken_at, taken_at + rate.spacing_us)
+    def at(cls, queue: str, rate: Rate, now: datetime, rate_key: str | None = None) -> RateStart:
+        """A start of `queue` at `now`, of the rate key `rate_key`'s own counter when the rate is per key."""
+        taken_at = moment_us(now)
+        key: dict[str, Any] = {"queue": queue, "starts": rate.starts, "period": rate.period}
+        if rate.per_key:
+            key["key"] = rate_key
+        return cls(key, taken_at, taken_at + rate.spacing_us)
 
 
 def parse_rate(value: object) -> Rate:
-    """A rate as an operator types it, N/s, N/m, N/h or N/d (N a whole number from 1), else LimitError."""
+    """A rate as an operator types it, N/s, N/m, N/h or N/d (N a whole number from 1), followed by `per key` for a
+    rate of each rate key, else LimitError."""
     text = str(value).strip()
     count, _, unit = text.partition("/")
     count, unit = count.strip(), unit.strip()
+    unit, _, per = unit.partition(" ")
     if not (count.isascii() and count.isdigit()) or len(count) > 7 or not 1 <= int(count) <= MAX_RATE:
         raise LimitError(f"a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to {MAX_RATE}, not {text!r}")
     if unit not in RATE_PERIODS:
         raise LimitError(f"a rate's period is s, m, h or d (10/m: ten starts a minute), not {unit!r} in {text!r}")
-    return Rate(int(count), RATE_PERIODS[unit])
+    if per and " ".join(per.split()) != PER_KEY:
+        raise LimitError(f"what follows a rate is '{PER_KEY}' (10/m {PER_KEY}) or nothing, not {per.strip()!r}")
+    return Rate(int(count), RATE_PERIODS[unit], per_key=bool(per))
 
 
 class LimitReached(Exception):
@@ -142,10 +168,18 @@ class QueueLimits:
         concurrency = control.get("concurrency")
         valid = type(concurrency) is int and 1 <= concurrency <= MAX_CONCURRENCY
         starts, period = control.get("rateStarts"), control.get("ratePeriod")
+        per_key = control.get("ratePerKey", False)
         rate = None
         # A period is one of RATE_PERIODS' (as a float or an int: a server may give back either), never a bool.
-        if isinstance(period, (int, float)) and not isinstance(period, bool) and period in RATE_PERIODS.values():
-            rate = Rate(starts, float(period)) if type(starts) is int and 1 <= starts <= MAX_RATE else None
+        if (
+            isinstance(period, (int, float))
+            and not isinstance(period, bool)
+            and period in RATE_PERIODS.values()
+            and type(starts) is int
+            and 1 <= starts <= MAX_RATE
+            and type(per_key) is bool
+        ):
+            rate = Rate(starts, float(period), per_key=per_key)
         return cls(concurrency=concurrency if valid else None, rate=rate)
 
     def __bool__(self) -> bool:
@@ -202,9 +236,13 @@ class QueueControls:
         elif not isinstance(concurrency, Unchanged):
             changes["concurrency"] = parse_concurrency(concurrency)
         if rate is None:
-            removed |= {"rateStarts": "", "ratePeriod": ""}
+            removed |= {"rateStarts": "", "ratePeriod": "", "ratePerKey": ""}
         elif not isinstance(rate, Unchanged):
             changes |= {"rateStarts": rate.starts, "ratePeriod": rate.period}
+            if rate.per_key:
+                changes["ratePerKey"] = True
+            else:
+                removed["ratePerKey"] = ""
         update: dict[str, Any] = {"$set": changes, **({"$unset": removed} if removed else {})}
         self.coll.update_one({"_id": queue}, update, upsert=True)
 

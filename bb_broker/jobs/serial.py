@@ -22,7 +22,7 @@ from pymongo import ASCENDING, IndexModel
 from pymongo.errors import DuplicateKeyError
 
 from bb_broker.jobs.lifecycle import RUNNING
-from bb_broker.jobs.unique import UniqueOptionError, chosen_arguments, digest, shown
+from bb_broker.jobs.unique import option_key
 
 #: The header of a task message that carries its job's serialisation key.
 SERIAL_KEY_HEADER = "bb_serial_key"
@@ -58,26 +58,9 @@ def serial_key_of(
     kwargs: Mapping[str, Any],
     run: Callable[..., Any] | None,
 ) -> str | None:
-    """The serial key of a publish: the call's `serial_key` or `serial_on`, else the task's (None: no key).
-
-    `serial_on` names arguments (as `unique_on` does): the key is the task name and a SHA-256 of their values, so that
-    the jobs of one account, say, run one at a time. UniqueOptionError says why the options make no key."""
-    given = {name: call[name] for name in OPTION_NAMES if call.get(name) is not None}
-    if not given and task is not None:
-        given = {name: getattr(task, name) for name in OPTION_NAMES if getattr(task, name, None) is not None}
-    if not given:
-        return None
-    if len(given) == len(OPTION_NAMES):
-        raise UniqueOptionError("serial_key and serial_on do not go together: the key is given")
-    if "serial_key" in given:
-        key = given["serial_key"]
-        if not is_serial_key(key):
-            raise UniqueOptionError(
-                f"serial_key must be a non-empty string of at most {MAX_SERIAL_KEY_LENGTH} characters, not {shown(key)}"
-            )
-        return str(key)
-    chosen = chosen_arguments(given["serial_on"], task_name, args, kwargs, run, option="serial_on")
-    return f"{task_name}:{digest(chosen, task_name, option='serial')}"
+    """The serial key of a publish: the call's `serial_key` or `serial_on`, else the task's (None: no key); see
+    option_key."""
+    return option_key("serial", task, call, task_name, args, kwargs, run, max_length=MAX_SERIAL_KEY_LENGTH)
 
 
 def busy_key(exc: DuplicateKeyError) -> tuple[bool, Any]:

@@ -53,7 +53,16 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
-from bb_broker.jobs.queues import MAX_SLOT_LOOKS, SLOT_WAITERS_FIELD, LimitReached, QueueLimits, Rate, RateStart
+from bb_broker.jobs.queues import (
+    MAX_SLOT_LOOKS,
+    SLOT_WAITERS_FIELD,
+    LimitReached,
+    QueueLimits,
+    Rate,
+    RateStart,
+    moment_us,
+)
+from bb_broker.jobs.rate_keys import RateHolds, counted_key
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.settles import GroupCommit, Settle
 from bb_broker.jobs.sweeps import Sweeps
@@ -124,6 +133,7 @@ class JobStore(Sweeps):
     def ensure_indexes(self, *, retention: float | None = None) -> None:
         """Create the indexes and set the retention of succeeded jobs (see admin.ensure_indexes)."""
         self.retention_sweep = admin.ensure_indexes(self.coll, retention=retention)
+        admin.ensure_rate_expiry(self.coll.database[RATES_COLLECTION])
 
     def expire_succeeded(self) -> int:
         """Where the server has no TTL index: delete the succeeded jobs past retention (a worker's periodic sweep)."""
@@ -146,6 +156,7 @@ class JobStore(Sweeps):
         unique: Hold | None = None,
         schedule: str | None = None,
         serial_key: str | None = None,
+        rate_key: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -156,7 +167,8 @@ class JobStore(Sweeps):
         `unique` (see bb_broker.jobs.unique): when another job holds its key, DuplicateJob, and nothing written. A
         retry's reschedule leaves the job's key as it is: the key stays taken through retries.
         `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field.
-        `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time."""
+        `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time.
+        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -198,6 +210,7 @@ class JobStore(Sweeps):
             **({} if unique is None else unique.fields()),
             **({} if schedule is None else {"schedule": schedule}),
             **({} if serial_key is None else {"serialKey": serial_key}),
+            **({} if rate_key is None else {"rateKey": rate_key}),
         }
         try:
             self._write(self.coll.insert_one, job)
@@ -228,23 +241,47 @@ class JobStore(Sweeps):
     # --- working -----------------------------------------------------------
 
     def claim(
-        self, queue: str, owner: str, limits: QueueLimits | None = None, busy_keys: set[str] | None = None
+        self,
+        queue: str,
+        owner: str,
+        limits: QueueLimits | None = None,
+        busy_keys: set[str] | None = None,
+        rate_holds: RateHolds | None = None,
     ) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
         (LimitReached when they let no job start now).
 
         A job whose serial key another running job holds is skipped (see serial.py): its key is added to `busy_keys`,
-        which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed."""
+        which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed.
+        Likewise, under a rate per key, a job whose key's next start is ahead is skipped: its key is added to
+        `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again."""
         busy = set() if busy_keys is None else busy_keys
+        rate = None if limits is None else limits.rate
+        holds = None
+        if rate is not None and rate.per_key:
+            holds = rate_holds if rate_holds is not None and rate_holds.rate == rate else RateHolds(rate)
         for _ in range(MAX_KEY_SKIPS):
             now = self.now()
             due, take = claim_query(queue, owner, now)
             if busy:
                 due["serialKey"] = {"$nin": sorted(busy)}
-            rate = None if limits is None else limits.rate
-            start = None if rate is None else self._take_start(queue, rate, now)
+            start = None
             if rate is not None:
                 take["$set"]["claimLimits"] = {"rate": str(rate)}
+                if holds is None:
+                    start = self._take_start(queue, rate, now)
+                else:
+                    head = self._rate_head(due, holds, now)
+                    if head is None:
+                        self._raise_if_held(queue, holds, now)
+                        return None
+                    due["_id"] = head["_id"]  # the job whose key's start is taken, and no other
+                    rate_key = counted_key(head.get("rateKey"))
+                    try:
+                        start = self._take_start(queue, rate, now, rate_key)
+                    except LimitReached as exc:
+                        holds.until[rate_key] = moment_us(now) + round((exc.retry_in or 0.0) * 1_000_000)
+                        continue
             try:
                 if limits is not None and limits.concurrency is not None:
                     job = self._claim_in_a_slot(queue, due, take, limits.concurrency)
@@ -252,37 +289,64 @@ class JobStore(Sweeps):
                     job = self._claim_one(due, take)
             except DuplicateKeyError as exc:
                 self._give_start_back(start)
-                ours, key = busy_key(exc)
-                if not ours:
-                    raise
-                if key is None:  # a server that does not name the key: the head of the queue is the refused job
-                    key = self._head_key(due)
-                if is_serial_key(key) and self._wait_for_key(key):
-                    busy.add(key)
-                metrics.record_held_back("serial key")
+                self._skip_busy_key(exc, due, busy)
                 continue
             except BaseException:
                 self._give_start_back(start)
                 raise
             if job is None:
                 self._give_start_back(start)  # nothing started: the start is not spent
+                if holds is not None:
+                    continue  # its key's head was taken meanwhile: the next job, whoever's key it is
             return job
+        if holds is not None:
+            self._raise_if_held(queue, holds, self.now())
         return None
 
-    def _take_start(self, queue: str, rate: Rate, now: datetime) -> RateStart:
+    def _skip_busy_key(self, exc: DuplicateKeyError, due: dict[str, Any], busy: set[str]) -> None:
+        """A claim refused by the serial key index: the key goes into `busy` while its running job is flagged (see
+        serial.py); any other refusal is raised."""
+        ours, key = busy_key(exc)
+        if not ours:
+            raise exc
+        if key is None:  # a server that does not name the key: the head of the queue is the refused job
+            key = self._head_key(due)
+        if is_serial_key(key) and self._wait_for_key(key):
+            busy.add(key)
+        metrics.record_held_back("serial key")
+
+    def _rate_head(self, due: dict[str, Any], holds: RateHolds, now: datetime) -> dict[str, Any] | None:
+        """The next due job (its _id and rateKey) whose rate key is not held, under a rate per key."""
+        held = holds.due(moment_us(now))
+        if held is not None:
+            due = {**due, "rateKey": held}
+        return self._hinted(lambda: self.coll.find_one(due, {"rateKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
+
+    def _raise_if_held(self, queue: str, holds: RateHolds, now: datetime) -> None:
+        """No job whose rate key is free: LimitReached until the first held key's next start, if a key is held."""
+        retry_in = holds.retry_in(moment_us(now))
+        if retry_in is not None:
+            raise LimitReached(queue, f"rate limit {holds.rate}", retry_in=max(retry_in, 0.0))
+
+    def _take_start(self, queue: str, rate: Rate, now: datetime, rate_key: str | None = None) -> RateStart:
         """Take one start of `queue` at `now` within its `rate` (see RateStart); LimitReached, with the seconds until
         the next start, when the last one was less than the rate's spacing ago.
 
         One counter document per queue and rate in RATES_COLLECTION holds `next`, the earliest moment (in
         microseconds) the next start may be. The start is taken by moving `next` one spacing past now, only where it
         is not ahead of now: when it is, the filter matches nothing and the upsert's insert collides with the counter's
-        _id, so of two workers at once only one moves it."""
+        _id, so of two workers at once only one moves it. Under a rate per key, `rate_key`'s own counter.
+
+        A counter expires once its next start has come (`expireAt`, the TTL index admin.RATE_EXPIRY): one that is gone
+        lets a start through as it would have, and the counters of keys no longer seen do not pile up."""
         counters = self.coll.database[RATES_COLLECTION]
-        start = RateStart.at(queue, rate, now)
+        start = RateStart.at(queue, rate, now, rate_key)
         for _ in range(MAX_RATE_TRIES):
             try:
                 taken = counters.update_one(
-                    {"_id": start.key, "next": {"$lte": start.taken_at}}, {"$set": {"next": start.next}}, upsert=True
+                    {"_id": start.key, "next": {"$lte": start.taken_at}},
+                    {"$set": {"next": start.next, "expireAt": start.expires_at}},
+                    upsert=True,
                 )
             except DuplicateKeyError:
                 retry_in = self._rate_wait(counters, start, rate)
@@ -290,7 +354,9 @@ class JobStore(Sweeps):
                     continue  # the counter changed under us, or was replaced: take it again
                 metrics.record_held_back("rate")
                 raise LimitReached(queue, f"rate limit {rate}", retry_in=retry_in) from None
-            if taken.upserted_id is not None:  # a new rate for the queue: its earlier rates' counters are of no use
+            if taken.upserted_id is not None and not rate.per_key:
+                # A new rate for the queue: its earlier rates' counters are of no use. (A rate per key makes a
+                # counter for each new key: the old ones expire.)
                 counters.delete_many({"_id.queue": queue, "_id": {"$ne": start.key}})
             return start
         metrics.record_held_back("rate")
@@ -343,7 +409,8 @@ class JobStore(Sweeps):
                         take,
                         CLAIMED_FIELDS,
                         sort=CLAIM_ORDER,
-                        hint="bb_claim",
+                        # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
+                        hint="_id_" if "_id" in due else "bb_claim",
                         return_document=ReturnDocument.AFTER,
                     )
                 )
@@ -417,6 +484,7 @@ class JobStore(Sweeps):
         limit: int,
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
+        rate_holds: RateHolds | None = None,
     ) -> list[Claimed]:
         """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch, also in a
         queue with a concurrency limit (each job in a slot of its own: _take_in_slots). A queue with a rate, or with
@@ -431,7 +499,7 @@ class JobStore(Sweeps):
         batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
         if busy_keys or (limits is not None and limits.rate is not None) or batch <= 1:
             # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip.
-            return self._claim_each(queue, owner, limit, limits, busy_keys)
+            return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds)
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
             lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=batch))
@@ -509,13 +577,19 @@ class JobStore(Sweeps):
         return take
 
     def _claim_each(
-        self, queue: str, owner: str, wanted: int, limits: QueueLimits | None, busy_keys: set[str] | None
+        self,
+        queue: str,
+        owner: str,
+        wanted: int,
+        limits: QueueLimits | None,
+        busy_keys: set[str] | None,
+        rate_holds: RateHolds | None = None,
     ) -> list[Claimed]:
         jobs: list[Claimed] = []
         busy = set() if busy_keys is None else busy_keys
         while len(jobs) < wanted:
             try:
-                job = self.claim(queue, owner, limits, busy)
+                job = self.claim(queue, owner, limits, busy, rate_holds)
             except LimitReached as exc:
                 raise LimitReached(exc.queue, exc.limit, jobs, retry_in=exc.retry_in) from None
             if job is None:

@@ -296,6 +296,40 @@ def chosen_arguments(
     return chosen
 
 
+def option_key(
+    option: str,
+    task: Any,
+    call: Mapping[str, Any],
+    task_name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    run: Callable[..., Any] | None,
+    *,
+    max_length: int,
+) -> str | None:
+    """The key a publish's options `<option>_key` (the key itself) and `<option>_on` (the arguments it is made of)
+    give, the call's over the task's; None: neither is set. `<option>_on` names arguments as `unique_on` does: the key
+    is the task name and a SHA-256 of their values (the jobs of one account, say). UniqueOptionError says why the
+    options make no key."""
+    names = (f"{option}_key", f"{option}_on")
+    given = {name: call[name] for name in names if call.get(name) is not None}
+    if not given and task is not None:
+        given = {name: getattr(task, name) for name in names if getattr(task, name, None) is not None}
+    if not given:
+        return None
+    if len(given) == len(names):
+        raise UniqueOptionError(f"{names[0]} and {names[1]} do not go together: the key is given")
+    if names[0] in given:
+        key = given[names[0]]
+        if not (isinstance(key, str) and 0 < len(key) <= max_length):
+            raise UniqueOptionError(
+                f"{names[0]} must be a non-empty string of at most {max_length} characters, not {shown(key)}"
+            )
+        return key
+    chosen = chosen_arguments(given[names[1]], task_name, args, kwargs, run, option=names[1])
+    return f"{task_name}:{digest(chosen, task_name, option=option)}"
+
+
 def digest(value: Any, task_name: str, option: str = "unique") -> str:
     """SHA-256 of `value` as canonical JSON (sorted keys, no spaces; Kombu's JSON for dates, UUIDs, decimals)."""
     from kombu.exceptions import EncodeError

@@ -700,8 +700,8 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
 @click.option(
     "--rate",
     metavar="N/PERIOD",
-    help="At most N of the queue's jobs started per period, across every worker: 10/s, 10/m, 10/h, 10/d (none "
-    "removes it).",
+    help="At most N of the queue's jobs started per period, across every worker: 10/s, 10/m, 10/h, 10/d; '10/m per "
+    "key' for so many of each rate key (the jobs' rate_key); none removes it.",
 )
 @click.option("--clear", is_flag=True, help="Remove the queue's limits.")
 def limit(broker: str, collection: str, queue: str, concurrency: str | None, rate: str | None, clear: bool) -> None:

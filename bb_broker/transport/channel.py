@@ -40,6 +40,7 @@ from bb_broker.jobs.payloads import (
     to_message,
 )
 from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls
+from bb_broker.jobs.rate_keys import RATE_KEY_HEADER, RateHolds
 from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
 from bb_broker.ops.operations import Operations, revoked_task_ids
@@ -167,6 +168,9 @@ class Channel(virtual.Channel):
         self._busy_lock = threading.Lock()
         self._busy_keys: dict[str, set[str]] = {}
         self._busy_read_at: dict[str, int | None] = {}
+        # Under a rate per key, the keys whose next start is ahead, per queue (see rate_keys.py): skipped until then.
+        # Under the same lock; each claim gets a copy, and what it learnt replaces it.
+        self._rate_holds: dict[str, RateHolds] = {}
         self._keeper: LeaseKeeper | None = None
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
@@ -366,6 +370,7 @@ class Channel(virtual.Channel):
             unique=hold_of(headers, self.clock),
             schedule=headers.get(SCHEDULE_HEADER),
             serial_key=headers.get(SERIAL_KEY_HEADER),
+            rate_key=headers.get(RATE_KEY_HEADER),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
@@ -583,11 +588,16 @@ class Channel(virtual.Channel):
                 # A job that held a slot or a busy key ended since (or nothing would say so): try every key again.
                 self._busy_keys.pop(queue, None)
             busy = set(self._busy_keys.get(queue, ()))
+            known = self._rate_holds.get(queue)
+            rate = limits.rate
+            holds = None
+            if rate is not None and rate.per_key:
+                holds = RateHolds(rate, dict(known.until) if known is not None and known.rate == rate else {})
         if wakeups is not None and limits:
             # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
             wakeups.wake_when_freed(queue)
         try:
-            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy)
+            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy, holds)
         except LimitReached as exc:
             # The next claim comes when a job of the queue ends somewhere, or a rate's next start is due (or at the
             # safety poll).
@@ -602,6 +612,10 @@ class Channel(virtual.Channel):
         with self._busy_lock:
             self._busy_keys[queue] = busy
             self._busy_read_at[queue] = freed_before
+            if holds is None:
+                self._rate_holds.pop(queue, None)
+            else:
+                self._rate_holds[queue] = holds
         return jobs
 
     def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:

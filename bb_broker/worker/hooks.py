@@ -18,7 +18,7 @@ from kombu.exceptions import EncodeError
 
 from bb_broker import connection
 from bb_broker.forks import reset_in_child
-from bb_broker.jobs import serial, settles, unique
+from bb_broker.jobs import rate_keys, serial, settles, unique
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
@@ -362,12 +362,13 @@ def _on_revoked(
 def _flow_control_headers(
     sender: Any = None, body: Any = None, headers: Any = None, properties: Any = None, **_: Any
 ) -> None:
-    """The unique and serial options of a publish (the call's, from apply_async's keywords, which Celery puts in the
-    message's properties; the task's attributes under them) as the message's headers (bb_broker.jobs.unique and
-    bb_broker.jobs.serial)."""
+    """The unique, serial and rate key options of a publish (the call's, from apply_async's keywords, which Celery puts
+    in the message's properties; the task's attributes under them) as the message's headers (bb_broker.jobs.unique,
+    bb_broker.jobs.serial and bb_broker.jobs.rate_keys)."""
     if not isinstance(headers, dict) or not isinstance(properties, dict):
         return
-    call = {name: properties.pop(name) for name in (*unique.OPTION_NAMES, *serial.OPTION_NAMES) if name in properties}
+    options = (*unique.OPTION_NAMES, *serial.OPTION_NAMES, *rate_keys.OPTION_NAMES)
+    call = {name: properties.pop(name) for name in options if name in properties}
     task = patches.registered_task(sender) if isinstance(sender, str) else None
     if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
         args, kwargs = body[0], body[1]
@@ -383,6 +384,10 @@ def _flow_control_headers(
             key = serial.serial_key_of(task, call, str(sender), args, kwargs, run)
             if key is not None:
                 headers[serial.SERIAL_KEY_HEADER] = key
+        if rate_keys.RATE_KEY_HEADER not in headers:
+            key = rate_keys.rate_key_of(task, call, str(sender), args, kwargs, run)
+            if key is not None:
+                headers[rate_keys.RATE_KEY_HEADER] = key
     except unique.UniqueOptionError as exc:
         # Celery's signals swallow what a receiver raises: the transport raises it, writing nothing.
         headers[unique.UNIQUE_REFUSED_HEADER] = str(exc)

@@ -197,3 +197,31 @@ def test_a_rate_holds_across_four_workers_in_every_window_counted_from_the_jobs_
     spans = [starts[n + 10] - starts[n] for n in range(len(starts) - 10)]
     assert min(spans) >= timedelta(seconds=1), min(spans)
     assert len({doc["history"][-1]["worker"] for doc in jobs}) >= 2  # the rate held across workers, not in one
+
+
+def test_a_rate_per_key_holds_for_each_key_across_four_workers_and_the_keys_start_side_by_side(
+    app, db: Database, worker_factory
+) -> None:
+    Operations(JobStore(db)).set_limits("limited", rate="2/s per key", by="tester")
+    for _ in range(4):
+        worker_factory(concurrency=2, extra_args=LIMITED)
+    by_key: dict[str | None, list[str]] = {"customer:a": [], "customer:b": [], None: []}
+    for n in range(10):
+        for key, ids in by_key.items():
+            ids.append(send(app, "add", n, n, queue="limited", **({} if key is None else {"rate_key": key})))
+    everything = [task_id for ids in by_key.values() for task_id in ids]
+    wait_for(all_succeeded(db, everything), timeout=120, message="every job of the three keys")
+    starts = {}
+    for key, ids in by_key.items():
+        jobs = list(db.jobs.find({"taskId": {"$in": ids}}))
+        assert all(doc["attempts"] == 1 and doc.get("rateKey") == key for doc in jobs)
+        assert {doc["claimLimits"]["rate"] for doc in jobs} == {"2/s per key"}
+        starts[key] = sorted(doc["startedAt"] for doc in jobs)
+        # Every one-second window, wherever it begins, holds at most 2 starts of the key: any 3 span a second.
+        spans = [starts[key][n + 2] - starts[key][n] for n in range(len(starts[key]) - 2)]
+        assert min(spans) >= timedelta(seconds=1), (key, min(spans))
+    # The keys did not wait for each other: some second holds starts of all three.
+    every = sorted((moment, key) for key, moments in starts.items() for moment in moments)
+    assert any(
+        len({key for moment, key in every if first <= moment < first + timedelta(seconds=1)}) == 3 for first, _ in every
+    )

@@ -61,6 +61,9 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
     assert status == 200 and answer["message"] == "queue mail: at most 10/m started" and answer["rate"] == "10/m"
     assert queue_row(flower, "mail")["rate"] == "10/m"
     assert post(flower, "/api/queues/mail/limit", concurrency="3")[1]["rate"] == "10/m"  # the rate stays
+    status, answer = post(flower, "/api/queues/mail/limit", rate="10/m per key")
+    assert status == 200 and answer["message"] == "queue mail: at most 3 running at once, at most 10/m per key started"
+    assert queue_row(flower, "mail")["rate"] == answer["rate"] == "10/m per key"
     assert post(flower, "/api/queues/mail/limit", rate="none")[1] == {
         "message": "queue mail: at most 3 running at once",
         "queue": "mail",
@@ -80,6 +83,7 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
         ({"concurrency": "2", "clear": "1"}, "clear removes every limit: give it alone"),
         ({"rate": "10/week"}, "a rate's period is s, m, h or d (10/m: ten starts a minute), not 'week' in '10/week'"),
         ({"rate": "0/s"}, "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not '0/s'"),
+        ({"rate": "10/m for each"}, "what follows a rate is 'per key' (10/m per key) or nothing, not 'for each'"),
     ],
 )
 def test_a_limit_that_cannot_be_is_a_400_and_changes_nothing(

@@ -539,10 +539,13 @@ def test_limit_sets_and_removes_a_rate_beside_the_concurrency_limit(
     assert db.bb_queues.find_one({"_id": "mail"})["rateStarts"] == 10
     both = bb(broker_url, "limit", "mail", "--concurrency", "2").stdout
     assert both == "queue mail: at most 2 running at once, at most 10/m started (0 running, 1 queued)\n"
+    per_key = bb(broker_url, "limit", "mail", "--rate", "3/s per key").stdout
+    assert per_key == "queue mail: at most 2 running at once, at most 3/s per key started (0 running, 1 queued)\n"
+    assert db.bb_queues.find_one({"_id": "mail"})["ratePerKey"] is True
     assert bb(broker_url, "limit", "mail", "--rate", "none").stdout.startswith(
         "queue mail: at most 2 running at once ("
     )
-    assert "rateStarts" not in db.bb_queues.find_one({"_id": "mail"})
+    assert {"rateStarts", "ratePerKey"}.isdisjoint(db.bb_queues.find_one({"_id": "mail"}))
 
 
 @pytest.mark.parametrize(
@@ -551,6 +554,7 @@ def test_limit_sets_and_removes_a_rate_beside_the_concurrency_limit(
         ("10/week", "a rate's period is s, m, h or d (10/m: ten starts a minute), not 'week' in '10/week'"),
         ("0/s", "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not '0/s'"),
         ("ten/s", "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not 'ten/s'"),
+        ("10/s per queue", "what follows a rate is 'per key' (10/m per key) or nothing, not 'per queue'"),
     ],
 )
 def test_limit_refuses_a_rate_that_cannot_be_and_changes_nothing(

@@ -530,8 +530,8 @@ class _JobsHandler(BaseHandler):
         return {"message": message, "queue": queue, "changed": changed}
 
     async def queue_limits(self, queue: str) -> dict[str, Any]:
-        """Set a queue's limits: `concurrency=N`, `rate=10/m` (each `none` removes it), or `clear=1` (both); a value
-        that cannot be a limit is a 400, and nothing changes."""
+        """Set a queue's limits: `concurrency=N`, `rate=10/m` or `rate=10/m per key` (each `none` removes it), or
+        `clear=1` (both); a value that cannot be a limit is a 400, and nothing changes."""
         _refuse_unless_allowed(self)
         concurrency = self.get_argument("concurrency", default=None, escape=False)
         rate = self.get_argument("rate", default=None, escape=False)

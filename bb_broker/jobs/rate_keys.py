@@ -1,0 +1,74 @@
+"""Rate keys: in a queue whose rate is per key (`bb-broker limit mail --rate "10/m per key"`), the jobs of each key
+start at most at that rate, whatever the other keys do (the mail of one customer, say).
+
+A task message whose header RATE_KEY_HEADER holds a key becomes a job with that key in `rateKey`; the task options
+`rate_key` (the key) and `rate_on` (the arguments the key is made of), on the task or on `apply_async`, set it, as
+serial.py's options set a serial key. The jobs without a key count as one more key of their own. Each key has its own
+counter in bb_rates, taken as a queue's is (JobStore._take_start); a claim reads the head of the queue to learn whose
+start to take, and a consumer keeps the keys whose next start is ahead (RateHolds) out of its claims until then, so a
+busy key never holds back the keys behind it, and nothing polls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bb_broker.jobs.queues import Rate
+from bb_broker.jobs.unique import option_key
+
+#: The header of a task message that carries its job's rate key.
+RATE_KEY_HEADER = "bb_rate_key"
+#: The longest key (it is part of its counter's _id).
+MAX_RATE_KEY_LENGTH = 512
+#: The options, as task attributes (`@app.task(rate_on=("customer_id",))`) and as `apply_async` keyword arguments;
+#: a call's own override the task's.
+OPTION_NAMES = ("rate_key", "rate_on")
+
+
+def is_rate_key(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_RATE_KEY_LENGTH
+
+
+def rate_key_of(
+    task: Any,
+    call: Mapping[str, Any],
+    task_name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    run: Callable[..., Any] | None,
+) -> str | None:
+    """The rate key of a publish: the call's `rate_key` or `rate_on`, else the task's (None: no key)."""
+    return option_key("rate", task, call, task_name, args, kwargs, run, max_length=MAX_RATE_KEY_LENGTH)
+
+
+def counted_key(value: Any) -> str | None:
+    """The key a job's `rateKey` is counted under: None, the jobs without a key, for a value no publish writes."""
+    return value if is_rate_key(value) else None
+
+
+@dataclass
+class RateHolds:
+    """The rate keys of one queue whose next start is ahead, as one consumer last found them: key -> that moment, in
+    microseconds of the server's time (None: the jobs without a key). The consumer keeps one per queue and passes it
+    to each claim, which forgets the keys whose moment has come and adds those it finds held; valid for `rate` only
+    (a rate changed starts counters of its own)."""
+
+    rate: Rate
+    until: dict[str | None, int] = field(default_factory=dict)
+
+    def due(self, now_us: int) -> dict[str, Any] | None:
+        """The claim filter's condition on `rateKey` that leaves out the held keys (None: none is held)."""
+        self.until = {key: moment for key, moment in self.until.items() if moment > now_us}
+        if not self.until:
+            return None
+        keys = sorted(key for key in self.until if key is not None)
+        if None in self.until:
+            # The jobs counted without a key are those whose rateKey is missing or not a key: only keys remain.
+            return {"$type": "string", "$nin": keys}
+        return {"$nin": keys}
+
+    def retry_in(self, now_us: int) -> float | None:
+        """Seconds until the first held key's next start (None: no key is held)."""
+        return (min(self.until.values()) - now_us) / 1_000_000 if self.until else None
