@@ -7,21 +7,33 @@ server groups the finished jobs by interval and sends each group's count and wai
 result), and counts the retried attempts of each interval from the history; the percentiles are computed here.
 
 A day's or a week's chart reads the jobs of its last minutes only: the quarter hours before are read from their
-summaries (bb_broker.ops.summaries), which the first chart that needs one writes with the same two aggregations.
+summaries (bb_broker.ops.summaries), which one process of the fleet keeps written ahead of the charts
+(SummarizingAhead: a worker's or Flower's thread), or else the first chart that needs one writes, with the same two
+aggregations.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pymongo.errors import PyMongoError
+
 from bb_broker.clock import aware
+from bb_broker.forks import reset_in_child
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, STATUSES, SUCCEEDED
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
 from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, Summaries
+from bb_broker.threads import start_supervised
+
+logger = logging.getLogger(__name__)
 
 #: The longest window charted; and the step of the intervals for a window up to each length.
 LONGEST_WINDOW = timedelta(days=31)
@@ -175,8 +187,8 @@ class Tally:
 
 def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD) -> int:
     """Summarize the closed quarter hours of the last `length` that have none yet, so that the charts find them
-    written (the Jobs tab runs this in the background, bb_broker.contrib.flower.jobs_tab.ChartSummaries): none
-    before the oldest job's last write. How many quarter hours were summarized."""
+    written (SummarizingAhead runs this in the background): none before the oldest job's last write. How many quarter
+    hours were summarized."""
     now = operations.now()
     end = _floor(now - SUMMARY_LAG, SUMMARY_STEP)
     oldest = _oldest_write(operations)
@@ -185,6 +197,50 @@ def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD
     start = max(Window.ending(now, length).start, _floor(oldest, SUMMARY_STEP))
     missing, _ = _summarize_missing(operations, Summaries(operations.coll, operations.now), start, end)
     return len(missing)
+
+
+class SummarizingAhead:
+    """Keeps the charts' summaries written ahead of them (summarize_ahead), so that a day's or a week's chart finds
+    its quarter hours summarized instead of summarizing them in its request, even in a read-only Flower: a thread
+    `bb-chart-summaries` in each worker's main process and each Flower that may write, one per jobs collection and
+    process, passing every third of a quarter hour. Only the process that holds the turn (Summaries.take_turn)
+    summarizes, so the fleet summarizes each quarter hour once; its turn lasts two passes, and a process that died
+    leaves it to the next. The thread owns its Operations (pymongo's clients are shared between threads)."""
+
+    interval = SUMMARY_STEP.total_seconds() / 3
+    turn = timedelta(seconds=2 * interval)
+    _running: set[Hashable] = set()
+    _lock = threading.Lock()
+
+    @classmethod
+    def start(cls, operations: Operations, owner: str) -> None:
+        """Start the thread for `operations`' jobs collection, once per process; `owner` names the process."""
+        with cls._lock:
+            if operations.store.key in cls._running:
+                return
+            cls._running.add(operations.store.key)
+        start_supervised("bb-chart-summaries", cls(operations, owner)._run)
+
+    def __init__(self, operations: Operations, owner: str) -> None:
+        self.operations = operations
+        self.owner = owner
+
+    def _run(self) -> None:
+        summaries = Summaries(self.operations.coll, self.operations.now)
+        while True:
+            try:
+                if summaries.take_turn(self.owner, self.turn):
+                    summarize_ahead(self.operations)
+            except PyMongoError as exc:  # the server is down or refuses: the charts summarize what they need
+                logger.info("chart summaries: %s; trying again in %.0f s", type(exc).__name__, self.interval)
+            time.sleep(self.interval)
+
+
+@reset_in_child
+def _forget_parents_summarizers() -> None:
+    # A pool process has none of its parent's threads, and its lock may have been held at the fork.
+    SummarizingAhead._lock = threading.Lock()
+    SummarizingAhead._running = set()
 
 
 def _oldest_write(operations: Operations) -> datetime | None:

@@ -3,7 +3,8 @@ kept in SUMMARIES_COLLECTION beside the jobs, so that a day's or a week's chart 
 instead of every job of its window (bb_broker.ops.stats builds them; this module reads and keeps them).
 
 A quarter hour is summarized once it is SUMMARY_LAG old, by the first chart that needs it or ahead of the charts
-by Flower (bb_broker.contrib.flower.jobs_tab.ChartSummaries): a group document per queue and kind (`group: True`)
+(bb_broker.ops.stats.SummarizingAhead: by one process of the fleet at a time, a worker's or Flower's, whichever holds
+the turn, Summaries.take_turn): a group document per queue and kind (`group: True`)
 with its counts and its jobs' wait and run times in milliseconds, then the interval's marker (`group: False`),
 written last so that a marked interval has all its groups. What is summarized stays as it was: a job deleted since
 (retention) or retried by an operator since is still counted where it finished then. Each write deletes the
@@ -19,7 +20,7 @@ from typing import Any
 
 from pymongo import ASCENDING, IndexModel, ReplaceOne
 from pymongo.collection import Collection
-from pymongo.errors import BulkWriteError, OperationFailure
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from bb_broker.clock import aware
 from bb_broker.jobs.document import DUPLICATE_KEY
@@ -96,6 +97,28 @@ class Summaries:
             if exc.code not in CANNOT_KEEP:
                 raise
             logger.info("chart summaries not kept (code %s): the charts read the jobs", exc.code)
+            return False
+        return True
+
+    def take_turn(self, owner: str, length: timedelta) -> bool:
+        """Whether `owner` (a process) summarizes ahead of the charts now, for `length`: one process of the fleet at a
+        time does, the one whose turn has not run out (renewed at each of its passes), so that the workers and
+        Flowers of a deployment do not each summarize the same quarter hours. A turn that ran out (its process died)
+        is the next one's to take. False for a user who may not write: such a process summarizes nothing."""
+        now = self.now()
+        turn = {"jobs": self.jobs, "turn": "summarizing ahead"}
+        try:
+            # Taken where it ran out or is ours; a turn another holds does not match, and the upsert's _id collides.
+            self.coll.update_one(
+                {"_id": turn, "$or": [{"until": {"$lte": now}}, {"by": owner}]},
+                {"$set": {"by": owner, "until": now + length, "jobs": self.jobs}},
+                upsert=True,
+            )
+        except DuplicateKeyError:
+            return False
+        except OperationFailure as exc:
+            if exc.code not in CANNOT_KEEP:
+                raise
             return False
         return True
 

@@ -497,6 +497,21 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
 
 
 @signals.worker_ready.connect
+def _summarize_charts_ahead(sender: Any = None, **_: Any) -> None:
+    """The worker's main process takes its turns at keeping the Jobs tab's chart summaries written ahead of the
+    charts (one process of the fleet at a time: bb_broker.ops.stats.SummarizingAhead), so that a chart finds them
+    written whether or not a Flower that may write runs."""
+    store = store_for(sender.app)
+    if store is None:
+        return
+    # Imported here: the operator's queries are of no use to the pool processes and the command line's start.
+    from bb_broker.ops.operations import Operations
+    from bb_broker.ops.stats import SummarizingAhead
+
+    SummarizingAhead.start(Operations(store), owner=f"{getattr(sender, 'hostname', None)}:{os.getpid()}")
+
+
+@signals.worker_ready.connect
 def _serve_metrics(sender: Any = None, **_: Any) -> None:
     """Opt-in with BB_METRICS_PORT: the worker's main process serves /metrics and /statuses."""
     port = os.environ.get("BB_METRICS_PORT", "").strip()

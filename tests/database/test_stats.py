@@ -14,6 +14,7 @@ from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
 from bb_broker.ops.stats import Window, job_stats, percentile, summarize_ahead
+from bb_broker.ops.summaries import Summaries
 from tests.support.servers import AUTH_PASSWORD
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
@@ -284,7 +285,10 @@ def test_a_database_user_who_may_only_read_gets_the_chart_and_writes_no_summary(
         admin.charts.command("createUser", "viewer", pwd="v1ew-only", roles=[{"role": "read", "db": "charts"}])
         with MongoClient(f"mongodb://viewer:v1ew-only@127.0.0.1:{auth_server.port}/?authSource=charts",
                          tz_aware=True) as viewer:  # fmt: skip
-            chart = job_stats(Operations(JobStore(viewer.charts, Policy(), clock=clock)), JobFilter(), DAY)
+            viewing = Operations(JobStore(viewer.charts, Policy(), clock=clock))
+            chart = job_stats(viewing, JobFilter(), DAY)
+            # Nor does it take a turn at summarizing ahead (a worker or Flower of such a user summarizes nothing).
+            assert not Summaries(viewing.coll, clock).take_turn("viewer@host:1", timedelta(minutes=10))
         assert nonzero(chart["series"]["all"])["succeeded"] == {87: 1, 91: 2}
         assert "bb_stats" not in admin.charts.list_collection_names()
 
@@ -303,3 +307,28 @@ def test_summarizing_ahead_writes_the_closed_quarter_hours_back_to_the_oldest_jo
     # The day's quarter hours before 22:00 had no job: the chart marks them (one insert) and writes no group.
     writes = [command for command in log.commands if "update" in command]
     assert writes == [] and db.bb_stats.count_documents({"group": True}) == 3
+
+
+def test_one_process_of_the_fleet_summarizes_ahead_at_a_time_until_its_turn_runs_out(
+    db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    """Every worker and every Flower that may write runs a summarizing thread; only the holder of the turn summarizes,
+    renewing it at each pass, and a holder that stopped (died) leaves it to the next once it runs out."""
+    turn = timedelta(minutes=10)
+    with MongoClient(mongo_url, tz_aware=True) as other:
+        first, second = Summaries(db.jobs, clock), Summaries(other[db.name].jobs, clock)
+        with ThreadPoolExecutor(8) as pool:  # eight processes asking at once: one gets it
+            taken = list(pool.map(lambda n: (first, second)[n % 2].take_turn(f"w{n}@host:{n}", turn), range(8)))
+        assert taken.count(True) == 1
+        holder = f"w{taken.index(True)}@host:{taken.index(True)}"
+        assert first.take_turn(holder, turn) and not second.take_turn("w9@host:9", turn)  # renewed by its holder
+        clock.advance(9 * 60)
+        assert first.take_turn(holder, turn)  # its pass renews it: ten minutes from now
+        clock.advance(9 * 60)
+        assert not second.take_turn("w9@host:9", turn)
+        clock.advance(61)  # the holder stopped passing: its turn ran out
+        assert second.take_turn("w9@host:9", turn) and not first.take_turn(holder, turn)
+    (doc,) = list(db.bb_stats.find())
+    assert doc["by"] == "w9@host:9" and doc["until"] == clock.now + turn
+    # The turn is no summary: the charts' reads and the summaries' expiry do not see it.
+    assert Summaries(db.jobs, clock).summarized(clock.now - timedelta(days=40), clock.now + turn) == set()

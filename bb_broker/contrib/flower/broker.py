@@ -180,7 +180,7 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
     if is_ours(broker_url):
         BrokerHealth.of(broker_url)
         if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
-            jobs_view.ChartSummaries.start_for(sender, broker_url)
+            jobs_view.start_chart_summaries(sender, broker_url)
 
 
 class JobQueues:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import base64
 import functools
 import logging
-import threading
-import time
+import os
+import socket
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +37,7 @@ from flower.utils import strtobool
 from flower.views import BaseHandler
 from flower.views.error import NotFoundErrorHandler
 from flower.views.tasks import TasksDataTable
-from pymongo.errors import ConnectionFailure, OperationFailure, PyMongoError
+from pymongo.errors import ConnectionFailure, OperationFailure
 from tornado import httputil
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
@@ -59,9 +59,7 @@ from bb_broker.ops.operations import (
     Operations,
 )
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
-from bb_broker.ops.stats import job_stats, summarize_ahead
-from bb_broker.ops.summaries import SUMMARY_STEP
-from bb_broker.threads import start_supervised
+from bb_broker.ops.stats import SummarizingAhead, job_stats
 
 logger = logging.getLogger(__name__)
 #: The largest --jobs_search_window taken: past it a search inside arguments would read most of a big collection.
@@ -162,40 +160,15 @@ class JobsTab:
             raise tornado.web.HTTPError(503, "%s", self.unreachable(problem)) from None
 
 
-class ChartSummaries:
-    """Summarizes each closed quarter hour ahead of the charts (bb_broker.ops.stats.summarize_ahead), so that a day's
-    or a week's chart finds them written instead of summarizing them in its request: at Flower's start, then every
-    third of a quarter hour, in a thread of its own per broker URL, on the Jobs tab's client (pymongo's clients are
-    shared between threads). A read-only Flower starts none (its charts read the summaries there are)."""
+def start_chart_summaries(app: Any, broker_url: str) -> None:
+    """Flower's share of keeping the charts' summaries written ahead of them (bb_broker.ops.stats.SummarizingAhead),
+    once per jobs collection in a process, on a client with the Jobs tab's quick timeouts. A read-only Flower starts
+    none: its charts read the summaries the workers and the other Flowers keep."""
+    from bb_broker.worker.hooks import store_for
 
-    interval = SUMMARY_STEP.total_seconds() / 3
-    _running: dict[str, ChartSummaries] = {}
-    _lock = threading.Lock()
-
-    @classmethod
-    def start_for(cls, app: Any, broker_url: str) -> None:
-        """Start the broker's summaries thread, once per broker URL in a process."""
-        from bb_broker.worker.hooks import store_for
-
-        with cls._lock:
-            if broker_url in cls._running:
-                return
-            store = store_for(app, appname=APPNAME, **quick_timeouts(parse_broker_url(broker_url)))
-            if store is None:
-                return
-            summaries = cls._running[broker_url] = cls(Operations(store))
-            start_supervised("bb-chart-summaries", summaries._run)
-
-    def __init__(self, operations: Operations) -> None:
-        self.operations = operations  # only this class's thread uses it
-
-    def _run(self) -> None:
-        while True:
-            try:
-                summarize_ahead(self.operations)
-            except PyMongoError as exc:  # the server is down or refuses: the charts summarize what they need
-                logger.info("chart summaries: %s; trying again in %.0f s", type(exc).__name__, self.interval)
-            time.sleep(self.interval)
+    store = store_for(app, appname=APPNAME, **quick_timeouts(parse_broker_url(broker_url)))
+    if store is not None:
+        SummarizingAhead.start(Operations(store), owner=f"flower@{socket.gethostname()}:{os.getpid()}")
 
 
 def _tab(handler: BaseHandler) -> JobsTab:
