@@ -11,12 +11,10 @@ busy key never holds back the keys behind it, and nothing polls it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bb_broker.jobs.queues import Rate
-from bb_broker.jobs.unique import option_key
 
 #: The header of a task message that carries its job's rate key.
 RATE_KEY_HEADER = "bb_rate_key"
@@ -29,18 +27,6 @@ OPTION_NAMES = ("rate_key", "rate_on")
 
 def is_rate_key(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_RATE_KEY_LENGTH
-
-
-def rate_key_of(
-    task: Any,
-    call: Mapping[str, Any],
-    task_name: str,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    run: Callable[..., Any] | None,
-) -> str | None:
-    """The rate key of a publish: the call's `rate_key` or `rate_on`, else the task's (None: no key)."""
-    return option_key("rate", task, call, task_name, args, kwargs, run, max_length=MAX_RATE_KEY_LENGTH)
 
 
 def counted_key(value: Any) -> str | None:

@@ -15,14 +15,12 @@ next job is then the first of them in claim order, so a key's jobs run in queue 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pymongo import ASCENDING, IndexModel
 from pymongo.errors import DuplicateKeyError
 
 from bb_broker.jobs.lifecycle import RUNNING
-from bb_broker.jobs.unique import option_key
 
 #: The header of a task message that carries its job's serialisation key.
 SERIAL_KEY_HEADER = "bb_serial_key"
@@ -48,19 +46,6 @@ OPTION_NAMES = ("serial_key", "serial_on")
 
 def is_serial_key(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_SERIAL_KEY_LENGTH
-
-
-def serial_key_of(
-    task: Any,
-    call: Mapping[str, Any],
-    task_name: str,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    run: Callable[..., Any] | None,
-) -> str | None:
-    """The serial key of a publish: the call's `serial_key` or `serial_on`, else the task's (None: no key); see
-    option_key."""
-    return option_key("serial", task, call, task_name, args, kwargs, run, max_length=MAX_SERIAL_KEY_LENGTH)
 
 
 def busy_key(exc: DuplicateKeyError) -> tuple[bool, Any]:

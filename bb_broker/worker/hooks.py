@@ -380,14 +380,14 @@ def _flow_control_headers(
         # by hand: kept as it is.
         if unique.UNIQUE_KEY_HEADER not in headers:
             headers.update(unique.UniqueOptions.read(task, call).headers(str(sender), args, kwargs, run))
-        if serial.SERIAL_KEY_HEADER not in headers:
-            key = serial.serial_key_of(task, call, str(sender), args, kwargs, run)
-            if key is not None:
-                headers[serial.SERIAL_KEY_HEADER] = key
-        if rate_keys.RATE_KEY_HEADER not in headers:
-            key = rate_keys.rate_key_of(task, call, str(sender), args, kwargs, run)
-            if key is not None:
-                headers[rate_keys.RATE_KEY_HEADER] = key
+        for header, option, longest in (
+            (serial.SERIAL_KEY_HEADER, "serial", serial.MAX_SERIAL_KEY_LENGTH),
+            (rate_keys.RATE_KEY_HEADER, "rate", rate_keys.MAX_RATE_KEY_LENGTH),
+        ):
+            if header not in headers:
+                key = unique.option_key(option, task, call, str(sender), args, kwargs, run, max_length=longest)
+                if key is not None:
+                    headers[header] = key
     except unique.UniqueOptionError as exc:
         # Celery's signals swallow what a receiver raises: the transport raises it, writing nothing.
         headers[unique.UNIQUE_REFUSED_HEADER] = str(exc)
