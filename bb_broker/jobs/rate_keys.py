@@ -30,8 +30,14 @@ def is_rate_key(value: Any) -> bool:
 
 
 def counted_key(value: Any) -> str | None:
-    """The key a job's `rateKey` is counted under: None, the jobs without a key, for a value no publish writes."""
-    return value if is_rate_key(value) else None
+    """The key a job's `rateKey` is counted under: None, the jobs without a key, for one that is not a string (a hand
+    edit: a string is counted as itself, whatever its length, so that the claim's filter can tell it apart)."""
+    return value if isinstance(value, str) else None
+
+
+#: The most held keys a claim leaves out by name (the soonest to come back are left to be refused again): the
+#: claim's filter must stay far below the server's 16 MB command.
+MAX_HELD_KEYS = 1000
 
 
 @dataclass
@@ -49,10 +55,12 @@ class RateHolds:
         self.until = {key: moment for key, moment in self.until.items() if moment > now_us}
         if not self.until:
             return None
-        keys = sorted(key for key in self.until if key is not None)
-        if None in self.until:
-            # The jobs counted without a key are those whose rateKey is missing or not a key: only keys remain.
-            return {"$type": "string", "$nin": keys}
+        latest = sorted(self.until, key=lambda key: self.until[key], reverse=True)[:MAX_HELD_KEYS]
+        keys = sorted(key for key in latest if key is not None)
+        if None in latest:
+            # The jobs counted without a key are those whose rateKey is missing or not a string: only strings remain
+            # (`$type` alone would keep an array that holds one).
+            return {"$type": "string", "$not": {"$type": "array"}, "$nin": keys}
         return {"$nin": keys}
 
     def retry_in(self, now_us: int) -> float | None:

@@ -260,6 +260,7 @@ class JobStore(Sweeps):
         holds = None
         if rate is not None and rate.per_key:
             holds = rate_holds if rate_holds is not None and rate_holds.rate == rate else RateHolds(rate)
+        learnt = False  # a held rate key found by this claim: the claims after it leave it out
         for _ in range(MAX_KEY_SKIPS):
             now = self.now()
             due, take = claim_query(queue, owner, now)
@@ -281,6 +282,7 @@ class JobStore(Sweeps):
                         start = self._take_start(queue, rate, now, rate_key)
                     except LimitReached as exc:
                         holds.until[rate_key] = moment_us(now) + round((exc.retry_in or 0.0) * 1_000_000)
+                        learnt = True
                         continue
             try:
                 if limits is not None and limits.concurrency is not None:
@@ -298,9 +300,11 @@ class JobStore(Sweeps):
                 self._give_start_back(start)  # nothing started: the start is not spent
                 if holds is not None:
                     continue  # its key's head was taken meanwhile: the next job, whoever's key it is
+            elif holds is not None and start is not None:
+                holds.until[counted_key(start.key["key"])] = start.next  # the next claim goes on to the other keys
             return job
         if holds is not None:
-            self._raise_if_held(queue, holds, self.now())
+            self._raise_if_held(queue, holds, self.now(), learnt=learnt)
         return None
 
     def _skip_busy_key(self, exc: DuplicateKeyError, due: dict[str, Any], busy: set[str]) -> None:
@@ -322,9 +326,11 @@ class JobStore(Sweeps):
             due = {**due, "rateKey": held}
         return self._hinted(lambda: self.coll.find_one(due, {"rateKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
 
-    def _raise_if_held(self, queue: str, holds: RateHolds, now: datetime) -> None:
-        """No job whose rate key is free: LimitReached until the first held key's next start, if a key is held."""
-        retry_in = holds.retry_in(moment_us(now))
+    def _raise_if_held(self, queue: str, holds: RateHolds, now: datetime, *, learnt: bool = False) -> None:
+        """No job whose rate key is free was found: LimitReached until the first held key's next start, if a key is
+        held; at once when this claim `learnt` held keys (more than one claim skips), so that the next claim leaves
+        them out and finds the keys behind them."""
+        retry_in = 0.0 if learnt else holds.retry_in(moment_us(now))
         if retry_in is not None:
             raise LimitReached(queue, f"rate limit {holds.rate}", retry_in=max(retry_in, 0.0))
 
@@ -337,15 +343,17 @@ class JobStore(Sweeps):
         is not ahead of now: when it is, the filter matches nothing and the upsert's insert collides with the counter's
         _id, so of two workers at once only one moves it. Under a rate per key, `rate_key`'s own counter.
 
-        A counter expires once its next start has come (`expireAt`, the TTL index admin.RATE_EXPIRY): one that is gone
-        lets a start through as it would have, and the counters of keys no longer seen do not pile up."""
+        A rate key's counter expires once its next start has come (`expireAt`, the TTL index admin.RATE_EXPIRY): one
+        that is gone lets a start through as it would have, and the counters of keys no longer seen do not pile up."""
         counters = self.coll.database[RATES_COLLECTION]
         start = RateStart.at(queue, rate, now, rate_key)
         for _ in range(MAX_RATE_TRIES):
             try:
+                # A key's counter expires (one per key the rate meets); a queue's is the queue's for good.
+                expiry = {"expireAt": start.expires_at} if rate.per_key else {}
                 taken = counters.update_one(
                     {"_id": start.key, "next": {"$lte": start.taken_at}},
-                    {"$set": {"next": start.next, "expireAt": start.expires_at}},
+                    {"$set": {"next": start.next, **expiry}},
                     upsert=True,
                 )
             except DuplicateKeyError:
@@ -360,7 +368,8 @@ class JobStore(Sweeps):
                 counters.delete_many({"_id.queue": queue, "_id": {"$ne": start.key}})
             return start
         metrics.record_held_back("rate")
-        raise LimitReached(queue, f"rate limit {rate}", retry_in=rate.spacing_us / 1_000_000)
+        # A counter that changed under every try (many claimers at once): soon again, not a whole spacing later.
+        raise LimitReached(queue, f"rate limit {rate}", retry_in=min(rate.spacing_us / 1_000_000, 1.0))
 
     def _rate_wait(self, counters: MongoCollection, start: RateStart, rate: Rate) -> float | None:
         """The seconds until the refused `start`'s counter lets the next one through; None to take it again: the

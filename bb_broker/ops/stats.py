@@ -14,6 +14,7 @@ aggregations.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -226,14 +227,25 @@ class SummarizingAhead:
         self.owner = owner
 
     def _run(self) -> None:
-        summaries = Summaries(self.operations.coll, self.operations.now)
         while True:
             try:
-                if summaries.take_turn(self.owner, self.turn):
-                    summarize_ahead(self.operations)
+                self.pass_once()
             except PyMongoError as exc:  # the server is down or refuses: the charts summarize what they need
                 logger.info("chart summaries: %s; trying again in %.0f s", type(exc).__name__, self.interval)
             time.sleep(self.interval)
+
+    def pass_once(self) -> int | None:
+        """One pass: the quarter hours summarized, None when another process holds the turn. A pass that fails gives
+        the turn up, so that a process that cannot summarize does not keep the others from it."""
+        summaries = Summaries(self.operations.coll, self.operations.now)
+        if not summaries.take_turn(self.owner, self.turn):
+            return None
+        try:
+            return summarize_ahead(self.operations)
+        except BaseException:
+            with contextlib.suppress(PyMongoError):
+                summaries.give_up_turn(self.owner)
+            raise
 
 
 @reset_in_child

@@ -106,11 +106,12 @@ class Summaries:
         Flowers of a deployment do not each summarize the same quarter hours. A turn that ran out (its process died)
         is the next one's to take. False for a user who may not write: such a process summarizes nothing."""
         now = self.now()
-        turn = {"jobs": self.jobs, "turn": "summarizing ahead"}
         try:
-            # Taken where it ran out or is ours; a turn another holds does not match, and the upsert's _id collides.
+            # Taken where it ran out (or holds no date: a hand edit) or is ours; a turn another holds does not match,
+            # and the upsert's _id collides.
+            ran_out = [{"until": {"$lte": now}}, {"until": {"$not": {"$type": "date"}}}, {"by": owner}]
             self.coll.update_one(
-                {"_id": turn, "$or": [{"until": {"$lte": now}}, {"by": owner}]},
+                {"_id": self._turn, "$or": ran_out},
                 {"$set": {"by": owner, "until": now + length, "jobs": self.jobs}},
                 upsert=True,
             )
@@ -121,6 +122,14 @@ class Summaries:
                 raise
             return False
         return True
+
+    def give_up_turn(self, owner: str) -> None:
+        """`owner`'s pass failed: its turn is the next process's to take at once, rather than once it runs out."""
+        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"until": self.now()}})
+
+    @property
+    def _turn(self) -> dict[str, str]:
+        return {"jobs": self.jobs, "turn": "summarizing ahead"}
 
     def _replacing(self, group: dict[str, Any]) -> ReplaceOne[Any]:
         key = {"jobs": self.jobs, "at": group["at"], "queue": group.get("queue"), "kind": group.get("kind")}

@@ -54,7 +54,7 @@ def test_each_key_starts_at_the_rate_and_a_held_key_holds_back_only_its_own_jobs
     holds = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
     assert claimed_task(store, holds) == "a1"
     assert claimed_task(store, holds) == "b1"  # a2 waits for a's next start; the jobs behind it do not
-    assert set(holds.until) == {"a"}
+    assert set(holds.until) == {"a", "b"}  # a refused, b by its own start
     assert claimed_task(store, holds) == "none1"  # the jobs without a key are one more key
     with pytest.raises(LimitReached, match="rate limit 1/m per key reached") as reached:
         claimed_task(store, holds)
@@ -96,7 +96,7 @@ def test_a_held_key_costs_no_write_until_its_next_start(
             claimed_task(watched, holds)
     # One read of the queue each, leaving the held keys out: no counter taken, no job written.
     assert [next(iter(command)) for command in log.commands] == ["find"] * 5
-    assert all(command["filter"]["rateKey"] == {"$nin": ["a"]} for command in log.commands)  # b had no more jobs
+    assert all(command["filter"]["rateKey"] == {"$nin": ["a", "b"]} for command in log.commands)
     clock.advance(60)
     assert claimed_task(watched, holds) == "a1"
 
@@ -127,16 +127,53 @@ def test_no_period_anywhere_holds_more_starts_of_a_key_than_the_rate(
             assert times[first + 4] - times[first] >= timedelta(seconds=1), times[first : first + 5]
 
 
-def test_a_key_whose_job_another_worker_took_spends_no_start(store: JobStore, db: Database) -> None:
+def test_a_head_another_worker_takes_between_the_read_and_the_claim_spends_no_start(
+    store: JobStore, db: Database, clock: FakeClock, monkeypatch
+) -> None:
     publish(store, "a0", "a")
-    publish(store, "a1", "a")
+    publish(store, "b0", "b")
+    other = JobStore(db, clock=clock)
+    read_head = JobStore._rate_head
+
+    def then_taken(self: JobStore, *args: Any) -> Any:
+        head = read_head(self, *args)
+        if head is not None and head["_id"] == db.jobs.find_one({"taskId": "a0"})["_id"]:
+            assert other.claim("limited", "w2") is not None  # a worker whose limits read no rate yet takes a0
+        return head
+
+    monkeypatch.setattr(JobStore, "_rate_head", then_taken)
     holds = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
-    assert store.claim("limited", "w1") is not None  # a worker under no rate took a0 (the limit not yet read)
-    assert claimed_task(store, holds) == "a1"
-    publish(store, "a2", "a")
-    with pytest.raises(LimitReached):  # a1's start was the one spent
-        claimed_task(store, holds)
-    assert db.bb_rates.count_documents({}) == 1
+    assert claimed_task(store, holds) == "b0"  # a0 was gone: its key's start given back, and the next job claimed
+    assert set(holds.until) == {"b"}  # held by its own start, which the next claim leaves out without a write
+    monkeypatch.undo()
+    publish(store, "a1", "a")
+    assert claimed_task(store, holds) == "a1"  # a's start was never spent
+
+
+def test_more_held_keys_than_one_claim_skips_leave_the_next_claim_the_keys_behind_them(
+    store: JobStore, db: Database
+) -> None:
+    keys = [f"k{n:02}" for n in range(20)]
+    for key in keys:
+        publish(store, f"{key}-first", key)
+    for key in keys:
+        publish(store, f"{key}-second", key)
+    publish(store, "free", "free")
+    first = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
+    assert [claimed_task(store, first) for _ in keys] == [f"{key}-first" for key in keys]
+    assert claimed_task(store, first) == "free"  # its own starts are held: no refusal on the way
+    publish(store, "free2", "free2")
+    another = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]  # a worker that knows of no held key yet
+    with pytest.raises(LimitReached) as reached:
+        claimed_task(store, another)
+    assert reached.value.retry_in == 0.0 and len(another.until) == 16  # sixteen refused: look again at once
+    assert claimed_task(store, another) == "free2"  # the four keys left, then the free one
+
+
+def test_a_queue_wide_rates_counter_does_not_expire(store: JobStore, db: Database) -> None:
+    publish(store, "t0", None)
+    assert store.claim("limited", "w", QueueLimits(rate=Rate(1, 60.0))) is not None
+    assert "expireAt" not in db.bb_rates.find_one()
 
 
 def test_rates_per_key_are_set_shown_and_refused_through_the_controls(store: JobStore, db: Database) -> None:
@@ -171,13 +208,16 @@ def test_a_per_key_flag_edited_by_hand_limits_nothing(db: Database, edited: Any)
 
 def test_a_hand_written_rate_key_counts_with_the_jobs_without_one(store: JobStore, db: Database) -> None:
     publish(store, "plain", None)
-    publish(store, "edited", None)
-    db.jobs.update_one({"taskId": "edited"}, {"$set": {"rateKey": {"$gt": ""}}})
+    for task_id, edited in (("document", {"$gt": ""}), ("array", ["a"]), ("number", 7), ("long", "k" * 600)):
+        publish(store, task_id, None)
+        db.jobs.update_one({"taskId": task_id}, {"$set": {"rateKey": edited}})
     holds = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
     assert claimed_task(store, holds) == "plain"
-    with pytest.raises(LimitReached):  # one key, the keyless jobs', held: the edited job waits with them
+    assert claimed_task(store, holds) == "long"  # a string no publish writes is a key of its own
+    with pytest.raises(LimitReached) as reached:  # the keyless jobs' key held: the edited jobs wait with them
         claimed_task(store, holds)
-    assert db.jobs.find_one({"taskId": "edited"})["status"] == "queued"
+    assert reached.value.retry_in == 60.0
+    assert {doc["taskId"] for doc in db.jobs.find({"status": "queued"})} == {"document", "array", "number"}
 
 
 # --- the options ------------------------------------------------------------------------------------------------------

@@ -330,5 +330,32 @@ def test_one_process_of_the_fleet_summarizes_ahead_at_a_time_until_its_turn_runs
         assert second.take_turn("w9@host:9", turn) and not first.take_turn(holder, turn)
     (doc,) = list(db.bb_stats.find())
     assert doc["by"] == "w9@host:9" and doc["until"] == clock.now + turn
+    db.bb_stats.update_one({"_id": doc["_id"]}, {"$set": {"until": "later"}})  # a hand edit: no moment at all
+    assert Summaries(db.jobs, clock).take_turn("w1@host:1", turn)  # is a turn run out, not one held for good
     # The turn is no summary: the charts' reads and the summaries' expiry do not see it.
     assert Summaries(db.jobs, clock).summarized(clock.now - timedelta(days=40), clock.now + turn) == set()
+
+
+def test_a_pass_summarizes_only_in_the_turns_holder_and_a_failed_pass_gives_the_turn_up(
+    own_server, clock: FakeClock
+) -> None:
+    from pymongo.errors import OperationFailure
+
+    from bb_broker.ops.stats import SummarizingAhead
+    from tests.support.faults import fail_point
+
+    with (
+        MongoClient(own_server.url, tz_aware=True) as admin,
+        MongoClient(own_server.url, tz_aware=True, appname="failing-summarizer") as failing,
+    ):
+        three_finished_at_23(admin.charts, clock.now)
+        ours = SummarizingAhead(Operations(JobStore(admin.charts, Policy(), clock=clock)), "worker@a:1")
+        theirs = SummarizingAhead(Operations(JobStore(failing.charts, Policy(), clock=clock)), "worker@b:2")
+        assert ours.pass_once() == 7 and theirs.pass_once() is None  # one holder; the other reads nothing more
+        assert ours.pass_once() == 0  # its turn renewed: nothing left to summarize
+        admin.charts.bb_stats.delete_many({"group": False})  # as if new quarter hours had closed since
+        clock.advance(2 * SummarizingAhead.interval + 1)  # the holder stopped passing: its turn ran out
+        fail_point(admin, 1, failCommands=["aggregate"], appName="failing-summarizer", errorCode=2)
+        with pytest.raises(OperationFailure):
+            theirs.pass_once()  # it took the turn, and its pass failed
+        assert ours.pass_once() == 8  # at once: the failed pass gave the turn up (the 7, and 23:45 closed since)
