@@ -278,3 +278,30 @@ def test_a_rate_key_header_that_cannot_be_is_refused_at_the_producer(tasks, db: 
     with pytest.raises(MalformedTaskMessage, match="'bb_rate_key'.*a non-empty string of at most 512 characters"):
         tasks["plain"].apply_async((3,), headers={RATE_KEY_HEADER: bad})
     assert db.jobs.count_documents({}) == 0
+
+
+def test_a_channel_keeps_its_held_keys_between_claims_and_forgets_them_when_the_rate_changes(
+    broker_url: str, db: Database
+) -> None:
+    from kombu import Connection
+
+    from tests.support.workers import wait_for
+
+    store = JobStore(db)
+    operations = Operations(store)
+    operations.set_limits("limited", rate="1/h per key", by="tester")
+    for task_id, key in (("a0", "a"), ("a1", "a"), ("b0", "b")):
+        publish(store, task_id, key)
+    with Connection(broker_url) as conn:
+        channel = conn.default_channel
+        assert {job.id for job in channel._claim_many("limited", 4)} == {
+            doc["_id"] for doc in db.jobs.find({"taskId": {"$in": ["a0", "b0"]}})
+        }
+        assert set(channel._rate_holds["limited"].until) == {"a", "b"}
+        before = db.command("serverStatus")["opcounters"]["update"]
+        assert channel._claim_many("limited", 4) == []
+        assert db.command("serverStatus")["opcounters"]["update"] == before  # no start asked of a held key
+        operations.set_limits("limited", rate="2/h per key", by="tester")
+        wait_for(lambda: channel.known_controls.limits("limited").rate == Rate(2, 3600.0, per_key=True))
+        assert [job.id for job in channel._claim_many("limited", 4)] == [db.jobs.find_one({"taskId": "a1"})["_id"]]
+        assert channel._rate_holds["limited"].rate == Rate(2, 3600.0, per_key=True)
