@@ -333,9 +333,12 @@ def test_a_worker_whose_clock_runs_behind_runs_a_due_countdown_task_at_once(brok
     worker_factory(env=skewed_clock_env("-3600s"))
     task_id = send(producer(broker_url), "add", 1, 1, countdown=2)
     done = wait_for(settled(db, task_id, "succeeded"), timeout=120, message="the countdown task ran once due")
-    # on the server's clock: due two seconds after it was sent, and started no earlier than that
+    # on the server's clock: due two seconds after it was sent, and claimed no earlier than that
     assert done["runAfter"] - done["createdAt"] >= timedelta(seconds=1.5), done
-    assert done["history"][0]["startedAt"] >= done["runAfter"], done
+    assert done["startedAt"] >= done["runAfter"], done
+    # The history's start is the pool process's reading of the server's clock, not the claim's: each process reads it
+    # to within half a round trip, tens of milliseconds apart on a loaded machine. An hour is what this tells apart.
+    assert done["history"][0]["startedAt"] >= done["runAfter"] - timedelta(seconds=1), done
 
 
 def test_a_worker_whose_clock_runs_ahead_runs_a_task_before_its_expiry(broker_url, db, worker_factory) -> None:
