@@ -15,19 +15,7 @@ from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits, Rate
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
-from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def store(db: Database, clock: FakeClock) -> JobStore:
-    store = JobStore(db, Policy(stale_after=30), clock=clock)
-    store.ensure_indexes()
-    return store
+from tests.support.store import CommandLog, assert_each_reads_through_an_index
 
 
 def publish(store: JobStore, task_id: str, queue: str = "limited") -> str:

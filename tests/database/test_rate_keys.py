@@ -13,7 +13,6 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker import UniqueOptionError
-from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.payloads import MalformedTaskMessage
 from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits, Rate
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, RateHolds
@@ -22,18 +21,6 @@ from bb_broker.ops.operations import Operations
 from tests.support.store import CommandLog, FakeClock
 
 PER_KEY = QueueLimits(rate=Rate(1, 60.0, per_key=True))  # a start a minute for each key
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def store(db: Database, clock: FakeClock) -> JobStore:
-    store = JobStore(db, Policy(stale_after=30), clock=clock)
-    store.ensure_indexes()
-    return store
 
 
 def publish(store: JobStore, task_id: str, rate_key: str | None) -> str:
