@@ -75,6 +75,20 @@ def in_slot(take: dict[str, Any], slot: int, limit: int) -> dict[str, Any]:
     return {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
 
 
+def in_slots(take: dict[str, Any], slots: dict[Any, int], limit: int) -> list[dict[str, Any]]:
+    """The claim's update `take` for several jobs of a queue limited to `limit` running jobs, each job (by `_id`) in
+    its own slot of `slots`: as in_slot, but as an update pipeline, so that one updateMany takes them all (one write
+    the server counts as one operation, as an unlimited queue's batch claim is). The values are `$literal`: in a
+    pipeline a string starting with `$` (an owner's name can) would otherwise be read as a field path."""
+    limited = in_slot(take, 0, limit)
+    fields: dict[str, Any] = {name: {"$literal": value} for name, value in limited["$set"].items()}
+    fields.update({name: {"$add": [f"${name}", step]} for name, step in limited["$inc"].items()})
+    fields["limitSlot"] = {
+        "$switch": {"branches": [{"case": {"$eq": ["$_id", job_id]}, "then": slot} for job_id, slot in slots.items()]}
+    }
+    return [{"$set": fields}, {"$unset": sorted(limited["$unset"])}]
+
+
 #: What a job holds only while it is `running`, unset by every write that ends its attempt (a settle, a retry's
 #: reschedule, a release, the stale sweep, an operator's requeue), in the write that exists anyway: its lease, and
 #: the slot of its queue's concurrency limit (bb_limit_slot) it holds, the flag that claims wait for a slot of that

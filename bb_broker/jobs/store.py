@@ -14,11 +14,10 @@ from collections.abc import Callable, Hashable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from pymongo import ReturnDocument, UpdateOne
+from pymongo import ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
 from pymongo.errors import (
-    BulkWriteError,
     ConnectionFailure,
     DocumentTooLarge,
     DuplicateKeyError,
@@ -32,7 +31,6 @@ from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
 from bb_broker.jobs.document import (
     CLAIMED_FIELDS,
     DOCUMENT_TOO_LARGE,
-    DUPLICATE_KEY,
     HISTORY_LIMIT,
     HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
@@ -47,6 +45,7 @@ from bb_broker.jobs.document import (
     claimed,
     has_entry_of_current_attempt,
     in_slot,
+    in_slots,
     malformed,
     new_job_id,
     pushed,
@@ -563,25 +562,18 @@ class JobStore(Sweeps):
 
     def _take_in_slots(self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int) -> Callable[[], int]:
         """The write that takes the jobs of `head` in a queue limited to `limit` running at once, each in a slot of its
-        own, guessed at random as a single claim's first guess is (_claim_in_a_slot): one unordered bulk of updates,
-        how many it took. bb_limit_slot refuses a slot another running job holds, and only that job stays queued."""
-        updates = [
-            UpdateOne(
-                {"_id": doc["_id"], "status": QUEUED, "attempts": doc["attempts"]},
-                in_slot(taken, slot, limit),
-                hint="_id_",
-            )
-            for doc, slot in zip(head, random.sample(range(limit), len(head)), strict=True)
-        ]
+        own, guessed at random as a single claim's first guess is (_claim_in_a_slot): one updateMany, as in a queue
+        without a limit, how many it took. bb_limit_slot refuses a slot another running job holds, and that stops the
+        updateMany there (the jobs it took before stay taken): 0, and the caller reads which jobs are its own."""
+        slots = dict(zip((doc["_id"] for doc in head), random.sample(range(limit), len(head)), strict=True))
+        fenced = {"_id": {"$in": list(slots)}, "status": QUEUED, **attempts_fence(head)}
+        pipeline = in_slots(taken, slots, limit)
 
         def take() -> int:
             try:
-                return self.coll.bulk_write(updates, ordered=False).modified_count
-            except BulkWriteError as exc:
-                refused = [error for error in exc.details.get("writeErrors", []) if error.get("code") != DUPLICATE_KEY]
-                if refused:
-                    raise
-                return int(exc.details.get("nModified", 0))
+                return self.coll.update_many(fenced, pipeline, hint="_id_").modified_count
+            except DuplicateKeyError:
+                return 0
 
         return take
 

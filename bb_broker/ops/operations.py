@@ -20,7 +20,7 @@ from ulid import ULID
 from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
+from bb_broker.jobs.document import DUPLICATE_KEY, HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore
@@ -997,10 +997,6 @@ def _other_id_forms(identifier: str) -> list[Any]:
     if ObjectId.is_valid(identifier) and len(identifier) == 24:
         forms.append(ObjectId(identifier))
     return forms
-
-
-#: The server's code for a write a unique index refused.
-DUPLICATE_KEY = 11000
 
 
 def _key_taken_again(doc: dict[str, Any]) -> dict[str, Any]:

@@ -27,14 +27,13 @@ from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError,
 from bb_broker.connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.admin import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
+from bb_broker.jobs.document import DUPLICATE_KEY
 from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
 
-#: The server's code for a duplicate key: an insert tried again after its answer was lost had landed.
-DUPLICATE_KEY = 11000
 #: Seconds the outbox waits before it tries again a write the server did not answer, doubling up to the last.
 OUTBOX_RETRY = (0.05, 5.0)
 

@@ -145,7 +145,7 @@ def test_a_batch_claim_of_a_limited_queue_stops_at_the_limit_with_what_it_took(s
     assert store.claim_many("other", "w", 5, QueueLimits(concurrency=3)) == []  # an empty queue is not a limit
 
 
-def test_a_batch_claim_of_a_queue_below_its_limit_is_a_read_and_one_write_with_a_slot_each(
+def test_a_batch_claim_of_a_queue_below_its_limit_is_a_read_and_one_update_many_with_a_slot_each(
     store: JobStore, db: Database, mongo_url: str
 ) -> None:
     for n in range(6):
@@ -153,13 +153,18 @@ def test_a_batch_claim_of_a_queue_below_its_limit_is_a_read_and_one_write_with_a
     log = CommandLog()
     client: MongoClient = MongoClient(mongo_url, tz_aware=True, event_listeners=[log])
     watched = JobStore(client[db.name], Policy(), clock=store.now)
-    jobs = watched.claim_many("limited", "w", 4, QueueLimits(concurrency=100))
+    owner = "$w.1"  # a pipeline reads a string starting with `$` as a field path unless it is written as a literal
+    jobs = watched.claim_many("limited", owner, 4, QueueLimits(concurrency=100))
     client.close()
     assert len(jobs) == 4
     assert [next(iter(command)) for command in log.commands] == ["find", "update"]  # as without a limit
+    # One statement for the four jobs, as without a limit: the server counts one operation, not four.
+    assert len(log.commands[1]["updates"]) == 1 and log.commands[1]["updates"][0]["multi"] is True
     held = running(db)
     assert len(held) == 4 and len({doc["limitSlot"] for doc in held}) == 4
     assert all(0 <= doc["limitSlot"] < 100 and doc["claimLimits"] == {"concurrency": 100} for doc in held)
+    assert all(doc["leaseOwner"] == owner and doc["attempts"] == 1 and doc["status"] == "running" for doc in held)
+    assert all(doc["startedAt"] == store.now() for doc in held)
     assert_each_reads_through_an_index(db, log.commands)
 
 
