@@ -9,7 +9,9 @@ result), and counts the retried attempts of each interval from the history; the 
 A day's or a week's chart reads the jobs of its last minutes only: the quarter hours before are read from their
 summaries (bb_broker.ops.summaries), which one process of the fleet keeps written ahead of the charts
 (SummarizingAhead: a worker's or Flower's thread), or else the first chart that needs one writes, with the same two
-aggregations.
+aggregations. While such a thread's pass is under way (the first after an upgrade summarizes a week), the Jobs tab's
+charts summarize at most an hour of quarter hours themselves and draw the rest as gaps until the pass has written
+them: a request's reads stay bounded by an hour of jobs, not by the week's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ TIMED_PER_GROUP = 5_000
 ALL = "all"
 #: How far back the Jobs tab summarizes ahead of its charts: the longest window its buttons show.
 SUMMARIZED_AHEAD = timedelta(weeks=1)
+#: The most quarter hours without a summary that one of the Jobs tab's charts summarizes itself while a pass
+#: summarizing ahead is under way, the newest: an hour, more than a pass leaves for the next. The older ones it leaves
+#: to that pass, so that the first charts after an upgrade, or after a week without workers, read no week of jobs.
+SUMMARIZED_BY_A_CHART = 4
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ def job_stats(
     by: str | None = None,
     *,
     keep_summaries: bool = True,
+    leave_to_holder: bool = False,
 ) -> dict[str, Any]:
     """The numbers of the charts for the window of `length` ending now, of the jobs of `job_filter`, per queue or
     kind with `by`: per interval, attempts succeeded, jobs failed for good, attempts retried (failed, lost or
@@ -103,18 +110,27 @@ def job_stats(
 
     A window in steps of a quarter hour or more, of every job or of one queue or kind, draws its quarter hours
     older than SUMMARY_LAG from their summaries (bb_broker.ops.summaries), summarizing those that have none yet
-    unless `keep_summaries` is False (a read-only Flower), and reads the jobs for the rest only."""
+    unless `keep_summaries` is False (a read-only Flower), and reads the jobs for the rest only. With
+    `leave_to_holder` (the Jobs tab), a chart summarizes at most SUMMARIZED_BY_A_CHART of those itself while a
+    process's pass summarizing ahead is under way: the older ones are `pending`, their intervals without numbers
+    (None) until that pass has summarized them, and `summarizing` names the process."""
     if by is not None and by not in BREAKDOWNS:
         raise FilterError(f"by must be one of {', '.join(BREAKDOWNS)}, not {by!r}")
     now = operations.now()
     window = Window.ending(now, length)
     tally = Tally(window, by)
     live_from = window.start
+    holder = None
     if window.step >= SUMMARY_STEP and job_filter.only_queue_and_kind():
         live_from = max(window.start, min(window.end, _floor(now - SUMMARY_LAG, SUMMARY_STEP)))
         summaries = Summaries(operations.coll, operations.now, keep=keep_summaries)
-        for group in _summarized(operations, summaries, window.start, live_from, job_filter):
+        groups, pending, holder = _summarized(
+            operations, summaries, window.start, live_from, job_filter, leave_to_holder=leave_to_holder
+        )
+        for group in groups:
             tally.add_summary(group)
+        for at in pending:
+            tally.leave_out(at)
     query = operations.bounded(job_filter).query()
     if not isinstance(query.get("status"), str):
         query["status"] = {"$in": list(STATUSES)}  # the index's first field, so the window below is a range of it
@@ -135,6 +151,9 @@ def job_stats(
         "series": tally.series(),
         # Up to where the numbers came from summaries of closed quarter hours (None: none did).
         "summarizedUntil": live_from.isoformat() if live_from > window.start else None,
+        # The intervals whose numbers wait for the process summarizing ahead (named in `summarizing`).
+        "pending": [(window.start + window.step * n).isoformat() for n in sorted(tally.left_out)],
+        "summarizing": holder if tally.left_out else None,
     }
 
 
@@ -146,6 +165,8 @@ class Tally:
         self.window = window
         self.by = by
         self.groups: dict[str, dict[str, list[Any]]] = {}
+        #: The intervals with no numbers yet: a quarter hour of theirs is still to be summarized.
+        self.left_out: set[int] = set()
 
     def add_finished(self, key: dict[str, Any], bucket: dict[str, Any]) -> None:
         """A bucket of the finished jobs' aggregation: `key` has the interval, the status and the group."""
@@ -174,8 +195,18 @@ class Tally:
         group["waits"][at] += _seconds(summary.get("waits"))
         group["runs"][at] += _seconds(summary.get("runs"))
 
+    def leave_out(self, moment: datetime) -> None:
+        """The interval holding `moment` has no numbers (None in every series): part of it is not summarized yet."""
+        at = self.window.index(moment)
+        if at is not None:
+            self.left_out.add(at)
+
     def series(self) -> dict[str, dict[str, list[Any]]]:
-        return {name: _series(group) for name, group in sorted(self.groups.items())}
+        return {
+            name: {key: [None if n in self.left_out else value for n, value in enumerate(values)]
+                   for key, values in _series(group).items()}
+            for name, group in sorted(self.groups.items())
+        }  # fmt: skip
 
     def _group(self, value: Any) -> dict[str, list[Any]]:
         name = ALL if self.by is None else str(value if value is not None else "")
@@ -188,15 +219,16 @@ class Tally:
 
 def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD) -> int:
     """Summarize the closed quarter hours of the last `length` that have none yet, so that the charts find them
-    written (SummarizingAhead runs this in the background): none before the oldest job's last write. How many quarter
-    hours were summarized."""
-    now = operations.now()
-    end = _floor(now - SUMMARY_LAG, SUMMARY_STEP)
-    oldest = _oldest_write(operations)
-    if oldest is None:
+    written (SummarizingAhead runs this in the background), none while there is no job. How many quarter hours were
+    summarized. Those before the oldest job cost no more than the rest: the quarter hours left are summarized in one
+    pair of reads per run of them, and every run ends at the newest."""
+    if operations.coll.find_one({}, {"_id": 1}) is None:
         return 0
-    start = max(Window.ending(now, length).start, _floor(oldest, SUMMARY_STEP))
-    missing, _ = _summarize_missing(operations, Summaries(operations.coll, operations.now), start, end)
+    now = operations.now()
+    start, end = Window.ending(now, length).start, _floor(now - SUMMARY_LAG, SUMMARY_STEP)
+    summaries = Summaries(operations.coll, operations.now)
+    missing = _missing(start, end, summaries.summarized(start, end))
+    _summarize(operations, summaries, missing)
     return len(missing)
 
 
@@ -241,11 +273,13 @@ class SummarizingAhead:
         if not summaries.take_turn(self.owner, self.turn):
             return None
         try:
-            return summarize_ahead(self.operations)
+            summarized = summarize_ahead(self.operations)
         except BaseException:
             with contextlib.suppress(PyMongoError):
                 summaries.give_up_turn(self.owner)
             raise
+        summaries.end_pass(self.owner)
+        return summarized
 
 
 @reset_in_child
@@ -255,49 +289,51 @@ def _forget_parents_summarizers() -> None:
     SummarizingAhead._running = set()
 
 
-def _oldest_write(operations: Operations) -> datetime | None:
-    """The earliest `updatedAt` of any job, one read per status through `bb_status_updated`; None without jobs."""
-    hint = operations._hint_if_indexed("bb_status_updated")
-    oldest: list[datetime] = []
-    for status in STATUSES:
-        first = {"status": status, "updatedAt": {"$type": "date"}}
-        doc = operations.coll.find_one(first, {"updatedAt": 1}, sort=[("updatedAt", 1)], **hint)
-        if doc is not None:
-            oldest.append(aware(doc["updatedAt"]))
-    return min(oldest, default=None)
-
-
 def _summarized(
-    operations: Operations, summaries: Summaries, start: datetime, end: datetime, job_filter: JobFilter
-) -> list[dict[str, Any]]:
+    operations: Operations,
+    summaries: Summaries,
+    start: datetime,
+    end: datetime,
+    job_filter: JobFilter,
+    *,
+    leave_to_holder: bool,
+) -> tuple[list[dict[str, Any]], list[datetime], str | None]:
     """The summaries' groups of the quarter hours of [start, end) of `job_filter`'s queue and kind: those kept, and
-    those of the quarter hours that had none, summarized now from the jobs (and kept, if the summaries may be)."""
+    those of the quarter hours that had none, summarized now from the jobs (and kept, if the summaries may be); with
+    `leave_to_holder`, the newest SUMMARIZED_BY_A_CHART of those only while a process's pass summarizing ahead is
+    under way. Then the quarter hours left to that pass, and its process's name."""
     if start >= end:
-        return []
+        return [], [], None
     done = summaries.summarized(start, end)
     kept = [group for group in summaries.groups(start, end, queue=job_filter.queue, kind=job_filter.kind)
             if isinstance(group.get("at"), datetime) and aware(group["at"]) in done] if done else []  # fmt: skip
-    _, built = _summarize_missing(operations, summaries, start, end, done)
+    missing = _missing(start, end, done)
+    pending: list[datetime] = []
+    holder = None
+    if leave_to_holder and len(missing) > SUMMARIZED_BY_A_CHART:
+        holder = summaries.summarizing_now()
+        if holder is not None:
+            pending, missing = missing[:-SUMMARIZED_BY_A_CHART], missing[-SUMMARIZED_BY_A_CHART:]
+    built = _summarize(operations, summaries, missing)
     chosen = [group for group in built if job_filter.queue in (None, group.get("queue"))
               and job_filter.kind in (None, group.get("kind"))]  # fmt: skip
-    return kept + chosen
+    return kept + chosen, pending, holder
 
 
-def _summarize_missing(
-    operations: Operations, summaries: Summaries, start: datetime, end: datetime, done: set[datetime] | None = None
-) -> tuple[list[datetime], list[dict[str, Any]]]:
-    """The quarter hours of [start, end) without a summary (`done`: those with one, read here when not given), and
-    their groups, summarized from the jobs and kept if the summaries may be."""
-    if done is None:
-        done = summaries.summarized(start, end) if start < end else set()
+def _missing(start: datetime, end: datetime, done: set[datetime]) -> list[datetime]:
+    """The quarter hours of [start, end) not in `done` (those with a summary), oldest first."""
     quarters = [start + SUMMARY_STEP * n for n in range(max(math.ceil((end - start) / SUMMARY_STEP), 0))]
-    missing = [at for at in quarters if at not in done]
+    return [at for at in quarters if at not in done]
+
+
+def _summarize(operations: Operations, summaries: Summaries, missing: list[datetime]) -> list[dict[str, Any]]:
+    """The groups of the quarter hours `missing`, summarized from the jobs, and kept if the summaries may be."""
     built: list[dict[str, Any]] = []
     for first, last in _runs(missing):
         built += _summaries_of(operations, first, last + SUMMARY_STEP)
     if missing:
         summaries.write(built, missing)
-    return missing, built
+    return built
 
 
 def _summaries_of(operations: Operations, start: datetime, end: datetime) -> list[dict[str, Any]]:

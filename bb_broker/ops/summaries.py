@@ -104,7 +104,8 @@ class Summaries:
         """Whether `owner` (a process) summarizes ahead of the charts now, for `length`: one process of the fleet at a
         time does, the one whose turn has not run out (renewed at each of its passes), so that the workers and
         Flowers of a deployment do not each summarize the same quarter hours. A turn that ran out (its process died)
-        is the next one's to take. False for a user who may not write: such a process summarizes nothing."""
+        is the next one's to take. False for a user who may not write: such a process summarizes nothing. A turn taken
+        is a pass under way (summarizing_now) until end_pass."""
         now = self.now()
         try:
             # Taken where it ran out (or holds no date: a hand edit) or is ours; a turn another holds does not match,
@@ -112,7 +113,7 @@ class Summaries:
             ran_out = [{"until": {"$lte": now}}, {"until": {"$not": {"$type": "date"}}}, {"by": owner}]
             self.coll.update_one(
                 {"_id": self._turn, "$or": ran_out},
-                {"$set": {"by": owner, "until": now + length, "jobs": self.jobs}},
+                {"$set": {"by": owner, "until": now + length, "jobs": self.jobs, "passing": True}},
                 upsert=True,
             )
         except DuplicateKeyError:
@@ -123,9 +124,19 @@ class Summaries:
             return False
         return True
 
+    def summarizing_now(self) -> str | None:
+        """The process summarizing ahead at this moment (as it named itself): its pass under way, and its turn not
+        run out (a process that died in its pass holds it no longer than that). None when no pass is under way."""
+        turn = self.coll.find_one({"_id": self._turn, "passing": True, "until": {"$gt": self.now()}}, {"by": 1})
+        return None if turn is None else str(turn.get("by"))
+
+    def end_pass(self, owner: str) -> None:
+        """`owner`'s pass is over; its turn goes on until its next pass renews it."""
+        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"passing": False}})
+
     def give_up_turn(self, owner: str) -> None:
         """`owner`'s pass failed: its turn is the next process's to take at once, rather than once it runs out."""
-        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"until": self.now()}})
+        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"until": self.now(), "passing": False}})
 
     @property
     def _turn(self) -> dict[str, str]:

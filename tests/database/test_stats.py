@@ -293,20 +293,24 @@ def test_a_database_user_who_may_only_read_gets_the_chart_and_writes_no_summary(
         assert "bb_stats" not in admin.charts.list_collection_names()
 
 
-def test_summarizing_ahead_writes_the_closed_quarter_hours_back_to_the_oldest_job_and_the_charts_then_write_none(
+def test_summarizing_ahead_writes_the_weeks_closed_quarter_hours_and_the_charts_then_write_none(
     ops: Operations, db: Database, clock: FakeClock, mongo_url: str
 ) -> None:
     assert summarize_ahead(ops) == 0 and "bb_stats" not in db.list_collection_names()  # no job, nothing to summarize
-    three_finished_at_23(db, clock.now)  # the oldest at 22:00: 22:00 to 23:30 closed, 7 quarter hours
-    assert summarize_ahead(ops) == 7 and summarize_ahead(ops) == 0
+    three_finished_at_23(db, clock.now)
+    assert summarize_ahead(ops) == 667 and summarize_ahead(ops) == 0  # from 01:00 on the 25th to 23:30
+    assert db.bb_stats.count_documents({"group": False}) == 667
     log = CommandLog()
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
         reader = Operations(JobStore(client[db.name], Policy(), clock=clock))
         chart = job_stats(reader, JobFilter(), DAY)
     assert nonzero(chart["series"]["all"])["succeeded"] == {87: 1, 91: 2}
-    # The day's quarter hours before 22:00 had no job: the chart marks them (one insert) and writes no group.
-    writes = [command for command in log.commands if "update" in command]
-    assert writes == [] and db.bb_stats.count_documents({"group": True}) == 3
+    # The chart reads the jobs since 23:45 only, and writes nothing: every quarter hour before has its summary.
+    aggregates = [command for command in log.commands if "aggregate" in command]
+    assert {str(command["pipeline"][0]["$match"]["updatedAt"]["$gte"])[:16] for command in aggregates} == {
+        "2025-12-31 23:45"}  # fmt: skip
+    assert not [command for command in log.commands if "update" in command]
+    assert db.bb_stats.count_documents({"group": False}) == 667 and db.bb_stats.count_documents({"group": True}) == 3
 
 
 def test_one_process_of_the_fleet_summarizes_ahead_at_a_time_until_its_turn_runs_out(
@@ -351,11 +355,60 @@ def test_a_pass_summarizes_only_in_the_turns_holder_and_a_failed_pass_gives_the_
         three_finished_at_23(admin.charts, clock.now)
         ours = SummarizingAhead(Operations(JobStore(admin.charts, Policy(), clock=clock)), "worker@a:1")
         theirs = SummarizingAhead(Operations(JobStore(failing.charts, Policy(), clock=clock)), "worker@b:2")
-        assert ours.pass_once() == 7 and theirs.pass_once() is None  # one holder; the other reads nothing more
+        assert ours.pass_once() == 667 and theirs.pass_once() is None  # one holder; the other reads nothing more
         assert ours.pass_once() == 0  # its turn renewed: nothing left to summarize
         admin.charts.bb_stats.delete_many({"group": False})  # as if new quarter hours had closed since
         clock.advance(2 * SummarizingAhead.interval + 1)  # the holder stopped passing: its turn ran out
         fail_point(admin, 1, failCommands=["aggregate"], appName="failing-summarizer", errorCode=2)
         with pytest.raises(OperationFailure):
             theirs.pass_once()  # it took the turn, and its pass failed
-        assert ours.pass_once() == 8  # at once: the failed pass gave the turn up (the 7, and 23:45 closed since)
+        assert ours.pass_once() == 668  # at once: the failed pass gave the turn up (the 667, and 23:45 closed since)
+
+
+def test_a_jobs_tab_chart_summarizes_an_hour_itself_and_leaves_the_rest_to_the_turns_holder(
+    ops: Operations, db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    """The first charts after an upgrade (or a week without workers) find every quarter hour unsummarized: the Jobs
+    tab's chart reads at most an hour of them from the jobs while a process holding the turn summarizes the rest,
+    whose intervals it draws as gaps, and fills them in once that process has."""
+    now = clock.now  # 2026-01-01 00:00; the day's intervals from 00:15 on the 31st, a quarter hour each
+    for hours in range(1, 13):  # a job at each hour from 12:00 to 23:00 (intervals 47, 51, ... 91)
+        finished(db, now, f"h{hours}", queue="a", status="succeeded", ago=3600 * hours, wait=1, run=2)
+    finished(db, now, "live", queue="a", status="failed", ago=120, wait=0, run=1)  # 23:58: read from the jobs
+    complete = job_stats(ops, JobFilter(), DAY, keep_summaries=False)["series"]["all"]  # as the CLI reads it
+    assert nonzero(complete)["succeeded"] == {n: 1 for n in range(47, 92, 4)} and nonzero(complete)["failed"] == {94: 1}
+
+    # Nobody holds the turn: the tab's chart summarizes all it needs itself, as the CLI does.
+    alone = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
+    assert alone["pending"] == [] and alone["summarizing"] is None and alone["series"]["all"] == complete
+    db.bb_stats.delete_many({})
+
+    assert Summaries(db.jobs, clock).take_turn("worker@a:1", timedelta(minutes=10))  # a worker's pass begins
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        first = job_stats(Operations(JobStore(client[db.name], Policy(), clock=clock)), JobFilter(), DAY,
+                          leave_to_holder=True)  # fmt: skip
+    # The chart summarized the newest four quarter hours (22:45 to 23:30) only, and read the jobs from 22:45 on.
+    marked = sorted(doc["at"].strftime("%H:%M") for doc in db.bb_stats.find({"group": False}))
+    assert marked == ["22:45", "23:00", "23:15", "23:30"]
+    aggregates = [command for command in log.commands if "aggregate" in command]
+    assert {str(command["pipeline"][0]["$match"]["updatedAt"]["$gte"])[:16] for command in aggregates} == {
+        "2025-12-31 22:45", "2025-12-31 23:45"}  # fmt: skip
+    # The 90 quarter hours before 22:45 are left to the worker: no numbers there, named as such.
+    assert first["summarizing"] == "worker@a:1" and len(first["pending"]) == 90
+    assert first["pending"][0] == "2025-12-31T00:15:00+00:00" and first["pending"][-1] == "2025-12-31T22:30:00+00:00"
+    series = first["series"]["all"]
+    assert all(value is None for values in series.values() for value in values[:90])
+    assert series["succeeded"][90:] == complete["succeeded"][90:] and series["failed"][94] == 1
+
+    from bb_broker.ops.stats import SummarizingAhead
+
+    # The worker's pass: the week's closed quarter hours (from 01:00 on the 25th to 23:30) but the chart's four.
+    assert SummarizingAhead(ops, "worker@a:1").pass_once() == 667 - 4
+    filled = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
+    assert filled["pending"] == [] and filled["summarizing"] is None and filled["series"]["all"] == complete
+    # Only a pass under way has quarter hours left to it: between passes, a chart summarizes all it needs itself.
+    db.bb_stats.delete_many({"group": False})
+    between = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
+    assert between["pending"] == [] and between["series"]["all"] == complete
+    assert db.bb_stats.count_documents({"group": False}) == 94

@@ -12,6 +12,7 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
+from bb_broker.ops.summaries import Summaries
 from tests.support.flower_process import ADMIN, AUTH_ARGS, USERS, VIEWER, FlowerProcess
 from tests.support.workers import wait_for
 
@@ -110,6 +111,8 @@ def test_run_now_and_chart_summaries_in_a_read_only_flower_and_run_now_without_t
     # --no-auth: the page's own endpoint wants the page's XSRF token, which another site's form cannot send.
     open_flower = flower_factory(env={"FLOWER_UNAUTHENTICATED_API": "false"})
     wait_for(lambda: db.bb_stats.find_one({"group": True, "succeeded": 1}), 60, "the finished job summarized ahead")
+    passes = Summaries(db.jobs, store.now)
+    wait_for(lambda: passes.summarizing_now() is None, 60, "the pass summarizing ahead over")
     assert answer(open_flower, "GET", "/jobs/stats?window=1d")[1]["series"] == chart["series"]  # the page's own
     status, body = open_flower.request("POST", "/jobs/job/run-now", {"id": later})
     assert status == 403 and "_xsrf" in body

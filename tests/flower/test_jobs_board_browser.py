@@ -181,3 +181,45 @@ def test_the_charts_draw_the_apis_numbers_in_light_and_dark(db: Database, flower
         page.wait_for_function("() => window.bbCharts['chart-finished'].data[2].some(v => v === 1) && "
                                "!window.bbCharts['chart-finished'].data[1].some(v => v > 0)")  # fmt: skip
         context.close()
+
+
+def test_charts_draw_gaps_where_a_pass_summarizing_ahead_is_under_way_and_fill_them_after_it(
+    db: Database, flower_factory, browser
+) -> None:
+    from bb_broker.jobs.lifecycle import Policy
+    from bb_broker.jobs.store import JobStore
+    from bb_broker.ops.operations import Operations
+    from bb_broker.ops.stats import SummarizingAhead
+    from bb_broker.ops.summaries import Summaries
+
+    now = datetime.now(UTC)
+    for n, hours in enumerate((0.75, 10)):  # within the newest hour a chart summarizes itself, and long before
+        done = now - timedelta(hours=hours)
+        db.jobs.insert_one({"_id": f"01J{n:023d}", "taskId": f"t-{n}", "queue": "a", "kind": "app.a",
+                            "status": "succeeded", "attempts": 1, "runAfter": done - timedelta(seconds=3),
+                            "startedAt": done - timedelta(seconds=2), "finishedAt": done, "updatedAt": done,
+                            "createdAt": done - timedelta(seconds=3),
+                            "history": [{"n": 1, "outcome": "succeeded", "finishedAt": done}]})  # fmt: skip
+    store = JobStore(db, Policy())
+    # A worker elsewhere has begun its pass over the week (its turn taken before this Flower's thread asks for it).
+    assert Summaries(db.jobs, store.now).take_turn("worker@elsewhere:1", timedelta(minutes=10))
+    flower = flower_factory(basic_auth="admin:s3cret")
+    context = browser.new_context(http_credentials=ADMIN, viewport={"width": 1400, "height": 1200})
+    page = context.new_page()
+    page.goto(f"{flower.url}/jobs")
+    page.wait_for_load_state("load")
+    page.click("#charts summary")
+    page.select_option("#chart-window", "1d")
+    pending = page.locator("#chart-pending")
+    expect(pending).to_contain_text("still being summarized by worker@elsewhere:1")
+    expect(pending).to_be_visible()
+    drawn = page.evaluate("() => window.bbCharts['chart-finished'].data")
+    assert [v for v in drawn[1] if v] == [1]  # the job of 45 minutes ago; the other's interval is a gap
+    assert drawn[1].count(None) >= 80 and drawn[1][-1] is not None
+    shot(page, "charts-summarizing")
+
+    assert SummarizingAhead(Operations(store), "worker@elsewhere:1").pass_once()  # the worker's pass ends
+    expect(pending).to_be_hidden(timeout=30_000)  # at a live refresh
+    drawn = page.evaluate("() => window.bbCharts['chart-finished'].data")
+    assert [v for v in drawn[1] if v] == [1, 1] and None not in drawn[1]
+    context.close()

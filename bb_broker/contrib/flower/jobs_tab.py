@@ -618,9 +618,16 @@ class JobsStats(_JobsHandler):
         by = self.get_argument("by", default="", escape=False).strip() or None
         try:
             length = parse_duration(text)
-            # A read-only Flower reads the charts' summaries there are and writes none.
+            # A read-only Flower reads the charts' summaries there are and writes none. No request summarizes more
+            # than an hour of quarter hours while a process summarizing ahead has the rest in hand.
             body = await self.run_query(
-                job_stats, _operations(self), job_filter, length, by, keep_summaries=not read_only(self)
+                job_stats,
+                _operations(self),
+                job_filter,
+                length,
+                by,
+                keep_summaries=not read_only(self),
+                leave_to_holder=True,
             )
         except (FilterError, ValueError) as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
