@@ -10,8 +10,8 @@ A day's or a week's chart reads the jobs of its last minutes only: the quarter h
 summaries (bb_broker.ops.summaries), which one process of the fleet keeps written ahead of the charts
 (SummarizingAhead: a worker's or Flower's thread), or else the first chart that needs one writes, with the same two
 aggregations. While such a thread's pass is under way (the first after an upgrade summarizes a week), the Jobs tab's
-charts summarize at most an hour of quarter hours themselves and draw the rest as gaps until the pass has written
-them: a request's reads stay bounded by an hour of jobs, not by the week's.
+charts summarize at most one quarter hour themselves and draw the rest as gaps until the pass has written them: a
+request reads the jobs of its last minutes and of one quarter hour, not the week's.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from bson.int64 import Int64
 from pymongo.errors import PyMongoError
 
 from bb_broker.clock import aware
@@ -48,14 +49,17 @@ UNSUCCESSFUL = ("failed", "retry", "lost")
 SERIES = ("succeeded", "failed", "retried", "waitP50", "waitP95", "runP50", "runP95")
 #: The most jobs of one interval, status and group whose timings the server sends (about 100 bytes each).
 TIMED_PER_GROUP = 5_000
+#: The types a time in milliseconds comes as ($dateDiff gives a 64-bit integer); a bool, an int subclass, is none.
+TIME_TYPES = frozenset({int, Int64, float})
 #: The group name when the numbers are not grouped.
 ALL = "all"
 #: How far back the Jobs tab summarizes ahead of its charts: the longest window its buttons show.
 SUMMARIZED_AHEAD = timedelta(weeks=1)
 #: The most quarter hours without a summary that one of the Jobs tab's charts summarizes itself while a pass
-#: summarizing ahead is under way, the newest: an hour, more than a pass leaves for the next. The older ones it leaves
-#: to that pass, so that the first charts after an upgrade, or after a week without workers, read no week of jobs.
-SUMMARIZED_BY_A_CHART = 4
+#: summarizing ahead is under way, the newest: the one that may have closed since the pass began, which that pass
+#: leaves to the next. The older ones it leaves to the pass, so that the first charts after an upgrade, or after a week
+#: without workers, read no week of jobs. (Any number is safe: between passes a chart summarizes what it finds.)
+SUMMARIZED_BY_A_CHART = 1
 
 
 @dataclass(frozen=True)
@@ -176,8 +180,8 @@ class Tally:
             return
         group = self._group(key.get("group"))
         group[status][at] += _count(bucket.get("jobs"))
-        group["waits"][at] += _seconds(bucket.get("waits"))
-        group["runs"][at] += _seconds(bucket.get("runs"))
+        group["waits"][at] += _milliseconds_of(bucket.get("waits"))
+        group["runs"][at] += _milliseconds_of(bucket.get("runs"))
 
     def add_retried(self, key: dict[str, Any], attempts: Any) -> None:
         at = self.window.index(key.get("at"))
@@ -192,8 +196,8 @@ class Tally:
         group = self._group(summary.get(self.by) if self.by else None)
         for name in ("succeeded", "failed", "retried"):
             group[name][at] += _count(summary.get(name))
-        group["waits"][at] += _seconds(summary.get("waits"))
-        group["runs"][at] += _seconds(summary.get("runs"))
+        group["waits"][at] += _milliseconds_of(summary.get("waits"))
+        group["runs"][at] += _milliseconds_of(summary.get("runs"))
 
     def leave_out(self, moment: datetime) -> None:
         """The interval holding `moment` has no numbers (None in every series): part of it is not summarized yet."""
@@ -222,7 +226,7 @@ def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD
     written (SummarizingAhead runs this in the background), none while there is no job. How many quarter hours were
     summarized. Those before the oldest job cost no more than the rest: the quarter hours left are summarized in one
     pair of reads per run of them, and every run ends at the newest."""
-    if operations.coll.find_one({}, {"_id": 1}) is None:
+    if operations.coll.find_one({}, {"_id": 1}, hint="_id_") is None:
         return 0
     now = operations.now()
     start, end = Window.ending(now, length).start, _floor(now - SUMMARY_LAG, SUMMARY_STEP)
@@ -439,12 +443,18 @@ def _milliseconds(start: str, end: str) -> dict[str, Any]:
     return {"$cond": [both_dates, {"$dateDiff": {"startDate": start, "endDate": end, "unit": "millisecond"}}, None]}
 
 
-def _seconds(milliseconds: Any) -> list[float]:
-    """The times the server sent (or a summary kept), in seconds, a missing one left out: none is negative, though a
-    publisher's clock that runs ahead of the server's can write a runAfter later than the claim that starts the job."""
-    if not isinstance(milliseconds, list):
+def _milliseconds_of(times: Any) -> list[int | float]:
+    """The times in milliseconds the server sent (or a summary kept), anything else left out (a hand-edited summary).
+    Kept in milliseconds until a percentile is taken (_seconds), as a week's chart gathers a value per job."""
+    if not isinstance(times, list):
         return []
-    return [max(ms / 1000, 0.0) for ms in milliseconds if _is_number(ms)]
+    return [ms for ms in times if type(ms) in TIME_TYPES]
+
+
+def _seconds(milliseconds: float | None) -> float | None:
+    """A percentile in seconds; none is negative, though a publisher's clock that runs ahead of the server's can write
+    a runAfter later than the claim that starts the job. (Both are monotonic: the percentile of the values so made.)"""
+    return None if milliseconds is None else max(milliseconds / 1000, 0.0)
 
 
 def _finished_pipeline(
@@ -492,8 +502,8 @@ def _series(group: dict[str, list[Any]]) -> dict[str, list[Any]]:
         "succeeded": group["succeeded"],
         "failed": group["failed"],
         "retried": group["retried"],
-        "waitP50": [percentile(values, 0.5) for values in group["waits"]],
-        "waitP95": [percentile(values, 0.95) for values in group["waits"]],
-        "runP50": [percentile(values, 0.5) for values in group["runs"]],
-        "runP95": [percentile(values, 0.95) for values in group["runs"]],
+        "waitP50": [_seconds(percentile(values, 0.5)) for values in group["waits"]],
+        "waitP95": [_seconds(percentile(values, 0.95)) for values in group["waits"]],
+        "runP50": [_seconds(percentile(values, 0.5)) for values in group["runs"]],
+        "runP95": [_seconds(percentile(values, 0.95)) for values in group["runs"]],
     }

@@ -124,7 +124,7 @@ def test_charts_and_argument_searches_read_through_an_index_at_100k_jobs(mongo_u
         timed("chart 7d, summarizing it all", lambda: job_stats(operations, JobFilter(), week, keep_summaries=False))
         # The first charts after an upgrade: a worker's pass summarizes the week in the background (its
         # bb-chart-summaries thread, at worker_ready), holding the turn, while the Jobs tab's charts summarize at most
-        # an hour of quarter hours themselves and leave the rest as gaps.
+        # a quarter hour themselves and leave the rest as gaps.
         assert Summaries(db.jobs, clock).take_turn("worker@test:1", timedelta(minutes=10))
         worker = SummarizingAhead(Operations(JobStore(db, clock=clock)), "worker@test:1")
         with ThreadPoolExecutor(1) as background:

@@ -365,12 +365,12 @@ def test_a_pass_summarizes_only_in_the_turns_holder_and_a_failed_pass_gives_the_
         assert ours.pass_once() == 668  # at once: the failed pass gave the turn up (the 667, and 23:45 closed since)
 
 
-def test_a_jobs_tab_chart_summarizes_an_hour_itself_and_leaves_the_rest_to_the_turns_holder(
+def test_a_jobs_tab_chart_summarizes_a_quarter_hour_itself_while_a_pass_is_under_way_and_leaves_it_the_rest(
     ops: Operations, db: Database, clock: FakeClock, mongo_url: str
 ) -> None:
     """The first charts after an upgrade (or a week without workers) find every quarter hour unsummarized: the Jobs
-    tab's chart reads at most an hour of them from the jobs while a process holding the turn summarizes the rest,
-    whose intervals it draws as gaps, and fills them in once that process has."""
+    tab's chart reads at most one of them from the jobs while a process's pass summarizing ahead is under way,
+    draws the rest as gaps, and fills them in once that pass is over."""
     now = clock.now  # 2026-01-01 00:00; the day's intervals from 00:15 on the 31st, a quarter hour each
     for hours in range(1, 13):  # a job at each hour from 12:00 to 23:00 (intervals 47, 51, ... 91)
         finished(db, now, f"h{hours}", queue="a", status="succeeded", ago=3600 * hours, wait=1, run=2)
@@ -388,23 +388,24 @@ def test_a_jobs_tab_chart_summarizes_an_hour_itself_and_leaves_the_rest_to_the_t
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
         first = job_stats(Operations(JobStore(client[db.name], Policy(), clock=clock)), JobFilter(), DAY,
                           leave_to_holder=True)  # fmt: skip
-    # The chart summarized the newest four quarter hours (22:45 to 23:30) only, and read the jobs from 22:45 on.
+    # The chart summarized the newest quarter hour (23:30) only, and read the jobs from 23:30 on.
     marked = sorted(doc["at"].strftime("%H:%M") for doc in db.bb_stats.find({"group": False}))
-    assert marked == ["22:45", "23:00", "23:15", "23:30"]
+    assert marked == ["23:30"]
     aggregates = [command for command in log.commands if "aggregate" in command]
     assert {str(command["pipeline"][0]["$match"]["updatedAt"]["$gte"])[:16] for command in aggregates} == {
-        "2025-12-31 22:45", "2025-12-31 23:45"}  # fmt: skip
-    # The 90 quarter hours before 22:45 are left to the worker: no numbers there, named as such.
-    assert first["summarizing"] == "worker@a:1" and len(first["pending"]) == 90
-    assert first["pending"][0] == "2025-12-31T00:15:00+00:00" and first["pending"][-1] == "2025-12-31T22:30:00+00:00"
+        "2025-12-31 23:30", "2025-12-31 23:45"}  # fmt: skip
+    # The 93 quarter hours before 23:30 are left to the worker: no numbers there (23:00's job included).
+    assert first["summarizing"] == "worker@a:1" and len(first["pending"]) == 93
+    assert first["pending"][0] == "2025-12-31T00:15:00+00:00" and first["pending"][-1] == "2025-12-31T23:15:00+00:00"
     series = first["series"]["all"]
-    assert all(value is None for values in series.values() for value in values[:90])
-    assert series["succeeded"][90:] == complete["succeeded"][90:] and series["failed"][94] == 1
+    assert all(value is None for values in series.values() for value in values[:93])
+    assert {name: values[93:] for name, values in series.items()} == {
+        name: values[93:] for name, values in complete.items()} and series["failed"][94] == 1  # fmt: skip
 
     from bb_broker.ops.stats import SummarizingAhead
 
-    # The worker's pass: the week's closed quarter hours (from 01:00 on the 25th to 23:30) but the chart's four.
-    assert SummarizingAhead(ops, "worker@a:1").pass_once() == 667 - 4
+    # The worker's pass: the week's closed quarter hours (from 01:00 on the 25th to 23:30) but the chart's one.
+    assert SummarizingAhead(ops, "worker@a:1").pass_once() == 667 - 1
     filled = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
     assert filled["pending"] == [] and filled["summarizing"] is None and filled["series"]["all"] == complete
     # Only a pass under way has quarter hours left to it: between passes, a chart summarizes all it needs itself.

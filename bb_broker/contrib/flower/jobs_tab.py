@@ -619,7 +619,7 @@ class JobsStats(_JobsHandler):
         try:
             length = parse_duration(text)
             # A read-only Flower reads the charts' summaries there are and writes none. No request summarizes more
-            # than an hour of quarter hours while a process summarizing ahead has the rest in hand.
+            # than a quarter hour while a process summarizing ahead has the rest in hand.
             body = await self.run_query(
                 job_stats,
                 _operations(self),
