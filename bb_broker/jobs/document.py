@@ -78,13 +78,18 @@ def in_slot(take: dict[str, Any], slot: int, limit: int) -> dict[str, Any]:
 def in_slots(take: dict[str, Any], slots: dict[Any, int], limit: int) -> list[dict[str, Any]]:
     """The claim's update `take` for several jobs of a queue limited to `limit` running jobs, each job (by `_id`) in
     its own slot of `slots`: as in_slot, but as an update pipeline, so that one updateMany takes them all (one write
-    the server counts as one operation, as an unlimited queue's batch claim is). The values are `$literal`: in a
-    pipeline a string starting with `$` (an owner's name can) would otherwise be read as a field path."""
+    the server counts as one operation, as an unlimited queue's batch claim is). The values and the ids are
+    `$literal`: in a pipeline a string starting with `$` (a worker's name or a job's id can) would otherwise be read
+    as a field path."""
     limited = in_slot(take, 0, limit)
     fields: dict[str, Any] = {name: {"$literal": value} for name, value in limited["$set"].items()}
     fields.update({name: {"$add": [f"${name}", step]} for name, step in limited["$inc"].items()})
     fields["limitSlot"] = {
-        "$switch": {"branches": [{"case": {"$eq": ["$_id", job_id]}, "then": slot} for job_id, slot in slots.items()]}
+        "$switch": {
+            "branches": [
+                {"case": {"$eq": ["$_id", {"$literal": job_id}]}, "then": slot} for job_id, slot in slots.items()
+            ]
+        }
     }
     return [{"$set": fields}, {"$unset": sorted(limited["$unset"])}]
 

@@ -572,7 +572,10 @@ class JobStore(Sweeps):
         def take() -> int:
             try:
                 return self.coll.update_many(fenced, pipeline, hint="_id_").modified_count
-            except DuplicateKeyError:
+            except DuplicateKeyError as exc:
+                pattern = (exc.details or {}).get("keyPattern")
+                if pattern is not None and "limitSlot" not in pattern:
+                    raise  # not a slot: no claim's write should meet another unique index
                 return 0
 
         return take

@@ -34,7 +34,7 @@ from bb_broker.clock import aware
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, STATUSES, SUCCEEDED
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
-from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, Summaries
+from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, TURN, Summaries
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -244,8 +244,8 @@ class SummarizingAhead:
     summarizes, so the fleet summarizes each quarter hour once; its turn lasts two passes, and a process that died
     leaves it to the next. The thread owns its Operations (pymongo's clients are shared between threads)."""
 
-    interval = SUMMARY_STEP.total_seconds() / 3
-    turn = timedelta(seconds=2 * interval)
+    turn = TURN
+    interval = TURN.total_seconds() / 2
     _running: set[Hashable] = set()
     _lock = threading.Lock()
 
@@ -317,7 +317,11 @@ def _summarized(
     if leave_to_holder and len(missing) > SUMMARIZED_BY_A_CHART:
         holder = summaries.summarizing_now()
         if holder is not None:
-            pending, missing = missing[:-SUMMARIZED_BY_A_CHART], missing[-SUMMARIZED_BY_A_CHART:]
+            # Only what the pass summarizes (the last week) is left to it; a longer window's older quarter hours not.
+            reach = Window.ending(operations.now(), SUMMARIZED_AHEAD).start
+            older, newest = missing[:-SUMMARIZED_BY_A_CHART], missing[-SUMMARIZED_BY_A_CHART:]
+            pending = [at for at in older if at >= reach]
+            missing = [at for at in older if at < reach] + newest
     built = _summarize(operations, summaries, missing)
     chosen = [group for group in built if job_filter.queue in (None, group.get("queue"))
               and job_filter.kind in (None, group.get("kind"))]  # fmt: skip

@@ -34,6 +34,9 @@ SUMMARY_STEP = timedelta(minutes=15)
 #: carries (a worker's writes keep trying through an outage for `settle_patience`, 60 s by default), so that nothing
 #: that finished in it arrives after its summary.
 SUMMARY_LAG = timedelta(minutes=5)
+#: How long a process's turn to summarize ahead lasts unless its next pass renews it: shorter than a quarter hour, so
+#: that at most one quarter hour closes while a pass is seen under way (see bb_broker.ops.stats.SUMMARIZED_BY_A_CHART).
+TURN = SUMMARY_STEP * 2 / 3
 #: How long a summary is kept: a day beyond the longest window a chart draws (31 days).
 SUMMARY_KEPT = timedelta(days=32)
 INDEX = IndexModel([("jobs", ASCENDING), ("group", ASCENDING), ("at", ASCENDING)], name="bb_stats_at")
@@ -82,7 +85,7 @@ class Summaries:
             self.coll.delete_many({"jobs": self.jobs, "group": False, "at": old})
             self.coll.delete_many({"jobs": self.jobs, "group": True, "at": old})
             if groups:
-                self.coll.bulk_write([self._replacing(group) for group in groups], ordered=False)
+                self._keep_groups(groups)
             # Markers are inserted, not upserted (an upsert each is far slower on some servers): one that is there
             # already was written by a chart that summarized the same interval at once, from the same jobs.
             markers = [{"_id": {"jobs": self.jobs, "at": at}, "jobs": self.jobs, "at": at, "group": False}
@@ -100,6 +103,15 @@ class Summaries:
             return False
         return True
 
+    def _keep_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Upsert `groups`. Two upserts of one group at once (a chart and a pass summarizing the same quarter hour)
+        can collide on its _id: the other's write, with the same numbers, went first, and the markers still follow."""
+        try:
+            self.coll.bulk_write([self._replacing(group) for group in groups], ordered=False)
+        except BulkWriteError as exc:
+            if any(error.get("code") != DUPLICATE_KEY for error in exc.details.get("writeErrors", [])):
+                raise
+
     def take_turn(self, owner: str, length: timedelta) -> bool:
         """Whether `owner` (a process) summarizes ahead of the charts now, for `length`: one process of the fleet at a
         time does, the one whose turn has not run out (renewed at each of its passes), so that the workers and
@@ -113,7 +125,7 @@ class Summaries:
             ran_out = [{"until": {"$lte": now}}, {"until": {"$not": {"$type": "date"}}}, {"by": owner}]
             self.coll.update_one(
                 {"_id": self._turn, "$or": ran_out},
-                {"$set": {"by": owner, "until": now + length, "jobs": self.jobs, "passing": True}},
+                {"$set": {"by": owner, "until": now + length, "jobs": self.jobs, "passing": owner}},
                 upsert=True,
             )
         except DuplicateKeyError:
@@ -127,16 +139,25 @@ class Summaries:
     def summarizing_now(self) -> str | None:
         """The process summarizing ahead at this moment (as it named itself): its pass under way, and its turn not
         run out (a process that died in its pass holds it no longer than that). None when no pass is under way."""
-        turn = self.coll.find_one({"_id": self._turn, "passing": True, "until": {"$gt": self.now()}}, {"by": 1})
-        return None if turn is None else str(turn.get("by"))
+        now = self.now()
+        # A turn runs out no later than a turn's length from now (a hand edit's far future is no pass under way).
+        turn = self.coll.find_one(
+            {"_id": self._turn, "until": {"$gt": now, "$lte": now + TURN}}, {"by": 1, "passing": 1}
+        )
+        holder = None if turn is None else turn.get("by")
+        # `passing` names the holder whose pass it is: a turn taken over by a process that does not write it (an older
+        # version, mid-upgrade) is no pass under way.
+        if not isinstance(holder, str) or turn is None or turn.get("passing") != holder:
+            return None
+        return holder
 
     def end_pass(self, owner: str) -> None:
         """`owner`'s pass is over; its turn goes on until its next pass renews it."""
-        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"passing": False}})
+        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"passing": None}})
 
     def give_up_turn(self, owner: str) -> None:
         """`owner`'s pass failed: its turn is the next process's to take at once, rather than once it runs out."""
-        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"until": self.now(), "passing": False}})
+        self.coll.update_one({"_id": self._turn, "by": owner}, {"$set": {"until": self.now(), "passing": None}})
 
     @property
     def _turn(self) -> dict[str, str]:

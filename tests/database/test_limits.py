@@ -150,6 +150,10 @@ def test_a_batch_claim_of_a_queue_below_its_limit_is_a_read_and_one_update_many_
 ) -> None:
     for n in range(6):
         publish(store, f"t{n}")
+    # A job whose id starts with `$` (any string is an id a producer may give) at the head, and one of `$_id`.
+    for new_id in ("$t.0", "$_id"):
+        doc = db.jobs.find_one_and_delete({"queue": "limited", "_id": {"$not": {"$regex": "^[$]"}}}, sort=[("_id", 1)])
+        db.jobs.insert_one({**doc, "_id": new_id})
     log = CommandLog()
     client: MongoClient = MongoClient(mongo_url, tz_aware=True, event_listeners=[log])
     watched = JobStore(client[db.name], Policy(), clock=store.now)
@@ -164,6 +168,7 @@ def test_a_batch_claim_of_a_queue_below_its_limit_is_a_read_and_one_update_many_
     assert len(held) == 4 and len({doc["limitSlot"] for doc in held}) == 4
     assert all(0 <= doc["limitSlot"] < 100 and doc["claimLimits"] == {"concurrency": 100} for doc in held)
     assert all(doc["leaseOwner"] == owner and doc["attempts"] == 1 and doc["status"] == "running" for doc in held)
+    assert {"$t.0", "$_id"} <= {doc["_id"] for doc in held}  # each in a slot of its own, as its id named it
     assert all(doc["startedAt"] == store.now() for doc in held)
     assert_each_reads_through_an_index(db, log.commands)
 

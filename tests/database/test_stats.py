@@ -334,6 +334,15 @@ def test_one_process_of_the_fleet_summarizes_ahead_at_a_time_until_its_turn_runs
         assert second.take_turn("w9@host:9", turn) and not first.take_turn(holder, turn)
     (doc,) = list(db.bb_stats.find())
     assert doc["by"] == "w9@host:9" and doc["until"] == clock.now + turn
+    # A pass is under way while its holder's turn runs and until it ends the pass; a hand-edited turn is none.
+    turns = Summaries(db.jobs, clock)
+    assert turns.summarizing_now() == "w9@host:9"
+    turns.end_pass("w9@host:9")
+    assert turns.summarizing_now() is None
+    db.bb_stats.update_one({"_id": doc["_id"]}, {"$set": {"passing": "w9@host:9", "until": clock.now + 10 * turn}})
+    assert turns.summarizing_now() is None  # a turn no pass takes: a far future written by hand
+    db.bb_stats.update_one({"_id": doc["_id"]}, {"$set": {"passing": "w1@host:1", "until": clock.now + turn}})
+    assert turns.summarizing_now() is None  # taken over by a process that writes no `passing` (an older version)
     db.bb_stats.update_one({"_id": doc["_id"]}, {"$set": {"until": "later"}})  # a hand edit: no moment at all
     assert Summaries(db.jobs, clock).take_turn("w1@host:1", turn)  # is a turn run out, not one held for good
     # The turn is no summary: the charts' reads and the summaries' expiry do not see it.
@@ -408,6 +417,13 @@ def test_a_jobs_tab_chart_summarizes_a_quarter_hour_itself_while_a_pass_is_under
     assert SummarizingAhead(ops, "worker@a:1").pass_once() == 667 - 1
     filled = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
     assert filled["pending"] == [] and filled["summarizing"] is None and filled["series"]["all"] == complete
+    # A window longer than the pass's week: only the week is left to it, the quarter hours before are summarized here.
+    db.bb_stats.delete_many({})
+    assert Summaries(db.jobs, clock).take_turn("worker@a:1", timedelta(minutes=10))
+    fortnight = job_stats(ops, JobFilter(), timedelta(days=14), leave_to_holder=True)
+    assert fortnight["pending"][0] == "2025-12-25T01:00:00+00:00" and len(fortnight["pending"]) == 167
+    assert all(value == 0 for value in fortnight["series"]["all"]["succeeded"][:168])  # before the week: summarized
+    assert SummarizingAhead(ops, "worker@a:1").pass_once() == 667 - 1
     # Only a pass under way has quarter hours left to it: between passes, a chart summarizes all it needs itself.
     db.bb_stats.delete_many({"group": False})
     between = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
