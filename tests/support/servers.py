@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import subprocess
@@ -20,10 +21,28 @@ from bb_broker.embedded import daemon_argv
 AUTH_PASSWORD = "s3cret-pw"
 
 
+#: Where free_port hands out ports: a block per pytest-xdist worker, below Linux's ephemeral range (32768 and up).
+FIRST_PORT = 20_000
+PORTS_PER_WORKER = 500
+_handed_out = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, which no other process of the suite is handed: each pytest-xdist worker takes
+    from its own block, below the ephemeral range, where neither another worker's free_port nor an outgoing
+    connection can take it between this call and its server's bind. (A port the kernel picked at random once went
+    to two workers' Flowers: a request reached the other one, whose users differ, and had a 401.)"""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    block = FIRST_PORT + (int(worker) if worker.isdigit() else 0) * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = block + next(_handed_out) % PORTS_PER_WORKER
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # still in use, or its last connection not yet closed
+            return port
+    raise RuntimeError(f"no free port in {block}-{block + PORTS_PER_WORKER - 1}")
 
 
 def with_database(mongo_url: str, database: str, scheme: str = "bbmongo") -> str:
