@@ -20,7 +20,7 @@ from ulid import ULID
 from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.jobs.document import DUPLICATE_KEY, HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
+from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind, only_duplicate_keys
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore
@@ -906,7 +906,7 @@ class Operations:
             modified = self.coll.bulk_write([op for _, op in batch], ordered=False).modified_count
         except BulkWriteError as exc:
             errors = exc.details.get("writeErrors", [])
-            if any(error.get("code") != DUPLICATE_KEY for error in errors):
+            if not only_duplicate_keys(errors):
                 raise
             for error in errors:
                 job_id = ids[error["index"]]

@@ -23,7 +23,7 @@ from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from bb_broker.clock import aware
-from bb_broker.jobs.document import DUPLICATE_KEY
+from bb_broker.jobs.document import only_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +92,7 @@ class Summaries:
                        for at in intervals]  # fmt: skip
             self.coll.insert_many(markers, ordered=False)
         except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
-            if any(error.get("code") != DUPLICATE_KEY for error in errors):
+            if not only_duplicate_keys(exc.details.get("writeErrors", [])):
                 raise
             # A chart summarizing the same intervals at once: its writes went first, with the same numbers.
         except OperationFailure as exc:
@@ -109,7 +108,7 @@ class Summaries:
         try:
             self.coll.bulk_write([self._replacing(group) for group in groups], ordered=False)
         except BulkWriteError as exc:
-            if any(error.get("code") != DUPLICATE_KEY for error in exc.details.get("writeErrors", [])):
+            if not only_duplicate_keys(exc.details.get("writeErrors", [])):
                 raise
 
     def take_turn(self, owner: str, length: timedelta) -> bool:
