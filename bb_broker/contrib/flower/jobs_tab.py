@@ -99,6 +99,8 @@ QUERY_THREADS = 8
 PER_USER_REQUESTS = 4
 #: The name the tab's client gives the server: its queries are told apart from the workers' (currentOp, logs).
 APPNAME = "bb_broker Jobs tab"
+#: The client name of a Flower's thread summarizing the charts ahead (start_chart_summaries).
+SUMMARIES_APPNAME = "bb_broker chart summaries"
 
 
 class JobsTab:
@@ -166,7 +168,9 @@ def start_chart_summaries(app: Any, broker_url: str) -> None:
     none: its charts read the summaries the workers and the other Flowers keep."""
     from bb_broker.worker.hooks import store_for
 
-    store = store_for(app, appname=APPNAME, **quick_timeouts(parse_broker_url(broker_url)))
+    # A client of its own, named apart: its passes' reads are told from the tab's in the server's logs and
+    # currentOp, and a slow pass queues behind none of the tab's requests.
+    store = store_for(app, appname=SUMMARIES_APPNAME, **quick_timeouts(parse_broker_url(broker_url)))
     if store is not None:
         SummarizingAhead.start(Operations(store), owner=f"flower@{socket.gethostname()}:{os.getpid()}")
 
