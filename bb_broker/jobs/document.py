@@ -147,6 +147,13 @@ def pushed(entry: dict[str, Any] | None) -> dict[str, Any]:
     return {} if entry is None else {"$push": {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}}
 
 
+def history_entry_of(update: dict[str, Any]) -> dict[str, Any] | None:
+    """The history entry an update pushes (pushed's), or None."""
+    each = update.get("$push", {}).get("history", {}).get("$each")
+    entry = each[0] if isinstance(each, list) and each else None
+    return entry if isinstance(entry, dict) else None
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A job a worker now holds: `attempts` is its fencing token for every later write."""

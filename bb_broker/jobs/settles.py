@@ -1,43 +1,57 @@
-"""Group commit of the settling writes a worker's process makes on the jobs it ran.
+"""Group commit of the settling writes a worker makes on the jobs it ran.
 
 A pool process used to settle each task in a synchronous `update_one` before it could take the next one: a round
-trip per task, and the largest share of the pool's CPU (docs/explanation/performance.md). Here the settles of one
-jobs collection in one process go to a writer thread of their own. A settle submitted while no write is in flight
-goes at once, alone: no added latency when the worker is idle. Those submitted while a write is in flight go
-together in the next one, one unordered bulk of updates, each still fenced on its own attempt: a stale settle in a
-batch changes nothing while the others land. A write that meets an outage is tried again for the store's
+trip per task, and the largest share of the pool's CPU (docs/explanation/performance.md). Now a settle is written
+by a thread that groups it with the others made meanwhile. A settle made while no write is in flight goes at once,
+alone: no added latency when the worker is idle. Those made while a write is in flight go together in the next
+one, one unordered bulk of updates (SettleWriter), each still fenced on its own attempt: a stale settle in a batch
+changes nothing while the others land. A write that meets an outage is tried again for the store's
 `settle_patience`; fenced, the settles that had landed already change nothing the second time.
 
+Which thread writes: in a prefork worker, the main process's (SettleRelay). Its pool processes send each settle
+over a socket pair made before they were forked and do no write of their own, so the settles of all the pool
+processes go out together, and a pool process spends on a settle a datagram instead of pymongo's round trip. A
+settle too large for a datagram, and every settle of a process that is no forked pool process (a threads or solo
+pool, a script), goes to a writer thread of its own process (GroupCommit).
+
 The crash window this opens: a finished task waits for its settle at most the write in flight and its own (a
-round trip or two; through an outage, up to `settle_patience`). If its process dies then, the job is still
+round trip or two; through an outage, up to `settle_patience`). If the process holding it dies then (the main
+process, for a relayed settle: a pool process that dies after sending it loses nothing), the job is still
 `running` in the worker's name but no longer in its heartbeats (Celery has the task's outcome): the stale sweep
 takes it back after `stale_after` and it runs again, as a job of a worker lost in the middle of its task does.
 
-Threads: whoever submits (a pool process's main thread, a threads pool's threads) only puts on the writer's queue;
-the writer thread alone takes from it and writes. `flush` waits until what was submitted before it is written: a
-pool process flushes as it exits (worker_process_shutdown), a worker's main process as it stops.
+Threads: whoever submits (a pool process's main thread, a threads pool's threads) only puts on the writer's queue
+or sends on the relay's socket; the writer thread, or the relay's thread in the main process, alone takes from it
+and writes. `flush` waits until what was submitted before it is written: a pool process flushes its own writer as
+it exits (worker_process_shutdown), a worker's main process its writer and its relay as it stops.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
+import bson
+from bson.codec_options import CodecOptions
 from pymongo import UpdateOne
 from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, DocumentTooLarge, OperationFailure, PyMongoError
 
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.document import DOCUMENT_TOO_LARGE
+from bb_broker.jobs.lifecycle import RUNNING
 from bb_broker.jobs.outages import through_outages
 from bb_broker.ops import metrics
 from bb_broker.threads import start_supervised
@@ -63,6 +77,9 @@ class Settle:
     #: The settle to write instead when this one would make the job document exceed MongoDB's limit (a result or
     #: a traceback too large beside the job's arguments): built only then.
     if_too_large: Callable[[], Settle]
+    #: What that replacement says, for a writer in another process (SettleRelay), which cannot call if_too_large:
+    #: None for the store's own TOO_LARGE_TO_SETTLE.
+    too_large_reason: str | None = None
 
     def landed_in(self, doc: dict[str, Any]) -> bool:
         """Whether `doc`, read after the write, is the job as this settle left it (each settle sets its updatedAt)."""
@@ -80,76 +97,21 @@ def _to_the_millisecond(moment: datetime) -> datetime:
     return aware.replace(microsecond=aware.microsecond - aware.microsecond % 1000)
 
 
-#: The writers of this process, flushed as it exits (see flush_all).
-_writers: weakref.WeakSet[GroupCommit] = weakref.WeakSet()
-
-
-class GroupCommit:
-    """The settles of one jobs collection in one process, group-committed by a writer thread (see the module)."""
-
-    #: The most settles one write carries: a bulk is split by pymongo past 100,000 statements or 48 MB anyway.
-    max_batch = 1000
+class SettleWriter:
+    """Writes a batch of settles in one round trip; used by one thread at a time (its GroupCommit's or its relay's)."""
 
     def __init__(self, coll: Collection, *, patience: float) -> None:
         self.coll = coll
         self.patience = patience
-        #: The process this writer belongs to: its thread does not follow a fork.
-        self.pid = os.getpid()
-        # A C queue: a put wakes the writer without the lock ping-pong of a Condition (a tenth of a pool process's
-        # CPU in a drain, `py-spy record --gil`). Besides settles it carries flush's markers, set once the settles
-        # put before them are written.
-        self._queue: queue.SimpleQueue[Settle | threading.Event] = queue.SimpleQueue()
-        self._writing = False  # the writer's, read by submit: whether a write is in flight
-        self._start_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
-    def submit(self, settle: Settle) -> None:
-        """Write `settle` as soon as the write in flight, if any, is answered."""
-        idle = not self._writing and self._queue.empty()  # this one goes alone, now
-        self._queue.put(settle)
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = start_supervised("bb-settles", self._run)
-                    _writers.add(self)
-        if idle:
-            # Let the writer take the GIL at once, rather than when this thread next blocks (Celery's bookkeeping
-            # of the task, its log line, the result's way back to the main process): a lone settle then lands as
-            # soon as a synchronous one did.
-            time.sleep(0)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every settle submitted so far is written or given up; False when `timeout` ran out first."""
-        if self.pid != os.getpid() or self._thread is None:
-            return True  # a parent's writer, in a forked child (its settles are the parent's), or one never used
-        written = threading.Event()
-        self._queue.put(written)
-        return written.wait(timeout)
-
-    def _run(self) -> None:
-        while True:
-            batch: list[Settle] = []
-            markers: list[threading.Event] = []
-            item = self._queue.get()
-            while True:
-                if isinstance(item, threading.Event):
-                    markers.append(item)
-                else:
-                    batch.append(item)
-                if len(batch) >= self.max_batch or self._queue.empty():
-                    break
-                item = self._queue.get_nowait()
-            self._writing = True
-            try:
-                if batch:
-                    self._write(batch)
-            except Exception:
-                # Left `running`, each of these jobs is taken back by the stale sweep and runs again.
-                logger.exception("the settles of %d jobs were not written: %s", len(batch), _ids(batch))
-            finally:
-                self._writing = False
-                for marker in markers:
-                    marker.set()
+    def write(self, batch: list[Settle]) -> None:
+        """Write `batch`; what cannot be written is logged, its jobs left to the stale sweep."""
+        try:
+            if batch:
+                self._write(batch)
+        except Exception:
+            # Left `running`, each of these jobs is taken back by the stale sweep and runs again.
+            logger.exception("the settles of %d jobs were not written: %s", len(batch), _ids(batch))
 
     def _write(self, batch: list[Settle]) -> None:
         requests = [UpdateOne(settle.fence, settle.update) for settle in batch]
@@ -213,6 +175,228 @@ class GroupCommit:
             metrics.record(settle.outcome)
 
 
+#: The writers of this process, flushed as it exits (see flush_all).
+_writers: weakref.WeakSet[GroupCommit | SettleRelay] = weakref.WeakSet()
+
+#: What a relayed settle's update may do: a settle sets, unsets and pushes its history entry.
+SETTLE_OPERATORS = frozenset({"$set", "$unset", "$push"})
+#: The counters a settle adds to (Settle.outcome).
+SETTLE_OUTCOMES = frozenset({"succeeded", "retried", "failed"})
+#: Dates read back as they were sent (aware, UTC), so that a settle's updatedAt compares with the stored one.
+_RELAYED: CodecOptions[dict[str, Any]] = CodecOptions(tz_aware=True)
+
+
+class GroupCommit:
+    """The settles of one jobs collection in one process, group-committed by a writer thread (see the module)."""
+
+    #: The most settles one write carries: a bulk is split by pymongo past 100,000 statements or 48 MB anyway.
+    max_batch = 1000
+
+    def __init__(self, coll: Collection, *, patience: float) -> None:
+        self.writer = SettleWriter(coll, patience=patience)
+        #: The process this writer belongs to: its thread does not follow a fork.
+        self.pid = os.getpid()
+        # A C queue: a put wakes the writer without the lock ping-pong of a Condition (a tenth of a pool process's
+        # CPU in a drain, `py-spy record --gil`). Besides settles it carries flush's markers, set once the settles
+        # put before them are written.
+        self._queue: queue.SimpleQueue[Settle | threading.Event] = queue.SimpleQueue()
+        self._writing = False  # the writer's, read by submit: whether a write is in flight
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, settle: Settle) -> None:
+        """Write `settle` as soon as the write in flight, if any, is answered."""
+        idle = not self._writing and self._queue.empty()  # this one goes alone, now
+        self._queue.put(settle)
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = start_supervised("bb-settles", self._run)
+                    _writers.add(self)
+        if idle:
+            # Let the writer take the GIL at once, rather than when this thread next blocks (Celery's bookkeeping
+            # of the task, its log line, the result's way back to the main process): a lone settle then lands as
+            # soon as a synchronous one did.
+            time.sleep(0)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every settle submitted so far is written or given up; False when `timeout` ran out first."""
+        if self.pid != os.getpid() or self._thread is None:
+            return True  # a parent's writer, in a forked child (its settles are the parent's), or one never used
+        written = threading.Event()
+        self._queue.put(written)
+        return written.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch: list[Settle] = []
+            markers: list[threading.Event] = []
+            item = self._queue.get()
+            while True:
+                if isinstance(item, threading.Event):
+                    markers.append(item)
+                else:
+                    batch.append(item)
+                if len(batch) >= self.max_batch or self._queue.empty():
+                    break
+                item = self._queue.get_nowait()
+            self._writing = True
+            try:
+                self.writer.write(batch)
+            finally:
+                self._writing = False
+                for marker in markers:
+                    marker.set()
+
+
+class SettleRelay:
+    """The settles of a prefork worker's pool processes, written by its main process (see the module).
+
+    Made in the worker's main process before its pool forks: a socket pair the pool processes inherit, a
+    datagram a settle (BSON, checked where it is read), so that nothing outside the worker's own processes can
+    send one and none of them can send code. A pool process's send is the whole of its share; the relay's thread
+    in the main process takes every datagram waiting, writes them in one round trip, and takes those that came
+    meanwhile. A settle too large for a datagram, or one sent when the main process is gone, is the pool process's
+    own to write (its GroupCommit), as before the relay.
+
+    Threads: a pool process's threads only send; in the main process the relay's thread alone receives and
+    writes, and `flush` waits for it."""
+
+    #: The largest settle a datagram carries (its result and tracebacks well under it): the pool process writes a
+    #: larger one itself, which keeps the socket's buffer (wmem_default, about 200 KB) for many small ones.
+    max_bytes = 32 * 1024
+
+    def __init__(self, store: Callable[[], Any], replacement: Callable[[Any, Settle, bool], Settle]) -> None:
+        """`store` gives the main process's JobStore (on first use); `replacement(store, settle, with_result)` the
+        settle that fails a relayed settle's job when it does not fit in its document (Settle.if_too_large, which
+        stays in the pool process): `with_result` when the settle carried the result backend's fields."""
+        #: The main process: the only one that receives (a pool process sends).
+        self.owner_pid = os.getpid()
+        self._store = store
+        self._replacement = replacement
+        self._receiving, self._sending = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._receiving.set_inheritable(False)
+        self._flushes: dict[int, threading.Event] = {}
+        self._flush_lock = threading.Lock()
+        self._flush_count = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._writer: SettleWriter | None = None
+        reset_in_child(self._close_receiving_end)
+        _writers.add(self)
+
+    def start(self) -> None:
+        """Start receiving, in the main process."""
+        if self._thread is None:
+            self._thread = start_supervised("bb-settle-relay", self._run)
+
+    def send(self, settle: Settle) -> bool:
+        """In a pool process: hand `settle` to the main process; False when it is this process's to write."""
+        if os.getpid() == self.owner_pid:
+            return False
+        with_result = "state" in settle.update.get("$set", {})
+        message = {
+            "job": settle.job_id,
+            "attempts": settle.fence.get("attempts"),
+            "update": settle.update,
+            "outcome": settle.outcome,
+            "tooLarge": settle.too_large_reason,
+            "withResult": with_result,
+        }
+        try:
+            data = bson.encode(message)
+        except (bson.errors.InvalidDocument, OverflowError):
+            return False
+        if len(data) > self.max_bytes:
+            return False
+        try:
+            # One record of the socket pair (SOCK_SEQPACKET): whole, whichever pool process sends at the same time.
+            return self._sending.send(data, socket.MSG_NOSIGNAL) == len(data)
+        except OSError:  # the main process is gone (its end closed): this process writes the settle itself
+            return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """In the main process: wait until every settle received so far is written; True in a pool process, whose
+        sends are in the main process's hands once sent."""
+        if os.getpid() != self.owner_pid or self._thread is None:
+            return True
+        written = threading.Event()
+        with self._flush_lock:
+            token = next(self._flush_count)
+            self._flushes[token] = written
+        try:
+            self._sending.send(bson.encode({"flush": token}))
+            return written.wait(timeout)
+        except OSError:
+            return False
+        finally:
+            with self._flush_lock:
+                self._flushes.pop(token, None)
+
+    def _close_receiving_end(self) -> None:
+        # A pool process keeps only the sending end: once the main process is gone, a send fails and the pool
+        # process writes its settle itself, where a receiving end still open here would take it to nobody.
+        self._receiving.close()
+
+    def _run(self) -> None:
+        while True:
+            datagrams = [self._receiving.recv(self.max_bytes)]
+            while len(datagrams) < GroupCommit.max_batch:
+                try:
+                    datagrams.append(self._receiving.recv(self.max_bytes, socket.MSG_DONTWAIT))
+                except BlockingIOError:
+                    break
+            batch: list[Settle] = []
+            flushed: list[int] = []
+            for data in datagrams:
+                read = self._read(data)
+                if isinstance(read, int):
+                    flushed.append(read)
+                elif read is not None:
+                    batch.append(read)
+            try:
+                if batch:
+                    self._writer_of_main().write(batch)
+            finally:
+                with self._flush_lock:
+                    for token in flushed:
+                        marker = self._flushes.get(token)
+                        if marker is not None:
+                            marker.set()
+
+    def _writer_of_main(self) -> SettleWriter:
+        if self._writer is None:
+            store = self._store()
+            self._writer = SettleWriter(store.coll, patience=store.settle_patience)
+        return self._writer
+
+    def _read(self, data: bytes) -> Settle | int | None:
+        """A datagram as a settle (or a flush's token); None, logged, when it is not one a pool process sends."""
+        try:
+            message = bson.decode(data, codec_options=_RELAYED)
+        except (bson.errors.InvalidBSON, ValueError) as exc:
+            logger.error("a relayed settle is not BSON, dropped: %s", exc)
+            return None
+        if isinstance(message.get("flush"), int) and len(message) == 1:
+            return int(message["flush"])
+        job_id, attempts, update = message.get("job"), message.get("attempts"), message.get("update")
+        outcome, reason = message.get("outcome"), message.get("tooLarge")
+        if not (
+            isinstance(job_id, str)
+            and type(attempts) is int
+            and isinstance(update, dict)
+            and set(update) <= SETTLE_OPERATORS
+            and all(isinstance(value, dict) for value in update.values())
+            and outcome in SETTLE_OUTCOMES
+            and (reason is None or isinstance(reason, str))
+        ):
+            logger.error("a relayed settle is not one a pool process sends, dropped: %r", sorted(message))
+            return None
+        fence = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        settle = Settle(job_id, fence, update, outcome, lambda: settle, reason)
+        replacement = partial(self._replacement, self._store(), settle, message.get("withResult") is True)
+        return replace(settle, if_too_large=replacement)
+
+
 def _ids(batch: list[Settle]) -> list[str]:
     return [settle.job_id for settle in batch]
 
@@ -226,7 +410,7 @@ def flush_all(timeout: float) -> None:
 
 @reset_in_child
 def _forget_parent_writers() -> None:
-    _writers.clear()  # their threads stayed in the parent
+    _writers.clear()  # their threads stayed in the parent; a relay's sends need no flush
 
 
 atexit.register(flush_all, 10.0)

@@ -63,7 +63,7 @@ from bb_broker.jobs.queues import (
 )
 from bb_broker.jobs.rate_keys import RateHolds, counted_key
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
-from bb_broker.jobs.settles import GroupCommit, Settle
+from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
@@ -120,6 +120,9 @@ class JobStore(Sweeps):
         #: The writer of this process's settle_soon, made at the first (one per process: see GroupCommit.pid).
         self._group_commit: GroupCommit | None = None
         self._group_commit_lock = threading.Lock()
+        #: In a prefork worker's pool process, the main process's relay that writes this store's settles (set by
+        #: the worker's hooks); None elsewhere.
+        self.settle_relay: SettleRelay | None = None
 
     @property
     def key(self) -> Hashable:
@@ -685,13 +688,15 @@ class JobStore(Sweeps):
         attempt: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None,
         if_too_large: Callable[[], Settle] | None = None,
+        too_large_reason: str | None = None,
     ) -> Settle:
-        """The settle of succeed(), to write now (settle) or with others (settle_soon)."""
+        """The settle of succeed(), to write now (settle) or with others (settle_soon); `if_too_large` the settle
+        that replaces it when it does not fit in its document, which says `too_large_reason` (see Settle)."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
         released = {**HOLDS_RELEASED, **RELEASED_AT_END}  # the job's unique key, in the write that ends it
         update = {"$set": changes, "$unset": released, **pushed(attempt)}
-        return self._held_settle(job_id, attempts, update, "succeeded", if_too_large)
+        return self._held_settle(job_id, attempts, update, "succeeded", if_too_large, too_large_reason)
 
     def fail(
         self,
@@ -727,9 +732,20 @@ class JobStore(Sweeps):
         attempt: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None,
         if_too_large: Callable[[], Settle] | None = None,
+        too_large_reason: str | None = None,
     ) -> Settle:
-        """The settle of fail(), to write now (settle) or with others (settle_soon)."""
-        return self._failure(job_id, attempts, error, retryable, True, attempt, result, if_too_large=if_too_large)[1]
+        """The settle of fail(), to write now (settle) or with others (settle_soon); `if_too_large` as success's."""
+        return self._failure(
+            job_id,
+            attempts,
+            error,
+            retryable,
+            True,
+            attempt,
+            result,
+            if_too_large=if_too_large,
+            too_large_reason=too_large_reason,
+        )[1]
 
     def _failure(
         self,
@@ -743,6 +759,7 @@ class JobStore(Sweeps):
         *,
         revoked: bool = False,
         if_too_large: Callable[[], Settle] | None,
+        too_large_reason: str | None = None,
     ) -> tuple[Outcome, Settle]:
         now = self.now()
         outcome = lifecycle.after_failure(
@@ -761,7 +778,7 @@ class JobStore(Sweeps):
             released |= RELEASED_BY_CANCEL if revoked else RELEASED_AT_END
         update = {"$set": changes, "$unset": released, **pushed(self._scrubbed(attempt))}
         counted: metrics.Event = "retried" if outcome.status == QUEUED else "failed"
-        return outcome, self._held_settle(job_id, attempts, update, counted, if_too_large)
+        return outcome, self._held_settle(job_id, attempts, update, counted, if_too_large, too_large_reason)
 
     def _held_settle(
         self,
@@ -770,12 +787,13 @@ class JobStore(Sweeps):
         update: dict[str, Any],
         outcome: metrics.Event,
         if_too_large: Callable[[], Settle] | None,
+        too_large_reason: str | None = None,
     ) -> Settle:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
         fence = {"_id": job_id, "status": RUNNING, "attempts": attempts}
         if if_too_large is None:  # written only when needed: the job fails for good, on the size
             if_too_large = lambda: self.failure(job_id, attempts, TOO_LARGE_TO_SETTLE, retryable=False)  # noqa: E731
-        return Settle(job_id, fence, update, outcome, if_too_large)
+        return Settle(job_id, fence, update, outcome, if_too_large, too_large_reason)
 
     def settle(self, settle: Settle) -> bool:
         """Write a settle now; True when it landed (its attempt was still the job's)."""
@@ -785,7 +803,10 @@ class JobStore(Sweeps):
         return done
 
     def settle_soon(self, settle: Settle) -> None:
-        """Write a settle with the others this process makes meanwhile, in one round trip (see jobs/settles.py)."""
+        """Write a settle with the others this process makes meanwhile, in one round trip; in a pool process, with
+        those of the worker's other pool processes, by its main process (see jobs/settles.py)."""
+        if self.settle_relay is not None and self.settle_relay.send(settle):
+            return
         group = self._group_commit
         if group is None or group.pid != os.getpid():
             with self._group_commit_lock:

@@ -209,9 +209,11 @@ class JobResultBackend(ChordBackend):
             return  # the task_success signal settles the job
         store, job = held
         attempt = celery_hooks.attempt_for(store, request, job[1], "succeeded")
-        too_large = partial(self._failed_on_size, store, job, attempt, request, RESULT_DOES_NOT_FIT)
+        too_large = partial(self.failed_on_size, store, job, attempt, request, RESULT_DOES_NOT_FIT)
         try:
-            settle = store.success(*job, attempt=attempt, result=fields, if_too_large=too_large)
+            settle = store.success(
+                *job, attempt=attempt, result=fields, if_too_large=too_large, too_large_reason=RESULT_DOES_NOT_FIT
+            )
             celery_hooks.settle_ran(store, request, settle, size)
         except SettleTooLarge as exc:
             raise ResultTooLarge(f"{RESULT_DOES_NOT_FIT}: {exc}") from None
@@ -244,18 +246,24 @@ class JobResultBackend(ChordBackend):
         if store_result:
             error = describe_error(exc)
             attempt = celery_hooks.attempt_for(store, request, job[1], "failed", error, traceback)
-            too_large = partial(self._failed_on_size, store, job, attempt, request, FAILURE_DOES_NOT_FIT)
+            too_large = partial(self.failed_on_size, store, job, attempt, request, FAILURE_DOES_NOT_FIT)
             try:
                 fields, size = self._sized_result_fields(self.encode_result(exc, state), state, traceback, request)
                 settle = store.failure(
-                    *job, error, retryable=retryable, attempt=attempt, result=fields, if_too_large=too_large
+                    *job,
+                    error,
+                    retryable=retryable,
+                    attempt=attempt,
+                    result=fields,
+                    if_too_large=too_large,
+                    too_large_reason=FAILURE_DOES_NOT_FIT,
                 )
                 celery_hooks.settle_ran(store, request, settle, size + len(attempt.get("traceback") or ""))
             except (ResultTooLarge, SettleTooLarge) as exc_too_large:
                 # The exception or its traceback is what does not fit: the job fails on that, for good.
                 final = True
                 reason = f"{FAILURE_DOES_NOT_FIT}: {exc_too_large}"
-                store.settle(self._failed_on_size(store, job, attempt, request, reason))
+                store.settle(self.failed_on_size(store, job, attempt, request, reason))
             celery_hooks.settled_by_backend(request)
         if not final:
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
@@ -265,8 +273,8 @@ class JobResultBackend(ChordBackend):
         if call_errbacks and request.errbacks:
             patches.call_errbacks(self, request, exc, traceback)
 
-    def _failed_on_size(
-        self, store: JobStore, job: tuple[str, int], attempt: dict[str, Any], request: Any, reason: str
+    def failed_on_size(
+        self, store: JobStore, job: tuple[str, int], attempt: dict[str, Any] | None, request: Any, reason: str
     ) -> Settle:
         """The settle that fails a job for good because its result or failure does not fit in its document."""
         error = ResultTooLarge(reason)

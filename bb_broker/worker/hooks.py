@@ -9,6 +9,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from celery import signals, states
@@ -19,12 +20,12 @@ from kombu.exceptions import EncodeError
 from bb_broker import connection
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import rate_keys, serial, settles, unique
-from bb_broker.jobs.document import attempt_entry
+from bb_broker.jobs.document import attempt_entry, history_entry_of
 from bb_broker.jobs.leases import add_process_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
 from bb_broker.jobs.settles import Settle
-from bb_broker.jobs.store import JobStore
+from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
 from bb_broker.ops import metrics
 from bb_broker.options import BrokerOptions, open_store
 from bb_broker.transport.qos import explain_rejection
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: The attribute of a Celery app holding its job stores, one per (process, broker URL, options, client options).
 APP_STORES = "bb_broker_stores"
+#: The attribute of a worker's Celery app holding the relay its pool processes settle through (settles.SettleRelay).
+APP_SETTLE_RELAY = "bb_broker_settle_relay"
 _stores_lock = threading.Lock()
 
 
@@ -101,6 +104,7 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
         if store is None:
             target = connection.parse_broker_url(url)
             store = stores[key] = open_store(target, BrokerOptions.parse(options), **client_options)
+            store.settle_relay = app.__dict__.get(APP_SETTLE_RELAY)
     return store
 
 
@@ -494,6 +498,21 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     patches.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
+    # The pool processes it forks settle through this process: their settles go out together (settles.py).
+    app = sender.app
+    relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_too_large, app))
+    app.__dict__[APP_SETTLE_RELAY] = relay
+    relay.start()
+
+
+def _relayed_too_large(app: Any, store: JobStore, settle: Settle, with_result: bool) -> Settle:
+    """What fails a job whose relayed settle does not fit in its document: the result backend's failure when the
+    settle carried a result (get() raises ResultTooLarge, as from a pool process's own write), else the store's."""
+    failed_on_size = getattr(app.backend, "failed_on_size", None) if with_result else None
+    job = (settle.job_id, settle.fence["attempts"])
+    if failed_on_size is None or settle.too_large_reason is None:
+        return store.failure(*job, settle.too_large_reason or TOO_LARGE_TO_SETTLE, retryable=False)
+    return failed_on_size(store, job, history_entry_of(settle.update), None, settle.too_large_reason)
 
 
 @signals.worker_ready.connect

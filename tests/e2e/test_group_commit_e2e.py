@@ -1,8 +1,12 @@
 """A worker's settles, group-committed (bb_broker/jobs/settles.py): a burst settles in fewer round trips than tasks,
-each result is there when its batch lands, and a worker killed with settles waiting loses no job."""
+each result is there when its batch lands, a prefork worker's main process writes its pool processes' settles
+together, a pool process killed with its settles waiting loses none, and a worker killed with settles waiting
+loses no job."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +25,12 @@ TASKS = 40
 def settle_commands(log: Path) -> list[int]:
     """The statements of each settling `update` the worker's processes sent (tests/support/e2e_app.py SettleLog)."""
     return [int(line.split()[1]) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def settle_writes(log: Path) -> list[tuple[int, list[str]]]:
+    """Each settling `update` the worker's processes sent: the process that sent it, and the jobs it settled."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(int(fields[2]), fields[4].split(",")) for fields in (line.split() for line in lines)]
 
 
 @pytest.mark.parametrize("results", ["bbmongo results", "no results"])
@@ -82,3 +92,57 @@ def test_a_worker_killed_with_settles_waiting_loses_no_job(own_server, tmp_path:
     # the stale sweep runs its job again: once more, never left running.
     assert starts == attempts, (starts, attempts)
     assert attempts[ids[1]] == 2 and attempts[ids[0]] in (1, 2), attempts
+
+
+def test_a_prefork_workers_main_process_writes_the_settles_of_both_pool_processes_together(
+    own_server, tmp_path: Path
+) -> None:
+    url = with_database(own_server.url, "relayed")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.relayed
+    log = tmp_path / "settles.log"
+    app = producer(url)
+    ids = [send(app, "sleep", 0) for _ in range(TASKS)]
+    fail_point(client, 200, failCommands=["update"], blockConnection=True, blockTimeMS=100)
+    worker = start_worker(url, tmp_path, "w0", concurrency=2, env={"BB_TEST_SETTLE_LOG": str(log)})
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == TASKS,
+             timeout=120, message="the tasks succeeded")  # fmt: skip
+    client.admin.command("configureFailPoint", "failCommand", mode="off")
+    writes = settle_writes(log)
+    assert worker.process is not None
+    assert {pid for pid, _ in writes} == {worker.process.pid}  # the pool processes sent none themselves
+    assert sum(len(jobs) for _, jobs in writes) == TASKS and len(writes) < TASKS / 2, writes
+    task_of = {doc["_id"]: doc["taskId"] for doc in db.jobs.find({"taskId": {"$in": ids}}, {"taskId": 1})}
+    ran_in = {doc["taskId"]: doc["pid"] for doc in db.runs.find({"taskId": {"$in": ids}, "phase": "end"})}
+    pool = set(ran_in.values())
+    assert len(pool) == 2 and worker.process.pid not in pool
+    assert any({ran_in[task_of[job]] for job in jobs} == pool for _, jobs in writes), "no write carried both"
+
+
+def test_a_pool_process_killed_with_its_settles_waiting_loses_none_of_them(own_server, tmp_path: Path) -> None:
+    url = with_database(own_server.url, "pool_killed")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.pool_killed
+    app = producer(url)
+    done = [send(app, "sleep", 0.1) for _ in range(2)]
+    running = send(app, "sleep", 2)
+    start_worker(url, tmp_path, "w0", concurrency=1)
+    wait_for(lambda: db.runs.count_documents({"taskId": {"$in": done}, "phase": "start"}) >= 1,
+             message="the first task started")  # fmt: skip
+    # From now on every update waits three seconds on the server: the first settle is in flight, the second waits.
+    slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 3000}
+    client.admin.command("configureFailPoint", "failCommand", mode="alwaysOn", data=slow)
+    try:
+        # The third task started: the pool process has handed over both settles before it took it.
+        third = wait_for(lambda: db.runs.find_one({"taskId": running, "phase": "start"}), message="the third task")
+        unsettled = db.jobs.count_documents({"taskId": {"$in": done}, "status": "running"})
+        os.kill(third["pid"], signal.SIGKILL)
+    finally:
+        client.admin.command("configureFailPoint", "failCommand", mode="off")
+    assert unsettled == 2, "the settles did not wait"
+    wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": [*done, running]}, "status": "succeeded"}) == 3,
+             timeout=90, message="every job succeeded")  # fmt: skip
+    starts = Counter(d["taskId"] for d in db.runs.find({"taskId": {"$in": done}, "phase": "start"}))
+    attempts = {d["taskId"]: d["attempts"] for d in db.jobs.find({"taskId": {"$in": done}})}
+    # Both settles were in the main process's hands: each finished task ran once, none again.
+    assert starts == {task: 1 for task in done} and attempts == {task: 1 for task in done}, (starts, attempts)

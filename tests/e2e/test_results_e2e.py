@@ -230,6 +230,21 @@ def test_a_result_that_fits_alone_but_not_beside_its_arguments(results_app, resu
     assert len(str(doc["result"])) < 10_000
 
 
+def test_a_small_result_settled_by_the_main_process_that_does_not_fit_beside_its_arguments(
+    results_app, results_worker, db: Database
+):
+    results_worker()
+    # A result small enough to go to the worker's main process (settles.SettleRelay.max_bytes), arguments that
+    # leave it no room: the main process writes the result backend's failure in its place.
+    ballast = "b" * (16 * 1024 * 1024 - 24 * 1024)
+    result = results_app.send_task(T + "big_result", args=(30 * 1024, ballast))
+    with pytest.raises(bb_broker.ResultTooLarge, match="does not fit in its job document"):
+        result.get(timeout=120)
+    doc = job(db, result.id)
+    assert doc["status"] == "failed" and doc["attempts"] == 1 and "ResultTooLarge" in doc["lastError"]
+    assert doc["history"][-1]["outcome"] == "succeeded"  # the attempt's own entry, kept with the failure
+
+
 def test_a_result_no_serializer_can_encode_fails_the_job_without_running_it_again(
     results_app, results_worker, db: Database
 ):

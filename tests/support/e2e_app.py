@@ -61,7 +61,8 @@ class ReadLog(monitoring.CommandListener):
 
 class SettleLog(monitoring.CommandListener):
     """BB_TEST_SETTLE_LOG: a line per `update` of held jobs this process sends (`update`, the number of statements
-    it carries), for tests/e2e/test_group_commit_e2e.py to count the round trips of a worker's settles."""
+    it carries, the sending process, the time, the jobs' ids), for tests/e2e/test_group_commit_e2e.py to count the
+    round trips of a worker's settles and see which process sent them."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -72,7 +73,8 @@ class SettleLog(monitoring.CommandListener):
         statements = event.command.get("updates") or []
         fence = statements[0].get("q", {}) if statements else {}
         if fence.get("status") == "running" and "_id" in fence and "attempts" in fence:  # a settle's fence
-            os.write(self.fd, f"update {len(statements)} {os.getpid()} {time.time():.4f}\n".encode())
+            ids = ",".join(str(statement["q"].get("_id")) for statement in statements)
+            os.write(self.fd, f"update {len(statements)} {os.getpid()} {time.time():.4f} {ids}\n".encode())
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         pass
@@ -327,7 +329,8 @@ def ignored(self):
 
 
 @app.task(bind=True)
-def big_result(self, size):
+def big_result(self, size, ballast=""):
+    """A result of `size` characters; `ballast`, an argument that only fills the job's document."""
     record(self)
     return "x" * size
 

@@ -1,0 +1,144 @@
+"""The settle relay (bb_broker/jobs/settles.py SettleRelay): a prefork worker's main process writes the settles its
+pool processes send, several in one write; a datagram that is not a settle is dropped, never written and never
+the relay's end; a relayed settle that does not fit in its document fails its job."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import bson
+import pytest
+from pymongo import MongoClient
+
+from bb_broker.jobs.settles import Settle, SettleRelay
+from bb_broker.jobs.store import JobStore
+from tests.support.faults import fail_point
+from tests.support.store import CommandLog
+from tests.support.workers import wait_for
+
+
+@pytest.fixture
+def log() -> CommandLog:
+    return CommandLog()
+
+
+@pytest.fixture
+def client(own_server, log: CommandLog) -> Iterator[MongoClient]:
+    with MongoClient(own_server.url, tz_aware=True, event_listeners=[log]) as client:
+        yield client
+
+
+@pytest.fixture
+def store(client: MongoClient) -> JobStore:
+    store = JobStore(client.relayed)
+    store.ensure_indexes()
+    return store
+
+
+def replaced(store: JobStore, settle: Settle, with_result: bool) -> Settle:
+    return store.failure(settle.job_id, settle.fence["attempts"], f"replaced ({with_result})", retryable=False)
+
+
+@pytest.fixture
+def relay(store: JobStore) -> SettleRelay:
+    relay = SettleRelay(lambda: store, replaced)
+    relay.start()
+    return relay
+
+
+def held_jobs(store: JobStore, count: int, payload: dict | None = None) -> list[str]:
+    for n in range(count):
+        store.publish(queue="celery", kind="k", task_id=f"t{n}", payload=payload or {"args": [n]}, priority=0,
+                      run_after=None, is_retry=False)  # fmt: skip
+    return [job.id for job in store.claim_many("celery", "w", count)]
+
+
+def settles_sent(log: CommandLog) -> list[int]:
+    return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
+
+
+def send_from_a_child(relay: SettleRelay, settles: list[Settle]) -> None:
+    """Send `settles` as a pool process does: from a forked child, which exits 0 when the relay took each."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if all(relay.send(settle) for settle in settles) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the relay refused a settle"
+
+
+def test_settles_sent_from_a_pool_process_are_written_by_the_main_process_in_fewer_writes(
+    store: JobStore, relay: SettleRelay, client: MongoClient, log: CommandLog
+) -> None:
+    ids = held_jobs(store, 6)
+    # The first write waits a second on the server: the five sent meanwhile go out together in the next.
+    fail_point(client, 1, failCommands=["update"], blockConnection=True, blockTimeMS=1000)
+    log.commands.clear()
+    send_from_a_child(relay, [store.success(ids[0], 1)])
+    wait_for(lambda: settles_sent(log), message="the first settle sent")
+    send_from_a_child(relay, [store.success(job_id, 1) for job_id in ids[1:]])
+    assert relay.flush(30)
+    assert settles_sent(log) == [1, 5]
+    assert [doc["status"] for doc in store.coll.find({"_id": {"$in": ids}})] == ["succeeded"] * 6
+    # The relay's own process writes its settles itself (its GroupCommit): it sends none to itself.
+    assert not relay.send(store.success(ids[0], 1))
+
+
+def test_a_datagram_that_is_no_settle_is_dropped_and_the_settles_beside_it_land(
+    store: JobStore, relay: SettleRelay, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = held_jobs(store, 2)
+    untouched = store.coll.find_one({"_id": ids[1]})
+    hostile = [
+        b"\x00not bson at all",
+        bson.encode({"job": ids[1], "attempts": 1, "update": {"$rename": {"payload": "x"}}, "outcome": "succeeded"}),
+        bson.encode({"job": ids[1], "attempts": "1", "update": {"$set": {"status": "failed"}}, "outcome": "failed"}),
+        bson.encode({"job": {"$gt": ""}, "attempts": 1, "update": {"$set": {"status": "x"}}, "outcome": "failed"}),
+        bson.encode({"job": ids[1], "attempts": 1, "update": {"$set": {"status": "x"}}, "outcome": "anything"}),
+        bson.encode({"flush": "not a token"}),
+    ]
+    for data in hostile:
+        relay._sending.send(data)  # as a pool process's send would, with what no pool process sends
+    send_from_a_child(relay, [store.success(ids[0], 1)])
+    assert relay.flush(30)
+    assert store.coll.find_one({"_id": ids[0]})["status"] == "succeeded"
+    assert store.coll.find_one({"_id": ids[1]}) == untouched
+    assert sum("relayed settle" in record.getMessage() for record in caplog.records) == len(hostile)
+    # The relay still works after them.
+    send_from_a_child(relay, [store.success(ids[1], 1)])
+    assert relay.flush(30)
+    assert store.coll.find_one({"_id": ids[1]})["status"] == "succeeded"
+
+
+def test_a_relayed_settle_that_does_not_fit_fails_its_job_with_the_replacement(
+    store: JobStore, relay: SettleRelay
+) -> None:
+    # Arguments that fill the document: a settle under the relay's size no longer fits beside them.
+    (job_id,) = held_jobs(store, 1, payload={"args": ["x" * (16 * 1024 * 1024 - 10 * 1024)]})
+    result = {"state": "SUCCESS", "result": "r" * (30 * 1024)}
+    send_from_a_child(relay, [store.success(job_id, 1, result=result, too_large_reason="too large here")])
+    assert relay.flush(30)
+    doc = store.coll.find_one({"_id": job_id}, {"payload": 0})
+    assert doc["status"] == "failed" and doc["lastError"] == "replaced (True)" and "result" not in doc
+
+
+def refused_in_a_child(relay: SettleRelay, settle: Settle) -> bool:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if relay.send(settle) else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_settle_too_large_for_a_datagram_stays_with_its_pool_process(store: JobStore, relay: SettleRelay) -> None:
+    (job_id,) = held_jobs(store, 1)
+    large = store.success(job_id, 1, result={"state": "SUCCESS", "result": "r" * SettleRelay.max_bytes})
+    assert refused_in_a_child(relay, large)  # the pool process's own GroupCommit writes it (JobStore.settle_soon)
+    assert store.coll.find_one({"_id": job_id})["status"] == "running"
+
+
+def test_once_the_main_process_is_gone_a_pool_process_writes_its_settles_itself(store: JobStore) -> None:
+    (job_id,) = held_jobs(store, 1)
+    relay = SettleRelay(lambda: store, replaced)
+    relay._receiving.close()  # as the main process's death closes it
+    assert refused_in_a_child(relay, store.success(job_id, 1))
