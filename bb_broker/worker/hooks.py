@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 APP_STORES = "bb_broker_stores"
 #: The attribute of a worker's Celery app holding the relay its pool processes settle through (settles.SettleRelay).
 APP_SETTLE_RELAY = "bb_broker_settle_relay"
+#: The attribute of a worker's Celery app holding (process id, the job store its tasks settle on): store_of's.
+APP_TASK_STORE = "bb_broker_task_store"
 _stores_lock = threading.Lock()
 
 
@@ -109,12 +111,23 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
 
 
 def store_of(task: Any) -> JobStore | None:
-    """store_for(task.app), looked up once for the attempt the task's request runs: a task's signals each need it,
-    and the lookup reads the app's conf (a few microseconds each, in every pool process, for every task)."""
+    """store_for(task.app), looked up once for the attempt the task's request runs: a task's signals each need it."""
     state = attempt_state(task.request)
     if not state.store_looked_up:
-        state.store, state.store_looked_up = store_for(task.app), True
+        state.store, state.store_looked_up = _task_store(task.app), True
     return state.store
+
+
+def _task_store(app: Any) -> JobStore | None:
+    # store_for reads the app's conf, about a tenth of a pool process's CPU per task (py-spy --gil, a drain). In a
+    # worker (worker_init made its relay) the conf no longer changes: the store is kept on the app, by process.
+    kept = app.__dict__.get(APP_TASK_STORE)
+    if kept is not None and kept[0] == os.getpid():
+        return kept[1]
+    store = store_for(app)
+    if APP_SETTLE_RELAY in app.__dict__:
+        app.__dict__[APP_TASK_STORE] = (os.getpid(), store)
+    return store
 
 
 def job_of(request: Any) -> tuple[str, int] | None:

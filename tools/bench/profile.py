@@ -4,7 +4,8 @@ BENCH_N trivial tasks (default 4,000) are published before a `-c 2` prefork work
 (default Celery's 4), on the server tools.bench.servers picks (the Rust stand-in when it is on PATH). `py-spy
 record` samples the worker's main process and both pool processes for the whole drain; the report gives, for the
 pool processes and for the main process, the share of samples each bb_broker function (and Celery's tracer) is on
-the stack for. py-spy counts a thread waiting for the GIL as active, so a share is time, not CPU alone. The raw
+the stack for. py-spy counts a thread waiting for the GIL as active, so a share is time, not CPU alone; with
+BENCH_PROFILE_GIL=1 it samples only the thread holding the GIL (`--gil`), and a share is the Python CPU. The raw
 profiles stay in the printed directory (py-spy's collapsed format, for a flame graph).
 """
 
@@ -55,6 +56,7 @@ def main() -> int:
         print(f"py-spy is not installed in this venv: {sys.executable} -m pip install py-spy", file=sys.stderr)
         return 2
     n, prefetch = int(os.environ.get("BENCH_N", "4000")), int(os.environ.get("BENCH_PREFETCH", DEFAULT_PREFETCH))
+    gil = os.environ.get("BENCH_PROFILE_GIL") == "1"
     workdir = Path(tempfile.mkdtemp(prefix="bb-profile-"))
     server = mongo_server(workdir)
     server.start()
@@ -82,6 +84,7 @@ def main() -> int:
                     "--format",
                     "raw",
                     "--nonblocking",
+                    *(["--gil"] if gil else []),
                     "-o",
                     str(workdir / f"{pid}.txt"),
                 ],
@@ -103,7 +106,11 @@ def main() -> int:
         MongoClient(server.url).drop_database("profile")
     finally:
         server.stop()
-    print(f"{n} tasks at prefetch {prefetch} on {server.label} in {drained:.1f} s (sampled); profiles in {workdir}")
+    sampled = "the threads holding the GIL" if gil else "every active thread"
+    print(
+        f"{n} tasks at prefetch {prefetch} on {server.label} in {drained:.1f} s ({sampled} sampled);",
+        f"profiles in {workdir}",
+    )
     for role, pids in processes.items():
         total, on_stack = shares([workdir / f"{pid}.txt" for pid in pids])
         print(f"\n{role} process{'es' if len(pids) > 1 else ''}: {total} samples")
