@@ -38,9 +38,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any
 
 import bson
@@ -286,6 +285,7 @@ class SettleRelay:
         self._flush_count = itertools.count()
         self._thread: threading.Thread | None = None
         self._writer: SettleWriter | None = None
+        self._store_of_main: Any = None  # the relay thread's
         reset_in_child(self._close_receiving_end)
         _writers.add(self)
 
@@ -368,9 +368,15 @@ class SettleRelay:
                         if marker is not None:
                             marker.set()
 
+    def _main_store(self) -> Any:
+        # Looked up once: the lookup reads the app's conf, a few percent of the main process's CPU per settle.
+        if self._store_of_main is None:
+            self._store_of_main = self._store()
+        return self._store_of_main
+
     def _writer_of_main(self) -> SettleWriter:
         if self._writer is None:
-            store = self._store()
+            store = self._main_store()
             self._writer = SettleWriter(store.coll, patience=store.settle_patience)
         return self._writer
 
@@ -397,9 +403,9 @@ class SettleRelay:
             logger.error("a relayed settle is not one a pool process sends, dropped: %r", sorted(message))
             return None
         fence = {"_id": job_id, "status": RUNNING, "attempts": attempts}
-        settle = Settle(job_id, fence, update, outcome, lambda: settle, reason)
-        replacement = partial(self._replacement, self._store(), settle, message.get("withResult") is True)
-        return replace(settle, if_too_large=replacement)
+        store, with_result = self._main_store(), message.get("withResult") is True
+        settle = Settle(job_id, fence, update, outcome, lambda: self._replacement(store, settle, with_result), reason)
+        return settle
 
 
 def _ids(batch: list[Settle]) -> list[str]:
