@@ -9,10 +9,12 @@ changes nothing while the others land. A write that meets an outage is tried aga
 `settle_patience`; fenced, the settles that had landed already change nothing the second time.
 
 Which thread writes: in a prefork worker, the main process's (SettleRelay). Its pool processes send each settle
-over a socket pair made before they were forked and do no write of their own, so the settles of all the pool
-processes go out together, and a pool process spends on a settle a datagram instead of pymongo's round trip. A
-settle too large for a datagram, and every settle of a process that is no forked pool process (a threads or solo
-pool, a script), goes to a writer thread of its own process (GroupCommit).
+over a socket pair made before they were forked, so the settles of all the pool processes go out together, and a
+pool process spends on a settle a datagram instead of pymongo's round trip. A send never waits: a settle too large
+for a datagram, or sent while the socket's buffer is full (the main process's writes held up by an outage) or
+after the main process is gone, goes to a writer thread of the pool process itself (GroupCommit), as does every
+settle in a worker whose pool is not forked (threads, solo, gevent, eventlet). A script calling the result backend
+writes its settle at once (hooks.settle_ran).
 
 The crash window this opens: a finished task waits for its settle at most the write in flight and its own (a
 round trip or two; through an outage, up to `settle_patience`). If the process holding it dies then (the main
@@ -40,6 +42,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import bson
@@ -286,7 +289,8 @@ class SettleRelay:
         self._thread: threading.Thread | None = None
         self._writer: SettleWriter | None = None
         self._store_of_main: Any = None  # the relay thread's
-        reset_in_child(self._close_receiving_end)
+        self._closed = False
+        reset_in_child(partial(_close_receiving_end, weakref.ref(self)))
         _writers.add(self)
 
     def start(self) -> None:
@@ -309,14 +313,16 @@ class SettleRelay:
         }
         try:
             data = bson.encode(message)
-        except (bson.errors.InvalidDocument, OverflowError):
+        except Exception:  # a value BSON cannot hold: this process's own writer says so where it writes
             return False
         if len(data) > self.max_bytes:
             return False
         try:
             # One record of the socket pair (SOCK_SEQPACKET): whole, whichever pool process sends at the same time.
-            return self._sending.send(data, socket.MSG_NOSIGNAL) == len(data)
-        except OSError:  # the main process is gone (its end closed): this process writes the settle itself
+            # Never waiting (MSG_DONTWAIT): while the main process's writes are held up (an outage) and the socket's
+            # buffer is full, this process writes its settles itself rather than stop at the end of each task.
+            return self._sending.send(data, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT) == len(data)
+        except OSError:  # the buffer is full, or the main process is gone (its end closed)
             return False
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -328,23 +334,42 @@ class SettleRelay:
         with self._flush_lock:
             token = next(self._flush_count)
             self._flushes[token] = written
+        deadline = None if timeout is None else time.monotonic() + timeout
+        marker = bson.encode({"flush": token})
         try:
-            self._sending.send(bson.encode({"flush": token}))
-            return written.wait(timeout)
+            while True:
+                try:
+                    # MSG_DONTWAIT: a blocking send would set nothing on the socket the pool processes share, but
+                    # this one must give up at the deadline when the buffer stays full.
+                    self._sending.send(marker, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return False
+                    time.sleep(0.01)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return written.wait(remaining)
         except OSError:
             return False
         finally:
             with self._flush_lock:
                 self._flushes.pop(token, None)
 
-    def _close_receiving_end(self) -> None:
-        # A pool process keeps only the sending end: once the main process is gone, a send fails and the pool
-        # process writes its settle itself, where a receiving end still open here would take it to nobody.
+    def close(self) -> None:
+        """Stop receiving (what was received is written first) and close both ends."""
+        self.flush(5.0)
+        self._closed = True
+        self._receiving.shutdown(socket.SHUT_RDWR)  # the relay's thread wakes from its recv and ends
+        if self._thread is not None:
+            self._thread.join(5.0)
         self._receiving.close()
+        self._sending.close()
 
     def _run(self) -> None:
-        while True:
+        while not self._closed:
             datagrams = [self._receiving.recv(self.max_bytes)]
+            if self._closed:
+                return
             while len(datagrams) < GroupCommit.max_batch:
                 try:
                     datagrams.append(self._receiving.recv(self.max_bytes, socket.MSG_DONTWAIT))
@@ -352,13 +377,17 @@ class SettleRelay:
                     break
             batch: list[Settle] = []
             flushed: list[int] = []
-            for data in datagrams:
-                read = self._read(data)
-                if isinstance(read, int):
-                    flushed.append(read)
-                elif read is not None:
-                    batch.append(read)
             try:
+                for data in datagrams:
+                    try:
+                        read = self._read(data)
+                    except Exception:  # one datagram's fault must not cost the others their write
+                        logger.exception("a relayed settle could not be read, dropped")
+                        continue
+                    if isinstance(read, int):
+                        flushed.append(read)
+                    elif read is not None:
+                        batch.append(read)
                 if batch:
                     self._writer_of_main().write(batch)
             finally:
@@ -391,12 +420,17 @@ class SettleRelay:
             return int(message["flush"])
         job_id, attempts, update = message.get("job"), message.get("attempts"), message.get("update")
         outcome, reason = message.get("outcome"), message.get("tooLarge")
+        changes = update.get("$set") if isinstance(update, dict) else None
         if not (
             isinstance(job_id, str)
             and type(attempts) is int
             and isinstance(update, dict)
             and set(update) <= SETTLE_OPERATORS
-            and all(isinstance(value, dict) for value in update.values())
+            and all(isinstance(value, dict) and value for value in update.values())
+            # every settle sets the job's status and its updatedAt (Settle.landed_in reads them back)
+            and isinstance(changes, dict)
+            and isinstance(changes.get("status"), str)
+            and isinstance(changes.get("updatedAt"), datetime)
             and outcome in SETTLE_OUTCOMES
             and (reason is None or isinstance(reason, str))
         ):
@@ -406,6 +440,14 @@ class SettleRelay:
         store, with_result = self._main_store(), message.get("withResult") is True
         settle = Settle(job_id, fence, update, outcome, lambda: self._replacement(store, settle, with_result), reason)
         return settle
+
+
+def _close_receiving_end(relay: weakref.ref[SettleRelay]) -> None:
+    # In a forked child: a pool process keeps only the sending end. Once the main process is gone, a send fails and
+    # the pool process writes its settle itself, where a receiving end still open here would take it to nobody.
+    alive = relay()
+    if alive is not None:
+        alive._receiving.close()
 
 
 def _ids(batch: list[Settle]) -> list[str]:

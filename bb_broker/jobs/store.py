@@ -816,7 +816,8 @@ class JobStore(Sweeps):
         group.submit(settle)
 
     def flush_settles(self, timeout: float | None = None) -> bool:
-        """Wait for the settles settle_soon took; False when `timeout` ran out first."""
+        """Wait for the settles settle_soon gave this process's own writer; False when `timeout` ran out first. Those
+        it sent to the main process's relay are the main process's to flush (settles.flush_all there)."""
         group = self._group_commit
         return group is None or group.flush(timeout)
 

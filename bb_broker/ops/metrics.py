@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any, Literal, Protocol
@@ -77,12 +78,20 @@ def record_restart(thread: str) -> None:
     _count(lambda: THREAD_RESTARTS.labels(thread=thread).inc())
 
 
+#: Held by each increment and across every fork of this process: prometheus_client's own locks (one per value, or
+#: one for all in multiprocess mode) are not reset in a child, and a pool process forked while another thread (the
+#: settle relay's, the claims') was counting would wait for one forever at its first count.
+_counting = threading.Lock()
+os.register_at_fork(before=_counting.acquire, after_in_parent=_counting.release, after_in_child=_counting.release)
+
+
 def _count(increment: Callable[[], None]) -> None:
     """Run one counter's increment; a failure (a full disk or a missing PROMETHEUS_MULTIPROC_DIR, say) is logged
     once per process and goes no further."""
     global _warned
     try:
-        increment()
+        with _counting:
+            increment()
     except Exception as exc:
         if not _warned:
             _warned = True

@@ -512,10 +512,34 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
-    app = sender.app
-    relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_too_large, app))
-    app.__dict__[APP_SETTLE_RELAY] = relay
-    relay.start()
+    if _forks_its_pool(sender):
+        app = sender.app
+        try:
+            relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_too_large, app))
+        except OSError as exc:  # no SOCK_SEQPACKET socket pair here (macOS, the BSDs): each pool process writes
+            logger.info("bb_broker: pool processes settle on their own (%s)", exc)
+            return
+        app.__dict__[APP_SETTLE_RELAY] = relay
+        relay.start()
+
+
+def _forks_its_pool(worker: Any) -> bool:
+    """Whether the worker's pool is processes forked from this one (prefork): a threads, solo, gevent or eventlet
+    pool settles in this process. `pool_cls` is the `-P` choice at worker_init, resolved by Celery's own public
+    `get_implementation` (checked against celery 5.5.3, 5.6.3, 5.7.0)."""
+    # Imported here: billiard's pool is of no use to the command line's start.
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    try:
+        pool = get_implementation(worker.pool_cls)
+    except Exception:  # an unknown pool is Celery's to refuse, a moment later
+        return False
+    return isinstance(pool, type) and issubclass(pool, PreforkPool)
+
+
+#: The result fields a relayed settle's replacement keeps from it (the main process has no request to build them).
+_RESULT_CONTEXT = ("children", "groupId", "parentId")
 
 
 def _relayed_too_large(app: Any, store: JobStore, settle: Settle, with_result: bool) -> Settle:
@@ -525,7 +549,10 @@ def _relayed_too_large(app: Any, store: JobStore, settle: Settle, with_result: b
     job = (settle.job_id, settle.fence["attempts"])
     if failed_on_size is None or settle.too_large_reason is None:
         return store.failure(*job, settle.too_large_reason or TOO_LARGE_TO_SETTLE, retryable=False)
-    return failed_on_size(store, job, history_entry_of(settle.update), None, settle.too_large_reason)
+    replacement: Settle = failed_on_size(store, job, history_entry_of(settle.update), None, settle.too_large_reason)
+    relayed = settle.update.get("$set", {})
+    replacement.update["$set"].update({field: relayed[field] for field in _RESULT_CONTEXT if field in relayed})
+    return replacement
 
 
 @signals.worker_ready.connect

@@ -72,7 +72,7 @@ def test_a_worker_killed_with_settles_waiting_loses_no_job(own_server, tmp_path:
     wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "running"}) == 2,
              message="both jobs claimed")  # fmt: skip
     # From now on every update waits five seconds on the server: the first task's settle is in flight until after
-    # the kill, the second one's waits in the pool process's writer.
+    # the kill, the second one's waits in the worker (its main process's relay).
     slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 5000}
     client.admin.command("configureFailPoint", "failCommand", mode="alwaysOn", data=slow)
     try:
@@ -124,7 +124,7 @@ def test_a_pool_process_killed_with_its_settles_waiting_loses_none_of_them(own_s
     client = MongoClient(own_server.url, tz_aware=True)
     db = client.pool_killed
     app = producer(url)
-    done = [send(app, "sleep", 0.1) for _ in range(2)]
+    done = [send(app, "sleep", 1) for _ in range(2)]  # a second: time to set the fail point once the first starts
     running = send(app, "sleep", 2)
     start_worker(url, tmp_path, "w0", concurrency=1)
     wait_for(lambda: db.runs.count_documents({"taskId": {"$in": done}, "phase": "start"}) >= 1,

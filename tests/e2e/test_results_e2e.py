@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from celery import Celery, chain, chord, group
@@ -231,9 +232,10 @@ def test_a_result_that_fits_alone_but_not_beside_its_arguments(results_app, resu
 
 
 def test_a_small_result_settled_by_the_main_process_that_does_not_fit_beside_its_arguments(
-    results_app, results_worker, db: Database
+    results_app, results_worker, db: Database, tmp_path: Path
 ):
-    results_worker()
+    log = tmp_path / "settles.log"
+    worker = results_worker(env={"BB_TEST_SETTLE_LOG": str(log)})
     # A result small enough to go to the worker's main process (settles.SettleRelay.max_bytes), arguments that
     # leave it no room: the main process writes the result backend's failure in its place.
     ballast = "b" * (16 * 1024 * 1024 - 24 * 1024)
@@ -243,6 +245,9 @@ def test_a_small_result_settled_by_the_main_process_that_does_not_fit_beside_its
     doc = job(db, result.id)
     assert doc["status"] == "failed" and doc["attempts"] == 1 and "ResultTooLarge" in doc["lastError"]
     assert doc["history"][-1]["outcome"] == "succeeded"  # the attempt's own entry, kept with the failure
+    # Both writes, the refused settle and its replacement, came from the worker's main process.
+    writes = [line.split() for line in log.read_text().splitlines() if doc["_id"] in line]
+    assert len(writes) == 2 and {int(fields[2]) for fields in writes} == {worker.process.pid}, writes
 
 
 def test_a_result_no_serializer_can_encode_fails_the_job_without_running_it_again(
