@@ -145,3 +145,20 @@ def test_once_the_main_process_is_gone_a_pool_process_writes_its_settles_itself(
     relay = SettleRelay(lambda: store, replaced)
     relay._receiving.close()  # as the main process's death closes it
     assert refused_in_a_child(relay, store.success(job_id, 1))
+
+
+def test_a_pool_process_never_waits_for_a_full_buffer(store: JobStore) -> None:
+    # A relay whose main process writes nothing (held up by an outage): its socket's buffer fills, and a send then
+    # says no at once, so that the pool process hands its settle to its own writer instead of stopping.
+    (job_id,) = held_jobs(store, 1)
+    relay = SettleRelay(lambda: store, replaced)
+    settle = store.success(job_id, 1, result={"state": "SUCCESS", "result": "r" * 8000})
+    pid = os.fork()
+    if pid == 0:
+        sent = 0
+        while relay.send(settle):
+            sent += 1
+        os._exit(0 if sent > 0 else 1)
+    _, status = os.waitpid(pid, 0)  # a send that waited would never return
+    assert os.waitstatus_to_exitcode(status) == 0
+    relay.close()
