@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from tests.support.store import FakeClock
+from tests.support.store import CommandLog, FakeClock
 
 
 @pytest.fixture
@@ -21,3 +24,16 @@ def store(db: Database, clock: FakeClock) -> JobStore:
     store = JobStore(db, Policy(stale_after=30), clock=clock)
     store.ensure_indexes()
     return store
+
+
+@pytest.fixture
+def log() -> CommandLog:
+    """The commands `client` sends."""
+    return CommandLog()
+
+
+@pytest.fixture
+def client(own_server, log: CommandLog) -> Iterator[MongoClient]:
+    """A client of the test's own server whose commands go to `log`."""
+    with MongoClient(own_server.url, tz_aware=True, event_listeners=[log]) as client:
+        yield client

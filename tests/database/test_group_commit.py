@@ -3,27 +3,14 @@ middle of it, and a settle in it that does not fit in its document."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from pymongo import MongoClient
 
 from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
 from bb_broker.ops import metrics
 from tests.support.faults import fail_point
-from tests.support.store import CommandLog
+from tests.support.store import CommandLog, held_jobs, settles_sent
 from tests.support.workers import wait_for
-
-
-@pytest.fixture
-def log() -> CommandLog:
-    return CommandLog()
-
-
-@pytest.fixture
-def client(own_server, log: CommandLog) -> Iterator[MongoClient]:
-    with MongoClient(own_server.url, tz_aware=True, event_listeners=[log]) as client:
-        yield client
 
 
 @pytest.fixture
@@ -31,19 +18,6 @@ def store(client: MongoClient) -> JobStore:
     store = JobStore(client.grouped)
     store.ensure_indexes()
     return store
-
-
-def held_jobs(store: JobStore, count: int, payload: dict | None = None) -> list[str]:
-    """`count` jobs claimed by worker `w`, at their first attempt."""
-    for n in range(count):
-        store.publish(queue="celery", kind="k", task_id=f"t{n}", payload=payload or {"args": [n]}, priority=0,
-                      run_after=None, is_retry=False)  # fmt: skip
-    return [job.id for job in store.claim_many("celery", "w", count)]
-
-
-def settles_sent(log: CommandLog) -> list[int]:
-    """The statements of each settling `update` sent (their fence names the attempt)."""
-    return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
 
 
 def first_settle_held_on_the_server(client: MongoClient, store: JobStore, log: CommandLog, job_id: str) -> None:

@@ -14,19 +14,8 @@ from pymongo import MongoClient
 from bb_broker.jobs.settles import Settle, SettleRelay
 from bb_broker.jobs.store import JobStore
 from tests.support.faults import fail_point
-from tests.support.store import CommandLog
+from tests.support.store import CommandLog, held_jobs, settles_sent
 from tests.support.workers import wait_for
-
-
-@pytest.fixture
-def log() -> CommandLog:
-    return CommandLog()
-
-
-@pytest.fixture
-def client(own_server, log: CommandLog) -> Iterator[MongoClient]:
-    with MongoClient(own_server.url, tz_aware=True, event_listeners=[log]) as client:
-        yield client
 
 
 @pytest.fixture
@@ -46,17 +35,6 @@ def relay(store: JobStore) -> Iterator[SettleRelay]:
     relay.start()
     yield relay
     relay.close()
-
-
-def held_jobs(store: JobStore, count: int, payload: dict | None = None) -> list[str]:
-    for n in range(count):
-        store.publish(queue="celery", kind="k", task_id=f"t{n}", payload=payload or {"args": [n]}, priority=0,
-                      run_after=None, is_retry=False)  # fmt: skip
-    return [job.id for job in store.claim_many("celery", "w", count)]
-
-
-def settles_sent(log: CommandLog) -> list[int]:
-    return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
 
 
 def send_from_a_child(relay: SettleRelay, settles: list[Settle]) -> None:

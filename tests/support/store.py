@@ -85,3 +85,16 @@ def wait_past(store: JobStore, moment: datetime) -> None:
     """Wait until this process's reading of the server's clock is a second past `moment` (a count's `asOf`): two
     processes read that clock milliseconds apart, so a job written from then on is one written after the count."""
     wait_for(lambda: store.now() > moment + timedelta(seconds=1), message="the server's clock passed the count")
+
+
+def held_jobs(store: JobStore, count: int, payload: dict | None = None) -> list[str]:
+    """`count` jobs claimed by worker `w`, at their first attempt."""
+    for n in range(count):
+        store.publish(queue="celery", kind="k", task_id=f"t{n}", payload=payload or {"args": [n]}, priority=0,
+                      run_after=None, is_retry=False)  # fmt: skip
+    return [job.id for job in store.claim_many("celery", "w", count)]
+
+
+def settles_sent(log: CommandLog) -> list[int]:
+    """The statements of each settling `update` sent (their fence names the attempt)."""
+    return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
