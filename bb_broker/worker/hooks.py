@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 APP_STORES = "bb_broker_stores"
 #: The attribute of a worker's Celery app holding the relay its pool processes settle through (settles.SettleRelay).
 APP_SETTLE_RELAY = "bb_broker_settle_relay"
-#: The attribute of a worker's Celery app holding (process id, the job store its tasks settle on): store_of's.
+#: The attribute of a worker's Celery app holding (process id, the job store its tasks settle on): store_of's. Set
+#: to None at worker_init: from then on the app's conf no longer changes, and the store may be kept.
 APP_TASK_STORE = "bb_broker_task_store"
 _stores_lock = threading.Lock()
 
@@ -120,12 +121,12 @@ def store_of(task: Any) -> JobStore | None:
 
 def _task_store(app: Any) -> JobStore | None:
     # store_for reads the app's conf, about a tenth of a pool process's CPU per task (py-spy --gil, a drain). In a
-    # worker (worker_init made its relay) the conf no longer changes: the store is kept on the app, by process.
+    # worker, whatever its pool, the conf no longer changes: the store is kept on the app, by process.
     kept = app.__dict__.get(APP_TASK_STORE)
     if kept is not None and kept[0] == os.getpid():
         return kept[1]
     store = store_for(app)
-    if APP_SETTLE_RELAY in app.__dict__:
+    if APP_TASK_STORE in app.__dict__:
         app.__dict__[APP_TASK_STORE] = (os.getpid(), store)
     return store
 
@@ -511,6 +512,7 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     patches.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
     # The requests this worker holds keep their leases, and what it still holds at exit is released.
     add_process_source(_reserved_jobs)
+    sender.app.__dict__[APP_TASK_STORE] = None  # kept from the first task on (_task_store)
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
     if _forks_its_pool(sender):
         app = sender.app
