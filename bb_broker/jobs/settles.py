@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -272,6 +273,9 @@ class SettleRelay:
     #: The largest settle a datagram carries (its result and tracebacks well under it): the pool process writes a
     #: larger one itself, which keeps the socket's buffer (wmem_default, about 200 KB) for many small ones.
     max_bytes = 32 * 1024
+    #: The longest a settle waits for the next one (_hold), and only while settles come closer together than this:
+    #: fewer writes in a worker draining a backlog, none delayed in an idle one. 0: never.
+    companion_wait = 0.005
 
     def __init__(self, store: Callable[[], Any], replacement: Callable[[Any, Settle, bool], Settle]) -> None:
         """`store` gives the main process's JobStore (on first use); `replacement(store, settle, with_result)` the
@@ -288,7 +292,10 @@ class SettleRelay:
         self._flush_count = itertools.count()
         self._thread: threading.Thread | None = None
         self._writer: SettleWriter | None = None
-        self._store_of_main: Any = None  # the relay thread's
+        # The relay thread's: the store, and when the last settle came and how far apart they come.
+        self._store_of_main: Any = None
+        self._last_arrival: float | None = None
+        self._typical_gap: float | None = None
         self._closed = False
         reset_in_child(partial(_close_receiving_end, weakref.ref(self)))
         _writers.add(self)
@@ -370,24 +377,14 @@ class SettleRelay:
             datagrams = [self._receiving.recv(self.max_bytes)]
             if self._closed:
                 return
-            while len(datagrams) < GroupCommit.max_batch:
-                try:
-                    datagrams.append(self._receiving.recv(self.max_bytes, socket.MSG_DONTWAIT))
-                except BlockingIOError:
-                    break
+            self._note_arrival()
+            self._receive_waiting(datagrams)
             batch: list[Settle] = []
             flushed: list[int] = []
             try:
-                for data in datagrams:
-                    try:
-                        read = self._read(data)
-                    except Exception:  # one datagram's fault must not cost the others their write
-                        logger.exception("a relayed settle could not be read, dropped")
-                        continue
-                    if isinstance(read, int):
-                        flushed.append(read)
-                    elif read is not None:
-                        batch.append(read)
+                self._read_all(datagrams, batch, flushed)
+                if batch:
+                    self._hold(batch, flushed)
                 if batch:
                     self._writer_of_main().write(batch)
             finally:
@@ -396,6 +393,53 @@ class SettleRelay:
                         marker = self._flushes.get(token)
                         if marker is not None:
                             marker.set()
+
+    def _receive_waiting(self, datagrams: list[bytes]) -> None:
+        while len(datagrams) < GroupCommit.max_batch:
+            try:
+                datagrams.append(self._receiving.recv(self.max_bytes, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                return
+            self._note_arrival()
+
+    def _read_all(self, datagrams: list[bytes], batch: list[Settle], flushed: list[int]) -> None:
+        for data in datagrams:
+            try:
+                read = self._read(data)
+            except Exception:  # one datagram's fault must not cost the others their write
+                logger.exception("a relayed settle could not be read, dropped")
+                continue
+            if isinstance(read, int):
+                flushed.append(read)
+            elif read is not None:
+                batch.append(read)
+
+    def _note_arrival(self) -> None:
+        now = time.monotonic()
+        if self._last_arrival is not None:
+            gap = min(now - self._last_arrival, 1.0)
+            self._typical_gap = gap if self._typical_gap is None else 0.75 * self._typical_gap + 0.25 * gap
+        self._last_arrival = now
+
+    def _hold(self, batch: list[Settle], flushed: list[int]) -> None:
+        """Wait for the next settle, when settles have been coming closer together than `companion_wait` (a worker
+        draining a backlog, whose tasks end a few milliseconds apart): up to one and a half times their typical gap,
+        and it goes in the same write. PostgreSQL's commit_delay, bounded by what the recent settles say. A lone task,
+        or tasks that end further apart, are settled at once; so is one a flush waits for."""
+        gap = self._typical_gap
+        if flushed or self.companion_wait <= 0 or gap is None or gap >= self.companion_wait:
+            return
+        deadline = time.monotonic() + min(self.companion_wait, 1.5 * gap)
+        poller = select.poll()
+        poller.register(self._receiving, select.POLLIN)
+        arrived = len(batch)
+        while len(batch) == arrived and not flushed and len(batch) < GroupCommit.max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000) or self._closed:
+                return
+            datagrams: list[bytes] = []
+            self._receive_waiting(datagrams)
+            self._read_all(datagrams, batch, flushed)
 
     def _main_store(self) -> Any:
         # Looked up once: the lookup reads the app's conf, a few percent of the main process's CPU per settle.

@@ -5,6 +5,7 @@ the relay's end; a relayed settle that does not fit in its document fails its jo
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import bson
@@ -140,3 +141,23 @@ def test_a_pool_process_never_waits_for_a_full_buffer(store: JobStore) -> None:
     _, status = os.waitpid(pid, 0)  # a send that waited would never return
     assert os.waitstatus_to_exitcode(status) == 0
     relay.close()
+
+
+def test_a_settle_waits_for_the_next_when_settles_come_close_together(
+    store: JobStore, relay: SettleRelay, log: CommandLog
+) -> None:
+    relay.companion_wait = 60.0  # the cap: the wait is one and a half times the gap the settles come at
+    ids = held_jobs(store, 6)
+    log.commands.clear()
+    # Settles half a second apart: each written alone (the first with no gap before it to go by), then a wait of
+    # about 0.75 s for the next.
+    for count, job_id in enumerate(ids[:4], start=1):
+        send_from_a_child(relay, [store.success(job_id, 1)])
+        alone = [1] * count
+        wait_for(lambda alone=alone: settles_sent(log) == alone, message=f"settle {count} written")
+        time.sleep(0.5)
+    # Two tasks that end a fork apart, each in its own pool process: one write.
+    send_from_a_child(relay, [store.success(ids[4], 1)])
+    send_from_a_child(relay, [store.success(ids[5], 1)])
+    wait_for(lambda: store.coll.count_documents({"_id": {"$in": ids}, "status": "succeeded"}) == 6)
+    assert settles_sent(log) == [1, 1, 1, 1, 2]
