@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,25 @@ def _seconds_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _wait(value: Any) -> float:
+    """Seconds something may wait: a finite number, 0 or more (a NaN or a negative wait would be no wait at all)."""
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError("it must be a number of seconds, 0 or more")
+    return seconds
+
+
+class OptionError(ValueError):
+    """A transport option that cannot be read: the message names it and its value."""
+
+
+def _read(name: str, read: Callable[[Any], Any], value: Any) -> Any:
+    try:
+        return read(value)
+    except (TypeError, ValueError) as exc:
+        raise OptionError(f"transport option {name}={value!r} cannot be read: {exc}") from None
+
+
 @dataclass(frozen=True)
 class BrokerOptions:
     """What broker_transport_options set (as a Celery app, the Kombu channel and the operator's tools read them);
@@ -49,16 +69,19 @@ class BrokerOptions:
     #: Seconds a message to a topic exchange (Celery's task events), published on an event loop's thread, may wait
     #: in the outbox for others to be stored with it; 0 stores each at once.
     events_linger: float = 0.02
+    #: Seconds at most a task's settle, in a prefork worker whose settles come closer together than this (a backlog),
+    #: waits for the next one to be written with it (settles.SettleRelay); 0 writes each at once.
+    settle_linger: float = 0.01
 
     @classmethod
     def parse(cls, given: Mapping[str, Any] | None) -> BrokerOptions:
         """The options `given` sets (broker_transport_options, or a channel's attributes), each read as its type;
-        ValueError (or TypeError) names a value that cannot be read."""
+        OptionError names one that cannot be read (the Policy's own ValueError, one it refuses)."""
         given = given or {}
         policy = Policy(
-            int(given.get("max_attempts", Policy.max_attempts)),
-            float(given.get("backoff_base", Policy.backoff_base)),
-            float(given.get("stale_after", Policy.stale_after)),
+            _read("max_attempts", int, given.get("max_attempts", Policy.max_attempts)),
+            _read("backoff_base", float, given.get("backoff_base", Policy.backoff_base)),
+            _read("stale_after", float, given.get("stale_after", Policy.stale_after)),
         )
         read: dict[str, Callable[[Any], Any]] = {
             "message_ttl": float,
@@ -67,9 +90,10 @@ class BrokerOptions:
             "retention": _seconds_or_none,
             "safety_poll_interval": float,
             "use_change_streams": _flag,
-            "events_linger": float,
+            "events_linger": _wait,
+            "settle_linger": _wait,
         }
-        return cls(policy, **{name: read[name](given[name]) for name in read if name in given})
+        return cls(policy, **{name: _read(name, read[name], given[name]) for name in read if name in given})
 
 
 #: The name of every transport option BrokerOptions reads, as broker_transport_options spells it.

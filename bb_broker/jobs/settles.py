@@ -10,17 +10,19 @@ changes nothing while the others land. A write that meets an outage is tried aga
 
 Which thread writes: in a prefork worker, the main process's (SettleRelay). Its pool processes send each settle
 over a socket pair made before they were forked, so the settles of all the pool processes go out together, and a
-pool process spends on a settle a datagram instead of pymongo's round trip. A send never waits: a settle too large
-for a datagram, or sent while the socket's buffer is full (the main process's writes held up by an outage) or
-after the main process is gone, goes to a writer thread of the pool process itself (GroupCommit), as does every
-settle in a worker whose pool is not forked (threads, solo, gevent, eventlet). A script calling the result backend
-writes its settle at once (hooks.settle_ran).
+pool process spends on a settle a datagram instead of pymongo's round trip. While settles reach the relay a few
+milliseconds apart (a backlog), each waits for the next, so that two share a write (SettleRelay._hold). A send
+never waits: a settle too large for a datagram, or sent while the socket's buffer is full (the main process's
+writes held up by an outage) or after the main process is gone, goes to a writer thread of the pool process itself
+(GroupCommit), as does every settle in a worker whose pool is not forked (threads, solo, gevent, eventlet). A
+script calling the result backend writes its settle at once (hooks.settle_ran).
 
-The crash window this opens: a finished task waits for its settle at most the write in flight and its own (a
-round trip or two; through an outage, up to `settle_patience`). If the process holding it dies then (the main
-process, for a relayed settle: a pool process that dies after sending it loses nothing), the job is still
-`running` in the worker's name but no longer in its heartbeats (Celery has the task's outcome): the stale sweep
-takes it back after `stale_after` and it runs again, as a job of a worker lost in the middle of its task does.
+The crash window this opens: a finished task waits for its settle at most the write in flight, the relay's wait for
+the next settle (up to `settle_linger`, 10 ms) and its own write (a round trip or two; through an outage, up to
+`settle_patience`). If the process holding it dies then (the main process, for a relayed settle: a pool process
+that dies after sending it loses nothing), the job is still `running` in the worker's name but no longer in its
+heartbeats (Celery has the task's outcome): the stale sweep takes it back after `stale_after` and it runs again, as
+a job of a worker lost in the middle of its task does.
 
 Threads: whoever submits (a pool process's main thread, a threads pool's threads) only puts on the writer's queue
 or sends on the relay's socket; the writer thread, or the relay's thread in the main process, alone takes from it
@@ -273,18 +275,20 @@ class SettleRelay:
     #: The largest settle a datagram carries (its result and tracebacks well under it): the pool process writes a
     #: larger one itself, which keeps the socket's buffer (wmem_default, about 200 KB) for many small ones.
     max_bytes = 32 * 1024
-    #: The longest a settle waits for the next one (_hold), and only while settles come closer together than this:
-    #: fewer writes in a worker draining a backlog, none delayed in an idle one. 0: never.
-    companion_wait = 0.005
 
-    def __init__(self, store: Callable[[], Any], replacement: Callable[[Any, Settle, bool], Settle]) -> None:
+    def __init__(
+        self, store: Callable[[], Any], replacement: Callable[[Any, Settle, bool], Settle], *, linger: float = 0.0
+    ) -> None:
         """`store` gives the main process's JobStore (on first use); `replacement(store, settle, with_result)` the
         settle that fails a relayed settle's job when it does not fit in its document (Settle.if_too_large, which
-        stays in the pool process): `with_result` when the settle carried the result backend's fields."""
+        stays in the pool process): `with_result` when the settle carried the result backend's fields. `linger`
+        (the `settle_linger` transport option) is the longest a settle waits for the next one, and it waits only
+        while settles come closer together than that (_hold): 0 writes each at once."""
         #: The main process: the only one that receives (a pool process sends).
         self.owner_pid = os.getpid()
         self._store = store
         self._replacement = replacement
+        self.linger = linger
         self._receiving, self._sending = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._receiving.set_inheritable(False)
         self._flushes: dict[int, threading.Event] = {}
@@ -422,14 +426,14 @@ class SettleRelay:
         self._last_arrival = now
 
     def _hold(self, batch: list[Settle], flushed: list[int]) -> None:
-        """Wait for the next settle, when settles have been coming closer together than `companion_wait` (a worker
+        """Wait for the next settle, when settles have been coming closer together than `linger` (a worker
         draining a backlog, whose tasks end a few milliseconds apart): up to one and a half times their typical gap,
         and it goes in the same write. PostgreSQL's commit_delay, bounded by what the recent settles say. A lone task,
         or tasks that end further apart, are settled at once; so is one a flush waits for."""
         gap = self._typical_gap
-        if flushed or self.companion_wait <= 0 or gap is None or gap >= self.companion_wait:
+        if flushed or self.linger <= 0 or gap is None or gap >= self.linger:
             return
-        deadline = time.monotonic() + min(self.companion_wait, 1.5 * gap)
+        deadline = time.monotonic() + min(self.linger, 1.5 * gap)
         poller = select.poll()
         poller.register(self._receiving, select.POLLIN)
         arrived = len(batch)

@@ -27,7 +27,7 @@ from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELI
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
 from bb_broker.ops import metrics
-from bb_broker.options import BrokerOptions, open_store
+from bb_broker.options import BrokerOptions, OptionError, open_store
 from bb_broker.transport.qos import explain_rejection
 from bb_broker.worker import patches
 
@@ -497,7 +497,7 @@ def _tasks_imported(sender: Any = None, **_: Any) -> None:
     if sender is not None:
         try:
             retry_failed_attempts(sender)
-        except connection.BrokerURLError as exc:
+        except (connection.BrokerURLError, OptionError) as exc:
             # The worker cannot start: one line, not the 50-line traceback Celery re-raises a receiver's error with.
             raise SystemExit(f"bb_broker: {exc}") from None
 
@@ -517,7 +517,10 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     if _forks_its_pool(sender):
         app = sender.app
         try:
-            relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_too_large, app))
+            linger = BrokerOptions.parse(app.conf.broker_transport_options).settle_linger
+            relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_too_large, app), linger=linger)
+        except OptionError as exc:
+            raise SystemExit(f"bb_broker: {exc}") from None  # one line, as for a broker URL it cannot use
         except OSError as exc:  # no SOCK_SEQPACKET socket pair here (macOS, the BSDs): each pool process writes
             logger.info("bb_broker: pool processes settle on their own (%s)", exc)
             return

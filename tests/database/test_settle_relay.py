@@ -146,7 +146,7 @@ def test_a_pool_process_never_waits_for_a_full_buffer(store: JobStore) -> None:
 def test_a_settle_waits_for_the_next_when_settles_come_close_together(
     store: JobStore, relay: SettleRelay, log: CommandLog
 ) -> None:
-    relay.companion_wait = 60.0  # the cap: the wait is one and a half times the gap the settles come at
+    relay.linger = 60.0  # the cap: the wait is one and a half times the gap the settles come at
     ids = held_jobs(store, 6)
     log.commands.clear()
     # Settles half a second apart: each written alone (the first with no gap before it to go by), then a wait of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,3 +122,25 @@ def test_a_worker_given_a_wrong_url_says_so_in_one_line(url: str, said: str) -> 
     assert worker.stdout == "" and worker.stderr.count("\n") == 1, worker.stderr  # no traceback
     assert worker.stderr.startswith(f"bb_broker: {said}")
     assert "hunter2" not in worker.stderr and "secret" not in worker.stderr
+
+
+@pytest.mark.parametrize(
+    ("linger", "said"),
+    [
+        ("soon", "transport option settle_linger='soon' cannot be read: could not convert string to float: 'soon'"),
+        (-1, "transport option settle_linger=-1 cannot be read: it must be a number of seconds, 0 or more"),
+    ],
+    ids=["not-a-number", "negative-wait"],
+)
+def test_a_worker_given_a_transport_option_it_cannot_read_says_so_in_one_line(linger: object, said: str) -> None:
+    env = {
+        **os.environ,
+        "BB_BROKER_URL": "bbmongo://localhost:1/db",
+        "BB_TRANSPORT_OPTIONS": json.dumps({"settle_linger": linger}),
+        "PYTHONPATH": str(ROOT),
+    }
+    argv = [sys.executable, "-m", "celery", "-A", "tests.support.e2e_app", "worker", "-c", "1", "--without-mingle"]
+    worker = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 1
+    assert worker.stdout == "" and worker.stderr.count("\n") == 1, worker.stderr  # no traceback
+    assert worker.stderr == f"bb_broker: {said}\n"
