@@ -291,6 +291,8 @@ class SettleRelay:
         self.linger = linger
         self._receiving, self._sending = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._receiving.set_inheritable(False)
+        self._readable = select.poll()  # the relay thread's wait for the next settle (_hold)
+        self._readable.register(self._receiving, select.POLLIN)
         self._flushes: dict[int, threading.Event] = {}
         self._flush_lock = threading.Lock()
         self._flush_count = itertools.count()
@@ -389,7 +391,6 @@ class SettleRelay:
                 self._read_all(datagrams, batch, flushed)
                 if batch:
                     self._hold(batch, flushed)
-                if batch:
                     self._writer_of_main().write(batch)
             finally:
                 with self._flush_lock:
@@ -434,12 +435,10 @@ class SettleRelay:
         if flushed or self.linger <= 0 or gap is None or gap >= self.linger:
             return
         deadline = time.monotonic() + min(self.linger, 1.5 * gap)
-        poller = select.poll()
-        poller.register(self._receiving, select.POLLIN)
         arrived = len(batch)
         while len(batch) == arrived and not flushed and len(batch) < GroupCommit.max_batch:
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000) or self._closed:
+            if left <= 0 or not self._readable.poll(left * 1000) or self._closed:
                 return
             datagrams: list[bytes] = []
             self._receive_waiting(datagrams)

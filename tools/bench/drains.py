@@ -63,7 +63,7 @@ def main() -> int:
     ops = MongoOps(server.url)
     brokers = [mongo_broker(scheme, scheme, server.url, server, ops) for scheme in ("bbmongo", "mongodb")]
     print(f"drains: backlogs {backlogs}, {repeat} rounds, {server.label}, logs in {workdir}", file=sys.stderr)
-    tps: dict[str, dict[str, list[float]]] = {b.name: {} for b in brokers}
+    tps: dict[str, dict[tuple[int, int], list[float]]] = {b.name: {} for b in brokers}
     started, database = time.monotonic(), 0
     try:
         for rep in range(repeat):
@@ -73,7 +73,7 @@ def main() -> int:
                     for broker in order:
                         figure = drain(broker, database, n, prefetch, workdir)
                         database += 1
-                        tps[broker.name].setdefault(f"{n}/p{prefetch}", []).append(figure)
+                        tps[broker.name].setdefault((n, prefetch), []).append(figure)
                         print(f"round {rep + 1} {broker.name} n={n} p{prefetch}: {figure:.0f}/s", file=sys.stderr)
     finally:
         ops.close()
@@ -81,16 +81,16 @@ def main() -> int:
     print(f"\nDrain (tasks/s), {server.label}, -c 2 prefork, medians of {repeat} rounds; ratio within each round:\n")
     print("| backlog | prefetch | `bbmongo://` | `mongodb://` | ratio, median (lowest–highest) |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    for key in tps["bbmongo"]:
-        ours, theirs = tps["bbmongo"][key], tps["mongodb"][key]
+    for (size, per_process), ours in tps["bbmongo"].items():
+        theirs = tps["mongodb"][(size, per_process)]
         ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-        size, per_process = key.split("/p")
         print(
-            f"| {int(size):,} | {per_process} | {statistics.median(ours):.0f} | {statistics.median(theirs):.0f} | "
+            f"| {size:,} | {per_process} | {statistics.median(ours):.0f} | {statistics.median(theirs):.0f} | "
             f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f}) |"
         )
     print(f"\n{time.monotonic() - started:.0f}s; logs in {workdir}")
-    print(json.dumps({"bench": "drains", "server": server.label, "backlogs": backlogs, "tps": tps}, sort_keys=True))
+    by_name = {name: {f"{n}/p{p}": figures for (n, p), figures in drains.items()} for name, drains in tps.items()}
+    print(json.dumps({"bench": "drains", "server": server.label, "backlogs": backlogs, "tps": by_name}, sort_keys=True))
     return 0
 
 
