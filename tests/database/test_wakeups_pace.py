@@ -3,6 +3,7 @@ burst of repeats does not hold it back), and a watched topic table is read again
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -95,6 +96,43 @@ def test_a_busy_queue_costs_far_fewer_getmores_than_jobs(watched, db: Database) 
     publish(db, "last")  # the stream is ordered: once this is seen, every job before it was
     wait_for(last, message="the change after the busy queue's jobs")
     assert getmores.count - before <= jobs / 5, f"{getmores.count - before} getMores for {jobs} jobs"
+
+
+def test_a_burst_a_consumer_keeps_up_with_costs_far_fewer_getmores_than_jobs(watched, db: Database) -> None:
+    # A worker at Celery's prefetch claims what each look's news told of and goes idle: the first change of each
+    # read was news again, and ended the pacing, at a getMore per claim (0.22 per task in the bench's window).
+    wakeups, getmores = watched
+    assert wakeups.look("busy", job_queue=True)  # the first look reads all, and finds the queue empty
+    wakeups.looked("busy", Look(jobs=0, messages=0))
+    last = seen(wakeups, "last")
+    taken, stop = [0], threading.Event()
+
+    def claim_as_they_come() -> None:
+        while not stop.is_set():
+            look = wakeups.look("busy", job_queue=True)
+            if look is not None:
+                count = int(look.jobs)
+                look.took("jobs", count, all_there_was=False)  # the claim took every job the news told of
+                wakeups.looked("busy", look)
+                taken[0] += count
+            stop.wait(0.003)  # the claim's round trip and the hand-off
+            wakeups.seconds_until_next_poll({"busy"})
+
+    consumer = threading.Thread(target=claim_as_they_come)
+    consumer.start()
+    try:
+        before = getmores.count
+        jobs = 300
+        for _ in range(jobs):
+            publish(db, "busy")
+        publish(db, "last")
+        wait_for(last, message="the change after the burst")
+        wait_for(lambda: taken[0] == jobs, message="the consumer took every job")
+        # About one per PACED_CHANGES jobs (18 here); a getMore per claim was 63-65.
+        assert getmores.count - before <= jobs / 10, f"{getmores.count - before} getMores for {jobs} jobs"
+    finally:
+        stop.set()
+        consumer.join()
 
 
 def test_news_for_a_quiet_queue_wakes_while_another_is_busy(watched, db: Database) -> None:
