@@ -146,11 +146,12 @@ def test_a_pool_process_never_waits_for_a_full_buffer(store: JobStore) -> None:
 def test_a_settle_waits_for_the_next_when_settles_come_close_together(
     store: JobStore, relay: SettleRelay, log: CommandLog
 ) -> None:
-    relay.linger = 60.0  # the cap: the wait is one and a half times the gap the settles come at
+    relay.linger = 60.0  # no cap: the wait is `hold_gaps` times the gap the settles come at
+    relay.hold_gaps = 0.5  # a wait shorter than the gap: each of the first four ends before the next comes
     ids = held_jobs(store, 6)
     log.commands.clear()
-    # Settles half a second apart: each written alone (the first with no gap before it to go by), then a wait of
-    # about 0.75 s for the next.
+    # Settles half a second apart: each written alone (the first with no gap before it to go by, the others after
+    # a wait of about a quarter of a second that the next does not come in).
     for count, job_id in enumerate(ids[:4], start=1):
         send_from_a_child(relay, [store.success(job_id, 1)])
         alone = [1] * count
