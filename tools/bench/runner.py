@@ -339,6 +339,28 @@ def window_costs(broker: Broker, rep: int, before: tuple[int, int | None], tasks
     return out
 
 
+def loaded_window(
+    broker: Broker,
+    rep: int,
+    publish: Callable[..., None],
+    stamps: Stamps,
+    tag: str,
+    n: int,
+    suffix: str,
+    commands: Path | None,
+) -> dict[str, Any]:
+    """A backlog of `n` tasks tagged `tag` published to a running worker: what each costs the server, and with a
+    command log (BENCH_DIAGNOSE), which commands the worker's processes sent for it."""
+    before, started = reading(broker.counter), time.time()
+    for _ in range(n):
+        publish(tag)
+    stamps.wait(tag, n, timeout=120 + n / 2)
+    out: dict[str, Any] = dict(window_costs(broker, rep, before, n, suffix))
+    if commands is not None and commands.exists():
+        out[f"worker_commands_per_task_window{suffix}"] = per_task(commands, started, time.time(), n)
+    return out
+
+
 def reading(counter: Counter) -> tuple[int, int | None]:
     """The counter's operations and requests now, for window_costs."""
     return counter.total(), counter.requests
@@ -593,11 +615,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
 
         # The loaded window again without the probes, as at Celery's prefetch below: what a task of a backlog
         # costs. Each probe is a lone task on an idle queue, whose wake-up is a change-stream getMore of its own.
-        before_window = reading(counter)
-        for _ in range(n):
-            publish("z")
-        stamps.wait("z", n, timeout=120 + n / 2)
-        result |= window_costs(broker, rep, before_window, n, "")
+        result |= loaded_window(broker, rep, publish, stamps, "z", n, "", commands if settings.diagnose else None)
         stop_worker(worker)
 
         # The same drain with Celery's default prefetch (4 per process), what users of the others run.
@@ -610,11 +628,9 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         result["drain_tps_celery_prefetch"] = n / (max(row[3] for row in drained) - min(row[2] for row in drained))
 
         # The loaded window again at that prefetch, where a worker may take several jobs in one claim.
-        before_window = reading(counter)
-        for _ in range(n):
-            publish("y")
-        stamps.wait("y", n, timeout=120 + n / 2)
-        result |= window_costs(broker, rep, before_window, n, "_celery_prefetch")
+        result |= loaded_window(
+            broker, rep, publish, stamps, "y", n, "_celery_prefetch", commands if settings.diagnose else None
+        )
         stop_worker(worker)
 
         ran_with_events = 0
