@@ -276,8 +276,8 @@ class SettleRelay:
     #: larger one itself, which keeps the socket's buffer (wmem_default, about 200 KB) for many small ones.
     max_bytes = 32 * 1024
     #: How many typical gaps between settles a settle waits for the next. Two pool processes often end together,
-    #: and then the mean gap is half the time to the next settle: at 1.5 gaps a pair was written alone, at 2.5
-    #: a third joins it (0.47 to 0.43 writes per task at prefetch 1). The wait ends at the next settle anyway.
+    #: and then the mean gap is half the time to the next settle: at 1.5 gaps a pair that came together was
+    #: written without a third; at 2.5 a third joins it more often. The wait ends at the next settle anyway.
     hold_gaps = 2.5
 
     def __init__(

@@ -572,11 +572,15 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
 
         # Idle: the worker has nothing to do; what it costs the server is its steady cost.
         time.sleep(2.0)
-        before = counter.total()
+        before, idle_start = counter.total(), time.time()
         time.sleep(settings.idle_window / 2)
         result["worker_rss_bytes"], result["worker_processes"] = rss_bytes(worker.process.pid)
         time.sleep(settings.idle_window / 2)
         result["idle_ops_per_s"] = counter.delta(before, counter.total()) / settings.idle_window
+        if settings.diagnose and commands.exists():
+            # Per second, not per task. pymongo's monitors' `hello`s are no command events: the rest of the figure.
+            sent = per_task(commands, idle_start, time.time(), 1)
+            result["worker_idle_commands_per_s"] = {key: count / settings.idle_window for key, count in sent.items()}
 
         # Enqueue→start when idle: one probe at a time, at a random moment (a poller's phase is random too).
         for k in range(settings.probes):
