@@ -435,11 +435,22 @@ def test_failed_heartbeats_are_retried_and_the_live_job_keeps_its_lease(own_serv
     url = with_database(own_server.url, "heartbeats")
     client = MongoClient(own_server.url, tz_aware=True)
     db = client.heartbeats
-    start_worker(url, tmp_path, "w0", options={"stale_after": 3.0})  # a heartbeat every 0.6 s
-    task_id = send(producer(url), "sleep", 8)
+    start_worker(url, tmp_path, "w0", options={"stale_after": 6.0})  # a heartbeat every 1.2 s
+    task_id = send(producer(url), "sleep", 14)
     wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="the long task started")
-    # the running job's heartbeats (`update` commands) fail for a while, short of stale_after
-    fail_point(client, 2, failCommands=["update"], errorCode=91, errorLabels=["RetryableWriteError"])
+    before = db.jobs.find_one({"taskId": task_id})["updatedAt"]
+    # The running job's heartbeats (`update` commands) fail for two ticks, short of stale_after. MaxTimeMSExpired,
+    # an error that leaves the server known: a shutdown's (91) makes pymongo wait for its monitor to find the server
+    # again, ~10 s, and after that the sweep may run before the settle it waits behind (the task has ended by then).
+    fail_point(client, 2, failCommands=["update"], errorCode=50)
+
+    def lease_kept_after_the_failures() -> bool:
+        job = db.jobs.find_one({"taskId": task_id})
+        return job["status"] == "running" and job["updatedAt"] - before >= timedelta(seconds=4)
+
+    # Past the two failed ticks (2.4 s), the keeper's heartbeats go on: the worker that sweeps is this one, so a
+    # keeper that stopped would leave the job alone and the task would still run once.
+    wait_for(lease_kept_after_the_failures, timeout=30, message="heartbeats after the failed ones")
     wait_for(settled(db, task_id, "succeeded"), timeout=60, message="the long task succeeded")
     assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1  # never taken for lost
     assert db.jobs.find_one({"taskId": task_id})["attempts"] == 1
