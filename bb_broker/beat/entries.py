@@ -9,9 +9,10 @@ An entry document (its `_id` is the entry's name):
 - `enabled`; `owner`: `config` for the entries of `beat_schedule` (written again at each beat's start), `runtime`
   for those added here;
 - `lastSlot`: the latest slot dealt with (sent, or skipped by the catch-up policy), moved only by a write fenced on
-  its previous value, so that each slot is dealt with once; `runCount` (jobs the entry made), `lastRunAt` (the
-  slot of its last job), `lastJob` (that job's task id and whether "run now" made it), `catchUps` (the latest
-  catch-ups: which slots, how many missed, how many sent).
+  its previous value, so that each slot is dealt with once; `runCount` (jobs recorded with their slot: a beat
+  killed between a slot's job and this record leaves that one job uncounted, unless a catch-up sends its slot
+  again), `lastRunAt` (the slot of its last job), `lastJob` (that job's task id and whether "run now" made it),
+  `catchUps` (the latest catch-ups: which slots, how many missed, how many sent).
 """
 
 from __future__ import annotations
