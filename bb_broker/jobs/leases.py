@@ -14,6 +14,7 @@ from pymongo.errors import PyMongoError
 
 from bb_broker.connection import shutdown_patience
 from bb_broker.forks import reset_in_child
+from bb_broker.jobs import settles
 from bb_broker.jobs.outages import passes_with_time
 from bb_broker.jobs.store import JobStore
 from bb_broker.threads import start_supervised
@@ -30,6 +31,9 @@ def add_process_source(source: LiveJobs) -> None:
     if source not in _process_sources:
         _process_sources.append(source)
 
+
+#: The most seconds a sweep waits for this process's settles to be written (LeaseKeeper.tick).
+SETTLES_WAIT = 1.0
 
 #: Seconds between tries of the releases a server that did not answer left to do (see release_later).
 RELEASE_RETRY_INTERVAL = 1.0
@@ -150,34 +154,44 @@ class LeaseKeeper:
 
     def live_jobs(self) -> set[str]:
         ids: set[str] = set()
-        for source in [*self._sources, *_process_sources]:
+        # A finished task's job too, until its settle is written (settles.pending_jobs).
+        for source in [*self._sources, *_process_sources, settles.pending_jobs]:
             ids.update(_snapshot(source))
         return ids
 
     def give_back_unreleased(self, wait: float | None = None) -> int:
         return give_back_unreleased(self.store, self.owner, live=self.live_jobs(), wait=wait)
 
-    def tick(self, *, sweep: bool) -> None:
+    def tick(self, *, sweep: bool) -> bool:
+        """Heartbeat the live jobs, and sweep if `sweep`; whether it swept."""
         # The releases the server missed come first: before this process's sweep (or the next one) could take
         # those jobs as lost; until they are made, their leases are kept fresh.
         if unreleased(self.store) and self._server_answers():
             self.give_back_unreleased()
         self.store.heartbeat(self.live_jobs().union(unreleased(self.store)), self.owner)
-        if sweep:
-            self.store.requeue_stale()
-            self.store.fail_unclaimable_queued()
-            for expire in list(self._expiries):
-                expire()
+        if not sweep:
+            return False
+        # This process's settles first: those still in the relay's socket are in no heartbeat, and a sweep right
+        # after an outage would take their jobs back before the settles behind it land. Not yet: the next tick.
+        if not settles.written(min(SETTLES_WAIT, self.store.policy.heartbeat_interval)):
+            logger.info("the stale sweep waits for this worker's settles held up by the server")
+            return False
+        self.store.requeue_stale()
+        self.store.fail_unclaimable_queued()
+        for expire in list(self._expiries):
+            expire()
+        return True
 
     def _run(self) -> None:
         policy = self.store.policy
         elapsed = policy.sweep_interval  # a worker that starts sweeps at once
         while not self._done.is_set():
-            sweep = elapsed >= policy.sweep_interval
-            if sweep:
+            due = elapsed >= policy.sweep_interval
+            if due:
                 elapsed = 0.0
             try:
-                self.tick(sweep=sweep)
+                if not self.tick(sweep=due) and due:
+                    elapsed = policy.sweep_interval  # held back by this process's settles: at the next tick
             except PyMongoError as exc:
                 logger.warning("lease upkeep failed, will try again: %s", type(exc).__name__)
             self._wait(policy.heartbeat_interval)

@@ -13,16 +13,18 @@ over a socket pair made before they were forked, so the settles of all the pool 
 pool process spends on a settle a datagram instead of pymongo's round trip. While settles reach the relay a few
 milliseconds apart (a backlog), each waits for the next, so that two share a write (SettleRelay._hold). A send
 never waits: a settle too large for a datagram, or sent while the socket's buffer is full (the main process's
-writes held up by an outage) or after the main process is gone, goes to a writer thread of the pool process itself
-(GroupCommit), as does every settle in a worker whose pool is not forked (threads, solo, gevent, eventlet). A
-script calling the result backend writes its settle at once (hooks.settle_ran).
+writes held up by an outage) or after the main process is gone, the pool process writes itself, at once, before its
+task's result goes back to the main process (JobStore.settle_soon). Every settle in a worker whose pool is not
+forked (threads, solo, gevent, eventlet) goes to a writer thread of its process (GroupCommit). A script calling the
+result backend writes its settle at once (hooks.settle_ran).
 
 The crash window this opens: a finished task waits for its settle at most the write in flight, the relay's wait for
 the next settle (up to `settle_linger`, 10 ms) and its own write (a round trip or two; through an outage, up to
-`settle_patience`). If the process holding it dies then (the main process, for a relayed settle: a pool process
-that dies after sending it loses nothing), the job is still `running` in the worker's name but no longer in its
-heartbeats (Celery has the task's outcome): the stale sweep takes it back after `stale_after` and it runs again, as
-a job of a worker lost in the middle of its task does.
+`settle_patience`). Meanwhile the job stays live: the lease keeper of the process that writes it heartbeats it
+(pending_jobs), and sweeps only once that process's settles are written (written). If the process holding it dies
+(the main process, for a relayed settle: a pool process that dies after sending it loses nothing), the job is
+still `running` in the worker's name and its heartbeats stop: the stale sweep takes it back after `stale_after`
+and it runs again, as a job of a worker lost in the middle of its task does.
 
 Threads: whoever submits (a pool process's main thread, a threads pool's threads) only puts on the writer's queue
 or sends on the relay's socket; the writer thread, or the relay's thread in the main process, alone takes from it
@@ -108,15 +110,20 @@ class SettleWriter:
     def __init__(self, coll: Collection, *, patience: float) -> None:
         self.coll = coll
         self.patience = patience
+        #: The jobs of the batch being written, replaced whole by the writing thread and read by the lease keeper's.
+        self.writing: frozenset[str] = frozenset()
 
     def write(self, batch: list[Settle]) -> None:
         """Write `batch`; what cannot be written is logged, its jobs left to the stale sweep."""
+        self.writing = frozenset(_ids(batch))
         try:
             if batch:
                 self._write(batch)
         except Exception:
             # Left `running`, each of these jobs is taken back by the stale sweep and runs again.
             logger.exception("the settles of %d jobs were not written: %s", len(batch), _ids(batch))
+        finally:
+            self.writing = frozenset()
 
     def _write(self, batch: list[Settle]) -> None:
         if len(batch) == 1:
@@ -211,12 +218,18 @@ class GroupCommit:
         # put before them are written.
         self._queue: queue.SimpleQueue[Settle | threading.Event] = queue.SimpleQueue()
         self._writing = False  # the writer's, read by submit: whether a write is in flight
+        #: The jobs submitted and not yet written: added by submit, taken away by the writer once it wrote them.
+        self._unwritten: set[str] = set()
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def pending_jobs(self) -> frozenset[str]:
+        return frozenset(self._unwritten)  # one C call under the GIL: never torn by the threads that change it
 
     def submit(self, settle: Settle) -> None:
         """Write `settle` as soon as the write in flight, if any, is answered."""
         idle = not self._writing and self._queue.empty()  # this one goes alone, now
+        self._unwritten.add(settle.job_id)
         self._queue.put(settle)
         if self._thread is None:
             with self._start_lock:
@@ -233,6 +246,8 @@ class GroupCommit:
         """Wait until every settle submitted so far is written or given up; False when `timeout` ran out first."""
         if self.pid != os.getpid() or self._thread is None:
             return True  # a parent's writer, in a forked child (its settles are the parent's), or one never used
+        if not self._unwritten:
+            return True  # submit counts a settle before queueing it, the writer only once it is written
         written = threading.Event()
         self._queue.put(written)
         return written.wait(timeout)
@@ -255,6 +270,7 @@ class GroupCommit:
                 self.writer.write(batch)
             finally:
                 self._writing = False
+                self._unwritten.difference_update(_ids(batch))
                 for marker in markers:
                     marker.set()
 
@@ -267,7 +283,7 @@ class SettleRelay:
     send one and none of them can send code. A pool process's send is the whole of its share; the relay's thread
     in the main process takes every datagram waiting, writes them in one round trip, and takes those that came
     meanwhile. A settle too large for a datagram, or one sent when the main process is gone, is the pool process's
-    own to write (its GroupCommit), as before the relay.
+    own to write, at once (JobStore.settle_soon), as before the relay.
 
     Threads: a pool process's threads only send; in the main process the relay's thread alone receives and
     writes, and `flush` waits for it."""
@@ -306,9 +322,15 @@ class SettleRelay:
         self._store_of_main: Any = None
         self._last_arrival: float | None = None
         self._typical_gap: float | None = None
+        #: The jobs of the settles received and not yet written: replaced whole by the relay's thread, read by the
+        #: lease keeper's (the Celery requests of these jobs are done, and they must stay live until written).
+        self._unwritten: frozenset[str] = frozenset()
         self._closed = False
         reset_in_child(partial(_close_receiving_end, weakref.ref(self)))
         _writers.add(self)
+
+    def pending_jobs(self) -> frozenset[str]:
+        return self._unwritten
 
     def start(self) -> None:
         """Start receiving, in the main process."""
@@ -344,8 +366,8 @@ class SettleRelay:
 
     def flush(self, timeout: float | None = None) -> bool:
         """In the main process: wait until every settle received so far is written; True in a pool process, whose
-        sends are in the main process's hands once sent."""
-        if os.getpid() != self.owner_pid or self._thread is None:
+        sends are in the main process's hands once sent, and once closed."""
+        if os.getpid() != self.owner_pid or self._thread is None or self._closed:
             return True
         written = threading.Event()
         with self._flush_lock:
@@ -397,6 +419,7 @@ class SettleRelay:
                     self._hold(batch, flushed)
                     self._writer_of_main().write(batch)
             finally:
+                self._unwritten = frozenset()
                 with self._flush_lock:
                     for token in flushed:
                         marker = self._flushes.get(token)
@@ -422,6 +445,7 @@ class SettleRelay:
                 flushed.append(read)
             elif read is not None:
                 batch.append(read)
+        self._unwritten = frozenset(_ids(batch))
 
     def _note_arrival(self) -> None:
         now = time.monotonic()
@@ -503,6 +527,20 @@ def _close_receiving_end(relay: weakref.ref[SettleRelay]) -> None:
 
 def _ids(batch: list[Settle]) -> list[str]:
     return [settle.job_id for settle in batch]
+
+
+def pending_jobs() -> list[str]:
+    """The jobs whose settles this process's writers have yet to write. Their Celery requests are done, but they
+    are live until written: the lease keeper keeps their leases fresh (an outage can hold a write for
+    `settle_patience`), as it did while a pool process wrote its own settle before returning its task's result."""
+    return [job_id for writer in list(_writers) for job_id in writer.pending_jobs()]
+
+
+def written(timeout: float) -> bool:
+    """Whether every settle this process's writers had (sent to its relay or not yet received) is written within
+    `timeout` seconds: the lease keeper sweeps only then (leases.py), or it could take such a job back."""
+    deadline = time.monotonic() + timeout
+    return all(writer.flush(max(0.0, deadline - time.monotonic())) for writer in list(_writers))
 
 
 def flush_all(timeout: float) -> None:

@@ -63,7 +63,7 @@ from bb_broker.jobs.queues import (
 )
 from bb_broker.jobs.rate_keys import RateHolds, counted_key
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
-from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay
+from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay, SettleWriter
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
@@ -805,7 +805,13 @@ class JobStore(Sweeps):
     def settle_soon(self, settle: Settle) -> None:
         """Write a settle with the others this process makes meanwhile, in one round trip; in a pool process, with
         those of the worker's other pool processes, by its main process (see jobs/settles.py)."""
-        if self.settle_relay is not None and self.settle_relay.send(settle):
+        relay = self.settle_relay
+        if relay is not None and relay.owner_pid != os.getpid():
+            if not relay.send(settle):
+                # Too large for a datagram, the socket's buffer full (the main process's writes held up by an
+                # outage) or the main process gone: written here and now, before the task's result goes back. Until
+                # then the main process holds the task's request, and so keeps the job's lease fresh.
+                SettleWriter(self.coll, patience=self.settle_patience).write([settle])
             return
         group = self._group_commit
         if group is None or group.pid != os.getpid():
