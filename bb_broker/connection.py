@@ -424,13 +424,31 @@ def quick_timeouts(target: BrokerTarget) -> dict[str, int]:
     return {name: ms for name, ms in QUICK_TIMEOUTS.items() if f"{name.lower()}=" not in in_url}
 
 
+#: How often (ms) pymongo's monitors look at the server from a worker's pool process, where pymongo's default is
+#: every 10 s, two `hello`s each time. A pool process's client serves its clock (a read a minute) and the rare settle
+#: it writes itself (its relay refused it): at 10 s its monitors were a quarter of an idle worker's cost to the
+#: server, 0.2 operations a second per pool process. A failed command still has pymongo look again at once.
+POOL_PROCESS_HEARTBEAT_MS = 60_000
+
+#: The client options of every client this process makes (unless its URL sets them): in_a_pool_process's.
+_process_client_options: dict[str, Any] = {}
+
+
+def in_a_pool_process() -> None:
+    """This process is a worker's pool process (Celery's worker_process_init): its clients, made from now on, have
+    its monitoring (POOL_PROCESS_HEARTBEAT_MS)."""
+    _process_client_options["heartbeatFrequencyMS"] = POOL_PROCESS_HEARTBEAT_MS
+
+
 def get_database(target: BrokerTarget, **client_options: Any) -> Database:
     """This process's client for the target: pymongo clients must not cross a fork."""
     key = (os.getpid(), target.mongo_uri, tuple(sorted(client_options.items())))
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            options = {"appname": "bb_broker", "tz_aware": True, **client_options}
+            in_url = target.mongo_uri.lower()  # the URL's own options win
+            process = {name: v for name, v in _process_client_options.items() if f"{name.lower()}=" not in in_url}
+            options = {"appname": "bb_broker", "tz_aware": True, **process, **client_options}
             client = _clients[key] = new_client(target.mongo_uri, **options)
     return client[target.database]
 

@@ -502,6 +502,11 @@ def _tasks_imported(sender: Any = None, **_: Any) -> None:
             raise SystemExit(f"bb_broker: {exc}") from None
 
 
+@signals.worker_process_init.connect
+def _in_a_pool_process(**_: Any) -> None:
+    connection.in_a_pool_process()  # its clients' monitors look at the server once a minute (connection.py says why)
+
+
 @signals.worker_init.connect
 def _become_worker(sender: Any = None, **_: Any) -> None:
     if broker_url(sender.app) is None:

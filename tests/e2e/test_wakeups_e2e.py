@@ -119,3 +119,20 @@ def test_a_lone_task_costs_an_idle_worker_one_claim_and_no_read_of_plain_message
         ("findAndModify", "jobs", "celery"): LONE_TASKS,  # one claim per task, nothing else on `celery`
         ("findAndModify", "bb_messages", pidbox): 1,  # the last ping, and no claim there
     }, window
+
+
+def test_a_pool_processs_client_looks_at_the_server_once_a_minute_and_the_main_processs_as_pymongo_does(
+    broker_url, worker_factory
+) -> None:
+    # A pool process's client serves its clock and the rare settle it writes itself: pymongo's monitors checking the
+    # server every 10 s (two `hello`s each time) cost an idle worker 0.2 operations a second per pool process.
+    worker = worker_factory(concurrency=2, env={"BB_RESULT_BACKEND": "broker"})
+    app = producer(broker_url)
+    app.conf.result_backend = broker_url
+    pool = [app.send_task("tests.support.e2e_app.pool_monitoring").get(timeout=60) for _ in range(4)]
+    hostname = f"{worker.name}@{socket.gethostname()}"
+    replies = app.control.broadcast("monitoring", reply=True, timeout=10, destination=[hostname]) or []
+    (main,) = [reply for answer in replies for reply in answer.values()]
+    assert main["heartbeat_seconds"] == 10.0  # pymongo's default: the worker's watcher and leases need no other
+    assert {run["heartbeat_seconds"] for run in pool} == {60.0}
+    assert main["pid"] not in {run["pid"] for run in pool}

@@ -104,6 +104,18 @@ def threads(state) -> list[str]:
     return sorted(thread.name for thread in threading.enumerate())
 
 
+def _monitoring() -> dict:
+    """How often this process's bb_broker client has pymongo look at the server (seconds), and the process."""
+    client = get_database(parse_broker_url(app.conf.broker_url)).client
+    return {"pid": os.getpid(), "heartbeat_seconds": client.options.heartbeat_frequency}
+
+
+@inspect_command()
+def monitoring(state) -> dict:
+    """_monitoring in the worker's main process (tests/e2e/test_wakeups_e2e.py)."""
+    return _monitoring()
+
+
 def _crash_at(point: str) -> None:
     """Fault injection for tests/e2e/test_results_e2e.py: the whole worker is SIGKILLed at one step of a chord's
     completion (`part-counted`: a part counted, its job not settled; `callback-claimed`: the last part claimed the
@@ -174,6 +186,12 @@ def record(task, **fields) -> None:
 def add(self, x, y):
     record(self)
     return x + y
+
+
+@app.task
+def pool_monitoring():
+    """_monitoring in the pool process that runs it."""
+    return _monitoring()
 
 
 @app.task(bind=True)
