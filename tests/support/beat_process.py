@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,15 @@ def slot_jobs(db: Database, name: str = ENTRY) -> list[dict[str, Any]]:
     for job in jobs:
         job["slot"] = datetime.fromisoformat(job["uniqueKey"].removeprefix(f"beat:{name}:"))
     return sorted(jobs, key=lambda job: job["slot"])
+
+
+def recorded(db: Database, name: str = ENTRY) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The entry's record, and then the jobs of the slots it covers: a beat still running may have sent the next
+    slot's job and not yet recorded it (runCount counts it a moment later)."""
+    entry = db.bb_schedules.find_one({"_id": name})
+    assert entry is not None, f"no entry {name!r}"
+    last = entry["lastSlot"].replace(tzinfo=UTC)
+    return entry, [job for job in slot_jobs(db, name) if job["slot"] <= last]
 
 
 def assert_one_job_per_slot(jobs: list[dict[str, Any]], every: timedelta = timedelta(seconds=1)) -> None:
