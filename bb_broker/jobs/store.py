@@ -488,6 +488,12 @@ class JobStore(Sweeps):
         )
         return {doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int}
 
+    def any_due(self, queues: Iterable[str]) -> bool:
+        """Whether a job of any of `queues` is due: a safety poll's one read for them all (the claim's index, and
+        the first due job found ends it)."""
+        due = {"status": QUEUED, "queue": {"$in": list(queues)}, "runAfter": {"$lte": self.now()}}
+        return self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, hint="bb_claim")) is not None
+
     def claim_many(
         self,
         queue: str,

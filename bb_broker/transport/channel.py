@@ -48,7 +48,7 @@ from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_s
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
-from bb_broker.transport.wakeups import Look
+from bb_broker.transport.wakeups import Look, Wakeups
 from bb_broker.worker import patches
 
 if TYPE_CHECKING:
@@ -456,6 +456,8 @@ class Channel(virtual.Channel):
         look = Look() if wakeups is None else wakeups.look(queue, job_queue=not plain)
         if look is None:
             raise Empty()
+        if look.safety and wakeups is not None:
+            self._safety_probe(queue, look, wakeups)
         # Each collection is read only where the change stream told of something there (or on a safety poll):
         # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
         reads = (("messages", lambda queue: self._fetch_plain(queue, look)), ("jobs", self._claim))
@@ -481,6 +483,16 @@ class Channel(virtual.Channel):
         finally:
             if wakeups is not None:
                 wakeups.looked(queue, look)
+
+    def _safety_probe(self, queue: str, look: Look, wakeups: Wakeups) -> None:
+        """A safety poll of `queue`, and of the other consumed queues whose safety poll is half due: one read per
+        collection says whether anything waits in any of them (an idle worker's steady cost, whatever the number of
+        queues it consumes); only where something does are they read queue by queue, as news."""
+        others = wakeups.due_for_safety_soon(queue)
+        queues = [queue, *others]
+        jobs, messages = self.jobs.any_due(queues), self.plumbing.any_waiting(queues)
+        wakeups.safety_polled(others, jobs=jobs, messages=messages)
+        look.jobs, look.messages = (look.jobs if jobs else 0.0), (look.messages if messages else 0.0)
 
     def _fetch_plain(self, queue: str, look: Look | None = None) -> dict[str, Any]:
         """The next plain message of `queue`: one held from a batch, else a batch of up to what the `look`'s news

@@ -348,6 +348,17 @@ def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _takeable(queue: Any) -> dict[str, Any]:
+    """The filter of the messages of `queue` (a name, or a query on it) a take may have."""
+    now = datetime.now(UTC)
+    # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
+    # A mark older than TAKE_LEASE is a take that never finished (its consumer lost the server and went away).
+    abandoned = ObjectId.from_datetime(now - timedelta(seconds=TAKE_LEASE))
+    # One predicate, not an $or: a server may evaluate an $or against every document (see document.attempts_fence).
+    unmarked = {"$not": {"$gte": abandoned}}  # no mark, or an older one
+    return {"queue": queue, "expiresAt": {"$gt": now}, TAKER: unmarked}
+
+
 class MessageStore:
     """Transient messages: deleted when fetched, expired by a TTL index when nobody fetches them.
 
@@ -450,17 +461,16 @@ class MessageStore:
                 queue,
             )
 
+    def any_waiting(self, queues: Iterable[str]) -> bool:
+        """Whether any of `queues` has a message to take: a safety poll's one read for them all."""
+        return self.messages.find_one(_takeable({"$in": list(queues)}), {"_id": 1}) is not None
+
     def take(self, queue: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Take up to `limit` of `queue`'s messages, in order, each to one taker: their stored documents (to deliver,
         `payload_of`; to give back, `give_back`), and whether that was all the queue had. One round trip each
         below TAKE_BATCH_MIN; from there, a read, a mark and a delete for them all."""
-        now = datetime.now(UTC)
-        # The TTL monitor deletes expired messages only every minute or so: one past its time is never delivered.
-        # A mark older than TAKE_LEASE is a take that never finished (its consumer lost the server and went away).
-        abandoned = ObjectId.from_datetime(now - timedelta(seconds=TAKE_LEASE))
-        # One predicate, not an $or: a server may evaluate an $or against every document (see document.attempts_fence).
-        unmarked = {"$not": {"$gte": abandoned}}  # no mark, or an older one
-        live = {"queue": queue, "expiresAt": {"$gt": now}, TAKER: unmarked}
+        live = _takeable(queue)
+        unmarked = live[TAKER]
         if limit < TAKE_BATCH_MIN:
             taken: list[dict[str, Any]] = []
             while len(taken) < max(limit, 1):

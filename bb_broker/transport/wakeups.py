@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -61,6 +61,8 @@ class Look:
 
     jobs: float = math.inf
     messages: float = math.inf
+    #: A safety poll (its reads are everything, until the consumer's probe says where nothing waits, safety_polled).
+    safety: bool = field(default=False, compare=False)
 
     def took(self, source: str, count: int, *, all_there_was: bool) -> None:
         """A read of `source` ("jobs" or "messages") took `count`; `all_there_was` when it found the queue empty."""
@@ -144,10 +146,31 @@ class Wakeups:
             self._last_poll[queue] = now
             news = self._news.pop(queue, None) or Look(jobs=0.0, messages=0.0)
         if safety:
-            return Look()
+            return Look(safety=True)
         if touched:
             news.jobs = math.inf  # a job went back to queued somewhere (a retry, a release), or a queue resumed
         return news
+
+    def due_for_safety_soon(self, queue: str) -> list[str]:
+        """The other consumed queues whose safety poll is at least half due: a safety poll of `queue` covers them
+        too, so that an idle worker's safety polls cost a read per collection, not per queue."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                other
+                for other in self._consumed
+                if other != queue and now - self._last_poll.get(other, float("-inf")) >= self._safety / 2
+            ]
+
+    def safety_polled(self, queues: Collection[str], *, jobs: bool, messages: bool) -> None:
+        """A safety poll covered `queues` (see due_for_safety_soon): where it found something waiting (`jobs`, in
+        the jobs of one of them at least; `messages`, in their plain messages), each queue reads there, as news."""
+        now = time.monotonic()
+        with self._lock:
+            for queue in queues:
+                self._last_poll[queue] = now
+                if jobs or messages:
+                    self._add_news(queue, jobs=math.inf if jobs else 0.0, messages=math.inf if messages else 0.0)
 
     def looked(self, queue: str, look: Look) -> None:
         """A look at `queue` is over: what it did not take of the news it read for is still news."""

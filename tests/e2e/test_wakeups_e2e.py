@@ -136,3 +136,35 @@ def test_a_pool_processs_client_looks_at_the_server_once_a_minute_and_the_main_p
     assert main["heartbeat_seconds"] == 10.0  # pymongo's default: the worker's watcher and leases need no other
     assert {run["heartbeat_seconds"] for run in pool} == {60.0}
     assert main["pid"] not in {run["pid"] for run in pool}
+
+
+def test_an_idle_workers_safety_poll_is_one_read_per_collection_for_all_its_queues_and_finds_what_the_stream_missed(
+    broker_url, db, worker_factory, tmp_path
+) -> None:
+    # A safety poll used to claim and take in each queue the worker consumes: two reads per queue every
+    # safety_poll_interval. Now one read per collection covers them all, and a queue is read only where one says
+    # something waits. A job moved by hand from another queue is no news to the change stream: the safety poll finds it.
+    log = tmp_path / "reads.log"
+    worker = worker_factory(
+        options={"safety_poll_interval": 1.0}, extra_args=("-Q", "a,b,c"), env={"BB_TEST_READ_LOG": str(log)}
+    )
+    pidbox = f"{worker.name}@{socket.gethostname()}.celery.pidbox"
+    consumed = {"a", "b", "c", pidbox}
+
+    def reads() -> list[tuple[str, str, frozenset[str]]]:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [(name, coll, frozenset(queues.split(","))) for name, coll, queues in (line.split() for line in lines)]
+
+    wait_for(lambda: any(queues == consumed for _, _, queues in reads()), message="a safety poll of every queue")
+    before = len(reads())
+    wait_for(lambda: len(reads()) >= before + 8, message="four more safety polls")
+    window = reads()[before:]
+    assert all(name == "find" and queues == consumed for name, _, queues in window), window
+    assert {coll for _, coll, _ in window} == {"jobs", "bb_messages"}
+
+    app = producer(broker_url)
+    task_id = send(app, "add", 2, 3, queue="elsewhere")  # a queue the worker does not consume
+    wait_for(lambda: db.jobs.find_one({"taskId": task_id, "status": "queued"}), message="the job stored")
+    db.jobs.update_one({"taskId": task_id}, {"$set": {"queue": "b"}})
+    wait_for(settled(db, task_id, "succeeded"), timeout=30, message="the moved job, run")
+    assert ("findAndModify", "jobs", frozenset({"b"})) in reads()[before:]  # read where the probe found it

@@ -38,7 +38,8 @@ if os.environ.get("BB_RESULT_BACKEND"):
 
 class ReadLog(monitoring.CommandListener):
     """BB_TEST_READ_LOG: a line per read of a queue this process sends (`findAndModify` or `find`, the collection,
-    the queue), for tests/e2e/test_wakeups_e2e.py to count what a task costs the worker."""
+    the queue, or the queues of a read of several, joined by commas), for tests/e2e/test_wakeups_e2e.py to count
+    what a task costs the worker."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -49,6 +50,8 @@ class ReadLog(monitoring.CommandListener):
             return
         query = event.command.get("query" if name == "findAndModify" else "filter") or {}
         queue = query.get("queue")
+        if isinstance(queue, dict) and isinstance(queue.get("$in"), list):
+            queue = ",".join(sorted(str(name) for name in queue["$in"]))
         if isinstance(queue, str):
             os.write(self.fd, f"{name} {event.command[name]} {queue}\n".encode())
 
