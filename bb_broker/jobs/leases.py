@@ -119,6 +119,7 @@ class LeaseKeeper:
         self.owner = owner
         self._sources: list[LiveJobs] = []
         self._expiries: list[Callable[[], int]] = []  # deletions a server without TTL indexes leaves to us
+        self._sweep_held_since: float | None = None  # when this process's unwritten settles first held a sweep
         self._done = threading.Event()
         self._thread = start_supervised("bb-broker-leases", self._run)
         atexit.register(self._release_at_exit, os.getpid())
@@ -172,10 +173,17 @@ class LeaseKeeper:
         if not sweep:
             return False
         # This process's settles first: those still in the relay's socket are in no heartbeat, and a sweep right
-        # after an outage would take their jobs back before the settles behind it land. Not yet: the next tick.
+        # after an outage would take their jobs back before the settles behind it land. Not yet: the next tick;
+        # but no longer than a settle keeps trying (settle_patience), so that slow writes never stop the sweeps.
         if not settles.written(min(SETTLES_WAIT, self.store.policy.heartbeat_interval)):
-            logger.info("the stale sweep waits for this worker's settles held up by the server")
-            return False
+            now = time.monotonic()
+            if self._sweep_held_since is None:
+                self._sweep_held_since = now
+            if now - self._sweep_held_since < self.store.settle_patience:
+                logger.info("the stale sweep waits for this worker's settles held up by the server")
+                return False
+            logger.warning("this worker's settles are still unwritten after %g s: sweeping", self.store.settle_patience)
+        self._sweep_held_since = None
         self.store.requeue_stale()
         self.store.fail_unclaimable_queued()
         for expire in list(self._expiries):
@@ -189,12 +197,14 @@ class LeaseKeeper:
             due = elapsed >= policy.sweep_interval
             if due:
                 elapsed = 0.0
+            began = time.monotonic()
             try:
                 if not self.tick(sweep=due) and due:
                     elapsed = policy.sweep_interval  # held back by this process's settles: at the next tick
             except PyMongoError as exc:
                 logger.warning("lease upkeep failed, will try again: %s", type(exc).__name__)
-            self._wait(policy.heartbeat_interval)
+            # The next heartbeat a heartbeat_interval after this one began, however long the tick waited.
+            self._wait(max(0.0, policy.heartbeat_interval - (time.monotonic() - began)))
             elapsed += policy.heartbeat_interval
 
     def _wait(self, seconds: float) -> None:

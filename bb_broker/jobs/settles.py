@@ -110,20 +110,15 @@ class SettleWriter:
     def __init__(self, coll: Collection, *, patience: float) -> None:
         self.coll = coll
         self.patience = patience
-        #: The jobs of the batch being written, replaced whole by the writing thread and read by the lease keeper's.
-        self.writing: frozenset[str] = frozenset()
 
     def write(self, batch: list[Settle]) -> None:
         """Write `batch`; what cannot be written is logged, its jobs left to the stale sweep."""
-        self.writing = frozenset(_ids(batch))
         try:
             if batch:
                 self._write(batch)
         except Exception:
             # Left `running`, each of these jobs is taken back by the stale sweep and runs again.
             logger.exception("the settles of %d jobs were not written: %s", len(batch), _ids(batch))
-        finally:
-            self.writing = frozenset()
 
     def _write(self, batch: list[Settle]) -> None:
         if len(batch) == 1:

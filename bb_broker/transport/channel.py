@@ -456,12 +456,12 @@ class Channel(virtual.Channel):
         look = Look() if wakeups is None else wakeups.look(queue, job_queue=not plain)
         if look is None:
             raise Empty()
-        if look.safety and wakeups is not None:
-            self._safety_probe(queue, look, wakeups)
         # Each collection is read only where the change stream told of something there (or on a safety poll):
         # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
         reads = (("messages", lambda queue: self._fetch_plain(queue, look)), ("jobs", self._claim))
         try:
+            if look.safety and wakeups is not None:
+                self._safety_probe(queue, look, wakeups)  # inside: a probe that fails leaves the look's news as news
             for source, read in reads if plain else reversed(reads):
                 if not getattr(look, source):
                     continue
@@ -488,10 +488,10 @@ class Channel(virtual.Channel):
         """A safety poll of `queue`, and of the other consumed queues whose safety poll is half due: one read per
         collection says whether anything waits in any of them (an idle worker's steady cost, whatever the number of
         queues it consumes); only where something does are they read queue by queue, as news."""
-        others = wakeups.due_for_safety_soon(queue)
+        began, others = wakeups.due_for_safety_soon(queue)
         queues = [queue, *others]
         jobs, messages = self.jobs.any_due(queues), self.plumbing.any_waiting(queues)
-        wakeups.safety_polled(others, jobs=jobs, messages=messages)
+        wakeups.safety_polled(others, at=began, jobs=jobs, messages=messages)
         look.jobs, look.messages = (look.jobs if jobs else 0.0), (look.messages if messages else 0.0)
 
     def _fetch_plain(self, queue: str, look: Look | None = None) -> dict[str, Any]:

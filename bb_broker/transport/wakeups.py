@@ -151,24 +151,26 @@ class Wakeups:
             news.jobs = math.inf  # a job went back to queued somewhere (a retry, a release), or a queue resumed
         return news
 
-    def due_for_safety_soon(self, queue: str) -> list[str]:
-        """The other consumed queues whose safety poll is at least half due: a safety poll of `queue` covers them
-        too, so that an idle worker's safety polls cost a read per collection, not per queue."""
+    def due_for_safety_soon(self, queue: str) -> tuple[float, list[str]]:
+        """The other consumed queues whose safety poll is at least half due, and when that was found (before the
+        reads): a safety poll of `queue` covers them too, so that an idle worker's safety polls cost a read per
+        collection, not per queue."""
         now = time.monotonic()
         with self._lock:
-            return [
+            others = [
                 other
                 for other in self._consumed
                 if other != queue and now - self._last_poll.get(other, float("-inf")) >= self._safety / 2
             ]
+        return now, others
 
-    def safety_polled(self, queues: Collection[str], *, jobs: bool, messages: bool) -> None:
-        """A safety poll covered `queues` (see due_for_safety_soon): where it found something waiting (`jobs`, in
-        the jobs of one of them at least; `messages`, in their plain messages), each queue reads there, as news."""
-        now = time.monotonic()
+    def safety_polled(self, queues: Collection[str], *, at: float, jobs: bool, messages: bool) -> None:
+        """A safety poll that began `at` (due_for_safety_soon's time) covered `queues`: where it found something
+        waiting (`jobs`, in the jobs of one of them at least; `messages`, in their plain messages), each queue reads
+        there, as news. Their looks count from `at`: a job sent back to the queue during the reads is still news."""
         with self._lock:
             for queue in queues:
-                self._last_poll[queue] = now
+                self._last_poll[queue] = max(self._last_poll.get(queue, float("-inf")), at)
                 if jobs or messages:
                     self._add_news(queue, jobs=math.inf if jobs else 0.0, messages=math.inf if messages else 0.0)
 
