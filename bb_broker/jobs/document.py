@@ -63,9 +63,14 @@ def only_duplicate_keys(errors: list[dict[str, Any]]) -> bool:
 RESULTS_COLLECTION = "bb_results"
 
 
+def due_query(queue: Any, now: datetime) -> dict[str, Any]:
+    """The filter of the jobs of `queue` (a name, or a query on it: a safety poll's `$in`) due `now`."""
+    return {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+
+
 def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
     """The claim: the filter of `queue`'s due jobs (taken in CLAIM_ORDER) and the update that makes one `owner`'s."""
-    due = {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
+    due = due_query(queue, now)
     take = {
         "$set": {"status": RUNNING, "updatedAt": now, "startedAt": now, "leaseOwner": owner},
         "$inc": {"attempts": 1},

@@ -43,6 +43,7 @@ from bb_broker.jobs.document import (
     attempts_fence,
     claim_query,
     claimed,
+    due_query,
     has_entry_of_current_attempt,
     in_slot,
     in_slots,
@@ -491,7 +492,7 @@ class JobStore(Sweeps):
     def any_due(self, queues: Iterable[str]) -> bool:
         """Whether a job of any of `queues` is due: a safety poll's one read for them all (the claim's index, and
         the first due job found ends it)."""
-        due = {"status": QUEUED, "queue": {"$in": list(queues)}, "runAfter": {"$lte": self.now()}}
+        due = due_query({"$in": list(queues)}, self.now())
         return self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, hint="bb_claim")) is not None
 
     def claim_many(
