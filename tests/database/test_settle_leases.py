@@ -22,7 +22,7 @@ from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.settles import Settle, SettleRelay
 from bb_broker.jobs.store import JobStore
-from tests.support.store import held_jobs
+from tests.support.store import held_jobs, send_from_a_child
 from tests.support.workers import wait_for
 
 #: A heartbeat every 0.4 s, a sweep every second.
@@ -104,14 +104,6 @@ def test_a_job_whose_settle_the_server_refuses_longer_than_its_lease_is_kept_and
     settled_once(keeper_store, [job_id])
 
 
-def relayed_from_a_child(relay: SettleRelay, settle: Settle) -> None:
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if relay.send(settle) else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the relay refused a settle"
-
-
 @pytest.fixture
 def relay(settles_store: JobStore) -> Iterator[SettleRelay]:
     relay = SettleRelay(lambda: settles_store, lambda store, settle, with_result: settle)
@@ -126,7 +118,7 @@ def test_a_relayed_settle_held_up_by_the_server_keeps_its_job_from_another_worke
     (job_id,) = held_jobs(keeper_store, 1)
     refuse_settles(client, True)
     try:
-        relayed_from_a_child(relay, success(settles_store, job_id))
+        send_from_a_child(relay, [success(settles_store, job_id)])
         held_through_three_leases(keeper_store, [job_id], other_worker=store_on(client.leased))
     finally:
         refuse_settles(client, False)
@@ -140,12 +132,12 @@ def test_the_workers_own_sweep_waits_for_settles_still_in_the_relays_socket(
     ids = held_jobs(keeper_store, 2)
     refuse_settles(client, True)
     try:
-        relayed_from_a_child(relay, success(settles_store, ids[0]))
+        send_from_a_child(relay, [success(settles_store, ids[0])])
         wait_for(lambda: relay.pending_jobs() == {ids[0]}, message="the first settle in the relay's write")
         # The second waits in the socket, behind the write the server holds up: the relay has not read it, and no
         # heartbeat names it. Another worker's sweep could take it once the server answers, before it is written,
         # as it could a running job before its worker's first heartbeat; this worker's own sweep does not.
-        relayed_from_a_child(relay, success(settles_store, ids[1]))
+        send_from_a_child(relay, [success(settles_store, ids[1])])
         held_through_three_leases(keeper_store, ids)
     finally:
         refuse_settles(client, False)

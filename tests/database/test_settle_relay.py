@@ -15,7 +15,7 @@ from pymongo import MongoClient
 from bb_broker.jobs.settles import Settle, SettleRelay
 from bb_broker.jobs.store import JobStore
 from tests.support.faults import fail_point
-from tests.support.store import CommandLog, held_jobs, settles_sent
+from tests.support.store import CommandLog, held_jobs, send_from_a_child, settles_sent
 from tests.support.workers import wait_for
 
 
@@ -36,15 +36,6 @@ def relay(store: JobStore) -> Iterator[SettleRelay]:
     relay.start()
     yield relay
     relay.close()
-
-
-def send_from_a_child(relay: SettleRelay, settles: list[Settle]) -> None:
-    """Send `settles` as a pool process does: from a forked child, which exits 0 when the relay took each."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if all(relay.send(settle) for settle in settles) else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the relay refused a settle"
 
 
 def test_settles_sent_from_a_pool_process_are_written_by_the_main_process_in_fewer_writes(
@@ -115,7 +106,7 @@ def refused_in_a_child(relay: SettleRelay, settle: Settle) -> bool:
 def test_a_settle_too_large_for_a_datagram_stays_with_its_pool_process(store: JobStore, relay: SettleRelay) -> None:
     (job_id,) = held_jobs(store, 1)
     large = store.success(job_id, 1, result={"state": "SUCCESS", "result": "r" * SettleRelay.max_bytes})
-    assert refused_in_a_child(relay, large)  # the pool process's own GroupCommit writes it (JobStore.settle_soon)
+    assert refused_in_a_child(relay, large)  # the pool process writes it itself, at once (JobStore.settle_soon)
     assert store.coll.find_one({"_id": job_id})["status"] == "running"
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime, timedelta
 
 from pymongo import monitoring
 from pymongo.database import Database
 
+from bb_broker.jobs.settles import Settle, SettleRelay
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import JobFilter, Operations
 from tests.support.workers import wait_for
@@ -98,3 +100,12 @@ def held_jobs(store: JobStore, count: int, payload: dict | None = None) -> list[
 def settles_sent(log: CommandLog) -> list[int]:
     """The statements of each settling `update` sent (their fence names the attempt)."""
     return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
+
+
+def send_from_a_child(relay: SettleRelay, settles: list[Settle]) -> None:
+    """Send `settles` as a pool process does: from a forked child, which exits 0 when the relay took each."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if all(relay.send(settle) for settle in settles) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the relay refused a settle"
