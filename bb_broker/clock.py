@@ -18,9 +18,12 @@ def aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _monotonic_time() -> datetime:
     # The monotonic clock as a date: a wall clock stepped by NTP or a resumed VM does not move it.
-    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(seconds=time.monotonic())
+    return _EPOCH + timedelta(seconds=time.monotonic())
 
 
 class ServerClock:

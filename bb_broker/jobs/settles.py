@@ -286,9 +286,9 @@ class SettleRelay:
     #: The largest settle a datagram carries (its result and tracebacks well under it): the pool process writes a
     #: larger one itself, which keeps the socket's buffer (wmem_default, about 200 KB) for many small ones.
     max_bytes = 32 * 1024
-    #: How many typical gaps between settles a settle waits for the next. Two pool processes often end together,
-    #: and then the mean gap is half the time to the next settle: at 1.5 gaps a pair that came together was
-    #: written without a third; at 2.5 a third joins it more often. The wait ends at the next settle anyway.
+    #: How many typical gaps between settles a held write waits for the next settle. Two pool processes often end
+    #: together, and then the mean gap is half the time to the next settle: at 1.5 gaps a pair that came together
+    #: was written without a third; at 2.5 a third joins it more often.
     hold_gaps = 2.5
 
     def __init__(
@@ -450,22 +450,23 @@ class SettleRelay:
         self._last_arrival = now
 
     def _hold(self, batch: list[Settle], flushed: list[int]) -> None:
-        """Wait for the next settle, when settles have been coming closer together than `linger` (a worker
-        draining a backlog, whose tasks end a few milliseconds apart): up to `hold_gaps` times their typical gap,
-        and it goes in the same write. PostgreSQL's commit_delay, bounded by what the recent settles say. A lone task,
-        or tasks that end further apart, are settled at once; so is one a flush waits for."""
+        """Wait for the next settles, when settles have been coming closer together than `linger` (a worker
+        draining a backlog, whose tasks end a few milliseconds apart): each next one up to `hold_gaps` times their
+        typical gap after the last, all of them within `linger` of the first, and they go in the same write.
+        PostgreSQL's commit_delay, bounded by what the recent settles say. A lone task, or tasks that end further
+        apart, are settled at once; so is one a flush waits for."""
         gap = self._typical_gap
         if flushed or self.linger <= 0 or gap is None or gap >= self.linger:
             return
-        deadline = time.monotonic() + min(self.linger, self.hold_gaps * gap)
-        arrived = len(batch)
-        while len(batch) == arrived and not flushed and len(batch) < GroupCommit.max_batch:
-            left = deadline - time.monotonic()
+        began = time.monotonic()
+        while not flushed and len(batch) < GroupCommit.max_batch:
+            left = min(began + self.linger, time.monotonic() + self.hold_gaps * gap) - time.monotonic()
             if left <= 0 or not self._readable.poll(left * 1000) or self._closed:
                 return
             datagrams: list[bytes] = []
             self._receive_waiting(datagrams)
             self._read_all(datagrams, batch, flushed)
+            gap = self._typical_gap or gap
 
     def _main_store(self) -> Any:
         # Looked up once: the lookup reads the app's conf, a few percent of the main process's CPU per settle.
