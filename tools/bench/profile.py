@@ -6,7 +6,8 @@ record` samples the worker's main process and both pool processes for the whole 
 pool processes and for the main process, the share of samples each bb_broker function (and Celery's tracer) is on
 the stack for. py-spy counts a thread waiting for the GIL as active, so a share is time, not CPU alone; with
 BENCH_PROFILE_GIL=1 it samples only the thread holding the GIL (`--gil`), and a share is the Python CPU. The raw
-profiles stay in the printed directory (py-spy's collapsed format, for a flame graph).
+profiles stay in the printed directory (py-spy's collapsed format, for a flame graph). BENCH_PROFILE_BROKER=redis
+profiles the same drain through Kombu's `redis://` on a throwaway redis-server, for scale.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pymongo import MongoClient
 from tests.support.servers import with_database
 from tests.support.workers import Worker
 from tools.bench.runner import DEFAULT_PREFETCH, Stamps, producer, send, stop_worker
-from tools.bench.servers import mongo_server
+from tools.bench.servers import RedisServer, Server, mongo_server
 
 #: Frames whose share is reported: ours, and Celery's tracer for scale.
 REPORTED = ("bb_broker/", "celery/app/trace.py")
@@ -58,10 +59,11 @@ def main() -> int:
     n, prefetch = int(os.environ.get("BENCH_N", "4000")), int(os.environ.get("BENCH_PREFETCH", DEFAULT_PREFETCH))
     gil = os.environ.get("BENCH_PROFILE_GIL") == "1"
     workdir = Path(tempfile.mkdtemp(prefix="bb-profile-"))
-    server = mongo_server(workdir)
+    redis = os.environ.get("BENCH_PROFILE_BROKER", "bbmongo") == "redis"
+    server: Server = RedisServer(workdir) if redis else mongo_server(workdir)
     server.start()
     try:
-        url = with_database(server.url, "profile", "bbmongo")
+        url = server.url if redis else with_database(server.url, "profile", "bbmongo")
         stamps = Stamps(workdir / "stamps")
         app = producer(url)
         for _ in range(n):
@@ -103,7 +105,8 @@ def main() -> int:
             spy.wait(30)
         stop_worker(worker)
         app.close()
-        MongoClient(server.url).drop_database("profile")
+        if not redis:
+            MongoClient(server.url).drop_database("profile")
     finally:
         server.stop()
     sampled = "the threads holding the GIL" if gil else "every active thread"
