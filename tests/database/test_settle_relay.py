@@ -139,7 +139,7 @@ def test_a_settle_waits_for_the_next_when_settles_come_close_together(
 ) -> None:
     relay.linger = 60.0  # no cap: the wait is `hold_gaps` times the gap the settles come at
     relay.hold_gaps = 0.5  # a wait shorter than the gap: each of the first four ends before the next comes
-    ids = held_jobs(store, 6)
+    ids = held_jobs(store, 7)
     log.commands.clear()
     # Settles half a second apart: each written alone (the first with no gap before it to go by, the others after
     # a wait of about a quarter of a second that the next does not come in).
@@ -148,8 +148,9 @@ def test_a_settle_waits_for_the_next_when_settles_come_close_together(
         alone = [1] * count
         wait_for(lambda alone=alone: settles_sent(log) == alone, message=f"settle {count} written")
         time.sleep(0.5)
-    # Two tasks that end a fork apart, each in its own pool process: one write.
-    send_from_a_child(relay, [store.success(ids[4], 1)])
-    send_from_a_child(relay, [store.success(ids[5], 1)])
-    wait_for(lambda: store.coll.count_documents({"_id": {"$in": ids}, "status": "succeeded"}) == 6)
-    assert settles_sent(log) == [1, 1, 1, 1, 2]
+    # Three tasks that end a fork apart, each in its own pool process: one write (the wait goes on after the
+    # second, for as long again).
+    for job_id in ids[4:]:
+        send_from_a_child(relay, [store.success(job_id, 1)])
+    wait_for(lambda: store.coll.count_documents({"_id": {"$in": ids}, "status": "succeeded"}) == 7)
+    assert settles_sent(log) == [1, 1, 1, 1, 3]
