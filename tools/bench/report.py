@@ -36,6 +36,8 @@ METRICS: list[tuple[str, str, str]] = [
     ("worker_pool_cpu_ms_per_task", "  of which the pool processes", "ms"),
     ("worker_cpu_ms_per_task_celery_prefetch", "  with Celery's prefetch (4)", "ms"),
     ("worker_pool_cpu_ms_per_task_celery_prefetch", "  of which the pool processes", "ms"),
+    ("worker_cpu_ms_per_task_paced", "worker CPU per task, 100 tasks/s (main + pool)", "ms"),
+    ("worker_pool_cpu_ms_per_task_paced", "  of which the pool processes", "ms"),
     ("idle_ops_per_s", "idle server ops/s (1 worker)", "ops/s"),
     ("worker_rss_mb", "worker RSS (main + pool)", "MB"),
 ]
@@ -69,6 +71,8 @@ RATIOS = [
     ("bbmongo", "redis", "worker_pool_cpu_ms_per_task"),
     ("bbmongo", "redis", "worker_cpu_ms_per_task_celery_prefetch"),
     ("bbmongo", "redis", "worker_pool_cpu_ms_per_task_celery_prefetch"),
+    ("bbmongo", "redis", "worker_cpu_ms_per_task_paced"),
+    ("bbmongo", "redis", "worker_pool_cpu_ms_per_task_paced"),
     ("bbmongo", "mongodb", "worker_cpu_ms_per_task"),
     ("bbmongo", "mongodb", "worker_cpu_ms_per_task_celery_prefetch"),
     ("bbmongo_results", "mongodb_results", "drain_tps"),

@@ -320,6 +320,30 @@ def drain_cpu(worker: Worker, stamps: Stamps, tag: str, n: int, suffix: str) -> 
     }
 
 
+#: The paced window's tasks a second: well below what every broker drains at prefetch 1 on this machine.
+PACE = 100.0
+
+
+def paced_cpu(worker: Worker, stamps: Stamps, publish: Callable[[str], None], tag: str, count: int) -> dict[str, float]:
+    """What the worker's own processes spend per task when `count` tasks tagged `tag` come one by one, PACE a
+    second, to an idle worker: the same work at the same rate whatever the broker. A backlog's drain runs at each
+    broker's own speed, and the slower it goes, the more CPU each task costs (the event loop's turns and the
+    processes' cold caches are shared by fewer tasks), so there a broker whose server is slower looks dearer."""
+    pid = worker.process.pid
+    main, pool = worker_cpu_seconds(pid)
+    began = time.monotonic()
+    for k in range(count):
+        publish(tag)
+        time.sleep(max(0.0, began + (k + 1) / PACE - time.monotonic()))
+    stamps.wait(tag, count, timeout=120 + count / 2)
+    main_end, pool_end = worker_cpu_seconds(pid)
+    return {
+        "worker_cpu_ms_per_task_paced": (main_end - main + pool_end - pool) * 1000 / count,
+        "worker_pool_cpu_ms_per_task_paced": (pool_end - pool) * 1000 / count,
+        "paced_tps": count / (time.monotonic() - began),
+    }
+
+
 def window_costs(broker: Broker, rep: int, before: tuple[int, int | None], tasks: int, suffix: str) -> dict[str, float]:
     """The server operations (and round trips, where the server counts them) per task since `before`, once every
     job of the window is settled: a settle may land just after its task's stamp. Each look at the jobs is a
@@ -620,6 +644,9 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         # The loaded window again without the probes, as at Celery's prefetch below: what a task of a backlog
         # costs. Each probe is a lone task on an idle queue, whose wake-up is a change-stream getMore of its own.
         result |= loaded_window(broker, rep, publish, stamps, "z", n, "", commands if settings.diagnose else None)
+        # Tasks at a pace every broker keeps up with: the worker's CPU per task at the same rate (paced_cpu).
+        paced = max(1, n // 2)
+        result |= paced_cpu(worker, stamps, publish, "q", paced)
         stop_worker(worker)
 
         # The same drain with Celery's default prefetch (4 per process), what users of the others run.
@@ -641,7 +668,7 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
         if settings.events and broker.events:
             ran_with_events = events_drains(broker, settings, rep, workdir, publish, stamps, worker_with, result)
         if "events_error" not in result:  # a stalled events-on drain leaves its backlog queued: nothing to check
-            expected = 5 * n + settings.probes + probes + result.get("held_tasks", 0) + ran_with_events
+            expected = 5 * n + paced + settings.probes + probes + result.get("held_tasks", 0) + ran_with_events
             result.update(broker.check(rep, expected))
     finally:
         stop_worker(worker)
