@@ -70,7 +70,7 @@ class BrokerOptions:
     #: in the outbox for others to be stored with it; 0 stores each at once.
     events_linger: float = 0.02
     #: Seconds at most a task's settle, in a prefork worker whose settles come closer together than this (a backlog),
-    #: waits for the next one to be written with it (settles.SettleRelay); 0 writes each at once.
+    #: waits for the next ones to be written with it (settles.SettleRelay); 0 writes each at once.
     settle_linger: float = 0.01
 
     @classmethod

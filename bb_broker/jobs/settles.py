@@ -11,7 +11,7 @@ changes nothing while the others land. A write that meets an outage is tried aga
 Which thread writes: in a prefork worker, the main process's (SettleRelay). Its pool processes send each settle
 over a socket pair made before they were forked, so the settles of all the pool processes go out together, and a
 pool process spends on a settle a datagram instead of pymongo's round trip. While settles reach the relay a few
-milliseconds apart (a backlog), each waits for the next, so that two share a write (SettleRelay._hold). A send
+milliseconds apart (a backlog), a write waits for the next ones, so that several share it (SettleRelay._hold). A send
 never waits: a settle too large for a datagram, or sent while the socket's buffer is full (the main process's
 writes held up by an outage) or after the main process is gone, the pool process writes itself, at once, before its
 task's result goes back to the main process (JobStore.settle_soon). Every settle in a worker whose pool is not
@@ -297,7 +297,7 @@ class SettleRelay:
         """`store` gives the main process's JobStore (on first use); `replacement(store, settle, with_result)` the
         settle that fails a relayed settle's job when it does not fit in its document (Settle.if_too_large, which
         stays in the pool process): `with_result` when the settle carried the result backend's fields. `linger`
-        (the `settle_linger` transport option) is the longest a settle waits for the next one, and it waits only
+        (the `settle_linger` transport option) is the longest a settle waits for the next ones, and it waits only
         while settles come closer together than that (_hold): 0 writes each at once."""
         #: The main process: the only one that receives (a pool process sends).
         self.owner_pid = os.getpid()
