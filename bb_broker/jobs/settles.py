@@ -460,7 +460,8 @@ class SettleRelay:
             return
         began = time.monotonic()
         while not flushed and len(batch) < GroupCommit.max_batch:
-            left = min(began + self.linger, time.monotonic() + self.hold_gaps * gap) - time.monotonic()
+            now = time.monotonic()
+            left = min(began + self.linger, now + self.hold_gaps * gap) - now
             if left <= 0 or not self._readable.poll(left * 1000) or self._closed:
                 return
             datagrams: list[bytes] = []
