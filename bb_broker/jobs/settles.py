@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -213,18 +214,23 @@ class GroupCommit:
         # put before them are written.
         self._queue: queue.SimpleQueue[Settle | threading.Event] = queue.SimpleQueue()
         self._writing = False  # the writer's, read by submit: whether a write is in flight
-        #: The jobs submitted and not yet written: added by submit, taken away by the writer once it wrote them.
-        self._unwritten: set[str] = set()
+        #: The jobs submitted and not yet written, with how many of their settles are: counted up by submit, down by
+        #: the writer once it wrote them. A count, not a set: a job settled again while its first write is in flight
+        #: stays pending until its second is written too.
+        self._unwritten: Counter[str] = Counter()
+        self._unwritten_lock = threading.Lock()  # a Counter's updates are Python code, not one call under the GIL
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def pending_jobs(self) -> frozenset[str]:
-        return frozenset(self._unwritten)  # one C call under the GIL: never torn by the threads that change it
+        with self._unwritten_lock:
+            return frozenset(self._unwritten)
 
     def submit(self, settle: Settle) -> None:
         """Write `settle` as soon as the write in flight, if any, is answered."""
         idle = not self._writing and self._queue.empty()  # this one goes alone, now
-        self._unwritten.add(settle.job_id)
+        with self._unwritten_lock:
+            self._unwritten[settle.job_id] += 1
         self._queue.put(settle)
         if self._thread is None:
             with self._start_lock:
@@ -265,7 +271,8 @@ class GroupCommit:
                 self.writer.write(batch)
             finally:
                 self._writing = False
-                self._unwritten.difference_update(_ids(batch))
+                with self._unwritten_lock:
+                    self._unwritten -= Counter(_ids(batch))  # drops the jobs whose count reaches 0
                 for marker in markers:
                     marker.set()
 

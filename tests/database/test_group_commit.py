@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from pymongo import MongoClient
 
+from bb_broker.jobs import settles
 from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
 from bb_broker.ops import metrics
 from tests.support.faults import fail_point
@@ -49,6 +50,25 @@ def test_settles_made_while_one_is_in_flight_go_in_one_write_and_a_stale_one_cha
     assert statuses(store, ids) == ["succeeded", "succeeded", "queued", "succeeded", "running"]
     assert store.coll.find_one({"_id": ids[4]})["attempts"] == 2  # untouched
     assert metrics.COUNTERS["succeeded"]._value.get() == succeeded + 3  # the stale one is not counted
+
+
+def test_a_job_settled_again_while_its_first_settle_is_in_flight_stays_pending_until_the_second_is_written(
+    client: MongoClient, store: JobStore, log: CommandLog
+) -> None:
+    # Pending jobs are the ones the lease keeper keeps live and a worker's exit waits for: the end of the first write
+    # must not take the second settle's job off the list.
+    (job_id,) = held_jobs(store, 1)
+    log.commands.clear()
+    fail_point(client, 2, failCommands=["update"], blockConnection=True, blockTimeMS=1000)
+    store.settle_soon(store.success(job_id, 1))
+    wait_for(lambda: settles_sent(log) == [1], message="the first settle sent")
+    store.settle_soon(store.success(job_id, 1))
+    wait_for(lambda: settles_sent(log) == [1, 1], message="the second settle sent")  # the first is answered
+    assert job_id in settles.pending_jobs()
+    assert not store.flush_settles(0.1)  # the second write is still held on the server
+    assert store.flush_settles(30)
+    assert job_id not in settles.pending_jobs()
+    assert statuses(store, [job_id]) == ["succeeded"]
 
 
 def test_an_outage_in_the_middle_of_a_batch_settles_each_job_once_after_it(
