@@ -59,7 +59,8 @@ def test_a_job_settled_again_while_its_first_settle_is_in_flight_stays_pending_u
     # must not take the second settle's job off the list.
     (job_id,) = held_jobs(store, 1)
     log.commands.clear()
-    fail_point(client, 2, failCommands=["update"], blockConnection=True, blockTimeMS=1000)
+    # Each write held 3 s: ample for the checks below to run while the second is held, on a busy machine too.
+    fail_point(client, 2, failCommands=["update"], blockConnection=True, blockTimeMS=3000)
     store.settle_soon(store.success(job_id, 1))
     wait_for(lambda: settles_sent(log) == [1], message="the first settle sent")
     store.settle_soon(store.success(job_id, 1))
