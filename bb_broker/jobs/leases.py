@@ -32,6 +32,21 @@ def add_process_source(source: LiveJobs) -> None:
         _process_sources.append(source)
 
 
+#: Sources of the ids of the jobs whose runs have started in this process (the Celery worker's requests its pool
+#: took): a consumer closed under them (a reconnect) keeps them, and each run goes on to settle its job.
+_started_sources: list[LiveJobs] = []
+
+
+def add_started_source(source: LiveJobs) -> None:
+    if source not in _started_sources:
+        _started_sources.append(source)
+
+
+def started_here(job_id: str) -> bool:
+    """Whether the run of `job_id` has started in this process and goes on: its job must not be given back."""
+    return any(job_id in _snapshot(source) for source in list(_started_sources))
+
+
 #: The most seconds a sweep waits for this process's settles to be written (LeaseKeeper.tick).
 SETTLES_WAIT = 1.0
 

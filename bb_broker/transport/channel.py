@@ -393,6 +393,10 @@ class Channel(virtual.Channel):
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:
             # Its job is on the server whatever happens here: nothing for Kombu to dump ("UNABLE TO RESTORE").
+            if leases.started_here(message.job_id):
+                # An unacked message whose run goes on (acks_late, through a reconnect): the run settles its job, and
+                # the job keeps its lease. Given back, it would run a second time at the same attempt meanwhile.
+                return
             self._release_job(message.job_id, message.attempts)
             return
         # Kombu's own restore, with `redelivered` where Kombu and Celery read it.
@@ -709,7 +713,7 @@ class Channel(virtual.Channel):
         """Give back a job that never started, now or, when the server does not answer (a lost connection being
         closed), once it does: the lease keeper makes the release then, and keeps the lease fresh until it does."""
         try:
-            self.jobs.release(job_id, attempts)
+            self.jobs.release(job_id, attempts, owner=self.owner)
         except PyMongoError as exc:
             if passes_with_time(exc):
                 leases.release_later(self.jobs, job_id, attempts)

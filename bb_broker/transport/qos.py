@@ -75,7 +75,7 @@ class JobQoS(virtual.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         super().ack(delivery_tag)
-        self.channel.connection.poke()
+        self._poke()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         message = patches.delivered_messages(self).get(delivery_tag)
@@ -86,20 +86,27 @@ class JobQoS(virtual.QoS):
             # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
             # reason is the message's own when it has one (celery_hooks names a lost pool process).
             self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
-        elif self.channel.connection.delivering_here():
+        elif self.channel.connection is not None and self.channel.connection.delivering_here():
             # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
             # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
             self._rejected_in_delivery.append(message)
         else:
             self._fail_rejected(message)
         patches.ack_without_restore(self, delivery_tag)
-        self.channel.connection.poke()
+        self._poke()
 
     def settle_rejections(self) -> None:
         """Fail the jobs rejected during the delivery that just ended."""
         while self._rejected_in_delivery:
             self._fail_rejected(self._rejected_in_delivery.pop(0))
-        self.channel.connection.poke()
+        self._poke()
+
+    def _poke(self) -> None:
+        # The consumers look again: an ack made room. Not on a channel closed by a lost connection (Kombu took its
+        # connection away), which still gets the acks of the tasks that ran on through the reconnect.
+        connection = self.channel.connection
+        if connection is not None:
+            connection.poke()
 
     def _fail_rejected(self, message: JobMessage) -> None:
         self._fail(message, message.rejection_reason or REJECTED, retryable=False)

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
@@ -21,7 +22,7 @@ from bb_broker import connection
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import rate_keys, serial, settles, unique
 from bb_broker.jobs.document import attempt_entry, history_entry_of
-from bb_broker.jobs.leases import add_process_source
+from bb_broker.jobs.leases import add_process_source, add_started_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
 from bb_broker.jobs.settles import Settle
@@ -442,7 +443,16 @@ def runs_again(app: Any, request: Any, exc: BaseException) -> bool:
 
 def _reserved_jobs() -> list[str]:
     # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
-    held = (getattr(request, "request_dict", None) or {} for request in list(worker_state.reserved_requests))
+    return _jobs_of(worker_state.reserved_requests)
+
+
+def _started_jobs() -> list[str]:
+    # The requests its pool took. Celery keeps them through a reconnect (Consumer.on_close), and their runs go on.
+    return _jobs_of(worker_state.active_requests)
+
+
+def _jobs_of(requests: Iterable[Any]) -> list[str]:
+    held = (getattr(request, "request_dict", None) or {} for request in list(requests))
     return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
 
 
@@ -515,8 +525,10 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     # a worker, a task's failed attempt the broker runs again is a Celery retry, and what the main process reports of
     # a task (its pool process died, a hard time limit) is right for the job (see patches.py).
     patches.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
-    # The requests this worker holds keep their leases, and what it still holds at exit is released.
+    # The requests this worker holds keep their leases, and what it still holds at exit is released. A consumer
+    # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
     add_process_source(_reserved_jobs)
+    add_started_source(_started_jobs)
     sender.app.__dict__[APP_TASK_STORE] = None  # kept from the first task on (_task_store)
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
     if _forks_its_pool(sender):

@@ -54,6 +54,44 @@ def test_a_transient_error_on_a_claim_is_a_reconnect_not_the_end_of_the_worker(
     assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task), per_task
 
 
+def test_a_task_acked_late_runs_once_through_a_reconnect_and_its_worker_stays_up(
+    own_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    # Kombu restores the unacked messages of a lost connection: the job of an acks_late task still running went back
+    # to the queue, ran a second time at the same attempt beside the first run, and the first run's ack, on the closed
+    # channel, then ended the worker ("Unrecoverable error: AttributeError").
+    url = with_database(own_server.url, "late")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.late
+    worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=3)  # room for a second run beside the first
+    worker.start()
+    app = producer(url)
+    gate = tmp_path / "gate"
+    late = send(app, "hold_until_acked_late", str(gate))
+    wait_for(lambda: db.runs.find_one({"taskId": late}), message="the task acked late under way")
+    wait_for(lambda: any(task["id"] == late for tasks in (app.control.inspect(timeout=1).active() or {}).values()
+                         for task in tasks),
+             message="the worker lists the task as running")  # fmt: skip
+    # The next claim fails twice (pymongo's own retry included): Celery takes the connection for lost and reconnects.
+    labels = ["RetryableWriteError"]
+    fail_point(client, 2, failCommands=["findAndModify"], errorCode=NETWORK_TIMEOUT, errorLabels=labels)
+    after = send(app, "add", 1, 1)
+    wait_for(lambda: "Connection to broker lost" in worker.log(), message="the worker reconnects")
+    wait_for(settled(db, after, "succeeded"), timeout=60, message="the worker runs tasks again after the reconnect")
+    gate.touch()
+    wait_for(settled(db, late, "succeeded"), timeout=60, message="the task acked late succeeded")
+    # Its ack went to the closed channel. The worker goes on: its next task acked late runs and settles too.
+    again = send(app, "hold_until_acked_late", str(gate))
+    wait_for(lambda: worker.process.poll() is not None or settled(db, again, "succeeded")(),
+             timeout=60, message="the worker ran its next task, or ended")  # fmt: skip
+    assert worker.process.poll() is None, worker.log()[-3000:]
+    assert "Unrecoverable error" not in worker.log()
+    assert db.runs.count_documents({"taskId": late}) == 1, list(db.runs.find({"taskId": late}))
+    doc = db.jobs.find_one({"taskId": late})
+    assert doc["status"] == "succeeded" and doc["attempts"] == 1, doc
+    assert [(entry["n"], entry["outcome"]) for entry in doc["history"]] == [(1, "succeeded")], doc["history"]
+
+
 #: A worker told to stop while its server is gone: far above a stop that gives up on the server after its patience
 #: (5 s for all it holds), far below one that tried each held job's release for a minute. A bound, not a benchmark.
 STOP_WITHOUT_SERVER_BOUND = 45.0

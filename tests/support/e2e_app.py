@@ -246,6 +246,15 @@ def hold_until(self, path):
     return path
 
 
+@app.task(bind=True, acks_late=True)
+def hold_until_acked_late(self, path):
+    """As hold_until, its message acked only when it returns (acks_late): unacked all the while it runs."""
+    record(self, phase="start")
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    return path
+
+
 @app.task(bind=True)
 def exit_process(self):
     record(self)

@@ -346,11 +346,15 @@ def test_billiards_pool_reads_its_job_queue_through_get_payload_under_its_read_l
 
 def test_the_worker_lists_the_requests_it_holds() -> None:
     # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/hooks.py:_reserved_jobs keeps
-    # their leases fresh from them).
+    # their leases fresh from them, and _started_jobs keeps a closed consumer from giving back a job that runs on).
     from celery.worker import state
     from celery.worker.request import Request
 
     assert hasattr(state.reserved_requests, "__iter__") and isinstance(Request.request_dict, property), (
         "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
         "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/hooks.py:_reserved_jobs"
+    )
+    assert hasattr(state.active_requests, "__iter__"), (
+        "celery.worker.state.active_requests changed: Celery changed how a worker lists the requests its pool runs, "
+        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/hooks.py:_started_jobs"
     )
