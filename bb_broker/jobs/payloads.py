@@ -6,8 +6,8 @@ import base64
 import bz2
 import json
 import lzma
-import math
 import reprlib
+import sys
 import zlib
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -154,6 +154,8 @@ def to_message(payload: Any) -> dict[str, Any]:
     try:
         if "raw" in payload:
             message = kombu_json.loads(payload["raw"])
+            if not isinstance(message, dict):
+                raise TypeError(f"the raw message is a {type(message).__name__}, not a JSON object")
             message["body"] = _binary_body(payload["body"], message.get("content-encoding"), message.get("headers"))
         else:
             headers = dict(payload["headers"])
@@ -176,12 +178,13 @@ def to_message(payload: Any) -> dict[str, Any]:
                 "content-type": payload["contentType"],
                 "content-encoding": payload["contentEncoding"],
             }
-    except (KeyError, TypeError, ValueError, LookupError) as exc:
+    except (KeyError, TypeError, ValueError, LookupError, RecursionError) as exc:  # Recursion: nested beyond reason
         raise PayloadError(f"payload is not a stored message: {type(exc).__name__}: {exc}") from None
     if not isinstance(message.get("headers"), dict) or not isinstance(message.get("properties"), dict):
         raise PayloadError("payload headers and properties must be documents")
     message["properties"]["body_encoding"] = None
-    message["properties"].setdefault("delivery_info", {})
+    if message["properties"].get("delivery_info") is None:
+        message["properties"]["delivery_info"] = {}  # none, as check_envelope reads a null (where the claim writes)
     return message
 
 
@@ -360,7 +363,7 @@ def check_body(message: dict[str, Any], payload: dict[str, Any]) -> None:
             body = json.loads(
                 raw if isinstance(raw, str) else bytes(raw or b"").decode(message.get("content-encoding") or "utf-8")
             )
-        except (LookupError, ValueError, TypeError):  # an unknown encoding, bytes not in it, text not JSON
+        except (LookupError, ValueError, TypeError, RecursionError):  # an unknown encoding, bytes not in it, not JSON
             raise MalformedTaskMessage("the body", "JSON, as its content type says", "something else") from None
     if not isinstance(body, list) or len(body) != 3:
         raise MalformedTaskMessage("the body", "[args, kwargs, embed] (Celery's task protocol 2)", body)
@@ -407,7 +410,9 @@ def _integer(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return (_integer(value) or isinstance(value, float)) and math.isfinite(value) and value >= 0
+    # Compared, not given to math.isfinite: a JSON header holds an int of any size, and one no float holds raises
+    # there (and in Celery, which takes time limits as floats). NaN and infinity fail the comparisons.
+    return (_integer(value) or isinstance(value, float)) and 0 <= value <= sys.float_info.max
 
 
 def _time_limits(value: Any) -> bool:

@@ -522,8 +522,9 @@ class JobStore(Sweeps):
         head = self._hinted(
             lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=batch))
         )
-        if not all(type(doc.get("attempts")) is int for doc in head):
-            # A hand-edited document: the claim of one job deals with it, within the queue's limits.
+        if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
+            # A hand-edited document (an _id that may not even hash, a document say): the claim of one job deals
+            # with it, within the queue's limits.
             return self.claim_many(queue, owner, 1, limits, busy_keys)
         if any("serialKey" in doc for doc in head):
             # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.

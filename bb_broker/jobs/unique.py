@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -149,7 +150,7 @@ def header_problem(headers: Mapping[str, Any]) -> tuple[str, str, Any] | None:
         return UNIQUE_KEY_HEADER, f"present with {UNIQUE_MODE_HEADER} or {UNIQUE_PERIOD_HEADER}", None
     period = headers.get(UNIQUE_PERIOD_HEADER)
     if mode == PERIOD_MODE and not valid_period(period):
-        return UNIQUE_PERIOD_HEADER, "a positive number of seconds with the period mode", period
+        return UNIQUE_PERIOD_HEADER, f"{PERIOD_EXPECTED} with the period mode", period
     if mode != PERIOD_MODE and UNIQUE_PERIOD_HEADER in headers:
         return UNIQUE_PERIOD_HEADER, f"absent unless {UNIQUE_MODE_HEADER} is {PERIOD_MODE}", period
     return None
@@ -159,8 +160,17 @@ def valid_key(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_UNIQUE_KEY_LENGTH
 
 
+#: The shortest period, in seconds: its bucket is written to the millisecond.
+MIN_PERIOD = 0.001
+
+#: What a period must be, as errors say it.
+PERIOD_EXPECTED = f"a number of seconds, at least {MIN_PERIOD}"
+
+
 def valid_period(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    # Compared, not given to math.isfinite: a JSON header holds an int of any size, and one no float holds raises
+    # there (NaN and infinity fail the comparisons).
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and MIN_PERIOD <= value <= sys.float_info.max
 
 
 # --- the Celery options ------------------------------------------------------
@@ -221,9 +231,7 @@ class UniqueOptions:
     def _mode(self) -> str:
         if self.unique_period is not None:
             if not valid_period(self.unique_period):
-                raise UniqueOptionError(
-                    f"unique_period must be a positive number of seconds, not {self.unique_period!r}"
-                )
+                raise UniqueOptionError(f"unique_period must be {PERIOD_EXPECTED}, not {self.unique_period!r}")
             if self.unique_while is not None:
                 raise UniqueOptionError(
                     "unique_period and unique_while do not go together: a period holds the key in every status"

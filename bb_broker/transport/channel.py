@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import reprlib
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Collection
@@ -782,9 +784,12 @@ def _expiration(message: dict[str, Any]) -> float | None:
     if value is None:
         return None
     try:
-        return max(float(value) / 1000.0, 0.0)
-    except (TypeError, ValueError):
-        raise ValueError(f"message has an unreadable expiration property {value!r}") from None
+        milliseconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        milliseconds = math.nan
+    if not math.isfinite(milliseconds):
+        raise ValueError(f"message has an unreadable expiration property {reprlib.repr(value)}")
+    return max(milliseconds / 1000.0, 0.0)
 
 
 def _plain_publish(message: dict[str, Any], queue: str) -> tuple[dict[str, Any], ObjectId]:

@@ -328,7 +328,7 @@ def payload_of(doc: dict[str, Any]) -> dict[str, Any]:
     """The Kombu message a stored document holds, with what Kombu's Message reads sure to be there."""
     try:
         message = loads(doc["payload"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested beyond any message
         raise UnreadableMessage(f"payload is not a JSON message: {exc}") from None
     properties = message.get("properties") if isinstance(message, dict) else None
     if not isinstance(properties, dict):

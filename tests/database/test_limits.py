@@ -196,12 +196,18 @@ def test_a_batch_claim_whose_guessed_slots_are_taken_takes_the_free_ones_and_sto
     assert again.value.claimed == [] and len(running(db)) == 4
 
 
+@pytest.mark.parametrize("edit", ["attempts", "_id"])
 def test_a_hand_edited_job_at_a_limited_queues_head_fails_alone_and_the_batch_claims_keep_the_limit(
-    store: JobStore, db: Database
+    store: JobStore, db: Database, edit: str
 ) -> None:
     publish(store, "t0")
-    bad = publish(store, "bad")  # second in the queue: the batch's read finds it behind a good job
-    db.jobs.update_one({"_id": bad}, {"$set": {"attempts": "two"}})
+    bad: Any = publish(store, "bad")  # second in the queue: the batch's read finds it behind a good job
+    if edit == "attempts":
+        db.jobs.update_one({"_id": bad}, {"$set": {"attempts": "two"}})
+    else:  # an _id the batch could not even hash (it ended the worker); first, as a document sorts after every string
+        doc = db.jobs.find_one_and_delete({"_id": bad})
+        bad = {"legacy": bad}
+        db.jobs.insert_one({**doc, "_id": bad, "priority": 1})
     for n in range(1, 4):
         publish(store, f"t{n}")
     three = QueueLimits(concurrency=3)
@@ -210,7 +216,7 @@ def test_a_hand_edited_job_at_a_limited_queues_head_fails_alone_and_the_batch_cl
         for _ in range(5):
             claimed += [job.task_id for job in store.claim_many("limited", "w", 4, three)]
     failed = db.jobs.find_one({"_id": bad})
-    assert failed["status"] == "failed" and "attempts" in failed["lastError"]
+    assert failed["status"] == "failed" and edit in failed.get("lastError", ""), failed
     held = running(db)
     assert len(held) == 3 and sorted(doc["limitSlot"] for doc in held) == [0, 1, 2]
 

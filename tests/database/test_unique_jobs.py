@@ -156,11 +156,13 @@ BAD_OPTIONS = [
     ({"unique_key": "k" * (MAX_UNIQUE_KEY_LENGTH + 1)}, f"at most {MAX_UNIQUE_KEY_LENGTH} characters"),
     ({"unique_key": ["a"]}, "unique_key must be a non-empty string"),
     ({"unique": True, "unique_while": "sometimes"}, "unique_while must be one of queued, active"),
-    ({"unique_period": 0}, "unique_period must be a positive number"),
-    ({"unique_period": -5}, "unique_period must be a positive number"),
-    ({"unique_period": "1h"}, "unique_period must be a positive number"),
-    ({"unique_period": math.inf}, "unique_period must be a positive number"),
-    ({"unique_period": True}, "unique_period must be a positive number"),
+    ({"unique_period": 0}, "unique_period must be a number of seconds, at least 0.001"),
+    ({"unique_period": -5}, "unique_period must be a number of seconds, at least 0.001"),
+    ({"unique_period": "1h"}, "unique_period must be a number of seconds, at least 0.001"),
+    ({"unique_period": math.inf}, "unique_period must be a number of seconds, at least 0.001"),
+    ({"unique_period": True}, "unique_period must be a number of seconds, at least 0.001"),
+    ({"unique_period": 1e-300}, "unique_period must be a number of seconds, at least 0.001"),  # no bucket of its own
+    ({"unique_period": 10**400}, "unique_period must be a number of seconds, at least 0.001"),  # no float holds it
     ({"unique_period": 60, "unique_while": "queued"}, "do not go together"),
     ({"unique_on": ("nope",)}, "unique_on names 'nope', not an argument of tests.support.unique_app.add"),
     ({"unique_on": (5,)}, "unique_on position 5 is not among the 2 positional arguments"),

@@ -117,11 +117,72 @@ def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(
     wait_for(settled(db, again, "succeeded"), message="the worker still takes work")
 
 
+#: Deeper than any JSON decoder's recursion allows: 100,000 nested lists, 200 KB.
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_hostile_documents_only_a_hand_edit_makes_fail_their_own_jobs_and_the_worker_keeps_going(
+    app, db: Database, worker_factory
+) -> None:
+    # Each ended the worker ("Unrecoverable error") at every claim of its job, until its attempts were spent as
+    # "the worker shut down while the task ran". A stored message in Kombu's JSON (`payload.raw`, the form kept when
+    # BSON cannot hold a header) holds what BSON cannot: an int of any size, nesting of any depth.
+    raw = {
+        "raw not an object": ("null", {}, "not a JSON object"),
+        "raw timelimit no float holds": (None, {"timelimit": [10**400, None]}, "malformed message: header 'timelimit'"),
+        "raw period no float holds": (
+            None,
+            {"bb_unique_key": "k", "bb_unique_mode": "period", "bb_unique_period": 10**400},
+            "malformed message: header 'bb_unique_period'",
+        ),
+        "raw nested too deep": (None, {"deep": "DEEP"}, "RecursionError"),
+    }
+    failing = {}
+    for name, (text, headers, error) in raw.items():
+        task_id = send(app, "add", 1, 2)
+        payload = job(db, task_id)["payload"]
+        db.jobs.update_one({"taskId": task_id}, {"$set": {"payload": _raw_payload(payload, text, headers)}})
+        failing[name] = (task_id, error)
+    deep_body = send(app, "add", 1, 2)
+    body = base64.b64encode(DEEP.encode()).decode()
+    db.jobs.update_one({"taskId": deep_body}, {"$set": {"payload.body": body, "payload.bodyFormat": "base64"},
+                                               "$unset": UNREADABLE_ARGS})  # fmt: skip
+    failing["body nested too deep"] = (deep_body, "malformed message: the body must be JSON")
+    tiny = send(app, "add", 1, 2)
+    period = {"bb_unique_key": "k", "bb_unique_mode": "period", "bb_unique_period": 1e-300}
+    db.jobs.update_one({"taskId": tiny}, {"$set": {f"payload.headers.{k}": v for k, v in period.items()}})
+    failing["period below a millisecond"] = (tiny, "malformed message: header 'bb_unique_period'")
+    # A null delivery_info is what check_envelope lets through (none): the job runs.
+    no_delivery_info = send(app, "add", 1, 2)
+    db.jobs.update_one({"taskId": no_delivery_info}, {"$set": {"payload.properties.delivery_info": None}})
+    sentinel = send(app, "add", 20, 22)  # behind them all
+    worker = worker_factory()
+    wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the hostile ones")
+    for name, (task_id, error) in failing.items():
+        failed = wait_for(settled(db, task_id, "failed"), timeout=120, message=f"{name} failed")
+        assert failed["attempts"] == 1 and error in failed["lastError"], (name, failed["attempts"], failed["lastError"])
+    assert wait_for(settled(db, no_delivery_info, "succeeded"), message="the job without delivery_info ran")
+    assert worker.process.poll() is None, worker.log()[-3000:]
+    assert "Unrecoverable error" not in worker.log()
+
+
+def _raw_payload(payload: dict[str, Any], text: str | None, headers: dict[str, Any]) -> dict[str, Any]:
+    """A stored payload in Kombu's JSON form with `headers` changed, or `text` as its JSON."""
+    if text is None:
+        message = {"headers": {**payload["headers"], **headers}, "properties": payload["properties"],
+                   "content-type": payload["contentType"], "content-encoding": payload["contentEncoding"],
+                   "body": None}  # fmt: skip
+        text = json.dumps(message).replace('"DEEP"', DEEP)
+    body = json.dumps([payload["args"], payload["kwargs"], payload["options"]]).encode()
+    return {"raw": text, "body": base64.b64encode(body).decode()}
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
         ({"headers": {"timelimit": "x"}}, "header 'timelimit'"),
         ({"headers": {"timelimit": [1, 2, 3]}}, "header 'timelimit'"),
+        ({"headers": {"timelimit": [10**400, None]}}, "header 'timelimit'"),  # no float holds it (it raised)
         ({"headers": {"retries": -1}}, "header 'retries'"),
         ({"headers": {"eta": "not-a-date"}}, "header 'eta'"),
         ({"headers": {"expires": "5j"}}, "header 'expires'"),
