@@ -357,7 +357,8 @@ def test_hand_written_plain_messages_are_delivered_or_set_aside_never_ending_the
     with kombu.Connection(broker_url) as conn, closing(conn.SimpleQueue("hand_written")) as queue:
         until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
         minimal = {"body": '{"n": "minimal"}', "content-type": "application/json", "content-encoding": "utf-8"}
-        unreadable = ["{not json", '["a list"]', '{"body": "no properties"}', '{"properties": {"delivery_info": 1}}']
+        unreadable = ["{not json", '["a list"]', '{"body": "no properties"}', '{"properties": {"delivery_info": 1}}',
+                      '{"properties": {}, "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"]  # fmt: skip
         for payload in [*unreadable, json.dumps({**minimal, "properties": {}, "headers": {}})]:
             db.bb_messages.insert_one({"queue": "hand_written", "priority": 0, "payload": payload, "expiresAt": until})
         queue.put({"n": "published"})
