@@ -841,7 +841,16 @@ class JobStore(Sweeps):
         The retry's publish then puts the job back in the queue (see publish): written first, the failure is never
         late for an attempt another worker already claimed."""
         changes = {"lastError": self._scrub(error)[: lifecycle.MAX_ERROR_LENGTH], "updatedAt": self.now()}
-        return self._settle(job_id, attempts, {"$set": changes, **pushed(self._scrubbed(attempt))})
+        held = {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        # The job stays `running`, so the fence alone would let this write land twice: made again after its answer
+        # was lost (pymongo's own retry's too), it would push a second entry. It pushes only where its entry is not.
+        entry = {"n": attempt["n"], "finishedAt": attempt["finishedAt"]}
+        update = {"$set": changes, **pushed(self._scrubbed(attempt))}
+        if self._settle(job_id, attempts, update, fence={**held, "history": {"$not": {"$elemMatch": entry}}}):
+            return True
+        # Not written now: written already by a try whose answer was lost, or the attempt is no longer the job's.
+        recorded = {**held, "history": {"$elemMatch": entry}}
+        return self._through_outages(lambda: self.coll.find_one(recorded, {"_id": 1})) is not None
 
     def attempt_recorded(self, job_id: str, attempts: int) -> bool:
         """Whether the held attempt has its history entry already (its broker retry recorded the failure)."""

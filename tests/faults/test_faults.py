@@ -18,6 +18,7 @@ import pytest
 from pymongo import MongoClient
 
 import bb_broker
+from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.store import JobStore
 from bb_broker.transport.plumbing import MessageStore, payload_of
 from tests.support.faults import crash_repeatedly, fail_point, start_worker
@@ -96,6 +97,27 @@ def test_a_batch_claim_whose_write_outlived_the_client_still_knows_its_jobs(own_
     docs = list(client.batch.jobs.find())
     assert {(d["status"], d["attempts"], d["leaseOwner"]) for d in docs} == {("running", 1, "w")}
     assert store.claim_many("celery", "other", 4) == []
+
+
+def test_a_failed_attempt_recorded_again_after_its_answer_was_lost_has_one_history_entry(own_server) -> None:
+    # A broker retry records the failed attempt while the job stays `running`, so the attempt's fence still matches
+    # once the write has landed: made again after its answer was lost (to pymongo's own retry too), it pushed a
+    # second entry for the attempt, and a taken-over attempt's check must still say False.
+    proxy = AnswerDroppingProxy(own_server.url)
+    store = JobStore(MongoClient(proxy.url, tz_aware=True, directConnection=True).recorded)
+    store.ensure_indexes()
+    job_id = store.publish(queue="celery", kind="k", task_id="t", payload={}, priority=0, run_after=None,
+                           is_retry=False)  # fmt: skip
+    claimed = store.claim("celery", "w")
+    assert claimed is not None and claimed.attempts == 1
+    entry = attempt_entry(1, worker="w", started_at=None, finished_at=store.now(), outcome="failed", error="boom")
+    proxy.drop_the_answers_to(command_on("update", "jobs"), times=2)
+    assert store.record_failed_attempt(job_id, 1, "boom", attempt=entry)  # recorded: the retry is published
+    assert proxy.dropped == 2
+    doc = MongoClient(own_server.url, tz_aware=True).recorded.jobs.find_one({"_id": job_id})
+    assert [(e["n"], e["outcome"]) for e in doc["history"]] == [(1, "failed")], doc["history"]
+    assert doc["status"] == "running" and doc["lastError"] == "boom"
+    assert not store.record_failed_attempt(job_id, 2, "boom", attempt={**entry, "n": 2})  # not the job's attempt
 
 
 def test_a_publish_retried_after_its_insert_landed_unseen_makes_one_job(own_server) -> None:
