@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -34,7 +35,7 @@ def parse_duration(value: str) -> timedelta:
     try:
         return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
     except OverflowError:  # beyond timedelta's 999999999 days, or digits that make an infinite float
-        raise ValueError(f"{value!r} is too long a duration") from None
+        raise ValueError(f"{reprlib.repr(value)} is too long a duration") from None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import reprlib
 import uuid
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
@@ -152,7 +153,8 @@ def parse_moment(value: str, now: datetime) -> datetime:
         moment = datetime.fromisoformat(value.strip())
     except ValueError:
         if not lifecycle.is_duration(value):
-            raise FilterError(f"{value!r} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
+            shown = reprlib.repr(value)
+            raise FilterError(f"{shown} is neither an ISO 8601 time nor a duration like 30m or 7d") from None
         try:
             return ago(now, lifecycle.parse_duration(value))
         except ValueError as exc:  # too long a duration
@@ -232,7 +234,7 @@ class JobFilter:
                 raise FilterError(f"{name} is longer than {MAX_FILTER_LENGTH} characters")
         status = clean.get("status")
         if status is not None and status not in STATUSES:
-            raise FilterError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+            raise FilterError(f"status {reprlib.repr(status)} is not one of {', '.join(STATUSES)}")
         lease_cutoff = None
         orphaned = str(clean.get("orphaned", "")).lower()
         if orphaned in YES:
@@ -240,7 +242,8 @@ class JobFilter:
                 raise FilterError(f"orphaned jobs are {RUNNING}: status {status} has none")
             status, lease_cutoff = RUNNING, ago(now, timedelta(seconds=stale_after))
         elif orphaned and orphaned not in NO:
-            raise FilterError(f"orphaned must be 1 (only jobs whose lease ran out) or 0, not {clean['orphaned']!r}")
+            shown = reprlib.repr(clean["orphaned"])
+            raise FilterError(f"orphaned must be 1 (only jobs whose lease ran out) or 0, not {shown}")
         since = parse_moment(clean["since"], now) if "since" in clean else None
         until = parse_moment(clean["until"], now) if "until" in clean else None
         if since and until and since > until:

@@ -122,6 +122,11 @@ BAD_FILTERS = [
     ("after=" + "x" * 65, "bad filter: after must be a job id (the `next` of the previous page)"),
     ("queue=" + "q" * 201, "bad filter: queue is longer than 200 characters"),
     ("since=99999999999999d", "bad filter: '99999999999999d' is too long a duration"),
+    # A long value is cut short in the answer, not sent back whole.
+    (
+        "since=" + "x" * 5000,
+        "bad filter: 'xxxxxxxxxxxx...xxxxxxxxxxxxx' is neither an ISO 8601 time nor a duration like 30m or 7d",
+    ),
 ]
 
 
@@ -354,6 +359,10 @@ def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(
     assert db.jobs.find_one({"_id": newest})["status"] == "queued"
     assert db.jobs.find_one({"_id": taken.id})["status"] == "running"
     assert act(flower, "/api/jobs/bulk/cancel", queue="mail", expected=1, asOf="soon")[0] == 400
+    # A time no BSON date holds once in UTC (it was a 500 from the query's encoding).
+    for as_of in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-23:59"):
+        refused = act(flower, "/api/jobs/bulk/cancel", queue="mail", expected=1, asOf=as_of)
+        assert refused == (400, {"error": f"bad filter: asOf {as_of!r} is not the asOf of a count"}), refused
 
 
 def test_flowers_read_only_mode_stops_every_action(store: JobStore, db: Database, flower_factory) -> None:

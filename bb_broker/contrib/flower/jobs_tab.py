@@ -20,6 +20,7 @@ import base64
 import functools
 import logging
 import os
+import reprlib
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -451,9 +452,13 @@ class _JobsHandler(BaseHandler):
             return None
         try:
             moment = datetime.fromisoformat(text.strip())
-        except ValueError:
-            raise tornado.web.HTTPError(400, f"bad filter: asOf {text!r} is not the asOf of a count") from None
-        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+            # In UTC, as the server compares it: a time of year 1 or 9999 an offset takes out of the calendar has no
+            # BSON date (OverflowError in the query's encoding, a 500).
+            return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
+        except (ValueError, OverflowError):
+            raise tornado.web.HTTPError(
+                400, f"bad filter: asOf {reprlib.repr(text)} is not the asOf of a count"
+            ) from None
 
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         _refuse_unless_allowed(self)
