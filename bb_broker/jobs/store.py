@@ -82,6 +82,9 @@ MAX_RATE_TRIES = 3
 #: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
 MAX_KEY_SKIPS = 16
 
+#: The most hand-edited jobs one claim fails on its way before it gives up for now (each costs a round trip or two).
+MAX_MALFORMED_SKIPS = 16
+
 #: The error of a job whose settle would make its document exceed MongoDB's limit (each settle's own replacement).
 TOO_LARGE_TO_SETTLE = f"the job's settle does not fit in its document ({MAX_DOCUMENT_BYTES} bytes at most)"
 
@@ -413,30 +416,33 @@ class JobStore(Sweeps):
         return flagged.matched_count == 1
 
     def _claim_one(self, due: dict[str, Any], take: dict[str, Any]) -> Claimed | None:
-        try:
-            with _claiming:
-                doc = self._hinted(
-                    lambda: self.coll.find_one_and_update(
-                        due,
-                        take,
-                        CLAIMED_FIELDS,
-                        sort=CLAIM_ORDER,
-                        # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
-                        hint="_id_" if "_id" in due else "bb_claim",
-                        return_document=ReturnDocument.AFTER,
+        # A hand-edited job failed on the way is not the end of the queue: the job behind it is claimed in its place
+        # (given up as empty, the queue would wait for its next wake-up with jobs in it).
+        for _ in range(MAX_MALFORMED_SKIPS):
+            try:
+                with _claiming:
+                    doc = self._hinted(
+                        lambda: self.coll.find_one_and_update(
+                            due,
+                            take,
+                            CLAIMED_FIELDS,
+                            sort=CLAIM_ORDER,
+                            # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
+                            hint="_id_" if "_id" in due else "bb_claim",
+                            return_document=ReturnDocument.AFTER,
+                        )
                     )
-                )
-        except OperationFailure as exc:
-            if exc.code not in UNAPPLICABLE_UPDATE:
-                raise
-            # A hand-edited document the update cannot apply to must not block the queue behind it.
-            self._fail_unclaimable(due, lifecycle.describe_error(exc))
-            return None
-        if doc is None:
-            return None
-        if self._failed_malformed(doc, doc["attempts"]):
-            return None
-        return claimed(doc, doc["attempts"])
+            except OperationFailure as exc:
+                if exc.code not in UNAPPLICABLE_UPDATE:
+                    raise
+                # A hand-edited document the update cannot apply to must not block the queue behind it.
+                self._fail_unclaimable(due, lifecycle.describe_error(exc))
+                continue
+            if doc is None:
+                return None
+            if not self._failed_malformed(doc, doc["attempts"]):
+                return claimed(doc, doc["attempts"])
+        return None
 
     def _claim_in_a_slot(self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int) -> Claimed | None:
         """The claim of a queue limited to `limit` jobs running at once: the job takes one of the queue's slots
@@ -523,9 +529,9 @@ class JobStore(Sweeps):
             lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=batch))
         )
         if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
-            # A hand-edited document (an _id that may not even hash, a document say): the claim of one job deals
-            # with it, within the queue's limits.
-            return self.claim_many(queue, owner, 1, limits, busy_keys)
+            # A hand-edited document (an _id that may not even hash, a document say): the claims of one job deal
+            # with it, within the queue's limits, and take the jobs behind it.
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if any("serialKey" in doc for doc in head):
             # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
             return self._claim_each(queue, owner, limit, limits, busy_keys)
@@ -554,7 +560,10 @@ class JobStore(Sweeps):
         jobs = [
             claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
         ]
-        if slots and len(jobs) < limit and (len(head) < asked or batch < limit):
+        if len(jobs) < len(head) and not slots:
+            # Hand-edited jobs failed on the way are not the end of the queue: the claims of one job take their place.
+            jobs += self._claim_each(queue, owner, len(head) - len(jobs), limits, busy_keys)
+        elif slots and len(jobs) < limit and (len(head) < asked or batch < limit or len(jobs) < len(head)):
             # A guessed slot was taken, or the limit is below what was asked: the claims of one job go on, and read
             # the free slots, or flag their holders and say the limit is reached, as a claim of one job does.
             try:

@@ -329,10 +329,24 @@ def test_a_document_edited_into_nonsense_fails_instead_of_blocking(store: JobSto
     bad = publish(store, "bad", priority=5)
     good = publish(store, "good")
     db.jobs.update_one({"_id": bad}, {"$set": {"attempts": "three"}})
-    assert store.claim("celery", "w") is None  # the bad head is set aside on this poll
+    # The bad head is failed on the way, and the claim takes the job behind it: a claim that came back empty would
+    # leave the queue to wait for its next wake-up (seconds) with a job in it.
+    assert store.claim("celery", "w").id == good
     doc = db.jobs.find_one({"_id": bad})
     assert doc["status"] == "failed" and "malformed job document" in doc["lastError"]
-    assert store.claim("celery", "w").id == good
+
+
+@pytest.mark.parametrize(
+    "edit", [{"$set": {"attempts": "three"}}, {"$set": {"history": "none"}}], ids=["unclaimable", "malformed"]
+)
+def test_a_batch_claim_takes_other_jobs_in_place_of_the_hand_edited_ones_it_failed(
+    store: JobStore, db: Database, edit: dict
+) -> None:
+    bad = [publish(store, f"bad{i}", priority=5) for i in range(2)]
+    good = [publish(store, f"good{i}") for i in range(4)]
+    db.jobs.update_many({"_id": {"$in": bad}}, edit)
+    assert sorted(job.id for job in store.claim_many("celery", "w", 4)) == sorted(good)
+    assert {doc["status"] for doc in db.jobs.find({"_id": {"$in": bad}})} == {"failed"}
 
 
 def test_claim_sweep_and_statuses_read_through_an_index(mongo_url: str, db: Database, clock: FakeClock) -> None:
