@@ -6,6 +6,7 @@ import logging
 import math
 import reprlib
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
@@ -167,10 +168,11 @@ class Channel(virtual.Channel):
         self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
         self._claim_error: BaseException | None = None  # met by ClaimsAhead's last claim, raised by the next _get
         # Serial keys found busy, per queue: skipped by the claims until a job holding a key ends (the wake-ups'
-        # `freed` count moves). Claims run on the consuming thread and on ClaimsAhead's: under a lock.
+        # `freed` count moves), or for a safety poll's interval at most (a change the stream did not carry). Claims
+        # run on the consuming thread and on ClaimsAhead's: under a lock.
         self._busy_lock = threading.Lock()
         self._busy_keys: dict[str, set[str]] = {}
-        self._busy_read_at: dict[str, int | None] = {}
+        self._busy_read_at: dict[str, tuple[int | None, float]] = {}
         # Under a rate per key, the keys whose next start is ahead, per queue (see rate_keys.py): skipped until then.
         # Under the same lock; each claim gets a copy, and what it learnt replaces it.
         self._rate_holds: dict[str, RateHolds] = {}
@@ -603,9 +605,17 @@ class Channel(virtual.Channel):
         wakeups = self.connection.wakeups if self.connection is not None else None
         freed_before = wakeups.freed if wakeups is not None and wakeups.available else None
         with self._busy_lock:
-            if freed_before is None or self._busy_read_at.get(queue) != freed_before:
-                # A job that held a slot or a busy key ended since (or nothing would say so): try every key again.
+            read_at = self._busy_read_at.get(queue)
+            if (
+                freed_before is None
+                or read_at is None
+                or read_at[0] != freed_before
+                or time.monotonic() - read_at[1] >= self.options.safety_poll_interval
+            ):
+                # A job that held a slot or a busy key ended since (or nothing would say so), or the keys were found
+                # busy a safety poll's interval ago: try every key again.
                 self._busy_keys.pop(queue, None)
+                read_at = None
             busy = set(self._busy_keys.get(queue, ()))
             known = self._rate_holds.get(queue)
             rate = limits.rate
@@ -630,7 +640,7 @@ class Channel(virtual.Channel):
                 wakeups.more_jobs_may_wait(queue)
         with self._busy_lock:
             self._busy_keys[queue] = busy
-            self._busy_read_at[queue] = freed_before
+            self._busy_read_at[queue] = (freed_before, time.monotonic() if read_at is None else read_at[1])
             if holds is None:
                 self._rate_holds.pop(queue, None)
             else:

@@ -279,9 +279,12 @@ class Wakeups:
             return Seen.NEWS
         in_messages = (change.get("ns") or {}).get("coll") == self._messages
         removed = (change.get("updateDescription") or {}).get("removedFields") or ()
-        freed = any(name in removed for name in FREED_FIELDS)
-        if freed and not _requeued(change):
-            return self._on_freed()
+        if any(name in removed for name in FREED_FIELDS):
+            freed = self._on_freed()
+            if not _requeued(change):
+                return freed
+            # A held job sent back to the queue (a retry, the stale sweep, a release) frees its slot or key too, and
+            # is news of its own: the claims that found its key busy try it again, and its queue looks.
         if change["operationType"] == "insert":
             document = change.get("fullDocument") or {}
             queue, due = document.get("queue"), document.get("runAfter")

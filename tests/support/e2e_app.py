@@ -246,6 +246,17 @@ def hold_until(self, path):
     return path
 
 
+@app.task(bind=True)
+def hold_until_then_retry_once(self, path):
+    """As hold_until, then a Celery retry (`self.retry()`: its job goes back to the queue), which succeeds."""
+    record(self, phase="start")
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    if not self.request.retries:
+        raise self.retry(countdown=0, exc=RuntimeError("once more"))
+    return path
+
+
 @app.task(bind=True, acks_late=True)
 def hold_until_acked_late(self, path):
     """As hold_until, its message acked only when it returns (acks_late): unacked all the while it runs."""
