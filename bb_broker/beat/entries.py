@@ -18,6 +18,7 @@ An entry document (its `_id` is the entry's name):
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -239,7 +240,7 @@ class ScheduleStore:
             raise EntryError(f"entry {name!r}: cannot change {', '.join(sorted(unknown))}")
         wanted.update(changes)
         fields = entry_fields(name, wanted.pop("task"), wanted.pop("schedule"), **wanted)
-        return self._set(name, {**fields, "updatedAt": self.now()})
+        return self._set(name, {**fields, "updatedAt": self.now(), **self._restarted(current, fields)})
 
     def set_enabled(self, name: str, enabled: bool, *, by: str | None = None) -> dict[str, Any]:
         """Enable or disable an entry (`by`: who, kept in `changedBy`). Enabled again, it starts from now: the slots
@@ -269,18 +270,21 @@ class ScheduleStore:
             raise EntryError(f"no entry named {name!r}")
         return updated
 
-    def sync_config(self, entries: dict[str, dict[str, Any]]) -> list[str]:
+    def sync_config(self, entries: dict[str, dict[str, Any]], *, unchecked: Collection[str] = ()) -> list[str]:
         """Write the entries of `beat_schedule` (fields as entry_fields makes them) as configuration-owned, and remove
-        the configuration-owned entries no longer there. Returns the names written. A runtime entry of the same name
-        is left alone (logged): the configuration does not take over what an operator added."""
+        the configuration-owned entries no longer there (`unchecked`: there, but not checked by this beat, and kept).
+        Returns the names written. A runtime entry of the same name is left alone (logged): the configuration does
+        not take over what an operator added."""
         written = []
         for name, fields in entries.items():
             now = self.now()
             created = self._created()
+            current = self.coll.find_one({"_id": name, "owner": CONFIG}) or {}
+            changes = {**fields, "owner": CONFIG, "updatedAt": now, **self._restarted(current, fields)}
             try:
                 self.coll.update_one(
                     {"_id": name, "owner": CONFIG},
-                    {"$set": {**fields, "owner": CONFIG, "updatedAt": now}, "$setOnInsert": created},
+                    {"$set": changes, "$setOnInsert": {k: v for k, v in created.items() if k not in changes}},
                     upsert=True,
                 )
             except DuplicateKeyError:
@@ -290,8 +294,17 @@ class ScheduleStore:
                 # another beat created it a moment ago: write our fields over it
                 self.coll.update_one({"_id": name, "owner": CONFIG}, {"$set": {**fields, "updatedAt": now}})
             written.append(name)
-        self.coll.delete_many({"owner": CONFIG, "_id": {"$nin": list(entries)}})
+        self.coll.delete_many({"owner": CONFIG, "_id": {"$nin": [*entries, *unchecked]}})
         return written
+
+    def _restarted(self, current: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+        """An entry whose schedule or timezone changes starts its slots from now (as set_enabled's does): the new
+        schedule's slots before now were never due, and would otherwise be caught up as missed."""
+        timing = (fields["schedule"], fields["timezone"])
+        if not current or (current.get("schedule"), current.get("timezone", "UTC")) == timing:
+            return {}
+        now, last = self.now(), current.get("lastSlot")
+        return {"lastSlot": max(last, now) if isinstance(last, datetime) and last.tzinfo is not None else now}
 
     def advance(
         self,

@@ -104,7 +104,8 @@ class JobScheduler(Scheduler):
         options = self.app.conf.broker_transport_options or {}
         JobStore(db, collection=options.get("jobs_collection", "jobs")).ensure_indexes()  # the unique key's index
         self._store = ScheduleStore(db, self._clock)
-        written = self._store.sync_config(self._config_entries())
+        entries, unchecked = self._config_entries()
+        written = self._store.sync_config(entries, unchecked=unchecked)
         logger.info("bb_broker beat: %d configured entries synced to %s", len(written), self._store.coll.full_name)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -152,11 +153,13 @@ class JobScheduler(Scheduler):
 
     # --- the entries --------------------------------------------------------
 
-    def _config_entries(self) -> dict[str, dict[str, Any]]:
-        """The entries of `beat_schedule` (and `add_periodic_task`), checked: one that is wrong is logged and left
-        out, and what the collection holds under its name is not changed."""
+    def _config_entries(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """The entries of `beat_schedule` (and `add_periodic_task`), checked, and the names of those that are not:
+        one that is wrong here is logged and left out, and what the collection holds under its name is not changed
+        (another beat, a newer release or one that imports its task, may well schedule it)."""
         timezone = str(self.app.conf.timezone or "UTC")
         fields = {}
+        unchecked = []
         for name, config in dict(self.app.conf.beat_schedule or {}).items():
             try:
                 config = dict(config)
@@ -173,7 +176,8 @@ class JobScheduler(Scheduler):
                 )
             except (EntryError, ScheduleError, TypeError, ValueError) as exc:
                 logger.error("bb_broker beat: beat_schedule entry %r is not scheduled: %s", name, exc)
-        return fields
+                unchecked.append(name)
+        return fields, unchecked
 
     def _checked(self, doc: dict[str, Any]) -> Entry | None:
         """The entry, or None (logged once per problem) when it is nonsense or its task is unknown here."""

@@ -176,6 +176,44 @@ def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing
     assert db.bb_schedules.count_documents({}) == 0
 
 
+def test_an_entry_a_beat_cannot_check_is_kept_for_the_beats_that_can(
+    beat_app: Celery, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A beat without the task's module (or an older release) left the entry out of what it synced, and then deleted
+    # it as gone from the configuration: the beats that run it lost it, its counts and its slots until a restart.
+    beat_app.conf.beat_schedule = {"nightly": {"task": "reports.nightly", "schedule": crontab(hour=3, minute=0)}}
+    JobScheduler(beat_app)
+    db.bb_schedules.update_one({"_id": "nightly"}, {"$set": {"runCount": 1234}})
+    without_the_task = Celery("beat_test_without", broker=beat_app.conf.broker_url, set_as_current=False)
+    without_the_task.conf.beat_schedule = beat_app.conf.beat_schedule
+    with caplog.at_level(logging.ERROR):
+        JobScheduler(without_the_task)
+    assert "'nightly' is not scheduled" in caplog.text
+    assert db.bb_schedules.find_one({"_id": "nightly"})["runCount"] == 1234
+    without_the_task.close()
+
+
+@pytest.mark.parametrize("how", ["change", "beat_schedule"])
+def test_a_changed_schedule_starts_from_now_and_catches_up_nothing(
+    beat_app: Celery, store: ScheduleStore, db: Database, how: str
+) -> None:
+    # The new schedule's slots since the last run were never due, but older than bb_beat_missed_after they were
+    # caught up as missed: an hourly entry 50 minutes after its last slot made 300 jobs on the next tick when it
+    # was changed to every 10 s (with catch_up="all").
+    beat_app.conf.beat_schedule = {"often": {"task": "reports.nightly", "schedule": 3600.0, "catch_up": "all"}}
+    scheduler = JobScheduler(beat_app)
+    back = db.bb_schedules.find_one({"_id": "often"})["anchor"] - timedelta(minutes=50)
+    db.bb_schedules.update_one({"_id": "often"}, {"$set": {"anchor": back, "lastSlot": back}})
+    if how == "change":
+        store.change("often", schedule=10.0, known_tasks=beat_app.tasks)
+    else:
+        beat_app.conf.beat_schedule = {"often": {**beat_app.conf.beat_schedule["often"], "schedule": 10.0}}
+        scheduler = JobScheduler(beat_app)
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "often"})
+    assert "catchUps" not in entry and db.jobs.count_documents({"uniqueKey": {"$regex": "^beat:often:"}}) <= 1
+
+
 def test_catch_up_all_sends_a_bounded_number_of_slots_a_look_and_the_rest_at_the_next(
     beat_app: Celery, store: ScheduleStore, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
