@@ -24,7 +24,7 @@ from kombu.exceptions import OperationalError
 from pymongo.errors import PyMongoError
 
 from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
-from bb_broker.beat.slots import ScheduleError
+from bb_broker.beat.slots import ScheduleError, missed_span
 from bb_broker.clock import ServerClock
 from bb_broker.connection import get_database, parse_broker_url
 from bb_broker.jobs.payloads import SCHEDULE_HEADER
@@ -221,12 +221,12 @@ class JobScheduler(Scheduler):
             entry = fresh
         return entry
 
-    def _missed(self, entry: Entry, now: datetime) -> list[datetime]:
-        """The entry's missed slots, oldest first (an interval of a second missed for a week is 600 000 slots:
-        those past 100 * MAX_SLOTS_PER_LOOK are dealt with at the next look)."""
+    def _missed(self, entry: Entry, before: datetime) -> list[datetime]:
+        """The entry's first missed slots (those before `before`), oldest first, at most MAX_SLOTS_PER_LOOK: the
+        `all` policy's for this look (a second's slots missed for a week are 600,000: the rest at the next looks)."""
         missed: list[datetime] = []
         slot = entry.slots.next_after(entry.last_slot)
-        while slot is not None and now - slot > self.missed_after and len(missed) < 100 * MAX_SLOTS_PER_LOOK:
+        while slot is not None and slot < before and len(missed) < MAX_SLOTS_PER_LOOK:
             missed.append(slot)
             slot = entry.slots.next_after(slot)
         return missed
@@ -235,36 +235,47 @@ class JobScheduler(Scheduler):
         """Apply the entry's catch-up policy to its missed slots: the slot the entry is now at, or None when another
         beat moved it first."""
         assert self._store is not None
-        missed = self._missed(entry, now)
+        before = now - self.missed_after
+        if entry.catch_up != "all":
+            # `once` and `none` take the whole downtime in one catch-up, however long: its first and last slots.
+            span = missed_span(entry.slots, entry.last_slot, before)
+            assert span is not None  # called for a missed slot
+            first, last, count = span
+            summary = self._catch_up_record(entry, first, last, count, now)
+            # `once`: keyed on the first missed slot, which every beat reading this lastSlot agrees on.
+            job = None if entry.catch_up == "none" else self._send_late(entry, first)
+            return last if self._store.advance(entry.name, entry.last_slot, last, job=job, catch_up=summary) else None
+        missed = self._missed(entry, before)
         record: dict[str, Any] | None = None
-        if entry.catch_up == "all" and entry.catching_up_to is not None and missed[0] <= entry.catching_up_to:
+        if entry.catching_up_to is not None and missed[0] <= entry.catching_up_to:
             # Another beat's catch-up, under way slot by slot (this beat lost a fenced write to it): its record
             # names these slots already, so they are sent on (one job each, as its record says) without a second.
-            missed = [slot for slot in missed if slot <= entry.catching_up_to][:MAX_SLOTS_PER_LOOK]
+            missed = [slot for slot in missed if slot <= entry.catching_up_to]
         else:
-            if entry.catch_up == "all":
-                missed = missed[:MAX_SLOTS_PER_LOOK]  # the rest at the next look, as another catch-up: none is endless
-            first, last = missed[0], missed[-1]
-            record = {"from": first, "to": last, "missed": len(missed), "policy": entry.catch_up, "at": now}
-            record["sent"] = {"all": len(missed), "once": 1, "none": 0}[entry.catch_up]
-            logger.warning(
-                "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
-                entry.name, len(missed), iso(first), iso(last), entry.catch_up, record["sent"],
-            )  # fmt: skip
-        first, last = missed[0], missed[-1]
-        if entry.catch_up == "none":
-            return last if self._store.advance(entry.name, entry.last_slot, last, job=None, catch_up=record) else None
-        # `once`: keyed on the first missed slot, which every beat reading this lastSlot agrees on, whatever its now.
-        sent = missed if entry.catch_up == "all" else [first]
+            record = self._catch_up_record(entry, missed[0], missed[-1], len(missed), now)  # the rest: another
         at = entry.last_slot
-        for n, slot in enumerate(sent):
-            task_id = send_entry(self.app, entry, slot, slot_key(entry.name, slot), producer=self.producer)
-            job = {"slot": slot, "taskId": task_id, "runNow": False, "late": True}
-            to = slot if entry.catch_up == "all" else last
-            if not self._store.advance(entry.name, at, to, job=job, catch_up=record if n == 0 else None):
+        for n, slot in enumerate(missed):
+            if not self._store.advance(
+                entry.name, at, slot, job=self._send_late(entry, slot), catch_up=record if n == 0 else None
+            ):
                 return None
-            at = to
+            at = slot
         return at
+
+    def _catch_up_record(
+        self, entry: Entry, first: datetime, last: datetime, count: int, now: datetime
+    ) -> dict[str, Any]:
+        sent = {"all": count, "once": 1, "none": 0}[entry.catch_up]
+        logger.warning(
+            "bb_broker beat: entry %r missed %d slots from %s to %s: catch-up %s, %d to send",
+            entry.name, count, iso(first), iso(last), entry.catch_up, sent,
+        )  # fmt: skip
+        return {"from": first, "to": last, "missed": count, "policy": entry.catch_up, "at": now, "sent": sent}
+
+    def _send_late(self, entry: Entry, slot: datetime) -> dict[str, Any]:
+        """Send the job of a missed slot; what the entry records of it."""
+        task_id = send_entry(self.app, entry, slot, slot_key(entry.name, slot), producer=self.producer)
+        return {"slot": slot, "taskId": task_id, "runNow": False, "late": True}
 
 
 def run_now(app: Any, store: ScheduleStore, name: str) -> str:

@@ -16,6 +16,8 @@ says: they are compared with the server's time, and a slot's time is part of its
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any, Protocol
@@ -50,8 +52,20 @@ class Every:
     anchor: datetime
 
     def next_after(self, moment: datetime) -> datetime:
+        return self._slot(self._index_after(moment))
+
+    def span(self, after: datetime, before: datetime) -> tuple[datetime, datetime, int] | None:
+        """As missed_span, counted instead of walked."""
+        first = self._index_after(after)
+        # The last k with anchor + k * every < before, in whole microseconds (a slot at `before` is not before it).
+        last = ((before - self.anchor) // timedelta(microseconds=1) - 1) // (self.milliseconds * 1000)
+        return None if last < first else (self._slot(first), self._slot(last), last - first + 1)
+
+    def _index_after(self, moment: datetime) -> int:
         elapsed = (moment - self.anchor) // timedelta(milliseconds=1)
-        k = max(elapsed // self.milliseconds + 1, 1)
+        return int(max(elapsed // self.milliseconds + 1, 1))
+
+    def _slot(self, k: int) -> datetime:
         return self.anchor + timedelta(milliseconds=k * self.milliseconds)
 
 
@@ -67,26 +81,38 @@ class Cron:
     def _matches(self, day: date) -> bool:
         return day.month in self.months and day.day in self.days_of_month and day.isoweekday() % 7 in self.days_of_week
 
-    def _on(self, day: date) -> list[datetime]:
-        # Converted one by one: a time in a skipped hour maps later than the hour after it (see the module's doc).
-        return [
-            datetime.combine(day, time(hour, minute), self.tz).astimezone(UTC)
-            for hour in self.hours
-            for minute in self.minutes
-        ]
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (a few days of a few crontabs; walking a downtime reads each often)
+    def _on(self, day: date) -> tuple[datetime, ...]:
+        # Converted one by one: a time in a skipped hour maps later than the hour after it (see the module's doc);
+        # then sorted, for that reason too.
+        return tuple(
+            sorted(
+                datetime.combine(day, time(hour, minute), self.tz).astimezone(UTC)
+                for hour in self.hours
+                for minute in self.minutes
+            )
+        )
 
     def next_after(self, moment: datetime) -> datetime | None:
         day = moment.astimezone(self.tz).date() - timedelta(days=1)  # the day before may end after `moment` in UTC
         for _ in range(CRON_SEARCH_DAYS):
             if self._matches(day):
-                later = [slot for slot in self._on(day) if slot > moment]
-                if later:
+                later = _first_after(self._on(day), moment)
+                if later is not None:
                     following = day + timedelta(days=1)  # a skipped time of `day` may map past its next day's first
                     if self._matches(following):
-                        later += self._on(following)
-                    return min(later)
+                        then = _first_after(self._on(following), moment)
+                        if then is not None and then < later:
+                            return then
+                    return later
             day += timedelta(days=1)
         return None
+
+
+def _first_after(slots: tuple[datetime, ...], moment: datetime) -> datetime | None:
+    """The first of the sorted `slots` strictly after `moment`, or None."""
+    at = bisect.bisect_right(slots, moment)
+    return slots[at] if at < len(slots) else None
 
 
 @dataclass(frozen=True)
@@ -105,6 +131,21 @@ class Solar:
             return None
         slot = found.datetime().replace(tzinfo=UTC)
         return slot.replace(microsecond=0) + (timedelta(seconds=1) if slot.microsecond >= 500_000 else timedelta())
+
+
+def missed_span(slots: Slots, after: datetime, before: datetime) -> tuple[datetime, datetime, int] | None:
+    """The first and the last slot strictly after `after` and strictly before `before`, and how many there are; None
+    when there is none. An interval's are counted (a second's slots over a year of downtime are 31 million); the
+    others are walked (a crontab's minutes over a week: 10,080 slots)."""
+    if isinstance(slots, Every):
+        return slots.span(after, before)
+    first = slots.next_after(after)
+    if first is None or first >= before:
+        return None
+    last, count = first, 1
+    while (slot := slots.next_after(last)) is not None and slot < before:
+        last, count = slot, count + 1
+    return first, last, count
 
 
 def cron_text(celery_crontab: Any) -> str:

@@ -253,6 +253,24 @@ def test_one_downtime_is_one_catch_up_however_long_the_look_takes(
     assert len(slots) == entry["runCount"] >= 10  # the catch-up's job and each slot on time when the look began
 
 
+@pytest.mark.parametrize("policy", ["once", "none"])
+def test_a_downtime_of_more_slots_than_a_look_walks_is_still_one_catch_up(
+    beat_app: Celery, store: ScheduleStore, db: Database, policy: str
+) -> None:
+    # A second's slots over 42 hours: past the 100,000 slots a look collected, the rest was another catch-up in the
+    # same look, and `once` sent a job for each.
+    scheduler = JobScheduler(beat_app)
+    store.add("every-second", "reports.nightly", 1.0, catch_up=policy)
+    back = db.bb_schedules.find_one({"_id": "every-second"})["anchor"] - timedelta(hours=42)
+    db.bb_schedules.update_one({"_id": "every-second"}, {"$set": {"anchor": back, "lastSlot": back}})
+    scheduler.tick()
+    entry = db.bb_schedules.find_one({"_id": "every-second"})
+    (catch_up,) = entry["catchUps"]
+    assert catch_up["missed"] >= 42 * 3600 - 20 and catch_up["sent"] == (1 if policy == "once" else 0)
+    jobs = db.jobs.count_documents({"uniqueKey": {"$regex": "^beat:every-second:"}})
+    assert jobs == entry["runCount"] <= catch_up["sent"] + 12  # the catch-up's and the slots on time since (10 s)
+
+
 #: Entry names a pattern would confuse: a prefix of another, regex metacharacters, MongoDB's `$` and `.`.
 TRICKY_NAMES = ("nightly", "nightly.eu", "a.*", "$where", "cost$", "night & day")
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from bb_broker.beat.slots import ScheduleError, slots_of
+from bb_broker.beat.slots import ScheduleError, missed_span, slots_of
 
 
 def walk(slots, start: datetime, n: int) -> list[datetime]:
@@ -96,3 +96,30 @@ def test_solar_slots_are_celerys_own_events_to_the_second() -> None:
 def test_a_solar_event_that_does_not_exist_is_refused() -> None:
     with pytest.raises(ScheduleError, match="invalid solar schedule"):
         slots_of({"solar": "moonrise", "lat": 0, "lon": 0}, timezone="UTC", anchor=None)
+
+
+def _walked(slots, after: datetime, before: datetime) -> tuple[datetime, datetime, int] | None:
+    """missed_span by the definition: every slot walked."""
+    found = []
+    slot = slots.next_after(after)
+    while slot is not None and slot < before:
+        found.append(slot)
+        slot = slots.next_after(slot)
+    return (found[0], found[-1], len(found)) if found else None
+
+
+@pytest.mark.parametrize("every", [1.0, 0.25, 7.5, 3600.0])
+def test_an_intervals_missed_span_is_counted_as_its_slots_walked(every: float) -> None:
+    # Counted, not walked: a catch-up `once` of a second's slots after days down was several catch-ups of 100,000.
+    anchor = datetime(2026, 3, 1, 12, 0, 0, 123000, tzinfo=UTC)
+    slots = slots_of({"every": every}, timezone="UTC", anchor=anchor)
+    for after_s, before_s in [(0, 5), (-3, 2), (0.25, 0.25), (1, 1.000001), (7.5, 15), (10, 3600 * 3 + 0.5), (5, 4)]:
+        after, before = anchor + timedelta(seconds=after_s), anchor + timedelta(seconds=before_s)
+        assert missed_span(slots, after, before) == _walked(slots, after, before), (every, after_s, before_s)
+
+
+def test_a_crontabs_missed_span_over_a_week_of_minutes_across_a_dst_change() -> None:
+    slots = slots_of({"crontab": "* * * * *"}, timezone="Europe/Paris", anchor=None)
+    after = datetime(2026, 3, 25, 22, 0, tzinfo=UTC)  # the clocks go forward on the 29th
+    span = missed_span(slots, after, after + timedelta(days=7))
+    assert span == (after + timedelta(minutes=1), after + timedelta(days=7, minutes=-1), 7 * 24 * 60 - 1)
