@@ -82,6 +82,9 @@ MAX_RATE_TRIES = 3
 #: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
 MAX_KEY_SKIPS = 16
 
+#: Attempts from here on are a hand edit no claim counts on (a 64-bit $inc overflows near 2**63).
+UNCOUNTABLE_ATTEMPTS = 2**31
+
 #: The most hand-edited jobs one claim fails on its way before it gives up for now (each costs a round trip or two).
 MAX_MALFORMED_SKIPS = 16
 
@@ -436,7 +439,8 @@ class JobStore(Sweeps):
                 if exc.code not in UNAPPLICABLE_UPDATE:
                     raise
                 # A hand-edited document the update cannot apply to must not block the queue behind it.
-                self._fail_unclaimable(due, lifecycle.describe_error(exc))
+                if not self._fail_unclaimable(due, lifecycle.describe_error(exc)):
+                    return None
                 continue
             if doc is None:
                 return None
@@ -657,23 +661,29 @@ class JobStore(Sweeps):
         metrics.record("failed", result.modified_count)
         return True
 
-    def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> None:
+    def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> bool:
+        """Fail the job at the head of `due` whose attempts the claim could not count on (not a number, or one
+        past counting): whether there was one. Only such a job: another claim may have failed the job this one met,
+        and a sound job be at the head now."""
         head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
-        if head is not None:
-            logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
-            result = self.coll.update_one(
-                {"_id": head["_id"], "status": QUEUED},
-                {
-                    "$set": {
-                        "status": FAILED,
-                        "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
-                        "updatedAt": self.now(),
-                        "finishedAt": self.now(),
-                    },
-                    "$unset": RELEASED_AT_END,
+        if head is None:
+            return False
+        result = self.coll.update_one(
+            {"_id": head["_id"], "status": QUEUED, "attempts": {"$not": {"$gte": 0, "$lt": UNCOUNTABLE_ATTEMPTS}}},
+            {
+                "$set": {
+                    "status": FAILED,
+                    "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
+                    "updatedAt": self.now(),
+                    "finishedAt": self.now(),
                 },
-            )
+                "$unset": RELEASED_AT_END,
+            },
+        )
+        if result.modified_count:
+            logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
             metrics.record("failed", result.modified_count)
+        return result.modified_count == 1
 
     def heartbeat(self, job_ids: Iterable[str], owner: str) -> int:
         """Refresh the lease of the live jobs this owner still holds."""

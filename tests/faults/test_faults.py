@@ -99,6 +99,21 @@ def test_a_batch_claim_whose_write_outlived_the_client_still_knows_its_jobs(own_
     assert store.claim_many("celery", "other", 4) == []
 
 
+def test_a_claim_whose_update_could_not_apply_fails_no_sound_job_in_place_of_the_one_it_met(own_server) -> None:
+    # Two workers meet a hand-edited job at once: one fails it, and the other, reading the head again to fail it,
+    # found the sound job behind it and failed that one. (The server's refusal is injected here: TypeMismatch.)
+    client = MongoClient(own_server.url, tz_aware=True)
+    store = JobStore(client.unclaimable)
+    store.ensure_indexes()
+    job_id = store.publish(queue="celery", kind="k", task_id="t", payload={}, priority=0, run_after=None,
+                           is_retry=False)  # fmt: skip
+    fail_point(client, 1, failCommands=["findAndModify"], errorCode=14)
+    assert store.claim("celery", "w") is None
+    assert client.unclaimable.jobs.find_one({"_id": job_id})["status"] == "queued"
+    claimed = store.claim("celery", "w")
+    assert claimed is not None and claimed.id == job_id
+
+
 def test_a_failed_attempt_recorded_again_after_its_answer_was_lost_has_one_history_entry(own_server) -> None:
     # A broker retry records the failed attempt while the job stays `running`, so the attempt's fence still matches
     # once the write has landed: made again after its answer was lost (to pymongo's own retry too), it pushed a
