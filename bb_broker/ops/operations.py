@@ -638,6 +638,9 @@ class Operations:
         if doc is None:
             raise ActionRefused("not found", f"no job has the id or task id {identifier!r}")
         job_filter = {"_id": doc["_id"]}
+        if not isinstance(doc["_id"], str):
+            # Written by hand: no worker can run a job under it (a claim fails it as malformed), nor act on it by id.
+            raise ActionRefused("conflict", f"job {reprlib.repr(doc['_id'])} has an _id that is not a string")
         if doc.get("status") not in ACTIONS[action]:
             wanted = " or ".join(ACTIONS[action])
             raise ActionRefused("conflict", f"job {doc['_id']} is {doc.get('status')}: {action} needs it {wanted}")
@@ -686,14 +689,14 @@ class Operations:
             by_id = {"_id": {"$in": wanted}, **selector}
             by_task = {"taskId": {"$in": wanted}, **selector}
             docs = list(self.coll.find(by_id, RETRY_FIELDS, hint="_id_"))
-            seen = {doc["_id"] for doc in docs}
+            seen = [doc["_id"] for doc in docs]  # compared, not hashed: a hand-written _id may be a document
             more = self.coll.find(by_task, RETRY_FIELDS, **self._hint_if_indexed("bb_task_id"))
             docs += [doc for doc in more if doc["_id"] not in seen]
         held: dict[str, str] = {}
         job_ids = self._retry_docs(docs, by=by, held=held)
         unmatched = []
         if wanted is not None:
-            found = {doc["_id"] for doc in docs} | {doc.get("taskId") for doc in docs}
+            found = [doc["_id"] for doc in docs] + [doc.get("taskId") for doc in docs]
             unmatched = [identifier for identifier in wanted if identifier not in found]
         return Retried(job_ids, unmatched, held)
 
@@ -854,6 +857,10 @@ class Operations:
         batch: list[tuple[str, UpdateOne]] = []
         renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
         for doc in docs:
+            if not isinstance(doc["_id"], str):
+                # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
+                held[str(doc.get("taskId") or doc["_id"])] = "its _id is not a string: no worker can run it"
+                continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
             record = _record("retry", by, now)
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
@@ -946,7 +953,7 @@ class Operations:
                 message["headers"]["id"] = task_id
                 message.setdefault("properties", {})["correlation_id"] = task_id
                 changes["payload.raw"] = json.dumps(message)
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, TypeError, KeyError, RecursionError):  # a hand edit: the job keeps its message
                 pass
             return changes
         if isinstance(payload.get("headers"), dict):

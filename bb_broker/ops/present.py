@@ -51,9 +51,11 @@ def arguments(doc: dict[str, Any]) -> dict[str, Any]:
     headers: dict[str, Any] = payload["headers"] if isinstance(payload.get("headers"), dict) else {}
     if "raw" in payload:
         try:
-            headers = json.loads(payload["raw"]).get("headers") or {}
-        except (ValueError, AttributeError):
-            headers = {}
+            message = json.loads(payload["raw"])
+        except (ValueError, TypeError, RecursionError):  # a hand edit: not JSON, or nested beyond reason
+            message = None
+        raw_headers = message.get("headers") if isinstance(message, dict) else None
+        headers = raw_headers if isinstance(raw_headers, dict) else {}
     shown = {"args": headers.get("argsrepr"), "kwargs": headers.get("kwargsrepr")}
     return {name: value for name, value in shown.items() if value is not None}
 

@@ -610,10 +610,11 @@ class Channel(virtual.Channel):
                 freed_before is None
                 or read_at is None
                 or read_at[0] != freed_before
-                or time.monotonic() - read_at[1] >= self.options.safety_poll_interval
+                or time.monotonic() - read_at[1] >= self.options.safety_poll_interval / 2
             ):
                 # A job that held a slot or a busy key ended since (or nothing would say so), or the keys were found
-                # busy a safety poll's interval ago: try every key again.
+                # busy half a safety poll's interval ago (so that the next safety poll, its interval after the last,
+                # always finds them expired): try every key again.
                 self._busy_keys.pop(queue, None)
                 read_at = None
             busy = set(self._busy_keys.get(queue, ()))

@@ -496,7 +496,8 @@ class MessageStore:
             except ConnectionFailure:  # the mark may have landed unanswered: what is marked `taker` is read back
                 all_mine = False
             if not all_mine:
-                mine = {doc["_id"] for doc in self.messages.find({"_id": {"$in": ids}, TAKER: taker}, {"_id": 1})}
+                # Compared, not hashed: a hand-written message's _id may be a document.
+                mine = [doc["_id"] for doc in self.messages.find({"_id": {"$in": ids}, TAKER: taker}, {"_id": 1})]
                 head = [doc for doc in head if doc["_id"] in mine]
             if head:  # else another consumer took them all: read on
                 mine_only = {"_id": {"$in": [doc["_id"] for doc in head]}, TAKER: taker}

@@ -34,6 +34,9 @@ from bb_broker.worker import patches
 
 logger = logging.getLogger(__name__)
 
+#: Celery's setting (5.1 and later; True by default from 6.0) that cancels the running acks_late tasks on a reconnect.
+CANCEL_ON_CONNECTION_LOSS = "worker_cancel_long_running_tasks_on_connection_loss"
+
 #: The attribute of a Celery app holding its job stores, one per (process, broker URL, options, client options).
 APP_STORES = "bb_broker_stores"
 #: The attribute of a worker's Celery app holding the relay its pool processes settle through (settles.SettleRelay).
@@ -447,8 +450,17 @@ def _reserved_jobs() -> list[str]:
 
 
 def _started_jobs() -> list[str]:
-    # The requests its pool took. Celery keeps them through a reconnect (Consumer.on_close), and their runs go on.
-    return _jobs_of(worker_state.active_requests)
+    # The requests its pool took. Celery keeps them through a reconnect (Consumer.on_close), and their runs go on,
+    # except those it cancels then for the broker to deliver again (worker_cancel_long_running_tasks_on_connection_loss:
+    # nothing settles a cancelled run, and its job goes back, as Celery means it to).
+    return _jobs_of(request for request in list(worker_state.active_requests) if not _cancelled_on_reconnect(request))
+
+
+def _cancelled_on_reconnect(request: Any) -> bool:
+    """Celery's own test (Consumer.on_connection_error_after_connected) of a request it cancels on a reconnect."""
+    task = getattr(request, "task", None)
+    cancels = bool(getattr(getattr(task, "app", None), "conf", {}).get(CANCEL_ON_CONNECTION_LOSS))
+    return cancels and bool(getattr(task, "acks_late", False)) and not getattr(request, "acknowledged", False)
 
 
 def _jobs_of(requests: Iterable[Any]) -> list[str]:

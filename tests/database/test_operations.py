@@ -8,6 +8,7 @@ from pymongo.database import Database
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import ActionRefused, FilterError, JobFilter, Operations, revoked_task_ids
+from bb_broker.ops.present import arguments
 from tests.support.store import CommandLog, FakeClock, assert_lists_read_through_an_index
 
 
@@ -56,6 +57,24 @@ def test_retry_by_job_or_task_id_says_which_matched_nothing(ops: Operations, db:
         assert doc["status"] == "queued" and doc["attempts"] == 0 and "finishedAt" not in doc
         assert doc["actions"][-1]["action"] == "retry" and doc["actions"][-1]["by"] == "alice"
     assert db.jobs.find_one({"_id": queued})["status"] == "queued"
+
+
+def test_a_job_written_by_hand_under_a_document_id_is_refused_and_nothing_else_breaks(
+    ops: Operations, db: Database
+) -> None:
+    # Its _id could not be hashed: a retry by its task id raised TypeError half-way (the job already queued again,
+    # where a claim fails it as malformed), and an action on it was a 500 in the Jobs tab.
+    job_id = failed(ops, "task-dict")
+    doc = db.jobs.find_one_and_delete({"_id": job_id})
+    db.jobs.insert_one({**doc, "_id": {"legacy": job_id}})
+    sound = failed(ops, "task-sound")
+    retried = ops.retry(["task-dict", "task-sound"], by="alice")
+    assert retried.job_ids == [sound] and retried.held == {"task-dict": "its _id is not a string: no worker can run it"}
+    assert db.jobs.find_one({"taskId": "task-dict"})["status"] == "failed"
+    with pytest.raises(ActionRefused, match="has an _id that is not a string"):
+        ops.act("retry", "task-dict", by="alice")
+    raw = {"raw": "[" * 100_000 + "]" * 100_000}  # nested beyond the JSON decoder's depth, as a hand edit can
+    assert arguments({"payload": raw}) == {} and arguments({"payload": {"raw": '{"headers": 5}'}}) == {}
 
 
 def test_a_revoked_job_is_retried_under_a_new_task_id_due_now(ops: Operations, db: Database) -> None:

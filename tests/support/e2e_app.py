@@ -26,6 +26,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
     result_backend=os.environ.get("BB_RESULT_BACKEND"),  # "rpc://": results come back through the broker
+    # Celery cancels the running acks_late tasks on a reconnect, for the broker to deliver them again.
+    worker_cancel_long_running_tasks_on_connection_loss=os.environ.get("BB_CANCEL_ON_CONNECTION_LOSS") == "1",
 )
 if os.environ.get("BB_RESULT_BACKEND"):
     # The result backend on the job documents (tests/e2e/test_results_e2e.py; "broker" means the broker's URL, to run
