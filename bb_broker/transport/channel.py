@@ -400,6 +400,8 @@ class Channel(virtual.Channel):
             if leases.started_here(message.job_id):
                 # An unacked message whose run goes on (acks_late, through a reconnect): the run settles its job, and
                 # the job keeps its lease. Given back, it would run a second time at the same attempt meanwhile.
+                # Celery's rejection of it (a lost pool process, say) still fails the job.
+                self.qos.keep_running(message)
                 return
             self._release_job(message.job_id, message.attempts)
             return

@@ -72,14 +72,25 @@ class JobQoS(virtual.QoS):
         super().__init__(*args, **kwargs)
         self._rejected_in_delivery: list[JobMessage] = []
         self._waiting_for_batch_since: float | None = None
+        # The messages a lost connection's restore took from the delivered ones while their runs go on (see
+        # Channel._restore): their acks and rejections still come here, on Celery's event loop, which owns them.
+        self._running_on: dict[str, JobMessage] = {}
+
+    def keep_running(self, message: JobMessage) -> None:
+        """A delivered message whose run goes on though its channel closed: its rejection still fails its job."""
+        if message.delivery_tag is not None:
+            self._running_on[message.delivery_tag] = message
 
     def ack(self, delivery_tag: str) -> None:
+        self._running_on.pop(delivery_tag, None)
         super().ack(delivery_tag)
         self._poke()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message = patches.delivered_messages(self).get(delivery_tag)
+        message = patches.delivered_messages(self).get(delivery_tag) or self._running_on.pop(delivery_tag, None)
         if not (isinstance(message, JobMessage) and message.job_id):
+            if delivery_tag not in patches.delivered_messages(self):
+                return  # restored already, with its channel (a lost connection): nothing left to reject
             return super().reject(delivery_tag, requeue=requeue)
         if requeue:
             # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message

@@ -97,6 +97,35 @@ def test_a_task_acked_late_runs_once_through_a_reconnect_and_its_worker_stays_up
     assert [(entry["n"], entry["outcome"]) for entry in doc["history"]] == [(1, "succeeded")], doc["history"]
 
 
+def test_a_task_acked_late_whose_process_dies_after_a_reconnect_fails_its_attempt_at_once(
+    own_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    # Its message was restored with the lost connection while its run went on; Celery's rejection of it when its
+    # pool process died (reject_on_worker_lost) found no such delivery: Kombu raised KeyError, and the job stayed
+    # `running` until the stale sweep.
+    url = with_database(own_server.url, "late_lost")
+    client = MongoClient(own_server.url, tz_aware=True)
+    db = client.late_lost
+    worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=2)
+    worker.start()
+    app = producer(url)
+    gate = tmp_path / "gate"
+    late = send(app, "hold_until_then_exit_acked_late", str(gate))
+    wait_for(lambda: db.runs.find_one({"taskId": late}), message="the task acked late under way")
+    wait_for(lambda: any(task["id"] == late for tasks in (app.control.inspect(timeout=1).active() or {}).values()
+                         for task in tasks),
+             message="the worker lists the task as running")  # fmt: skip
+    labels = ["RetryableWriteError"]
+    fail_point(client, 2, failCommands=["findAndModify"], errorCode=NETWORK_TIMEOUT, errorLabels=labels)
+    after = send(app, "add", 1, 1)
+    wait_for(settled(db, after, "succeeded"), timeout=60, message="the worker runs tasks again after the reconnect")
+    gate.touch()  # every attempt's process dies from here on: the job fails after its last (stale_after is 300 s)
+    failed = wait_for(settled(db, late, "failed"), timeout=60, message="the job failed after its attempts")
+    assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"], failed
+    assert worker.process.poll() is None, worker.log()[-3000:]
+    assert "Unrecoverable error" not in worker.log()
+
+
 #: A worker told to stop while its server is gone: far above a stop that gives up on the server after its patience
 #: (5 s for all it holds), far below one that tried each held job's release for a minute. A bound, not a benchmark.
 STOP_WITHOUT_SERVER_BOUND = 45.0

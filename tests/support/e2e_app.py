@@ -268,6 +268,15 @@ def hold_until_acked_late(self, path):
     return path
 
 
+@app.task(bind=True, acks_late=True, reject_on_worker_lost=True)
+def hold_until_then_exit_acked_late(self, path):
+    """As hold_until, then its pool process exits: Celery rejects its message (reject_on_worker_lost), requeued."""
+    record(self, phase="start")
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    os._exit(1)
+
+
 @app.task(bind=True)
 def exit_process(self):
     record(self)
