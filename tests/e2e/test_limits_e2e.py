@@ -168,9 +168,17 @@ def test_jobs_of_one_serial_key_never_overlap_and_run_in_queue_order(
     assert any(a[0] < b[1] and b[0] < a[1] for a in a_runs for b in b_runs)
 
 
-def _flagged(db: Database, task_id: str) -> Callable[[], bool]:
-    """The job of `task_id` is flagged: a claim found its serial key busy, and waits for it."""
-    return lambda: bool(job(db, task_id).get("serialWaiters"))
+def _key_held_and_waited_for(
+    app, db: Database, holder_task: str, gate: Path, make_worker, safety: float
+) -> tuple[str, str]:
+    """A worker (its safety poll every `safety` seconds) where the job of `holder_task` holds the serial key "account"
+    (under way until `gate` is made), and a second job of the key found it busy and flagged it: their task ids."""
+    make_worker(concurrency=2, options={"safety_poll_interval": safety})
+    holder = send(app, holder_task, str(gate), serial_key="account")
+    wait_for(lambda: db.runs.find_one({"taskId": holder}), message="the key's holder under way")
+    waiting = send(app, "add", 1, 1, serial_key="account")
+    wait_for(lambda: bool(job(db, holder).get("serialWaiters")), message="the second job found the key busy")
+    return holder, waiting
 
 
 def test_a_serial_key_whose_job_goes_back_to_the_queue_is_tried_again(
@@ -180,12 +188,8 @@ def test_a_serial_key_whose_job_goes_back_to_the_queue_is_tried_again(
     # an operator's requeue) frees its key, but the wake-ups took it only for news of its queue: the worker kept the
     # key as busy, and both jobs of the key waited in the queue for good, the worker idle. The safety poll is out
     # of the test's reach: only the change stream can tell.
-    worker_factory(concurrency=2, options={"safety_poll_interval": 600.0})
     gate = tmp_path / "gate"
-    first = send(app, "hold_until_then_retry_once", str(gate), serial_key="account")
-    wait_for(lambda: db.runs.find_one({"taskId": first}), message="the first job of the key under way")
-    second = send(app, "add", 1, 1, serial_key="account")
-    wait_for(_flagged(db, first), message="the second job found the key busy")
+    first, second = _key_held_and_waited_for(app, db, "hold_until_then_retry_once", gate, worker_factory, 600.0)
     gate.touch()
     wait_for(all_succeeded(db, [first, second]), timeout=60, message="both jobs of the key, the first retried")
     assert db.runs.count_documents({"taskId": first}) == 2
@@ -198,12 +202,8 @@ def test_a_serial_key_freed_where_no_change_tells_is_tried_again_at_the_safety_p
     # The job holding the key deleted by hand: the change stream carries no removed flag for a delete (nor, on some
     # servers, for the stale sweep's pipeline write). The worker kept the key busy for good; it tries it again at
     # its next safety poll.
-    worker_factory(concurrency=2, options={"safety_poll_interval": 2.0})
     gate = tmp_path / "gate"
-    holder = send(app, "hold_until", str(gate), serial_key="account")
-    wait_for(lambda: db.runs.find_one({"taskId": holder}), message="the key's holder under way")
-    waiting = send(app, "add", 1, 1, serial_key="account")
-    wait_for(_flagged(db, holder), message="the second job found the key busy")
+    holder, waiting = _key_held_and_waited_for(app, db, "hold_until", gate, worker_factory, 2.0)
     assert db.jobs.delete_one({"taskId": holder}).deleted_count == 1
     wait_for(settled(db, waiting, "succeeded"), timeout=60, message="the job of the freed key")
     gate.touch()

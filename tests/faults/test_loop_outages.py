@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from celery import Celery
 from kombu import Connection, Consumer, Queue
 from pymongo import MongoClient
+from pymongo.database import Database
 
 from tests.support.faults import fail_point
 from tests.support.servers import EmbeddedServer, with_database
@@ -54,6 +58,40 @@ def test_a_transient_error_on_a_claim_is_a_reconnect_not_the_end_of_the_worker(
     assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task), per_task
 
 
+@dataclass
+class Running:
+    """A worker with a task under way: its database, the producer's app, and the gate that lets the task go on."""
+
+    db: Database
+    worker: Worker
+    app: Celery
+    gate: Path
+    task_id: str = ""
+
+
+def _reconnect_under(task: str, server: EmbeddedServer, tmp_path: Path, *, database: str, **worker: Any) -> Running:
+    """A worker running `task` (held until the gate file is made), made to lose its connection and reconnect: the
+    next claim fails twice (pymongo's own retry included), and Celery takes the connection for lost."""
+    url = with_database(server.url, database)
+    client = MongoClient(server.url, tz_aware=True)
+    running = Running(client[database], Worker(url, log_dir=tmp_path, name="w0", **worker), producer(url),
+                      tmp_path / "gate")  # fmt: skip
+    running.worker.start()
+    running.task_id = send(running.app, task, str(running.gate))
+    app, task_id = running.app, running.task_id
+    wait_for(lambda: running.db.runs.find_one({"taskId": task_id}), message="the task acked late under way")
+    wait_for(lambda: any(task["id"] == task_id for tasks in (app.control.inspect(timeout=1).active() or {}).values()
+                         for task in tasks),
+             message="the worker lists the task as running")  # fmt: skip
+    fail_point(
+        client, 2, failCommands=["findAndModify"], errorCode=NETWORK_TIMEOUT, errorLabels=["RetryableWriteError"]
+    )
+    after = send(app, "add", 1, 1)
+    wait_for(lambda: "Connection to broker lost" in running.worker.log(), message="the worker reconnects")
+    wait_for(settled(running.db, after, "succeeded"), timeout=60, message="the worker runs tasks after the reconnect")
+    return running
+
+
 @pytest.mark.parametrize("cancelled", [False, True], ids=["runs on", "cancelled by celery"])
 def test_a_task_acked_late_runs_once_through_a_reconnect_and_its_worker_stays_up(
     own_server: EmbeddedServer, tmp_path: Path, cancelled: bool
@@ -61,32 +99,17 @@ def test_a_task_acked_late_runs_once_through_a_reconnect_and_its_worker_stays_up
     # Kombu restores the unacked messages of a lost connection: the job of an acks_late task still running went back
     # to the queue, ran a second time at the same attempt beside the first run, and the first run's ack, on the closed
     # channel, then ended the worker ("Unrecoverable error: AttributeError").
-    url = with_database(own_server.url, "late")
-    client = MongoClient(own_server.url, tz_aware=True)
-    db = client.late
     # Cancelled: Celery's worker_cancel_long_running_tasks_on_connection_loss stops the run on the reconnect, for
     # the broker to deliver its message again; its job then goes back, and runs once more (nothing settles a
     # cancelled run: kept, it stayed `running` until the stale sweep).
     env = {"BB_CANCEL_ON_CONNECTION_LOSS": "1" if cancelled else "0"}
-    worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=3, env=env)  # room for a second run beside the first
-    worker.start()
-    app = producer(url)
-    gate = tmp_path / "gate"
-    late = send(app, "hold_until_acked_late", str(gate))
-    wait_for(lambda: db.runs.find_one({"taskId": late}), message="the task acked late under way")
-    wait_for(lambda: any(task["id"] == late for tasks in (app.control.inspect(timeout=1).active() or {}).values()
-                         for task in tasks),
-             message="the worker lists the task as running")  # fmt: skip
-    # The next claim fails twice (pymongo's own retry included): Celery takes the connection for lost and reconnects.
-    labels = ["RetryableWriteError"]
-    fail_point(client, 2, failCommands=["findAndModify"], errorCode=NETWORK_TIMEOUT, errorLabels=labels)
-    after = send(app, "add", 1, 1)
-    wait_for(lambda: "Connection to broker lost" in worker.log(), message="the worker reconnects")
-    wait_for(settled(db, after, "succeeded"), timeout=60, message="the worker runs tasks again after the reconnect")
-    gate.touch()
+    # Room for a second run beside the first.
+    running = _reconnect_under("hold_until_acked_late", own_server, tmp_path, database="late", concurrency=3, env=env)
+    db, worker, late = running.db, running.worker, running.task_id
+    running.gate.touch()
     wait_for(settled(db, late, "succeeded"), timeout=60, message="the task acked late succeeded")
     # Its ack went to the closed channel. The worker goes on: its next task acked late runs and settles too.
-    again = send(app, "hold_until_acked_late", str(gate))
+    again = send(running.app, "hold_until_acked_late", str(running.gate))
     wait_for(lambda: worker.process.poll() is not None or settled(db, again, "succeeded")(),
              timeout=60, message="the worker ran its next task, or ended")  # fmt: skip
     assert worker.process.poll() is None, worker.log()[-3000:]
@@ -103,27 +126,12 @@ def test_a_task_acked_late_whose_process_dies_after_a_reconnect_fails_its_attemp
     # Its message was restored with the lost connection while its run went on; Celery's rejection of it when its
     # pool process died (reject_on_worker_lost) found no such delivery: Kombu raised KeyError, and the job stayed
     # `running` until the stale sweep.
-    url = with_database(own_server.url, "late_lost")
-    client = MongoClient(own_server.url, tz_aware=True)
-    db = client.late_lost
-    worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=2)
-    worker.start()
-    app = producer(url)
-    gate = tmp_path / "gate"
-    late = send(app, "hold_until_then_exit_acked_late", str(gate))
-    wait_for(lambda: db.runs.find_one({"taskId": late}), message="the task acked late under way")
-    wait_for(lambda: any(task["id"] == late for tasks in (app.control.inspect(timeout=1).active() or {}).values()
-                         for task in tasks),
-             message="the worker lists the task as running")  # fmt: skip
-    labels = ["RetryableWriteError"]
-    fail_point(client, 2, failCommands=["findAndModify"], errorCode=NETWORK_TIMEOUT, errorLabels=labels)
-    after = send(app, "add", 1, 1)
-    wait_for(settled(db, after, "succeeded"), timeout=60, message="the worker runs tasks again after the reconnect")
-    gate.touch()  # every attempt's process dies from here on: the job fails after its last (stale_after is 300 s)
-    failed = wait_for(settled(db, late, "failed"), timeout=60, message="the job failed after its attempts")
+    running = _reconnect_under("hold_until_then_exit_acked_late", own_server, tmp_path, database="late_lost")
+    running.gate.touch()  # every attempt's process dies from here on: the job fails after its last (stale_after 300 s)
+    failed = wait_for(settled(running.db, running.task_id, "failed"), timeout=60, message="the job failed at last")
     assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"], failed
-    assert worker.process.poll() is None, worker.log()[-3000:]
-    assert "Unrecoverable error" not in worker.log()
+    assert running.worker.process.poll() is None, running.worker.log()[-3000:]
+    assert "Unrecoverable error" not in running.worker.log()
 
 
 #: A worker told to stop while its server is gone: far above a stop that gives up on the server after its patience
