@@ -354,6 +354,12 @@ def test_the_worker_lists_the_requests_it_holds() -> None:
         "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
         "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/hooks.py:_reserved_jobs"
     )
+    from celery.app import defaults
+
+    # _cancelled_on_reconnect repeats Celery's own test of the runs it cancels on a reconnect.
+    assert "cancel_long_running_tasks_on_connection_loss" in defaults.NAMESPACES["worker"] and hasattr(
+        Request, "acknowledged"
+    ), "Celery's cancel-on-reconnect setting or Request.acknowledged changed; see bb_broker/worker/hooks.py"
     assert hasattr(state.active_requests, "__iter__"), (
         "celery.worker.state.active_requests changed: Celery changed how a worker lists the requests its pool runs, "
         "and a reconnect would give their jobs back to run twice; see bb_broker/worker/hooks.py:_started_jobs"
