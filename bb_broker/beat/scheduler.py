@@ -14,6 +14,7 @@ nothing; the catch-up is recorded in the entry's `catchUps`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -24,7 +25,7 @@ from kombu.exceptions import OperationalError
 from pymongo.errors import PyMongoError
 
 from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
-from bb_broker.beat.slots import ScheduleError, missed_span
+from bb_broker.beat.slots import ScheduleError, missed_span, slots_between
 from bb_broker.clock import ServerClock
 from bb_broker.connection import get_database, parse_broker_url
 from bb_broker.jobs.payloads import SCHEDULE_HEADER
@@ -224,12 +225,7 @@ class JobScheduler(Scheduler):
     def _missed(self, entry: Entry, before: datetime) -> list[datetime]:
         """The entry's first missed slots (those before `before`), oldest first, at most MAX_SLOTS_PER_LOOK: the
         `all` policy's for this look (a second's slots missed for a week are 600,000: the rest at the next looks)."""
-        missed: list[datetime] = []
-        slot = entry.slots.next_after(entry.last_slot)
-        while slot is not None and slot < before and len(missed) < MAX_SLOTS_PER_LOOK:
-            missed.append(slot)
-            slot = entry.slots.next_after(slot)
-        return missed
+        return list(itertools.islice(slots_between(entry.slots, entry.last_slot, before), MAX_SLOTS_PER_LOOK))
 
     def _catch_up(self, entry: Entry, now: datetime) -> datetime | None:
         """Apply the entry's catch-up policy to its missed slots: the slot the entry is now at, or None when another

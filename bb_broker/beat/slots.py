@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any, Protocol
@@ -139,13 +140,22 @@ def missed_span(slots: Slots, after: datetime, before: datetime) -> tuple[dateti
     others are walked (a crontab's minutes over a week: 10,080 slots)."""
     if isinstance(slots, Every):
         return slots.span(after, before)
-    first = slots.next_after(after)
-    if first is None or first >= before:
+    found = slots_between(slots, after, before)
+    first = next(found, None)
+    if first is None:
         return None
     last, count = first, 1
-    while (slot := slots.next_after(last)) is not None and slot < before:
-        last, count = slot, count + 1
+    for last in found:  # noqa: B007 (the loop's last value is the last slot)
+        count += 1
     return first, last, count
+
+
+def slots_between(slots: Slots, after: datetime, before: datetime) -> Iterator[datetime]:
+    """The slots strictly after `after` and strictly before `before`, oldest first."""
+    slot = slots.next_after(after)
+    while slot is not None and slot < before:
+        yield slot
+        slot = slots.next_after(slot)
 
 
 def cron_text(celery_crontab: Any) -> str:

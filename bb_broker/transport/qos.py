@@ -87,9 +87,10 @@ class JobQoS(virtual.QoS):
         self._poke()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message = patches.delivered_messages(self).get(delivery_tag) or self._running_on.pop(delivery_tag, None)
+        delivered = patches.delivered_messages(self)
+        message = delivered.get(delivery_tag) or self._running_on.pop(delivery_tag, None)
         if not (isinstance(message, JobMessage) and message.job_id):
-            if delivery_tag not in patches.delivered_messages(self):
+            if delivery_tag not in delivered:
                 return  # restored already, with its channel (a lost connection): nothing left to reject
             return super().reject(delivery_tag, requeue=requeue)
         if requeue:
