@@ -48,13 +48,21 @@ def is_serial_key(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_SERIAL_KEY_LENGTH
 
 
-def busy_key(exc: DuplicateKeyError) -> tuple[bool, Any]:
-    """Whether a claim's DuplicateKeyError is SERIAL_INDEX's, and then the key it names (None when the server did not
-    say: the caller reads it)."""
+def busy_key(exc: DuplicateKeyError) -> tuple[bool | None, Any]:
+    """Whether a claim's DuplicateKeyError is SERIAL_INDEX's (None when the server names no index: FerretDB's
+    refusals do not, and the caller tells by a read), and then the key it names (None when the server did not say:
+    the caller reads it)."""
     details = exc.details or {}
     pattern = details.get("keyPattern")
-    ours = (isinstance(pattern, dict) and list(pattern) == ["serialKey"]) or SERIAL_INDEX_NAME in str(
-        details.get("errmsg", "")
-    )
+    message = str(details.get("errmsg", ""))
+    ours: bool | None
+    if isinstance(pattern, dict):
+        ours = list(pattern) == ["serialKey"]
+    elif SERIAL_INDEX_NAME in message or "serialKey" in message:
+        ours = True
+    elif "limitSlot" in message or "bb_limit_slot" in message:
+        ours = False
+    else:
+        ours = None
     value = details.get("keyValue")
     return ours, value.get("serialKey") if isinstance(value, dict) else None

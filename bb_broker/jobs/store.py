@@ -35,7 +35,6 @@ from bb_broker.jobs.document import (
     HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
     RETRY_STATE,
-    UNAPPLICABLE_UPDATE,
     Claimed,
     JobTooLarge,
     SettleTooLarge,
@@ -68,6 +67,7 @@ from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay, SettleWrite
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
+from bb_broker.server import Capabilities, capabilities, is_unapplicable_update
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,14 @@ class JobStore(Sweeps):
         #: In a prefork worker's pool process, the main process's relay that writes this store's settles (set by
         #: the worker's hooks); None elsewhere.
         self.settle_relay: SettleRelay | None = None
+
+    @property
+    def server(self) -> Capabilities:
+        """What the deployment offers (server.py): probed at the first claim or write that asks, once per client."""
+        return capabilities(self.coll.database)
+
+    def _hint(self, index: str, command: str = "find") -> dict[str, Any]:
+        return self.server.hint(index, command)
 
     @property
     def key(self) -> Hashable:
@@ -242,6 +250,9 @@ class JobStore(Sweeps):
     def _write(self, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return operation(*args, **kwargs)
+        except OperationFailure as exc:
+            self._raise_as_duplicate_key(exc)
+            raise
         except DocumentTooLarge as exc:
             raise JobTooLarge(
                 f"task message does not fit in a MongoDB document (limit {MAX_DOCUMENT_BYTES} bytes): {exc}"
@@ -320,8 +331,9 @@ class JobStore(Sweeps):
         """A claim refused by the serial key index: the key goes into `busy` while its running job is flagged (see
         serial.py); any other refusal is raised."""
         ours, key = busy_key(exc)
-        if not ours:
+        if ours is False:
             raise exc
+        # Unnamed (ours is None): the serial key's is the one unique index a claim outside a slot can meet.
         if key is None:  # a server that does not name the key: the head of the queue is the refused job
             key = self._head_key(due)
         if is_serial_key(key) and self._wait_for_key(key):
@@ -333,7 +345,7 @@ class JobStore(Sweeps):
         held = holds.due(moment_us(now))
         if held is not None:
             due = {**due, "rateKey": held}
-        return self._hinted(lambda: self.coll.find_one(due, {"rateKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
+        return self._hinted(lambda: self.coll.find_one(due, {"rateKey": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim")))
 
     def _raise_if_held(self, queue: str, holds: RateHolds, now: datetime, *, learnt: bool = False) -> None:
         """No job whose rate key is free was found: LimitReached until the first held key's next start, if a key is
@@ -360,7 +372,8 @@ class JobStore(Sweeps):
             try:
                 # A key's counter expires (one per key the rate meets); a queue's is the queue's for good.
                 expiry = {"expireAt": start.expires_at} if rate.per_key else {}
-                taken = counters.update_one(
+                taken = self._write(
+                    counters.update_one,
                     {"_id": start.key, "next": {"$lte": start.taken_at}},
                     {"$set": {"next": start.next, **expiry}},
                     upsert=True,
@@ -407,14 +420,18 @@ class JobStore(Sweeps):
             )
 
     def _head_key(self, due: dict[str, Any]) -> Any:
-        head = self._hinted(lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
+        head = self._hinted(
+            lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim"))
+        )
         return None if head is None else head.get("serialKey")
 
     def _wait_for_key(self, key: str) -> bool:
         """Flag the running job of `key` so that its end wakes the claimers; False when it ended meanwhile (then the
         key is free: claim again)."""
         flagged = self.coll.update_one(
-            {"serialKey": key, "status": RUNNING}, {"$set": {WAITERS_FIELD: True}}, hint=SERIAL_INDEX_NAME
+            {"serialKey": key, "status": RUNNING},
+            {"$set": {WAITERS_FIELD: True}},
+            **self._hint(SERIAL_INDEX_NAME, "update"),
         )
         return flagged.matched_count == 1
 
@@ -431,12 +448,12 @@ class JobStore(Sweeps):
                             CLAIMED_FIELDS,
                             sort=CLAIM_ORDER,
                             # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
-                            hint="_id_" if "_id" in due else "bb_claim",
+                            **self._hint("_id_" if "_id" in due else "bb_claim", "findAndModify"),
                             return_document=ReturnDocument.AFTER,
                         )
                     )
             except OperationFailure as exc:
-                if exc.code not in UNAPPLICABLE_UPDATE:
+                if not is_unapplicable_update(exc):
                     raise
                 # A hand-edited document the update cannot apply to must not block the queue behind it.
                 if not self._fail_unclaimable(due, lifecycle.describe_error(exc)):
@@ -463,7 +480,7 @@ class JobStore(Sweeps):
                 try:
                     return self._claim_one(due, in_slot(take, slot, limit))
                 except DuplicateKeyError as exc:
-                    if busy_key(exc)[0]:
+                    if self._refused_by_serial_key(exc, due):
                         raise  # the job's serial key, not its slot: the caller skips the key
                     if looked:
                         taken.add(slot)  # taken since the read
@@ -474,6 +491,18 @@ class JobStore(Sweeps):
         metrics.record_held_back("concurrency")
         raise LimitReached(queue, f"concurrency limit {limit}")
 
+    def _refused_by_serial_key(self, exc: DuplicateKeyError, due: dict[str, Any]) -> bool:
+        """Whether a slot claim's refusal was the serial key's index, not the slot's: as the server says, or, where it
+        names no index, by a read: the head's key is held by a running job."""
+        ours = busy_key(exc)[0]
+        if ours is not None:
+            return ours
+        key = self._head_key(due)
+        holder = {"serialKey": key, "status": RUNNING}
+        return (
+            is_serial_key(key) and self.coll.find_one(holder, {"_id": 1}, **self._hint(SERIAL_INDEX_NAME)) is not None
+        )
+
     def _wait_for_slot(self, queue: str, limit: int) -> bool:
         """Flag the jobs holding `queue`'s slots below `limit` (SLOT_WAITERS_FIELD, each once), so that the first of
         them to end wakes the claimers held back; False when fewer hold them than the limit once they are flagged: a
@@ -483,17 +512,22 @@ class JobStore(Sweeps):
             lambda: self.coll.update_many(
                 {**holders, SLOT_WAITERS_FIELD: {"$exists": False}},
                 {"$set": {SLOT_WAITERS_FIELD: True}},
-                hint="bb_limit_slot",
+                **self._hint("bb_limit_slot", "update"),
             )
         )
-        return self._hinted(lambda: self.coll.count_documents(holders, hint="bb_limit_slot")) >= limit
+        return (
+            self._hinted(lambda: self.coll.count_documents(holders, **self._hint("bb_limit_slot", "aggregate")))
+            >= limit
+        )
 
     def _slots_taken(self, queue: str) -> set[int]:
         """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot)."""
         holders = self._hinted(
             lambda: list(
                 self.coll.find(
-                    {"queue": queue, "limitSlot": {"$exists": True}}, {"_id": 0, "limitSlot": 1}, hint="bb_limit_slot"
+                    {"queue": queue, "limitSlot": {"$exists": True}},
+                    {"_id": 0, "limitSlot": 1},
+                    **self._hint("bb_limit_slot"),
                 )
             )
         )
@@ -503,7 +537,7 @@ class JobStore(Sweeps):
         """Whether a job of any of `queues` is due: a safety poll's one read for them all (the claim's index, and
         the first due job found ends it)."""
         due = due_query({"$in": list(queues)}, self.now())
-        return self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, hint="bb_claim")) is not None
+        return self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, **self._hint("bb_claim"))) is not None
 
     def claim_many(
         self,
@@ -525,12 +559,18 @@ class JobStore(Sweeps):
         """
         slots = None if limits is None else limits.concurrency
         batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
-        if busy_keys or (limits is not None and limits.rate is not None) or batch <= 1:
-            # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip.
+        if (
+            busy_keys
+            or (limits is not None and limits.rate is not None)
+            or batch <= 1
+            or (slots and not self.server.update_pipelines)
+        ):
+            # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip; so do
+            # a concurrency limit's slots where the server has no update pipelines to spread a batch over them.
             return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds)
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
-            lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, hint="bb_claim", limit=batch))
+            lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim")))
         )
         if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
             # A hand-edited document (an _id that may not even hash, a document say): the claims of one job deal
@@ -558,7 +598,9 @@ class JobStore(Sweeps):
             if not complete:
                 won = {
                     doc["_id"]
-                    for doc in self._through_outages(lambda: list(self.coll.find(mine, {"_id": 1}, hint="_id_")))
+                    for doc in self._through_outages(
+                        lambda: list(self.coll.find(mine, {"_id": 1}, **self._hint("_id_")))
+                    )
                 }
                 head = [doc for doc in head if doc["_id"] in won]
         jobs = [
@@ -580,7 +622,7 @@ class JobStore(Sweeps):
         """The write that takes every job of `head` still queued at its attempts: one updateMany, how many it took."""
         return lambda: (
             self.coll.update_many(
-                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, hint="_id_"
+                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, **self._hint("_id_", "update")
             ).modified_count
         )
 
@@ -595,7 +637,9 @@ class JobStore(Sweeps):
 
         def take() -> int:
             try:
-                return self.coll.update_many(fenced, pipeline, hint="_id_").modified_count
+                return self._write(
+                    self.coll.update_many, fenced, pipeline, **self._hint("_id_", "update")
+                ).modified_count
             except DuplicateKeyError as exc:
                 pattern = (exc.details or {}).get("keyPattern")
                 if pattern is not None and "limitSlot" not in pattern:
@@ -626,15 +670,24 @@ class JobStore(Sweeps):
         return jobs
 
     def _hinted(self, query: Callable[[], Any]) -> Any:
-        """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again."""
+        """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again. A
+        unique index's refusal comes out as DuplicateKeyError, however this server reports it."""
         try:
             return query()
         except OperationFailure as exc:
             if exc.code != 2 or "hint" not in str((exc.details or {}).get("errmsg", "")):
+                self._raise_as_duplicate_key(exc)
                 raise
         logger.warning("the indexes of %s are gone; creating them again", self.coll.full_name)
         self.coll.create_indexes(INDEXES)
         return query()
+
+    def _raise_as_duplicate_key(self, exc: OperationFailure) -> None:
+        """Raise `exc` as DuplicateKeyError where it is this server's way of saying a unique index refused the write
+        (FerretDB's code 1): the callers' handling of a refusal is the same on every engine."""
+        converted = self.server.as_duplicate_key(exc)
+        if converted is not exc:
+            raise converted from exc
 
     def _failed_malformed(self, doc: dict[str, Any], attempts: Any) -> bool:
         """Whether the claimed `doc` (now at `attempts`) is malformed: then it ends failed here, once, naming the
@@ -665,7 +718,7 @@ class JobStore(Sweeps):
         """Fail the job at the head of `due` whose attempts the claim could not count on (not a number, or one
         past counting): whether there was one. Only such a job: another claim may have failed the job this one met,
         and a sound job be at the head now."""
-        head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, hint="bb_claim"))
+        head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim")))
         if head is None:
             return False
         result = self.coll.update_one(

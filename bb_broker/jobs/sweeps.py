@@ -38,6 +38,7 @@ class Sweeps:
     policy: Policy
     now: Callable[[], datetime]
     _hinted: Callable[[Callable[[], Any]], Any]
+    _hint: Callable[[str, str], dict[str, Any]]
 
     # --- recovering lost work ---------------------------------------------
 
@@ -109,14 +110,14 @@ class Sweeps:
             lambda: self.coll.update_many(
                 {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
                 settled_lost(QUEUED, reason),
-                hint=hint,
+                **self._hint(hint, "update"),
             )
         )
         give_up = self._hinted(
             lambda: self.coll.update_many(
                 {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
                 settled_lost(FAILED, f"{reason}, and no attempt is left"),
-                hint=hint,
+                **self._hint(hint, "update"),
             )
         )
         metrics.record("retried", retry.modified_count)

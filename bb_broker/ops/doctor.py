@@ -10,16 +10,16 @@ from datetime import UTC, datetime
 
 from pymongo import ReturnDocument
 from pymongo.database import Database
-from pymongo.errors import OperationFailure, PyMongoError
+from pymongo.errors import PyMongoError
 from pymongo.write_concern import WriteConcern
 from ulid import ULID
 
 from bb_broker import connection
-from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES, NOT_IMPLEMENTED, RETENTION_INDEX
+from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES, RETENTION_INDEX
 from bb_broker.jobs.document import claim_query
 from bb_broker.jobs.store import JobStore
 from bb_broker.options import DEFAULTS
-from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
+from bb_broker.server import FALLBACKS, capabilities
 
 OK, DEGRADED, UNSAFE, UNKNOWN = "ok", "degraded", "unsafe", "unknown"
 
@@ -45,15 +45,17 @@ def diagnose(
 ) -> list[Verdict]:
     """Every check, each on its own: one that errors says so in its verdict and the rest still run."""
     scratch = db[f"bb_doctor_{ULID()}"]
+    verdicts = []
+    try:
+        verdicts += _capabilities(db)
+    except PyMongoError as exc:
+        verdicts.append(Verdict("server", UNKNOWN, f"the probe failed: {_describe(exc, secrets)}"))
     checks: list[tuple[str, Callable[[], Verdict]]] = [
         ("atomic claims", lambda: _atomic_claims(db, scratch.name)),
-        ("TTL indexes", lambda: _ttl_indexes(scratch)),
-        ("change streams", lambda: _change_streams(scratch)),
         ("replica set", lambda: _replica_set(db, scratch)),
         ("clock", lambda: _clock(db)),
         ("jobs indexes", lambda: _jobs_indexes(db, collection)),
     ]
-    verdicts = []
     for name, check in checks:
         try:
             verdicts.append(check())
@@ -119,31 +121,17 @@ def _atomic_claims(db: Database, scratch: str) -> Verdict:
     return Verdict("atomic claims", OK, f"{CLAIMERS} concurrent claimers took {DOCUMENTS} documents, each exactly once")
 
 
-def _ttl_indexes(scratch) -> Verdict:
-    try:
-        scratch.create_index("expiresAt", name="bb_doctor_ttl", expireAfterSeconds=60)
-    except OperationFailure as exc:
-        if exc.code not in NOT_IMPLEMENTED:
-            raise
-        return Verdict(
-            "TTL indexes",
-            DEGRADED,
-            f"not supported (code {exc.code}): workers delete succeeded jobs and expired messages by a periodic sweep",
-        )
-    return Verdict("TTL indexes", OK, "supported: succeeded jobs and plumbing messages expire on the server")
-
-
-def _change_streams(scratch) -> Verdict:
-    try:
-        with scratch.watch(max_await_time_ms=100) as stream:
-            stream.try_next()
-    except OperationFailure as exc:
-        if exc.code not in NO_CHANGE_STREAMS:
-            raise
-        return Verdict(
-            "change streams", DEGRADED, f"not available (code {exc.code}): idle workers poll instead of being woken"
-        )
-    return Verdict("change streams", OK, "available: idle workers are woken, not polling")
+def _capabilities(db: Database) -> list[Verdict]:
+    """The server's name and each capability the probe (server.py) found, with the fallback a missing one selects."""
+    found = capabilities(db)
+    verdicts = [Verdict("server", OK, found.describe())]
+    for name, (label, fallback) in FALLBACKS.items():
+        if getattr(found, name):
+            verdicts.append(Verdict(label, OK, "offered"))
+        else:
+            refused = found.refusals.get(name)
+            verdicts.append(Verdict(label, DEGRADED, f"not offered{f' ({refused})' if refused else ''}: {fallback}"))
+    return verdicts
 
 
 def _replica_set(db: Database, scratch) -> Verdict:

@@ -43,6 +43,11 @@ THREAD_RESTARTS = Counter(
 #: the limit lets it (a held-back claim is retried at a settle, so a job may be held back more than once).
 HELD_BACK = Counter("jobs_held_back", "Claims refused by a queue's limit: the job stayed queued.", ["limit"])
 
+#: Server answers bb_broker did not expect, per path ("claim"): each was logged and outlasted as an outage (server.py).
+SERVER_ERRORS = Counter(
+    "bb_broker_server_errors", "Server answers bb_broker did not expect, backed off and tried again.", ["path"]
+)
+
 #: The gauges, read from the jobs collection at each scrape.
 GAUGES = {
     QUEUED: "Jobs queued now (due or waiting for their time).",
@@ -71,6 +76,11 @@ def record(event: Event, amount: int = 1) -> None:
 def record_held_back(limit: str) -> None:
     """Count a claim a queue's `limit` refused; a metrics problem never fails the claim."""
     _count(lambda: HELD_BACK.labels(limit=limit).inc())
+
+
+def record_server_error(path: str) -> None:
+    """Count a server answer met on `path` that the code did not expect; a metrics problem never stops the backoff."""
+    _count(lambda: SERVER_ERRORS.labels(path=path).inc())
 
 
 def record_restart(thread: str) -> None:
@@ -127,7 +137,7 @@ def registry_for(store: StatusSource) -> CollectorRegistry:
     if directory:
         MultiProcessCollector(registry, path=directory)
     else:
-        for counter in [*COUNTERS.values(), HELD_BACK, THREAD_RESTARTS]:
+        for counter in [*COUNTERS.values(), HELD_BACK, THREAD_RESTARTS, SERVER_ERRORS]:
             registry.register(counter)
     registry.register(StatusGauges(store))
     return registry

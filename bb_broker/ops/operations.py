@@ -406,7 +406,7 @@ class Operations:
                 {"$match": {"status": {"$in": list(STATUSES)}}},
                 {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
             ],
-            **self._hint_if_indexed("bb_status_updated"),
+            **self._hint_if_indexed("bb_status_updated", "aggregate"),
         ):
             name = row["_id"].get("name")
             counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
@@ -425,7 +425,7 @@ class Operations:
             depths = {name: dict.fromkeys(shown, 0) for name in names}
         for row in self.coll.aggregate(
             [{"$match": match}, {"$group": {"_id": {"queue": "$queue", "status": "$status"}, "n": {"$sum": 1}}}],
-            **self._hint_if_indexed("bb_claim"),
+            **self._hint_if_indexed("bb_claim", "aggregate"),
         ):
             queue = row["_id"].get("queue")
             if isinstance(queue, str):
@@ -492,7 +492,7 @@ class Operations:
     def orphaned_count(self) -> int:
         """How many running jobs have lost their lease (through the index the stale sweep reads)."""
         query = {"status": RUNNING, "updatedAt": {"$lt": self.lease_cutoff()}}
-        return self.coll.count_documents(query, **self._hint_if_indexed("bb_status_updated"))
+        return self.coll.count_documents(query, **self._hint_if_indexed("bb_status_updated", "aggregate"))
 
     def holders(self) -> list[dict[str, Any]]:
         """What each worker holds, from the running jobs' `leaseOwner` (`host:pid:id` as a worker writes it): per
@@ -515,7 +515,7 @@ class Operations:
                     }
                 },
             ],
-            **self._hint_if_indexed("bb_status_updated"),
+            **self._hint_if_indexed("bb_status_updated", "aggregate"),
         )
         holders = []
         for row in rows:
@@ -589,7 +589,7 @@ class Operations:
         """How many jobs the filter holds (those `action` would touch, when it is given; of those, the ones not
         changed after `unchanged_since`). A search in lastError may scan: past `search_ms` it raises FilterError
         rather than keep the server busy."""
-        options = self._hint_if_indexed(job_filter.hint)
+        options = self._hint_if_indexed(job_filter.hint, "aggregate")
         if job_filter.error:
             options["maxTimeMS"] = search_ms
         query = _unchanged(self._action_query(self.bounded(job_filter).query(), action), unchanged_since)
@@ -688,7 +688,7 @@ class Operations:
             # By job id, then by task id: two indexed reads (an $or of both is not one everywhere).
             by_id = {"_id": {"$in": wanted}, **selector}
             by_task = {"taskId": {"$in": wanted}, **selector}
-            docs = list(self.coll.find(by_id, RETRY_FIELDS, hint="_id_"))
+            docs = list(self.coll.find(by_id, RETRY_FIELDS, **self._hint_if_indexed("_id_")))
             seen = [doc["_id"] for doc in docs]  # compared, not hashed: a hand-written _id may be a document
             more = self.coll.find(by_task, RETRY_FIELDS, **self._hint_if_indexed("bb_task_id"))
             docs += [doc for doc in more if doc["_id"] not in seen]
@@ -797,9 +797,9 @@ class Operations:
     ) -> int:
         now = self.now()
         selected = _unchanged(self._action_query(query, action), unchanged_since)
-        options = self._hint_if_indexed(hint) if hint else {}
+        options = self._hint_if_indexed(hint, "update") if hint else {}
         if action == "retry":
-            docs = self.coll.find(selected, RETRY_FIELDS, **options)
+            docs = self.coll.find(selected, RETRY_FIELDS, **(self._hint_if_indexed(hint) if hint else {}))
             return len(self._retry_docs(docs, by=by, held={} if held is None else held))
         if action == "cancel":
             update = {
@@ -980,13 +980,15 @@ class Operations:
         cutoff = self.now() - timedelta(seconds=self.store.policy.stale_after)
         return isinstance(updated, datetime) and aware(updated) < cutoff
 
-    def _hint_if_indexed(self, index: str) -> dict[str, Any]:
+    def _hint_if_indexed(self, index: str, command: str = "find") -> dict[str, Any]:
         # An operator may look at a database no worker has indexed yet, where a hint would be an error. The _id index
         # is always there (a missing collection ignores the hint), and hinted: a planner may otherwise scan and sort
         # the whole collection for a newest-first read with nothing else in its filter (the Python stand-in does).
-        if index == "_id_":
-            return {"hint": index}
-        return {"hint": index} if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
+        # No hint at all where the server refuses one on `command` (server.py).
+        hint = self.store.server.hint(index, command)
+        if not hint or index == "_id_":
+            return hint
+        return hint if any(ix["name"] == index for ix in self.coll.list_indexes()) else {}
 
     def _age(self, older_than: timedelta | None, newer_than: timedelta | None) -> dict[str, Any]:
         # Ages are measured on the store's clock (the server's in a worker or the CLI), like due times and leases.

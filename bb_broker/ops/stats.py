@@ -226,7 +226,7 @@ def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD
     written (SummarizingAhead runs this in the background), none while there is no job. How many quarter hours were
     summarized. Those before the oldest job cost no more than the rest: the quarter hours left are summarized in one
     pair of reads per run of them, and every run ends at the newest."""
-    if operations.coll.find_one({}, {"_id": 1}, hint="_id_") is None:
+    if operations.coll.find_one({}, {"_id": 1}, **operations._hint_if_indexed("_id_")) is None:
         return 0
     now = operations.now()
     start, end = Window.ending(now, length).start, _floor(now - SUMMARY_LAG, SUMMARY_STEP)
@@ -384,7 +384,7 @@ def _aggregate(
     a thread of their own, so that the server runs both aggregations at once (pymongo's client is shared between
     threads; docs/explanation/performance.md has the figures)."""
     query = {**query, "updatedAt": {**query.get("updatedAt", {}), "$gte": start}}
-    hint = operations._hint_if_indexed("bb_status_updated")
+    hint = operations._hint_if_indexed("bb_status_updated", "aggregate")
     finished = _finished_query(query)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-stats") as retried_reader:
         retried = retried_reader.submit(

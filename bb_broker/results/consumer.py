@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,9 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.document import RESULTS_COLLECTION
-from bb_broker.transport.wakeups import NO_CHANGE_STREAMS
+from bb_broker.server import capabilities, passes_with_time, server_words
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from bb_broker.results.backend import JobResultBackend
@@ -119,15 +122,19 @@ class ResultConsumer:
             {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": list(task_ids)}},
             {"ns.coll": RESULTS_COLLECTION, "documentKey._id": {"$in": [f"task:{task_id}" for task_id in unknown]}},
         ]
+        if not capabilities(self.backend.database).change_streams:
+            self.change_streams = False  # a standalone server, FerretDB: poll
+            return None
         try:
             return self.backend.database.watch(
                 [{"$match": {"$or": watched}}, {"$project": {"documentKey": 1}}], max_await_time_ms=1000
             )
         except OperationFailure as exc:
-            if exc.code in NO_CHANGE_STREAMS:
-                self.change_streams = False  # a standalone server: poll
-                return None
-            raise
+            if passes_with_time(exc):
+                raise
+            # The probe found change streams: a refusal now is the server's, and this wait polls instead.
+            logger.warning("the results' change stream was refused (%s): polling", server_words(exc))
+            return None
 
     def _pause(self, stream: Any, interval: float, remaining: float | None) -> None:
         """Until one of the watched jobs changes (or SAFETY_READ passes), or else `interval`."""

@@ -19,7 +19,7 @@ from bson import ObjectId
 from kombu.exceptions import ChannelError, OperationalError
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker import connection
 from bb_broker.clock import ServerClock
@@ -27,7 +27,7 @@ from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
 from bb_broker.jobs.document import Claimed, attempt_entry, new_job_id
 from bb_broker.jobs.leases import LeaseKeeper
-from bb_broker.jobs.outages import passes_with_time
+from bb_broker.jobs.outages import Refusals, passes_with_time
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
@@ -177,6 +177,8 @@ class Channel(virtual.Channel):
         # Under the same lock; each claim gets a copy, and what it learnt replaces it.
         self._rate_holds: dict[str, RateHolds] = {}
         self._keeper: LeaseKeeper | None = None
+        #: Queues whose claims met a server answer the code does not recognise: backed off (jobs/outages.py).
+        self._refusals = Refusals("claim", self.target.secrets)
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
 
@@ -628,6 +630,10 @@ class Channel(virtual.Channel):
         if wakeups is not None and limits:
             # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
             wakeups.wake_when_freed(queue)
+        if (backed_off := self._refusals.wait(queue)) > 0:
+            if wakeups is not None:
+                wakeups.wake_in(queue, backed_off)
+            return []
         try:
             jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy, holds)
         except LimitReached as exc:
@@ -636,6 +642,16 @@ class Channel(virtual.Channel):
             jobs = exc.claimed
             if exc.retry_in is not None and wakeups is not None:
                 wakeups.wake_in(queue, exc.retry_in)
+        except OperationFailure as exc:
+            if passes_with_time(exc):
+                raise  # an outage: Celery reconnects (transport.py)
+            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back): this queue waits
+            # out the refusal, the others go on.
+            pause = self._refusals.met(queue, exc)
+            if wakeups is not None:
+                wakeups.wake_in(queue, pause)
+            return []
+        self._refusals.cleared(queue)
         if busy and wakeups is not None:
             wakeups.wake_when_freed(queue)
             if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed

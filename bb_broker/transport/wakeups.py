@@ -21,6 +21,7 @@ from pymongo.errors import OperationFailure, PyMongoError
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.queues import SLOT_WAITERS_FIELD
 from bb_broker.jobs.serial import WAITERS_FIELD
+from bb_broker.server import capabilities, server_words
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import BindingsWatch
 
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 #: Server error codes that mean this deployment has no change streams: a standalone mongod (40573), an unknown
 #: pipeline stage (40324), no $changeStream on this server (136), or a MongoDB-compatible server that refuses it as
 #: NotImplemented (238) or FailedToParse (9).
-NO_CHANGE_STREAMS = {40573, 40324, 136, 238, 9}
 #: How long one getMore waits on the server for a change: an idle consumer's only steady cost.
 AWAIT_MS = 10_000
 #: Seconds between getMores while the changes only repeat what the consumer knows (its queues are already
@@ -426,6 +426,9 @@ class _Feed:
         backoff = 0.5
         while self._wanted():
             try:
+                if not capabilities(self._db).change_streams:
+                    logger.info("no change streams on this deployment: polling every safety poll and due time")
+                    break
                 with self._db.watch(
                     self._pipeline(), max_await_time_ms=AWAIT_MS, batch_size=CHANGE_BATCH, resume_after=resume_token
                 ) as stream:
@@ -452,9 +455,9 @@ class _Feed:
                             last_batch = now
                             batch, changes = set(), 0
             except OperationFailure as exc:
-                if exc.code in NO_CHANGE_STREAMS:
-                    logger.info("no change streams on this deployment (%s): polling instead", exc.code)
-                    break
+                # Any refusal is an outage of the stream, polled through until it is back: the probe said the
+                # deployment has change streams, and a worker is never ended by what the server answers here.
+                logger.warning("the change stream was refused (%s): polling until it is back", server_words(exc))
                 resume_token = None  # the history may be gone: start afresh, polling everything once
                 self._went_dark(backoff)
             except PyMongoError:

@@ -21,7 +21,12 @@ def doctor(url: str) -> tuple[int, dict[str, str], str]:
 
 
 def scratch_collections(client: MongoClient, database: str) -> list[str]:
-    return [name for name in client[database].list_collection_names() if name.startswith("bb_doctor_")]
+    return [name for name in client[database].list_collection_names() if name.startswith(("bb_doctor_", "bb_probe_"))]
+
+
+#: Every capability the probe (bb_broker/server.py) reports, as doctor names it.
+CAPABILITIES = {"change streams", "hint on findAndModify", "hint on updates", "hint on finds", "hint on aggregates",
+                "update pipelines", "TTL indexes", "retryable writes"}  # fmt: skip
 
 
 def test_the_embedded_server_carries_the_broker(own_server) -> None:
@@ -32,7 +37,9 @@ def test_the_embedded_server_carries_the_broker(own_server) -> None:
     assert verdicts["atomic claims"] == "ok" and verdicts["TTL indexes"] == "ok", output
     assert verdicts["change streams"] == "ok" and verdicts["jobs indexes"] == "ok", output
     assert verdicts["clock"] == "ok", output
-    assert set(verdicts) == {"atomic claims", "TTL indexes", "change streams", "replica set", "clock", "jobs indexes"}
+    assert set(verdicts) == {"server", "atomic claims", "replica set", "clock", "jobs indexes", *CAPABILITIES}
+    assert all(verdicts[name] == "ok" for name in CAPABILITIES), output
+    assert "ok        server: " in output and "replica set" in output.split("server: ")[1].splitlines()[0]
     assert "each exactly once" in output and output.strip().endswith("verdict: ok")
     assert scratch_collections(client, "docdb") == []  # the probe's collection is dropped
 
@@ -51,6 +58,8 @@ def test_a_server_without_ttl_and_change_streams_is_degraded_and_the_password_ne
     assert code == 0, output  # usable: workers sweep and poll
     assert verdicts["TTL indexes"] == "degraded" and verdicts["change streams"] == "degraded", output
     assert verdicts["atomic claims"] == "ok", output
-    assert "verdict: usable, degraded: TTL indexes, change streams" in output
+    # Counts are aggregates: the failing aggregate takes their hint too, and doctor says what each fallback costs.
+    assert "verdict: usable, degraded: change streams, hint on aggregates, TTL indexes" in output
+    assert "workers and result waiters poll instead of being woken" in output
     assert "s3cret-pw" not in output and "bb:**@127.0.0.1" in output
     assert scratch_collections(client, "docdb") == []

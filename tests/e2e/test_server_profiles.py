@@ -1,0 +1,115 @@
+"""The deployments our users run, played by a wire proxy in front of the stand-in (tests/support/wire.py): a standalone
+server (no change streams: 40573), `mongos` routers, and an engine that refuses what FerretDB 2.5 refuses (`hint` on
+findAndModify and `$changeStream` with 115, a unique index's refusal reported as code 1). On each, real workers run
+the everyday scenarios; none may exit, lose a job or run one twice. And a server answer the code has never seen,
+mid-claim, backs that queue off instead of ending the worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
+from tests.support import wire
+from tests.support.faults import fail_point
+from tests.support.servers import with_database
+from tests.support.workers import Worker, producer, send, wait_for
+
+PROFILES = {"standalone": wire.standalone, "mongos": wire.router, "ferretdb": wire.ferretdb}
+
+
+@pytest.fixture(params=sorted(PROFILES))
+def deployment(request: pytest.FixtureRequest, mongo_url: str, db: Database) -> Iterator[tuple[wire.WireProxy, str]]:
+    if not mongo_url.startswith("mongodb://") or "," in mongo_url or "@" in mongo_url:
+        pytest.fail("the proxy stands in front of one server without credentials: not this BB_TEST_MONGO_URL")
+    proxy = wire.WireProxy(mongo_url, PROFILES[request.param]())
+    yield proxy, with_database(f"mongodb://{proxy.address}", db.name)
+    proxy.close()
+
+
+@pytest.fixture
+def results_producer(deployment: tuple[wire.WireProxy, str]) -> Iterator[Celery]:
+    app = producer(deployment[1])
+    app.conf.result_backend = deployment[1]
+    yield app
+    app.close()
+
+
+def start(url: str, tmp_path: Path, name: str, *args: str) -> Worker:
+    worker = Worker(url, log_dir=tmp_path, name=name, env={"BB_RESULT_BACKEND": url}, extra_args=args)
+    worker.start()
+    return worker
+
+
+def still_up(*workers: Worker) -> None:
+    for worker in workers:
+        assert worker.process is not None and worker.process.poll() is None, worker.log()[-3000:]
+        assert "Unrecoverable error" not in worker.log(), worker.log()[-3000:]
+
+
+def test_tasks_run_once_and_get_returns_their_results(deployment, results_producer, db: Database, tmp_path) -> None:
+    proxy, url = deployment
+    worker = start(url, tmp_path, "w0")
+    results = [results_producer.send_task("tests.support.e2e_app.add", args=(n, 1)) for n in range(5)]
+    # get() waits by a change stream where there is one, else by polling: it returns either way.
+    assert [result.get(timeout=60) for result in results] == [1, 2, 3, 4, 5]
+    docs = list(db.jobs.find({"taskId": {"$in": [result.id for result in results]}}))
+    assert [doc["status"] for doc in docs] == ["succeeded"] * 5
+    assert {doc["attempts"] for doc in docs} == {1}
+    still_up(worker)
+    if proxy.profile.name == "ferretdb":
+        # The probe met the refusals once, and the worker chose its fallbacks there: said once, never failed on.
+        lacks = [line for line in worker.log().splitlines() if " lacks " in line]
+        assert lacks and "change_streams" in lacks[0] and "hint_find_and_modify" in lacks[0], worker.log()
+
+
+def test_a_limited_queue_and_serial_keys_hold_without_ending_a_worker(deployment, db: Database, tmp_path) -> None:
+    _, url = deployment
+    Operations(JobStore(db)).set_limits("limited", concurrency=1, by="tester")
+    workers = [start(url, tmp_path, f"w{n}", "-Q", "limited,celery") for n in range(2)]
+    app = producer(url)
+    try:
+        limited = [send(app, "sleep", 0.2, queue="limited") for _ in range(4)]
+        serial = [send(app, "sleep", 0.2, serial_key="account") for _ in range(3)]
+        ids = limited + serial
+        wait_for(
+            lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids),
+            120,
+            "every job succeeded",
+        )
+    finally:
+        app.close()
+    # Each ran once; the unique indexes' refusals (a slot, a busy key) were read as refusals, whatever their code.
+    assert {doc["attempts"] for doc in db.jobs.find({"taskId": {"$in": ids}})} == {1}
+    still_up(*workers)
+
+
+def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker_stays_up(own_server, tmp_path) -> None:
+    client = MongoClient(own_server.url, tz_aware=True)
+    url = with_database(own_server.url, "unknown_answers")
+    worker = start(url, tmp_path, "w0")
+    app = producer(url)
+    try:
+        first = send(app, "add", 1, 1)  # the worker has probed the server and claimed once
+        wait_for(lambda: client.unknown_answers.jobs.find_one({"taskId": first, "status": "succeeded"}), 60, "first")
+        # Every claim's write meets an answer no list in bb_broker names, four times over.
+        fail_point(client, 4, failCommands=["findAndModify", "update"], errorCode=54321)
+        task_id = send(app, "add", 2, 3)
+        done = wait_for(
+            lambda: client.unknown_answers.jobs.find_one({"taskId": task_id, "status": "succeeded"}),
+            90,
+            "the job succeeded once the server stopped refusing",
+        )
+    finally:
+        app.close()
+    assert done["attempts"] == 1
+    still_up(worker)
+    log = worker.log()
+    assert "does not expect: " in log and "(code 54321" in log, log[-3000:]
+    assert log.count("does not expect") == 1, log[-3000:]  # said once per queue and code, not at every try
