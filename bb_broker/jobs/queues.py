@@ -246,6 +246,10 @@ class QueueControls:
         update: dict[str, Any] = {"$set": changes, **({"$unset": removed} if removed else {})}
         self.coll.update_one({"_id": queue}, update, upsert=True)
 
+    def control(self, queue: str) -> dict[str, Any]:
+        """`queue`'s control document as it is now (empty when it was never paused or limited): one read by _id."""
+        return self.coll.find_one({"_id": queue}) or {}
+
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
         selector = {"$or": [{"paused": True}, {"concurrency": {"$exists": True}}, {"rateStarts": {"$exists": True}}]}
@@ -284,6 +288,18 @@ class KnownControls:
         with self._lock:
             self._read_if_old()
             return self._limits.get(queue) or QueueLimits()
+
+    def learnt(self, queue: str, control: Mapping[str, Any]) -> None:
+        """`queue`'s control as a claim just read it: known at once, and everything is read again at the next look
+        (other queues may have changed with it)."""
+        with self._lock:
+            paused = control.get("paused") is True
+            self._names = self._names | {queue} if paused else self._names - {queue}
+            limits = QueueLimits.of(control)
+            self._limits = {name: known for name, known in self._limits.items() if name != queue}
+            if limits:
+                self._limits[queue] = limits
+            self._read_at = float("-inf")
 
     def _read_if_old(self) -> None:
         now, version = time.monotonic(), self._version()

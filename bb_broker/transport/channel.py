@@ -42,7 +42,7 @@ from bb_broker.jobs.payloads import (
     to_document,
     to_message,
 )
-from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls
+from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls, QueueLimits
 from bb_broker.jobs.rate_keys import RATE_KEY_HEADER, RateHolds
 from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
@@ -630,6 +630,33 @@ class Channel(virtual.Channel):
         if wakeups is not None and limits:
             # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
             wakeups.wake_when_freed(queue)
+        jobs = self._claim_within(queue, wanted, limits, busy, holds, wakeups)
+        if busy and wakeups is not None:
+            wakeups.wake_when_freed(queue)
+            if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed
+                busy = set()
+                wakeups.more_jobs_may_wait(queue)
+        with self._busy_lock:
+            self._busy_keys[queue] = busy
+            self._busy_read_at[queue] = (freed_before, time.monotonic() if read_at is None else read_at[1])
+            if holds is None:
+                self._rate_holds.pop(queue, None)
+            else:
+                self._rate_holds[queue] = holds
+        return jobs
+
+    def _claim_within(
+        self,
+        queue: str,
+        wanted: int,
+        limits: QueueLimits,
+        busy: set[str],
+        holds: RateHolds | None,
+        wakeups: Wakeups | None,
+    ) -> list[Claimed]:
+        """The store's claim of up to `wanted` jobs of `queue` within its `limits`, and what holds it back: a limit
+        reached (a wake-up when it lets jobs start again), a server answer the code does not recognise (the queue
+        backed off meanwhile, the others go on), a pause or limit written as the claim was (the jobs go back)."""
         if (backed_off := self._refusals.wait(queue)) > 0:
             if wakeups is not None:
                 wakeups.wake_in(queue, backed_off)
@@ -652,19 +679,27 @@ class Channel(virtual.Channel):
                 wakeups.wake_in(queue, pause)
             return []
         self._refusals.cleared(queue)
-        if busy and wakeups is not None:
-            wakeups.wake_when_freed(queue)
-            if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed
-                busy = set()
-                wakeups.more_jobs_may_wait(queue)
-        with self._busy_lock:
-            self._busy_keys[queue] = busy
-            self._busy_read_at[queue] = (freed_before, time.monotonic() if read_at is None else read_at[1])
-            if holds is None:
-                self._rate_holds.pop(queue, None)
-            else:
-                self._rate_holds[queue] = holds
+        if jobs and not self._still_claimable(queue, limits):
+            self._release(jobs)  # never started: no attempt spent
+            if wakeups is not None:
+                wakeups.more_jobs_may_wait(queue)  # under its new limits, or at its resume
+            return []
         return jobs
+
+    def _still_claimable(self, queue: str, limits: QueueLimits) -> bool:
+        """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew.
+
+        A pause or a limit is a write to bb_queues, and a claim a write to jobs: one read of the queue's control
+        after the claim orders them. A pause that answered before the claim is seen here, and the claimed jobs go
+        back unspent; so pause and limits hold from the moment they answer, however late this worker hears of them
+        (its change stream, or pause_check_interval without one). A pause that lands after this read finds the jobs
+        claimed before it: they run (docs/guides/flow-control.md)."""
+        control = self.queue_controls.control(queue)
+        if control.get("paused") is not True and QueueLimits.of(control) == limits:
+            return True
+        self.known_controls.learnt(queue, control)
+        logger.info("queue %s was paused or limited as it was claimed: its jobs go back", queue)
+        return False
 
     def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
         if taken < wanted:

@@ -113,3 +113,38 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
     log = worker.log()
     assert "does not expect: " in log and "(code 54321" in log, log[-3000:]
     assert log.count("does not expect") == 1, log[-3000:]  # said once per queue and code, not at every try
+
+
+@pytest.mark.parametrize("profile", ["standalone", "replica set"])
+def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, db: Database, tmp_path) -> None:
+    # The worker trusts what it read of the paused queues for a minute: only the pause's write can stop its claims.
+    proxy = wire.WireProxy(mongo_url, wire.standalone()) if profile == "standalone" else None
+    url = (
+        with_database(f"mongodb://{proxy.address}", db.name) if proxy is not None else with_database(mongo_url, db.name)
+    )
+    worker = Worker(
+        url, log_dir=tmp_path, name="w0", options={"pause_check_interval": 60}, extra_args=("-Q", "q,other")
+    )
+    worker.start()
+    app = producer(url)
+    try:
+        warm = send(app, "add", 0, 0, queue="q")  # the worker has read the controls (none) and claims q
+        wait_for(lambda: db.jobs.find_one({"taskId": warm, "status": "succeeded"}), 60, "the first job ran")
+        assert Operations(JobStore(db)).pause("q", by="tester")
+        held = [send(app, "add", n, n, queue="q") for n in range(3)]
+        after = send(app, "add", 1, 1, queue="other")  # published after them: the worker has claimed since
+        wait_for(lambda: db.jobs.find_one({"taskId": after, "status": "succeeded"}), 60, "the other queue's job ran")
+        docs = list(db.jobs.find({"taskId": {"$in": held}}))
+        assert [(doc["status"], doc["attempts"]) for doc in docs] == [("queued", 0)] * 3, docs
+        assert "startedAt" not in docs[0] and not docs[0].get("history"), docs[0]
+        assert Operations(JobStore(db)).resume("q", by="tester")
+        wait_for(
+            lambda: db.jobs.count_documents({"taskId": {"$in": held}, "status": "succeeded", "attempts": 1}) == 3,
+            90,
+            "the held jobs ran once the queue was resumed",
+        )
+    finally:
+        app.close()
+        if proxy is not None:
+            proxy.close()
+    still_up(worker)
