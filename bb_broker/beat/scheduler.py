@@ -108,8 +108,8 @@ class JobScheduler(Scheduler):
         self._reported: dict[str, str] = {}  # entry name -> the problem last logged for it
         self._store: ScheduleStore | None = None
         self._clock: ServerClock | None = None
-        super().__init__(app, *args, **kwargs)
         self.missed_after = _missed_after(app.conf.get("bb_beat_missed_after") or DEFAULT_MISSED_AFTER)
+        super().__init__(app, *args, **kwargs)
 
     # --- Celery's Scheduler interface --------------------------------------
 

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 
 import pytest
 from celery import Celery
+from celery.exceptions import ImproperlyConfigured
 from celery.schedules import crontab
 from pymongo.database import Database
 
@@ -110,6 +111,14 @@ def test_beat_schedule_is_synced_as_configuration_and_a_bad_entry_left_out(
     JobScheduler(beat_app)
     assert sorted(doc["_id"] for doc in db.bb_schedules.find()) == ["operator-added", "quarter-minute"]
     assert db.bb_schedules.find_one({"_id": "quarter-minute"})["enabled"] is False
+
+
+@pytest.mark.parametrize("setting", [math.inf, math.nan, -1, 1e12, "soon"])
+def test_a_beat_refuses_to_start_with_a_missed_after_no_date_holds(beat_app: Celery, db: Database, setting) -> None:
+    beat_app.conf.bb_beat_missed_after = setting
+    with pytest.raises(ImproperlyConfigured, match="bb_beat_missed_after must be seconds, more than 0 and at most"):
+        JobScheduler(beat_app)
+    assert db.bb_schedules.count_documents({}) == 0  # refused before anything is written
 
 
 def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
