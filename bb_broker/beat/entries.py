@@ -28,7 +28,7 @@ from pymongo import ReturnDocument
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
-from bb_broker.beat.slots import ScheduleError, Slots, schedule_document, slots_of
+from bb_broker.beat.slots import MAX_EVERY, ScheduleError, Slots, schedule_document, slot_date, slots_of
 from bb_broker.jobs.payloads import MAX_SCHEDULE_LENGTH
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,21 @@ CONFIG, RUNTIME = "config", "runtime"
 MAX_NAME_LENGTH = MAX_SCHEDULE_LENGTH
 #: Catch-ups kept in an entry, the latest last.
 CATCH_UPS_KEPT = 10
+
+
+def _seconds(value: Any) -> bool:
+    """A countdown or an expiry: seconds that, added to now, are still a date (compared, as slots' `every` is)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_EVERY.total_seconds()
+
+
 #: The options of a Celery entry that are checked here; any other goes to apply_async as it is.
 _OPTION_CHECKS = {
     "queue": (lambda v: isinstance(v, str) and v != "", "a queue name"),
     "routing_key": (lambda v: isinstance(v, str), "a string"),
     "exchange": (lambda v: isinstance(v, str), "a string"),
     "priority": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255, "0 to 255"),
-    "expires": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "seconds"),
-    "countdown": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "seconds"),
+    "expires": (_seconds, "seconds, at most 100 years"),
+    "countdown": (_seconds, "seconds, at most 100 years"),
 }
 
 
@@ -93,13 +100,11 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
         shown = repr(name)[:80]
         raise EntryError(f"the entry's _id (its name) must be a string of 1 to {MAX_NAME_LENGTH} characters: {shown}")
     fields = _checked_fields(doc)
-    last_slot = doc.get("lastSlot")
-    if not isinstance(last_slot, datetime):
-        raise EntryError(f"entry {name!r}: lastSlot must be a date, got {last_slot!r}")
     enabled = doc.get("enabled", True)
     if not isinstance(enabled, bool):
         raise EntryError(f"entry {name!r}: enabled must be true or false, got {enabled!r}")
     try:
+        last_slot = slot_date(doc.get("lastSlot"), "lastSlot")
         slots = slots_of(fields["schedule"], timezone=fields["timezone"], anchor=doc.get("anchor"))
     except ScheduleError as exc:
         raise EntryError(f"entry {name!r}: {exc}") from None
@@ -113,7 +118,7 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
         options=fields["options"],
         catch_up=fields["catchUp"],
         enabled=enabled,
-        last_slot=_aware(last_slot),
+        last_slot=last_slot,
         catching_up_to=_latest_catch_up_end(doc.get("catchUps")),
     )
 

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery.beat import Scheduler
+from celery.exceptions import ImproperlyConfigured
 from kombu.exceptions import OperationalError
 from pymongo.errors import PyMongoError
 
 from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
-from bb_broker.beat.slots import ScheduleError, missed_span, slots_between
+from bb_broker.beat.slots import MAX_EVERY, ScheduleError, missed_span, slots_between
 from bb_broker.clock import ServerClock
 from bb_broker.connection import get_database, parse_broker_url
 from bb_broker.jobs.payloads import SCHEDULE_HEADER
@@ -83,6 +85,19 @@ def send_entry(
     return result.id
 
 
+def _missed_after(setting: Any) -> timedelta:
+    """The `bb_beat_missed_after` setting, checked: seconds, more than 0, at most MAX_EVERY (a date is made of it)."""
+    try:
+        seconds = float(setting)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds <= MAX_EVERY.total_seconds():  # NaN and infinity fail the comparison
+        raise ImproperlyConfigured(
+            f"bb_beat_missed_after must be seconds, more than 0 and at most {MAX_EVERY.days} days, got {setting!r}"
+        )
+    return timedelta(seconds=seconds)
+
+
 class JobScheduler(Scheduler):
     """Celery's beat scheduler on the broker's database (see the module's doc)."""
 
@@ -93,8 +108,8 @@ class JobScheduler(Scheduler):
         self._reported: dict[str, str] = {}  # entry name -> the problem last logged for it
         self._store: ScheduleStore | None = None
         self._clock: ServerClock | None = None
+        self.missed_after = _missed_after(app.conf.get("bb_beat_missed_after") or DEFAULT_MISSED_AFTER)
         super().__init__(app, *args, **kwargs)
-        self.missed_after = timedelta(seconds=float(app.conf.get("bb_beat_missed_after") or DEFAULT_MISSED_AFTER))
 
     # --- Celery's Scheduler interface --------------------------------------
 
@@ -119,19 +134,25 @@ class JobScheduler(Scheduler):
             return min(1.0, self.max_interval)
         next_look = self._clock() + timedelta(seconds=self.max_interval)
         for doc in docs:
-            entry = self._checked(doc)
-            if entry is None or not entry.enabled:
-                continue
+            name = str(doc.get("_id"))
             try:
+                entry = self._checked(doc)
+                if entry is None:
+                    continue
+                if not entry.enabled:
+                    self._reported.pop(name, None)
+                    continue
                 entry = self._send_due(entry)
+                upcoming = entry.slots.next_after(entry.last_slot)
             except (PyMongoError, OperationalError) as exc:  # the server went away mid-look (Kombu's name for it
                 # once its publish retries are spent): the slot is sent at a later look, under the same key
-                logger.warning("bb_broker beat: entry %r: %s; trying again", entry.name, exc)
+                logger.warning("bb_broker beat: entry %r: %s; trying again", name, exc)
                 return min(1.0, self.max_interval)
-            except Exception:
-                logger.exception("bb_broker beat: entry %r could not be sent", entry.name)
+            except Exception as exc:  # this entry's alone (a task's own publish check refused it, ...): the others
+                # are sent; it is tried again at each look, and logged again only when its problem changes
+                self._report(name, f"entry {name!r} could not be sent: {exc!r}", traceback=True)
                 continue
-            upcoming = entry.slots.next_after(entry.last_slot)
+            self._reported.pop(name, None)
             if upcoming is not None:
                 next_look = min(next_look, upcoming)
         return max((next_look - self._clock()).total_seconds(), 0.0)
@@ -188,12 +209,16 @@ class JobScheduler(Scheduler):
             if entry.task not in self.app.tasks and doc.get("owner") != CONFIG:
                 raise EntryError(f"entry {name!r}: unknown task {entry.task!r} (not registered in this beat's app)")
         except EntryError as exc:
-            if self._reported.get(name) != str(exc):
-                self._reported[name] = str(exc)
-                logger.error("bb_broker beat: skipping an entry: %s", exc)
+            self._report(name, f"skipping an entry: {exc}")
             return None
-        self._reported.pop(name, None)
         return entry
+
+    def _report(self, name: str, problem: str, *, traceback: bool = False) -> None:
+        """Log the entry's problem once: a beat looks every few seconds, and a document edited into nonsense, or a
+        send that fails the same way each time, stays so until someone changes it (then the new problem is logged)."""
+        if self._reported.get(name) != problem:
+            self._reported[name] = problem
+            logger.error("bb_broker beat: %s", problem, exc_info=traceback)
 
     def _send_due(self, entry: Entry) -> Entry:
         """Deal with the entry's due slots; the entry as it now stands (its lastSlot moved on)."""

@@ -26,6 +26,19 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 #: How many days ahead a crontab is searched for its next slot (February 29th on a Monday comes round in 28 years).
 CRON_SEARCH_DAYS = 366 * 29
+#: The shortest interval of an `every` schedule, in seconds: slots are whole milliseconds.
+MIN_EVERY = 0.001
+#: The longest interval of an `every` schedule: 100 years, longer than any deployment runs, and short enough that an
+#: entry's next slot (its anchor or lastSlot plus one interval) is always a date Python and BSON hold (year 9999).
+MAX_EVERY = timedelta(days=36525)
+#: The longest crontab text: its five fields with every value listed take 357 characters; a longer one is hand-made,
+#: and would be parsed again at each of a beat's looks.
+MAX_CRONTAB_LENGTH = 1000
+#: The dates an entry's anchor and lastSlot may hold. From the Unix epoch (nothing was scheduled before it) to far
+#: enough before the last date Python holds that the next slot after it (one interval, or a crontab's search, plus a
+#: day either side for timezones) is still a date; a hand-edited one outside is the entry's problem, not the beat's.
+EARLIEST_SLOT = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_SLOT = datetime(9999, 1, 1, tzinfo=UTC) - max(MAX_EVERY, timedelta(days=CRON_SEARCH_DAYS)) - timedelta(days=2)
 
 
 class ScheduleError(ValueError):
@@ -201,22 +214,44 @@ def slots_of(schedule: Any, *, timezone: str, anchor: datetime | None) -> Slots:
         raise ScheduleError(f"a schedule must have one of every, crontab or solar, got {schedule!r}"[:300])
     tz = zone(timezone)
     if "every" in schedule:
-        seconds = schedule["every"]
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0.001:
-            raise ScheduleError(f"every must be a number of seconds, at least 0.001, got {seconds!r}")
-        if not isinstance(anchor, datetime):
-            raise ScheduleError(f"an interval entry needs its anchor date, got {anchor!r}")
-        return Every(round(seconds * 1000), anchor if anchor.tzinfo else anchor.replace(tzinfo=UTC))
+        return Every(_milliseconds(schedule["every"]), slot_date(anchor, "anchor"))
     if "crontab" in schedule:
         return _cron(schedule["crontab"], tz)
     return _solar(schedule)
+
+
+def _milliseconds(seconds: Any) -> int:
+    """An interval's seconds as whole milliseconds, or ScheduleError: a number, MIN_EVERY to MAX_EVERY."""
+    # Compared, not given to math.isfinite: a Python config may hold an int no float holds (NaN and infinity fail
+    # the comparisons).
+    longest = MAX_EVERY.total_seconds()
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not MIN_EVERY <= seconds <= longest:
+        raise ScheduleError(
+            f"every must be a number of seconds, at least {MIN_EVERY} and at most {longest:.0f} (100 years), "
+            f"got {seconds!r}"[:300]
+        )
+    return round(seconds * 1000)
+
+
+def slot_date(moment: Any, field: str) -> datetime:
+    """An entry's anchor or lastSlot as an aware date its slots can be computed from, or ScheduleError."""
+    if not isinstance(moment, datetime):
+        raise ScheduleError(f"{field} must be a date, got {moment!r}"[:300])
+    aware = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    if not EARLIEST_SLOT <= aware <= LATEST_SLOT:
+        raise ScheduleError(
+            f"{field} must be a date from {EARLIEST_SLOT.date()} to {LATEST_SLOT.date()}, got {aware.isoformat()}"
+        )
+    return aware
 
 
 def _cron(text: Any, tz: tzinfo) -> Cron:
     from celery.schedules import crontab
 
     if not isinstance(text, str):
-        raise ScheduleError(f"a crontab must be text such as '*/5 * * * *', got {text!r}")
+        raise ScheduleError(f"a crontab must be text such as '*/5 * * * *', got {text!r}"[:300])
+    if len(text) > MAX_CRONTAB_LENGTH:
+        raise ScheduleError(f"a crontab is at most {MAX_CRONTAB_LENGTH} characters, got {len(text)}")
     fields = text.split()
     if len(fields) != 5:
         raise ScheduleError(f"a crontab has 5 fields (minute hour day-of-month month day-of-week), got {text!r}")
@@ -243,7 +278,7 @@ def _solar(schedule: dict[str, Any]) -> Solar:
     # Any: a hand-written document's values; Celery's solar checks the event's name itself.
     event: Any = schedule.get("solar")
     lat, lon = schedule.get("lat"), schedule.get("lon")
-    if not (_is_degrees(lat) and _is_degrees(lon)):
+    if not (_is_degrees(lat, 90) and _is_degrees(lon, 180)):
         raise ScheduleError(f"a solar schedule needs lat and lon in degrees, got {lat!r}, {lon!r}")
     assert isinstance(lat, int | float) and isinstance(lon, int | float)  # what _is_degrees says, for mypy
     try:
@@ -255,5 +290,6 @@ def _solar(schedule: dict[str, Any]) -> Solar:
     return Solar(event, float(lat), float(lon), celery_solar)
 
 
-def _is_degrees(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _is_degrees(value: Any, most: int) -> bool:
+    # Compared, as _milliseconds does: NaN fails (Celery's own check lets it through).
+    return isinstance(value, int | float) and not isinstance(value, bool) and -most <= value <= most

@@ -16,7 +16,7 @@ import click
 def schedules_commands(
     broker_option: Callable[[Any], Any],
     jobs: Callable[[str, str], AbstractContextManager[Any]],
-    fail: Callable[[str], NoReturn],
+    fail: Callable[..., NoReturn],
     operator: Callable[[], str],
 ) -> click.Group:
     """The `schedules` group, made with the CLI's own `--broker` option, job store context and error exit."""
@@ -112,27 +112,28 @@ def schedules_commands(
         app_name: str | None,
     ) -> None:
         """Add an entry at run time (every beat picks it up without a restart)."""
-        from bb_broker.beat.entries import EntryError, ScheduleStore
+        from bb_broker.beat.entries import EntryError, ScheduleStore, entry_fields
         from bb_broker.clock import ServerClock
 
         schedule = _schedule_of(every, cron, fail)
         args, kwargs = _json_arguments(args_json, kwargs_json, fail)
-        known_tasks = _tasks_of(app_name) if app_name else None
+        how = {
+            "timezone": timezone,
+            "catch_up": catch_up,
+            "args": args,
+            "kwargs": kwargs,
+            "options": {"queue": queue} if queue else {},
+            "known_tasks": _tasks_of(app_name) if app_name else None,
+        }
+        try:
+            entry_fields(name, task, schedule, **how)  # checked before the server is asked: a bad argument's exit
+        except EntryError as exc:
+            fail(f"add: {exc}", 2)
         with jobs(broker, "jobs") as store:
             db = store.coll.database
             try:
-                ScheduleStore(db, ServerClock.of(db)).add(
-                    name,
-                    task,
-                    schedule,
-                    timezone=timezone,
-                    catch_up=catch_up,
-                    args=args,
-                    kwargs=kwargs,
-                    options={"queue": queue} if queue else {},
-                    known_tasks=known_tasks,
-                )
-            except EntryError as exc:
+                ScheduleStore(db, ServerClock.of(db)).add(name, task, schedule, **how)
+            except EntryError as exc:  # the name is taken
                 fail(f"add: {exc}")
         click.echo(f"added {name}")
 
@@ -197,15 +198,15 @@ def _as_json(value: Any) -> str:
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
-def _schedule_of(every: float | None, cron: str | None, fail: Callable[[str], NoReturn]) -> dict[str, Any]:
+def _schedule_of(every: float | None, cron: str | None, fail: Callable[..., NoReturn]) -> dict[str, Any]:
     """The entry's schedule from `add`'s options: exactly one of --every and --crontab."""
     if (every is None) == (cron is None):
-        fail("add: give one of --every or --crontab")
+        fail("add: give one of --every or --crontab", 2)
     return {"every": every} if every is not None else {"crontab": cron}
 
 
-def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[[str], NoReturn]) -> tuple[Any, Any]:
+def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[..., NoReturn]) -> tuple[Any, Any]:
     try:
         return json.loads(args_json), json.loads(kwargs_json)
     except ValueError as exc:
-        fail(f"add: --args and --kwargs are JSON: {exc}")
+        fail(f"add: --args and --kwargs are JSON: {exc}", 2)

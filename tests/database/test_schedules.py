@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from datetime import datetime, timedelta
 
 import pytest
 from celery import Celery
+from celery.exceptions import ImproperlyConfigured
 from celery.schedules import crontab
 from pymongo.database import Database
 
@@ -21,6 +23,7 @@ from bb_broker.beat import EntryError, JobScheduler, ScheduleStore, run_now
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import JobFilter, Operations
+from tests.support.beat_process import OUT_OF_RANGE, add_out_of_range_entries
 from tests.support.store import CommandLog, assert_each_reads_through_an_index
 from tests.support.workers import ROOT
 
@@ -85,6 +88,8 @@ def test_beat_schedule_is_synced_as_configuration_and_a_bad_entry_left_out(
         "bad-cron": {"task": "reports.nightly", "schedule": {"crontab": "every day"}},
         "bad-task": {"task": "reports.nope", "schedule": 10},
         "operator-added": {"task": "reports.nightly", "schedule": 5},
+        "infinite": {"task": "reports.nightly", "schedule": math.inf},
+        "thousands-of-years": {"task": "reports.nightly", "schedule": timedelta(days=10**6)},
     }
     beat_app.add_periodic_task(15.0, beat_app.tasks["reports.nightly"].s(), name="quarter-minute")
     with caplog.at_level(logging.ERROR):
@@ -98,12 +103,22 @@ def test_beat_schedule_is_synced_as_configuration_and_a_bad_entry_left_out(
     assert "'bad-cron' is not scheduled: entry 'bad-cron': a crontab has 5 fields" in logged
     assert "'bad-task' is not scheduled: entry 'bad-task': unknown task 'reports.nope'" in logged
     assert "an entry added at run time has that name" in logged
+    for name in ("infinite", "thousands-of-years"):
+        assert f"{name!r} is not scheduled: entry {name!r}: every must be a number of seconds, at least 0.001" in logged
     # an entry removed from the configuration goes at the next start; the operator's disabling is kept
     store.set_enabled("quarter-minute", False)
     beat_app.conf.beat_schedule = {"quarter-minute": beat_app.conf.beat_schedule["quarter-minute"]}
     JobScheduler(beat_app)
     assert sorted(doc["_id"] for doc in db.bb_schedules.find()) == ["operator-added", "quarter-minute"]
     assert db.bb_schedules.find_one({"_id": "quarter-minute"})["enabled"] is False
+
+
+@pytest.mark.parametrize("setting", [math.inf, math.nan, -1, 1e12, "soon"])
+def test_a_beat_refuses_to_start_with_a_missed_after_no_date_holds(beat_app: Celery, db: Database, setting) -> None:
+    beat_app.conf.bb_beat_missed_after = setting
+    with pytest.raises(ImproperlyConfigured, match="bb_beat_missed_after must be seconds, more than 0 and at most"):
+        JobScheduler(beat_app)
+    assert db.bb_schedules.count_documents({}) == 0  # refused before anything is written
 
 
 def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -153,8 +168,9 @@ def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing
     assert (doc["schedule"], doc["timezone"], doc["catchUp"], doc["args"], doc["options"], doc["owner"]) == (
         {"crontab": "0 * * * *"}, "America/New_York", "none", [1, 2], {"queue": "reports"}, "runtime",
     )  # fmt: skip
-    refusals = {
-        ("add", "hourly", "tests.support.e2e_app.add", "--every", "5"): "add: an entry named 'hourly' exists already",
+    taken = cli(broker_url, "add", "hourly", "tests.support.e2e_app.add", "--every", "5")
+    assert taken.returncode == 1 and taken.stderr.endswith("bb-broker: add: an entry named 'hourly' exists already\n")
+    refusals = {  # bad arguments: exit 2, one line, before the server is asked
         ("add", "bad", "tests.support.e2e_app.add", "--crontab", "0 9 * *"): "add: entry 'bad': a crontab has 5 fields",
         ("add", "bad", "tests.support.e2e_app.add", "--every", "5", "--timezone", "Nowhere/City"): "unknown timezone",
         (
@@ -170,10 +186,54 @@ def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing
     }
     for args, message in refusals.items():
         refused = cli(broker_url, *args)
-        assert refused.returncode == 1 and message in refused.stderr, (args, refused.stderr)
+        assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+        assert refused.stderr.count("\n") == 1, refused.stderr
     assert [doc["_id"] for doc in db.bb_schedules.find()] == ["hourly"]
     assert cli(broker_url, "remove", "hourly").stdout == "removed hourly\n"
     assert db.bb_schedules.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("every", ["1e12", "inf", "nan", "-5", "0"])
+def test_the_cli_refuses_an_interval_no_date_holds_in_one_line_writing_nothing(
+    broker_url: str, db: Database, every: str
+) -> None:
+    refused = cli(broker_url, "add", "bad", "tests.support.e2e_app.add", "--every", every)
+    assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+    assert (
+        refused.stderr.startswith(
+            "bb-broker: add: entry 'bad': every must be a number of seconds, at least 0.001 and at most 3155760000 "
+            "(100 years), got "
+        )
+        and refused.stderr.count("\n") == 1
+    ), refused.stderr
+    assert db.bb_schedules.count_documents({}) == 0
+
+
+def test_the_cli_lists_entries_edited_into_numbers_no_date_holds_flagging_each(
+    broker_url: str, store: ScheduleStore, db: Database
+) -> None:
+    store.add("nightly", "reports.nightly", {"crontab": "0 3 * * *"})
+    add_out_of_range_entries(db)
+    listed = cli(broker_url)
+    assert listed.returncode == 0 and "Error" not in listed.stderr, listed.stderr
+    assert listed.stdout.startswith("every-1e12: tests.support.e2e_app.add every 1e+12s [UTC] enabled, ")
+    assert "nightly: reports.nightly crontab 0 3 * * * [UTC] enabled, catch-up once, runs 0, next 20" in listed.stdout
+    for name in OUT_OF_RANGE:
+        assert f"  skipped by beat: entry {name!r}: " in listed.stdout
+    as_json = cli(broker_url, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    rows = {row["name"]: row for row in json.loads(as_json.stdout)}
+    assert rows["nightly"]["problem"] is None and rows["nightly"]["nextSlot"].startswith("20")
+    assert [(rows[name]["nextSlot"], rows[name]["problem"] is not None) for name in OUT_OF_RANGE] == [
+        (None, True)
+    ] * len(OUT_OF_RANGE)
+    assert rows["every-1e12"]["problem"] == (
+        "entry 'every-1e12': every must be a number of seconds, at least 0.001 and at most 3155760000 (100 years), "
+        "got 1000000000000.0"
+    )
+    assert rows["last-slot-year-1"]["problem"] == (
+        "entry 'last-slot-year-1': lastSlot must be a date from 1970-01-01 to 9898-12-29, got 0001-01-01T00:00:00+00:00"
+    )
 
 
 def test_an_entry_a_beat_cannot_check_is_kept_for_the_beats_that_can(

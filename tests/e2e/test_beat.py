@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -15,7 +16,16 @@ from pymongo.database import Database
 
 from bb_broker.beat import ScheduleStore
 from bb_broker.clock import ServerClock
-from tests.support.beat_process import ENTRY, TICK, Beat, assert_one_job_per_slot, recorded, slot_jobs
+from tests.support.beat_process import (
+    ENTRY,
+    OUT_OF_RANGE,
+    TICK,
+    Beat,
+    add_out_of_range_entries,
+    assert_one_job_per_slot,
+    recorded,
+    slot_jobs,
+)
 from tests.support.workers import ROOT, process_factory, wait_for
 
 
@@ -148,6 +158,26 @@ def test_a_nonsense_entry_is_skipped_and_logged_while_the_others_keep_running(
     # repaired at run time, it runs without a restart
     db.bb_schedules.update_one({"_id": "edited"}, {"$set": {"schedule": {"every": 1.0}}})
     wait_for(lambda: len(slot_jobs(db, "edited")) >= 2, 30, "the repaired entry's slots")
+
+
+def test_entries_whose_numbers_no_date_holds_are_logged_once_and_skipped_while_the_others_keep_running(
+    beat_factory, db: Database
+) -> None:
+    add_out_of_range_entries(db)  # an interval of Infinity among them: it crash-looped every beat
+    configured = {**TICK, "every-infinite-config": {"task": "tests.support.e2e_app.add", "schedule": math.inf}}
+    beat = beat_factory(schedule=configured)
+    problems = [f"skipping an entry: entry {name!r}: " for name in OUT_OF_RANGE]
+    problems.append("beat_schedule entry 'every-infinite-config' is not scheduled: entry 'every-infinite-config': ")
+    wait_for(lambda: all(problem in beat.log() for problem in problems), 30, "each bad entry logged")
+    logged = len(slot_jobs(db))
+    wait_for(lambda: len(slot_jobs(db)) >= logged + 4, 30, "4 more slots of the good entry: 4 more looks")
+    log = beat.log()
+    assert [log.count(problem) for problem in problems] == [1] * len(problems), "logged once, not at every look"
+    assert "Traceback" not in log and beat.process.poll() is None
+    assert "every must be a number of seconds, at least 0.001 and at most 3155760000 (100 years), got inf" in log
+    assert "lastSlot must be a date from 1970-01-01 to 9898-12-29, got 9999-12-31T00:00:00+00:00" in log
+    assert db.jobs.count_documents({"schedule": {"$ne": ENTRY}}) == 0
+    assert_one_job_per_slot(slot_jobs(db))
 
 
 def test_the_server_stopped_20_s_under_two_beats_makes_no_duplicate_and_the_policy_covers_the_gap(

@@ -12,7 +12,10 @@ from bson import ObjectId
 from playwright.sync_api import expect
 from pymongo.database import Database
 
+from bb_broker.beat import ScheduleStore
+from bb_broker.clock import ServerClock
 from bb_broker.jobs.store import JobStore
+from tests.support.beat_process import OUT_OF_RANGE, add_out_of_range_entries
 from tests.support.workers import job, send, settled, wait_for
 
 #: A sweep every 5 s (and one as each worker starts): the queued jobs no claim can find are failed within a test.
@@ -150,3 +153,16 @@ def test_the_jobs_tab_shows_unknown_statuses_and_odd_ids_in_a_browser(app, db, f
     expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(3)
     page.goto(f"{flower.url}/jobs/job?id=7")
     expect(page.locator("#job-status")).to_have_text("failed")
+
+
+def test_the_schedules_view_and_api_flag_entries_edited_into_numbers_no_date_holds(db, flower_factory) -> None:
+    ScheduleStore(db, ServerClock(db)).add("nightly", "tests.support.e2e_app.add", {"crontab": "0 3 * * *"})
+    add_out_of_range_entries(db)  # each made the view and the API answer 500
+    flower = flower_factory()
+    listed = {entry["name"]: entry for entry in flower.get("/api/schedules")["entries"]}
+    assert listed["nightly"]["problem"] is None and listed["nightly"]["nextSlot"].startswith("20")
+    for name in OUT_OF_RANGE:
+        assert listed[name]["problem"].startswith(f"entry {name!r}: ") and listed[name]["nextSlot"] is None, name
+    assert "got 9999-12-31T00:00:00+00:00" in listed["last-slot-9999"]["problem"]
+    page = flower.page("/jobs/schedules")
+    assert page.count('class="text-danger small entry-problem"') == len(OUT_OF_RANGE)

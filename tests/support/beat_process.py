@@ -4,6 +4,7 @@ they made (the e2e and faults tests of bb_broker.beat)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,11 +14,30 @@ from typing import Any
 
 from pymongo.database import Database
 
+from bb_broker.beat import ScheduleStore
+from bb_broker.clock import ServerClock
 from tests.support.workers import ROOT, STARTED, kill_group, wait_for
 
 #: The entry most beat tests run: a job a second.
 ENTRY = "every-second"
 TICK = {ENTRY: {"task": "tests.support.e2e_app.add", "schedule": 1.0, "args": [1, 2]}}
+
+#: Entries edited by hand into numbers no date can be made of (an interval past what a date holds, or a lastSlot from
+#: which the next slot is past year 9999 or before year 1): each its change to a minutely crontab entry.
+OUT_OF_RANGE = {
+    "every-infinite": {"schedule": {"every": math.inf}},
+    "every-1e12": {"schedule": {"every": 1e12}},
+    "last-slot-9999": {"lastSlot": datetime(9999, 12, 31, tzinfo=UTC)},
+    "last-slot-year-1": {"lastSlot": datetime(1, 1, 1, tzinfo=UTC)},
+}
+
+
+def add_out_of_range_entries(db: Database, task: str = "tests.support.e2e_app.add") -> None:
+    """The OUT_OF_RANGE entries, added as an operator does, then edited by hand."""
+    store = ScheduleStore(db, ServerClock(db))
+    for name, changes in OUT_OF_RANGE.items():
+        store.add(name, task, {"crontab": "* * * * *"})
+        db.bb_schedules.update_one({"_id": name}, {"$set": changes})
 
 
 class Beat:

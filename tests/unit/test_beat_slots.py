@@ -71,6 +71,17 @@ def test_interval_slots_count_from_the_anchor_the_same_from_any_moment() -> None
         ({"crontab": "* * *"}, "UTC", "a crontab has 5 fields"),
         ({"crontab": "0 9 * * *"}, "Europe/Atlantis", "unknown timezone 'Europe/Atlantis'"),
         ({"every": 0}, "UTC", "every must be a number of seconds"),
+        ({"every": float("inf")}, "UTC", "every must be a number of seconds, at least 0.001 and at most 3155760000"),
+        ({"every": float("nan")}, "UTC", "every must be a number of seconds, at least 0.001 and at most 3155760000"),
+        ({"every": 1e12}, "UTC", "every must be a number of seconds, at least 0.001 and at most 3155760000"),
+        ({"every": 10**30}, "UTC", "every must be a number of seconds, at least 0.001 and at most 3155760000"),
+        ({"every": -1}, "UTC", "every must be a number of seconds"),
+        ({"every": True}, "UTC", "every must be a number of seconds"),
+        ({"every": "60"}, "UTC", "every must be a number of seconds"),
+        ({"crontab": ",".join(["1"] * 1000) + " * * * *"}, "UTC", "a crontab is at most 1000 characters, got 2007"),
+        ({"crontab": "*/99999999999 * * * 99999999999"}, "UTC", "invalid crontab"),
+        ({"solar": "sunset", "lat": float("nan"), "lon": 0}, "UTC", "a solar schedule needs lat and lon in degrees"),
+        ({"solar": "sunset", "lat": 0, "lon": float("inf")}, "UTC", "a solar schedule needs lat and lon in degrees"),
         ({"every": 1, "crontab": "* * * * *"}, "UTC", "one of every, crontab or solar"),
         ("hourly", "UTC", "one of every, crontab or solar"),
     ],
@@ -123,3 +134,21 @@ def test_a_crontabs_missed_span_over_a_week_of_minutes_across_a_dst_change() -> 
     after = datetime(2026, 3, 25, 22, 0, tzinfo=UTC)  # the clocks go forward on the 29th
     span = missed_span(slots, after, after + timedelta(days=7))
     assert span == (after + timedelta(minutes=1), after + timedelta(days=7, minutes=-1), 7 * 24 * 60 - 1)
+
+
+@pytest.mark.parametrize(
+    "anchor",
+    [datetime(1, 1, 1, tzinfo=UTC), datetime(1969, 12, 31, tzinfo=UTC), datetime(9999, 12, 31, tzinfo=UTC), "2026"],
+)
+def test_an_interval_anchored_where_no_slot_is_a_date_is_refused(anchor) -> None:
+    with pytest.raises(ScheduleError, match="anchor must be a date"):
+        slots_of({"every": 60}, timezone="UTC", anchor=anchor)
+
+
+@pytest.mark.parametrize("schedule", [{"every": 3155760000}, {"every": 0.001}, {"crontab": "0 0 29 2 1"}])
+def test_the_next_slot_after_the_latest_date_a_schedule_takes_is_still_a_date(schedule) -> None:
+    from bb_broker.beat.slots import LATEST_SLOT
+
+    slots = slots_of(schedule, timezone="Pacific/Kiritimati", anchor=LATEST_SLOT)
+    upcoming = slots.next_after(LATEST_SLOT)
+    assert upcoming is not None and upcoming > LATEST_SLOT
