@@ -7,9 +7,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from celery import Celery
 from pymongo.database import Database
 
+import bb_broker
 from tests.support.workers import job, send, settled, wait_for
 
 
@@ -74,3 +76,11 @@ def test_serial_keys_that_are_no_strings_fail_their_own_jobs_and_hold_back_no_jo
     wait_for(settled(db, holder, "succeeded"), message="the holder, its gate open")
     assert worker.process.poll() is None
     assert "Traceback" not in worker.log()
+
+
+def test_a_task_name_longer_than_a_kind_holds_is_refused_at_the_producer(app: Celery, db: Database) -> None:
+    # The job's `kind` is kept twice in the charts' summaries: an 8.6 MB name was published, and stopped the charts.
+    with pytest.raises(bb_broker.MalformedTaskMessage, match="header 'task' must be a task name of at most 1024"):
+        app.send_task("t" * 1025, args=(1, 2))
+    assert db.jobs.count_documents({}) == 0
+    assert job(db, send(app, "add", 1, 2))["kind"] == "tests.support.e2e_app.add"
