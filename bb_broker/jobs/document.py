@@ -26,6 +26,7 @@ from ulid import ULID
 
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.lifecycle import QUEUED, RUNNING
+from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, is_serial_key
 from bb_broker.jobs.unique import RELEASED_BY_CLAIM
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
@@ -39,6 +40,14 @@ CLAIMED_FIELDS = {
 }  # fmt: skip
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+
+#: Attempts from here on are a hand edit no claim counts on (a 64-bit $inc overflows near 2**63); a claim counts
+#: them from 0, so one below 0 is a hand edit too (and would make a backoff of nothing: 5 s * 2**-1000000).
+UNCOUNTABLE_ATTEMPTS = 2**31
+
+#: The longest task name a job's `kind` holds (a publish refuses a longer `task` header): the charts' summaries keep
+#: it twice, in a document of at most MAX_DOCUMENT_BYTES (see bb_broker.ops.summaries.group_name).
+MAX_KIND_LENGTH = 1024
 
 #: Attempts kept in a job's `history`, the newest last.
 HISTORY_LIMIT = 10
@@ -183,19 +192,31 @@ def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
 def malformed(doc: dict[str, Any]) -> str | None:
     """What makes a claimed job document one no worker can work through to its end, naming the field; None when it
     can. A job's id travels to the worker as a string and every later write finds the job by it; its attempts are
-    its fencing token (a whole number in a header); its queue is what claims, counts and wake-ups go by; its history
-    (read as its type, `historyType`) takes a $push at each settle."""
+    its fencing token (a whole number in a header) and what its backoff doubles with; its queue is what claims,
+    counts and wake-ups go by; its history (read as its type, `historyType`) takes a $push at each settle; its serial
+    key, when it has one, is what a claim skips while another job of the key runs (serial.py)."""
     job_id = doc.get("_id")
     if not isinstance(job_id, str):
         return f"_id must be a string, not {bson_kind(job_id)} {job_id!r}"[: lifecycle.MAX_ERROR_LENGTH]
     attempts = doc.get("attempts")
     if not isinstance(attempts, int) or isinstance(attempts, bool):
         return f"attempts must be a whole number, not {bson_kind(attempts)} {attempts!r}"
+    if not 0 < attempts <= UNCOUNTABLE_ATTEMPTS:  # as claimed: one more than the document held
+        return f"attempts must be a whole number from 0 to {UNCOUNTABLE_ATTEMPTS - 1}, not {attempts - 1}"
     if not isinstance(doc.get("queue"), str):
         return f"queue must be a string, not {bson_kind(doc.get('queue'))}"
     if doc.get("historyType", "missing") not in ("missing", "array"):
         return f"history must be an array, not {doc['historyType']}"
+    if "serialKey" in doc and not is_serial_key(doc["serialKey"]):
+        return bad_serial_key(doc["serialKey"])
     return None
+
+
+def bad_serial_key(value: Any) -> str:
+    """Why `value` is no serial key (see serial.py): a key that is not a string is not what SERIAL_INDEX's claims can
+    skip, and a key longer than a publish writes is a hand edit."""
+    found = f"a string of {len(value)}" if isinstance(value, str) else bson_kind(value)
+    return f"serialKey must be a string of 1 to {MAX_SERIAL_KEY_LENGTH} characters, not {found}"
 
 
 def bson_kind(value: Any) -> str:

@@ -19,6 +19,11 @@ BREAKDOWNS = ("queue", "kind")
 #: lastError is for people to read; a whole traceback belongs in the logs.
 MAX_ERROR_LENGTH = 2000
 
+#: The longest backoff between two attempts, and the doublings past which it is always reached (a float's range
+#: holds any finite backoff_base times 2**64).
+MAX_BACKOFF = timedelta(days=7)
+MAX_BACKOFF_DOUBLINGS = 64
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -55,8 +60,10 @@ class Policy:
             raise ValueError(f"stale_after must be a positive number of seconds, got {self.stale_after!r}")
 
     def backoff(self, attempts: int) -> timedelta:
-        """Delay before the next attempt after `attempts` failed ones: 10 s, then 20 s."""
-        return timedelta(seconds=self.backoff_base * 2**attempts)
+        """Delay before the next attempt after `attempts` failed ones: 10 s, then 20 s, doubling up to MAX_BACKOFF
+        (2**attempts soon outgrows what a date can hold, under a policy of many attempts)."""
+        doublings = min(max(attempts, 0), MAX_BACKOFF_DOUBLINGS)
+        return timedelta(seconds=min(self.backoff_base * 2.0**doublings, MAX_BACKOFF.total_seconds()))
 
     def is_final_attempt(self, attempts: int) -> bool:
         return attempts >= self.max_attempts

@@ -17,6 +17,7 @@ from kombu import compression
 from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
+from bb_broker.jobs.document import MAX_KIND_LENGTH
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
 
@@ -288,6 +289,9 @@ def check_envelope(message: dict[str, Any]) -> None:
     for name in ("task", "id"):
         if not isinstance(headers.get(name), str) or not headers[name]:
             raise MalformedTaskMessage(f"header {name!r}", "a non-empty string", headers.get(name))
+    if len(headers["task"]) > MAX_KIND_LENGTH:  # the job's `kind`, kept twice in the charts' summaries
+        expected = f"a task name of at most {MAX_KIND_LENGTH} characters"
+        raise MalformedTaskMessage("header 'task'", expected, headers["task"])
     for name in _TEXT_HEADERS:
         _check(headers, name, "header", _text_or_none, "a string or null")
     _check(headers, "timelimit", "header", _time_limits, "[hard, soft] seconds, each a non-negative number or null")

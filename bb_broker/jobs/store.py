@@ -35,11 +35,13 @@ from bb_broker.jobs.document import (
     HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
     RETRY_STATE,
+    UNCOUNTABLE_ATTEMPTS,
     Claimed,
     JobTooLarge,
     SettleTooLarge,
     attempt_entry,
     attempts_fence,
+    bad_serial_key,
     claim_query,
     claimed,
     due_query,
@@ -81,9 +83,6 @@ MAX_RATE_TRIES = 3
 
 #: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
 MAX_KEY_SKIPS = 16
-
-#: Attempts from here on are a hand edit no claim counts on (a 64-bit $inc overflows near 2**63).
-UNCOUNTABLE_ATTEMPTS = 2**31
 
 #: The most hand-edited jobs one claim fails on its way before it gives up for now (each costs a round trip or two).
 MAX_MALFORMED_SKIPS = 16
@@ -334,9 +333,13 @@ class JobStore(Sweeps):
         if ours is False:
             raise exc
         # Unnamed (ours is None): the serial key's is the one unique index a claim outside a slot can meet.
-        if key is None:  # a server that does not name the key: the head of the queue is the refused job
+        if not is_serial_key(key):  # a server that does not name the key: the head of the queue is the refused job
             key = self._head_key(due)
-        if is_serial_key(key) and self._wait_for_key(key):
+        if not is_serial_key(key):
+            # A hand-edited key (null, a number, too long) no claim can leave out by name: left queued, its job would
+            # be refused at the head of every claim and hold back the queue behind it. It fails, as its claim would.
+            self._fail_unclaimable(due, bad_serial_key(key), {"serialKey": {"$exists": True, "$eq": key}})
+        elif self._wait_for_key(key):
             busy.add(key)
         metrics.record_held_back("serial key")
 
@@ -714,15 +717,17 @@ class JobStore(Sweeps):
         metrics.record("failed", result.modified_count)
         return True
 
-    def _fail_unclaimable(self, due: dict[str, Any], reason: str) -> bool:
-        """Fail the job at the head of `due` whose attempts the claim could not count on (not a number, or one
-        past counting): whether there was one. Only such a job: another claim may have failed the job this one met,
-        and a sound job be at the head now."""
+    def _fail_unclaimable(self, due: dict[str, Any], reason: str, unclaimable: dict[str, Any] | None = None) -> bool:
+        """Fail the job at the head of `due` that no claim can take, as the filter `unclaimable` says (by default:
+        its attempts the claim could not count on, not a number or one past counting): whether there was one. Only
+        such a job: another claim may have failed the job this one met, and a sound job be at the head now."""
         head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim")))
         if head is None:
             return False
+        if unclaimable is None:
+            unclaimable = {"attempts": {"$not": {"$gte": 0, "$lt": UNCOUNTABLE_ATTEMPTS}}}
         result = self.coll.update_one(
-            {"_id": head["_id"], "status": QUEUED, "attempts": {"$not": {"$gte": 0, "$lt": UNCOUNTABLE_ATTEMPTS}}},
+            {"_id": head["_id"], "status": QUEUED, **unclaimable},
             {
                 "$set": {
                     "status": FAILED,

@@ -34,7 +34,7 @@ from bb_broker.clock import aware
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, STATUSES, SUCCEEDED
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
-from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, TURN, Summaries
+from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, TURN, Summaries, group_name
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class Tally:
         }  # fmt: skip
 
     def _group(self, value: Any) -> dict[str, list[Any]]:
-        name = ALL if self.by is None else str(value if value is not None else "")
+        name = ALL if self.by is None else str(group_name(value) if value is not None else "")
         if name not in self.groups:
             count = self.window.count
             self.groups[name] = {"succeeded": [0] * count, "failed": [0] * count, "retried": [0] * count,
@@ -354,8 +354,8 @@ def _summaries_of(operations: Operations, start: datetime, end: datetime) -> lis
         at, names = key.get("at"), key.get("group") or {}
         if not isinstance(at, datetime):
             return None
-        queue, kind = names.get("queue"), names.get("kind")
-        place = (aware(at), repr(queue), repr(kind))  # repr: a hand-edited queue may be any BSON value
+        queue, kind = group_name(names.get("queue")), group_name(names.get("kind"))
+        place = (aware(at), queue, kind)
         if place not in groups:
             groups[place] = {"at": aware(at), "queue": queue, "kind": kind, "succeeded": 0, "failed": 0,
                              "retried": 0, "waits": [], "runs": []}  # fmt: skip

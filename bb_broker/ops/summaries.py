@@ -23,7 +23,7 @@ from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from bb_broker.clock import aware
-from bb_broker.jobs.document import only_duplicate_keys
+from bb_broker.jobs.document import MAX_KIND_LENGTH, only_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,18 @@ INDEX = IndexModel([("jobs", ASCENDING), ("group", ASCENDING), ("at", ASCENDING)
 #: createIndexes (115, 238). Summaries are a cache: without them the charts read the jobs.
 NO_INDEXES = {115, 238}
 CANNOT_KEEP = {13, *NO_INDEXES}
+#: The group of the jobs whose queue or kind is no name a summary keeps (see group_name).
+NOT_A_NAME = "(not a name)"
+
+
+def group_name(value: Any) -> Any:
+    """A job's queue or kind as the charts group it: as it is (None: the job has none), or NOT_A_NAME for one that is
+    not a string or is longer than a publish writes (MAX_KIND_LENGTH; a queue name is far shorter). A summary holds
+    its names twice, in its _id and its fields: a hand-edited kind of 8 MB made its write pass the server's 16 MB
+    and stopped every chart while the job was kept. Such jobs are still counted, together, under NOT_A_NAME."""
+    if value is None or (isinstance(value, str) and len(value) <= MAX_KIND_LENGTH):
+        return value
+    return NOT_A_NAME
 
 
 class Summaries:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
+from bb_broker.ops.cli import main
 from bb_broker.ops.operations import FilterError, JobFilter, Operations
 from bb_broker.ops.stats import Window, job_stats, percentile, summarize_ahead
 from bb_broker.ops.summaries import Summaries
@@ -429,3 +432,35 @@ def test_a_jobs_tab_chart_summarizes_a_quarter_hour_itself_while_a_pass_is_under
     between = job_stats(ops, JobFilter(), DAY, leave_to_holder=True)
     assert between["pending"] == [] and between["series"]["all"] == complete
     assert db.bb_stats.count_documents({"group": False}) == 94
+
+
+def test_a_kind_of_megabytes_or_not_a_string_is_counted_under_one_name_and_every_chart_stays_up(
+    ops: Operations, db: Database, clock: FakeClock, broker_url: str
+) -> None:
+    # A summary holds its queue and kind twice (its _id and its fields): one job with a kind of 8.6 MB made its
+    # upsert pass the server's 16 MB (17420), and every chart that summarized that quarter hour failed, the Jobs
+    # tab's and `bb-broker stats` alike, for as long as the job was kept.
+    now = clock.now
+    three_finished_at_23(db, now)
+    db.jobs.update_one({"_id": "a1"}, {"$set": {"kind": "k" * 8_600_000}})
+    db.jobs.update_one({"_id": "a2"}, {"$set": {"kind": 5}})
+    by_kind = job_stats(ops, JobFilter(), DAY, "kind")
+    assert by_kind["summarizedUntil"] == "2025-12-31T23:45:00+00:00"
+    assert {name: nonzero(series).get("succeeded") for name, series in by_kind["series"].items()} == {
+        "(not a name)": {91: 2}, "app.a": {87: 1}, "app.b": None
+    }  # fmt: skip
+    kept = {doc["kind"]: doc["succeeded"] for doc in db.bb_stats.find({"group": True, "queue": "a"})}
+    assert kept == {"(not a name)": 2, "app.a": 1}
+    assert nonzero(job_stats(ops, JobFilter(), DAY)["series"]["all"])["succeeded"] == {87: 1, 91: 2}
+
+    # `bb-broker stats` on the server's own clock, the huge kind among the jobs it reads and summarizes.
+    done = datetime.now(UTC) - timedelta(hours=1)
+    times = {"runAfter": done, "startedAt": done, "finishedAt": done, "updatedAt": done}
+    db.jobs.insert_one({"_id": "huge-now", "queue": "a", "kind": "k" * 8_600_000, "status": "succeeded",
+                        "attempts": 1, **times})  # fmt: skip
+    runner = CliRunner()
+    table = runner.invoke(main, ["stats", "--since", "1d", "--broker", broker_url])
+    assert table.exit_code == 0, table.output[-2000:]
+    listed = runner.invoke(main, ["stats", "--since", "1d", "--by", "kind", "--json", "--broker", broker_url])
+    assert listed.exit_code == 0, listed.output[-2000:]
+    assert sum(json.loads(listed.output)["series"]["(not a name)"]["succeeded"]) == 1

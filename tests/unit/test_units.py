@@ -144,6 +144,10 @@ def test_lifecycle_rules() -> None:
     assert [retry_countdown(policy, n) for n in (1, 2, 3)] == [10.0, 20.0, None]
     assert retry_countdown(policy, 1, retryable=False) is None
     assert policy.heartbeat_interval < policy.sweep_interval < policy.stale_after
+    # No doubling below none (a count below 0 made a backoff of nothing), none past a week (many attempts made
+    # 2**attempts outgrow a date: OverflowError).
+    assert policy.backoff(-1_000_000) == timedelta(seconds=5)
+    assert Policy(max_attempts=100).backoff(60) == Policy(backoff_base=1e300).backoff(2) == timedelta(days=7)
     nan, inf = float("nan"), float("inf")
     for bad in ({"max_attempts": 0}, {"backoff_base": -1}, {"stale_after": 0}, {"stale_after": nan},
                 {"stale_after": inf}, {"backoff_base": nan}, {"backoff_base": inf}):  # fmt: skip
