@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from bb_broker.connection import BrokerURLError
     from bb_broker.jobs.document import JobTooLarge, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
+    from bb_broker.jobs.refusals import PublishRefused
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
     from bb_broker.worker.hooks import is_final_attempt
@@ -31,6 +32,7 @@ __all__ = [
     "DuplicateJob",
     "JobTooLarge",
     "MalformedTaskMessage",
+    "PublishRefused",
     "ResultTooLarge",
     "ServerUnreachable",
     "UniqueOptionError",
@@ -44,6 +46,7 @@ _LAZY = {
     "DuplicateJob": "jobs.unique",
     "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
+    "PublishRefused": "jobs.refusals",
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",

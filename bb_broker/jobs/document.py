@@ -26,6 +26,7 @@ from ulid import ULID
 
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.lifecycle import QUEUED, RUNNING
+from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, is_serial_key
 from bb_broker.jobs.unique import RELEASED_BY_CLAIM
 
@@ -122,7 +123,7 @@ RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot", "slotWaiters", "serialWaiters"
 HOLDS_RELEASED = dict.fromkeys(RUNNING_ONLY_FIELDS, "")
 
 
-class JobTooLarge(ValueError):
+class JobTooLarge(PublishRefused, ValueError):
     """The task message does not fit in one MongoDB document."""
 
 

@@ -19,6 +19,7 @@ from kombu.utils import json as kombu_json
 from bb_broker.jobs import unique
 from bb_broker.jobs.document import MAX_KIND_LENGTH
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
+from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
 
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
@@ -196,13 +197,13 @@ def _binary_body(encoded: str, encoding: str | None, headers: Any) -> bytes | st
     return body.decode(encoding)
 
 
-class MalformedTaskMessage(ValueError):
+class MalformedTaskMessage(PublishRefused, ValueError):
     """A task message with a header, property or body part a Celery worker cannot run it with: a publish refuses it,
     a claim fails its job (once: retried, it would be just as malformed)."""
 
     def __init__(self, field: str, expected: str, value: Any) -> None:
         super().__init__(f"malformed message: {field} must be {expected}, got {_shown(value)}")
-        self.field = field
+        self.field, self.expected, self.value = field, expected, value
 
 
 class CompressedBodyError(MalformedTaskMessage):
@@ -211,7 +212,7 @@ class CompressedBodyError(MalformedTaskMessage):
 
     def __init__(self, reason: str) -> None:
         ValueError.__init__(self, f"malformed message: {reason}")
-        self.field = "the body's compression"
+        self.field, self.expected, self.value = "the body's compression", "a body that decompresses", None
 
 
 #: Decompressors that stop at a given output size, by the function Kombu registered for a compression method (so an
@@ -341,10 +342,11 @@ def check_publish_ids(properties: dict[str, Any]) -> None:
         )
 
 
-def check_body(message: dict[str, Any], payload: dict[str, Any]) -> None:
+def check_body(message: dict[str, Any], payload: dict[str, Any], *, whole_canvas: bool = False) -> None:
     """Raise MalformedTaskMessage naming the part of a JSON task body a worker would choke on: protocol 2 is
     `[args (list), kwargs (document), embed (document)]`, and the embed's callbacks, errbacks, chain and chord are
     signatures. `payload` is the message's stored document (read there when the body is kept readable).
+    `whole_canvas` (a publish): each of those signatures must also pass check_signature.
 
     A body in another serializer is left to Celery, which decodes it only if the app accepts that content: parsing it
     here would deserialize what the worker may refuse. A compressed one is decompressed first (bounded: see
@@ -384,6 +386,118 @@ def check_body(message: dict[str, Any], payload: dict[str, Any]) -> None:
             raise MalformedTaskMessage(f"the embed's {name!r}", "a list of signatures or null", signatures)
     if embed.get("chord") is not None and not _signature(embed["chord"]):
         raise MalformedTaskMessage("the embed's 'chord'", "a signature or null", embed["chord"])
+    if whole_canvas:
+        check_canvas(embed)
+
+
+def check_canvas(embed: dict[str, Any]) -> None:
+    """check_signature for every signature a task message carries for later (its embed's callbacks, errbacks, chain
+    and chord), at the message's own publish: a worker publishes them only after the task's body ran, too late to
+    refuse anything but the signature itself."""
+    for name in _SIGNATURE_LISTS:
+        for index, signature in enumerate(embed.get(name) or ()):
+            check_signature(signature, f"the embed's {name!r}[{index}]")
+    if embed.get("chord") is not None:
+        check_signature(embed["chord"], "the embed's 'chord'")
+
+
+#: The canvas types Celery's `signature()` rebuilds from a message (celery.canvas, Signature.register_type), and the
+#: kwargs of each that hold signatures: a list of them, or one (a chord's header may be either).
+_CANVAS_PARTS: dict[str | None, tuple[str, ...]] = {
+    None: (),
+    "chain": ("tasks",),
+    "group": ("tasks",),
+    "chord": ("header", "body"),
+    "chunks": ("task",),
+    "xmap": ("task",),
+    "xstarmap": ("task",),
+}
+#: A signature's options a publish of it turns into its message's headers (as celery.app.amqp.as_task_v2 does).
+_OPTION_HEADERS = {
+    "shadow": "shadow",
+    "group_id": "group",
+    "group_index": "group_index",
+    "root_id": "root_id",
+    "parent_id": "parent_id",
+    "eta": "eta",
+    "retries": "retries",
+    "ignore_result": "ignore_result",
+    "stamped_headers": "stamped_headers",
+    "stamps": "stamps",
+    "replaced_task_nesting": "replaced_task_nesting",
+    "compression": "compression",
+}
+#: What stands for the task id a signature without one gets at its publish.
+_ID_AT_PUBLISH = "(chosen at its publish)"
+
+
+def check_signature(signature: Any, where: str) -> None:
+    """Raise MalformedTaskMessage, naming `where` it is and what, when a signature (a callback, errback, chain step or
+    chord body, at any depth) could not be published: Celery could not rebuild it (args, kwargs, options of the wrong
+    type, an unknown canvas type), or the message its publish makes would be refused by check_envelope (a priority
+    past 255, a time limit that is no number, a countdown no date holds)."""
+    if not _signature(signature):
+        raise MalformedTaskMessage(where, "a signature (a document naming its task)", signature)
+    for name, valid, expected in (
+        ("args", _list_or_none, "a list or null"),
+        ("kwargs", _document_or_none, "a document or null"),
+        ("options", _document_or_none, "a document or null"),
+        ("immutable", _bool_or_none, "true, false or null"),
+        ("subtask_type", _canvas_type, f"one of {sorted(filter(None, _CANVAS_PARTS))} or null"),
+    ):
+        if not valid(signature.get(name)):
+            raise MalformedTaskMessage(f"{where}'s {name!r}", expected, signature.get(name))
+    kwargs = signature.get("kwargs") or {}
+    for part in _CANVAS_PARTS[signature.get("subtask_type")]:
+        _check_signatures(kwargs.get(part), f"{where}'s {part!r}", one_allowed=part != "tasks")
+    options = signature.get("options") or {}
+    for name in ("link", "link_error", "chain"):
+        if options.get(name) is not None:
+            _check_signatures(options[name], f"{where}'s option {name!r}", one_allowed=name != "chain")
+    if options.get("chord") is not None:
+        check_signature(options["chord"], f"{where}'s option 'chord'")
+    for name in ("countdown", "expires"):
+        value = options.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not _seconds_from_now(value):
+            raise MalformedTaskMessage(f"{where}'s option {name!r}", "a number of seconds a date holds", value)
+    if not _document_or_none(options.get("headers")):
+        raise MalformedTaskMessage(f"{where}'s option 'headers'", "a document or null", options["headers"])
+    try:
+        check_envelope(_envelope_of(signature["task"], options))
+    except MalformedTaskMessage as exc:
+        raise MalformedTaskMessage(f"{where}'s publish: {exc.field}", exc.expected, exc.value) from None
+
+
+def _check_signatures(value: Any, where: str, *, one_allowed: bool) -> None:
+    if one_allowed and isinstance(value, dict):
+        check_signature(value, where)
+        return
+    if not isinstance(value, list):
+        raise MalformedTaskMessage(where, "a signature or a list of them" if one_allowed else "a list of them", value)
+    for index, signature in enumerate(value):
+        check_signature(signature, f"{where}[{index}]")
+
+
+def _envelope_of(task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The headers and properties of the message a publish of a signature with these options makes, as far as
+    check_envelope reads them (its options' `headers` are merged into the message's, as Celery does)."""
+    headers: dict[str, Any] = {**(options.get("headers") or {}), "task": task}
+    headers["id"] = options["task_id"] if options.get("task_id") is not None else _ID_AT_PUBLISH
+    headers["timelimit"] = [options.get("time_limit"), options.get("soft_time_limit")]
+    headers.update((header, options[name]) for name, header in _OPTION_HEADERS.items() if name in options)
+    if not isinstance(options.get("expires"), (int, float)):  # a number of seconds: checked on its own
+        headers["expires"] = options.get("expires")
+    routing = {name: options.get(name) for name in ("exchange", "routing_key")}
+    properties = {name: options.get(name) for name in ("priority", "reply_to")}
+    return {"headers": headers, "properties": {**properties, "delivery_info": routing}}
+
+
+def _seconds_from_now(value: float) -> bool:
+    """A countdown or expiry in seconds whose date (now plus it, as Celery adds it) is one check_envelope accepts."""
+    try:
+        return _MOMENTS[0] <= datetime.now(UTC) + timedelta(seconds=value) <= _MOMENTS[1]
+    except (OverflowError, ValueError):  # past timedelta's range, or NaN
+        return False
 
 
 def _check(
@@ -464,6 +578,14 @@ def _bool_or_none(value: Any) -> bool:
 
 def _document_or_none(value: Any) -> bool:
     return value is None or isinstance(value, dict)
+
+
+def _list_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, list)
+
+
+def _canvas_type(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value in _CANVAS_PARTS)
 
 
 def _priority(value: Any) -> bool:

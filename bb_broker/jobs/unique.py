@@ -33,6 +33,8 @@ from typing import Any
 
 from pymongo import ASCENDING, IndexModel
 
+from bb_broker.jobs.refusals import PublishRefused
+
 #: The header of a task message that carries its job's unique key.
 UNIQUE_KEY_HEADER = "bb_unique_key"
 #: How long the key is held (MODES); a key without it is held forever.
@@ -97,7 +99,7 @@ class DuplicateJob(Exception):
         return f"a job with unique key {self.unique_key!r} exists already (task id {self.task_id})"
 
 
-class UniqueOptionError(ValueError, TypeError):
+class UniqueOptionError(PublishRefused, ValueError, TypeError):
     """A unique or serial option that cannot make a key (a key that is not a bounded string, an unknown mode, a
     period that is not a positive number, `unique_on` or `serial_on` naming an argument the task does not have):
     nothing was published.

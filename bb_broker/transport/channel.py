@@ -362,7 +362,7 @@ class Channel(virtual.Channel):
             # Stored on the server's clock, as every time here, and given to each worker on its own (see _claim).
             headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
         payload = to_document({**message, "headers": headers}, body)
-        check_body({**message, "body": body}, payload)
+        check_body({**message, "body": body}, payload, whole_canvas=True)
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],

@@ -24,7 +24,14 @@ from bb_broker.jobs import rate_keys, serial, settles, unique
 from bb_broker.jobs.document import attempt_entry, history_entry_of
 from bb_broker.jobs.leases import add_process_source, add_started_source
 from bb_broker.jobs.lifecycle import Policy, describe_error, retry_countdown
-from bb_broker.jobs.payloads import ATTEMPTS_HEADER, BROKER_RETRIES_HEADER, DELIVERY_HEADERS, JOB_ID_HEADER
+from bb_broker.jobs.payloads import (
+    ATTEMPTS_HEADER,
+    BROKER_RETRIES_HEADER,
+    DELIVERY_HEADERS,
+    JOB_ID_HEADER,
+    MalformedTaskMessage,
+    check_signature,
+)
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
 from bb_broker.ops import metrics
@@ -177,8 +184,9 @@ def is_final_attempt(task: Any) -> bool:
 
 def is_retryable(request: Any, exception: BaseException) -> bool:
     # A failure after the task's own Celery retries means its retry policy gave up; a result that cannot be encoded
-    # or stored (ResultTooLarge is one) comes after the task's work is done, and running it again would do the work
-    # again to the same end; a task that rejects its message without requeue asks never to run again.
+    # or stored (ResultTooLarge is one), or a callback or chain step the broker refuses to publish (PublishRefused is
+    # an EncodeError), comes after the task's work is done, and running it again would do the work again to the same
+    # end; a task that rejects its message without requeue asks never to run again.
     # Reject.__init__ sets `requeue`; celery-types does not declare it.
     rejected_for_good = isinstance(exception, Reject) and not exception.requeue  # type: ignore[attr-defined]
     if isinstance(exception, EncodeError) or rejected_for_good:
@@ -285,6 +293,49 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
     store = store_of(sender) if sender is not None else None
     if store is not None and task_id and job_of(sender.request) is not None:
         attempt_state(sender.request).started_at = store.now()
+        _drop_refused_signatures(sender)
+
+
+#: The attributes of a task's request holding the signatures its tracer publishes once its body ran (callbacks, the
+#: next chain step) or failed for good (errbacks): read from the request Celery's tracer runs, the one given here.
+_LATER_SIGNATURES = ("callbacks", "errbacks", "chain")
+
+
+def _drop_refused_signatures(task: Any) -> None:
+    """Take off the task's request every callback, errback and chain step whose publish the broker would refuse
+    (check_signature, the check of a publish's whole canvas), each reported in one line, before the body runs.
+
+    A message that carries one never passed this broker's publish (written by hand, or by another client): refused
+    when Celery's tracer publishes it after the body, it would fail the task that ran, and the broker would run the
+    body again. The task runs and settles as it would without it. A refused chain step takes the steps after it
+    along: it is the one that would publish them."""
+    request = task.request
+    for name in _LATER_SIGNATURES:
+        signatures = getattr(request, name, None)
+        if not isinstance(signatures, list) or not signatures:
+            continue
+        kept = [signature for index, signature in enumerate(signatures) if _publishable(task, name, index, signature)]
+        if name == "chain" and len(kept) != len(signatures):
+            kept = []
+        if len(kept) != len(signatures):
+            setattr(request, name, kept or None)
+
+
+def _publishable(task: Any, name: str, index: int, signature: Any) -> bool:
+    try:
+        check_signature(signature, f"its {name!r}[{index}]")
+    except MalformedTaskMessage as exc:
+        shown = signature.get("task") if isinstance(signature, dict) else None
+        logger.error(
+            "task %s[%s]: %s %r is not published, the broker refuses it (the task runs without it): %s",
+            task.name,
+            task.request.id,
+            name,
+            shown,
+            exc,
+        )
+        return False
+    return True
 
 
 @signals.task_success.connect

@@ -1,0 +1,14 @@
+"""PublishRefused: what the broker's own checks raise when they refuse a publish."""
+
+from __future__ import annotations
+
+from kombu.exceptions import EncodeError
+
+
+class PublishRefused(EncodeError):
+    """A publish the broker's own checks refuse (a malformed message, a unique option that makes no key, a message
+    too large for its document): nothing was written, and the same message is refused whenever it is made again.
+
+    A Kombu EncodeError, so that Celery's tracer records a callback or chain step refused after a task's body ran as
+    that task's failure, as it does one it cannot encode, and the broker does not run the body again for it
+    (bb_broker.worker.hooks.is_retryable: an EncodeError is not retried)."""

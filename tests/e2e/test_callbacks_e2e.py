@@ -1,0 +1,102 @@
+"""Callbacks, errbacks and chain steps the broker refuses: never a reason to run a task's body again.
+
+Celery's worker publishes them after the task's body ran. Refused then, the failure was the task's, and the broker ran
+the body again: three times for a callback with priority 300, six for a chain step whose options is 5 (issue 44)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from pymongo.database import Database
+
+import bb_broker
+from tests.support.workers import job, settled, wait_for
+
+ADD = "tests.support.e2e_app.add"
+
+
+def _runs(db: Database, task_id: str) -> int:
+    """How many times the body of `add` ran for this task id (tests/support/e2e_app.py records each run)."""
+    return db.runs.count_documents({"taskId": task_id})
+
+
+def _ended(db: Database, task_id: str) -> Any:
+    """A wait_for condition: the task's job is succeeded or failed (then the document)."""
+    return lambda: (doc := job(db, task_id)).get("status") in (bb_broker.SUCCEEDED, bb_broker.FAILED) and doc
+
+
+def test_a_canvas_the_broker_would_refuse_later_is_refused_at_the_call_and_nothing_is_published(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    worker = worker_factory()
+    refused: dict[str, Any] = {
+        "link priority 300": {"link": app.signature(ADD, (3, 4), immutable=True).set(priority=300)},
+        "errback time limit text": {"link_error": app.signature(ADD, (3, 4), immutable=True).set(time_limit="x")},
+        "chain step options 5": {"chain": [{"task": ADD, "args": [3], "kwargs": {}, "options": 5}]},
+        "link of a link countdown past year 9999": {
+            "link": app.signature(ADD, (3, 4), immutable=True).set(
+                link=app.signature(ADD, (5, 6), immutable=True).set(countdown=1e12)
+            )
+        },
+    }
+    for name, options in refused.items():
+        with pytest.raises(bb_broker.MalformedTaskMessage) as raised:
+            app.signature(ADD, (1, 2)).apply_async(**options)
+        assert "the embed's" in str(raised.value), (name, str(raised.value))
+    assert db.jobs.count_documents({}) == 0, "a refused call published something"
+    # The canvases Celery makes of valid options pass, and run: a chain with a link, each step with its options.
+    valid = (
+        app.signature(ADD, (1, 2)).set(priority=5, time_limit=30, soft_time_limit=20)
+        | app.signature(ADD, (10,)).set(countdown=0.1, expires=600)
+    ).apply_async(link=app.signature(ADD, (100, 200), immutable=True).set(priority=9))
+    wait_for(settled(db, valid.id, bb_broker.SUCCEEDED), timeout=120, message="the valid chain's last step")
+    wait_for(lambda: db.runs.count_documents({}) == 3, message="the chain's two steps and its link ran")
+    assert worker.process.poll() is None
+
+
+def _edited(db: Database, task_id: str, change: dict[str, Any]) -> None:
+    assert db.jobs.update_one({"taskId": task_id}, change).modified_count == 1
+
+
+def test_a_stored_callback_the_broker_refuses_fails_alone_and_the_body_runs_once(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    # Valid at their publish, made bad in the stored job (as a hand-written message, or another client, would be):
+    # the body runs once and its job succeeds; the refused callback or chain step is not published, and is reported.
+    link = app.signature(ADD, (3, 4), immutable=True)
+    with_link = app.signature(ADD, (1, 2)).apply_async(link=link).id
+    _edited(db, with_link, {"$set": {"payload.options.callbacks.0.options.priority": 300}})
+    with_chain = (app.signature(ADD, (5, 6)) | app.signature(ADD, (7,))).apply_async()
+    first_step = with_chain.parent.id
+    _edited(db, first_step, {"$set": {"payload.options.chain.0.options": 5}})
+    both = app.signature(ADD, (8, 9)).apply_async(link=[link, app.signature(ADD, (30, 40), immutable=True)]).id
+    _edited(db, both, {"$set": {"payload.options.callbacks.0.options.time_limit": "x"}})
+    worker = worker_factory()
+    for task_id in (with_link, first_step, both):
+        ended = wait_for(_ended(db, task_id), timeout=120, message=f"{task_id} ended")
+        assert ended["status"] == bb_broker.SUCCEEDED, (ended["status"], ended.get("lastError"))
+        assert ended["attempts"] == 1 and _runs(db, task_id) == 1, (ended["attempts"], _runs(db, task_id))
+    # The valid callback beside the refused one ran (a job of its own); nothing else was published.
+    wait_for(lambda: db.runs.count_documents({"name": ADD}) == 4, message="the valid callback ran")
+    assert db.jobs.count_documents({}) == 4, [doc["kind"] for doc in db.jobs.find()]
+    log = worker.log()
+    assert log.count("is not published, the broker refuses it") == 3, log[-3000:]
+    assert "property 'priority' must be an integer from 0 to 255" in log
+    assert worker.process.poll() is None
+
+
+def test_a_callback_refused_only_when_the_worker_publishes_it_ends_its_task_once(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    # A callback whose unique option names an argument its task does not have: only the worker, which has the task
+    # registered, finds the key cannot be made. The task that ran fails once, as Celery fails a task whose callback
+    # cannot be encoded (PublishRefused is an EncodeError); its body is not run again, and its job is not left running.
+    link = app.signature(ADD, (3, 4), immutable=True).set(unique_on=["no_such_argument"])
+    task_id = app.signature(ADD, (1, 2)).apply_async(link=link).id
+    worker_factory()
+    ended = wait_for(_ended(db, task_id), timeout=120, message="the task ended")
+    assert ended["status"] == bb_broker.FAILED and "no_such_argument" in ended["lastError"], ended.get("lastError")
+    assert ended["attempts"] == 1 and _runs(db, task_id) == 1, (ended["attempts"], _runs(db, task_id))
+    assert [entry["outcome"] for entry in ended["history"]] == ["failed"]
