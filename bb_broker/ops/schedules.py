@@ -10,6 +10,8 @@ from typing import Any, NoReturn
 
 import click
 
+from bb_broker.ops.arguments import Group
+
 # pymongo and Celery are imported by the commands that use them: `--help` answers at once.
 
 
@@ -21,7 +23,7 @@ def schedules_commands(
 ) -> click.Group:
     """The `schedules` group, made with the CLI's own `--broker` option, job store context and error exit."""
 
-    @click.group(invoke_without_command=True)
+    @click.group(cls=Group, invoke_without_command=True)
     @broker_option
     @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
     @click.pass_context
@@ -157,7 +159,9 @@ def schedules_commands(
 
 def _print_entries(rows: list[dict[str, Any]], *, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(rows, default=_as_json))
+        from bb_broker.ops.present import as_json as as_json_value
+
+        click.echo(json.dumps(as_json_value(rows)))
         return
     if not rows:
         click.echo("no periodic entries")
@@ -193,10 +197,6 @@ def _tasks_of(app_name: str) -> Any:
     return app.tasks
 
 
-def _as_json(value: Any) -> str:
-    return value.isoformat() if hasattr(value, "isoformat") else str(value)
-
-
 def _schedule_of(every: float | None, cron: str | None, fail: Callable[[str], NoReturn]) -> dict[str, Any]:
     """The entry's schedule from `add`'s options: exactly one of --every and --crontab."""
     if (every is None) == (cron is None):
@@ -204,8 +204,15 @@ def _schedule_of(every: float | None, cron: str | None, fail: Callable[[str], No
     return {"every": every} if every is not None else {"crontab": cron}
 
 
-def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[[str], NoReturn]) -> tuple[Any, Any]:
+def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[..., NoReturn]) -> tuple[Any, Any]:
+    from bb_broker.jobs.payloads import unencodable_text
+
     try:
-        return json.loads(args_json), json.loads(kwargs_json)
+        args, kwargs = json.loads(args_json), json.loads(kwargs_json)
     except ValueError as exc:
         fail(f"add: --args and --kwargs are JSON: {exc}")
+    # JSON's escapes can write a lone surrogate ("\udce9"): no job could store it.
+    for option, value in (("--args", args), ("--kwargs", kwargs)):
+        if (found := unencodable_text(value)) is not None:
+            fail(f"add: {option}{found[0]} holds a lone surrogate {ascii(found[1])}: not text UTF-8 can encode", 2)
+    return args, kwargs
