@@ -421,7 +421,7 @@ def doctor(broker: str, collection: str) -> None:
     """Check whether a server can carry the broker safely: one verdict per capability; exit 2 when unsafe."""
     from bb_broker.ops import doctor as checks  # imported here: the other commands do not pay for it
 
-    sys.exit(checks.run(broker, collection, echo=click.echo))
+    sys.exit(checks.run(broker, collection, echo=click.echo, complain=lambda line: click.echo(line, err=True)))
 
 
 @main.command("serve-metrics")
