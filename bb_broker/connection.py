@@ -257,6 +257,10 @@ def parse_broker_url(url: str) -> BrokerTarget:
     except (InvalidURI, ConfigurationError, ValueError) as exc:
         message = scrub(str(exc), url_secrets(mongo_uri))
         raise BrokerURLError(f"broker URL {redact_url(url)!r} is not a valid MongoDB URI: {message}") from None
+    except OSError:  # pymongo's check that a TLS file can be read: _unusable_tls_file says which, and why
+        parsed = parse_uri(mongo_uri, validate=False, warn=False, connect_timeout=5)
+    if (problem := _unusable_tls_file(parsed["options"])) is not None:
+        raise BrokerURLError(f"broker URL {redact_url(url)!r}: {scrub(problem, url_secrets(mongo_uri))}")
     database = parsed.get("database")
     if parsed.get("collection"):
         raise BrokerURLError(
@@ -268,6 +272,40 @@ def parse_broker_url(url: str) -> BrokerTarget:
             f"broker URL {redact_url(url)!r} must name the database in its path, e.g. bbmongo://localhost:27017/bountyboard"
         )
     return BrokerTarget(mongo_uri, database, url_secrets(mongo_uri))
+
+
+#: The TLS files a URL may name, and what each must hold.
+_TLS_FILES = {
+    "tlsCertificateKeyFile": "a PEM certificate and its private key (its password in tlsCertificateKeyFilePassword)",
+    "tlsCRLFile": "a PEM certificate revocation list",
+    "tlsCAFile": "a PEM certificate of an authority",
+}
+
+
+def _unusable_tls_file(options: dict[str, Any]) -> str | None:
+    """Why a TLS file the URL names cannot be used, in words (None when each can): loaded as pymongo loads them when
+    it makes a client, where a missing file or one that holds no certificate raised a bare ssl.SSLError or OSError
+    from deep inside it. A key's password is given when the URL has one: an encrypted key without one is refused
+    here rather than have OpenSSL ask for it on a worker's terminal."""
+    import ssl
+
+    named = {name.lower(): value for name, value in options.items()}
+    files = [(name, named[name.lower()]) for name in _TLS_FILES if named.get(name.lower())]
+    if files and str(named.get("tls", named.get("ssl", ""))).lower() == "false":
+        return f"tls=false, but it names {', '.join(name for name, _ in files)}: set tls=true, or remove them"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    password = str(named.get("tlscertificatekeyfilepassword") or "")
+    for name, path in files:
+        try:
+            if name == "tlsCertificateKeyFile":
+                context.load_cert_chain(path, password=lambda: password)
+            else:
+                context.load_verify_locations(path)
+        except ssl.SSLError as exc:
+            return f"its {name} {path!r} is not {_TLS_FILES[name]}" + (f" ({exc.reason})" if exc.reason else "")
+        except OSError as exc:
+            return f"its {name} {path!r} cannot be read: {exc.strerror or exc}"
+    return None
 
 
 def scrub(text: str, secrets: tuple[str, ...]) -> str:

@@ -500,6 +500,43 @@ def _seconds_from_now(value: float) -> bool:
         return False
 
 
+def check_encodable(parts: dict[str, Any]) -> None:
+    """Raise MalformedTaskMessage naming the first text among `parts` (each named as an error names it) that UTF-8
+    cannot encode: a lone surrogate, as Python makes of bytes that are not UTF-8 (a file name's, through os.fsdecode).
+    BSON stores text as UTF-8 only: pymongo would raise a bare UnicodeEncodeError at the insert."""
+    for name, value in parts.items():
+        if (found := unencodable_text(value)) is not None:
+            path, text = found
+            raise MalformedTaskMessage(f"{name}{path}", "text UTF-8 can encode (no lone surrogate)", text)
+
+
+def unencodable_text(value: Any) -> tuple[str, str] | None:
+    """The first text in `value` (itself, or a key or item of its documents and arrays, at any depth) that UTF-8
+    cannot encode, with where it is (`[0]['name']`, "" for `value` itself); None when every text encodes."""
+    pending: list[tuple[tuple[Any, ...], Any]] = [((), value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _encodes(item):
+                return "".join(f"[{step!r}]" for step in path), item
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and not key.isascii() and not _encodes(key):
+                    return "".join(f"[{step!r}]" for step in path) + " (a key)", key
+                pending.append(((*path, key), child))
+        elif isinstance(item, list | tuple):
+            pending.extend(((*path, index), child) for index, child in reversed(list(enumerate(item))))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check(
     fields: dict[str, Any],
     name: str,

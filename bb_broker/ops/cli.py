@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
+from bb_broker.ops.arguments import BAD_ARGUMENT, Group
 from bb_broker.ops.schedules import schedules_commands
 from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 
@@ -46,15 +47,18 @@ def _store(broker: str, collection: str = DEFAULTS.jobs_collection, policy: Poli
 def _jobs(
     broker: str, collection: str, policy: Policy = DEFAULTS.policy, *, keep_open: bool = False
 ) -> Iterator[JobStore]:
-    """The job store, with a wrong URL or a server that cannot be used turned into one line on stderr and exit 1;
-    its client is closed at the end of the block unless `keep_open`."""
-    from pymongo.errors import PyMongoError
+    """The job store, with a wrong URL or a server that cannot be used turned into one line on stderr and exit 1 (a
+    collection name MongoDB cannot have: exit 2); its client is closed at the end of the block unless `keep_open`."""
+    from pymongo.errors import InvalidName, PyMongoError
 
     from bb_broker import connection
 
     store = None
     try:
-        store = _store(broker, collection, policy)
+        try:
+            store = _store(broker, collection, policy)
+        except InvalidName as exc:  # the database's name was the URL's to check: this is the collection's
+            _fail(f"--collection {collection!r}: {exc}", BAD_ARGUMENT)
         store.coll.database.client.admin.command("ping")  # one timeout, not one per query
         _warn_if_missing(store)
         yield store
@@ -134,7 +138,7 @@ DURATION = Duration()
 WAIT = Duration(positive=True, longest=timedelta(days=36500))
 
 
-@click.group(name="bb-broker")  # its name as a `celery` subcommand too (pyproject.toml's celery.commands)
+@click.group(name="bb-broker", cls=Group)  # its name as a `celery` subcommand too (pyproject.toml's celery.commands)
 def main() -> None:
     """Operate bb_broker, the Celery broker that keeps every task as a MongoDB `jobs` document."""
 
@@ -142,7 +146,7 @@ def main() -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=27017, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--data", default="./bb-data", show_default=True, help="Data directory, or :memory:.")
+@click.option("--data", default="./bb-data", show_default=True, type=click.Path(), help="Data directory, or :memory:.")
 def serve(host: str, port: int, data: str) -> None:
     """Run the embedded MongoDB-compatible server (SecantusDB) for development and demos."""
     from bb_broker import embedded
@@ -215,11 +219,13 @@ def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
                 click.echo(_table(breakdown, rows))
         paused = operations.paused()
         if paused:
+            from bb_broker.ops.present import as_text
+
             click.echo("")
             for name, control in sorted(paused.items()):
                 since = control.get("pausedAt")
-                when = f" since {since:%Y-%m-%d %H:%M:%S} UTC" if since else ""
-                click.echo(f"paused queue {name} (by {control.get('pausedBy')}{when}): its jobs wait")
+                when = f" since {as_text(since)}" if since else ""
+                click.echo(f"paused queue {name} (by {as_text(control.get('pausedBy'))}{when}): its jobs wait")
         limited = {name: row for name, row in operations.queues().items() if "limitedBy" in row}
         if limited:
             click.echo("")
@@ -263,43 +269,45 @@ def failed(
 ) -> None:
     """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
     from bb_broker.ops.operations import Operations
+    from bb_broker.ops.present import as_json as as_json_value
+    from bb_broker.ops.present import as_text, to_the_second
 
     with _jobs(broker, collection) as store:
         docs = Operations(store).failed_jobs(
             kind=kind, schedule=schedule, older_than=older_than, newer_than=newer_than, limit=limit
         )
-    jobs = [
-        {
-            "id": doc["_id"],
-            "kind": doc.get("kind"),
-            "queue": doc.get("queue"),
-            "taskId": doc.get("taskId"),
-            "attempts": doc.get("attempts"),
-            "failedAt": doc["updatedAt"].isoformat() if doc.get("updatedAt") else None,
-            "lastError": doc.get("lastError", ""),
-        }
-        for doc in docs
-    ]
     if as_json:
-        click.echo(json.dumps(jobs))
+        rows = [
+            {
+                "id": doc.get("_id"),
+                "kind": doc.get("kind"),
+                "queue": doc.get("queue"),
+                "taskId": doc.get("taskId"),
+                "attempts": doc.get("attempts"),
+                "failedAt": doc.get("updatedAt"),
+                "lastError": doc.get("lastError", ""),
+            }
+            for doc in docs
+        ]
+        click.echo(json.dumps(as_json_value(rows)))
         return
-    if not jobs:
+    if not docs:
         click.echo("no failed jobs")
         return
-    rows = [
+    lines = [
         (
-            str(job["id"]),
-            str(job["kind"]),
-            str(job["attempts"]),
-            (job["failedAt"] or "")[:19].replace("T", " "),
+            as_text(doc.get("_id")),
+            as_text(doc.get("kind")),
+            as_text(doc.get("attempts")),
+            "" if doc.get("updatedAt") is None else to_the_second(doc["updatedAt"]),
             # One line per job: a multi-line error is folded and cut; --json has it whole.
-            " ".join(str(job["lastError"]).split())[:160],
+            " ".join(as_text(doc.get("lastError", "")).split())[:160],
         )
-        for job in jobs
+        for doc in docs
     ]
     header = ("ID", "KIND", "ATTEMPTS", "FAILED AT (UTC)", "LAST ERROR")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
-    for row in [header, *rows]:
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(4)]
+    for row in [header, *lines]:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4])
 
 
@@ -326,7 +334,7 @@ def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, 
     for reason in retried.held.values():
         click.echo(reason, err=True)
     if retried.held and not missed:
-        _fail(f"retry: {len(retried.held)} job{'' if len(retried.held) == 1 else 's'} left failed: unique key held")
+        _fail(f"retry: {len(retried.held)} job{'' if len(retried.held) == 1 else 's'} left failed")
     if missed:
         reasons = ", ".join(f"{job_id} ({why})" for job_id, why in missed.items())
         _fail(f"retry: {len(missed)} id{'' if len(missed) == 1 else 's'} matched no failed job: {reasons}")
@@ -413,7 +421,7 @@ def doctor(broker: str, collection: str) -> None:
     """Check whether a server can carry the broker safely: one verdict per capability; exit 2 when unsafe."""
     from bb_broker.ops import doctor as checks  # imported here: the other commands do not pay for it
 
-    sys.exit(checks.run(broker, collection, echo=click.echo))
+    sys.exit(checks.run(broker, collection, echo=click.echo, complain=lambda line: click.echo(line, err=True)))
 
 
 @main.command("serve-metrics")
@@ -516,6 +524,7 @@ def _operator() -> str:
 def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
     """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
     from bb_broker.ops.operations import Operations
+    from bb_broker.ops.present import as_json as as_json_value
     from bb_broker.ops.present import describe_job
 
     with _jobs(broker, collection) as store:
@@ -523,14 +532,10 @@ def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
     if doc is None:
         _fail(f"show: no job has the id or task id {identifier!r}")
     if as_json:
-        click.echo(json.dumps(doc, default=_json_value, indent=2))
+        click.echo(json.dumps(as_json_value(doc), indent=2))
         return
     for label, value in describe_job(doc):
         click.echo(f"{label + ':':<14}{value}" if label else f"  {value}")
-
-
-def _json_value(value: Any) -> Any:
-    return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
 @main.command()

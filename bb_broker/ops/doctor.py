@@ -181,19 +181,20 @@ def _jobs_indexes(db: Database, collection: str) -> Verdict:
     )
 
 
-def run(broker: str, collection: str, echo: Callable[[str], None]) -> int:
+def run(broker: str, collection: str, echo: Callable[[str], None], complain: Callable[[str], None]) -> int:
     """The command's body: 0 when the server can carry the broker (degraded included), 2 when it is unsafe, 1 when
-    it cannot be reached or a check could not finish."""
+    it cannot be reached or a check could not finish. A URL that cannot be used, or a server that cannot be reached,
+    is one line to `complain` (stderr, as every command's error); the verdicts go to `echo`."""
     try:
         target = connection.parse_broker_url(broker)
     except connection.BrokerURLError as exc:
-        echo(f"bb-broker: {exc}")
+        complain(f"bb-broker: {exc}")
         return 1
     db = connection.get_database(target, **connection.quick_timeouts(target))
     try:
         db.client.admin.command("ping")
     except PyMongoError as exc:
-        echo(f"bb-broker: cannot reach {target.display}: {_describe(exc, target.secrets)}")
+        complain(f"bb-broker: cannot reach {target.display}: {_describe(exc, target.secrets)}")
         return 1
     echo(f"checking {target.display} (database {target.database})")
     verdicts = diagnose(db, collection=collection, secrets=target.secrets)

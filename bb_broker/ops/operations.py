@@ -369,7 +369,7 @@ class Retried:
 
     job_ids: list[str] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
-    #: Failed jobs left failed because another job holds their unique key now: job id -> why.
+    #: Failed jobs left failed (another job holds their unique key now, or no worker can run them): job id -> why.
     held: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -707,7 +707,11 @@ class Operations:
             return "no such job"
         if doc.get("status") != FAILED:
             return f"it is {doc.get('status')}, not failed"
-        return f"its kind is {doc.get('kind')}, not {kind}"
+        if not isinstance(doc["_id"], str):
+            return _not_a_string_id(doc)
+        if kind is not None and doc.get("kind") != kind:
+            return f"its kind is {doc.get('kind')}, not {kind}"
+        return "it changed meanwhile: look again"
 
     def purge(self, statuses: Collection[str], *, older_than: timedelta | None = None) -> int:
         """Delete the jobs in these statuses last changed (for a finished job: finished) over `older_than` ago."""
@@ -859,7 +863,7 @@ class Operations:
         for doc in docs:
             if not isinstance(doc["_id"], str):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
-                held[str(doc.get("taskId") or doc["_id"])] = "its _id is not a string: no worker can run it"
+                held[str(doc.get("taskId") or doc["_id"])] = f"job {doc['_id']} stays failed: {_not_a_string_id(doc)}"
                 continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
             record = _record("retry", by, now)
@@ -1009,6 +1013,12 @@ def _other_id_forms(identifier: str) -> list[Any]:
     if ObjectId.is_valid(identifier) and len(identifier) == 24:
         forms.append(ObjectId(identifier))
     return forms
+
+
+def _not_a_string_id(doc: dict[str, Any]) -> str:
+    """Why a job whose _id was written by hand, not a string, is not retried: no worker can run a job under it (a
+    claim fails it as malformed)."""
+    return f"its _id is {bson_kind(doc['_id'])}, not a string: no worker can run it"
 
 
 def _key_taken_again(doc: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,11 @@
-"""A job as a person reads it: its summary lines, its arguments, its attempts and actions, values as text."""
+"""A job as a person reads it: its summary lines, its arguments, its attempts and actions, values as text; and as
+JSON. Every value a command prints of a stored document goes through as_text or as_json: a document written by hand
+may hold any BSON type in any field."""
 
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime
 from typing import Any
 
@@ -31,7 +34,7 @@ HELD_WHILE = {
 def unique_of(doc: dict[str, Any]) -> str | None:
     """The job's unique key, its mode and whether the job holds the key now; None for a job without one."""
     unique = doc.get("unique")
-    if isinstance(unique, dict) and unique.get("mode") in HELD_WHILE:
+    if isinstance(unique, dict) and isinstance(unique.get("mode"), str) and unique["mode"] in HELD_WHILE:
         key, mode = unique.get("key"), unique["mode"]
     elif "uniqueKey" in doc:  # a job made before the modes: a beat slot's
         key, mode = doc["uniqueKey"], FOREVER_MODE
@@ -112,14 +115,16 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
     for row in attempts_of(doc):
         when = f"{as_text(row.get('startedAt'))} -> {as_text(row.get('finishedAt'))}"
         duration = f" ({row['duration']:.3f} s)" if "duration" in row else ""
-        worker = row.get("worker") or "?"
-        lines.append((f"attempt {row.get('n', '?')}", f"{row.get('outcome', '?')} on {worker}, {when}{duration}"))
+        worker = as_text(row.get("worker") or "?")
+        done = f"{as_text(row.get('outcome', '?'))} on {worker}, {when}{duration}"
+        lines.append((f"attempt {as_text(row.get('n', '?'))}", done))
         if row.get("error"):
-            lines.append(("", str(row["error"])))
+            lines.append(("", as_text(row["error"])))
     if limits := limits_of(doc):
         lines.append(("limits", limits))
     for action in actions_of(doc):
-        lines.append(("action", f"{action.get('action')} by {action.get('by')} at {as_text(action.get('at'))}"))
+        done = f"{as_text(action.get('action'))} by {as_text(action.get('by'))} at {as_text(action.get('at'))}"
+        lines.append(("action", done))
     for name, value in doc.items():
         if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS and (unique is None or name not in UNIQUE_FIELDS):
             lines.append((name, as_text(value)))
@@ -127,8 +132,33 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def as_text(value: Any) -> str:
+    """A stored value as a line shows it: a date in UTC to the millisecond, a document or array as JSON (as_json),
+    anything else as its text."""
     if isinstance(value, datetime):
         return aware(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
     if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str)
+        return json.dumps(as_json(value))
+    return str(value)
+
+
+def to_the_second(value: Any) -> str:
+    """A stored moment as a table's column shows it, to the second (UTC); a value that is not a date as its text."""
+    return as_text(value)[:19] if isinstance(value, datetime) else as_text(value)
+
+
+def as_json(value: Any) -> Any:
+    """A stored value as JSON can hold it: documents and arrays through, a date in ISO 8601 (UTC), and what JSON has
+    no type for (an ObjectId, a timestamp, binary data, a Decimal128, NaN and the infinities) as its text."""
+    if isinstance(value, dict):
+        return {str(key): as_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_json(item) for item in value]
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, int):
+        return int(value)  # BSON's 64-bit ones come back as a subclass
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, datetime):
+        return aware(value).isoformat()
     return str(value)

@@ -10,6 +10,8 @@ from typing import Any, NoReturn
 
 import click
 
+from bb_broker.ops.arguments import Group
+
 # pymongo and Celery are imported by the commands that use them: `--help` answers at once.
 
 
@@ -21,7 +23,7 @@ def schedules_commands(
 ) -> click.Group:
     """The `schedules` group, made with the CLI's own `--broker` option, job store context and error exit."""
 
-    @click.group(invoke_without_command=True)
+    @click.group(cls=Group, invoke_without_command=True)
     @broker_option
     @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
     @click.pass_context
@@ -158,7 +160,9 @@ def schedules_commands(
 
 def _print_entries(rows: list[dict[str, Any]], *, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(rows, default=_as_json))
+        from bb_broker.ops.present import as_json as as_json_value
+
+        click.echo(json.dumps(as_json_value(rows)))
         return
     if not rows:
         click.echo("no periodic entries")
@@ -206,7 +210,14 @@ def _schedule_of(every: float | None, cron: str | None, fail: Callable[..., NoRe
 
 
 def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[..., NoReturn]) -> tuple[Any, Any]:
+    from bb_broker.jobs.payloads import unencodable_text
+
     try:
-        return json.loads(args_json), json.loads(kwargs_json)
+        args, kwargs = json.loads(args_json), json.loads(kwargs_json)
     except ValueError as exc:
         fail(f"add: --args and --kwargs are JSON: {exc}", 2)
+    # JSON's escapes can write a lone surrogate ("\udce9"): no job could store it.
+    for option, value in (("--args", args), ("--kwargs", kwargs)):
+        if (found := unencodable_text(value)) is not None:
+            fail(f"add: {option}{found[0]} holds a lone surrogate {ascii(found[1])}: not text UTF-8 can encode", 2)
+    return args, kwargs

@@ -36,6 +36,7 @@ from bb_broker.jobs.payloads import (
     MalformedTaskMessage,
     PayloadError,
     check_body,
+    check_encodable,
     check_envelope,
     check_publish_ids,
     is_task_message,
@@ -213,6 +214,7 @@ class Channel(virtual.Channel):
     # --- queues -------------------------------------------------------------
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        check_encodable({"the queue name": queue})  # Kombu's declare counts it next: a query BSON cannot encode
         # Celery's own plumbing queues (remote control, replies, events) are auto-delete; task queues are not.
         if kwargs.get("auto_delete"):
             self._plain_queues.add(queue)
@@ -291,6 +293,7 @@ class Channel(virtual.Channel):
         self.plumbing.delete_exchange(exchange)  # its bindings, which every connection reads
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        check_encodable({"the exchange name": exchange, "the routing key": routing_key, "the queue name": queue})
         if self.typeof(exchange).type == "fanout":
             self._plain_queues.add(queue)
         self.plumbing.bind(exchange, routing_key, pattern, queue)
@@ -337,6 +340,13 @@ class Channel(virtual.Channel):
         if not is_task_message(message):
             if _names_a_task(message):
                 check_envelope(message)  # a task without an id: Celery's consumer cannot take it
+            check_encodable(
+                {
+                    "the queue name": queue,
+                    "the headers": message.get("headers"),
+                    "the properties": message.get("properties"),
+                }
+            )
             message, message_id = _plain_publish(message, queue)
             soon = _on_a_loop_thread()
             self.plumbing.put(
@@ -363,6 +373,10 @@ class Channel(virtual.Channel):
             headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
         payload = to_document({**message, "headers": headers}, body)
         check_body({**message, "body": body}, payload, whole_canvas=True)
+        stored_body = {f"the body's {part}": payload[part] for part in ("args", "kwargs", "options") if part in payload}
+        if payload.get("bodyFormat") == "json":
+            stored_body["the body"] = payload["body"]  # else base64: it encodes
+        check_encodable({"the queue name": queue, **stored_body, "the headers": headers, "the properties": properties})
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],

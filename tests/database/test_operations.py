@@ -69,7 +69,9 @@ def test_a_job_written_by_hand_under_a_document_id_is_refused_and_nothing_else_b
     db.jobs.insert_one({**doc, "_id": {"legacy": job_id}})
     sound = failed(ops, "task-sound")
     retried = ops.retry(["task-dict", "task-sound"], by="alice")
-    assert retried.job_ids == [sound] and retried.held == {"task-dict": "its _id is not a string: no worker can run it"}
+    assert retried.job_ids == [sound] and retried.held == {
+        "task-dict": f"job {{'legacy': {job_id!r}}} stays failed: its _id is object, not a string: no worker can run it"
+    }
     assert db.jobs.find_one({"taskId": "task-dict"})["status"] == "failed"
     with pytest.raises(ActionRefused, match="has an _id that is not a string"):
         ops.act("retry", "task-dict", by="alice")

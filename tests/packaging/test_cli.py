@@ -8,6 +8,8 @@ import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from bson import Binary, Code, Decimal128, Int64, MaxKey, MinKey, ObjectId, Regex, Timestamp
+from bson.dbref import DBRef
 from click.testing import CliRunner, Result
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
@@ -633,3 +635,140 @@ def test_a_task_id_sent_twice_names_its_newest_job(store: JobStore, db: Database
     result = bb(broker_url, "cancel", "task-app.twice-failed")
     assert result.exit_code == 0 and result.stdout == f"cancelled job {newer} (app.twice)\n"
     assert db.jobs.find_one({"_id": older})["lastError"].startswith("app.twice broke")
+
+
+def run_cli_bytes(*args: bytes | str) -> subprocess.CompletedProcess[bytes]:
+    """The CLI run as a shell runs it, each argument bytes (a name in Latin-1 from a file, say)."""
+    argv = [sys.executable.encode(), b"-m", b"bb_broker.ops.cli"]
+    argv += [arg if isinstance(arg, bytes) else arg.encode() for arg in args]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=60)
+
+
+def said_one_line(result: subprocess.CompletedProcess[bytes] | subprocess.CompletedProcess[str]) -> str:
+    """The one line a command said on stderr (asserted to be one, without a traceback)."""
+    err = result.stderr.decode() if isinstance(result.stderr, bytes) else result.stderr
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("bb-broker: "), err
+    return err
+
+
+def test_documents_written_by_hand_print_whatever_their_fields_hold(db: Database, broker_url: str) -> None:
+    """An ObjectId _id, an updatedAt that is text, and every other BSON type in the fields the commands print."""
+    oid = ObjectId()
+    odd = {
+        "oid": ObjectId(), "long": Int64(5), "decimal": Decimal128("1.5"), "binary": Binary(b"\x00\xff", 0),
+        "regex": Regex("a.*", "i"), "timestamp": Timestamp(1, 2), "code": Code("x = 1"), "min": MinKey(),
+        "max": MaxKey(), "ref": DBRef("jobs", 1), "nan": float("nan"), "inf": float("-inf"),
+        "when": datetime(2020, 1, 1, tzinfo=UTC),
+    }  # fmt: skip
+    now = datetime.now(UTC)
+    db.jobs.insert_many(
+        [
+            {"_id": oid, "kind": "app.add", "queue": "celery", "status": "failed", "attempts": 1, "updatedAt": now},
+            {"_id": "text-date", "kind": "app.add", "queue": "celery", "status": "failed", "updatedAt": "yesterday"},
+            {
+                "_id": "odd",
+                "status": "failed",
+                "kind": odd,
+                "queue": [odd],
+                "taskId": Decimal128("3"),
+                "attempts": float("nan"),
+                "updatedAt": Timestamp(5, 1),
+                "lastError": odd,
+                "createdAt": Binary(b"z", 0),
+                "payload": odd,
+                "history": [odd, {"n": Int64(1), "startedAt": now, "finishedAt": "later", "error": odd}],
+                "actions": [odd],
+                "unique": {"mode": odd, "key": odd},
+                "claimLimits": odd,
+                **odd,
+            },
+        ]  # fmt: skip
+    )
+    listed = run_cli("failed", "--json", "--broker", broker_url)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    rows = {row["id"]: row for row in json.loads(listed.stdout)}
+    stored = now.replace(microsecond=now.microsecond // 1000 * 1000)  # BSON keeps milliseconds
+    assert datetime.fromisoformat(rows[str(oid)]["failedAt"]) == stored
+    assert rows["text-date"]["failedAt"] == "yesterday" and rows["odd"]["failedAt"] == "Timestamp(5, 1)"
+    assert rows["odd"]["lastError"]["oid"] == str(odd["oid"]) and rows["odd"]["lastError"]["nan"] == "nan"
+    table = run_cli("failed", "--broker", broker_url)
+    assert table.returncode == 0 and table.stderr == "", table.stderr
+    assert any(line.startswith("text-date") and "yesterday" in line for line in table.stdout.splitlines())
+    assert any(line.startswith(str(oid)) for line in table.stdout.splitlines())
+    for identifier in ("odd", str(oid)):
+        shown = run_cli("show", identifier, "--broker", broker_url)
+        assert shown.returncode == 0 and shown.stderr == "" and shown.stdout.startswith("id:"), shown.stderr
+        as_json = run_cli("show", identifier, "--json", "--broker", broker_url)
+        assert as_json.returncode == 0 and as_json.stderr == "", as_json.stderr
+        assert json.loads(as_json.stdout)["_id"] == identifier
+    # No worker can run a job whose _id is not a string: retry says so, not a --kind nobody gave.
+    retried = run_cli("retry", "--id", str(oid), "--broker", broker_url)
+    assert retried.returncode == 1 and retried.stdout == "retried 0 failed jobs\n"
+    assert said_one_line(retried) == (
+        f"bb-broker: retry: 1 id matched no failed job: {oid} (its _id is objectId, not a string: no worker can run "
+        "it)\n"
+    )
+    assert db.jobs.find_one({"_id": oid})["status"] == "failed"
+
+
+NOT_UTF8 = b"caf\xe9"
+#: Every command that takes a text, with the one that is not UTF-8 (`{}` for the broker URL).
+TEXT_ARGUMENTS = [
+    ["pause", NOT_UTF8, "--broker", "{}"],
+    ["resume", NOT_UTF8, "--broker", "{}"],
+    ["show", NOT_UTF8, "--broker", "{}"],
+    ["cancel", "some-id", NOT_UTF8, "--broker", "{}"],
+    ["run-now", NOT_UTF8, "--broker", "{}"],
+    ["failed", "--kind", NOT_UTF8, "--broker", "{}"],
+    ["retry", "--id", NOT_UTF8, "--broker", "{}"],
+    ["limit", NOT_UTF8, "--concurrency", "2", "--broker", "{}"],
+    ["stats", "--queue", NOT_UTF8, "--broker", "{}"],
+    ["status", "--collection", NOT_UTF8, "--broker", "{}"],
+    ["status", "--broker", b"bbmongo://127.0.0.1:1/caf\xe9"],
+    ["schedules", "--broker", "{}", "add", NOT_UTF8, "app.add", "--every", "60"],
+    ["schedules", "--broker", "{}", "add", "nightly", "app.add", "--every", "60", "--queue", NOT_UTF8],
+]
+
+
+@pytest.mark.parametrize("command", TEXT_ARGUMENTS, ids=lambda c: " ".join(map(str, c[:2])))
+def test_a_text_that_is_not_utf8_is_refused_in_one_line(db: Database, broker_url: str, command: list) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    add_job(store, "app.add", outcome="failed")
+    before = list(db.jobs.find())
+    result = run_cli_bytes(*(broker_url if arg == "{}" else arg for arg in command))
+    assert result.returncode == 2 and result.stdout == b""
+    assert "is not UTF-8 text: byte 0xe9 at character " in said_one_line(result)
+    assert list(db.jobs.find()) == before and db.bb_schedules.count_documents({}) == 0  # nothing done
+
+
+def test_a_lone_surrogate_in_json_arguments_of_a_schedule_is_refused(db: Database, broker_url: str) -> None:
+    result = run_cli("schedules", "--broker", broker_url, "add", "nightly", "app.add", "--every", "60",
+                     "--args", '["caf\\udce9"]')  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert said_one_line(result) == (
+        "bb-broker: add: --args[0] holds a lone surrogate 'caf\\udce9': not text UTF-8 can encode\n"
+    )
+    assert db.bb_schedules.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("ca_file", ["/etc/passwd", "/no/such/ca.pem"])
+@pytest.mark.parametrize("command", [["status"], ["doctor"], ["show", "some-id"], ["failed", "--json"]])
+def test_a_tls_file_that_cannot_be_used_is_one_line(mongo_url: str, ca_file: str, command: list[str]) -> None:
+    host = mongo_url.split("://")[1].rstrip("/")
+    url = f"bbmongo://admin:hunter2secret@{host}/db?tls=true&tlsCAFile={ca_file}&authSource=admin"
+    result = run_cli(*command, "--broker", url)
+    assert result.returncode == 1 and result.stdout == ""
+    why = "is not a PEM certificate of an authority" if ca_file == "/etc/passwd" else "cannot be read"
+    assert said_one_line(result) == (
+        f"bb-broker: broker URL 'bbmongo://admin:**@{host}/db?tls=true&tlsCAFile={ca_file}&authSource=admin': "
+        f"its tlsCAFile '{ca_file}' {why}"
+        + (" (NO_CERTIFICATE_OR_CRL_FOUND)\n" if ca_file == "/etc/passwd" else ": No such file or directory\n")
+    )
+
+
+@pytest.mark.parametrize("name", ["", "a$b", ".jobs"])
+def test_a_collection_name_mongodb_cannot_have_is_a_bad_argument(db: Database, broker_url: str, name: str) -> None:
+    result = run_cli("failed", "--collection", name, "--broker", broker_url)
+    assert result.returncode == 2 and result.stdout == ""
+    assert said_one_line(result).startswith(f"bb-broker: --collection {name!r}: collection names ")

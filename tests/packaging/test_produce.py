@@ -1,4 +1,5 @@
-"""`python -m celery_app.produce`, the demo producer of the compose project, against a real server."""
+"""`python -m celery_app.produce`, the demo producer of the compose project, and what any producer is refused, against
+a real server."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 from pymongo.database import Database
 
+import bb_broker
 from celery_app.produce import build_parser
-from tests.support.workers import ROOT, wait_for
+from tests.support.workers import ROOT, producer, wait_for
 
 EVERY_KIND = {
     "celery_app.tasks.add",
@@ -86,3 +88,32 @@ def test_bad_options_are_refused(args: list[str], capsys: pytest.CaptureFixture[
         build_parser().parse_args(args)
     assert exited.value.code == 2
     assert args[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"args": (os.fsdecode(b"caf\xe9.txt"),)}, "the body's args[0]"),  # a file name that is not UTF-8
+        ({"kwargs": {"name": "caf\udce9"}}, "the body's kwargs['name']"),
+        ({"kwargs": {"caf\udce9": 1}}, "the body's kwargs (a key)"),
+        ({"args": (1,), "queue": "caf\udce9"}, "the queue name"),
+        ({"args": (1,), "headers": {"tags": ["a", "caf\udce9"]}}, "the headers['tags'][1]"),
+        ({"args": (1,), "correlation_id": "caf\udce9"}, "the properties['correlation_id']"),
+    ],
+    ids=["args", "kwargs", "kwargs key", "queue", "header", "property"],
+)
+def test_a_text_utf8_cannot_encode_is_refused_at_the_producer(broker_url: str, db: Database, options, field) -> None:
+    with pytest.raises(bb_broker.MalformedTaskMessage) as refused:
+        producer(broker_url).send_task("tests.support.e2e_app.add", **options)
+    assert str(refused.value).startswith(f"malformed message: {field} must be text UTF-8 can encode"), refused.value
+    assert db.jobs.count_documents({}) == 0 and db.bb_messages.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("ca_file", ["/etc/passwd", "/no/such/ca.pem"])
+def test_a_tls_file_that_cannot_be_used_is_a_broker_url_error_at_the_producer(mongo_url: str, ca_file: str) -> None:
+    host = mongo_url.split("://")[1].rstrip("/")
+    url = f"bbmongo://admin:hunter2secret@{host}/db?tls=true&tlsCAFile={ca_file}"
+    with pytest.raises(bb_broker.BrokerURLError) as refused:
+        producer(url).send_task("tests.support.e2e_app.add", args=(1, 2))
+    said = str(refused.value)
+    assert f"its tlsCAFile '{ca_file}' " in said and "hunter2secret" not in said and "admin:**@" in said
