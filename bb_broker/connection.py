@@ -23,6 +23,7 @@ from pymongo.uri_parser import parse_uri
 from ulid import ULID
 
 from bb_broker.forks import reset_in_child
+from bb_broker.server import is_authentication_failure, is_unauthorized
 
 SCHEMES = {"bbmongo": "mongodb", "bbmongo+srv": "mongodb+srv", "mongodb": "mongodb", "mongodb+srv": "mongodb+srv"}
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
@@ -328,10 +329,6 @@ def scrub_value(value: Any, secrets: tuple[str, ...]) -> Any:
     return value
 
 
-#: Server error codes: AuthenticationFailed, and Unauthorized (a command needs a user the URL did not give).
-AUTHENTICATION_FAILED = 18
-UNAUTHORIZED = 13
-
 #: One server's error inside a ServerSelectionTimeoutError's text: "host:port: what happened".
 _SERVER_ERROR = re.compile(r"(?:^|,)(?P<address>[^\s,]+:\d+): (?P<error>.+?)(?=,[^\s,]+:\d+: |$)")
 _CONFIGURED_TIMEOUTS = re.compile(r" \(configured timeouts: [^)]*\)")
@@ -343,11 +340,11 @@ def describe_failure(exc: PyMongoError, url: str, *, waited: float | None = None
     """One line that says in words why talking to the server at `url` failed, with the URL as written, masked;
     `waited` is how long the caller tried, when that is not the one try of `exc`."""
     secrets = url_secrets(url)
-    if isinstance(exc, OperationFailure) and exc.code == AUTHENTICATION_FAILED:
+    if is_authentication_failure(exc):
         user, database = _auth_identity(url)
         return f"authentication failed for user {user} on database {database}"
     shown = redact_url(url)
-    if isinstance(exc, OperationFailure) and exc.code == UNAUTHORIZED:
+    if is_unauthorized(exc):
         user, database = _auth_identity(url)
         if user is None:
             return f"the server at {shown} requires authentication: put user:password@ in the broker URL"

@@ -18,7 +18,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from pymongo import MongoClient
 from pymongo.database import Database
@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 #: Server error codes the broker reads, by what they mean.
 #: Unauthorized: the user may not run the command (a read-only user's probe of a write learns nothing).
 UNAUTHORIZED = 13
+#: AuthenticationFailed: the URL's user or password is wrong.
+AUTHENTICATION_FAILED = 18
+#: BadValue, as a hint naming an index the collection does not have is refused.
+BAD_VALUE = 2
 #: DuplicateKey and its older spellings: a unique index refused a write (pymongo raises DuplicateKeyError).
 DUPLICATE_KEY_CODES = frozenset({11000, 11001, 12582})
 #: An update whose document would pass the size limit (BSONObjectTooLarge and kin).
@@ -139,22 +143,46 @@ class Capabilities:
 # --- the errors every module asks about -------------------------------------------------------------------------
 
 
-def is_too_large(exc: BaseException) -> bool:
+def is_too_large(exc: BaseException) -> TypeGuard[OperationFailure]:
     """A write refused because its document would pass the size limit."""
     return isinstance(exc, OperationFailure) and exc.code in TOO_LARGE_CODES
 
 
-def is_unapplicable_update(exc: BaseException) -> bool:
+def is_unapplicable_update(exc: BaseException) -> TypeGuard[OperationFailure]:
     """An update that cannot apply to one document: a field of the wrong type, written by hand."""
     return isinstance(exc, OperationFailure) and exc.code in UNAPPLICABLE_UPDATE_CODES
 
 
-def is_not_implemented(exc: BaseException) -> bool:
+def is_unauthorized(exc: BaseException) -> TypeGuard[OperationFailure]:
+    """The user may not run the command."""
+    return isinstance(exc, OperationFailure) and exc.code == UNAUTHORIZED
+
+
+def is_authentication_failure(exc: BaseException) -> TypeGuard[OperationFailure]:
+    """The URL's user or password is wrong."""
+    return isinstance(exc, OperationFailure) and exc.code == AUTHENTICATION_FAILED
+
+
+def is_missing_hinted_index(exc: BaseException) -> TypeGuard[OperationFailure]:
+    """A hint naming an index the collection does not have (dropped by hand, or the collection with it)."""
+    return (
+        isinstance(exc, OperationFailure)
+        and exc.code == BAD_VALUE
+        and "hint" in str((exc.details or {}).get("errmsg", ""))
+    )
+
+
+def only_duplicate_keys(errors: list[dict[str, Any]]) -> bool:
+    """Whether every error of a bulk write's `writeErrors` is a unique index's refusal."""
+    return all(error.get("code") in DUPLICATE_KEY_CODES for error in errors)
+
+
+def is_not_implemented(exc: BaseException) -> TypeGuard[OperationFailure]:
     """A command or option the server does not implement."""
     return isinstance(exc, OperationFailure) and exc.code in NOT_IMPLEMENTED_CODES
 
 
-def is_index_conflict(exc: BaseException) -> bool:
+def is_index_conflict(exc: BaseException) -> TypeGuard[OperationFailure]:
     """An index that exists under its name with other options."""
     return isinstance(exc, OperationFailure) and exc.code in INDEX_CONFLICT_CODES
 

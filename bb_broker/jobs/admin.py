@@ -14,6 +14,7 @@ from pymongo.errors import OperationFailure
 from bb_broker.jobs.lifecycle import SUCCEEDED
 from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEXES
+from bb_broker.server import is_index_conflict, is_not_implemented
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,6 @@ DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
 RETENTION_INDEX = "bb_retention"
 RETENTION_FILTER = {"status": SUCCEEDED}
-#: Server error codes for an index that exists under the same name with other options.
-INDEX_CONFLICT = {85, 86}
-
-#: Server error codes for a command (or an option of it) the server does not implement: a TTL index, collMod.
-NOT_IMPLEMENTED = {115, 238}
 
 
 class ServerLacksFeature(RuntimeError):
@@ -85,7 +81,7 @@ def ensure_plain_indexes(coll: MongoCollection, indexes: list[IndexModel]) -> No
     try:
         coll.create_indexes(indexes)
     except OperationFailure as exc:
-        if exc.code not in NOT_IMPLEMENTED:
+        if not is_not_implemented(exc):
             raise
         present = {ix["name"] for ix in coll.list_indexes()}
         missing = sorted(ix.document["name"] for ix in indexes if ix.document["name"] not in present)
@@ -108,7 +104,7 @@ def ensure_indexes(coll: MongoCollection, *, retention: float | None = None) -> 
     try:
         _ensure_retention(coll, retention)
     except OperationFailure as exc:
-        if exc.code not in NOT_IMPLEMENTED:
+        if not is_not_implemented(exc):
             raise
         say_no_ttl_once(exc)
         seconds = DEFAULT_RETENTION if retention is None else retention
@@ -121,7 +117,7 @@ def ensure_rate_expiry(counters: MongoCollection) -> None:
     try:
         counters.create_indexes([RATE_EXPIRY])
     except OperationFailure as exc:
-        if exc.code not in NOT_IMPLEMENTED:
+        if not is_not_implemented(exc):
             raise
         say_no_ttl_once(exc)
 
@@ -164,7 +160,7 @@ def _ensure_retention(coll: MongoCollection, retention: float | None) -> None:
             partialFilterExpression=RETENTION_FILTER,
         )
     except OperationFailure as exc:
-        if exc.code not in INDEX_CONFLICT:
+        if not is_index_conflict(exc):
             raise
         _set_retention(coll, seconds)  # another process created it a moment ago with another retention
 
@@ -173,7 +169,7 @@ def _set_retention(coll: MongoCollection, seconds: int) -> None:
     try:
         coll.database.command("collMod", coll.name, index={"name": RETENTION_INDEX, "expireAfterSeconds": seconds})
     except OperationFailure as exc:
-        if exc.code not in NOT_IMPLEMENTED:
+        if not is_not_implemented(exc):
             raise
         # No collMod: the same change as a new index (a server without TTL indexes says so in create_index).
         coll.drop_index(RETENTION_INDEX)

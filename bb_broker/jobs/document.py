@@ -60,15 +60,6 @@ DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
 #: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
 UNAPPLICABLE_UPDATE = {2, 14}
 
-#: The server's error code for a write a unique index refuses (DuplicateKey), as a bulk write's errors give it.
-DUPLICATE_KEY = 11000
-
-
-def only_duplicate_keys(errors: list[dict[str, Any]]) -> bool:
-    """Whether every error of a bulk write's `writeErrors` is a unique index's refusal."""
-    return all(error.get("code") == DUPLICATE_KEY for error in errors)
-
-
 #: The result backend's collection (same database) of what has no job: see results/backend.py.
 RESULTS_COLLECTION = "bb_results"
 

@@ -69,7 +69,7 @@ from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay, SettleWrite
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
-from bb_broker.server import Capabilities, capabilities, is_unapplicable_update
+from bb_broker.server import Capabilities, capabilities, is_missing_hinted_index, is_unapplicable_update
 
 logger = logging.getLogger(__name__)
 
@@ -678,7 +678,7 @@ class JobStore(Sweeps):
         try:
             return query()
         except OperationFailure as exc:
-            if exc.code != 2 or "hint" not in str((exc.details or {}).get("errmsg", "")):
+            if not is_missing_hinted_index(exc):
                 self._raise_as_duplicate_key(exc)
                 raise
         logger.warning("the indexes of %s are gone; creating them again", self.coll.full_name)

@@ -21,11 +21,12 @@ from ulid import ULID
 from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind, only_duplicate_keys
+from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
+from bb_broker.server import only_duplicate_keys
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from bb_broker.clock import aware
-from bb_broker.jobs.document import MAX_KIND_LENGTH, only_duplicate_keys
+from bb_broker.jobs.document import MAX_KIND_LENGTH
+from bb_broker.server import is_not_implemented, is_unauthorized, only_duplicate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ TURN = SUMMARY_STEP * 2 / 3
 #: How long a summary is kept: a day beyond the longest window a chart draws (31 days).
 SUMMARY_KEPT = timedelta(days=32)
 INDEX = IndexModel([("jobs", ASCENDING), ("group", ASCENDING), ("at", ASCENDING)], name="bb_stats_at")
-#: Server answers that mean the summaries cannot be kept: a user who may only read (13), or a server without
-#: createIndexes (115, 238). Summaries are a cache: without them the charts read the jobs.
-NO_INDEXES = {115, 238}
-CANNOT_KEEP = {13, *NO_INDEXES}
 #: The group of the jobs whose queue or kind is no name a summary keeps (see group_name).
 NOT_A_NAME = "(not a name)"
 
@@ -108,7 +105,7 @@ class Summaries:
                 raise
             # A chart summarizing the same intervals at once: its writes went first, with the same numbers.
         except OperationFailure as exc:
-            if exc.code not in CANNOT_KEEP:
+            if not (is_unauthorized(exc) or is_not_implemented(exc)):  # summaries are a cache: the charts read the jobs
                 raise
             logger.info("chart summaries not kept (code %s): the charts read the jobs", exc.code)
             return False
@@ -142,7 +139,7 @@ class Summaries:
         except DuplicateKeyError:
             return False
         except OperationFailure as exc:
-            if exc.code not in CANNOT_KEEP:
+            if not (is_unauthorized(exc) or is_not_implemented(exc)):  # summaries are a cache: the charts read the jobs
                 raise
             return False
         return True
@@ -182,7 +179,7 @@ class Summaries:
         try:
             self.coll.create_indexes([INDEX])
         except OperationFailure as exc:
-            if exc.code not in NO_INDEXES:
+            if not is_not_implemented(exc):
                 raise
             # A server without createIndexes: the summaries are few, read without an index.
 

@@ -26,10 +26,10 @@ from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError,
 
 from bb_broker.connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
 from bb_broker.forks import reset_in_child
-from bb_broker.jobs.admin import NOT_IMPLEMENTED, ensure_plain_indexes, say_no_ttl_once
-from bb_broker.jobs.document import DUPLICATE_KEY
+from bb_broker.jobs.admin import ensure_plain_indexes, say_no_ttl_once
 from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
+from bb_broker.server import is_not_implemented, only_duplicate_keys
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class Outbox:
                 return
             except BulkWriteError as exc:
                 for error in exc.details.get("writeErrors") or []:  # none: only the write concern complained
-                    if error.get("code") != DUPLICATE_KEY:  # a duplicate landed on a try whose answer was lost
+                    if not only_duplicate_keys([error]):  # a duplicate landed on a try whose answer was lost
                         logger.error(
                             "a message for queue %r was refused by the server and is dropped: %s",
                             batch[error["index"]]["queue"],
@@ -386,7 +386,7 @@ class MessageStore:
                 [fetch, IndexModel([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0)]
             )
         except OperationFailure as exc:
-            if exc.code not in NOT_IMPLEMENTED:
+            if not is_not_implemented(exc):
                 raise
             ensure_plain_indexes(self.messages, [fetch])
             say_no_ttl_once(exc)

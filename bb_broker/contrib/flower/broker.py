@@ -47,6 +47,7 @@ from bb_broker.contrib.flower import patches
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.ops.operations import Operations
 from bb_broker.options import BrokerOptions, open_store
+from bb_broker.server import is_authentication_failure
 from bb_broker.threads import start_supervised
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
@@ -54,7 +55,7 @@ SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
 def describe(exc: PyMongoError, target: BrokerTarget) -> str:
     """The error in words an operator acts on, with no password and none of the server's raw reply."""
-    if isinstance(exc, OperationFailure) and exc.code == 18:  # AuthenticationFailed
+    if is_authentication_failure(exc):
         parsed = parse_uri(target.mongo_uri, validate=False)
         source = parsed["options"].get("authSource") or target.database
         return f"authentication failed for user {parsed['username']!r} on database {source!r}"

@@ -61,6 +61,7 @@ from bb_broker.ops.operations import (
 )
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
 from bb_broker.ops.stats import SummarizingAhead, job_stats
+from bb_broker.server import is_authentication_failure
 
 logger = logging.getLogger(__name__)
 #: The largest --jobs_search_window taken: past it a search inside arguments would read most of a big collection.
@@ -156,7 +157,9 @@ class JobsTab:
         try:
             return await IOLoop.current().run_in_executor(self.executor, functools.partial(call, *args, **kwargs))
         except (ConnectionFailure, OperationFailure) as exc:
-            if isinstance(exc, OperationFailure) and exc.code != 18:  # only AuthenticationFailed is the server's state
+            if isinstance(exc, OperationFailure) and not is_authentication_failure(
+                exc
+            ):  # only a wrong login is the server's state
                 raise
             problem = describe(exc, self.health.target)
             self.health.report(problem)  # the next requests answer at once, and every page shows the banner
