@@ -70,6 +70,10 @@ def main() -> int:
             # or the task queue limited to more running jobs than the worker can ever run: what each costs.
             mongo_broker("bbmongo_unique", "bbmongo", mongo.url, mongo, ops, send_options={"unique": True}),
             mongo_broker("bbmongo_limited", "bbmongo", mongo.url, mongo, ops, concurrency_limit=UNREACHED_LIMIT),
+            # A server without change streams (a standalone mongod, FerretDB 2), as the workers meet it: they poll.
+            mongo_broker(
+                "bbmongo_polling", "bbmongo", mongo.url, mongo, ops, transport_options={"use_change_streams": False}
+            ),
         ]
         wanted = os.environ.get("BENCH_BROKERS")
         if wanted:

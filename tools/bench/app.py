@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -27,6 +28,8 @@ app.conf.update(
     task_ignore_result=True,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
+    # A round's own transport options (the polling round's use_change_streams=False), else bbmongo://'s defaults.
+    broker_transport_options=json.loads(os.environ.get("BENCH_TRANSPORT_OPTIONS", "{}")),
 )
 if os.environ.get("BENCH_RESULT_BACKEND"):
     # The "with results" rounds: every task's result stored (bbmongo:// on its job, mongodb:// in celery_taskmeta).

@@ -79,6 +79,10 @@ RATIOS = [
     ("bbmongo_results", "mongodb_results", "ops_per_task"),
     ("bbmongo_results", "mongodb_results", "ops_per_task_celery_prefetch"),
     ("bbmongo_results", "bbmongo", "ops_per_task"),
+    # Without change streams (issue 43): what polling costs an idle worker, and its enqueue→start.
+    ("bbmongo_polling", "bbmongo", "idle_latency_p50_ms"),
+    ("bbmongo_polling", "bbmongo", "idle_ops_per_s"),
+    ("bbmongo_polling", "bbmongo", "drain_tps"),
     *(
         (flow, "bbmongo", metric)
         for flow in FLOW_CONTROL

@@ -155,6 +155,8 @@ class Broker:
     send_options: dict[str, Any] = field(default_factory=dict)
     #: What the round sets up after its reset, before anything is published (a queue's limit).
     prepare: Callable[[int], None] = field(default=lambda rep: None)
+    #: The workers' transport options for the round (BENCH_TRANSPORT_OPTIONS), beside the defaults.
+    transport_options: dict[str, Any] = field(default_factory=dict)
     #: How many of the round's jobs are not settled yet, where a settle can land after the task's stamp (bbmongo://
     #: group-commits them); None where nothing settles after the stamp.
     unsettled: Callable[[int], int] | None = None
@@ -170,6 +172,7 @@ def mongo_broker(
     results: bool = False,
     send_options: dict[str, Any] | None = None,
     concurrency_limit: int | None = None,
+    transport_options: dict[str, Any] | None = None,
 ) -> Broker:
     """A MongoDB broker; with `results`, the same URL is also the result backend: bb_broker.results.backend for bbmongo://,
     Celery's own MongoDB backend (a `celery_taskmeta` document per task) for mongodb://. The flow-control rounds of
@@ -229,6 +232,7 @@ def mongo_broker(
         send_options=send_options or {},
         prepare=prepare,
         unsettled=unsettled if scheme == "bbmongo" else None,
+        transport_options=transport_options or {},
     )
 
 
@@ -563,6 +567,8 @@ def one_round(broker: Broker, settings: Settings, rep: int, workdir: Path) -> di
     commands = workdir / f"{broker.name}-{rep}.commands"
     diagnosis = {"BENCH_COMMANDS": str(commands)} if settings.diagnose else {}
     results = {"BENCH_RESULT_BACKEND": broker.result_backend(rep)} if broker.result_backend else {}
+    if broker.transport_options:
+        results["BENCH_TRANSPORT_OPTIONS"] = json.dumps(broker.transport_options)
 
     def worker_with(prefetch: int, name: str, events: bool = False) -> Worker:
         return Worker(
