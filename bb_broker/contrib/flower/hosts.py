@@ -38,7 +38,7 @@ SHOWN = 200
 
 def host_name(host: str) -> str:
     """The name in a `Host` header, an `--address` or an `--allowed_hosts` entry: lower case, without its port, the
-    brackets of an IPv6 address, or a final dot (`Localhost.:5555` is `localhost`, `[::1]:5555` is `::1`)."""
+    brackets of an IPv6 address, or a final dot (`Localhost.:5555` is `localhost`, `[::0:1]:5555` is `::1`)."""
     host = host.strip().lower()
     if host.startswith("["):
         name = host[1:].partition("]")[0]
@@ -46,7 +46,8 @@ def host_name(host: str) -> str:
         name = host
     else:
         name, _port = httputil.split_host_and_port(host)
-    return name.removesuffix(".")
+    address = _ip(name)
+    return str(address) if address is not None else name.removesuffix(".")  # an address in one spelling
 
 
 def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
