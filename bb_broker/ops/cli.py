@@ -476,6 +476,7 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
     """
     try:
         from bb_broker.contrib.flower import broker as adapter  # importing it gives Flower's Broker tab bbmongo://
+        from bb_broker.contrib.flower import hosts
     except ImportError as exc:
         _fail(f"Flower is not installed ({exc}): pip install 'bb_broker[flower]'")
     from tornado.options import Error as FlowerOptionError
@@ -496,6 +497,10 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
         _fail(f"flower: --no-auth contradicts the {scheme} authentication Flower is configured with", 2)
     from tornado.options import options  # as authentication() left them: Flower's environment, file and arguments
 
+    try:
+        hosts.check_allowed_hosts(options.allowed_hosts)
+    except ValueError as exc:
+        _fail(f"flower: {exc}", 2)
     if not options.address and not options.unix_socket:
         flower_args = (*flower_args, f"--address={FLOWER_ADDRESS}")  # the arguments Flower reads last
     if no_auth:

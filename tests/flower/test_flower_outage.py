@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
+from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +235,113 @@ def test_another_sites_post_is_refused_by_a_flower_without_login(db: Database, f
     assert flower.request("POST", "/api/queues/celery/pause", {}, headers=own)[0] == 200
     assert flower.request("POST", f"/api/jobs/job/delete?id={failed}", {})[0] == 200
     assert db.jobs.find_one({"_id": failed}) is None
+
+
+# --- another site's page after DNS rebinding: its own name in Host ------------------------------------------------
+
+#: The name a rebinding page is served from: resolved to 127.0.0.1, it makes the page and Flower one origin.
+REBOUND = "evil.example"
+#: What such a page reads: the Jobs tab's page (for its XSRF token), data and API, Flower's pages, API and files.
+HOST_READS = ("/jobs", "/jobs/data", "/api/jobs", "/api/jobs/job?id={failed}", "/api/jobs/stats", "/jobs/schedules",
+              "/", "/tasks", "/api/workers", "/api/task/info/t-queued", "/jobs/static/uPlot.min.css",
+              "/static/css/flower.css", "/healthcheck", "/nosuch")  # fmt: skip
+#: What it does: pause a queue, delete a job (the API's, the page's with its token), revoke through Flower's API.
+HOST_ACTIONS = ("/api/queues/celery/pause", "/api/jobs/job/delete?id={failed}", "/jobs/job/delete?id={failed}",
+                "/jobs/bulk/delete?status=failed", "/api/task/revoke/t-queued")  # fmt: skip
+
+
+def same_origin(flower: FlowerProcess, name: str) -> dict[str, str]:
+    """The headers of a browser's request from a page of `name` at Flower's port: same origin in every header."""
+    site = f"{name}:{flower.port}"
+    return {"Host": site, "Origin": f"http://{site}", "Referer": f"http://{site}/jobs", "Sec-Fetch-Site": "same-origin"}
+
+
+def xsrf_token(flower: FlowerProcess) -> str:
+    """The XSRF token (Tornado's cookie, which the page's form sends back) of Flower's Jobs page."""
+    with urllib.request.urlopen(flower.url + "/jobs", timeout=30) as response:
+        cookies = SimpleCookie("; ".join(response.headers.get_all("Set-Cookie") or []))
+    return cookies["_xsrf"].value
+
+
+def refused_host(status: int, body: str) -> bool:
+    return status == 403 and body.startswith("refused: Host ") and body.count("\n") == 1
+
+
+def test_a_page_with_another_name_is_refused_everything_by_a_flower_without_login(db: Database, flower_factory) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed = failed_job(store, "t-failed")
+    queued = publish(store, "t-queued")
+    flower = flower_factory()  # --no-auth, FLOWER_UNAUTHENTICATED_API=true, on 127.0.0.1
+    token = xsrf_token(flower)
+    rebound = {**same_origin(flower, REBOUND), "Cookie": f"_xsrf={token}"}
+    for path in HOST_READS:
+        status, body = flower.request("GET", path.format(failed=failed), headers=rebound)
+        assert refused_host(status, body) and repr(f"{REBOUND}:{flower.port}") in body, (path, status, body[:300])
+    for path in HOST_ACTIONS:
+        status, body = flower.request("POST", path.format(failed=failed), {"_xsrf": token}, headers=rebound)
+        assert refused_host(status, body), (path, status, body[:300])
+    # Nothing changed: the queue runs, both jobs are as they were, and nothing was revoked.
+    assert db.bb_queues.count_documents({}) == 0
+    assert db.jobs.find_one({"_id": failed})["status"] == "failed"
+    untouched = db.jobs.find_one({"_id": queued})
+    assert untouched["status"] == "queued" and "actions" not in untouched
+    # A name that only ends like a loopback one, and one that only starts like it, are other names.
+    for name in ("localhost.evil.example", "127.0.0.1.evil.example", "evil-localhost"):
+        assert refused_host(*flower.request("GET", "/api/jobs", headers=same_origin(flower, name))), name
+
+    # Loopback names read and act, the page's action with its token too.
+    for name in ("localhost", "LOCALHOST.", "127.0.0.1", "127.0.0.2", "[::1]"):
+        status, body = flower.request("GET", "/api/jobs", headers=same_origin(flower, name))
+        assert status == 200 and failed in body, (name, status, body[:300])
+    own = {**same_origin(flower, "localhost"), "Cookie": f"_xsrf={token}"}
+    assert flower.request("POST", "/api/queues/celery/pause", {}, headers=own)[0] == 200
+    assert flower.request("POST", f"/jobs/job/delete?id={failed}", {"_xsrf": token}, headers=own)[0] == 200
+    assert db.bb_queues.find_one({"_id": "celery"})["paused"] is True and db.jobs.find_one({"_id": failed}) is None
+
+
+def test_the_names_a_flower_is_told_it_serves_are_answered_and_only_those(
+    db: Database, flower_factory, tmp_path: Path
+) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    failed = failed_job(store, "t-failed")
+    ours = "flower.example.test"
+    # Without login: --allowed_hosts and FLOWER_ALLOWED_HOSTS, and the --address Flower listens on (this machine's
+    # name: it is no loopback name, whatever it resolves to).
+    machine = socket.gethostname()
+    by_option = flower_factory(address=machine, extra_args=(f"--allowed_hosts=other.test,{ours.upper()}:80",))
+    by_env = flower_factory(env={"FLOWER_ALLOWED_HOSTS": f"{ours},other.test"})
+    for flower in (by_option, by_env):
+        for name in (ours, "other.test"):
+            status, body = flower.request("GET", "/api/jobs", headers=same_origin(flower, name))
+            assert status == 200 and failed in body, (name, status, body[:300])
+        assert refused_host(*flower.request("GET", "/api/jobs", headers=same_origin(flower, REBOUND)))
+        assert refused_host(*flower.request("GET", "/api/jobs", headers=same_origin(flower, f"www.{ours}")))
+    assert by_option.request("GET", "/api/jobs", headers=same_origin(by_option, machine))[0] == 200
+    assert refused_host(*by_env.request("GET", "/api/jobs", headers=same_origin(by_env, machine)))
+    assert by_env.request("POST", "/api/queues/celery/pause", {}, headers=same_origin(by_env, ours))[0] == 200
+    assert db.bb_queues.find_one({"_id": "celery"})["paused"] is True
+
+    # With a login every name is answered as before, unless --allowed_hosts is given: then only those.
+    any_name = flower_factory(basic_auth=ADMIN)
+    assert any_name.request("GET", "/api/jobs", headers=same_origin(any_name, REBOUND))[0] == 200
+    named = flower_factory(basic_auth=ADMIN, extra_args=(f"--allowed_hosts={ours}",))
+    assert named.request("GET", "/api/jobs", headers=same_origin(named, ours))[0] == 200
+    assert refused_host(*named.request("GET", "/api/jobs", headers=same_origin(named, REBOUND)))
+    assert refused_host(*named.request("POST", "/api/queues/celery/resume", {}, headers=same_origin(named, REBOUND)))
+    assert db.bb_queues.find_one({"_id": "celery"})["paused"] is True
+
+    # An entry that is not a host name: `bb-broker flower` says so in one line and does not start.
+    bad = subprocess.run(
+        [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "tests.support.e2e_app", "--no-auth",
+         "--allowed_hosts=https://flower.example.test/"],
+        env=by_env.env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "bb-broker: flower: --allowed_hosts: 'https://flower.example.test/' is not a host name (give names such as "
+        "flower.example.com or 10.0.0.5, without scheme or path)"
+    ], bad.stderr
 
 
 # --- where Flower listens --------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ class FlowerProcess:
         if address is not None:  # None: the launcher's default
             flower_args.insert(0, f"--address={address}")
         flower_args += extra_args
+        self.address = address
         self.basic_auth = basic_auth
         # The "name:password" requests send by default: the first of basic_auth's users unless told.
         self.user = user or (basic_auth.split(",")[0] if basic_auth else None)
@@ -83,7 +84,9 @@ class FlowerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Where requests go: the address Flower was told (a name of this machine), else 127.0.0.1."""
+        host = self.address if self.address not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def start(self, timeout: float = 90.0) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 (Flower writes to it for its whole life)

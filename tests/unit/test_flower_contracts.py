@@ -230,3 +230,30 @@ def test_flowers_event_state_gives_each_workers_node_name_and_process_id() -> No
                                     "local_received": 1.0, "clock": 1})  # fmt: skip
     assert patches.known_workers(Application()) == {"w1@box": 4242}
     assert patches.known_workers(object()) == {}  # an application without events: no worker known
+
+
+def test_every_request_reaches_the_host_check_before_flowers_routing() -> None:
+    import flower.app
+    import flower.command
+    import tornado.routing
+    from tornado.options import options
+    from tornado.web import Application
+
+    adapter.install()  # twice: still one wrapper
+    find_handler = flower.app.Flower.find_handler
+    assert getattr(find_handler, patches.INSTALLED, False), "Flower.find_handler is not ours"
+    assert find_handler.flowers is Application.find_handler, (
+        "flower.app.Flower now defines find_handler (or it was wrapped twice): " + where("install_host_check")
+    )
+    # The HTTP server hands each request to its router, the application (Tornado's _RoutingDelegate).
+    assert "self.router.find_handler(request)" in inspect.getsource(tornado.routing), (
+        "Tornado no longer routes each request through Application.find_handler: " + where("install_host_check")
+    )
+    parameters = list(inspect.signature(Application.get_handler_delegate).parameters)
+    assert parameters[:3] == ["self", "request", "target_class"], (
+        f"Tornado's Application.get_handler_delegate now takes {parameters}: " + where("install_host_check")
+    )
+    assert "Flower(capp=app, options=options" in inspect.getsource(flower.command.flower.callback), (
+        "flower.command no longer builds its application as flower.app.Flower: " + where("install_host_check")
+    )
+    assert "allowed_hosts" in options

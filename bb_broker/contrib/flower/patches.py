@@ -18,9 +18,11 @@ from typing import Any
 
 import tornado.web
 from flower import urls as flower_urls
+from flower.app import Flower
 from flower.utils import broker as flower_broker
 from flower.views import BaseHandler
 from flower.views.workers import WorkersView
+from tornado.httputil import HTTPServerRequest
 from tornado.web import URLSpec
 
 #: The releases every function here was checked against: the contract tests pass on Flower 2.2.0; the sources of
@@ -112,6 +114,33 @@ def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]
     BaseHandler.check_xsrf_cookie = check_xsrf_cookie
 
 
+def install_host_check(
+    refusal_for: Callable[[Any, HTTPServerRequest], type[tornado.web.RequestHandler] | None],
+) -> None:
+    """Answer each request to Flower's application with the handler `refusal_for(application, request)` names, when it
+    names one, before Flower's routing picks a handler (idempotent).
+
+    `Application.find_handler(request)` is Tornado's documented routing entry (the HTTP server calls it for every
+    request) and `get_handler_delegate` its documented way to answer with a handler class; Flower builds the
+    application from its own class, `flower.app.Flower`, which takes no router or setting for it, so its attribute is
+    the only way in. No handler's `prepare` would do: some of Flower's replace it, and static files and the catch-all
+    are Tornado's. Relies on: Flower not defining find_handler itself, and serving through `Flower(...)`
+    (flower.command). Checked against flower 2.2.0; tornado 6.6.1."""
+    if getattr(Flower.find_handler, INSTALLED, False):
+        return
+    flowers = Flower.find_handler
+
+    def find_handler(self: Flower, request: HTTPServerRequest, **kwargs: Any) -> Any:
+        refusal = refusal_for(self, request)
+        if refusal is not None:
+            return self.get_handler_delegate(request, refusal)
+        return flowers(self, request, **kwargs)
+
+    setattr(find_handler, INSTALLED, True)
+    find_handler.flowers = flowers  # type: ignore[attr-defined]  # Tornado's own, kept on its wrapper
+    Flower.find_handler = find_handler
+
+
 def url_table() -> list[Any]:
     """Flower's URL table, `flower.urls.handlers`: the list Flower's application is built from (flower.app imports it
     as its default handlers), tuples and URLSpecs, its catch-all `.*` last."""
@@ -190,8 +219,10 @@ def known_workers(application: Any) -> dict[str, int | None]:
 def install() -> None:
     """Every patch of Flower's the Broker tab, the broker banner and the Jobs tab need; calling it again changes
     nothing."""
-    from bb_broker.contrib.flower import broker, jobs_tab, schedules_tab  # they import this module
+    from bb_broker.contrib.flower import broker, hosts, jobs_tab, schedules_tab  # they import this module
 
+    hosts.define_options()
+    install_host_check(hosts.refusal_for)
     install_template_loader(broker.BannerLoader)
     install_workers_refresh_check(broker.fail_workers_refresh_while_broker_fails)
     install_cross_site_check(jobs_tab.refuse_cross_site_without_login)
