@@ -49,6 +49,7 @@ from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
+from bb_broker.server import capabilities
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
@@ -182,6 +183,9 @@ class Channel(virtual.Channel):
         self._refusals = Refusals("claim", self.target.secrets)
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
+        # What the server offers, probed once per process at connect (server.py): its fallbacks are chosen now and
+        # said in the log at start, not met at the first claim.
+        capabilities(db)
 
     def _check_reachable(self, db: Any, client: Any) -> None:
         # A dead server is refused within the connect timeout the user set (Kombu's connect_timeout, Celery's

@@ -8,6 +8,7 @@ from pymongo import MongoClient
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.cli import main
 from tests.support.servers import with_database
+from tests.support.wire import WireProxy, ferretdb
 
 
 def doctor(url: str) -> tuple[int, dict[str, str], str]:
@@ -63,3 +64,18 @@ def test_a_server_without_ttl_and_change_streams_is_degraded_and_the_password_ne
     assert "workers and result waiters poll instead of being woken" in output
     assert "s3cret-pw" not in output and "bb:**@127.0.0.1" in output
     assert scratch_collections(client, "docdb") == []
+
+
+def test_on_an_engine_like_ferretdb_doctor_names_the_server_and_each_fallback_in_use(mongo_url, db) -> None:
+    proxy = WireProxy(mongo_url, ferretdb())
+    try:
+        code, verdicts, output = doctor(with_database(f"mongodb://{proxy.address}", db.name))
+    finally:
+        proxy.close()
+    assert code == 0, output  # usable: the fallbacks carry it
+    assert "server: " in output and "standalone" in output.split("server: ")[1].splitlines()[0], output
+    assert verdicts["change streams"] == "degraded" and verdicts["hint on findAndModify"] == "degraded", output
+    # Each with the server's own refusal and what the fallback costs.
+    assert "findAndModify.hint is not implemented yet (code 115 CommandNotSupported)" in output
+    assert "claims are not hinted" in output and "poll instead of being woken" in output
+    assert verdicts["atomic claims"] == "ok" and verdicts["hint on finds"] == "ok", output
