@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from pymongo.database import Database
 
     from bb_broker.connection import BrokerURLError
-    from bb_broker.jobs.document import JobTooLarge, ResultTooLarge
+    from bb_broker.jobs.document import JobTooLarge, ResultNotStored, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
@@ -31,6 +31,7 @@ __all__ = [
     "DuplicateJob",
     "JobTooLarge",
     "MalformedTaskMessage",
+    "ResultNotStored",
     "ResultTooLarge",
     "ServerUnreachable",
     "UniqueOptionError",
@@ -44,6 +45,7 @@ _LAZY = {
     "DuplicateJob": "jobs.unique",
     "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
+    "ResultNotStored": "jobs.document",
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",

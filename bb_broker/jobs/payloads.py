@@ -17,6 +17,7 @@ from kombu import compression
 from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
+from bb_broker.jobs.document import utf8_encodable
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
 
@@ -119,7 +120,8 @@ def _readable_body(message: dict[str, Any], body: bytes | None) -> dict[str, Any
 
 
 def _bson_safe(value: Any) -> bool:
-    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints.
+    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints, strings that UTF-8
+    can hold (JSON carries a lone surrogate, BSON does not).
 
     Runs on every publish, so it walks the value with a stack and tests the exact built-in types first (a message is
     made of them); subclasses take the isinstance tests after.
@@ -128,16 +130,22 @@ def _bson_safe(value: Any) -> bool:
     while pending:
         item = pending.pop()
         kind = type(item)
+        if kind is str or (kind not in _PLAIN_SCALARS and isinstance(item, str)):
+            if not utf8_encodable(item):
+                return False
+            continue
         if kind in _PLAIN_SCALARS:
             continue
         if kind is dict or (kind is not list and isinstance(item, dict)):
             for key in item:
                 if not isinstance(key, str) or not key or key[0] == "$" or "." in key or "\x00" in key:
                     return False
+                if not utf8_encodable(key):  # a key BSON cannot hold as the same text
+                    return False
             pending.extend(item.values())
         elif kind is list or isinstance(item, list):
             pending.extend(item)
-        elif isinstance(item, (str, float, bool)):
+        elif isinstance(item, (float, bool)):
             continue
         elif isinstance(item, int):
             if not _INT64[0] <= item <= _INT64[1]:
