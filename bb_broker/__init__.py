@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from pymongo.database import Database
 
     from bb_broker.connection import BrokerURLError
-    from bb_broker.jobs.document import JobTooLarge, ResultTooLarge
+    from bb_broker.jobs.document import JobTooLarge, ResultNotStored, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
     from bb_broker.jobs.refusals import PublishRefused
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
@@ -33,6 +33,7 @@ __all__ = [
     "JobTooLarge",
     "MalformedTaskMessage",
     "PublishRefused",
+    "ResultNotStored",
     "ResultTooLarge",
     "ServerUnreachable",
     "UniqueOptionError",
@@ -47,6 +48,7 @@ _LAZY = {
     "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
     "PublishRefused": "jobs.refusals",
+    "ResultNotStored": "jobs.document",
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",

@@ -21,7 +21,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bson import ObjectId
+from bson.errors import InvalidDocument, InvalidStringData
 from kombu.exceptions import EncodeError
+from pymongo.errors import DocumentTooLarge, OperationFailure
 from ulid import ULID
 
 from bb_broker.jobs import lifecycle
@@ -56,6 +58,23 @@ HISTORY_LIMIT = 10
 MAX_HISTORY_TRACEBACK = 4000
 #: Server error codes for an update whose document would exceed the limit (BSONObjectTooLarge and kin).
 DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
+
+#: What a settle too large for its document says, after what it settles ("the task's result does not fit ...").
+DOES_NOT_FIT = f"does not fit in its job document ({MAX_DOCUMENT_BYTES} bytes at most)"
+#: What pymongo raises for a document BSON cannot encode, before sending it: a value of no BSON type, a document
+#: over the limit (DocumentTooLarge is one), a str holding a lone surrogate (the C encoder's UnicodeEncodeError).
+UNENCODABLE = (InvalidDocument, InvalidStringData, UnicodeEncodeError)
+
+
+def unwritable_cause(exc: BaseException) -> str | None:
+    """Why a write met `exc` and will meet it whatever a retry does, said after what it writes ("the task's result
+    ..."): its document over MongoDB's limit, or a value BSON cannot encode. None for any other error."""
+    if isinstance(exc, DocumentTooLarge) or (isinstance(exc, OperationFailure) and exc.code in DOCUMENT_TOO_LARGE):
+        return DOES_NOT_FIT
+    if isinstance(exc, UNENCODABLE):
+        return f"cannot be stored: BSON cannot encode it ({storable_text(str(exc))})"
+    return None
+
 
 #: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
 UNAPPLICABLE_UPDATE = {2, 14}
@@ -118,15 +137,24 @@ class JobTooLarge(PublishRefused, ValueError):
     """The task message does not fit in one MongoDB document."""
 
 
-class SettleTooLarge(ValueError):
-    """A settling write (with a task's result) would make the job document larger than MongoDB's limit."""
+class SettleUnwritable(ValueError):
+    """A settling write can never land, whatever a retry does; `cause` says why (unwritable_cause)."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
-class ResultTooLarge(EncodeError):
-    """A task's result does not fit in its job document: the job fails with this as its error, never retried.
+class ResultNotStored(EncodeError):
+    """A task's result or failure cannot be kept in its job document: the job fails with this as its error, never
+    retried.
 
     An EncodeError, so that Celery's tracer records it as the task's failure, as it does a result it cannot encode.
     """
+
+
+class ResultTooLarge(ResultNotStored):
+    """A task's result does not fit in its job document (MongoDB's 16 MB): a ResultNotStored."""
 
 
 def attempt_entry(
@@ -209,6 +237,24 @@ def bad_serial_key(value: Any) -> str:
     skip, and a key longer than a publish writes is a hand edit."""
     found = f"a string of {len(value)}" if isinstance(value, str) else bson_kind(value)
     return f"serialKey must be a string of 1 to {MAX_SERIAL_KEY_LENGTH} characters, not {found}"
+
+
+def utf8_encodable(text: str) -> bool:
+    """Whether BSON, whose strings are UTF-8, can hold `text`: not when it holds a lone surrogate (what os.fsdecode
+    makes of a file name whose bytes are not UTF-8, what JSON's "\\udce9" reads as)."""
+    if text.isascii():  # a flag of the str: no scan
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def storable_text(text: str) -> str:
+    """Text a person reads (an error, a traceback) as a document can hold it: a lone surrogate written out as its
+    escape (`\\udce9`), the rest as it is."""
+    return text if utf8_encodable(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bson_kind(value: Any) -> str:

@@ -17,7 +17,7 @@ from kombu import compression
 from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
-from bb_broker.jobs.document import MAX_KIND_LENGTH
+from bb_broker.jobs.document import MAX_KIND_LENGTH, utf8_encodable
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
 from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
@@ -121,7 +121,8 @@ def _readable_body(message: dict[str, Any], body: bytes | None) -> dict[str, Any
 
 
 def _bson_safe(value: Any) -> bool:
-    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints.
+    """True when BSON stores the value and gives the same JSON back: plain keys, 64-bit ints, strings that UTF-8
+    can hold (JSON carries a lone surrogate, BSON does not).
 
     Runs on every publish, so it walks the value with a stack and tests the exact built-in types first (a message is
     made of them); subclasses take the isinstance tests after.
@@ -130,16 +131,22 @@ def _bson_safe(value: Any) -> bool:
     while pending:
         item = pending.pop()
         kind = type(item)
+        if kind is str or (kind not in _PLAIN_SCALARS and isinstance(item, str)):
+            if not utf8_encodable(item):
+                return False
+            continue
         if kind in _PLAIN_SCALARS:
             continue
         if kind is dict or (kind is not list and isinstance(item, dict)):
             for key in item:
                 if not isinstance(key, str) or not key or key[0] == "$" or "." in key or "\x00" in key:
                     return False
+                if not utf8_encodable(key):  # a key BSON cannot hold as the same text
+                    return False
             pending.extend(item.values())
         elif kind is list or isinstance(item, list):
             pending.extend(item)
-        elif isinstance(item, (str, float, bool)):
+        elif isinstance(item, (float, bool)):
             continue
         elif isinstance(item, int):
             if not _INT64[0] <= item <= _INT64[1]:
@@ -517,24 +524,16 @@ def unencodable_text(value: Any) -> tuple[str, str] | None:
     while pending:
         path, item = pending.pop()
         if isinstance(item, str):
-            if not item.isascii() and not _encodes(item):
+            if not utf8_encodable(item):
                 return "".join(f"[{step!r}]" for step in path), item
         elif isinstance(item, dict):
             for key, child in item.items():
-                if isinstance(key, str) and not key.isascii() and not _encodes(key):
+                if isinstance(key, str) and not utf8_encodable(key):
                     return "".join(f"[{step!r}]" for step in path) + " (a key)", key
                 pending.append(((*path, key), child))
         elif isinstance(item, list | tuple):
             pending.extend(((*path, index), child) for index, child in reversed(list(enumerate(item))))
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check(

@@ -55,10 +55,10 @@ import bson
 from bson.codec_options import CodecOptions
 from pymongo import UpdateOne
 from pymongo.collection import Collection
-from pymongo.errors import BulkWriteError, DocumentTooLarge, OperationFailure, PyMongoError
+from pymongo.errors import BulkWriteError, PyMongoError
 
 from bb_broker.forks import reset_in_child
-from bb_broker.jobs.document import DOCUMENT_TOO_LARGE
+from bb_broker.jobs.document import DOCUMENT_TOO_LARGE, DOES_NOT_FIT, UNENCODABLE, unwritable_cause
 from bb_broker.jobs.lifecycle import RUNNING
 from bb_broker.jobs.outages import through_outages
 from bb_broker.ops import metrics
@@ -68,8 +68,9 @@ logger = logging.getLogger(__name__)
 
 #: A settle whose result and tracebacks are larger than this is written alone, at once, as before group commit: it
 #: would slow its batch, and what does not fit in its document then fails the task in Celery's own way (the result
-#: backend raises ResultTooLarge in the task's process). A smaller one that does not fit (its job's arguments fill
-#: the document) is replaced in the writer by its `if_too_large`.
+#: backend raises ResultTooLarge in the task's process). A smaller one that can never be written (its job's
+#: arguments fill the document, or BSON cannot encode a value of it) is replaced in the writer by its
+#: `if_unwritable`.
 GROUP_COMMIT_MAX_BYTES = 1024 * 1024
 
 
@@ -82,12 +83,13 @@ class Settle:
     update: dict[str, Any]
     #: The counter (ops/metrics.py) the settle adds to once it lands: succeeded, retried or failed.
     outcome: metrics.Event
-    #: The settle to write instead when this one would make the job document exceed MongoDB's limit (a result or
-    #: a traceback too large beside the job's arguments): built only then.
-    if_too_large: Callable[[], Settle]
-    #: What that replacement says, for a writer in another process (SettleRelay), which cannot call if_too_large:
-    #: None for the store's own TOO_LARGE_TO_SETTLE.
-    too_large_reason: str | None = None
+    #: The settle to write instead when this one can never be written, given why (document.unwritable_cause: the
+    #: job document would exceed MongoDB's limit, or BSON cannot encode a value): it fails the job for good, saying
+    #: so, never to be retried or left running. Built only then.
+    if_unwritable: Callable[[str], Settle]
+    #: What this settle settles, as that failure names it ("the task's result"), for a writer in another process
+    #: (SettleRelay), which cannot call if_unwritable: None for the store's own (store.JOB_SETTLE).
+    subject: str | None = None
 
     def landed_in(self, doc: dict[str, Any]) -> bool:
         """Whether `doc`, read after the write, is the job as this settle left it (each settle sets its updatedAt)."""
@@ -142,33 +144,46 @@ class SettleWriter:
                 else:
                     logger.error("the settle of job %s was refused: %s", batch[index].job_id, error.get("errmsg"))
             batch = [settle for index, settle in enumerate(batch) if index not in failed]
-        except DocumentTooLarge:
-            # pymongo refused a statement before sending it, maybe after sending others of the bulk: each alone,
-            # fenced, so that those which landed change nothing the second time.
+        except UNENCODABLE:
+            # pymongo refused a statement before sending it (too large, or a value BSON cannot encode), maybe after
+            # sending others of the bulk: each alone, fenced, so that those which landed change nothing the second
+            # time, and the one refused is replaced.
             for settle in batch:
                 self._write_alone(settle)
             return
         self._count(batch, modified)
         for settle in too_large:
-            self._replace(settle)
+            self._replace(settle, DOES_NOT_FIT)
 
     def _write_alone(self, settle: Settle) -> None:
         try:
             done = self._update_one(settle)
-        except (DocumentTooLarge, OperationFailure) as exc:
-            if isinstance(exc, OperationFailure) and exc.code not in DOCUMENT_TOO_LARGE:
+        except Exception as exc:
+            cause = unwritable_cause(exc)
+            if cause is None:
                 raise
-            self._replace(settle)
+            self._replace(settle, cause)
             return
         if done:
             metrics.record(settle.outcome)
 
-    def _replace(self, settle: Settle) -> None:
-        """Write what stands for a settle that does not fit in its job's document."""
-        logger.error("the settle of job %s does not fit in its document: the job fails on that", settle.job_id)
-        replacement = settle.if_too_large()
-        if self._update_one(replacement):
-            metrics.record(replacement.outcome)
+    def _replace(self, settle: Settle, cause: str) -> None:
+        """Write what stands for a settle that can never be written (`cause`): its job fails for good, saying why.
+        When that cannot be written either (what made the settle unwritable is in the attempt's entry it keeps), the
+        replacement's own: the store's failure, which holds nothing of the task's."""
+        for _ in range(2):
+            logger.error("the settle of job %s %s: the job fails on that", settle.job_id, cause)
+            settle = settle.if_unwritable(cause)
+            try:
+                if self._update_one(settle):
+                    metrics.record(settle.outcome)
+                return
+            except Exception as exc:
+                again = unwritable_cause(exc)
+                if again is None:
+                    raise
+                cause = again
+        raise RuntimeError(f"no settle of job {settle.job_id} could be written: {cause}")
 
     def _update_one(self, settle: Settle) -> bool:
         write = lambda: self.coll.update_one(settle.fence, settle.update)  # noqa: E731
@@ -299,11 +314,15 @@ class SettleRelay:
     hold_gaps = 2.5
 
     def __init__(
-        self, store: Callable[[], Any], replacement: Callable[[Any, Settle, bool], Settle], *, linger: float = 0.0
+        self,
+        store: Callable[[], Any],
+        replacement: Callable[[Any, Settle, bool, str], Settle],
+        *,
+        linger: float = 0.0,
     ) -> None:
-        """`store` gives the main process's JobStore (on first use); `replacement(store, settle, with_result)` the
-        settle that fails a relayed settle's job when it does not fit in its document (Settle.if_too_large, which
-        stays in the pool process): `with_result` when the settle carried the result backend's fields. `linger`
+        """`store` gives the main process's JobStore (on first use); `replacement(store, settle, with_result, cause)`
+        the settle that fails a relayed settle's job when it can never be written, for `cause` (Settle.if_unwritable,
+        which stays in the pool process): `with_result` when the settle carried the result backend's fields. `linger`
         (the `settle_linger` transport option) is the longest a settle waits for the next ones, and it waits only
         while settles come closer together than that (_hold): 0 writes each at once."""
         #: The main process: the only one that receives (a pool process sends).
@@ -349,7 +368,7 @@ class SettleRelay:
             "attempts": settle.fence.get("attempts"),
             "update": settle.update,
             "outcome": settle.outcome,
-            "tooLarge": settle.too_large_reason,
+            "subject": settle.subject,
             "withResult": with_result,
         }
         try:
@@ -498,7 +517,7 @@ class SettleRelay:
         if isinstance(message.get("flush"), int) and len(message) == 1:
             return int(message["flush"])
         job_id, attempts, update = message.get("job"), message.get("attempts"), message.get("update")
-        outcome, reason = message.get("outcome"), message.get("tooLarge")
+        outcome, subject = message.get("outcome"), message.get("subject")
         changes = update.get("$set") if isinstance(update, dict) else None
         if not (
             isinstance(job_id, str)
@@ -511,13 +530,15 @@ class SettleRelay:
             and isinstance(changes.get("status"), str)
             and isinstance(changes.get("updatedAt"), datetime)
             and outcome in SETTLE_OUTCOMES
-            and (reason is None or isinstance(reason, str))
+            and (subject is None or isinstance(subject, str))
         ):
             logger.error("a relayed settle is not one a pool process sends, dropped: %r", sorted(message))
             return None
         fence = {"_id": job_id, "status": RUNNING, "attempts": attempts}
         store, with_result = self._main_store(), message.get("withResult") is True
-        settle = Settle(job_id, fence, update, outcome, lambda: self._replacement(store, settle, with_result), reason)
+        settle = Settle(
+            job_id, fence, update, outcome, lambda cause: self._replacement(store, settle, with_result, cause), subject
+        )
         return settle
 
 

@@ -30,7 +30,7 @@ from bb_broker.jobs import admin, lifecycle
 from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
 from bb_broker.jobs.document import (
     CLAIMED_FIELDS,
-    DOCUMENT_TOO_LARGE,
+    DOES_NOT_FIT,
     HISTORY_LIMIT,
     HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
@@ -38,7 +38,7 @@ from bb_broker.jobs.document import (
     UNCOUNTABLE_ATTEMPTS,
     Claimed,
     JobTooLarge,
-    SettleTooLarge,
+    SettleUnwritable,
     attempt_entry,
     attempts_fence,
     bad_serial_key,
@@ -51,6 +51,8 @@ from bb_broker.jobs.document import (
     malformed,
     new_job_id,
     pushed,
+    storable_text,
+    unwritable_cause,
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import is_transient, through_outages
@@ -88,7 +90,10 @@ MAX_KEY_SKIPS = 16
 MAX_MALFORMED_SKIPS = 16
 
 #: The error of a job whose settle would make its document exceed MongoDB's limit (each settle's own replacement).
-TOO_LARGE_TO_SETTLE = f"the job's settle does not fit in its document ({MAX_DOCUMENT_BYTES} bytes at most)"
+#: What the store's own failure of a settle that can never be written names (Settle.subject), and that failure for
+#: a settle too large.
+JOB_SETTLE = "the job's settle"
+TOO_LARGE_TO_SETTLE = f"{JOB_SETTLE} {DOES_NOT_FIT}"
 
 #: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
 _claiming = threading.Lock()
@@ -772,16 +777,16 @@ class JobStore(Sweeps):
         *,
         attempt: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None,
-        if_too_large: Callable[[], Settle] | None = None,
-        too_large_reason: str | None = None,
+        if_unwritable: Callable[[str], Settle] | None = None,
+        subject: str | None = None,
     ) -> Settle:
-        """The settle of succeed(), to write now (settle) or with others (settle_soon); `if_too_large` the settle
-        that replaces it when it does not fit in its document, which says `too_large_reason` (see Settle)."""
+        """The settle of succeed(), to write now (settle) or with others (settle_soon); `if_unwritable` the settle
+        that replaces it when it can never be written, which names it `subject` (see Settle)."""
         now = self.now()
         changes = {**(result or {}), "status": SUCCEEDED, "lastError": "", "updatedAt": now, "finishedAt": now}
         released = {**HOLDS_RELEASED, **RELEASED_AT_END}  # the job's unique key, in the write that ends it
         update = {"$set": changes, "$unset": released, **pushed(attempt)}
-        return self._held_settle(job_id, attempts, update, "succeeded", if_too_large, too_large_reason)
+        return self._held_settle(job_id, attempts, update, "succeeded", if_unwritable, subject)
 
     def fail(
         self,
@@ -803,7 +808,7 @@ class JobStore(Sweeps):
         the queue its `state` becomes RETRY, so a caller waiting on the result waits for the next attempt.
         """
         outcome, settle = self._failure(
-            job_id, attempts, error, retryable, backoff, attempt, result, revoked=revoked, if_too_large=None
+            job_id, attempts, error, retryable, backoff, attempt, result, revoked=revoked, if_unwritable=None
         )
         return outcome if self.settle(settle) else None
 
@@ -816,10 +821,10 @@ class JobStore(Sweeps):
         retryable: bool = True,
         attempt: dict[str, Any] | None = None,
         result: dict[str, Any] | None = None,
-        if_too_large: Callable[[], Settle] | None = None,
-        too_large_reason: str | None = None,
+        if_unwritable: Callable[[str], Settle] | None = None,
+        subject: str | None = None,
     ) -> Settle:
-        """The settle of fail(), to write now (settle) or with others (settle_soon); `if_too_large` as success's."""
+        """The settle of fail(), to write now (settle) or with others (settle_soon); `if_unwritable` as success's."""
         return self._failure(
             job_id,
             attempts,
@@ -828,8 +833,8 @@ class JobStore(Sweeps):
             True,
             attempt,
             result,
-            if_too_large=if_too_large,
-            too_large_reason=too_large_reason,
+            if_unwritable=if_unwritable,
+            subject=subject,
         )[1]
 
     def _failure(
@@ -843,8 +848,8 @@ class JobStore(Sweeps):
         result: dict[str, Any] | None,
         *,
         revoked: bool = False,
-        if_too_large: Callable[[], Settle] | None,
-        too_large_reason: str | None = None,
+        if_unwritable: Callable[[str], Settle] | None,
+        subject: str | None = None,
     ) -> tuple[Outcome, Settle]:
         now = self.now()
         outcome = lifecycle.after_failure(
@@ -863,7 +868,7 @@ class JobStore(Sweeps):
             released |= RELEASED_BY_CANCEL if revoked else RELEASED_AT_END
         update = {"$set": changes, "$unset": released, **pushed(self._scrubbed(attempt))}
         counted: metrics.Event = "retried" if outcome.status == QUEUED else "failed"
-        return outcome, self._held_settle(job_id, attempts, update, counted, if_too_large, too_large_reason)
+        return outcome, self._held_settle(job_id, attempts, update, counted, if_unwritable, subject)
 
     def _held_settle(
         self,
@@ -871,14 +876,14 @@ class JobStore(Sweeps):
         attempts: int,
         update: dict[str, Any],
         outcome: metrics.Event,
-        if_too_large: Callable[[], Settle] | None,
-        too_large_reason: str | None = None,
+        if_unwritable: Callable[[str], Settle] | None,
+        subject: str | None = None,
     ) -> Settle:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
         fence = {"_id": job_id, "status": RUNNING, "attempts": attempts}
-        if if_too_large is None:  # written only when needed: the job fails for good, on the size
-            if_too_large = lambda: self.failure(job_id, attempts, TOO_LARGE_TO_SETTLE, retryable=False)  # noqa: E731
-        return Settle(job_id, fence, update, outcome, if_too_large, too_large_reason)
+        if if_unwritable is None:  # built only when needed: the job fails for good, holding nothing of the task's
+            if_unwritable = lambda cause: self.failure(job_id, attempts, f"{JOB_SETTLE} {cause}", retryable=False)  # noqa: E731
+        return Settle(job_id, fence, update, outcome, if_unwritable, subject)
 
     def settle(self, settle: Settle) -> bool:
         """Write a settle now; True when it landed (its attempt was still the job's)."""
@@ -1021,15 +1026,16 @@ class JobStore(Sweeps):
         fenced = fence or {"_id": job_id, "status": RUNNING, "attempts": attempts}
         try:
             return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
-        except DocumentTooLarge as exc:
-            raise SettleTooLarge(f"the job document would exceed {MAX_DOCUMENT_BYTES} bytes: {exc}") from None
-        except OperationFailure as exc:
-            if exc.code not in DOCUMENT_TOO_LARGE:
+        except Exception as exc:
+            cause = unwritable_cause(exc)  # a retry would meet it again: the caller fails the job on it
+            if cause is None:
                 raise
-            raise SettleTooLarge(f"the job document would exceed MongoDB's {MAX_DOCUMENT_BYTES} bytes") from None
+            raise SettleUnwritable(cause) from None
 
     def _through_outages(self, write: Callable[[], Any]) -> Any:
         return through_outages(write, patience=self.settle_patience)
 
     def _scrub(self, text: Any) -> Any:
-        return scrub(text, self._secrets) if isinstance(text, str) else text
+        """An error's or a traceback's text as a job document keeps it: the broker's secrets masked, a lone surrogate
+        written out (storable_text), for BSON could not hold it and the settle carrying it would never land."""
+        return storable_text(scrub(text, self._secrets)) if isinstance(text, str) else text

@@ -51,7 +51,14 @@ from pymongo.collection import Collection
 from pymongo.uri_parser import parse_uri
 
 from bb_broker import connection
-from bb_broker.jobs.document import RESULTS_COLLECTION, ResultTooLarge, SettleTooLarge
+from bb_broker.jobs.document import (
+    DOES_NOT_FIT,
+    RESULTS_COLLECTION,
+    ResultNotStored,
+    ResultTooLarge,
+    SettleUnwritable,
+    storable_text,
+)
 from bb_broker.jobs.lifecycle import FAILED, describe_error
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JobStore
@@ -68,9 +75,16 @@ __all__ = ["JobFailed", "JobResultBackend"]
 logger = logging.getLogger(__name__)
 
 
-#: Why a job failed whose result, or whose failure, did not fit in its document (its ResultTooLarge).
-RESULT_DOES_NOT_FIT = "the task's result does not fit in its job document"
-FAILURE_DOES_NOT_FIT = "the task's failure does not fit in its job document"
+#: What a job's failure names when its result, or its failure, cannot be kept in its document (Settle.subject).
+RESULT = "the task's result"
+FAILURE = "the task's failure"
+
+
+def not_stored(subject: str, cause: str) -> ResultNotStored:
+    """The error of a job whose result or failure (`subject`) cannot be kept, for `cause`: ResultTooLarge when it does
+    not fit, else ResultNotStored (BSON cannot encode it). What get() raises; never retried (an EncodeError)."""
+    error = ResultTooLarge if cause.startswith(DOES_NOT_FIT) else ResultNotStored
+    return error(f"{subject} {cause}")
 
 
 def _servers(target: connection.BrokerTarget) -> frozenset[Any]:
@@ -172,7 +186,7 @@ class JobResultBackend(ChordBackend):
             "state": state,
             "result": value,
             "resultFormat": fmt,
-            "traceback": connection.scrub(traceback, self.target.secrets) if traceback else None,
+            "traceback": storable_text(connection.scrub(traceback, self.target.secrets)) if traceback else None,
             "dateDone": meta["date_done"],
             "children": meta["children"],
         }
@@ -209,14 +223,12 @@ class JobResultBackend(ChordBackend):
             return  # the task_success signal settles the job
         store, job = held
         attempt = celery_hooks.attempt_for(store, request, job[1], "succeeded")
-        too_large = partial(self.failed_on_size, store, job, attempt, request, RESULT_DOES_NOT_FIT)
+        unwritable = partial(self.failed_unstored, store, job, attempt, request, RESULT)
         try:
-            settle = store.success(
-                *job, attempt=attempt, result=fields, if_too_large=too_large, too_large_reason=RESULT_DOES_NOT_FIT
-            )
+            settle = store.success(*job, attempt=attempt, result=fields, if_unwritable=unwritable, subject=RESULT)
             celery_hooks.settle_ran(store, request, settle, size)
-        except SettleTooLarge as exc:
-            raise ResultTooLarge(f"{RESULT_DOES_NOT_FIT}: {exc}") from None
+        except SettleUnwritable as exc:
+            raise not_stored(RESULT, exc.cause) from None  # Celery's tracer records it as the task's failure
         celery_hooks.settled_by_backend(request)
 
     def mark_as_failure(
@@ -246,7 +258,7 @@ class JobResultBackend(ChordBackend):
         if store_result:
             error = describe_error(exc)
             attempt = celery_hooks.attempt_for(store, request, job[1], "failed", error, traceback)
-            too_large = partial(self.failed_on_size, store, job, attempt, request, FAILURE_DOES_NOT_FIT)
+            unwritable = partial(self.failed_unstored, store, job, attempt, request, FAILURE)
             try:
                 fields, size = self._sized_result_fields(self.encode_result(exc, state), state, traceback, request)
                 settle = store.failure(
@@ -255,15 +267,15 @@ class JobResultBackend(ChordBackend):
                     retryable=retryable,
                     attempt=attempt,
                     result=fields,
-                    if_too_large=too_large,
-                    too_large_reason=FAILURE_DOES_NOT_FIT,
+                    if_unwritable=unwritable,
+                    subject=FAILURE,
                 )
                 celery_hooks.settle_ran(store, request, settle, size + len(attempt.get("traceback") or ""))
-            except (ResultTooLarge, SettleTooLarge) as exc_too_large:
-                # The exception or its traceback is what does not fit: the job fails on that, for good.
+            except (ResultTooLarge, SettleUnwritable) as unstored:
+                # The exception or its traceback is what cannot be kept: the job fails on that, for good.
                 final = True
-                reason = f"{FAILURE_DOES_NOT_FIT}: {exc_too_large}"
-                store.settle(self.failed_on_size(store, job, attempt, request, reason))
+                cause = unstored.cause if isinstance(unstored, SettleUnwritable) else f"{DOES_NOT_FIT}: {unstored}"
+                store.settle(unwritable(cause))
             celery_hooks.settled_by_backend(request)
         if not final:
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
@@ -273,11 +285,18 @@ class JobResultBackend(ChordBackend):
         if call_errbacks and request.errbacks:
             patches.call_errbacks(self, request, exc, traceback)
 
-    def failed_on_size(
-        self, store: JobStore, job: tuple[str, int], attempt: dict[str, Any] | None, request: Any, reason: str
+    def failed_unstored(
+        self,
+        store: JobStore,
+        job: tuple[str, int],
+        attempt: dict[str, Any] | None,
+        request: Any,
+        subject: str,
+        cause: str,
     ) -> Settle:
-        """The settle that fails a job for good because its result or failure does not fit in its document."""
-        error = ResultTooLarge(reason)
+        """The settle that fails a job for good because its result or failure (`subject`) cannot be kept in its
+        document, for `cause` (document.unwritable_cause): get() raises not_stored's error."""
+        error = not_stored(subject, cause)
         fields = self._result_fields(self.encode_result(error, states.FAILURE), states.FAILURE, None, request)
         return store.failure(*job, describe_error(error), retryable=False, attempt=attempt, result=fields)
 

@@ -33,7 +33,7 @@ from bb_broker.jobs.payloads import (
     check_signature,
 )
 from bb_broker.jobs.settles import Settle
-from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
+from bb_broker.jobs.store import JOB_SETTLE, JobStore
 from bb_broker.ops import metrics
 from bb_broker.options import BrokerOptions, OptionError, open_store
 from bb_broker.transport.qos import explain_rejection
@@ -598,7 +598,7 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
         app = sender.app
         try:
             linger = BrokerOptions.parse(app.conf.broker_transport_options).settle_linger
-            relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_too_large, app), linger=linger)
+            relay = settles.SettleRelay(lambda: store_for(app), partial(_relayed_unwritable, app), linger=linger)
         except OptionError as exc:
             raise SystemExit(f"bb_broker: {exc}") from None  # one line, as for a broker URL it cannot use
         except OSError as exc:  # no SOCK_SEQPACKET socket pair here (macOS, the BSDs): each pool process writes
@@ -627,14 +627,16 @@ def _forks_its_pool(worker: Any) -> bool:
 _RESULT_CONTEXT = ("children", "groupId", "parentId")
 
 
-def _relayed_too_large(app: Any, store: JobStore, settle: Settle, with_result: bool) -> Settle:
-    """What fails a job whose relayed settle does not fit in its document: the result backend's failure when the
-    settle carried a result (get() raises ResultTooLarge, as from a pool process's own write), else the store's."""
-    failed_on_size = getattr(app.backend, "failed_on_size", None) if with_result else None
+def _relayed_unwritable(app: Any, store: JobStore, settle: Settle, with_result: bool, cause: str) -> Settle:
+    """What fails a job whose relayed settle can never be written (`cause`): the result backend's failure when the
+    settle carried a result (get() raises its ResultNotStored, as from a pool process's own write), else the
+    store's."""
+    failed_unstored = getattr(app.backend, "failed_unstored", None) if with_result else None
     job = (settle.job_id, settle.fence["attempts"])
-    if failed_on_size is None or settle.too_large_reason is None:
-        return store.failure(*job, settle.too_large_reason or TOO_LARGE_TO_SETTLE, retryable=False)
-    replacement: Settle = failed_on_size(store, job, history_entry_of(settle.update), None, settle.too_large_reason)
+    if failed_unstored is None or settle.subject is None:
+        return store.failure(*job, f"{settle.subject or JOB_SETTLE} {cause}", retryable=False)
+    entry = history_entry_of(settle.update)
+    replacement: Settle = failed_unstored(store, job, entry, None, settle.subject, cause)
     relayed = settle.update.get("$set", {})
     replacement.update["$set"].update({field: relayed[field] for field in _RESULT_CONTEXT if field in relayed})
     return replacement

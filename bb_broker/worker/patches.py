@@ -246,9 +246,12 @@ def serializer_content_types(name: str) -> tuple[str, str]:
 
 
 def delivered_messages(qos: Any) -> dict[str, Any]:
-    """A virtual QoS's messages delivered and not yet acked or rejected, by delivery tag (`QoS._delivered`, which
-    the virtual QoS itself reads and no public method lists). Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    return qos._delivered
+    """A virtual QoS's messages delivered and not yet acked or rejected, by delivery tag: `QoS._delivered` without
+    the tags in `QoS._dirty`, which no public method lists. An ack (from any thread) only adds its tag to `_dirty`;
+    Kombu drops it from `_delivered` at the next delivery, which a worker given nothing more never gets: counted as
+    delivered, its job's lease was renewed for as long. Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
+    settled = set(qos._dirty)  # one C-level copy: acks from other threads add to it meanwhile
+    return {tag: message for tag, message in list(qos._delivered.items()) if tag not in settled}
 
 
 def ack_without_restore(qos: Any, delivery_tag: str) -> None:

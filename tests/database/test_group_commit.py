@@ -99,3 +99,24 @@ def test_a_settle_in_a_batch_that_does_not_fit_fails_its_job_alone(
     assert statuses(store, [*ids, big]) == ["succeeded", "succeeded", "failed"]
     doc = store.coll.find_one({"_id": big}, {"lastError": 1, "result": 1})
     assert doc["lastError"] == TOO_LARGE_TO_SETTLE and "result" not in doc
+
+
+def test_a_settle_bson_cannot_encode_fails_its_job_once_with_the_reason(
+    client: MongoClient, store: JobStore, log: CommandLog
+) -> None:
+    # A result holding a lone surrogate (os.fsdecode of a name that is not UTF-8), in a batch and alone: the write can
+    # never land, and left `running` the job would run again after the stale sweep. Each fails, saying why, once.
+    ids = held_jobs(store, 2)
+    batched, alone = held_jobs(store, 2)
+    surrogate = {"state": "SUCCESS", "result": "caf\udce9.txt"}
+    first_settle_held_on_the_server(client, store, log, ids[0])
+    store.settle_soon(store.success(batched, 1, result=surrogate))
+    store.settle_soon(store.success(ids[1], 1))
+    assert store.flush_settles(60)
+    store.settle_soon(store.success(alone, 1, result=surrogate))
+    assert store.flush_settles(60)
+    assert statuses(store, [*ids, batched, alone]) == ["succeeded", "succeeded", "failed", "failed"]
+    for doc in store.coll.find({"_id": {"$in": [batched, alone]}}):
+        assert doc["lastError"].startswith("the job's settle cannot be stored: BSON cannot encode it"), doc
+        assert "\\udce9" in doc["lastError"] and "result" not in doc and doc["attempts"] == 1
+    assert not settles.pending_jobs()

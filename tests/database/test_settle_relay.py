@@ -26,7 +26,7 @@ def store(client: MongoClient) -> JobStore:
     return store
 
 
-def replaced(store: JobStore, settle: Settle, with_result: bool) -> Settle:
+def replaced(store: JobStore, settle: Settle, with_result: bool, cause: str) -> Settle:
     return store.failure(settle.job_id, settle.fence["attempts"], f"replaced ({with_result})", retryable=False)
 
 
@@ -89,7 +89,7 @@ def test_a_relayed_settle_that_does_not_fit_fails_its_job_with_the_replacement(
     # Arguments that fill the document: a settle under the relay's size no longer fits beside them.
     (job_id,) = held_jobs(store, 1, payload={"args": ["x" * (16 * 1024 * 1024 - 10 * 1024)]})
     result = {"state": "SUCCESS", "result": "r" * (30 * 1024)}
-    send_from_a_child(relay, [store.success(job_id, 1, result=result, too_large_reason="too large here")])
+    send_from_a_child(relay, [store.success(job_id, 1, result=result, subject="too large here")])
     assert relay.flush(30)
     doc = store.coll.find_one({"_id": job_id}, {"payload": 0})
     assert doc["status"] == "failed" and doc["lastError"] == "replaced (True)" and "result" not in doc

@@ -393,6 +393,32 @@ def unencodable_result(self):
     return object()  # no serializer Celery accepts by default can encode it
 
 
+#: A file name whose bytes are not UTF-8, as os.fsdecode gives it: a str holding a lone surrogate ('\udce9'), which
+#: JSON carries and BSON (UTF-8 only) cannot. Made in the task: a producer cannot send one through bbmongo://.
+NOT_UTF8_NAME = os.fsdecode(b"caf\xe9.txt")
+
+
+@app.task(bind=True)
+def surrogate_result(self):
+    record(self)
+    return NOT_UTF8_NAME
+
+
+@app.task(bind=True)
+def surrogate_error(self):
+    record(self)
+    raise ValueError(NOT_UTF8_NAME)
+
+
+@app.task(bind=True, max_retries=1)
+def surrogate_retry(self):
+    """Retries itself once with a surrogate in the retry's exception, then succeeds."""
+    record(self)
+    if not self.request.retries:
+        raise self.retry(countdown=0, exc=ValueError(NOT_UTF8_NAME))
+    return "ok"
+
+
 @app.task(bind=True)
 def note_error(self, failed_task_id):
     # An errback taking only the failed task's id: Celery sends it as a task of its own.
