@@ -172,6 +172,11 @@ def is_missing_hinted_index(exc: BaseException) -> TypeGuard[OperationFailure]:
     )
 
 
+def too_large_write_error(error: dict[str, Any]) -> bool:
+    """Whether one of a bulk write's `writeErrors` is a document that would pass the size limit."""
+    return error.get("code") in TOO_LARGE_CODES
+
+
 def only_duplicate_keys(errors: list[dict[str, Any]]) -> bool:
     """Whether every error of a bulk write's `writeErrors` is a unique index's refusal."""
     return all(error.get("code") in DUPLICATE_KEY_CODES for error in errors)

@@ -23,7 +23,7 @@ from typing import Any
 from bson import ObjectId
 from bson.errors import InvalidDocument, InvalidStringData
 from kombu.exceptions import EncodeError
-from pymongo.errors import DocumentTooLarge, OperationFailure
+from pymongo.errors import DocumentTooLarge
 from ulid import ULID
 
 from bb_broker.jobs import lifecycle
@@ -31,6 +31,7 @@ from bb_broker.jobs.lifecycle import QUEUED, RUNNING
 from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, is_serial_key
 from bb_broker.jobs.unique import RELEASED_BY_CLAIM
+from bb_broker.server import is_too_large
 
 #: Celery's state for a task that failed and will run again (celery.states.RETRY), without importing Celery here.
 RETRY_STATE = "RETRY"
@@ -56,8 +57,6 @@ MAX_KIND_LENGTH = 1024
 HISTORY_LIMIT = 10
 #: A traceback in `history` is cut to its last this many characters (where the exception is).
 MAX_HISTORY_TRACEBACK = 4000
-#: Server error codes for an update whose document would exceed the limit (BSONObjectTooLarge and kin).
-DOCUMENT_TOO_LARGE = {10334, 17419, 17420}
 
 #: What a settle too large for its document says, after what it settles ("the task's result does not fit ...").
 DOES_NOT_FIT = f"does not fit in its job document ({MAX_DOCUMENT_BYTES} bytes at most)"
@@ -69,15 +68,12 @@ UNENCODABLE = (InvalidDocument, InvalidStringData, UnicodeEncodeError)
 def unwritable_cause(exc: BaseException) -> str | None:
     """Why a write met `exc` and will meet it whatever a retry does, said after what it writes ("the task's result
     ..."): its document over MongoDB's limit, or a value BSON cannot encode. None for any other error."""
-    if isinstance(exc, DocumentTooLarge) or (isinstance(exc, OperationFailure) and exc.code in DOCUMENT_TOO_LARGE):
+    if isinstance(exc, DocumentTooLarge) or is_too_large(exc):
         return DOES_NOT_FIT
     if isinstance(exc, UNENCODABLE):
         return f"cannot be stored: BSON cannot encode it ({storable_text(str(exc))})"
     return None
 
-
-#: Server error codes for an update that cannot apply to one document (BadValue, TypeMismatch).
-UNAPPLICABLE_UPDATE = {2, 14}
 
 #: The result backend's collection (same database) of what has no job: see results/backend.py.
 RESULTS_COLLECTION = "bb_results"

@@ -58,10 +58,11 @@ from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, PyMongoError
 
 from bb_broker.forks import reset_in_child
-from bb_broker.jobs.document import DOCUMENT_TOO_LARGE, DOES_NOT_FIT, UNENCODABLE, unwritable_cause
+from bb_broker.jobs.document import DOES_NOT_FIT, UNENCODABLE, unwritable_cause
 from bb_broker.jobs.lifecycle import RUNNING
 from bb_broker.jobs.outages import through_outages
 from bb_broker.ops import metrics
+from bb_broker.server import too_large_write_error
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class SettleWriter:
             failed = {error["index"]: error for error in exc.details.get("writeErrors", [])}
             modified = exc.details.get("nModified", 0)
             for index, error in failed.items():
-                if error.get("code") in DOCUMENT_TOO_LARGE:
+                if too_large_write_error(error):
                     too_large.append(batch[index])
                 else:
                     logger.error("the settle of job %s was refused: %s", batch[index].job_id, error.get("errmsg"))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +212,18 @@ def test_every_message_celery_writes_passes_the_checks_at_publish_and_claim(opti
     claimed = to_message(payload)
     check_envelope(claimed)
     check_body(claimed, payload)
+
+
+def test_only_the_server_module_reads_server_error_codes() -> None:
+    """Issue 43: what the server can do is known in one place (bb_broker/server.py), never learnt from error codes
+    kept in other modules: no other module compares an error's code."""
+    root = Path(__file__).resolve().parents[2] / "bb_broker"
+    reading_a_code = re.compile(r"\.code\s*(==|!=|in\b|not in\b)|\.get\(\s*[\"']code[\"']\s*\)")
+    found = [
+        f"{path.relative_to(root.parent)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "server.py" or path.parent != root
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if reading_a_code.search(line)
+    ]
+    assert found == []
