@@ -327,8 +327,8 @@ class Wakeups:
         is in what it finds; the looks that follow claim all that is due (news, from what called for the read)."""
         since = self._clock()  # before the times kept are let go: each one not come yet is after it
         with self._lock:
+            self._fire_timers(time.monotonic())  # first: a queue whose dropped due times come now is read too
             unread, self._unread = self._unread, set()
-            self._fire_timers(time.monotonic())
             for queue in unread:
                 self._forget_due_times(queue)
         if not unread:
