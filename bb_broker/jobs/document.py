@@ -84,6 +84,12 @@ def due_query(queue: Any, now: datetime) -> dict[str, Any]:
     return {"status": QUEUED, "queue": queue, "runAfter": {"$lte": now}}
 
 
+def waiting_query(queue: Any, now: datetime) -> dict[str, Any]:
+    """The filter of the jobs of `queue` (a name, or a query on it) that wait for their runAfter (a countdown, an
+    ETA, a retry's backoff)."""
+    return {"status": QUEUED, "queue": queue, "runAfter": {"$gt": now}}
+
+
 def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
     """The claim: the filter of `queue`'s due jobs (taken in CLAIM_ORDER) and the update that makes one `owner`'s."""
     due = due_query(queue, now)

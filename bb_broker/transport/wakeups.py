@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
-import heapq
 import logging
 import math
 import os
@@ -19,6 +19,7 @@ from pymongo.database import Database
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker.forks import reset_in_child
+from bb_broker.jobs.document import waiting_query
 from bb_broker.jobs.queues import SLOT_WAITERS_FIELD
 from bb_broker.jobs.serial import WAITERS_FIELD
 from bb_broker.server import capabilities, server_words
@@ -51,6 +52,10 @@ PACED_CHANGES = 32
 FREED_FIELDS = (SLOT_WAITERS_FIELD, WAITERS_FIELD)
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
+#: The due times of delayed jobs a connection keeps per queue it consumes (and for the retries, whose change does
+#: not name their queue): the earliest ones. Past that, a queue's due times are read from its jobs again when the
+#: first one it dropped comes, so that a million jobs scheduled ahead cost each worker this many, not a million.
+DUE_TIMES_KEPT = 1000
 
 
 @dataclass
@@ -111,9 +116,19 @@ class Wakeups:
         self.freed = 0
         self._jobs_touched_at = 0.0
         self._last_poll: dict[str, float] = {}
-        #: (monotonic due, the jobs it tells of, queue or None for every job queue): a due time tells of the one job
-        #: due then, a rate's next start (wake_in) of every job waiting for it.
-        self._timers: list[tuple[float, float, str | None]] = []
+        self._jobs = db[jobs]
+        #: The due times (monotonic, ascending) of the delayed jobs of each consumed queue, each telling of the one job
+        #: due then; under None, those of the retries (an update does not name its queue), for every job queue.
+        #: DUE_TIMES_KEPT at most each: the first one dropped is kept in `_dropped_from`.
+        self._due: dict[str | None, list[float]] = {}
+        #: When the first due time `_due` dropped for a queue comes: its due times are read from the jobs then.
+        self._dropped_from: dict[str | None, float] = {}
+        #: The consumed queues whose due times are to be read from the jobs at their next look: those a consumer
+        #: started on (their delayed jobs were no business of this connection's before), those whose dropped due
+        #: times come, and all after the change stream was down (it may have missed some).
+        self._unread: set[str] = set()
+        #: A rate's next start (wake_in) per queue: news of every job waiting for it.
+        self._rate_due: dict[str, float] = {}
         #: The queues this connection's consumers read: only their changes are news or repeats to it. The rest
         #: (its own replies and events, other workers' queues) are marked, in case it consumes them later, and else
         #: only pace the watcher while they keep coming.
@@ -132,6 +147,8 @@ class Wakeups:
         known to be waiting. A look reads only what the changes told of, except on a safety poll (everything)."""
         if not self.available:
             return Look()  # no change stream: plain polling, of both collections
+        if job_queue and self._unread:
+            self._read_due_times()
         now = time.monotonic()
         with self._lock:
             self._fire_timers(now)
@@ -197,8 +214,10 @@ class Wakeups:
         """`queue` is worth a look in `seconds` (a rate's next start), news or not: a look that claims until the rate
         stops it, not one job (a claim of one that the rate let through would leave the jobs behind it waiting for
         the safety poll)."""
+        due = time.monotonic() + max(seconds, 0.0)
         with self._lock:
-            heapq.heappush(self._timers, (time.monotonic() + max(seconds, 0.0), math.inf, queue))
+            # The earliest is enough: its look claims until the rate stops it, which sets the next.
+            self._rate_due[queue] = min(due, self._rate_due.get(queue, math.inf))
 
     def _add_news(self, queue: str, *, jobs: float = 0.0, messages: float = 0.0) -> None:
         news = self._news.setdefault(queue, Look(jobs=0.0, messages=0.0))
@@ -211,6 +230,15 @@ class Wakeups:
         consumed = frozenset(queues)
         with self._lock:
             added = consumed - self._consumed
+            for gone in self._consumed - consumed:
+                self._forget_due_times(gone)
+                self._unread.discard(gone)
+                self._rate_due.pop(gone, None)
+            for queue in added:
+                # Its first look reads everything, and its due times: the changes of its delayed jobs before now
+                # were another queue's, and kept nothing.
+                self._last_poll.pop(queue, None)
+                self._unread.add(queue)
             self._consumed = consumed
         if added:
             self._feed.cut_pace()  # the newcomer's news must not wait behind a pace
@@ -231,21 +259,102 @@ class Wakeups:
             fired = self._fire_timers(now)
             if not self._dirty.isdisjoint(consumed) or None in fired:
                 return 0.0
-            candidates = [due - now for due, _, _ in self._timers[:1]]
+            candidates = [due - now for due in self._next_due_times()]
             candidates += [self._last_poll.get(queue, float("-inf")) + self._safety - now for queue in consumed]
         return max(0.0, min(candidates, default=self._safety))
 
     def _fire_timers(self, now: float) -> set[str | None]:
         """Turn the due times that have come into news; the queues they were for (None: every job queue)."""
         fired: set[str | None] = set()
-        while self._timers and self._timers[0][0] <= now:
-            _, jobs, queue = heapq.heappop(self._timers)
+        for queue, times in list(self._due.items()):
+            come = bisect.bisect_right(times, now)
+            if not come:
+                continue
+            del times[:come]
+            if not times:
+                del self._due[queue]
             fired.add(queue)
             if queue is None:
                 self._jobs_touched_at = now
             else:
-                self._add_news(queue, jobs=jobs)
+                self._add_news(queue, jobs=float(come))  # one job each
+        for queue, dropped_from in list(self._dropped_from.items()):
+            if dropped_from <= now:
+                # The first job it dropped is due: read what is due from then on (a look claims what is due now).
+                del self._dropped_from[queue]
+                fired.add(queue)
+                if queue is None:  # a retry's, of some queue: every job queue looks, and reads
+                    self._jobs_touched_at = now
+                    self._unread |= self._consumed
+                else:
+                    self._unread.add(queue)
+                    self._add_news(queue, jobs=math.inf)
+        for queue, due in list(self._rate_due.items()):
+            if due <= now:
+                del self._rate_due[queue]
+                fired.add(queue)
+                self._add_news(queue, jobs=math.inf)
         return fired
+
+    def _next_due_times(self) -> list[float]:
+        """The earliest due time of each queue (its kept ones, the first it dropped, a rate's next start)."""
+        return [
+            *(times[0] for times in self._due.values()),
+            *self._dropped_from.values(),
+            *self._rate_due.values(),
+        ]
+
+    def _keep_due_time(self, queue: str | None, due: float) -> None:
+        """Keep the monotonic time when a delayed job of `queue` is due; the latest go past DUE_TIMES_KEPT."""
+        dropped_from = self._dropped_from.get(queue, math.inf)
+        if due >= dropped_from:
+            return  # read again from the jobs when the first one dropped comes
+        times = self._due.setdefault(queue, [])
+        bisect.insort(times, due)
+        if len(times) > DUE_TIMES_KEPT:
+            self._dropped_from[queue] = min(times.pop(), dropped_from)
+
+    def _forget_due_times(self, queue: str) -> None:
+        self._due.pop(queue, None)
+        self._dropped_from.pop(queue, None)
+
+    def _read_due_times(self) -> None:
+        """Read when the delayed jobs of the unread queues are due, in place of the times kept for them: one read for
+        them all, of their earliest DUE_TIMES_KEPT.
+
+        What the changes tell of meanwhile is kept as well: a job inserted during the read may be kept twice, which
+        costs a look that finds nothing. Every job due before the read was kept (the times that came are news) or
+        is in what it finds; the looks that follow claim all that is due (news, from what called for the read)."""
+        since = self._clock()  # before the times kept are let go: each one not come yet is after it
+        with self._lock:
+            self._fire_timers(time.monotonic())  # first: a queue whose dropped due times come now is read too
+            unread, self._unread = self._unread, set()
+            for queue in unread:
+                self._forget_due_times(queue)
+        if not unread:
+            return
+        try:
+            waiting = self._jobs.find(
+                waiting_query({"$in": sorted(unread)}, since),
+                {"_id": 0, "queue": 1, "runAfter": 1},
+                sort=[("runAfter", 1)],
+                limit=DUE_TIMES_KEPT,
+            )
+            found = [(doc["queue"], self._seconds_until(doc["runAfter"])) for doc in waiting]
+        except PyMongoError:
+            with self._lock:
+                self._unread |= unread  # read at the next look (the claim's error reaches the consumer)
+            raise
+        now = time.monotonic()
+        with self._lock:
+            for queue, delay in found:
+                if queue in self._consumed:  # not a consumer cancelled meanwhile
+                    self._keep_due_time(queue, now + delay)
+            if len(found) == DUE_TIMES_KEPT:
+                # There may be more from the last one found on, of any of them: read again when it comes.
+                last = now + found[-1][1]
+                for queue in unread & self._consumed:
+                    self._dropped_from[queue] = min(last, self._dropped_from.get(queue, math.inf))
 
     def _notify(self) -> None:
         self.event.set()
@@ -257,6 +366,7 @@ class Wakeups:
     def _went_live(self) -> None:
         with self._lock:
             self._last_poll.clear()  # anything may have happened while we were not watching
+            self._unread |= self._consumed  # a job delayed meanwhile, too
             self.controls_version += 1  # a queue paused or resumed meanwhile, too
         self.available = True
         self._notify()
@@ -297,8 +407,12 @@ class Wakeups:
         delay = self._seconds_until(due)
         with self._lock:
             if delay > 0:
-                heapq.heappush(self._timers, (now + delay, 1.0, queue))  # the job inserted with that due time
-                seen = Seen.REPEAT  # a timer: nothing to poll before it fires
+                if queue is None or queue in self._consumed:
+                    self._keep_due_time(queue, now + delay)
+                    seen = Seen.REPEAT  # a due time: nothing to poll before it comes
+                else:
+                    # Another queue's: nothing kept (a consumer that starts on it reads its due times then).
+                    seen = Seen.OTHER
             elif queue is None:
                 seen = Seen.NEWS
                 self._jobs_touched_at = now

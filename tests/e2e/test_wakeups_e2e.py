@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
@@ -168,3 +171,44 @@ def test_an_idle_workers_safety_poll_is_one_read_per_collection_for_all_its_queu
     db.jobs.update_one({"taskId": task_id}, {"$set": {"queue": "b"}})
     wait_for(settled(db, task_id, "succeeded"), timeout=30, message="the moved job, run")
     assert ("findAndModify", "jobs", frozenset({"b"})) in reads()[before:]  # read where the probe found it
+
+
+def _resident_kb(pid: int) -> int:
+    """The resident memory of process `pid`, in kB, as `top` shows it."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def _delayed_jobs(queue: str, count: int, due: datetime) -> list[dict[str, Any]]:
+    """`count` queued jobs of `queue` due at `due`, as a publish with a countdown writes them."""
+    now = datetime.now(UTC)
+    return [
+        {"_id": f"delayed-{queue}-{n}", "kind": "tests.support.e2e_app.add", "taskId": f"delayed-{queue}-{n}",
+         "queue": queue, "priority": 0, "payload": {}, "status": "queued", "attempts": 0, "runAfter": due,
+         "createdAt": now, "updatedAt": now}
+        for n in range(count)
+    ]  # fmt: skip
+
+
+def test_delayed_jobs_of_a_queue_it_does_not_consume_cost_its_worker_no_memory(broker_url, db, worker_factory) -> None:
+    # The change stream tells every worker of every job: each kept a timer per future runAfter before it looked at
+    # the queue, 170 bytes a job in every worker (8.4 MB for 50,000 jobs scheduled a day ahead on another queue).
+    worker = worker_factory(options={"safety_poll_interval": 3600})
+    assert worker.process is not None
+    app = producer(broker_url)
+    tomorrow = datetime.now(UTC) + timedelta(days=1)
+
+    def seen_by_the_worker(batch: str) -> None:
+        # The stream is ordered: once the worker ran a task published after the jobs, it was told of each of them.
+        task_id = send(app, "add", 1, 1)
+        wait_for(settled(db, task_id, "succeeded"), timeout=120, message=f"a task after the {batch} jobs")
+
+    # A first round settles the worker's memory (its reads, its pools) at what jobs on another queue make it.
+    db.jobs.insert_many(_delayed_jobs("warm-up", 2_000, tomorrow))
+    seen_by_the_worker("warm-up")
+    before = _resident_kb(worker.process.pid)
+    for start in range(0, 20_000, 5_000):
+        db.jobs.insert_many(_delayed_jobs(f"elsewhere-{start}", 5_000, tomorrow))
+    seen_by_the_worker("20,000 delayed")
+    grown = _resident_kb(worker.process.pid) - before
+    assert grown < 1_500, f"the worker's main process grew by {grown} kB for 20,000 delayed jobs it does not run"
