@@ -17,6 +17,8 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeGuard
 
@@ -125,6 +127,15 @@ class Capabilities:
             return True
         return (exc.code or 0, _gist(_errmsg(exc), exc.code)) in self.unique_refusals
 
+    def only_unique_refusals(self, errors: list[dict[str, Any]]) -> bool:
+        """Whether every error of a bulk write's `writeErrors` is a unique index's refusal, however this server
+        reports it."""
+        return all(
+            error.get("code") in DUPLICATE_KEY_CODES
+            or (error.get("code") or 0, _gist(str(error.get("errmsg", "")), error.get("code"))) in self.unique_refusals
+            for error in errors
+        )
+
     def as_duplicate_key(self, exc: OperationFailure) -> OperationFailure:
         """`exc` as the DuplicateKeyError pymongo raises on MongoDB when it is this server's unique refusal."""
         if isinstance(exc, DuplicateKeyError) or not self.is_unique_refusal(exc):
@@ -177,11 +188,6 @@ def too_large_write_error(error: dict[str, Any]) -> bool:
     return error.get("code") in TOO_LARGE_CODES
 
 
-def only_duplicate_keys(errors: list[dict[str, Any]]) -> bool:
-    """Whether every error of a bulk write's `writeErrors` is a unique index's refusal."""
-    return all(error.get("code") in DUPLICATE_KEY_CODES for error in errors)
-
-
 def is_not_implemented(exc: BaseException) -> TypeGuard[OperationFailure]:
     """A command or option the server does not implement."""
     return isinstance(exc, OperationFailure) and exc.code in NOT_IMPLEMENTED_CODES
@@ -215,6 +221,19 @@ def server_words(exc: PyMongoError, secrets: tuple[str, ...] = ()) -> str:
         code = f"code {exc.code}" + (f" {name}" if name else "")
         return f"{scrub(' '.join(_errmsg(exc).split())[:300], secrets)} ({code})"
     return scrub(" ".join(str(exc).split())[:300], secrets)
+
+
+@contextmanager
+def unique_refusals(db: Database) -> Iterator[None]:
+    """Inside, a unique index's refusal comes out as pymongo's DuplicateKeyError however the server behind `db`
+    reports it (FerretDB's code 1), so that every `except DuplicateKeyError` holds on every engine."""
+    try:
+        yield
+    except OperationFailure as exc:
+        converted = exc if isinstance(exc, DuplicateKeyError) else capabilities(db).as_duplicate_key(exc)
+        if converted is exc:
+            raise
+        raise converted from exc
 
 
 # --- the probe --------------------------------------------------------------------------------------------------

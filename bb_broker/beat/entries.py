@@ -30,6 +30,7 @@ from pymongo.errors import DuplicateKeyError
 
 from bb_broker.beat.slots import MAX_EVERY, ScheduleError, Slots, schedule_document, slot_date, slots_of
 from bb_broker.jobs.payloads import MAX_SCHEDULE_LENGTH
+from bb_broker.server import unique_refusals
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,8 @@ class ScheduleStore:
         fields = entry_fields(name, task, schedule, **how)
         doc = {"_id": name, **fields, **self._created(), "owner": RUNTIME, "updatedAt": self.now()}
         try:
-            self.coll.insert_one(doc)
+            with unique_refusals(self.coll.database):
+                self.coll.insert_one(doc)
         except DuplicateKeyError:
             raise EntryError(f"an entry named {name!r} exists already") from None
         return doc
@@ -287,11 +289,12 @@ class ScheduleStore:
             current = self.coll.find_one({"_id": name, "owner": CONFIG}) or {}
             changes = {**fields, "owner": CONFIG, "updatedAt": now, **self._restarted(current, fields)}
             try:
-                self.coll.update_one(
-                    {"_id": name, "owner": CONFIG},
-                    {"$set": changes, "$setOnInsert": {k: v for k, v in created.items() if k not in changes}},
-                    upsert=True,
-                )
+                with unique_refusals(self.coll.database):
+                    self.coll.update_one(
+                        {"_id": name, "owner": CONFIG},
+                        {"$set": changes, "$setOnInsert": {k: v for k, v in created.items() if k not in changes}},
+                        upsert=True,
+                    )
             except DuplicateKeyError:
                 if self.coll.find_one({"_id": name, "owner": CONFIG}, {"_id": 1}) is None:
                     logger.error("beat_schedule entry %r: an entry added at run time has that name; it is kept", name)

@@ -15,6 +15,8 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
+from bb_broker.server import unique_refusals
+
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
 QUEUES_COLLECTION = "bb_queues"
 
@@ -196,11 +198,12 @@ class QueueControls:
         """Pause `queue`; False when it was paused already (the first pause keeps its author)."""
         try:
             # Upserted when the queue has no document yet; a paused one does not match and its _id collides.
-            self.coll.update_one(
-                {"_id": queue, "paused": {"$ne": True}},
-                {"$set": {"paused": True, "pausedBy": by, "pausedAt": now}},
-                upsert=True,
-            )
+            with unique_refusals(self.coll.database):
+                self.coll.update_one(
+                    {"_id": queue, "paused": {"$ne": True}},
+                    {"$set": {"paused": True, "pausedBy": by, "pausedAt": now}},
+                    upsert=True,
+                )
         except DuplicateKeyError:
             return False
         return True

@@ -71,7 +71,13 @@ from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay, SettleWrite
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.ops import metrics
-from bb_broker.server import Capabilities, capabilities, is_missing_hinted_index, is_unapplicable_update
+from bb_broker.server import (
+    Capabilities,
+    capabilities,
+    is_missing_hinted_index,
+    is_unapplicable_update,
+    unique_refusals,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -253,10 +259,8 @@ class JobStore(Sweeps):
 
     def _write(self, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return operation(*args, **kwargs)
-        except OperationFailure as exc:
-            self._raise_as_duplicate_key(exc)
-            raise
+            with unique_refusals(self.coll.database):
+                return operation(*args, **kwargs)
         except DocumentTooLarge as exc:
             raise JobTooLarge(
                 f"task message does not fit in a MongoDB document (limit {MAX_DOCUMENT_BYTES} bytes): {exc}"
@@ -681,21 +685,14 @@ class JobStore(Sweeps):
         """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again. A
         unique index's refusal comes out as DuplicateKeyError, however this server reports it."""
         try:
-            return query()
+            with unique_refusals(self.coll.database):
+                return query()
         except OperationFailure as exc:
             if not is_missing_hinted_index(exc):
-                self._raise_as_duplicate_key(exc)
                 raise
         logger.warning("the indexes of %s are gone; creating them again", self.coll.full_name)
         self.coll.create_indexes(INDEXES)
         return query()
-
-    def _raise_as_duplicate_key(self, exc: OperationFailure) -> None:
-        """Raise `exc` as DuplicateKeyError where it is this server's way of saying a unique index refused the write
-        (FerretDB's code 1): the callers' handling of a refusal is the same on every engine."""
-        converted = self.server.as_duplicate_key(exc)
-        if converted is not exc:
-            raise converted from exc
 
     def _failed_malformed(self, doc: dict[str, Any], attempts: Any) -> bool:
         """Whether the claimed `doc` (now at `attempts`) is malformed: then it ends failed here, once, naming the

@@ -26,7 +26,7 @@ from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUE
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
-from bb_broker.server import only_duplicate_keys
+from bb_broker.server import capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -921,7 +921,7 @@ class Operations:
             modified = self.coll.bulk_write([op for _, op in batch], ordered=False).modified_count
         except BulkWriteError as exc:
             errors = exc.details.get("writeErrors", [])
-            if not only_duplicate_keys(errors):
+            if not capabilities(self.coll.database).only_unique_refusals(errors):
                 raise
             for error in errors:
                 job_id = ids[error["index"]]

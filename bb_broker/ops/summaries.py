@@ -24,7 +24,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from bb_broker.clock import aware
 from bb_broker.jobs.document import MAX_KIND_LENGTH
-from bb_broker.server import is_not_implemented, is_unauthorized, only_duplicate_keys
+from bb_broker.server import capabilities, is_not_implemented, is_unauthorized, unique_refusals
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Summaries:
                        for at in intervals]  # fmt: skip
             self.coll.insert_many(markers, ordered=False)
         except BulkWriteError as exc:
-            if not only_duplicate_keys(exc.details.get("writeErrors", [])):
+            if not capabilities(self.coll.database).only_unique_refusals(exc.details.get("writeErrors", [])):
                 raise
             # A chart summarizing the same intervals at once: its writes went first, with the same numbers.
         except OperationFailure as exc:
@@ -117,7 +117,7 @@ class Summaries:
         try:
             self.coll.bulk_write([self._replacing(group) for group in groups], ordered=False)
         except BulkWriteError as exc:
-            if not only_duplicate_keys(exc.details.get("writeErrors", [])):
+            if not capabilities(self.coll.database).only_unique_refusals(exc.details.get("writeErrors", [])):
                 raise
 
     def take_turn(self, owner: str, length: timedelta) -> bool:
@@ -131,11 +131,12 @@ class Summaries:
             # Taken where it ran out (or holds no date: a hand edit) or is ours; a turn another holds does not match,
             # and the upsert's _id collides.
             ran_out = [{"until": {"$lte": now}}, {"until": {"$not": {"$type": "date"}}}, {"by": owner}]
-            self.coll.update_one(
-                {"_id": self._turn, "$or": ran_out},
-                {"$set": {"by": owner, "until": now + length, "jobs": self.jobs, "passing": owner}},
-                upsert=True,
-            )
+            with unique_refusals(self.coll.database):
+                self.coll.update_one(
+                    {"_id": self._turn, "$or": ran_out},
+                    {"$set": {"by": owner, "until": now + length, "jobs": self.jobs, "passing": owner}},
+                    upsert=True,
+                )
         except DuplicateKeyError:
             return False
         except OperationFailure as exc:

@@ -29,7 +29,7 @@ from bb_broker.forks import reset_in_child
 from bb_broker.jobs.admin import ensure_plain_indexes, say_no_ttl_once
 from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
-from bb_broker.server import is_not_implemented, only_duplicate_keys
+from bb_broker.server import capabilities, is_not_implemented, unique_refusals
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -267,8 +267,9 @@ class Outbox:
                 self.messages.insert_many(batch, ordered=False)
                 return
             except BulkWriteError as exc:
+                server = capabilities(self.messages.database)
                 for error in exc.details.get("writeErrors") or []:  # none: only the write concern complained
-                    if not only_duplicate_keys([error]):  # a duplicate landed on a try whose answer was lost
+                    if not server.only_unique_refusals([error]):  # a duplicate landed on a try whose answer was lost
                         logger.error(
                             "a message for queue %r was refused by the server and is dropped: %s",
                             batch[error["index"]]["queue"],
@@ -448,7 +449,7 @@ class MessageStore:
             Outbox.of(self.messages).add(document, linger)
             return
         # A duplicate _id (the only unique key): an earlier try of this publish stored it, and its answer was lost.
-        with contextlib.suppress(DuplicateKeyError):
+        with contextlib.suppress(DuplicateKeyError), unique_refusals(self.messages.database):
             self.messages.insert_one(document)
 
     def _say_unmasked(self, content_type: str, queue: str) -> None:

@@ -14,9 +14,11 @@ from celery import Celery
 from pymongo import MongoClient
 from pymongo.database import Database
 
+from bb_broker import DuplicateJob
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support import wire
+from tests.support.beat_process import TICK, Beat, assert_one_job_per_slot, slot_jobs
 from tests.support.faults import fail_point
 from tests.support.servers import with_database
 from tests.support.workers import Worker, producer, send, wait_for
@@ -148,3 +150,63 @@ def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, d
         if proxy is not None:
             proxy.close()
     still_up(worker)
+
+
+def test_a_unique_job_is_refused_while_one_is_queued(deployment, db: Database, tmp_path) -> None:
+    # The publish meets the unique index's refusal, in whatever code the engine gives it (code 1 on FerretDB).
+    _, url = deployment
+    app = producer(url)
+    try:
+        first = send(app, "add", 7, 7, unique=True)
+        with pytest.raises(DuplicateJob) as refused:
+            send(app, "add", 7, 7, unique=True)
+        assert refused.value.task_id == first
+    finally:
+        app.close()
+    assert db.jobs.count_documents({}) == 1
+
+
+def test_revoked_and_cancelled_queued_jobs_never_start(deployment, db: Database, tmp_path) -> None:
+    _, url = deployment
+    app = producer(url)
+    try:
+        revoked, cancelled, kept = (send(app, "add", n, n, queue="later") for n in range(3))
+        app.control.revoke(revoked)
+        Operations(JobStore(db)).act("cancel", cancelled, by="tester")  # the id a task's job is known by
+        worker = start(url, tmp_path, "w0", "-Q", "later")
+        wait_for(lambda: db.jobs.find_one({"taskId": kept, "status": "succeeded"}), 60, "the kept job ran")
+    finally:
+        app.close()
+    for task_id in (revoked, cancelled):
+        doc = db.jobs.find_one({"taskId": task_id})
+        assert (doc["status"], doc["attempts"]) == ("failed", 0), doc
+    still_up(worker)
+
+
+def test_a_worker_killed_mid_task_its_job_runs_again_elsewhere(deployment, db: Database, tmp_path) -> None:
+    _, url = deployment
+    victim = Worker(url, log_dir=tmp_path, name="victim", options={"stale_after": 3})
+    victim.start()
+    app = producer(url)
+    try:
+        task_id = send(app, "sleep", 1)
+        wait_for(lambda: db.runs.find_one({"taskId": task_id}), 60, "the task started")
+        victim.kill()
+        survivor = Worker(url, log_dir=tmp_path, name="survivor", options={"stale_after": 3})
+        survivor.start()
+        done = wait_for(
+            lambda: db.jobs.find_one({"taskId": task_id, "status": "succeeded"}), 90, "run again after the crash"
+        )
+    finally:
+        app.close()
+    assert done["attempts"] == 2 and [entry["outcome"] for entry in done["history"]] == ["lost", "succeeded"]
+    still_up(survivor)
+
+
+def test_two_beats_send_each_slot_once(deployment, db: Database, tmp_path) -> None:
+    _, url = deployment
+    beats = [Beat(url, tmp_path, f"b{n}", TICK).start() for n in range(2)]
+    wait_for(lambda: len(slot_jobs(db)) >= 8, 120, "8 slots sent")
+    assert_one_job_per_slot(slot_jobs(db))
+    for beat in beats:
+        assert beat.process is not None and beat.process.poll() is None, beat.log()[-3000:]
