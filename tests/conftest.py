@@ -13,6 +13,7 @@ from celery import Celery
 from pymongo import MongoClient
 from pymongo.database import Database
 
+from bb_broker.server import capabilities
 from tests.support.servers import AUTH_PASSWORD, EmbeddedServer, external_url, with_database
 from tests.support.workers import STARTED, Worker, process_factory, producer
 
@@ -29,12 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(folder)
 
 
-@pytest.fixture(scope="session")
-def mongo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = external_url()
-    if url:
-        yield url
-        return
+def _embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = EmbeddedServer(tmp_path_factory.mktemp("mongo") / "data")
     server.start()
     try:
@@ -44,10 +40,62 @@ def mongo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def mongo_client(mongo_url: str) -> Iterator[MongoClient]:
-    client: MongoClient = MongoClient(mongo_url, tz_aware=True)
-    yield client
-    client.close()
+def suite_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The server the suite runs against: BB_TEST_MONGO_URL's deployment, or an embedded server."""
+    url = external_url()
+    if url:
+        yield url
+    else:
+        yield from _embedded(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def stand_in_url(suite_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The embedded server (a replica set member that has change streams and fail points): the suite's own, or under
+    BB_TEST_MONGO_URL one more, started the first time a test asks for it."""
+    if external_url():
+        yield from _embedded(tmp_path_factory)
+    else:
+        yield suite_url
+
+
+class Clients(dict[str, MongoClient]):
+    """One client per server URL for the whole session."""
+
+    def __missing__(self, url: str) -> MongoClient:
+        client: MongoClient = MongoClient(url, tz_aware=True)
+        self[url] = client
+        return client
+
+
+@pytest.fixture(scope="session")
+def clients() -> Iterator[Clients]:
+    made = Clients()
+    yield made
+    for client in made.values():
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def suite_has_change_streams(suite_url: str, clients: Clients) -> bool:
+    return capabilities(clients[suite_url]["bbt_capabilities"]).change_streams
+
+
+@pytest.fixture
+def mongo_url(request: pytest.FixtureRequest, suite_url: str) -> str:
+    """The server this test runs on: the suite's, except for a test marked `stand_in` (a wire proxy plays another
+    deployment in front of the embedded server) or `change_streams` (it tests what a change stream does) where the
+    suite's deployment has none (a standalone mongod): those select the embedded server, which is what they test."""
+    if request.node.get_closest_marker("stand_in") or (
+        request.node.get_closest_marker("change_streams") and not request.getfixturevalue("suite_has_change_streams")
+    ):
+        return str(request.getfixturevalue("stand_in_url"))
+    return suite_url
+
+
+@pytest.fixture
+def mongo_client(mongo_url: str, clients: Clients) -> MongoClient:
+    return clients[mongo_url]
 
 
 @pytest.fixture

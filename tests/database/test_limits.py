@@ -274,6 +274,7 @@ def test_the_read_of_the_slots_taken_goes_through_its_index(store: JobStore, db:
     client.close()
 
 
+@pytest.mark.change_streams
 def test_only_a_limit_reached_flags_the_slot_holders_and_only_their_ends_wake_anyone(
     store: JobStore, db: Database
 ) -> None:
@@ -580,6 +581,7 @@ def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: J
 # --- wake-ups ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.change_streams
 def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
     mongo_url: str, db: Database, store: JobStore
 ) -> None:
@@ -634,6 +636,7 @@ def test_a_held_back_queue_is_woken_by_a_freed_slot_or_key_and_by_nothing_else(
         wakeups.stop()
 
 
+@pytest.mark.change_streams
 def test_a_rates_next_start_is_a_look_that_claims_until_the_rate_stops_it(mongo_url: str, db: Database) -> None:
     """A due time tells of one job; a rate's next start tells of every job held back by it. Were it one job, a claim
     of it that the rate let through would spend the news, and the jobs behind it would wait for the safety poll."""

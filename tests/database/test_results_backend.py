@@ -205,6 +205,7 @@ def test_the_part_that_claimed_the_callback_takes_it_over_when_it_runs_again(
     assert db.bb_results.find_one({"_id": "chord:g4"})["sent"]
 
 
+@pytest.mark.change_streams
 def test_a_waiting_get_is_woken_by_a_new_job_of_a_task_id_it_knows(app: Celery, db: Database):
     # Task.replace: the replaced task's id comes back on its replacement's job (for a chain, only once the chain's
     # earlier steps ran), while the job the waiter knows has settled and changes no more.

@@ -22,6 +22,9 @@ from bb_broker.transport.wakeups import BUSY_PACE, FIRST_PACE, Look, Wakeups
 from tests.support.spies import record_changes, record_paces
 from tests.support.workers import producer, send, wait_for
 
+#: Every test here measures the change stream itself: on the embedded server where BB_TEST_MONGO_URL's has none.
+pytestmark = pytest.mark.change_streams
+
 
 class GetMores(monitoring.CommandListener):
     def __init__(self) -> None:

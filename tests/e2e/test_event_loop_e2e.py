@@ -235,6 +235,7 @@ def test_an_error_a_claim_meets_off_the_loop_is_raised_on_the_loop(own_server, c
     assert len(delivered) == 1
 
 
+@pytest.mark.change_streams
 def test_a_job_queued_while_a_batch_claim_is_out_is_delivered_without_waiting_for_a_safety_poll(
     broker_url: str, db: Database, claim_writes: ClaimWrites
 ) -> None:

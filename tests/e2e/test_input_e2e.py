@@ -8,6 +8,7 @@ import bb_broker
 from tests.support.workers import failing_write, job, send, settled, wait_for
 
 
+@pytest.mark.change_streams
 def test_a_serializer_the_worker_refuses_fails_the_job_and_nothing_else(app, db, worker_factory) -> None:
     worker_factory()
     with db.jobs.watch([{"$match": {"operationType": "update"}}]) as changes:

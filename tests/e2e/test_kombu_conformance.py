@@ -325,6 +325,7 @@ def test_a_deleted_exchange_routes_nothing_through_its_old_bindings(broker_url: 
     assert db.bb_bindings.count_documents({"exchange": "fan_recreated"}) == 0
 
 
+@pytest.mark.change_streams
 def test_a_topic_message_published_after_a_queue_was_bound_elsewhere_reaches_it(broker_url: str, db: Database) -> None:
     # Celery's events go to a topic exchange whose bindings a publisher keeps a moment: a queue bound since (by
     # another connection of this process, or another process the change stream told of) must get what is published

@@ -145,6 +145,7 @@ def test_autoretry_is_honoured_and_its_final_attempt_known(app, db, worker_facto
     assert failed["attempts"] == 2 and failed["lastError"].startswith("KeyError")
 
 
+@pytest.mark.change_streams
 def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
     worker_factory()
     with db.jobs.watch([{"$match": {"operationType": "update"}}]) as changes:

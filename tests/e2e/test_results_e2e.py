@@ -390,6 +390,7 @@ def test_a_failed_chain_step_fails_the_rest_of_the_chain(results_app, results_wo
     assert "celery_taskmeta" not in db.list_collection_names()
 
 
+@pytest.mark.change_streams
 def test_get_wakes_on_the_change_stream_and_polls_without_one(results_app, results_worker, db: Database):
     results_worker()
     finds = CommandCounter("find")

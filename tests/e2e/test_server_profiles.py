@@ -28,8 +28,6 @@ PROFILES = {"standalone": wire.standalone, "mongos": wire.router, "ferretdb": wi
 
 @pytest.fixture(params=sorted(PROFILES))
 def deployment(request: pytest.FixtureRequest, mongo_url: str, db: Database) -> Iterator[tuple[wire.WireProxy, str]]:
-    if not mongo_url.startswith("mongodb://") or "," in mongo_url or "@" in mongo_url:
-        pytest.fail("the proxy stands in front of one server without credentials: not this BB_TEST_MONGO_URL")
     proxy = wire.WireProxy(mongo_url, PROFILES[request.param]())
     yield proxy, with_database(f"mongodb://{proxy.address}", db.name)
     proxy.close()
@@ -55,6 +53,7 @@ def still_up(*workers: Worker) -> None:
         assert "Unrecoverable error" not in worker.log(), worker.log()[-3000:]
 
 
+@pytest.mark.stand_in
 def test_tasks_run_once_and_get_returns_their_results(deployment, results_producer, db: Database, tmp_path) -> None:
     proxy, url = deployment
     worker = start(url, tmp_path, "w0")
@@ -71,6 +70,7 @@ def test_tasks_run_once_and_get_returns_their_results(deployment, results_produc
         assert lacks and "change_streams" in lacks[0] and "hint_find_and_modify" in lacks[0], worker.log()
 
 
+@pytest.mark.stand_in
 def test_a_limited_queue_and_serial_keys_hold_without_ending_a_worker(deployment, db: Database, tmp_path) -> None:
     _, url = deployment
     Operations(JobStore(db)).set_limits("limited", concurrency=1, by="tester")
@@ -117,7 +117,8 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
     assert log.count("does not expect") == 1, log[-3000:]  # said once per queue and code, not at every try
 
 
-@pytest.mark.parametrize("profile", ["standalone", "replica set"])
+# The standalone played in front of the embedded server; and the suite's own server, whatever its topology.
+@pytest.mark.parametrize("profile", [pytest.param("standalone", marks=pytest.mark.stand_in), "suite server"])
 def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, db: Database, tmp_path) -> None:
     # The worker trusts what it read of the paused queues for a minute: only the pause's write can stop its claims.
     proxy = wire.WireProxy(mongo_url, wire.standalone()) if profile == "standalone" else None
@@ -152,6 +153,7 @@ def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, d
     still_up(worker)
 
 
+@pytest.mark.stand_in
 def test_a_unique_job_is_refused_while_one_is_queued(deployment, db: Database, tmp_path) -> None:
     # The publish meets the unique index's refusal, in whatever code the engine gives it (code 1 on FerretDB).
     _, url = deployment
@@ -166,6 +168,7 @@ def test_a_unique_job_is_refused_while_one_is_queued(deployment, db: Database, t
     assert db.jobs.count_documents({}) == 1
 
 
+@pytest.mark.stand_in
 def test_revoked_and_cancelled_queued_jobs_never_start(deployment, db: Database, tmp_path) -> None:
     _, url = deployment
     app = producer(url)
@@ -183,6 +186,7 @@ def test_revoked_and_cancelled_queued_jobs_never_start(deployment, db: Database,
     still_up(worker)
 
 
+@pytest.mark.stand_in
 def test_a_worker_killed_mid_task_its_job_runs_again_elsewhere(deployment, db: Database, tmp_path) -> None:
     _, url = deployment
     victim = Worker(url, log_dir=tmp_path, name="victim", options={"stale_after": 3})
@@ -203,6 +207,7 @@ def test_a_worker_killed_mid_task_its_job_runs_again_elsewhere(deployment, db: D
     still_up(survivor)
 
 
+@pytest.mark.stand_in
 def test_two_beats_send_each_slot_once(deployment, db: Database, tmp_path) -> None:
     _, url = deployment
     beats = [Beat(url, tmp_path, f"b{n}", TICK).start() for n in range(2)]

@@ -16,6 +16,7 @@ from tests.support.spies import record_changes
 from tests.support.workers import producer, send, settled, wait_for
 
 
+@pytest.mark.change_streams
 def test_new_delayed_and_retried_jobs_arrive_by_wakeup(broker_url, db, worker_factory) -> None:
     worker = worker_factory()
     app = producer(broker_url)
@@ -41,6 +42,7 @@ def test_without_change_streams_the_worker_polls(broker_url, db, worker_factory)
         wait_for(settled(db, task_id, "succeeded"), timeout=60, message=f"{task_id} succeeded by polling")
 
 
+@pytest.mark.change_streams
 def test_news_for_a_queue_it_does_not_consume_leaves_a_consumer_idle(broker_url, db) -> None:
     # Flower consumes only its events queue: a job published to `celery` used to mark a queue no poll of it would
     # ever clear, and its event thread spun through drain_events at a core's worth of CPU.
@@ -64,6 +66,7 @@ def test_news_for_a_queue_it_does_not_consume_leaves_a_consumer_idle(broker_url,
     assert len(polls) < 20, f"{len(polls)} polls of {set(polls)} in 2 s of idling: the consumer spins"
 
 
+@pytest.mark.change_streams
 def test_connections_opened_and_closed_one_after_another_never_run_the_pool_dry(broker_url) -> None:
     # Celery's test manager opens a connection per test to inspect the worker. Each consuming connection started a
     # change-stream watcher that outlived it and kept a pooled connection for good: after maxPoolSize of them every

@@ -362,6 +362,84 @@ def test_the_deployment_guide_says_what_runs_and_that_the_file_was_checked_not_r
     assert services == set(SERVICES), "the guide's table names every service of the file, and only those"
 
 
+# -- the sharded cluster the forge workflow's `sharded` job runs the suite against ------------------------------
+
+SHARDED_FILE = COMPOSE_DIR / "sharded-cluster.yml"
+SHARDED: dict[str, Any] = interpolate(yaml.safe_load(SHARDED_FILE.read_text()), {})  # MONGODB_VERSION's default
+SHARDED_SERVICES: dict[str, dict[str, Any]] = SHARDED["services"]
+WORKFLOW = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
+REPLICA_SETS = ("configsvr", "shard1", "shard2")
+ROUTERS = ("mongos1", "mongos2")
+
+
+def initiated_set(service: str) -> tuple[str, str]:
+    """The replica set name and the member's host that the service's healthcheck initiates its set with."""
+    script = SHARDED_SERVICES[service]["healthcheck"]["test"][-1]
+    assert re.search(r'if \(e\.codeName !== "NotYetInitialized"\) throw e;\s*rs\.initiate\(', script), service
+    assert "db.hello().isWritablePrimary" in script, service
+    found = re.search(
+        r'rs\.initiate\(\{_id: "(\w+)",(?: configsvr: true,)? members: \[\{_id: 0, host: "([\w.-]+:\d+)"', script
+    )
+    assert found, script
+    return found.group(1), found.group(2)
+
+
+def test_the_sharded_cluster_is_a_config_server_set_two_shard_sets_and_two_routers() -> None:
+    assert set(SHARDED_SERVICES) == {*REPLICA_SETS, *ROUTERS}
+    for name, service in SHARDED_SERVICES.items():
+        assert service["image"] == "mongo:8.0", name
+        # Every service is long-running and healthy once it is set up: `up --wait` waits for no container that exits.
+        assert service["healthcheck"]["test"][0] == "CMD-SHELL", name
+    assert "--configsvr" in SHARDED_SERVICES["configsvr"]["command"]
+    assert "configsvr: true" in SHARDED_SERVICES["configsvr"]["healthcheck"]["test"][-1]
+    for name in REPLICA_SETS:
+        command = SHARDED_SERVICES[name]["command"]
+        assert command[0] == "mongod" and "ports" not in SHARDED_SERVICES[name], name
+        assert initiated_set(name) == (option(command, "--replSet"), f"{name}:{option(command, '--port')}"), name
+    for name in ("shard1", "shard2"):
+        command = SHARDED_SERVICES[name]["command"]
+        assert "--shardsvr" in command and option(command, "--replSet") == name
+        # An idle shard would hold a router's change streams back for up to 10 s (the default).
+        assert option(command, "--setParameter") == "periodicNoopIntervalSecs=1", name
+
+
+def test_the_routers_read_the_config_server_set_and_the_first_adds_both_shards() -> None:
+    config = SHARDED_SERVICES["configsvr"]["command"]
+    config_set = f"{option(config, '--replSet')}/configsvr:{option(config, '--port')}"
+    shards = {f"{name}/{name}:{option(SHARDED_SERVICES[name]['command'], '--port')}" for name in ("shard1", "shard2")}
+    for name in ROUTERS:
+        router = SHARDED_SERVICES[name]
+        assert router["command"][0] == "mongos" and option(router["command"], "--configdb") == config_set, name
+        assert router["depends_on"] == {rs: {"condition": "service_healthy"} for rs in REPLICA_SETS}, name
+        check = router["healthcheck"]["test"][-1]
+        assert "db.adminCommand({listShards: 1})" in check and ".length !== 2" in check, name
+    adding = SHARDED_SERVICES["mongos1"]["healthcheck"]["test"][-1]
+    assert set(re.findall(r'"(shard\d/[\w.-]+:\d+)"', adding)) == shards and "sh.addShard(shard)" in adding
+    assert "addShard" not in SHARDED_SERVICES["mongos2"]["healthcheck"]["test"][-1], "one router adds them"
+
+
+def test_the_forge_jobs_point_at_a_standalone_mongod_and_at_both_routers() -> None:
+    jobs = WORKFLOW["jobs"]
+    routers = sorted(
+        port.split(":")[1]
+        for name in ROUTERS
+        for port in SHARDED_SERVICES[name]["ports"]
+        if port.startswith("127.0.0.1:")
+    )
+    sharded = jobs["sharded"]
+    assert sharded["env"]["BB_TEST_MONGO_URL"] == f"mongodb://{','.join(f'127.0.0.1:{port}' for port in routers)}/"
+    assert sharded["env"]["MONGODB_VERSION"] == "${{ matrix.mongodb }}"
+    steps = [step.get("run", "") for step in sharded["steps"]]
+    assert any(run.startswith("docker compose -f compose/sharded-cluster.yml up -d --wait") for run in steps)
+    standalone = jobs["standalone"]
+    assert parse_uri(standalone["env"]["BB_TEST_MONGO_URL"])["options"] == {}, "no replica set, no option"
+    started = next(step["run"] for step in standalone["steps"] if "docker run" in step.get("run", ""))
+    assert "--replSet" not in started
+    for job in (jobs["suite"], sharded, standalone):
+        assert "make test" in [step.get("run") for step in job["steps"]]
+        assert "8.0" in job["strategy"]["matrix"]["mongodb"]
+
+
 # -- the healthchecks, run against real processes ------------------------------------------------------------
 
 
