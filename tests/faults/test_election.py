@@ -94,3 +94,54 @@ def test_jobs_run_once_through_an_election_and_workers_claim_again_at_the_primar
     for worker in workers:
         assert worker.process is not None and worker.process.poll() is None, worker.log()[-3000:]
         assert "Unrecoverable error" not in worker.log(), worker.log()[-3000:]
+
+
+def _statements(command: dict) -> list[dict]:
+    return [s for s in command.get("updates") or [] if isinstance(s, dict)]
+
+
+#: The broker's writes on held jobs that a step-down may interrupt once the server applied them: a batch claim (one
+#: updateMany, which pymongo does not retry), a claim of one job (findAndModify, retried by pymongo as a retryable
+#: write), and a settle (fenced on the job's attempt).
+IN_FLIGHT = {
+    "batch claim": lambda c: (
+        c.get("update") == "jobs"
+        and any(s.get("multi") and s.get("q", {}).get("status") == "queued" for s in _statements(c))
+    ),
+    "claim of one job": lambda c: c.get("findAndModify") == "jobs" and c.get("query", {}).get("status") == "queued",
+    "settle": lambda c: (
+        c.get("update") == "jobs"
+        and any(s.get("q", {}).get("status") == "running" and "attempts" in s.get("q", {}) for s in _statements(c))
+    ),
+}
+
+
+@pytest.mark.parametrize("write", sorted(IN_FLIGHT))
+def test_a_write_the_step_down_interrupts_after_it_was_applied_loses_nothing_and_runs_nothing_twice(
+    write, replica_set, db: Database, tmp_path
+) -> None:
+    proxy, url = replica_set
+    app = producer(url)
+    try:
+        # A batch claim takes what is queued when the worker starts; a lone job is claimed by findAndModify.
+        first = [send(app, "sleep", 0.3) for _ in range(6 if write == "batch claim" else 0)]
+        election = proxy.hold_election(ELECTION_SECONDS, at=IN_FLIGHT[write])
+        worker = Worker(url, log_dir=tmp_path, name="w0", concurrency=4)
+        worker.start()
+        ids = first + ([] if first else [send(app, "sleep", 0.3)])
+        assert election.ended.wait(ELECTION_SECONDS + 60), "the write never came"
+        ids += [send(app, "sleep", 0.3) for _ in range(4)]
+        wait_for(
+            lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids),
+            120,
+            "every job succeeded",
+        )
+    finally:
+        app.close()
+    assert proxy.interrupted >= 1
+    docs = list(db.jobs.find({"taskId": {"$in": ids}}))
+    assert [(doc["attempts"], len(doc["history"])) for doc in docs] == [(1, 1)] * len(ids), docs
+    starts = Counter(run["taskId"] for run in db.runs.find({"taskId": {"$in": ids}, "phase": "start"}))
+    assert starts == dict.fromkeys(ids, 1), starts
+    assert worker.process is not None and worker.process.poll() is None, worker.log()[-3000:]
+    assert "Unrecoverable error" not in worker.log(), worker.log()[-3000:]

@@ -200,6 +200,7 @@ class WireProxy:
         self._topology_version = {"processId": bson.ObjectId(), "counter": bson.Int64(0)}
         self._last_handshake: dict[str, Any] = {}
         self._reply_ids = iter(range(1 << 30, 1 << 31))
+        self._election_at: tuple[Callable[[dict[str, Any]], bool], Election] | None = None
         threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
@@ -217,23 +218,35 @@ class WireProxy:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
-    def hold_election(self, seconds: float, drop_after: float = 0.5) -> Election:
+    def hold_election(
+        self, seconds: float, drop_after: float = 0.5, at: Callable[[dict[str, Any]], bool] | None = None
+    ) -> Election:
         """From now on for `seconds`, the replica set has no primary, then it is the primary again; returns at once.
 
         As a maintenance's election goes (the primary steps down, then shuts down): the member answers as a
         secondary from the start (see replica_set), refusing on the connections open then, and `drop_after` seconds
-        in every open connection is dropped; new ones are answered as a secondary until the end."""
+        in every open connection is dropped; new ones are answered as a secondary until the end.
+
+        `at`: the election starts at the first write it matches instead, while that write is in flight: the write is
+        applied, and answered as interrupted (11602)."""
         if self.profile.electing is None:
             raise ValueError(f"a {self.profile.name} holds no elections")
         election = Election(seconds, drop_after)
-        threading.Thread(target=self._elect, args=(election,), daemon=True).start()
+        if at is None:
+            threading.Thread(target=self._elect, args=(election,), daemon=True).start()
+        else:
+            self._election_at = (at, election)
         return election
 
-    def _elect(self, election: Election) -> None:
+    def _step_down(self, election: Election) -> None:
         assert self.profile.electing is not None
         election.started_at = time.time()
         self._change_topology(self.profile.electing.set)
         self._interrupt_writes_in_flight()
+
+    def _elect(self, election: Election, stepped_down: bool = False) -> None:
+        if not stepped_down:
+            self._step_down(election)
         self._closed.wait(election.drop_after)
         self.drop_connections()
         self._closed.wait(election.seconds - election.drop_after)
@@ -297,6 +310,10 @@ class WireProxy:
                     with link.to_client:
                         if command is not None and next(iter(command)) in WRITE_COMMANDS:
                             link.writes_in_flight.add(request_id)
+                    if command is not None and self._election_at is not None and self._election_at[0](command):
+                        election, self._election_at = self._election_at[1], None
+                        self._step_down(election)  # before the server answers: this write is interrupted
+                        threading.Thread(target=self._elect, args=(election, True), daemon=True).start()
                     server.sendall(header + body)
                     continue
                 with link.to_client:
@@ -327,9 +344,19 @@ class WireProxy:
 
     @staticmethod
     def _command(opcode: int, body: bytes) -> dict[str, Any] | None:
+        """An OP_MSG's command, with its document sequences (pymongo sends an update's statements as one) in it."""
         if opcode != OP_MSG or body[4] != 0:
             return None
-        return bson.decode(_first_document(body[5:]))
+        first = _first_document(body[5:])
+        command = bson.decode(first)
+        at = 5 + len(first)
+        end = len(body) - (4 if struct.unpack("<I", body[:4])[0] & 1 else 0)  # a checksum last
+        while at < end and body[at] == 1:
+            (size,) = struct.unpack("<i", body[at + 1 : at + 5])
+            identifier, _, documents = body[at + 5 : at + 1 + size].partition(b"\x00")
+            command[identifier.decode()] = bson.decode_all(documents)
+            at += 1 + size
+        return command
 
     def _refusal(self, command: dict[str, Any]) -> dict[str, Any] | None:
         refusal = self.profile.refuse(command)
