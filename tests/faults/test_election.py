@@ -18,6 +18,9 @@ from tests.support import wire
 from tests.support.servers import with_database
 from tests.support.workers import Worker, producer, send, wait_for
 
+#: The election is played by a wire proxy in front of the embedded server (conftest's stand_in).
+pytestmark = pytest.mark.stand_in
+
 ELECTION_SECONDS = 15.0
 #: How soon after the primary's return a worker claims again. Issue 43's figure is 5 s; this is looser for a busy
 #: 2-core machine running the suite in parallel: the measured figure is printed (pytest -s) and in the report.
