@@ -20,6 +20,7 @@ from pymongo import MongoClient
 import bb_broker
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.store import JobStore
+from bb_broker.server import capabilities
 from bb_broker.transport.plumbing import MessageStore, payload_of
 from tests.support.faults import crash_repeatedly, fail_point, start_worker
 from tests.support.servers import AnswerDroppingProxy, EmbeddedServer, with_database
@@ -105,6 +106,7 @@ def test_a_claim_whose_update_could_not_apply_fails_no_sound_job_in_place_of_the
     client = MongoClient(own_server.url, tz_aware=True)
     store = JobStore(client.unclaimable)
     store.ensure_indexes()
+    capabilities(client.unclaimable)  # known before the first claim, as a worker's channel probes at connect
     job_id = store.publish(queue="celery", kind="k", task_id="t", payload={}, priority=0, run_after=None,
                            is_retry=False)  # fmt: skip
     fail_point(client, 1, failCommands=["findAndModify"], errorCode=14)
