@@ -173,6 +173,15 @@ def passes_with_time(exc: BaseException) -> bool:
     return isinstance(exc, OperationFailure) and (is_transient(exc) or exc.code in RETRYABLE_READ_CODES)
 
 
+def is_unrecognised(exc: BaseException) -> bool:
+    """A server's refusal that no question above names and that is no outage: bb_broker cannot act on it but by
+    backing off and trying again (jobs/outages.py Refusals), for it must never end a worker nor drop a job's write."""
+    if not isinstance(exc, OperationFailure) or passes_with_time(exc):
+        return False
+    recognised = (is_too_large, is_unapplicable_update, is_not_implemented, is_index_conflict)
+    return exc.code not in DUPLICATE_KEY_CODES and not any(question(exc) for question in recognised)
+
+
 def server_words(exc: PyMongoError, secrets: tuple[str, ...] = ()) -> str:
     """The server's own message and code, one line, credentials masked: what a log line quotes."""
     from bb_broker.connection import scrub

@@ -139,8 +139,10 @@ class JobQoS(virtual.QoS):
         jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
 
     def live_jobs(self) -> list[str]:
-        delivered = patches.delivered_messages(self)
-        return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
+        # Not those acked since: a finished job's lease was renewed (a refused write, each heartbeat) until the
+        # consumer's next delivery.
+        unacked = patches.unacked_messages(self)
+        return [m.job_id for m in unacked.values() if isinstance(m, JobMessage) and m.job_id]
 
     def claimable(self) -> int:
         """How many more messages the prefetch limit lets this consumer take now: a batch claim takes no more.

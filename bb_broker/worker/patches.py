@@ -251,6 +251,14 @@ def delivered_messages(qos: Any) -> dict[str, Any]:
     return qos._delivered
 
 
+def unacked_messages(qos: Any) -> dict[str, Any]:
+    """delivered_messages without those acked or rejected since: the virtual QoS keeps an acked message's tag in
+    `QoS._dirty` and drops it from `_delivered` only at its next delivery (`_flush`). Checked against kombu 5.5.4,
+    5.6.2, 5.7.0."""
+    acked = qos._dirty
+    return {tag: message for tag, message in list(qos._delivered.items()) if tag not in acked}
+
+
 def ack_without_restore(qos: Any, delivery_tag: str) -> None:
     """Settle a delivered message on a virtual QoS as acked, without the channel's basic_ack (`QoS._quick_ack`, what
     the virtual QoS's own ack and reject end with). Checked against kombu 5.5.4, 5.6.2, 5.7.0."""

@@ -286,6 +286,11 @@ def test_a_virtual_qos_tracks_what_it_delivered(channel: Any) -> None:
     assert qos.can_consume_max_estimate() == 4, (
         "kombu.transport.virtual.QoS._quick_ack no longer settles a message; " + where("ack_without_restore")
     )
+    qos.append(object(), "tag-2")
+    qos.ack("tag-2")
+    assert "tag-2" in patches.delivered_messages(qos) and "tag-2" not in patches.unacked_messages(qos), (
+        "kombu.transport.virtual.QoS._dirty no longer holds the acked tags until _flush; " + where("unacked_messages")
+    )
 
 
 def test_the_virtual_transport_methods_bbmongo_overrides_keep_their_parameters() -> None:
