@@ -143,7 +143,7 @@ class JobScheduler(Scheduler):
         try:
             docs = self._store.load()
         except PyMongoError as exc:
-            if is_unrecognised(exc):
+            if isinstance(exc, OperationFailure) and is_unrecognised(exc):
                 return min(self._refusals.met(self._store.coll.full_name, exc), self.max_interval)
             logger.warning("bb_broker beat: cannot read the schedule (%s); trying again", type(exc).__name__)
             return min(1.0, self.max_interval)
