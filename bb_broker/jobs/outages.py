@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pymongo.errors import ConnectionFailure, OperationFailure
+from pymongo.errors import BulkWriteError, ConnectionFailure, OperationFailure
 
 from bb_broker.connection import out_of_patience
 from bb_broker.ops import metrics
@@ -101,7 +101,9 @@ def through_refusals(write: Callable[[], Any], *, patience: float, refusals: Ref
         try:
             done = through_outages(write, patience=max(deadline - time.monotonic(), 0.0))
         except OperationFailure as exc:
-            if not is_unrecognised(exc) or time.monotonic() >= deadline or out_of_patience():
+            # A bulk's own errors are its statements', which the caller reads one by one.
+            unrecognised = is_unrecognised(exc) and not isinstance(exc, BulkWriteError)
+            if not unrecognised or time.monotonic() >= deadline or out_of_patience():
                 raise
             pause = refusals.met(key, exc)
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
