@@ -188,6 +188,11 @@ def too_large_write_error(error: dict[str, Any]) -> bool:
     return error.get("code") in TOO_LARGE_CODES
 
 
+def unrecognised_write_error(error: dict[str, Any]) -> bool:
+    """Whether one of a bulk write's `writeErrors` is a refusal no question here names (see is_unrecognised)."""
+    return is_unrecognised(OperationFailure(str(error.get("errmsg", "")), error.get("code"), error))
+
+
 def is_not_implemented(exc: BaseException) -> TypeGuard[OperationFailure]:
     """A command or option the server does not implement."""
     return isinstance(exc, OperationFailure) and exc.code in NOT_IMPLEMENTED_CODES
@@ -210,6 +215,15 @@ def passes_with_time(exc: BaseException) -> bool:
     if isinstance(exc, ConnectionFailure):
         return True
     return isinstance(exc, OperationFailure) and (is_transient(exc) or exc.code in RETRYABLE_READ_CODES)
+
+
+def is_unrecognised(exc: BaseException) -> bool:
+    """A server's refusal that no question above names and that is no outage: bb_broker cannot act on it but by
+    backing off and trying again (jobs/outages.py Refusals), for it must never end a worker nor drop a job's write."""
+    if not isinstance(exc, OperationFailure) or passes_with_time(exc):
+        return False
+    recognised = (is_too_large, is_unapplicable_update, is_not_implemented, is_index_conflict)
+    return exc.code not in DUPLICATE_KEY_CODES and not any(question(exc) for question in recognised)
 
 
 def server_words(exc: PyMongoError, secrets: tuple[str, ...] = ()) -> str:

@@ -24,15 +24,17 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.exceptions import ImproperlyConfigured
 from kombu.exceptions import OperationalError
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
 from bb_broker.beat.slots import MAX_EVERY, ScheduleError, missed_span, slots_between
 from bb_broker.clock import ServerClock
 from bb_broker.connection import get_database, parse_broker_url
+from bb_broker.jobs.outages import Refusals
 from bb_broker.jobs.payloads import SCHEDULE_HEADER
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import UNIQUE_KEY_HEADER, DuplicateJob
+from bb_broker.server import is_unrecognised
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,14 @@ def iso(moment: datetime) -> str:
 def task_id_of(key: str) -> str:
     # Derived from the key, so that a slot's job has one Celery task id whichever beat sent it.
     return str(uuid.uuid5(uuid.NAMESPACE_URL, key))
+
+
+def _server_answer(exc: BaseException) -> OperationFailure | None:
+    """The server's answer behind `exc`: itself, or what Kombu's OperationalError (a publish's) was raised from."""
+    for error in (exc, exc.__cause__, exc.__context__):
+        if isinstance(error, OperationFailure):
+            return error
+    return None
 
 
 def send_entry(
@@ -108,6 +118,9 @@ class JobScheduler(Scheduler):
         self._reported: dict[str, str] = {}  # entry name -> the problem last logged for it
         self._store: ScheduleStore | None = None
         self._clock: ServerClock | None = None
+        #: The server's answers the code does not recognise, per entry (and for the schedule's read): said once,
+        #: counted, and that entry backed off while the others are sent.
+        self._refusals = Refusals("beat")
         self.missed_after = _missed_after(app.conf.get("bb_beat_missed_after") or DEFAULT_MISSED_AFTER)
         super().__init__(app, *args, **kwargs)
 
@@ -130,11 +143,17 @@ class JobScheduler(Scheduler):
         try:
             docs = self._store.load()
         except PyMongoError as exc:
+            if isinstance(exc, OperationFailure) and is_unrecognised(exc):
+                return min(self._refusals.met(self._store.coll.full_name, exc), self.max_interval)
             logger.warning("bb_broker beat: cannot read the schedule (%s); trying again", type(exc).__name__)
             return min(1.0, self.max_interval)
+        self._refusals.cleared(self._store.coll.full_name)
         next_look = self._clock() + timedelta(seconds=self.max_interval)
         for doc in docs:
             name = str(doc.get("_id"))
+            if (backed_off := self._refusals.wait(name)) > 0:
+                next_look = min(next_look, self._clock() + timedelta(seconds=backed_off))
+                continue
             try:
                 entry = self._checked(doc)
                 if entry is None:
@@ -146,6 +165,12 @@ class JobScheduler(Scheduler):
                 upcoming = entry.slots.next_after(entry.last_slot)
             except (PyMongoError, OperationalError) as exc:  # the server went away mid-look (Kombu's name for it
                 # once its publish retries are spent): the slot is sent at a later look, under the same key
+                answer = _server_answer(exc)
+                if answer is not None and is_unrecognised(answer):
+                    # An answer the code does not recognise: this entry backs off, the others are sent
+                    pause = self._refusals.met(name, answer)
+                    next_look = min(next_look, self._clock() + timedelta(seconds=pause))
+                    continue
                 logger.warning("bb_broker beat: entry %r: %s; trying again", name, exc)
                 return min(1.0, self.max_interval)
             except Exception as exc:  # this entry's alone (a task's own publish check refused it, ...): the others
@@ -153,6 +178,7 @@ class JobScheduler(Scheduler):
                 self._report(name, f"entry {name!r} could not be sent: {exc!r}", traceback=True)
                 continue
             self._reported.pop(name, None)
+            self._refusals.cleared(name)
             if upcoming is not None:
                 next_look = min(next_look, upcoming)
         return max((next_look - self._clock()).total_seconds(), 0.0)

@@ -10,13 +10,14 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable
 
 import pymongo
-from pymongo.errors import PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker.connection import shutdown_patience
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import settles
-from bb_broker.jobs.outages import passes_with_time
+from bb_broker.jobs.outages import Refusals, passes_with_time
 from bb_broker.jobs.store import JobStore
+from bb_broker.server import is_unrecognised
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,11 @@ class LeaseKeeper:
         self._sources: list[LiveJobs] = []
         self._expiries: list[Callable[[], int]] = []  # deletions a server without TTL indexes leaves to us
         self._sweep_held_since: float | None = None  # when this process's unwritten settles first held a sweep
+        # The server's answers the code does not recognise, said once and counted per path. A sweep so refused is
+        # backed off; a heartbeat keeps its cadence (backed off, its jobs' leases would run out and they would run
+        # twice), and no sweep follows a refused one (this process's own leases may be as old as the cutoff).
+        self._heartbeat_refusals = Refusals("heartbeat", store.secrets)
+        self._sweep_refusals = Refusals("sweep", store.secrets)
         self._done = threading.Event()
         self._thread = start_supervised("bb-broker-leases", self._run)
         atexit.register(self._release_at_exit, os.getpid())
@@ -184,9 +190,17 @@ class LeaseKeeper:
         # those jobs as lost; until they are made, their leases are kept fresh.
         if unreleased(self.store) and self._server_answers():
             self.give_back_unreleased()
-        self.store.heartbeat(self.live_jobs().union(unreleased(self.store)), self.owner)
-        if not sweep:
+        key = self.store.coll.full_name
+        try:
+            self.store.heartbeat(self.live_jobs().union(unreleased(self.store)), self.owner)
+        except OperationFailure as exc:
+            if not is_unrecognised(exc):
+                raise
+            self._heartbeat_refusals.met(key, exc)
             return False
+        self._heartbeat_refusals.cleared(key)
+        if not sweep or self._sweep_refusals.wait(key) > 0:
+            return False  # a sweep backed off is made at a later tick
         # This process's settles first: those still in the relay's socket are in no heartbeat, and a sweep right
         # after an outage would take their jobs back before the settles behind it land. Not yet: the next tick;
         # but no longer than a settle keeps trying (settle_patience), so that slow writes never stop the sweeps.
@@ -199,10 +213,17 @@ class LeaseKeeper:
                 return False
             logger.warning("this worker's settles are still unwritten after %g s: sweeping", self.store.settle_patience)
         self._sweep_held_since = None
-        self.store.requeue_stale()
-        self.store.fail_unclaimable_queued()
-        for expire in list(self._expiries):
-            expire()
+        try:
+            self.store.requeue_stale()
+            self.store.fail_unclaimable_queued()
+            for expire in list(self._expiries):
+                expire()
+        except OperationFailure as exc:
+            if not is_unrecognised(exc):
+                raise
+            self._sweep_refusals.met(key, exc)
+            return False
+        self._sweep_refusals.cleared(key)
         return True
 
     def _run(self) -> None:

@@ -9,15 +9,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pymongo.errors import ConnectionFailure, OperationFailure
+from pymongo.errors import BulkWriteError, ConnectionFailure, OperationFailure
 
 from bb_broker.connection import out_of_patience
 from bb_broker.ops import metrics
-from bb_broker.server import is_transient, passes_with_time, server_words
+from bb_broker.server import is_transient, is_unrecognised, passes_with_time, server_words
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Refusals", "is_transient", "passes_with_time", "through_outages"]
+__all__ = ["Refusals", "is_transient", "passes_with_time", "through_outages", "through_refusals"]
 
 
 def through_outages(write: Callable[[], Any], *, patience: float) -> Any:
@@ -89,3 +89,24 @@ class Refusals:
         with self._lock:
             if self._until.pop(key, None) is not None:
                 self._said = {said for said in self._said if said[0] != key}
+
+
+def through_refusals(write: Callable[[], Any], *, patience: float, refusals: Refusals, key: str) -> Any:
+    """Retry a settling write through outages (through_outages) and through server answers the code does not
+    recognise (said and backed off by `refusals`, under `key`), for `patience` seconds in all: a settle given up
+    leaves its job to the stale sweep, which runs the task again. The answers the callers act on (a document too
+    large, a field of the wrong type) raise at once, as does the last refusal once patience ran out."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            done = through_outages(write, patience=max(deadline - time.monotonic(), 0.0))
+        except OperationFailure as exc:
+            # A bulk's own errors are its statements', which the caller reads one by one.
+            unrecognised = is_unrecognised(exc) and not isinstance(exc, BulkWriteError)
+            if not unrecognised or time.monotonic() >= deadline or out_of_patience():
+                raise
+            pause = refusals.met(key, exc)
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            continue
+        refusals.cleared(key)
+        return done

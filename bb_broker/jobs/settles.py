@@ -5,7 +5,8 @@ trip per task, and the largest share of the pool's CPU (docs/explanation/perform
 by a thread that groups it with the others made meanwhile. A settle made while no write is in flight goes at once,
 alone: no added latency when the worker is idle. Those made while a write is in flight go together in the next
 one, one unordered bulk of updates (SettleWriter), each still fenced on its own attempt: a stale settle in a batch
-changes nothing while the others land. A write that meets an outage is tried again for the store's
+changes nothing while the others land. A write that meets an outage, or a server answer the code does not
+recognise (logged once, counted in bb_broker_server_errors_total, backed off), is tried again for the store's
 `settle_patience`; fenced, the settles that had landed already change nothing the second time.
 
 Which thread writes: in a prefork worker, the main process's (SettleRelay). Its pool processes send each settle
@@ -60,9 +61,9 @@ from pymongo.errors import BulkWriteError, PyMongoError
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.document import DOES_NOT_FIT, UNENCODABLE, unwritable_cause
 from bb_broker.jobs.lifecycle import RUNNING
-from bb_broker.jobs.outages import through_outages
+from bb_broker.jobs.outages import Refusals, through_refusals
 from bb_broker.ops import metrics
-from bb_broker.server import too_large_write_error
+from bb_broker.server import too_large_write_error, unrecognised_write_error
 from bb_broker.threads import start_supervised
 
 logger = logging.getLogger(__name__)
@@ -109,11 +110,14 @@ def _to_the_millisecond(moment: datetime) -> datetime:
 
 
 class SettleWriter:
-    """Writes a batch of settles in one round trip; used by one thread at a time (its GroupCommit's or its relay's)."""
+    """Writes a batch of settles in one round trip; used by one thread at a time (its GroupCommit's or its relay's).
 
-    def __init__(self, coll: Collection, *, patience: float) -> None:
+    `refusals`: where the server's answers the code does not recognise are said and backed off (its store's)."""
+
+    def __init__(self, coll: Collection, *, patience: float, refusals: Refusals | None = None) -> None:
         self.coll = coll
         self.patience = patience
+        self.refusals = refusals or Refusals("settle")
 
     def write(self, batch: list[Settle]) -> None:
         """Write `batch`; what cannot be written is logged, its jobs left to the stale sweep."""
@@ -132,8 +136,9 @@ class SettleWriter:
             return
         requests = [UpdateOne(settle.fence, settle.update) for settle in batch]
         too_large: list[Settle] = []
+        alone: list[Settle] = []  # refused with an answer the code does not recognise: tried again, each alone
         try:
-            result = through_outages(lambda: self.coll.bulk_write(requests, ordered=False), patience=self.patience)
+            result = self._through_refusals(lambda: self.coll.bulk_write(requests, ordered=False))
             modified = result.modified_count
         except BulkWriteError as exc:
             # An unordered bulk carries out every statement it can: only those named in writeErrors did not land.
@@ -142,6 +147,8 @@ class SettleWriter:
             for index, error in failed.items():
                 if too_large_write_error(error):
                     too_large.append(batch[index])
+                elif unrecognised_write_error(error):
+                    alone.append(batch[index])
                 else:
                     logger.error("the settle of job %s was refused: %s", batch[index].job_id, error.get("errmsg"))
             batch = [settle for index, settle in enumerate(batch) if index not in failed]
@@ -155,6 +162,8 @@ class SettleWriter:
         self._count(batch, modified)
         for settle in too_large:
             self._replace(settle, DOES_NOT_FIT)
+        for settle in alone:
+            self._write_alone(settle)
 
     def _write_alone(self, settle: Settle) -> None:
         try:
@@ -187,8 +196,12 @@ class SettleWriter:
         raise RuntimeError(f"no settle of job {settle.job_id} could be written: {cause}")
 
     def _update_one(self, settle: Settle) -> bool:
-        write = lambda: self.coll.update_one(settle.fence, settle.update)  # noqa: E731
-        return through_outages(write, patience=self.patience).modified_count == 1
+        return self._through_refusals(lambda: self.coll.update_one(settle.fence, settle.update)).modified_count == 1
+
+    def _through_refusals(self, write: Callable[[], Any]) -> Any:
+        # Dropped, a settle's job stays `running` until the stale sweep runs its task again: an answer the code does
+        # not recognise is outlasted as an outage is, for as long.
+        return through_refusals(write, patience=self.patience, refusals=self.refusals, key=self.coll.full_name)
 
     def _count(self, batch: list[Settle], modified: int) -> None:
         if modified < len(batch):
@@ -221,8 +234,8 @@ class GroupCommit:
     #: The most settles one write carries: a bulk is split by pymongo past 100,000 statements or 48 MB anyway.
     max_batch = 1000
 
-    def __init__(self, coll: Collection, *, patience: float) -> None:
-        self.writer = SettleWriter(coll, patience=patience)
+    def __init__(self, writer: SettleWriter) -> None:
+        self.writer = writer
         #: The process this writer belongs to: its thread does not follow a fork.
         self.pid = os.getpid()
         # A C queue: a put wakes the writer without the lock ping-pong of a Condition (a tenth of a pool process's
@@ -504,8 +517,7 @@ class SettleRelay:
 
     def _writer_of_main(self) -> SettleWriter:
         if self._writer is None:
-            store = self._main_store()
-            self._writer = SettleWriter(store.coll, patience=store.settle_patience)
+            self._writer = self._main_store().settle_writer()
         return self._writer
 
     def _read(self, data: bytes) -> Settle | int | None:

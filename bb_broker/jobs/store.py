@@ -55,7 +55,7 @@ from bb_broker.jobs.document import (
     unwritable_cause,
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
-from bb_broker.jobs.outages import is_transient, through_outages
+from bb_broker.jobs.outages import Refusals, is_transient, through_outages, through_refusals
 from bb_broker.jobs.queues import (
     MAX_SLOT_LOOKS,
     SLOT_WAITERS_FIELD,
@@ -140,6 +140,13 @@ class JobStore(Sweeps):
         #: In a prefork worker's pool process, the main process's relay that writes this store's settles (set by
         #: the worker's hooks); None elsewhere.
         self.settle_relay: SettleRelay | None = None
+        #: The server's answers the code does not recognise, met by this store's settles: said once, backed off.
+        self._settle_refusals = Refusals("settle", self._secrets)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """What a message of this store's must never show (the URL's credentials)."""
+        return self._secrets
 
     @property
     def server(self) -> Capabilities:
@@ -898,15 +905,20 @@ class JobStore(Sweeps):
                 # Too large for a datagram, the socket's buffer full (the main process's writes held up by an
                 # outage) or the main process gone: written here and now, before the task's result goes back. Until
                 # then the main process holds the task's request, and so keeps the job's lease fresh.
-                SettleWriter(self.coll, patience=self.settle_patience).write([settle])
+                self.settle_writer().write([settle])
             return
         group = self._group_commit
         if group is None or group.pid != os.getpid():
             with self._group_commit_lock:
                 group = self._group_commit
                 if group is None or group.pid != os.getpid():  # a parent's writer does not follow a fork
-                    group = self._group_commit = GroupCommit(self.coll, patience=self.settle_patience)
+                    group = self._group_commit = GroupCommit(self.settle_writer())
         group.submit(settle)
+
+    def settle_writer(self) -> SettleWriter:
+        """A writer of this store's settles (settles.py): through outages and answers the code does not recognise,
+        for settle_patience; such an answer is said once per store, whichever of its writers met it."""
+        return SettleWriter(self.coll, patience=self.settle_patience, refusals=self._settle_refusals)
 
     def flush_settles(self, timeout: float | None = None) -> bool:
         """Wait for the settles settle_soon gave this process's own writer; False when `timeout` ran out first. Those
@@ -1014,15 +1026,30 @@ class JobStore(Sweeps):
         else:
             unset["startedAt"] = ""
         update = {"$set": changes, "$inc": {"attempts": -1}, "$unset": unset}
-        return self._settle(job_id, attempts, update, fence=held)
+        # An unknown answer is not outlasted here: a release is made on the consuming thread, and one not made
+        # loses nothing (the stale sweep takes the job back).
+        return self._settle(job_id, attempts, update, fence=held, outlast_refusals=False)
 
     def _settle(
-        self, job_id: str, attempts: int, update: dict[str, Any], *, fence: dict[str, Any] | None = None
+        self,
+        job_id: str,
+        attempts: int,
+        update: dict[str, Any],
+        *,
+        fence: dict[str, Any] | None = None,
+        outlast_refusals: bool = True,
     ) -> bool:
         # Fenced on the attempt: a late write from a worker that lost its lease changes nothing.
         fenced = fence or {"_id": job_id, "status": RUNNING, "attempts": attempts}
+        write = lambda: self.coll.update_one(fenced, update)  # noqa: E731
         try:
-            return self._through_outages(lambda: self.coll.update_one(fenced, update)).modified_count == 1
+            if outlast_refusals:  # dropped, the settle would leave its task to run again (settles.py)
+                done = through_refusals(
+                    write, patience=self.settle_patience, refusals=self._settle_refusals, key=self.coll.full_name
+                )
+            else:
+                done = self._through_outages(write)
+            return done.modified_count == 1
         except Exception as exc:
             cause = unwritable_cause(exc)  # a retry would meet it again: the caller fails the job on it
             if cause is None:

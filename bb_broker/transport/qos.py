@@ -139,7 +139,7 @@ class JobQoS(virtual.QoS):
         jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
 
     def live_jobs(self) -> list[str]:
-        delivered = patches.delivered_messages(self)
+        delivered = patches.delivered_messages(self)  # not those acked since (see there)
         return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
 
     def claimable(self) -> int:

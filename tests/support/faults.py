@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
 from pymongo import MongoClient
 
 from tests.support.workers import Worker, producer, send, wait_for
@@ -43,3 +45,24 @@ def crash_repeatedly(broker_url, db, tmp_path, *, jobs: int, task_seconds: float
              message="every job succeeded after the crashes")  # fmt: skip
     rows = db.runs.aggregate([{"$match": {"phase": "start"}}, {"$group": {"_id": "$taskId", "n": {"$sum": 1}}}])
     return ids, {row["_id"]: row["n"] for row in rows}, cut_short, done
+
+
+def fail_point_on(client: MongoClient, **data) -> None:
+    """Arm failCommand until fail_point_off: every matching command meets it."""
+    client.admin.command("configureFailPoint", "failCommand", mode="alwaysOn", data=data)
+
+
+def fail_point_off(client: MongoClient) -> None:
+    client.admin.command("configureFailPoint", "failCommand", mode="off")
+
+
+def server_errors(metrics_url: str) -> dict[str, float]:
+    """bb_broker_server_errors_total per path, as a worker's /metrics serves it (BB_METRICS_PORT)."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["path"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "bb_broker_server_errors_total"
+    }
