@@ -688,21 +688,34 @@ class Channel(virtual.Channel):
             if exc.retry_in is not None and wakeups is not None:
                 wakeups.wake_in(queue, exc.retry_in)
         except OperationFailure as exc:
-            if passes_with_time(exc):
-                raise  # an outage: Celery reconnects (transport.py)
-            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back): this queue waits
-            # out the refusal, the others go on.
-            pause = self._refusals.met(queue, exc)
-            if wakeups is not None:
-                wakeups.wake_in(queue, pause)
-            return []
+            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back).
+            return self._refused(queue, exc, wakeups)
         self._refusals.cleared(queue)
-        if jobs and not self._still_claimable(queue, limits):
+        if not jobs:
+            return jobs
+        try:
+            claimable = self._still_claimable(queue, limits)
+        except PyMongoError as exc:
+            self._release(jobs)  # unread, a pause cannot be ruled out: the jobs go back before the error goes on
+            if isinstance(exc, OperationFailure):
+                return self._refused(queue, exc, wakeups)
+            raise
+        if not claimable:
             self._release(jobs)  # never started: no attempt spent
             if wakeups is not None:
                 wakeups.more_jobs_may_wait(queue)  # under its new limits, or at its resume
             return []
         return jobs
+
+    def _refused(self, queue: str, exc: OperationFailure, wakeups: Wakeups | None) -> list[Claimed]:
+        """A claim of `queue` met `exc`: an outage is raised (Celery reconnects: transport.py); any other answer backs
+        this queue off while the others go on."""
+        if passes_with_time(exc):
+            raise exc
+        pause = self._refusals.met(queue, exc)
+        if wakeups is not None:
+            wakeups.wake_in(queue, pause)
+        return []
 
     def _still_claimable(self, queue: str, limits: QueueLimits) -> bool:
         """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew.
