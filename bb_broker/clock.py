@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -55,11 +56,23 @@ class ServerClock:
         self._synced_at: float | None = None
         self._lock = threading.Lock()
         self._measured = False
+        #: Why the last attempt to read the server's time failed; None once one succeeds.
+        self._failure: PyMongoError | None = None
 
     def __call__(self) -> datetime:
         if self._synced_at is None or time.monotonic() - self._synced_at > self.resync_every:
             self._sync()
         return _monotonic_time() + self._offset
+
+    def reading(self) -> datetime:
+        """The server's time, for a caller whose query goes to the same server next: when the last attempt to read it
+        (at most a few seconds ago: see _sync) found the server unreachable, that error. Calling the clock instead
+        carries on with the last offset, and the query would wait for the unreachable server a second time."""
+        now = self()
+        failure = self._failure
+        if failure is not None:
+            raise copy.copy(failure)  # one of its own for each caller: a traceback of its own
+        return now
 
     def from_local(self, moment: datetime) -> datetime:
         """A time this process's clock gave (Celery's ETA: its `now` plus a countdown), on the server's clock."""
@@ -82,12 +95,16 @@ class ServerClock:
         if not self._lock.acquire(blocking=not self._measured):
             return
         try:
+            if self._synced_at is not None and time.monotonic() - self._synced_at <= self.resync_every:
+                return  # measured (or found unreachable) while this thread waited for the lock: not twice in a row
             before = _monotonic_time()
             try:
                 server_time = self._db.client.admin.command("hello")["localTime"]
-            except (PyMongoError, KeyError):
-                # An unreachable server fails the write that follows; keep the last offset until then.
+            except (PyMongoError, KeyError) as exc:
+                # An unreachable server fails the write that follows; keep the last offset until then, and try
+                # again in 5 s.
                 self._synced_at = time.monotonic() - self.resync_every + 5
+                self._failure = exc if isinstance(exc, PyMongoError) else None
                 return
             after = _monotonic_time()
             if server_time.tzinfo is None:
@@ -95,6 +112,7 @@ class ServerClock:
             self._offset = server_time - (before + (after - before) / 2)
             self._synced_at = time.monotonic()
             self._measured = True
+            self._failure = None
         finally:
             self._lock.release()
 

@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -131,6 +131,22 @@ class Duration(click.ParamType):
         if self.longest is not None and duration > self.longest:
             self.fail(f"{value!r} is too long: at most {self.longest.days} days", param, ctx)
         return duration
+
+
+class JobId(click.ParamType):
+    """A job id or a Celery task id: how every command that acts on jobs takes them, as its arguments (`ID...`)."""
+
+    name = "id"
+
+
+JOB_ID = JobId()
+
+
+def job_ids_argument(*, required: bool) -> Callable[[Any], Any]:
+    """The jobs a command acts on, as every such command takes them: job ids or Celery task ids, as arguments."""
+    return click.argument(
+        "identifiers", metavar="ID..." if required else "[ID]...", nargs=-1, required=required, type=JOB_ID
+    )
 
 
 DURATION = Duration()
@@ -314,15 +330,28 @@ def failed(
 @main.command()
 @broker_option
 @collection_option
-@click.option("--id", "ids", multiple=True, help="A failed job's id (repeatable).")
-@click.option("--kind", help="Every failed job of this task name.")
+@job_ids_argument(required=False)
+# Before the ids were arguments, as every other command takes them, retry took them as --id: still taken.
+@click.option("--id", "deprecated_ids", multiple=True, type=JOB_ID, hidden=True)
+@click.option("--kind", help="Every failed job of this task name (with IDs: only those of this task name).")
 @click.option("--all", "retry_all", is_flag=True, help="Every failed job.")
-def retry(broker: str, collection: str, ids: tuple[str, ...], kind: str | None, retry_all: bool) -> None:
-    """Failed jobs back to queued, due now, with their attempts reset to 0."""
+def retry(
+    broker: str,
+    collection: str,
+    identifiers: tuple[str, ...],
+    deprecated_ids: tuple[str, ...],
+    kind: str | None,
+    retry_all: bool,
+) -> None:
+    """Failed jobs back to queued, due now, with their attempts reset to 0: by job id or Celery task id, or every one
+    of a kind (--all: every one)."""
+    if deprecated_ids:
+        _warn("retry --id is deprecated: give the ids as arguments (bb-broker retry ID...)")
+    ids = identifiers + deprecated_ids
     if retry_all and (ids or kind):
-        _fail("retry: --all cannot be combined with --id or --kind", 2)
+        _fail("retry: --all cannot be combined with IDs or --kind", 2)
     if not (retry_all or ids or kind):
-        _fail("retry: say which failed jobs: --id ID (repeatable), --kind NAME, or --all", 2)
+        _fail("retry: say which failed jobs: ID... (job ids or task ids), --kind NAME, or --all", 2)
     from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
@@ -524,7 +553,7 @@ def _operator() -> str:
 @main.command()
 @broker_option
 @collection_option
-@click.argument("identifier", metavar="ID")
+@click.argument("identifier", metavar="ID", type=JOB_ID)
 @click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
 def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
     """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
@@ -546,7 +575,7 @@ def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
 @main.command()
 @broker_option
 @collection_option
-@click.argument("identifiers", metavar="ID...", nargs=-1, required=True)
+@job_ids_argument(required=True)
 def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
     """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
     from bb_broker.ops.operations import Operations
@@ -631,7 +660,7 @@ def _stats_table(intervals: list[str], series: dict[str, list[Any]]) -> str:
 @main.command("run-now")
 @broker_option
 @collection_option
-@click.argument("identifiers", metavar="[ID]...", nargs=-1)
+@job_ids_argument(required=False)
 @click.option("--queue", help="Every waiting job of this queue.")
 @click.option("--kind", help="Every waiting job of this task name.")
 @click.option("--all", "every", is_flag=True, help="Every queued job that waits for its runAfter.")
@@ -744,7 +773,7 @@ def _limits_line(queue: str, row: dict[str, Any]) -> str:
     return f"queue {queue}: {', '.join(limits) or 'no limit'} {counts}"
 
 
-main.add_command(schedules_commands(broker_option, _jobs, _fail, _operator), name="schedules")
+main.add_command(schedules_commands(broker_option, collection_option, _jobs, _fail, _operator), name="schedules")
 
 if __name__ == "__main__":
     main()

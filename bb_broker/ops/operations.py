@@ -18,7 +18,7 @@ from pymongo import DESCENDING, UpdateOne
 from pymongo.errors import BulkWriteError, ExecutionTimeout
 from ulid import ULID
 
-from bb_broker.clock import aware
+from bb_broker.clock import ServerClock, aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
@@ -390,7 +390,10 @@ class Operations:
         self.controls = controls or QueueControls(store.coll.database)
 
     def now(self) -> datetime:
-        return self.store.now()
+        """The server's time, as the store reads it; a server that cannot be reached raises here (ServerClock.reading)
+        rather than a second time, after a second wait, at the query that follows."""
+        clock = self.store.now
+        return clock.reading() if isinstance(clock, ServerClock) else clock()
 
     # --- counts --------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import click
@@ -15,34 +17,61 @@ from bb_broker.ops.arguments import Group
 # pymongo and Celery are imported by the commands that use them: `--help` answers at once.
 
 
+@dataclass(frozen=True)
+class Where:
+    """The server and jobs collection a `schedules` command works on."""
+
+    broker: str
+    collection: str
+
+
+def where(command: Callable[..., None]) -> Callable[..., None]:
+    """A `schedules` sub-command with `--broker` and `--collection` of its own, given to it as one Where: its own
+    where given, else the group's (`schedules --broker URL run-now NAME`)."""
+
+    @click.option("--broker", metavar="URL", help="As `schedules --broker`, which it overrides.")
+    @click.option("--collection", metavar="TEXT", help="As `schedules --collection`, which it overrides.")
+    @click.pass_obj
+    @functools.wraps(command)
+    def with_where(group: Where, broker: str | None, collection: str | None, **kwargs: Any) -> None:
+        broker = group.broker if broker is None else broker
+        command(Where(broker, group.collection if collection is None else collection), **kwargs)
+
+    return with_where
+
+
 def schedules_commands(
     broker_option: Callable[[Any], Any],
+    collection_option: Callable[[Any], Any],
     jobs: Callable[[str, str], AbstractContextManager[Any]],
     fail: Callable[..., NoReturn],
     operator: Callable[[], str],
 ) -> click.Group:
-    """The `schedules` group, made with the CLI's own `--broker` option, job store context and error exit."""
+    """The `schedules` group, made with the CLI's own `--broker` and `--collection` options, job store context and
+    error exit. Each sub-command takes them too (`schedules run-now NAME --broker URL`, as every command takes
+    `--broker`), over the group's."""
 
     @click.group(cls=Group, invoke_without_command=True)
     @broker_option
+    @collection_option
     @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
     @click.pass_context
-    def schedules(ctx: click.Context, broker: str, as_json: bool) -> None:
+    def schedules(ctx: click.Context, broker: str, collection: str, as_json: bool) -> None:
         """The periodic entries (celery beat -S bb_broker.beat:JobScheduler): schedule, next slot, last job."""
-        ctx.obj = broker
+        ctx.obj = Where(broker, collection)
         if ctx.invoked_subcommand is not None:
             return
         from bb_broker.beat.overview import describe
 
-        with jobs(broker, "jobs") as store:
+        with jobs(broker, collection) as store:
             db = store.coll.database
-            rows = [describe(doc, db) for doc in db.bb_schedules.find({}).sort("_id", 1)]
+            rows = [describe(doc, db, jobs_collection=collection) for doc in db.bb_schedules.find({}).sort("_id", 1)]
         _print_entries(rows, as_json=as_json)
 
     @schedules.command(name="run-now")
     @click.argument("name")
-    @click.pass_obj
-    def run_now(broker: str, name: str) -> None:
+    @where
+    def run_now(where: Where, name: str) -> None:
         """Send one extra job of the entry now (marked "run now"; no slot is used up)."""
         from celery import Celery
 
@@ -50,9 +79,10 @@ def schedules_commands(
         from bb_broker.beat.scheduler import run_now as send_now
         from bb_broker.clock import ServerClock
 
-        with jobs(broker, "jobs") as store:
+        with jobs(where.broker, where.collection) as store:
             db = store.coll.database
-            app = Celery("bb-broker", broker=broker, set_as_current=False)
+            app = Celery("bb-broker", broker=where.broker, set_as_current=False)
+            app.conf.broker_transport_options = {"jobs_collection": where.collection}  # where its job goes
             try:
                 task_id = send_now(app, ScheduleStore(db, ServerClock.of(db)), name)
             except EntryError as exc:
@@ -61,12 +91,12 @@ def schedules_commands(
                 app.close()
         click.echo(f"sent {name} now: task id {task_id}")
 
-    def _set_enabled(broker: str, name: str, enabled: bool) -> None:
+    def _set_enabled(where: Where, name: str, enabled: bool) -> None:
         from bb_broker.beat.entries import EntryError, ScheduleStore
         from bb_broker.clock import ServerClock
 
         command = "enable" if enabled else "disable"
-        with jobs(broker, "jobs") as store:
+        with jobs(where.broker, where.collection) as store:
             db = store.coll.database
             try:
                 ScheduleStore(db, ServerClock.of(db)).set_enabled(name, enabled, by=operator())
@@ -76,17 +106,17 @@ def schedules_commands(
 
     @schedules.command()
     @click.argument("name")
-    @click.pass_obj
-    def disable(broker: str, name: str) -> None:
+    @where
+    def disable(where: Where, name: str) -> None:
         """Stop sending the entry's slots (every beat, without a restart)."""
-        _set_enabled(broker, name, False)
+        _set_enabled(where, name, False)
 
     @schedules.command()
     @click.argument("name")
-    @click.pass_obj
-    def enable(broker: str, name: str) -> None:
+    @where
+    def enable(where: Where, name: str) -> None:
         """Send the entry's slots again, from now on (the slots it skipped are not caught up)."""
-        _set_enabled(broker, name, True)
+        _set_enabled(where, name, True)
 
     @schedules.command()
     @click.argument("name")
@@ -99,9 +129,9 @@ def schedules_commands(
     @click.option("--kwargs", "kwargs_json", default="{}", help="The task's kwargs, as a JSON object.")
     @click.option("--queue", help="The queue its jobs go to.")
     @click.option("-A", "--app", "app_name", help="A Celery app whose tasks the task name is checked against.")
-    @click.pass_obj
+    @where
     def add(
-        broker: str,
+        where: Where,
         name: str,
         task: str,
         every: float | None,
@@ -131,7 +161,7 @@ def schedules_commands(
             entry_fields(name, task, schedule, **how)  # checked before the server is asked: a bad argument's exit
         except EntryError as exc:
             fail(f"add: {exc}", 2)
-        with jobs(broker, "jobs") as store:
+        with jobs(where.broker, where.collection) as store:
             db = store.coll.database
             try:
                 ScheduleStore(db, ServerClock.of(db)).add(name, task, schedule, **how)
@@ -141,13 +171,13 @@ def schedules_commands(
 
     @schedules.command()
     @click.argument("name")
-    @click.pass_obj
-    def remove(broker: str, name: str) -> None:
+    @where
+    def remove(where: Where, name: str) -> None:
         """Remove an entry (one from beat_schedule comes back at the next beat's start)."""
         from bb_broker.beat.entries import EntryError, ScheduleStore
         from bb_broker.clock import ServerClock
 
-        with jobs(broker, "jobs") as store:
+        with jobs(where.broker, where.collection) as store:
             db = store.coll.database
             try:
                 ScheduleStore(db, ServerClock.of(db)).remove(name)

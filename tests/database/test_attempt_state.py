@@ -18,7 +18,7 @@ IN_FLIGHT = 1_050
 def test_every_attempt_in_flight_keeps_its_start_however_many_there_are(app: Celery, db: Database) -> None:
     # A worker with many attempts started and not yet settled (a threads pool, long tasks): each settles with the
     # start its task_prerun recorded, whatever happened to the others meanwhile.
-    @app.task(name="tests.attempt_state.work")
+    @app.task(name="tests.attempt_state.work", shared=False)
     def work() -> None:
         """Never run: its signals are sent as Celery's tracer sends them, around a request it pushes."""
 

@@ -214,11 +214,11 @@ NAME = "tests.rate_keys."
 
 @pytest.fixture
 def tasks(app: Celery) -> dict[str, Any]:
-    @app.task(name=NAME + "mail", rate_on=("customer",))
+    @app.task(name=NAME + "mail", rate_on=("customer",), shared=False)
     def mail(customer: int, subject: str = "") -> str:
         return subject
 
-    @app.task(name=NAME + "plain")
+    @app.task(name=NAME + "plain", shared=False)
     def plain(customer: int) -> int:
         return customer
 

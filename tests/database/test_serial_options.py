@@ -18,15 +18,15 @@ NAME = "tests.serial_options."
 
 @pytest.fixture
 def tasks(app: Celery) -> dict[str, Any]:
-    @app.task(name=NAME + "invoice", serial_on=("account_id",))
+    @app.task(name=NAME + "invoice", serial_on=("account_id",), shared=False)
     def invoice(account_id: int, amount: int = 0) -> int:
         return amount
 
-    @app.task(name=NAME + "plain")
+    @app.task(name=NAME + "plain", shared=False)
     def plain(account_id: int) -> int:
         return account_id
 
-    @app.task(name=NAME + "both", unique=True, serial_key="reports")
+    @app.task(name=NAME + "both", unique=True, serial_key="reports", shared=False)
     def both(day: str) -> str:
         return day
 

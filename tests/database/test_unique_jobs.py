@@ -234,7 +234,7 @@ def test_an_operator_retry_takes_the_key_again_or_says_who_holds_it(
     assert the_job(db, first.id)["status"] == "failed"
     retried = operations.retry([first.id], by="ops")
     assert retried.job_ids == [] and second.id in retried.held[the_job(db, first.id)["_id"]]
-    result = CliRunner().invoke(main, ["retry", "--broker", broker_url, "--id", first.id])
+    result = CliRunner().invoke(main, ["retry", "--broker", broker_url, first.id])
     assert result.exit_code == 1 and f"task {second.id}" in result.output and "left failed" in result.output
     operations.act("cancel", second.id, by="ops")
     operations.act("retry", first.id, by="ops")  # free again: taken back

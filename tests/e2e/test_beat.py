@@ -84,6 +84,16 @@ def test_three_then_two_beats_make_one_job_per_slot_and_a_kill_costs_no_slot(bea
     assert entry["runCount"] == len(covered) and entry["lastSlot"].replace(tzinfo=UTC) == covered[-1]["slot"]
 
 
+def test_a_beat_logs_each_job_it_sends_as_celerys_beat_does(beat_factory, db: Database) -> None:
+    beat = beat_factory()
+    wait_for(lambda: len(slot_jobs(db)) >= 3, 60, "3 slots")
+    line = f" INFO/MainProcess] Scheduler: Sending due task {ENTRY} (tests.support.e2e_app.add)\n"
+    # One line per job sent (a beat alone: each slot's job is its own), as `celery beat` prints for its scheduler.
+    wait_for(lambda: beat.log().count(line) >= 3, 30, "the beat's lines")
+    sent = beat.log().count(line)  # said before each send: no more lines than jobs once the sends are done
+    wait_for(lambda: len(slot_jobs(db)) >= sent, 30, f"a job for each of the {sent} lines")
+
+
 def test_beats_with_clocks_30_s_ahead_and_behind_send_each_slot_once_at_the_servers_time(
     beat_factory, db: Database
 ) -> None:

@@ -154,7 +154,7 @@ def test_forget_forgets_a_failure_a_revoke_and_a_cancel_until_the_job_runs_again
     for result in (failed, revoked, cancelled):
         result.forget()
         assert AsyncResult(result.id, app=results_app).state == "PENDING", result.id
-    assert bb(broker_url, "retry", "--id", failed.id, "--id", cancelled.id).exit_code == 0
+    assert bb(broker_url, "retry", failed.id, cancelled.id).exit_code == 0
     with pytest.raises(ValueError, match="always fails"):
         AsyncResult(failed.id, app=results_app).get(timeout=90)
     assert AsyncResult(cancelled.id, app=results_app).get(timeout=60) == 5
@@ -291,7 +291,7 @@ def test_a_revoked_task_retried_by_an_operator_under_a_new_id_stays_revoked(brok
     wait_for(lambda: job(db, result.id).get("status") == "queued", message="the job")
     result.revoke()
     wait_for(lambda: job(db, result.id).get("status") == "failed", message="the revoke")
-    assert bb(broker_url, "retry", "--id", result.id).exit_code == 0
+    assert bb(broker_url, "retry", result.id).exit_code == 0
     [retried] = db.jobs.find({"status": "queued"})
     assert retried["taskId"] != result.id
     again = AsyncResult(result.id, app=results_app)

@@ -119,6 +119,27 @@ def test_flower_answers_at_once_while_its_server_is_down(
         flower.stop()
 
 
+#: How long the tab's client waits for an unreachable server (connection.QUICK_TIMEOUTS' serverSelectionTimeoutMS).
+SERVER_SELECTION_S = 5.0
+
+
+@pytest.mark.parametrize("path", ["/api/jobs", "/jobs/data"])
+def test_the_jobs_list_says_the_server_is_down_after_one_wait_not_two(
+    own_server: EmbeddedServer, flower_factory, path: str
+) -> None:
+    with MongoClient(own_server.url, tz_aware=True) as client:
+        failed_job(JobStore(client.outage, Policy(max_attempts=1)), "t-1")
+    flower = flower_factory(url=with_database(own_server.url, "outage"))
+    assert flower.request("GET", "/workers")[0] == 200  # Flower up; the Jobs tab first used in the outage
+    own_server.stop()
+    started = time.monotonic()
+    status, body = flower.request("GET", path, timeout=120)
+    took = time.monotonic() - started
+    assert status == 503 and as_json(body)["error"].startswith("cannot reach the server at "), (status, body[:300])
+    # One wait for the server (5 s), not one to read its clock and a second for the list: 10 s before.
+    assert took < SERVER_SELECTION_S * 1.5, took
+
+
 # --- one user's many slow requests ----------------------------------------------------------------------------
 
 #: How many Jobs-tab requests one user may have running, and the name its client gives the server

@@ -1,5 +1,5 @@
-"""Flower's Schedules view in a real browser: run now, disable, enable; a read-only user and a forged post refused;
-an entry's jobs link lists exactly its jobs."""
+"""Flower's Schedules view in a real browser: what it says without entries; run now, disable, enable; a read-only user
+and a forged post refused; an entry's jobs link lists exactly its jobs."""
 
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ def flower_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Pa
         return FlowerProcess(broker_url, log_dir=tmp_path, name=f"flower{n}", launcher="bb-broker", **kwargs)
 
     yield from process_factory(request, build, FlowerProcess.stop)
+
+
+def test_without_entries_the_view_says_so_and_how_to_add_one(db: Database, flower_factory, browser) -> None:
+    flower = flower_factory()
+    page = browser.new_page()
+    page.goto(f"{flower.url}/jobs/schedules")
+    expect(page.locator("#schedules-empty")).to_contain_text("No periodic tasks yet: start a beat with this scheduler")
+    expect(page.locator("#schedules-empty")).to_contain_text("bb-broker schedules add NAME TASK --every 60")
+    expect(page.locator("#schedules-table")).to_be_hidden()  # no header row over nothing
+    ScheduleStore(db, ServerClock(db)).add("nightly", "tests.support.e2e_app.add", {"crontab": "0 3 * * *"})
+    page.reload()
+    expect(page.locator("#schedules-table tr[data-entry='nightly']")).to_be_visible()
+    expect(page.locator("#schedules-empty")).to_have_count(0)
 
 
 def test_an_operator_runs_disables_and_enables_an_entry_and_a_viewer_cannot(

@@ -126,7 +126,7 @@ def test_retry_by_id_kind_or_all_resets_attempts(store: JobStore, db: Database, 
     assert bb(broker_url, "retry", "--all", "--kind", "app.a").exit_code == 2
     assert statuses(db)["failed"] == 3
 
-    result = bb(broker_url, "retry", "--id", a1)
+    result = bb(broker_url, "retry", a1)
     assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n" and result.stderr == ""
     doc = db.jobs.find_one({"_id": a1})
     assert doc["status"] == "queued" and doc["attempts"] == 0 and "finishedAt" not in doc
@@ -151,7 +151,7 @@ def test_retry_by_id_names_the_ids_that_matched_no_failed_job(store: JobStore, d
     other_kind = add_job(store, "app.b", outcome="failed")
     done = add_job(store, "app.d", outcome="succeeded")
 
-    result = bb(broker_url, "retry", "--id", broken, "--id", done, "--id", "no-such-id")
+    result = bb(broker_url, "retry", broken, done, "no-such-id")
     assert result.exit_code == 1 and result.stdout == "retried 1 failed job\n"
     assert result.stderr == (
         f"bb-broker: retry: 2 ids matched no failed job: {done} (it is succeeded, not failed), "
@@ -159,7 +159,7 @@ def test_retry_by_id_names_the_ids_that_matched_no_failed_job(store: JobStore, d
     )
     assert db.jobs.find_one({"_id": broken})["status"] == "queued"
 
-    result = bb(broker_url, "retry", "--id", other_kind, "--kind", "app.a")
+    result = bb(broker_url, "retry", other_kind, "--kind", "app.a")
     assert result.exit_code == 1 and result.stdout == "retried 0 failed jobs\n"
     assert (
         result.stderr == f"bb-broker: retry: 1 id matched no failed job: {other_kind} (its kind is app.b, not app.a)\n"
@@ -440,7 +440,7 @@ def test_operations_work_before_any_worker_created_the_indexes(db: Database, bro
     )
     assert bb(broker_url, "status").exit_code == 0
     assert [j["id"] for j in json.loads(bb(broker_url, "failed", "--json", "--kind", "k").stdout)] == ["a"]
-    assert bb(broker_url, "retry", "--id", "a").stdout == "retried 1 failed job\n"
+    assert bb(broker_url, "retry", "a").stdout == "retried 1 failed job\n"
     assert bb(broker_url, "purge", "--status", "succeeded").stdout == "purged 1 job\n"
     assert db.jobs.index_information().keys() == {"_id_"}  # reading and operating create nothing
 
@@ -607,7 +607,7 @@ def test_limit_refuses_clear_with_a_limit_and_a_name_no_queue_has(
 def test_retry_accepts_celery_task_ids(store: JobStore, db: Database, broker_url: str) -> None:
     job_id = add_job(store, "app.again", outcome="failed")
     task_id = db.jobs.find_one({"_id": job_id})["taskId"]
-    result = bb(broker_url, "retry", "--id", task_id)
+    result = bb(broker_url, "retry", task_id)
     assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n"
     assert db.jobs.find_one({"_id": job_id})["status"] == "queued"
 
@@ -702,7 +702,7 @@ def test_documents_written_by_hand_print_whatever_their_fields_hold(db: Database
         assert as_json.returncode == 0 and as_json.stderr == "", as_json.stderr
         assert json.loads(as_json.stdout)["_id"] == identifier
     # No worker can run a job whose _id is not a string: retry says so, not a --kind nobody gave.
-    retried = run_cli("retry", "--id", str(oid), "--broker", broker_url)
+    retried = run_cli("retry", str(oid), "--broker", broker_url)
     assert retried.returncode == 1 and retried.stdout == "retried 0 failed jobs\n"
     assert said_one_line(retried) == (
         f"bb-broker: retry: 1 id matched no failed job: {oid} (its _id is objectId, not a string: no worker can run "
@@ -720,13 +720,14 @@ TEXT_ARGUMENTS = [
     ["cancel", "some-id", NOT_UTF8, "--broker", "{}"],
     ["run-now", NOT_UTF8, "--broker", "{}"],
     ["failed", "--kind", NOT_UTF8, "--broker", "{}"],
-    ["retry", "--id", NOT_UTF8, "--broker", "{}"],
+    ["retry", NOT_UTF8, "--broker", "{}"],
     ["limit", NOT_UTF8, "--concurrency", "2", "--broker", "{}"],
     ["stats", "--queue", NOT_UTF8, "--broker", "{}"],
     ["status", "--collection", NOT_UTF8, "--broker", "{}"],
     ["status", "--broker", b"bbmongo://127.0.0.1:1/caf\xe9"],
     ["schedules", "--broker", "{}", "add", NOT_UTF8, "app.add", "--every", "60"],
     ["schedules", "--broker", "{}", "add", "nightly", "app.add", "--every", "60", "--queue", NOT_UTF8],
+    ["schedules", "run-now", "nightly", "--broker", b"bbmongo://127.0.0.1:1/caf\xe9"],
 ]
 
 

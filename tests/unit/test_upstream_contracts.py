@@ -138,7 +138,7 @@ def test_a_publishing_process_apps_and_their_registries_are_found_without_finali
         "cannot be found; " + where("registered_task")
     )
 
-    @app.task(name="contracts.unique", unique=True)
+    @app.task(name="contracts.unique", unique=True, shared=False)
     def unique_task() -> None:
         pass
 
