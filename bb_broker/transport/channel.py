@@ -490,6 +490,9 @@ class Channel(virtual.Channel):
         # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
         reads = (("messages", lambda queue: self._fetch_plain(queue, look)), ("jobs", self._claim))
         try:
+            if self._refusals.wait(queue) > 0:
+                _spend(look)  # backed off from a server answer (_refused): its wake-up comes at the pause's end
+                raise Empty()
             if look.safety and wakeups is not None:
                 self._safety_probe(queue, look, wakeups)  # inside: a probe that fails leaves the look's news as news
             for source, read in reads if plain else reversed(reads):
@@ -510,6 +513,11 @@ class Channel(virtual.Channel):
                     look.took(source, taken, all_there_was=queue not in self._backlogged)
                 return message
             raise Empty()
+        except OperationFailure as exc:
+            # A safety probe's or a plain message's read (a claim's own is handled where it is made): as a claim's.
+            self._refused(queue, exc, wakeups)
+            _spend(look)
+            raise Empty() from None
         finally:
             if wakeups is not None:
                 wakeups.looked(queue, look)
@@ -860,6 +868,12 @@ class Channel(virtual.Channel):
 
 
 _said: set[str] = set()
+
+
+def _spend(look: Look) -> None:
+    """Take a look's news of both collections as read: what it told of is read again at its queue's next wake-up."""
+    for source in ("messages", "jobs"):
+        look.took(source, 0, all_there_was=True)
 
 
 def _say_once(message: str) -> None:

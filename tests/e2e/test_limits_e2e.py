@@ -14,7 +14,7 @@ from pymongo.database import Database
 
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
-from tests.support.workers import job, send, settled, wait_for
+from tests.support.workers import all_succeeded, job, send, settled, wait_for
 
 LIMITED = ("-Q", "limited,other")
 
@@ -44,10 +44,6 @@ def sampled(mongo_url: str, db: Database, count: Callable[[Database], int]) -> I
 
 def running_in(queue: str) -> Callable[[Database], int]:
     return lambda db: db.jobs.count_documents({"queue": queue, "status": "running"})
-
-
-def all_succeeded(db: Database, ids: list[str]) -> Callable[[], bool]:
-    return lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids)
 
 
 def test_a_limit_of_two_holds_across_three_workers_of_two_processes(

@@ -16,7 +16,7 @@ from pymongo.database import Database
 
 from tests.support import wire
 from tests.support.servers import with_database
-from tests.support.workers import Worker, producer, send, wait_for
+from tests.support.workers import Worker, all_succeeded, producer, send, wait_for
 
 #: The election is played by a wire proxy in front of the embedded server (conftest's stand_in).
 pytestmark = pytest.mark.stand_in
@@ -66,11 +66,7 @@ def test_jobs_run_once_through_an_election_and_workers_claim_again_at_the_primar
         publisher.join(60)
         assert len(during) == 12
         ids = before + during
-        wait_for(
-            lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids),
-            180,
-            "every job succeeded",
-        )
+        wait_for(all_succeeded(db, ids), 180, "every job succeeded")
     finally:
         app.close()
 

@@ -130,6 +130,11 @@ def job(db: Database, task_id: str) -> dict[str, Any]:
     return db.jobs.find_one({"taskId": task_id}) or {}
 
 
+def all_succeeded(db: Database, ids: list[str]) -> Callable[[], bool]:
+    """Whether every job of these task ids has succeeded: a condition to wait on."""
+    return lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == len(ids)
+
+
 def settled(db: Database, task_id: str, status: str) -> Callable[[], Any]:
     """A wait_for condition: the task's job has `status` (and then it is the document)."""
     return lambda: (doc := job(db, task_id)).get("status") == status and doc
