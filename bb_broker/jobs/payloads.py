@@ -99,16 +99,21 @@ def _decompressed_for_reading(message: dict[str, Any], body: bytes) -> bytes | N
 
 
 def _readable_body(message: dict[str, Any], body: bytes | None) -> dict[str, Any] | None:
+    parts = body_parts(message, body)
+    return parts if parts and _bson_safe(list(parts.values())) else None
+
+
+def body_parts(message: dict[str, Any], body: bytes | None) -> dict[str, Any]:
+    """A JSON body's parts as a job keeps them readable: a task's args, kwargs and options, or the whole body; empty
+    for a body that is not JSON (or not UTF-8)."""
     if body is None:
-        return None
+        return {}
     if message.get("content-type") != "application/json" or message.get("content-encoding") not in ("utf-8", None):
-        return None
+        return {}
     try:
         value = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return None
-    if not _bson_safe(value):
-        return None
+        return {}
     if (
         isinstance(value, list)
         and len(value) == 3

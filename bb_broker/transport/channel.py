@@ -35,6 +35,7 @@ from bb_broker.jobs.payloads import (
     SCHEDULE_HEADER,
     MalformedTaskMessage,
     PayloadError,
+    body_parts,
     check_body,
     check_encodable,
     check_envelope,
@@ -377,10 +378,12 @@ class Channel(virtual.Channel):
             headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
         payload = to_document({**message, "headers": headers}, body)
         check_body({**message, "body": body}, payload, whole_canvas=True)
-        stored_body = {f"the body's {part}": payload[part] for part in ("args", "kwargs", "options") if part in payload}
-        if payload.get("bodyFormat") == "json":
-            stored_body["the body"] = payload["body"]  # else base64: it encodes
-        check_encodable({"the queue name": queue, **stored_body, "the headers": headers, "the properties": properties})
+        # The body's own parts first, whether the job keeps them readable or whole: an error names the argument.
+        parts = body_parts(message, body)
+        named = {f"the body's {part}": parts[part] for part in ("args", "kwargs", "options") if part in parts}
+        if "body" in parts:
+            named["the body"] = parts["body"]
+        check_encodable({"the queue name": queue, **named, "the headers": headers, "the properties": properties})
         self.jobs.publish(
             queue=queue,
             kind=headers["task"],
