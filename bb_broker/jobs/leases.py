@@ -103,6 +103,8 @@ def _give_back(key: Hashable, store: JobStore, owner: str, live: Collection[str]
             except PyMongoError as exc:
                 if passes_with_time(exc):
                     raise
+                if is_unrecognised(exc):
+                    continue  # an answer that may pass (said where it was first met): kept for the next round
                 logger.warning("could not give back job %s (%s); the stale sweep will", job_id, type(exc).__name__)
             del pending[job_id]
     finally:

@@ -50,7 +50,7 @@ from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
-from bb_broker.server import capabilities
+from bb_broker.server import capabilities, is_unrecognised
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
@@ -823,7 +823,7 @@ class Channel(virtual.Channel):
         try:
             self.jobs.release(job_id, attempts, owner=self.owner)
         except PyMongoError as exc:
-            if passes_with_time(exc):
+            if passes_with_time(exc) or is_unrecognised(exc):  # an outage, or an answer that may pass: tried again
                 leases.release_later(self.jobs, job_id, attempts)
                 logger.warning(
                     "could not give back job %s (%s); it goes back once the server answers", job_id, type(exc).__name__
