@@ -1,14 +1,14 @@
-"""What the server behind a client can do: probed once per client, and read by every module from here.
+"""What the server behind a client can do: probed once per deployment and process, and read by every module here.
 
 MongoDB-compatible engines differ in what they refuse: FerretDB 2 (and Azure's DocumentDB on the same engine)
 refuses `hint` on findAndModify and `$changeStream` with code 115 and reports a unique index's refusal as code 1; a
 standalone MongoDB refuses change streams with 40573. Learnt by failing, each of those ended every worker at its first
-claim. So the first module that needs to know asks `capabilities(db)`: one probe per client (a few commands that
-change nothing but a scratch collection of their own, dropped at once) says what the deployment offers, and each
-missing capability selects its fallback there and then (see FALLBACKS), never a failure at the first use.
+claim. So a channel asks `capabilities(db)` at connect (and any other module at its first need): one probe (a few
+commands that change nothing but a scratch collection of their own, dropped at once) says what the deployment offers,
+and each missing capability selects its fallback there and then (see FALLBACKS), never a failure at the first use.
 
-The server's error codes the broker acts on live here too, each as a question (`is_unique_refusal`,
-`refuses_as_too_large`...), so that no module keeps a list of its own.
+The server's error codes the broker acts on live here too, each as a question (`Capabilities.is_unique_refusal`,
+`is_too_large`, `is_unrecognised`...), so that no module keeps a list of its own (a unit test holds that).
 """
 
 from __future__ import annotations
@@ -56,15 +56,12 @@ RETRYABLE_READ_CODES = frozenset({6, 7, 63, 89, 91, 134, 150, 189, 262, 9001, 10
 #: message's wording as well: otherwise any internal error would read as a unique index's refusal.
 _GENERIC_CODES = frozenset({1, 8})
 
-#: Seconds between the polls of a consumer that has no change stream to wake it: its idle cost and its latency.
-POLL_INTERVAL = 1.0
-
 #: Each capability's name as doctor and the docs say it, and what the broker does without it (and what that costs).
 FALLBACKS: dict[str, tuple[str, str]] = {
     "change_streams": (
         "change streams",
-        f"workers and result waiters poll instead of being woken: a consumer reads each queue at each safety poll "
-        f"and due time, a get() every {POLL_INTERVAL:g} s",
+        "workers and result waiters poll instead of being woken: a consumer reads its queues every polling_interval "
+        "(1 s at most) and at each due time, a get() every `interval` it is given (0.5 s by default)",
     ),
     "hint_find_and_modify": (
         "hint on findAndModify",

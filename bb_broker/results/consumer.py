@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -12,9 +11,8 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.document import RESULTS_COLLECTION
-from bb_broker.server import capabilities, passes_with_time, server_words
-
-logger = logging.getLogger(__name__)
+from bb_broker.jobs.outages import Refusals
+from bb_broker.server import capabilities, passes_with_time
 
 if TYPE_CHECKING:
     from bb_broker.results.backend import JobResultBackend
@@ -35,6 +33,8 @@ class ResultConsumer:
         self._cache = cache
         #: False once the deployment said it has no change streams (a standalone server): then it polls.
         self.change_streams = True
+        #: Answers to a wait's change stream the code does not recognise: said once and counted (the wait polls).
+        self._refusals = Refusals("result wait")
         #: Task id -> its job's id, learnt by reads: what a waiting get() watches.
         self._job_ids: dict[str, str] = {}
 
@@ -133,7 +133,7 @@ class ResultConsumer:
             if passes_with_time(exc):
                 raise
             # The probe found change streams: a refusal now is the server's, and this wait polls instead.
-            logger.warning("the results' change stream was refused (%s): polling", server_words(exc))
+            self._refusals.met(self.backend.jobs_collection, exc)  # said once per code, counted
             return None
 
     def _pause(self, stream: Any, interval: float, remaining: float | None) -> None:

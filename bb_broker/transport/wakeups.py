@@ -20,9 +20,10 @@ from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.document import waiting_query
+from bb_broker.jobs.outages import Refusals
 from bb_broker.jobs.queues import SLOT_WAITERS_FIELD
 from bb_broker.jobs.serial import WAITERS_FIELD
-from bb_broker.server import capabilities, server_words
+from bb_broker.server import capabilities, passes_with_time
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import BindingsWatch
 
@@ -488,6 +489,8 @@ class _Feed:
         #: How long the watcher's last pace was (0 once news came): the next grows from it while repeats come.
         self._pace = 0.0
         self.thread: threading.Thread | None = None  # started by subscribe
+        #: Answers to the stream the code does not recognise: said once and counted (polled through meanwhile).
+        self._refusals = Refusals("change stream")
 
     def unsubscribe(self, wakeups: Wakeups) -> None:
         with self._registry:
@@ -547,6 +550,7 @@ class _Feed:
                     self._pipeline(), max_await_time_ms=AWAIT_MS, batch_size=CHANGE_BATCH, resume_after=resume_token
                 ) as stream:
                     self._went_live()
+                    self._refusals.cleared(self._db.name)
                     backoff = 0.5
                     batch: set[Seen] = set()
                     changes, others_before = 0, False
@@ -571,7 +575,8 @@ class _Feed:
             except OperationFailure as exc:
                 # Any refusal is an outage of the stream, polled through until it is back: the probe said the
                 # deployment has change streams, and a worker is never ended by what the server answers here.
-                logger.warning("the change stream was refused (%s): polling until it is back", server_words(exc))
+                if not passes_with_time(exc):
+                    self._refusals.met(self._db.name, exc)  # said once per code, counted
                 resume_token = None  # the history may be gone: start afresh, polling everything once
                 self._went_dark(backoff)
             except PyMongoError:

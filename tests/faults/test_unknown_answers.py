@@ -19,7 +19,7 @@ from bb_broker.clock import ServerClock
 from tests.support.beat_process import TICK, Beat, slot_jobs
 from tests.support.faults import fail_point, fail_point_off, fail_point_on, server_errors
 from tests.support.servers import EmbeddedServer, with_database
-from tests.support.workers import Worker, producer, send, wait_for
+from tests.support.workers import Worker, all_succeeded, producer, send, wait_for
 
 UNKNOWN = {"errorCode": 54321}
 
@@ -165,3 +165,25 @@ def test_a_beat_meeting_an_unknown_answer_at_its_tick_stays_up_and_sends_at_the_
     said = [line for line in beat.log().splitlines() if "does not expect" in line]
     assert said and all("(code 54321" in line for line in said), beat.log()[-3000:]
     assert len(said) == 1, beat.log()[-3000:]  # once, however many looks met it
+
+
+def test_a_change_stream_meeting_an_unknown_answer_is_polled_through_and_said_once(
+    own_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    client: MongoClient = MongoClient(own_server.url, tz_aware=True)
+    db = client.unknown_stream
+    worker, metrics = _worker(own_server, tmp_path, db.name)
+    app = producer(with_database(own_server.url, db.name))
+    try:
+        _first_job_done(app, db)
+        # Every change stream the worker opens (its wake-ups) is refused; the aggregates of others are not asked.
+        fail_point_on(client, failCommands=["aggregate"], appName="bb_broker", **UNKNOWN)
+        wait_for(lambda: "answered a change stream of" in worker.log(), 60, "the stream refused")
+        ids = [send(app, "add", n, n) for n in range(3)]
+        wait_for(all_succeeded(db, ids), 90, "the jobs, by polling")
+    finally:
+        fail_point_off(client)  # before /metrics is read: its gauges count the jobs with an aggregate
+        app.close()
+    assert server_errors(metrics).get("change stream", 0) >= 1
+    _still_up(worker)
+    _said_once(worker.log(), "change stream")
