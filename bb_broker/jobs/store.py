@@ -137,6 +137,8 @@ class JobStore(Sweeps):
         #: The writer of this process's settle_soon, made at the first (one per process: see GroupCommit.pid).
         self._group_commit: GroupCommit | None = None
         self._group_commit_lock = threading.Lock()
+        #: What the deployment offers, once asked (see `server`).
+        self._server: Capabilities | None = None
         #: In a prefork worker's pool process, the main process's relay that writes this store's settles (set by
         #: the worker's hooks); None elsewhere.
         self.settle_relay: SettleRelay | None = None
@@ -150,8 +152,11 @@ class JobStore(Sweeps):
 
     @property
     def server(self) -> Capabilities:
-        """What the deployment offers (server.py): probed at the first claim or write that asks, once per client."""
-        return capabilities(self.coll.database)
+        """What the deployment offers (server.py): probed once per process, kept here after the first ask (every claim
+        asks it for its hints)."""
+        if self._server is None:
+            self._server = capabilities(self.coll.database)
+        return self._server
 
     def _hint(self, index: str, command: str = "find") -> dict[str, Any]:
         return self.server.hint(index, command)

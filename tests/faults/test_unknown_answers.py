@@ -176,8 +176,9 @@ def test_a_change_stream_meeting_an_unknown_answer_is_polled_through_and_said_on
     app = producer(with_database(own_server.url, db.name))
     try:
         _first_job_done(app, db)
-        # Every change stream the worker opens (its wake-ups) is refused; the aggregates of others are not asked.
-        fail_point_on(client, failCommands=["aggregate"], appName="bb_broker", **UNKNOWN)
+        # The worker's change stream (its wake-ups) is refused, at its next getMore and at each reopening; the test's
+        # own commands are not (bb_broker's clients only).
+        fail_point_on(client, failCommands=["aggregate", "getMore"], appName="bb_broker", **UNKNOWN)
         wait_for(lambda: "answered a change stream of" in worker.log(), 60, "the stream refused")
         ids = [send(app, "add", n, n) for n in range(3)]
         wait_for(all_succeeded(db, ids), 90, "the jobs, by polling")
