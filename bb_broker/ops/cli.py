@@ -51,7 +51,7 @@ def _jobs(
     collection name MongoDB cannot have: exit 2); its client is closed at the end of the block unless `keep_open`."""
     from pymongo.errors import InvalidName, PyMongoError
 
-    from bb_broker import connection
+    from bb_broker import connection, server
 
     store = None
     try:
@@ -65,7 +65,7 @@ def _jobs(
     except connection.BrokerURLError as exc:
         _fail(str(exc))
     except PyMongoError as exc:
-        _fail(connection.describe_failure(exc, broker))
+        _fail(server.describe_failure(exc, broker))
     finally:
         if store is not None and not keep_open:
             store.coll.database.client.close()
