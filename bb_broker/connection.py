@@ -18,12 +18,11 @@ from urllib.parse import quote, quote_plus, unquote, unquote_plus
 import pymongo
 from pymongo import MongoClient
 from pymongo.database import Database
-from pymongo.errors import ConfigurationError, InvalidURI, OperationFailure, PyMongoError
+from pymongo.errors import ConfigurationError, InvalidURI, PyMongoError
 from pymongo.uri_parser import parse_uri
 from ulid import ULID
 
 from bb_broker.forks import reset_in_child
-from bb_broker.server import is_authentication_failure, is_unauthorized
 
 SCHEMES = {"bbmongo": "mongodb", "bbmongo+srv": "mongodb+srv", "mongodb": "mongodb", "mongodb+srv": "mongodb+srv"}
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
@@ -327,78 +326,6 @@ def scrub_value(value: Any, secrets: tuple[str, ...]) -> Any:
     if isinstance(value, BaseException):  # a pickled result's exception
         value.args = scrub_value(value.args, secrets)
     return value
-
-
-#: One server's error inside a ServerSelectionTimeoutError's text: "host:port: what happened".
-_SERVER_ERROR = re.compile(r"(?:^|,)(?P<address>[^\s,]+:\d+): (?P<error>.+?)(?=,[^\s,]+:\d+: |$)")
-_CONFIGURED_TIMEOUTS = re.compile(r" \(configured timeouts: [^)]*\)")
-_GAVE_UP_AFTER = re.compile(r", Timeout: (?P<seconds>[\d.]+)s, Topology Description: .*$", re.S)
-_NAME_NOT_RESOLVED = ("Name or service not known", "nodename nor servname", "name resolution", "No address associated")
-
-
-def describe_failure(exc: PyMongoError, url: str, *, waited: float | None = None) -> str:
-    """One line that says in words why talking to the server at `url` failed, with the URL as written, masked;
-    `waited` is how long the caller tried, when that is not the one try of `exc`."""
-    secrets = url_secrets(url)
-    if is_authentication_failure(exc):
-        user, database = _auth_identity(url)
-        return f"authentication failed for user {user} on database {database}"
-    shown = redact_url(url)
-    if is_unauthorized(exc):
-        user, database = _auth_identity(url)
-        if user is None:
-            return f"the server at {shown} requires authentication: put user:password@ in the broker URL"
-        reason = scrub(str((exc.details or {}).get("errmsg") or "not authorized"), secrets)
-        return f"user {user} (database {database}) may not do this on {shown}: {reason}"
-    if isinstance(exc, OperationFailure):
-        reason = scrub(str((exc.details or {}).get("errmsg") or exc.__class__.__name__), secrets)
-        return f"the server at {shown} refused: {_shorten(reason)} (code {exc.code})"
-    text = scrub(str(exc), secrets)
-    gave_up = _GAVE_UP_AFTER.search(text)
-    causes = [
-        _cause_in_words(match.group("address"), _CONFIGURED_TIMEOUTS.sub("", match.group("error")))
-        for match in _SERVER_ERROR.finditer(text[: gave_up.start()] if gave_up else text)
-    ]
-    cause = "; ".join(dict.fromkeys(causes)) or _shorten(
-        _CONFIGURED_TIMEOUTS.sub("", text[: gave_up.start()] if gave_up else text)
-    )
-    seconds = round(waited, 1) if waited is not None else float(gave_up.group("seconds")) if gave_up else None
-    waited_text = f" (gave up after {seconds:g} s)" if seconds is not None else ""
-    return f"cannot reach the server at {shown}: {cause}{waited_text}"
-
-
-def _cause_in_words(address: str, error: str) -> str:
-    host = address.rsplit(":", 1)[0]
-    if "Connection refused" in error:
-        return f"nothing listens at {address} (connection refused): is the server running?"
-    if any(words in error for words in _NAME_NOT_RESOLVED):
-        return f"the host name {host} does not resolve"
-    if "timed out" in error:
-        return f"no answer from {address} (timed out)"
-    if "Got response id" in error or "ProtocolError" in error:
-        return f"{address} answered, but not as a MongoDB server"
-    if "SSL" in error or "certificate" in error.lower() or "TLS" in error:
-        return f"TLS with {address} failed: {_shorten(error)}"
-    return f"{address}: {_shorten(error)}"
-
-
-def _shorten(text: str, limit: int = 200) -> str:
-    """One line, cut at a word boundary when long."""
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    return text[:limit].rsplit(" ", 1)[0] + " …"
-
-
-def _auth_identity(url: str) -> tuple[str | None, str]:
-    """The user a URL logs in as, and the database it authenticates against (authSource, else the path)."""
-    try:
-        parsed = parse_uri(parse_broker_url(url).mongo_uri, validate=False, warn=False)
-    except (BrokerURLError, InvalidURI, ConfigurationError, ValueError):
-        return None, "admin"
-    options = {name.lower(): value for name, value in parsed["options"].items()}
-    database = options.get("authsource") or parsed.get("database") or "admin"
-    return parsed.get("username"), database
 
 
 #: Seconds the cleanup a stopping process does (release its jobs, give back a batch, drop its reply queues) may

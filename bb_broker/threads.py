@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from bb_broker import metrics
 from bb_broker.connection import stop_signals_blocked
-from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from pymongo import MongoClient
 from pymongo.errors import PyMongoError
 
 import bb_broker
-from bb_broker.connection import describe_failure, new_client, parse_broker_url, redact_url
+from bb_broker.connection import new_client, parse_broker_url, redact_url
+from bb_broker.server import describe_failure
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"

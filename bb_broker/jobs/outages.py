@@ -11,8 +11,8 @@ from typing import Any
 
 from pymongo.errors import BulkWriteError, ConnectionFailure, OperationFailure
 
+from bb_broker import metrics
 from bb_broker.connection import out_of_patience
-from bb_broker.ops import metrics
 from bb_broker.server import is_transient, is_unrecognised, passes_with_time, server_words
 
 logger = logging.getLogger(__name__)

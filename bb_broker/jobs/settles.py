@@ -58,11 +58,11 @@ from pymongo import UpdateOne
 from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, PyMongoError
 
+from bb_broker import metrics
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs.document import DOES_NOT_FIT, UNENCODABLE, unwritable_cause
 from bb_broker.jobs.lifecycle import RUNNING
 from bb_broker.jobs.outages import Refusals, through_refusals
-from bb_broker.ops import metrics
 from bb_broker.server import too_large_write_error, unrecognised_write_error
 from bb_broker.threads import start_supervised
 
@@ -83,7 +83,7 @@ class Settle:
     job_id: str
     fence: dict[str, Any]
     update: dict[str, Any]
-    #: The counter (ops/metrics.py) the settle adds to once it lands: succeeded, retried or failed.
+    #: The counter (bb_broker/metrics.py) the settle adds to once it lands: succeeded, retried or failed.
     outcome: metrics.Event
     #: The settle to write instead when this one can never be written, given why (document.unwritable_cause: the
     #: job document would exceed MongoDB's limit, or BSON cannot encode a value): it fails the job for good, saying

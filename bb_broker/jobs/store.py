@@ -24,6 +24,7 @@ from pymongo.errors import (
     OperationFailure,
 )
 
+from bb_broker import metrics
 from bb_broker.connection import scrub
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import admin, lifecycle
@@ -70,7 +71,6 @@ from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is
 from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay, SettleWriter
 from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
-from bb_broker.ops import metrics
 from bb_broker.server import (
     Capabilities,
     capabilities,

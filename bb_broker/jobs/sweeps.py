@@ -14,6 +14,7 @@ from typing import Any
 
 from pymongo.collection import Collection as MongoCollection
 
+from bb_broker import metrics
 from bb_broker.jobs.document import (
     HISTORY_ARRAY,
     HISTORY_LIMIT,
@@ -23,7 +24,6 @@ from bb_broker.jobs.document import (
 )
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, Policy
 from bb_broker.jobs.unique import RELEASED_AT_END
-from bb_broker.ops import metrics
 
 logger = logging.getLogger(__name__)
 

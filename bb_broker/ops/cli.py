@@ -51,7 +51,7 @@ def _jobs(
     collection name MongoDB cannot have: exit 2); its client is closed at the end of the block unless `keep_open`."""
     from pymongo.errors import InvalidName, PyMongoError
 
-    from bb_broker import connection
+    from bb_broker import connection, server
 
     store = None
     try:
@@ -65,7 +65,7 @@ def _jobs(
     except connection.BrokerURLError as exc:
         _fail(str(exc))
     except PyMongoError as exc:
-        _fail(connection.describe_failure(exc, broker))
+        _fail(server.describe_failure(exc, broker))
     finally:
         if store is not None and not keep_open:
             store.coll.database.client.close()
@@ -460,12 +460,12 @@ def doctor(broker: str, collection: str) -> None:
 @click.option("--port", default=9808, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 def serve_metrics(broker: str, collection: str, host: str, port: int) -> None:
     """Serve /metrics (Prometheus) and /statuses (the statuses() JSON) until stopped."""
-    from bb_broker.ops import metrics
+    from bb_broker.ops import metrics_endpoint
 
     with _jobs(broker, collection, keep_open=True) as store:
         store.statuses()  # a collection that cannot be read fails here, in one line, not at each scrape
     try:
-        server = metrics.make_metrics_server(store, host, port)
+        server = metrics_endpoint.make_metrics_server(store, host, port)
     except (OSError, ValueError) as exc:  # a busy port, or a PROMETHEUS_MULTIPROC_DIR that does not exist
         _fail(f"cannot serve metrics on {host}:{port}: {exc}")
     click.echo(f"bb-broker: serving /metrics and /statuses on http://{host}:{server.server_port}")

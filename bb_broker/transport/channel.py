@@ -50,7 +50,7 @@ from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
-from bb_broker.server import capabilities, is_unrecognised
+from bb_broker.server import capabilities, describe_failure, is_unrecognised
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
@@ -201,7 +201,7 @@ class Channel(virtual.Channel):
                 return
             except mongo_errors.ConnectionFailure as exc:
                 if monotonic() >= deadline or _every_server_refused(db.client):
-                    shown = connection.describe_failure(exc, self.connection.broker_url, waited=monotonic() - started)
+                    shown = describe_failure(exc, self.connection.broker_url, waited=monotonic() - started)
                     raise ServerUnreachable(shown) from None  # pymongo's topology dump says it in 100 lines
             except PyMongoError:
                 if monotonic() >= deadline or _every_server_refused(db.client):

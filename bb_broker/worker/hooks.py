@@ -34,7 +34,7 @@ from bb_broker.jobs.payloads import (
 )
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JOB_SETTLE, JobStore
-from bb_broker.ops import metrics
+from bb_broker.ops import metrics_endpoint
 from bb_broker.options import BrokerOptions, OptionError, open_store
 from bb_broker.transport.qos import explain_rejection
 from bb_broker.worker import patches
@@ -669,11 +669,11 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         return
     host = os.environ.get("BB_METRICS_HOST", "127.0.0.1")
     try:
-        server = metrics.serve_in_background(store, host, int(port))
+        server = metrics_endpoint.serve_in_background(store, host, int(port))
     except (OSError, ValueError) as exc:
         # A busy port must not stop the worker from working.
         logger.error("bb_broker metrics endpoint not started on %s:%s: %s", host, port, exc)
         return
-    if not metrics.multiprocess_dir() and type(getattr(sender, "pool", None)).__module__.endswith("prefork"):
+    if not metrics_endpoint.multiprocess_dir() and type(getattr(sender, "pool", None)).__module__.endswith("prefork"):
         logger.warning("PROMETHEUS_MULTIPROC_DIR is not set: the counters of the pool processes are not served")
     logger.info("bb_broker metrics on http://%s:%d/metrics and /statuses", host, server.server_port)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pymongo import MongoClient
 
+from bb_broker import metrics
 from bb_broker.jobs import settles
 from bb_broker.jobs.store import TOO_LARGE_TO_SETTLE, JobStore
-from bb_broker.ops import metrics
 from tests.support.faults import fail_point
 from tests.support.store import CommandLog, held_jobs, settles_sent
 from tests.support.workers import wait_for

@@ -14,7 +14,7 @@ from celery import Celery
 from click.testing import CliRunner
 from pymongo.database import Database
 
-from bb_broker import DuplicateJob, MalformedTaskMessage, UniqueOptionError
+from bb_broker import DuplicateJob, MalformedTaskMessage, UniqueOptionError, metrics
 from bb_broker.jobs.unique import (
     MAX_UNIQUE_KEY_LENGTH,
     UNIQUE_KEY_HEADER,
@@ -22,7 +22,6 @@ from bb_broker.jobs.unique import (
     UNIQUE_PERIOD_HEADER,
     period_bucket,
 )
-from bb_broker.ops import metrics
 from bb_broker.ops.cli import main
 from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.options import BrokerOptions, open_store

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from bb_broker import threads
-from bb_broker.ops import metrics
+from bb_broker.ops import metrics_endpoint
 
 
 def test_a_supervised_loop_that_dies_is_logged_counted_and_run_again(caplog: pytest.LogCaptureFixture) -> None:
@@ -31,7 +31,7 @@ def test_a_supervised_loop_that_dies_is_logged_counted_and_run_again(caplog: pyt
     deaths = [record for record in caplog.records if name in record.getMessage()]
     assert len(deaths) == 2 and all("unhashable" in (record.exc_text or "") for record in deaths)
     assert REGISTRY.get_sample_value("bb_broker_thread_restarts_total", {"thread": name}) == 2
-    served = generate_latest(metrics.registry_for(_NoJobs())).decode()
+    served = generate_latest(metrics_endpoint.registry_for(_NoJobs())).decode()
     assert f'bb_broker_thread_restarts_total{{thread="{name}"}} 2.0' in served
 
 

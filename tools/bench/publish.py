@@ -43,11 +43,11 @@ from pymongo.collection import Collection
 from ulid import ULID
 
 import bb_broker  # noqa: F401 (registers bbmongo://)
+from bb_broker import metrics
 from bb_broker.clock import ServerClock
 from bb_broker.jobs import payloads
 from bb_broker.jobs.admin import INDEXES, RETENTION_INDEX
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops import metrics
 from tests.support.servers import with_database
 from tools.bench.app import QUEUE, TASK
 from tools.bench.runner import QUIET_CLIENT
