@@ -378,10 +378,12 @@ class Channel(virtual.Channel):
             headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
         payload = to_document({**message, "headers": headers}, body)
         check_body({**message, "body": body}, payload, whole_canvas=True)
-        # The body's own parts first, whether the job keeps them readable or whole: an error names the argument.
-        parts = body_parts(message, body)
+        # The body's own parts first, so that an error names the argument: as the job keeps them readable, or parsed
+        # here only where it keeps the body whole (a text BSON cannot hold is one reason it does).
+        readable = "args" in payload or payload.get("bodyFormat") == "json"
+        parts = payload if readable else body_parts(message, body)
         named = {f"the body's {part}": parts[part] for part in ("args", "kwargs", "options") if part in parts}
-        if "body" in parts:
+        if parts.get("bodyFormat") == "json":
             named["the body"] = parts["body"]
         check_encodable({"the queue name": queue, **named, "the headers": headers, "the properties": properties})
         self.jobs.publish(
