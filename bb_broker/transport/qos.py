@@ -14,7 +14,7 @@ from kombu.transport import virtual
 
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
-from bb_broker.worker import patches
+from bb_broker.upstream import kombu as upstream_kombu
 
 if TYPE_CHECKING:
     from bb_broker.transport.channel import Channel
@@ -87,7 +87,7 @@ class JobQoS(virtual.QoS):
         self._poke()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        delivered = patches.delivered_messages(self)
+        delivered = upstream_kombu.delivered_messages(self)
         message = delivered.get(delivery_tag) or self._running_on.pop(delivery_tag, None)
         if not (isinstance(message, JobMessage) and message.job_id):
             if delivery_tag not in delivered:
@@ -104,7 +104,7 @@ class JobQoS(virtual.QoS):
             self._rejected_in_delivery.append(message)
         else:
             self._fail_rejected(message)
-        patches.ack_without_restore(self, delivery_tag)
+        upstream_kombu.ack_without_restore(self, delivery_tag)
         self._poke()
 
     def settle_rejections(self) -> None:
@@ -139,7 +139,7 @@ class JobQoS(virtual.QoS):
         jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
 
     def live_jobs(self) -> list[str]:
-        delivered = patches.delivered_messages(self)  # not those acked since (see there)
+        delivered = upstream_kombu.delivered_messages(self)  # not those acked since (see there)
         return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
 
     def claimable(self) -> int:

@@ -37,7 +37,7 @@ from bb_broker.jobs.store import JOB_SETTLE, JobStore
 from bb_broker.ops import metrics_endpoint
 from bb_broker.options import BrokerOptions, OptionError, open_store
 from bb_broker.transport.qos import explain_rejection
-from bb_broker.worker import patches
+from bb_broker.upstream import celery as upstream_celery
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def retry_failed_attempts(app: Any) -> None:
     errback, chain failure or chord error, and Flower shows RETRY; the last attempt's failure propagates as ever."""
     if store_for(app) is None:
         return
-    patches.wrap_task_runs(app, _broker_retry)
+    upstream_celery.wrap_task_runs(app, _broker_retry)
 
 
 def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
@@ -232,7 +232,7 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
         # max_retries: never Celery's limit (the task's, 3 by default) but the broker's, checked above.
         return task.retry(exc=exc, countdown=countdown, max_retries=request.retries + 1, headers=headers, throw=False)
     finally:
-        patches.forget_retry_override(task)
+        upstream_celery.forget_retry_override(task)
 
 
 def retried_by_broker(request: Any) -> bool:
@@ -442,7 +442,7 @@ def _flow_control_headers(
         return
     options = (*unique.OPTION_NAMES, *serial.OPTION_NAMES, *rate_keys.OPTION_NAMES)
     call = {name: properties.pop(name) for name in options if name in properties}
-    task = patches.registered_task(sender) if isinstance(sender, str) else None
+    task = upstream_celery.registered_task(sender) if isinstance(sender, str) else None
     if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
         args, kwargs = body[0], body[1]
     else:  # protocol 1: a dict
@@ -586,8 +586,8 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
         return
     # Before the pool forks and the consumer builds its tracers and request classes: `pool_shrink` must not wedge
     # a worker, a task's failed attempt the broker runs again is a Celery retry, and what the main process reports of
-    # a task (its pool process died, a hard time limit) is right for the job (see patches.py).
-    patches.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
+    # a task (its pool process died, a hard time limit) is right for the job (see bb_broker/upstream/celery.py).
+    upstream_celery.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
     # The requests this worker holds keep their leases, and what it still holds at exit is released. A consumer
     # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
     add_process_source(_reserved_jobs)

@@ -1,35 +1,22 @@
-"""Every contact with Celery's, Kombu's and billiard's internals: each patch, and each private name read, is here.
+"""Celery's internals bb_broker patches or reads: the worker's task run and request class, the result backend's
+failure, chain and errback helpers, canvas and registry names (bb_broker/upstream/__init__.py has the rules).
 
-Each function says what it changes or reads, why no public hook does it, and the releases it was checked against;
-tests/unit/test_upstream_contracts.py asserts the shape each one relies on and fails, naming the upstream change and
-the function here, when a release moves it. The rest of bb_broker calls these functions and touches no private name
-of those packages itself. What a patch does for the broker (the decision, the reason it records) is passed in by its
-caller (bb_broker.worker.hooks): this module knows the upstream shapes, not the broker's rules.
-
-Not here: the methods bb_broker.transport (channel.py, qos.py, transport.py) overrides on Kombu's virtual Channel,
-QoS and Transport (`_get`, `_put`, `_size`, `_purge`, `_delete`, `_new_queue`, `_has_queue`, `_queue_bind`,
-`_lookup`, `_put_fanout`, `_deliver`): underscored, but the interface Kombu's virtual transports are written against
-(its docstrings tell subclasses to implement them). Their signatures are asserted by the contract tests all the same.
-Nor are Celery's BaseBackend methods results.backend implements (`_store_result`, `_get_task_meta_for`, `_forget`,
-the group ones), for the same reason, nor the public registries bb_broker/__init__.py adds its names to (Kombu's
-TRANSPORT_ALIASES, Celery's BACKEND_ALIASES).
-
-Celery, Kombu and billiard are imported inside the functions: this module is imported while `celery` and
-`kombu.transport` themselves are (bb_broker registers its transport and hooks from their post-import hooks).
+Celery is imported inside the functions: this module is imported while `celery` itself is.
 """
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any
+
+from bb_broker.upstream import billiard as upstream_billiard
 
 if TYPE_CHECKING:
     from celery.canvas import _chain
 
 #: The releases every function here was checked against (their sources read, the contract tests run on the newest).
-CHECKED_AGAINST = "celery 5.5.3, 5.6.3, 5.7.0; kombu 5.5.4, 5.6.2, 5.7.0; billiard 4.2.4, 4.3.2"
+CHECKED_AGAINST = "celery 5.5.3, 5.6.3, 5.7.0"
 
 #: Marks a wrapper this module installed, so that installing twice wraps once.
 _INSTALLED = "bb_broker_patch"
@@ -231,121 +218,6 @@ def result_cache(backend: Any) -> Any:
     return backend._cache
 
 
-# --- Kombu: private names read ---------------------------------------------------------------------------------------
-
-
-def serializer_content_types(name: str) -> tuple[str, str]:
-    """The (content type, content encoding) `kombu.serialization.loads` needs for the serializer registered as
-    `name`. Kombu's registry keeps them only in its private `_encoders` table (Celery's BaseBackend reads it the same
-    way); the public `name_to_type` has the content type but not the encoding. Checked against kombu 5.5.4, 5.6.2,
-    5.7.0."""
-    from kombu.serialization import registry  # type: ignore[attr-defined]  # celery-types' kombu stubs omit it
-
-    content_type, content_encoding, _ = registry._encoders[name]
-    return content_type, content_encoding
-
-
-def delivered_messages(qos: Any) -> dict[str, Any]:
-    """A virtual QoS's messages delivered and not yet acked or rejected, by delivery tag: `QoS._delivered` without
-    the tags in `QoS._dirty`, which no public method lists. An ack (from any thread) only adds its tag to `_dirty`;
-    Kombu drops it from `_delivered` at the next delivery, which a worker given nothing more never gets: counted as
-    delivered, its job's lease was renewed for as long. Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    settled = set(qos._dirty)  # one C-level copy: acks from other threads add to it meanwhile
-    return {tag: message for tag, message in list(qos._delivered.items()) if tag not in settled}
-
-
-def ack_without_restore(qos: Any, delivery_tag: str) -> None:
-    """Settle a delivered message on a virtual QoS as acked, without the channel's basic_ack (`QoS._quick_ack`, what
-    the virtual QoS's own ack and reject end with). Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    qos._quick_ack(delivery_tag)
-
-
-def has_consumers(channel: Any) -> bool:
-    """Whether a virtual channel has consumers (`Channel._consumers`, the tags basic_consume adds). Checked against
-    kombu 5.5.4, 5.6.2, 5.7.0."""
-    return bool(channel._consumers)
-
-
-def consumed_queues(channel: Any) -> list[str]:
-    """The queues a virtual channel consumes (`Channel._active_queues`). Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    return channel._active_queues
-
-
-def queue_of_consumer(channel: Any, consumer_tag: str) -> str | None:
-    """The queue a consumer tag of a virtual channel consumes (`Channel._tag_to_queue`). Checked against kombu
-    5.5.4, 5.6.2, 5.7.0."""
-    return channel._tag_to_queue.get(consumer_tag)
-
-
-def next_delivery_tag(channel: Any) -> str:
-    """A new delivery tag from a virtual channel (`Channel._next_delivery_tag`, what basic_get and the cycle give each
-    message). Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    return channel._next_delivery_tag()
-
-
-def exchange_table(state: Any, exchange: str) -> list[Any]:
-    """This connection's bindings of an exchange, as Kombu's virtual BrokerState keeps them: the `table` of
-    `state.exchanges[exchange]` (rows of (routing key, pattern, queue)); empty for an exchange it does not know.
-    Kombu routes by `Channel.get_table`, which reads the same. Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    return state.exchanges.get(exchange, {}).get("table", [])
-
-
-def drop_bindings(state: Any, keep: Callable[[tuple[Any, ...]], bool], exchange: str | None = None) -> None:
-    """Remove from this connection's exchange tables (one exchange's, or every one's) each row `keep` refuses.
-
-    Kombu's queue_unbind edits the list `get_table` returns in place, which here is a copy (the stored bindings
-    every connection routes by are added to it), and its queue_delete leaves the tables as they are: so the rows go
-    from the tables themselves. Checked against kombu 5.5.4, 5.6.2, 5.7.0."""
-    declared = state.exchanges.values() if exchange is None else [state.exchanges.get(exchange)]
-    for meta in declared:
-        if meta is not None:
-            meta["table"] = [row for row in meta.get("table", []) if keep(tuple(row))]
-
-
-# --- billiard: patches -----------------------------------------------------------------------------------------------
-
-#: The signal billiard's pool ends its processes with (pool shrink, pool terminate).
-_TERMINATE = {signal.SIGTERM}
-#: Seconds a waiting process keeps the signal pending before it looks again: the most a shrink waits for it.
-_WAIT_SLICE = 0.5
-
-
-def _get_payload_guarded(self: Any) -> bytes:
-    # Without an event loop every idle pool process reads the one shared job queue under its read lock, and
-    # `pool_shrink` SIGTERMs idle processes together. billiard's handler raises SystemExit, which a process inside
-    # `with lock:` survives cleanly; but a process whose lock wait succeeds just as its own signal arrives raises
-    # inside `__enter__`, before the `with` protects anything, and dies holding the lock: every other process then
-    # waits on it forever, tasks are received and never start, and the worker cannot stop. So the signal is held
-    # back while the lock is taken, and let in only where a `finally` releases the lock.
-    while True:
-        masked = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINATE)
-        try:
-            if self._rlock.acquire(timeout=_WAIT_SLICE):
-                try:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, masked)  # a pending SIGTERM is raised here
-                    return self._reader.recv_bytes()
-                finally:
-                    self._rlock.release()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, masked)  # not holding the lock: a pending SIGTERM may act
-
-
-def install_pool_queue_guard() -> None:
-    """Replace billiard's `SimpleQueue.get_payload` (`with self._rlock: return self._reader.recv_bytes()`) by one
-    that holds SIGTERM back while it takes the read lock (idempotent): a pool process terminated by `pool_shrink`
-    while it waits for a task then never leaves the pool's job queue locked. The pool processes forked after this
-    inherit it.
-
-    No public hook: billiard's pool builds its queues itself (Pool._setup_queues) and takes no queue class or reader
-    from Celery or the app. Relies on: SimpleQueue's `_rlock` (a lock with `acquire(timeout=)`) and `_reader` (a
-    Connection with `recv_bytes()`), and the pool reading through `get_payload` (billiard/pool.py's
-    `conn.get_payload`). Checked against billiard 4.2.4, 4.3.2."""
-    from billiard.queues import SimpleQueue
-
-    if SimpleQueue.get_payload is not _get_payload_guarded:
-        SimpleQueue.get_payload = _get_payload_guarded  # type: ignore[method-assign]  # the patch itself
-
-
 # --- the entry point -------------------------------------------------------------------------------------------------
 
 
@@ -359,7 +231,7 @@ def install(
     """Every patch a bbmongo:// worker needs, before its pool forks and its consumer builds the tasks' requests and
     tracers (its worker_init); calling it again changes nothing. `wrap_task_runs` alone runs again as the tasks'
     modules are imported (a pool process started afresh builds its tracers without worker_init)."""
-    install_pool_queue_guard()
+    upstream_billiard.install_pool_queue_guard()
     wrap_task_runs(app, retry_for)
     for task in list(app.tasks.values()):
         explain_worker_lost(task, explain_lost)
