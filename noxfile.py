@@ -26,6 +26,7 @@ FULL = [
     "tests/unit/test_upstream_celery.py",
     "tests/unit/test_upstream_kombu.py",
     "tests/unit/test_upstream_billiard.py",
+    "tests/unit/test_upstream_pymongo.py",
     "tests/unit/test_flower_contracts.py",
     "tests/e2e/test_lifecycle_e2e.py",
     "tests/e2e/test_results_e2e.py",
@@ -53,6 +54,7 @@ SHORT = [
     "tests/unit/test_upstream_celery.py",
     "tests/unit/test_upstream_kombu.py",
     "tests/unit/test_upstream_billiard.py",
+    "tests/unit/test_upstream_pymongo.py",
     "tests/unit/test_flower_contracts.py",
     "tests/flower/test_jobs_view.py::test_lists_counts_and_look_ups",
 ]

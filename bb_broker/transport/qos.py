@@ -4,8 +4,6 @@ rejection settles that job on the server, and the prefetch limit says how much t
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
-from collections.abc import Callable
 from datetime import datetime
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -60,10 +58,6 @@ class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
 
     channel: Channel
-    # Kombu's, which its __init__ sets (its stubs leave them optional, or leave _quick_ack out).
-    _delivered: OrderedDict[str, Any]
-    _dirty: set[str]
-    _quick_ack: Callable[[str], None]
 
     #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
     batch_patience = 0.05

@@ -7,6 +7,7 @@ Celery is imported inside the functions: this module is imported while `celery` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from functools import wraps
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +217,56 @@ def result_cache(backend: Any) -> Any:
     """The backend's cache of ready results by task id (`BaseBackend._cache`, an LRU that get_many fills and reads).
     Checked against celery 5.5.3, 5.6.3, 5.7.0."""
     return backend._cache
+
+
+# --- Celery: the app's state, beat's schedules -----------------------------------------------------------------------
+
+
+def app_state(app: Any) -> dict[str, Any]:
+    """The dict where bb_broker keeps its state on a Celery app (its job stores, the settle relay, the task store),
+    under keys of its own (`bb_broker_*`): the app's instance `__dict__`.
+
+    A Celery app offers no place for a plugin's state, and the state belongs to the app (two apps in one process use
+    two brokers). Relies on: the app class having a `__dict__` (no `__slots__`), and an app pickled to a pool process
+    or a thread being rebuilt from its constructor's arguments and conf (`Celery.__reduce__` and
+    `__reduce_keys__`), never from that dict: the stores' live clients and the relay's sockets never travel. Checked
+    against celery 5.5.3, 5.6.3, 5.7.0."""
+    state: dict[str, Any] = app.__dict__
+    return state
+
+
+def solar_next_event(solar: Any, start: datetime) -> datetime | None:
+    """The first time of a `celery.schedules.solar`'s event at or after `start` (aware), in UTC, as Celery's own
+    remaining_estimate finds it; None when its search finds none (a polar night: Celery searches a year ahead).
+
+    No public method answers "when is the event after this moment": remaining_estimate and is_due measure from now.
+    Relies on: the solar's `ephem` module, its observer `cal` (whose `date` is where the search starts) and
+    `_next_event(start)`, which returns `start` itself when the event never comes. Checked against celery 5.7.0 (5.4
+    to 5.6 have no `_next_event`)."""
+    ephem = solar.ephem
+    begin = ephem.Date(start.astimezone(UTC).replace(tzinfo=None))
+    solar.cal.date = begin
+    found = solar._next_event(begin)
+    if found == begin:
+        return None
+    slot: datetime = found.datetime().replace(tzinfo=UTC)
+    return slot
+
+
+def crontab_fields(crontab: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """A `celery.schedules.crontab`'s five fields as they were given (minute, hour, day of month, month of year, day
+    of week): strings, numbers or sets, before Celery expands them.
+
+    The public `minute`, `hour`... are the expanded sets (every minute of `*/15` listed), which say the schedule
+    but not as it was written. Relies on: `_orig_minute`, `_orig_hour`, `_orig_day_of_month`, `_orig_month_of_year`,
+    `_orig_day_of_week` (what crontab's own repr and pickling read). Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    return (
+        crontab._orig_minute,
+        crontab._orig_hour,
+        crontab._orig_day_of_month,
+        crontab._orig_month_of_year,
+        crontab._orig_day_of_week,
+    )
 
 
 # --- the entry point -------------------------------------------------------------------------------------------------

@@ -113,12 +113,12 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
     options = app.conf.broker_transport_options or {}
     key = (os.getpid(), url, repr(sorted(options.items())), repr(sorted(client_options.items())))
     with _stores_lock:
-        stores: dict[tuple[int, str, str, str], JobStore] = app.__dict__.setdefault(APP_STORES, {})
+        stores: dict[tuple[int, str, str, str], JobStore] = upstream_celery.app_state(app).setdefault(APP_STORES, {})
         store = stores.get(key)
         if store is None:
             target = connection.parse_broker_url(url)
             store = stores[key] = open_store(target, BrokerOptions.parse(options), **client_options)
-            store.settle_relay = app.__dict__.get(APP_SETTLE_RELAY)
+            store.settle_relay = upstream_celery.app_state(app).get(APP_SETTLE_RELAY)
     return store
 
 
@@ -133,12 +133,12 @@ def store_of(task: Any) -> JobStore | None:
 def _task_store(app: Any) -> JobStore | None:
     # store_for reads the app's conf, about a tenth of a pool process's CPU per task (py-spy --gil, a drain). In a
     # worker, whatever its pool, the conf no longer changes: the store is kept on the app, by process.
-    kept = app.__dict__.get(APP_TASK_STORE)
+    kept = upstream_celery.app_state(app).get(APP_TASK_STORE)
     if kept is not None and kept[0] == os.getpid():
         return kept[1]
     store = store_for(app)
-    if APP_TASK_STORE in app.__dict__:
-        app.__dict__[APP_TASK_STORE] = (os.getpid(), store)
+    if APP_TASK_STORE in upstream_celery.app_state(app):
+        upstream_celery.app_state(app)[APP_TASK_STORE] = (os.getpid(), store)
     return store
 
 
@@ -592,7 +592,7 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
     add_process_source(_reserved_jobs)
     add_started_source(_started_jobs)
-    sender.app.__dict__[APP_TASK_STORE] = None  # kept from the first task on (_task_store)
+    upstream_celery.app_state(sender.app)[APP_TASK_STORE] = None  # kept from the first task on (_task_store)
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
     if _forks_its_pool(sender):
         app = sender.app
@@ -604,7 +604,7 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
         except OSError as exc:  # no SOCK_SEQPACKET socket pair here (macOS, the BSDs): each pool process writes
             logger.info("bb_broker: pool processes settle on their own (%s)", exc)
             return
-        app.__dict__[APP_SETTLE_RELAY] = relay
+        upstream_celery.app_state(app)[APP_SETTLE_RELAY] = relay
         relay.start()
 
 

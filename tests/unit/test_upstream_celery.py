@@ -243,3 +243,63 @@ def test_the_worker_lists_the_requests_it_holds() -> None:
         "celery.worker.state.active_requests changed: Celery changed how a worker lists the requests its pool runs, "
         "and a reconnect would give their jobs back to run twice; see bb_broker/worker/hooks.py:_started_jobs"
     )
+
+
+# --- the app's state, beat's schedules ------------------------------------------------------------------------------
+
+
+def test_an_apps_dict_keeps_our_state_and_pickling_the_app_carries_none_of_it(app: Celery) -> None:
+    import pickle
+    import threading
+
+    assert "__slots__" not in vars(type(app)) and upstream_celery.app_state(app) is vars(app), (
+        "a Celery app no longer keeps its attributes in a __dict__: bb_broker's per-app state has nowhere to live; "
+        + where("app_state")
+    )
+    key = "bb_broker_contract"
+    upstream_celery.app_state(app)[key] = threading.Lock()  # as a relay's sockets or a store's client: unpicklable
+    reduced = repr(app.__reduce__())
+    copy = pickle.loads(pickle.dumps(app))
+    assert key not in reduced and key not in upstream_celery.app_state(copy), (
+        "pickling a Celery app now carries its __dict__: bb_broker's stores and relay would travel to pool processes; "
+        + where("app_state")
+    )
+    assert copy.main == app.main
+
+
+def test_a_solars_next_event_is_found_from_any_moment() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from celery.schedules import solar
+
+    london = solar("sunrise", 51.5, 0.0)
+    assert {"ephem", "cal"} <= set(vars(london)) and callable(getattr(london, "_next_event", None)), (
+        "celery.schedules.solar no longer keeps `ephem`, its observer `cal` or `_next_event(start)`: Celery changed "
+        "how a solar schedule finds its event; " + where("solar_next_event")
+    )
+    assert "return start" in source(london._next_event), (
+        "solar._next_event no longer returns its start when the event never comes: a polar night would read as an "
+        "event at that moment; " + where("solar_next_event")
+    )
+    start = datetime(2024, 6, 1, tzinfo=UTC)
+    found = upstream_celery.solar_next_event(london, start)
+    assert found is not None and timedelta(hours=3) < found - start < timedelta(hours=5), (
+        f"London's sunrise after {start} is {found}, not about 03:43 UTC; " + where("solar_next_event")
+    )
+    night = datetime(2024, 12, 21, tzinfo=UTC)  # the polar night: the next sunrise at 80°N is in February
+    found = upstream_celery.solar_next_event(solar("sunrise", 80.0, 0.0), night)
+    assert found is not None and datetime(2025, 2, 1, tzinfo=UTC) < found < datetime(2025, 3, 1, tzinfo=UTC), (
+        f"the sunrise after the polar night at 80°N is {found}: solar._next_event no longer searches the days "
+        "ahead; " + where("solar_next_event")
+    )
+
+
+def test_a_crontab_keeps_its_fields_as_written() -> None:
+    from celery.schedules import crontab
+
+    written = crontab(minute="*/15", hour="9-17", day_of_month="1,15", month_of_year="*", day_of_week="mon-fri")
+    assert upstream_celery.crontab_fields(written) == ("*/15", "9-17", "1,15", "*", "mon-fri"), (
+        "celery.schedules.crontab's _orig_minute, _orig_hour, _orig_day_of_month, _orig_month_of_year or "
+        "_orig_day_of_week no longer hold the fields as written: a schedule's stored form would change; "
+        + where("crontab_fields")
+    )
