@@ -12,16 +12,17 @@ UPSTREAM = PACKAGE / "upstream"
 
 
 def private_names_read(module: Path) -> set[str]:
-    """The underscored names a module of bb_broker/upstream/ reads of its upstream: attributes (`x._name`,
-    `getattr(x, "_name")`), imports (`from celery import _state`) and `__dict__`; not the names it defines itself."""
+    """The underscored names a module of bb_broker/upstream/ reads of its upstream: attributes (`x._name`, or a
+    string naming one, as getattr takes it), imports (`from celery import _state`) and `__dict__`; not the names it
+    defines itself."""
     tree = ast.parse(module.read_text())
     read: set[str] = set()
     defined: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             read.add(node.attr)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
-            read.update(arg.value for arg in node.args[1:2] if isinstance(arg, ast.Constant))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"_\w+", node.value):
+            read.add(node.value)  # a name read by getattr
         elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
             read.update(alias.name for alias in node.names)
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
