@@ -9,7 +9,7 @@ import signal
 from typing import Any
 
 #: The releases every function here was checked against (their sources read, the contract tests run on the newest).
-CHECKED_AGAINST = "billiard 4.2.4, 4.3.2"
+CHECKED_AGAINST = "billiard 4.2.0, 4.2.4, 4.3.2"
 
 #: The signal billiard's pool ends its processes with (pool shrink, pool terminate).
 _TERMINATE = {signal.SIGTERM}
@@ -46,7 +46,7 @@ def install_pool_queue_guard() -> None:
     No public hook: billiard's pool builds its queues itself (Pool._setup_queues) and takes no queue class or reader
     from Celery or the app. Relies on: SimpleQueue's `_rlock` (a lock with `acquire(timeout=)`) and `_reader` (a
     Connection with `recv_bytes()`), and the pool reading through `get_payload` (billiard/pool.py's
-    `conn.get_payload`). Checked against billiard 4.2.4, 4.3.2."""
+    `conn.get_payload`). Checked against billiard 4.2.0, 4.2.4, 4.3.2."""
     from billiard.queues import SimpleQueue
 
     if SimpleQueue.get_payload is not _get_payload_guarded:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from celery.canvas import _chain
 
 #: The releases every function here was checked against (their sources read, the contract tests run on the newest).
-CHECKED_AGAINST = "celery 5.5.3, 5.6.3, 5.7.0"
+CHECKED_AGAINST = "celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (fail_chain and solar_next_event: 5.7.0 only)"
 
 #: Marks a wrapper this module installed, so that installing twice wraps once.
 _INSTALLED = "bb_broker_patch"
@@ -35,8 +35,8 @@ def install_failure_as_retry(runs_again: Callable[[Any, Any, BaseException], boo
     the backend stored FAILURE and called the errbacks, and the backend is the user's (Redis, a database), not a class
     of ours to subclass. bbmongo:// (results.backend) overrides mark_as_failure itself; this covers every other
     backend. Relies on: `BaseBackend.mark_as_failure(self, task_id, exc, traceback, request, store_result,
-    call_errbacks, state)` and `mark_as_retry(task_id, exc, traceback, request=)`. Checked against celery 5.5.3,
-    5.6.3, 5.7.0."""
+    call_errbacks, state)` and `mark_as_retry(task_id, exc, traceback, request=)`. Checked against celery 5.4.0,
+    5.5.3, 5.6.3, 5.7.0."""
     from celery import states
     from celery.backends.base import Backend, BaseBackend
 
@@ -76,7 +76,7 @@ def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]
     subclassed from the task's own so that a request class the app chose keeps working; Celery builds each task's
     request class from it when the consumer starts, after worker_init. Relies on: `Request.on_failure(self, exc_info,
     ...)`, the exception at `exc_info.exception` (billiard's ExceptionWithTraceback around it at `.exc`), the message at
-    `self.message`. Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    `self.message`. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     from billiard.exceptions import WorkerLostError
     from kombu.utils.imports import symbol_by_name
 
@@ -108,7 +108,7 @@ def wrap_task_run(task: Any, retry_for: Callable[[Any, Exception], BaseException
     and the tracer calls `task.run` as it is when the pool process builds its tracer: so this runs at worker_init and
     as the tasks' modules are imported (import_modules), before either. Relies on: `task.run` being the attribute the
     tracer calls (celery.app.trace.build_tracer's `fun = task if task_has_custom(task, '__call__') else task.run`).
-    Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     from celery.exceptions import Ignore, Reject, Retry
 
     run = task.run
@@ -136,7 +136,7 @@ def forget_retry_override(task: Any) -> None:
 
     Celery's `autoretry_for` deletes it after its own retry (celery/app/autoretry.py); a retry made any other way
     leaves it, and the task's next `self.retry()` would take that limit for its own. There is no public way to pass a
-    limit for one retry only. Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    limit for one retry only. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     task.__dict__.pop("override_max_retries", None)
 
 
@@ -148,7 +148,7 @@ def chain_class() -> type[_chain]:
 
     The public `celery.chain` is a subclass whose `__new__` builds chains; a chain that comes back from a message
     (maybe_signature of its dict, as a chord's callback does) is a `_chain`, not a `chain`, so only `_chain` tells
-    every chain apart. Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    every chain apart. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     from celery import canvas
 
     return canvas._chain
@@ -161,7 +161,7 @@ def registered_task(name: str) -> Any:
     task's attributes. No public name lists a process's apps (`celery._state._get_active_apps`), and each app's
     registry is read as `app._tasks`, since `app.tasks` would finalize an app mid-publish. A task being published
     is in its app's registry already (a task proxy registers itself as it is evaluated). Checked against celery
-    5.5.3, 5.6.3, 5.7.0."""
+    5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     from celery import _state
 
     current = _state.get_current_app()
@@ -177,7 +177,7 @@ def is_lazy_result_list(value: Any) -> bool:
     """True for the lazily evaluated list Celery passes as a chord header's results when the header is a generator
     (`celery.utils.functional._regen`): it cannot be walked for nested groups before the header is sent.
     No public name: Celery tells it apart with the same isinstance (celery/backends/base.py, canvas.py).
-    Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     from celery.utils import functional
 
     return isinstance(value, functional._regen)  # type: ignore[attr-defined]  # private: celery-types omits it
@@ -186,7 +186,7 @@ def is_lazy_result_list(value: Any) -> bool:
 def result_meta(backend: Any, result: Any, state: str, traceback: str | None, request: Any) -> dict[str, Any]:
     """Celery's result meta for a result (`date_done`, `children`, `group_id`, `parent_id`...), as every backend
     stores it, undated-format (`format_date=False`): `BaseBackend._get_result_meta`, which store_result calls.
-    No public method returns it without storing. Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    No public method returns it without storing. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     return backend._get_result_meta(result=result, state=state, traceback=traceback, request=request, format_date=False)
 
 
@@ -195,27 +195,27 @@ def fail_chain(
 ) -> None:
     """Fail the tasks chained after a failed one, as Celery's own mark_as_failure does (`BaseBackend._fail_chain`):
     for a backend that overrides mark_as_failure and stores the failure itself. No public method fails a chain
-    without storing the failed task's own result again. Checked against celery 5.7.0 (the pin's floor: 5.5 and 5.6
-    have no such method)."""
+    without storing the failed task's own result again. Checked against celery 5.7.0 (5.4 to 5.6 have no such
+    method: their mark_as_failure fails the chain inline)."""
     backend._fail_chain(chain, exc, traceback, store_result=store_result, state=state)
 
 
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None) -> None:
     """Run a failed task's errbacks, as Celery's own mark_as_failure does (`BaseBackend._call_task_errbacks`): no
-    public method runs them. Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    public method runs them. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     backend._call_task_errbacks(request, exc, traceback)
 
 
 def refuse_when_eager(backend: Any) -> None:
     """Raise as Celery's backends do when results are read under `task_always_eager` without
     `task_store_eager_result` (`BaseBackend._ensure_not_eager`, which get_many calls first). Checked against celery
-    5.5.3, 5.6.3, 5.7.0."""
+    5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     backend._ensure_not_eager()
 
 
 def result_cache(backend: Any) -> Any:
     """The backend's cache of ready results by task id (`BaseBackend._cache`, an LRU that get_many fills and reads).
-    Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     return backend._cache
 
 
@@ -230,7 +230,7 @@ def app_state(app: Any) -> dict[str, Any]:
     two brokers). Relies on: the app class having a `__dict__` (no `__slots__`), and an app pickled to a pool process
     or a thread being rebuilt from its constructor's arguments and conf (`Celery.__reduce__` and
     `__reduce_keys__`), never from that dict: the stores' live clients and the relay's sockets never travel. Checked
-    against celery 5.5.3, 5.6.3, 5.7.0."""
+    against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     state: dict[str, Any] = app.__dict__
     return state
 
@@ -259,7 +259,8 @@ def crontab_fields(crontab: Any) -> tuple[Any, Any, Any, Any, Any]:
 
     The public `minute`, `hour`... are the expanded sets (every minute of `*/15` listed), which say the schedule
     but not as it was written. Relies on: `_orig_minute`, `_orig_hour`, `_orig_day_of_month`, `_orig_month_of_year`,
-    `_orig_day_of_week` (what crontab's own repr and pickling read). Checked against celery 5.5.3, 5.6.3, 5.7.0."""
+    `_orig_day_of_week` (what crontab's own repr and pickling read). Checked against celery 5.4.0, 5.5.3, 5.6.3,
+    5.7.0."""
     return (
         crontab._orig_minute,
         crontab._orig_hour,
