@@ -194,6 +194,12 @@ def too_large_write_error(error: dict[str, Any]) -> bool:
     return error.get("code") in TOO_LARGE_CODES
 
 
+def unapplicable_write_error(error: dict[str, Any]) -> bool:
+    """Whether one of a bulk write's `writeErrors` is an update that cannot apply to its document (see
+    is_unapplicable_update)."""
+    return error.get("code") in UNAPPLICABLE_UPDATE_CODES
+
+
 def unrecognised_write_error(error: dict[str, Any]) -> bool:
     """Whether one of a bulk write's `writeErrors` is a refusal no question here names (see is_unrecognised)."""
     return is_unrecognised(OperationFailure(str(error.get("errmsg", "")), error.get("code"), error))
