@@ -1,7 +1,8 @@
-"""The stale sweep and the release at shutdown on a server that refuses update pipelines, as Amazon DocumentDB does
-(the wire proxy's amazon_documentdb profile): the probe finds it at connect and the sweep reads the lost jobs, then
-writes each one fenced on what it read. Each lost job is settled once, as the pipeline settles it; a job whose lease
-is renewed, or that another sweeper settles, between the read and the write is left alone."""
+"""The writes that use an update pipeline where the server takes one, on a server that refuses them, as Amazon
+DocumentDB does (the wire proxy's amazon_documentdb profile): the probe finds it at connect, and the stale sweep (and
+the release at shutdown) reads the lost jobs, then writes each one fenced on what it read. Each lost job is settled
+once, as the pipeline settles it; a job whose lease is renewed, or that another sweeper settles, between the read and
+the write is left alone. A result's forget() reads, then writes, too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from celery.result import AsyncResult
 from pymongo import MongoClient
 from pymongo.database import Database
 
@@ -18,7 +20,9 @@ from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.server import capabilities
 from tests.support import wire
+from tests.support.servers import with_database
 from tests.support.store import FakeClock
+from tests.support.workers import producer
 
 pytestmark = pytest.mark.stand_in
 
@@ -212,3 +216,26 @@ def lose_jobs_of_every_kind(stores: list[JobStore], clock: FakeClock) -> None:
 
 def as_left(db: Database) -> dict[str, dict[str, Any]]:
     return {doc.pop("taskId"): doc for doc in db.jobs.find({}, {"_id": 0, "createdAt": 0, "payload": 0})}
+
+
+def test_forget_forgets_a_success_and_a_failure(proxy: wire.WireProxy, db: Database, clock: FakeClock) -> None:
+    db.jobs.insert_many([
+        {"_id": "job-ok", "taskId": "ok", "status": "succeeded", "attempts": 1, "finishedAt": clock.now},
+        {"_id": "job-bad", "taskId": "bad", "status": "failed", "attempts": 3, "finishedAt": clock.now,
+         "lastError": "ValueError: boom"},
+    ])  # fmt: skip
+    url = with_database(f"mongodb://{proxy.address}", db.name)
+    app = producer(url)
+    app.conf.result_backend = url
+    try:
+        app.backend.store_result("ok", 42, "SUCCESS")
+        assert (AsyncResult("ok", app=app).get(timeout=10), AsyncResult("bad", app=app).state) == (42, "FAILURE")
+        for task_id in ("ok", "bad"):
+            AsyncResult(task_id, app=app).forget()
+            assert AsyncResult(task_id, app=app).state == "PENDING", task_id
+        assert not capabilities(app.backend.database).update_pipelines
+    finally:
+        app.close()
+    ok, bad = db.jobs.find_one({"_id": "job-ok"}), db.jobs.find_one({"_id": "job-bad"})
+    assert "state" not in ok and "result" not in ok and ok["forgotten"] is None
+    assert bad["forgotten"] == bad["finishedAt"] and bad["status"] == "failed"
