@@ -82,7 +82,9 @@ FALLBACKS: dict[str, tuple[str, str]] = {
     "hint_aggregate": ("hint on aggregates", "counts are not hinted: the planner picks the index"),
     "update_pipelines": (
         "update pipelines",
-        "a queue with a concurrency limit claims one job per round trip instead of a batch in two",
+        "a queue with a concurrency limit claims one job per round trip instead of a batch in two; the stale sweep "
+        "and the release at shutdown read the lost jobs, then write each one fenced on what they read (one read and "
+        "a bulk write per outcome, whatever their number: a round trip more); forget() reads the task's jobs first",
     ),
     "ttl_indexes": ("TTL indexes", "succeeded jobs and expired messages are deleted by the workers' periodic sweep"),
     "retryable_writes": (
