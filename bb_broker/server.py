@@ -86,7 +86,11 @@ FALLBACKS: dict[str, tuple[str, str]] = {
         "and the release at shutdown read the lost jobs, then write each one fenced on what they read (one read and "
         "a bulk write per outcome, whatever their number: a round trip more); forget() reads the task's jobs first",
     ),
-    "ttl_indexes": ("TTL indexes", "succeeded jobs and expired messages are deleted by the workers' periodic sweep"),
+    "ttl_indexes": (
+        "TTL indexes",
+        "succeeded jobs and expired messages are deleted by the workers' periodic sweep; rate counters and the "
+        "results of tasks without a job (bb_results) are kept",
+    ),
     "retryable_writes": (
         "retryable writes",
         "a write whose answer was lost is repeated by bb_broker itself, fenced on the job's attempt",

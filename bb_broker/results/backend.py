@@ -135,7 +135,10 @@ class JobResultBackend(ChordBackend):
     def side(self) -> Collection:
         db = self.database
         if self._indexed_pid != os.getpid():
-            db[RESULTS_COLLECTION].create_index([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0)
+            # A server without TTL indexes keeps these documents (a task's without a job, a group's, a chord's
+            # counter), as it keeps the rate counters: small, one per such task, read by id.
+            if capabilities(db).ttl_indexes:
+                db[RESULTS_COLLECTION].create_index([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0)
             self._indexed_pid = os.getpid()
         return db[RESULTS_COLLECTION]
 
