@@ -2,9 +2,9 @@
 
 Flower 2 has no extension point for brokers: `flower.utils.broker.Broker` is a factory that picks a class by URL
 scheme and raises NotImplementedError for any other, which the Broker tab shows as "'mongodb' broker is not
-supported". `install()` (through patches.py, where every patch of Flower's is) wraps that factory's `__new__` so
-`bbmongo://` and `bbmongo+srv://` get `JobQueues`, and every other scheme still reaches Flower's own code. Importing
-this module installs it, so either of these is enough:
+supported". bb_broker.contrib.flower.plugin's `install()` (through bb_broker.upstream.flower, where every patch of
+Flower's is) wraps that factory's `__new__` so `bbmongo://` and `bbmongo+srv://` get `JobQueues`, and every other
+scheme still reaches Flower's own code. Importing bb_broker.contrib.flower installs it, so either of these is enough:
 
 * `bb-broker flower -A myapp [flower options]`, or
 * `import bb_broker.contrib.flower` in the `flowerconfig.py` Flower reads (or the file `--conf` names).
@@ -16,12 +16,12 @@ error, kept current by a ping every few seconds (`BrokerHealth`), and makes the 
 the error lasts, so that its dot turns red.
 
 The queues listed are those of the collection (every queue holding queued, running or failed jobs, and every paused
-one) together with those Flower's workers consume, so none is missing however Flower was started. Importing this
-module also adds the Jobs tab (bb_broker.contrib.flower.jobs_tab), whose templates the same loader serves.
+one) together with those Flower's workers consume, so none is missing however Flower was started. The same install
+adds the Jobs tab (bb_broker.contrib.flower.jobs_tab), whose templates the same loader serves.
 
 `authentication()` tells `bb-broker flower` whether Flower will ask for credentials, by Flower's own option parsing.
 
-`tests/unit/test_flower_contracts.py` fails when the Flower internals this relies on move.
+`tests/unit/test_upstream_flower.py` fails when the Flower internals this relies on move.
 """
 
 from __future__ import annotations
@@ -35,15 +35,12 @@ from typing import Any
 
 import tornado.template
 import tornado.web
-from celery import Celery, signals
 from flower.views import BaseHandler
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
-from tornado.options import options as tornado_options
 
 from bb_broker.connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from bb_broker.contrib.flower import jobs_tab as jobs_view
-from bb_broker.contrib.flower import patches
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.ops.operations import Operations
 from bb_broker.options import BrokerOptions, open_store
@@ -171,19 +168,6 @@ def fail_workers_refresh_while_broker_fails(handler: BaseHandler) -> None:
         raise tornado.web.HTTPError(503, "%s", banner)
 
 
-@signals.import_modules.connect
-def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
-    # Flower imports its app's modules as it starts: the check starts then, not at the first page.
-    if sender is None:
-        return
-    with sender.connection() as conn:
-        broker_url = conn.as_uri(include_password=True)
-    if is_ours(broker_url):
-        BrokerHealth.of(broker_url)
-        if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
-            jobs_view.start_chart_summaries(sender, broker_url)
-
-
 class JobQueues:
     """Answers Flower's `await broker.queues(names)` with one row per queue, shaped like the RabbitMQ rows it shows.
 
@@ -239,12 +223,3 @@ def authentication(flower_args: Iterable[str]) -> str | None:
     if options.auth:
         return "oauth"
     return None
-
-
-def install() -> None:
-    """Make Flower's Broker factory answer `bbmongo://` URLs with `JobQueues`, its pages show the broker's error, and
-    add the Jobs tab (patches.install); calling it twice changes nothing."""
-    patches.install()
-
-
-install()

@@ -1,8 +1,8 @@
 """Flower's Jobs tab and its JSON API: the `jobs` collection listed, counted, looked up and acted on, in Flower's app.
 
 The handlers join Flower's own Tornado application (so Flower's `--basic-auth`, OAuth and `--url_prefix` apply to
-them) by being inserted into `flower.urls.handlers` before Flower's catch-all (patches.install_handlers, from
-patches.install()); broker.py's template loader serves our templates and, through `template_source()`, adds the Jobs
+them) by being inserted into `flower.urls.handlers` before Flower's catch-all (upstream_flower.install_handlers,
+from plugin.install()); broker.py's template loader serves our templates and, through `template_source()`, adds the Jobs
 link to Flower's navigation bar and a Paused column to its Broker tab. Who may act: Flower's `--read_only` stops
 every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users act (basic-auth user names or
 OAuth e-mail addresses); everyone else reads, and gets a 403 to act, here and from Flower's own actions
@@ -45,7 +45,6 @@ from tornado.options import options as tornado_options
 from tornado.web import url
 
 from bb_broker.connection import parse_broker_url, quick_timeouts
-from bb_broker.contrib.flower import patches
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError, QueueControls
 from bb_broker.ops.operations import (
@@ -62,6 +61,7 @@ from bb_broker.ops.operations import (
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
 from bb_broker.ops.stats import SummarizingAhead, job_stats
 from bb_broker.server import is_authentication_failure
+from bb_broker.upstream import flower as upstream_flower
 
 logger = logging.getLogger(__name__)
 #: The largest --jobs_search_window taken: past it a search inside arguments would read most of a big collection.
@@ -546,7 +546,7 @@ class _JobsHandler(BaseHandler):
         operations = _operations(self)
         consumed = self.get_active_queue_names()
 
-        workers = patches.known_workers(self.application)
+        workers = upstream_flower.known_workers(self.application)
 
         def read() -> dict[str, Any]:
             body = {"statuses": operations.statuses(), "queues": jsonable(operations.queues(consumed))}
@@ -804,12 +804,12 @@ def template_source(root: str, name: str) -> bytes | None:
 # --- Flower's own actions, for --jobs_admins only -------------------------------------------------------------------
 #
 # Flower checks who may act nowhere (its --read_only is for everyone), so `--jobs_admins` would make nobody read-only
-# while Flower's API lets them revoke, shut workers down or stop a queue's consumer. patches.guard_prepare wraps
-# the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that has a
-# method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs. A
-# handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0, 2.0.1,
-# 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/unit/test_flower_contracts.py lists them and fails when
-# that changes), BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
+# while Flower's API lets them revoke, shut workers down or stop a queue's consumer. upstream_flower.guard_prepare
+# wraps the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that
+# has a method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs.
+# A handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0,
+# 2.0.1, 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/unit/test_upstream_flower.py lists them and fails
+# when that changes), BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
 
 #: Flower's handlers whose POST only reads: the Tasks page's table posts its query; the catch-all answers 404.
 READING_POSTS = (TasksDataTable, NotFoundErrorHandler)
@@ -822,7 +822,7 @@ def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHan
     Jobs tab's own (they check who may act themselves) and READING_POSTS."""
     found: list[type[tornado.web.RequestHandler]] = []
     for spec in handlers:
-        handler_class = patches.handler_class_of(spec)
+        handler_class = upstream_flower.handler_class_of(spec)
         if handler_class in found or issubclass(handler_class, (_JobsHandler, *READING_POSTS)):
             continue
         base = tornado.web.RequestHandler
@@ -832,8 +832,8 @@ def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHan
 
 
 async def refuse_flowers_action_unless_allowed(handler: BaseHandler) -> None:
-    """What runs after the `prepare` of each of Flower's actions (patches.guard_prepare): a user --jobs_admins does not
-    name gets a 403, and an admin's revoke is recorded on the task's jobs."""
+    """What runs after the `prepare` of each of Flower's actions (upstream_flower.guard_prepare): a user --jobs_admins
+    does not name gets a 403, and an admin's revoke is recorded on the task's jobs."""
     if handler.request.method in ("GET", "HEAD", "OPTIONS") or not handler.current_user:
         return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
     if not can_act(handler) and not read_only(handler):  # read-only Flower: its handlers say so themselves

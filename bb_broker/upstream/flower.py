@@ -1,13 +1,12 @@
-"""Every contact with Flower's and Tornado's internals: each patch of theirs is installed here, and only here.
+"""Every contact with Flower's and Tornado's internals: each patch of theirs is made here, and only here.
 
 Flower 2 has no extension point: no plugin interface, no way to add a broker, a handler or a template but editing
 its modules' tables and classes before it builds its Tornado application. Each function below says what it changes,
-why no public hook does it, and the Flower releases it was checked against; tests/unit/test_flower_contracts.py
+why no public hook does it, and the Flower releases it was checked against; tests/unit/test_upstream_flower.py
 asserts the shapes each relies on and fails, naming the Flower change and the function here, when a release moves
 one. What a patch does for bb_broker (the Broker tab's rows, the banner, who may act) is passed in by
-bb_broker.contrib.flower.broker and .jobs_tab: this module knows Flower's shapes, not the tabs' rules.
-
-`install()` is the one entry point (idempotent); importing bb_broker.contrib.flower.broker calls it.
+bb_broker.contrib.flower.plugin, whose `install()` makes them all: this module knows Flower's shapes, not the tabs'
+rules.
 """
 
 from __future__ import annotations
@@ -214,19 +213,3 @@ def known_workers(application: Any) -> dict[str, int | None]:
         pid = getattr(worker, "pid", None)
         known[str(name)] = pid if isinstance(pid, int) else None
     return known
-
-
-def install() -> None:
-    """Every patch of Flower's the Broker tab, the broker banner and the Jobs tab need; calling it again changes
-    nothing."""
-    from bb_broker.contrib.flower import broker, hosts, jobs_tab, schedules_tab  # they import this module
-
-    hosts.define_options()
-    install_host_check(hosts.refusal_for)
-    install_template_loader(broker.BannerLoader)
-    install_workers_refresh_check(broker.fail_workers_refresh_while_broker_fails)
-    install_cross_site_check(jobs_tab.refuse_cross_site_without_login)
-    jobs_tab.define_options()
-    guard_prepares(jobs_tab.flowers_actions(url_table()), jobs_tab.refuse_flowers_action_unless_allowed)
-    install_handlers(jobs_tab.HANDLERS + schedules_tab.HANDLERS, "jobs")
-    install_broker_factory(broker.is_ours, broker.JobQueues)

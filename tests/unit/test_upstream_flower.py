@@ -1,5 +1,6 @@
-"""The shapes of Flower (and Tornado) that bb_broker/contrib/flower/patches.py relies on: each test fails, naming the
-Flower change and the function of patches.py it breaks, before any user sees a broken Broker tab, banner or Jobs tab."""
+"""The shapes of Flower (and Tornado) that bb_broker/upstream/flower.py relies on: each test fails, naming the Flower
+change and the function of upstream/flower.py it breaks, before any user sees a broken Broker tab, banner or Jobs
+tab."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import tornado.template
 
 from bb_broker.contrib.flower import broker as adapter
 from bb_broker.contrib.flower import jobs_tab as jobs_view
-from bb_broker.contrib.flower import patches, schedules_tab
+from bb_broker.contrib.flower import plugin, schedules_tab
+from bb_broker.upstream import flower as upstream_flower
 from tests.support.flower_process import FLOWERS_ACTIONS
 
-PATCHES = "bb_broker/contrib/flower/patches.py"
+PATCHES = "bb_broker/upstream/flower.py"
 
 
 def where(function: str) -> str:
-    return f"see {PATCHES}:{function} (checked against {patches.CHECKED_AGAINST})"
+    return f"see {PATCHES}:{function} (checked against {upstream_flower.CHECKED_AGAINST})"
 
 
 def flower_file(*parts: str) -> Path:
@@ -38,7 +40,7 @@ def test_the_broker_factory_is_called_as_the_broker_tab_needs() -> None:
         "flower.views no longer calls flower.utils.broker.Broker: Flower moved its broker factory; "
         + where("install_broker_factory")
     )
-    params = inspect.signature(patches.flowers_broker_new()).parameters
+    params = inspect.signature(upstream_flower.flowers_broker_new()).parameters
     assert list(params)[:2] == ["cls", "broker_url"], (
         f"flower.utils.broker.Broker.__new__ now takes {list(params)}: Flower changed its factory's call; "
         + where("install_broker_factory")
@@ -67,8 +69,10 @@ def test_the_broker_factory_is_called_as_the_broker_tab_needs() -> None:
 def test_the_factory_is_wrapped_once_and_flowers_own_still_answers() -> None:
     from flower.utils import broker as flower_broker
 
-    adapter.install()  # again: still one wrapper around Flower's own factory
-    assert not getattr(patches.flowers_broker_new(), patches.INSTALLED, False), "Flower's factory was wrapped twice"
+    plugin.install()  # again: still one wrapper around Flower's own factory
+    assert not getattr(upstream_flower.flowers_broker_new(), upstream_flower.INSTALLED, False), (
+        "Flower's factory was wrapped twice"
+    )
     with pytest.raises(NotImplementedError):
         flower_broker.Broker("nosuch://host/", http_api=None)
     assert type(flower_broker.Broker("amqp://guest:guest@localhost//", http_api=None)).__name__ == "RabbitMQ"
@@ -82,7 +86,7 @@ def test_the_template_loader_reaches_every_page_and_the_anchors_are_there() -> N
         "flower.command no longer builds its app with flower.urls.settings: Flower changed where Tornado's settings "
         "come from, and no page shows the banner or the Jobs tab; " + where("install_template_loader")
     )
-    loader = patches.template_loader()
+    loader = upstream_flower.template_loader()
     assert isinstance(loader, adapter.BannerLoader)
     # BannerLoader overrides Tornado's Loader._create_template, which BaseLoader.load calls for a template not loaded.
     assert "self._create_template(name)" in inspect.getsource(tornado.template.BaseLoader.load), (
@@ -130,11 +134,11 @@ def test_the_cross_site_check_runs_before_flowers_own() -> None:
     from flower.views import BaseHandler
     from tornado.web import RequestHandler
 
-    adapter.install()
+    plugin.install()
     check = BaseHandler.check_xsrf_cookie
-    assert getattr(check, patches.INSTALLED, False), "BaseHandler.check_xsrf_cookie is not ours"
+    assert getattr(check, upstream_flower.INSTALLED, False), "BaseHandler.check_xsrf_cookie is not ours"
     flowers = check.flowers
-    assert not getattr(flowers, patches.INSTALLED, False), "BaseHandler.check_xsrf_cookie was wrapped twice"
+    assert not getattr(flowers, upstream_flower.INSTALLED, False), "BaseHandler.check_xsrf_cookie was wrapped twice"
     assert list(inspect.signature(flowers).parameters) == ["self"], (
         f"Flower's check_xsrf_cookie now takes {list(inspect.signature(flowers).parameters)}: "
         + where("install_cross_site_check")
@@ -154,8 +158,8 @@ def test_the_jobs_tab_joins_flowers_url_table_once() -> None:
     from flower.views import BaseHandler
     from tornado.options import options
 
-    adapter.install()  # twice: still one set of handlers
-    table = patches.url_table()
+    plugin.install()  # twice: still one set of handlers
+    table = upstream_flower.url_table()
     patterns = [(h[0] if isinstance(h, tuple) else h.regex.pattern).rstrip("$") for h in table]
     assert patterns.count("/jobs") == 1 and patterns.count("/api/jobs") == 1 and patterns[-1] == ".*", (
         f"the Jobs tab is not once before Flower's catch-all in {patterns}: " + where("install_handlers")
@@ -177,23 +181,23 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
     from flower.api.control import TaskRevoke
     from tornado.web import RequestHandler
 
-    adapter.install()  # twice: still one guard per handler
-    table = patches.url_table()
+    plugin.install()  # twice: still one guard per handler
+    table = upstream_flower.url_table()
     acting = jobs_view.flowers_actions(table)
     assert {handler.__name__ for handler in acting} == FLOWERS_ACTIONS, (
         "Flower's acting handlers changed: a new one is refused to everyone --jobs_admins does not name until it is "
         "looked at; " + where("guard_prepare")
     )
-    ours = {patches.handler_class_of(spec) for spec in (*jobs_view.HANDLERS, *schedules_tab.HANDLERS)}
+    ours = {upstream_flower.handler_class_of(spec) for spec in (*jobs_view.HANDLERS, *schedules_tab.HANDLERS)}
     for spec in table:
-        handler = patches.handler_class_of(spec)
+        handler = upstream_flower.handler_class_of(spec)
         writes = [
             name for name in jobs_view.WRITE_METHODS if getattr(handler, name) is not getattr(RequestHandler, name)
         ]
         if writes:
-            assert handler in ours or handler in jobs_view.READING_POSTS or patches.is_guarded(handler), handler
+            assert handler in ours or handler in jobs_view.READING_POSTS or upstream_flower.is_guarded(handler), handler
     for handler in acting:
-        assert patches.is_guarded(handler)
+        assert upstream_flower.is_guarded(handler)
         assert handler.prepare.flowers is BaseApiHandler.prepare, (
             f"{handler.__name__}.prepare is not one guard around BaseApiHandler.prepare: Flower gave it a prepare of "
             "its own; " + where("guard_prepare")
@@ -228,8 +232,8 @@ def test_flowers_event_state_gives_each_workers_node_name_and_process_id() -> No
     Application.events.state = flower.events.EventsState()
     Application.events.state.event({"type": "worker-heartbeat", "hostname": "w1@box", "pid": 4242, "timestamp": 1.0,
                                     "local_received": 1.0, "clock": 1})  # fmt: skip
-    assert patches.known_workers(Application()) == {"w1@box": 4242}
-    assert patches.known_workers(object()) == {}  # an application without events: no worker known
+    assert upstream_flower.known_workers(Application()) == {"w1@box": 4242}
+    assert upstream_flower.known_workers(object()) == {}  # an application without events: no worker known
 
 
 def test_every_request_reaches_the_host_check_before_flowers_routing() -> None:
@@ -239,9 +243,9 @@ def test_every_request_reaches_the_host_check_before_flowers_routing() -> None:
     from tornado.options import options
     from tornado.web import Application
 
-    adapter.install()  # twice: still one wrapper
+    plugin.install()  # twice: still one wrapper
     find_handler = flower.app.Flower.find_handler
-    assert getattr(find_handler, patches.INSTALLED, False), "Flower.find_handler is not ours"
+    assert getattr(find_handler, upstream_flower.INSTALLED, False), "Flower.find_handler is not ours"
     assert find_handler.flowers is Application.find_handler, (
         "flower.app.Flower now defines find_handler (or it was wrapped twice): " + where("install_host_check")
     )
