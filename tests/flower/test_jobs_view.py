@@ -412,7 +412,7 @@ def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_fac
 
 
 # Flower's internals the Jobs tab relies on, and the guard on each of Flower's actions:
-# tests/unit/test_flower_contracts.py.
+# tests/unit/test_upstream_flower.py.
 
 
 def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStore, tmp_path, flower_factory) -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import tornado.template
 
-from bb_broker.contrib.flower import broker as adapter
-from bb_broker.contrib.flower import jobs_tab as jobs_view
-from bb_broker.contrib.flower import plugin, schedules_tab
+from bb_broker.contrib.flower import flowers_actions, handlers, health, plugin, schedules_tab, templates
+from bb_broker.contrib.flower.flowers_actions import READING_POSTS, WRITE_METHODS
 from bb_broker.upstream import flower as upstream_flower
 from tests.support.flower_process import FLOWERS_ACTIONS
 
@@ -87,26 +86,26 @@ def test_the_template_loader_reaches_every_page_and_the_anchors_are_there() -> N
         "come from, and no page shows the banner or the Jobs tab; " + where("install_template_loader")
     )
     loader = upstream_flower.template_loader()
-    assert isinstance(loader, adapter.BannerLoader)
+    assert isinstance(loader, templates.BannerLoader)
     # BannerLoader overrides Tornado's Loader._create_template, which BaseLoader.load calls for a template not loaded.
     assert "self._create_template(name)" in inspect.getsource(tornado.template.BaseLoader.load), (
         "tornado.template.BaseLoader.load no longer calls _create_template(name): Tornado changed how a loader makes "
-        "its templates; see bb_broker/contrib/flower/broker.py:BannerLoader"
+        "its templates; see bb_broker/contrib/flower/templates.py:BannerLoader"
     )
     assert list(inspect.signature(tornado.template.Loader._create_template).parameters) == ["self", "name"]
     base = flower_file("templates", "base.html").read_bytes()
-    assert base.count(adapter._BANNER_ANCHOR) == 1, (
+    assert base.count(templates._BANNER_ANCHOR) == 1, (
         "Flower's base.html no longer has the banner's anchor once: Flower changed its page layout; see "
-        "bb_broker/contrib/flower/broker.py:BannerLoader"
+        "bb_broker/contrib/flower/templates.py:BannerLoader"
     )
     assert "reverse_url('jobs')" in loader.load("navbar.html").code and loader.load("bb_jobs.html")
-    templates = Path(loader.root)
-    assert jobs_view.NAVBAR_ANCHOR in (templates / "navbar.html").read_text(), (
-        "Flower's navbar.html no longer has the Jobs link's anchor; see bb_broker/contrib/flower/jobs_tab.py"
+    flowers_templates = Path(loader.root)
+    assert templates.NAVBAR_ANCHOR in (flowers_templates / "navbar.html").read_text(), (
+        "Flower's navbar.html no longer has the Jobs link's anchor; see bb_broker/contrib/flower/templates.py"
     )
-    broker = (templates / "broker.html").read_text()
-    assert jobs_view.BROKER_HEADER_ANCHOR in broker and jobs_view.BROKER_CELL_ANCHOR in broker, (
-        "Flower's broker.html no longer has the Paused column's anchors; see bb_broker/contrib/flower/jobs_tab.py"
+    broker = (flowers_templates / "broker.html").read_text()
+    assert templates.BROKER_HEADER_ANCHOR in broker and templates.BROKER_CELL_ANCHOR in broker, (
+        "Flower's broker.html no longer has the Paused column's anchors; see bb_broker/contrib/flower/templates.py"
     )
 
 
@@ -127,7 +126,7 @@ def test_the_workers_page_has_no_prepare_of_its_own() -> None:
         "Flower's WorkersView or BaseHandler now has a prepare of its own, which the refresh check replaces: "
         + where("install_workers_refresh_check")
     )
-    assert flower.views.workers.WorkersView.prepare is adapter.fail_workers_refresh_while_broker_fails
+    assert flower.views.workers.WorkersView.prepare is health.fail_workers_refresh_while_broker_fails
 
 
 def test_the_cross_site_check_runs_before_flowers_own() -> None:
@@ -183,32 +182,30 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
 
     plugin.install()  # twice: still one guard per handler
     table = upstream_flower.url_table()
-    acting = jobs_view.flowers_actions(table)
+    acting = flowers_actions.flowers_actions(table)
     assert {handler.__name__ for handler in acting} == FLOWERS_ACTIONS, (
         "Flower's acting handlers changed: a new one is refused to everyone --jobs_admins does not name until it is "
         "looked at; " + where("guard_prepare")
     )
-    ours = {upstream_flower.handler_class_of(spec) for spec in (*jobs_view.HANDLERS, *schedules_tab.HANDLERS)}
+    ours = {upstream_flower.handler_class_of(spec) for spec in (*handlers.HANDLERS, *schedules_tab.HANDLERS)}
     for spec in table:
         handler = upstream_flower.handler_class_of(spec)
-        writes = [
-            name for name in jobs_view.WRITE_METHODS if getattr(handler, name) is not getattr(RequestHandler, name)
-        ]
+        writes = [name for name in WRITE_METHODS if getattr(handler, name) is not getattr(RequestHandler, name)]
         if writes:
-            assert handler in ours or handler in jobs_view.READING_POSTS or upstream_flower.is_guarded(handler), handler
+            assert handler in ours or handler in READING_POSTS or upstream_flower.is_guarded(handler), handler
     for handler in acting:
         assert upstream_flower.is_guarded(handler)
         assert handler.prepare.flowers is BaseApiHandler.prepare, (
             f"{handler.__name__}.prepare is not one guard around BaseApiHandler.prepare: Flower gave it a prepare of "
             "its own; " + where("guard_prepare")
         )
-    tasks_table, not_found = jobs_view.READING_POSTS
+    tasks_table, not_found = READING_POSTS
     assert "return self.get()" in inspect.getsource(tasks_table.post), "Flower's TasksDataTable.post no longer reads"
     assert "HTTPError(404)" in inspect.getsource(not_found.post), "Flower's catch-all POST no longer answers 404"
     revoke = next(s for s in table if isinstance(s, tuple) and s[1] is TaskRevoke)
     assert revoke[0].endswith("/(.+)"), (
         "Flower's revoke no longer takes the task id as its one path argument; see "
-        "bb_broker/contrib/flower/jobs_tab.py:_record_revoke"
+        "bb_broker/contrib/flower/flowers_actions.py:_record_revoke"
     )
 
 

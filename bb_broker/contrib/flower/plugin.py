@@ -13,7 +13,17 @@ from typing import Any
 from celery import Celery, signals
 from tornado.options import options as tornado_options
 
-from bb_broker.contrib.flower import broker, hosts, jobs_tab, schedules_tab
+from bb_broker.contrib.flower import (
+    access,
+    broker,
+    flowers_actions,
+    handlers,
+    health,
+    hosts,
+    schedules_tab,
+    tab,
+    templates,
+)
 from bb_broker.upstream import flower as upstream_flower
 
 
@@ -22,15 +32,16 @@ def install() -> None:
     add the Jobs and Schedules tabs; calling it again changes nothing."""
     hosts.define_options()
     upstream_flower.install_host_check(hosts.refusal_for)
-    upstream_flower.install_template_loader(broker.BannerLoader)
-    upstream_flower.install_workers_refresh_check(broker.fail_workers_refresh_while_broker_fails)
-    upstream_flower.install_cross_site_check(jobs_tab.refuse_cross_site_without_login)
-    jobs_tab.define_options()
+    upstream_flower.install_template_loader(templates.BannerLoader)
+    upstream_flower.install_workers_refresh_check(health.fail_workers_refresh_while_broker_fails)
+    upstream_flower.install_cross_site_check(access.refuse_cross_site_without_login)
+    tab.define_options()
     upstream_flower.guard_prepares(
-        jobs_tab.flowers_actions(upstream_flower.url_table()), jobs_tab.refuse_flowers_action_unless_allowed
+        flowers_actions.flowers_actions(upstream_flower.url_table()),
+        flowers_actions.refuse_flowers_action_unless_allowed,
     )
-    upstream_flower.install_handlers(jobs_tab.HANDLERS + schedules_tab.HANDLERS, "jobs")
-    upstream_flower.install_broker_factory(broker.is_ours, broker.JobQueues)
+    upstream_flower.install_handlers(handlers.HANDLERS + schedules_tab.HANDLERS, "jobs")
+    upstream_flower.install_broker_factory(health.is_ours, broker.JobQueues)
 
 
 @signals.import_modules.connect
@@ -40,7 +51,7 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
         return
     with sender.connection() as conn:
         broker_url = conn.as_uri(include_password=True)
-    if broker.is_ours(broker_url):
-        broker.BrokerHealth.of(broker_url)
+    if health.is_ours(broker_url):
+        health.BrokerHealth.of(broker_url)
         if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
-            jobs_tab.start_chart_summaries(sender, broker_url)
+            tab.start_chart_summaries(sender, broker_url)

@@ -1,0 +1,69 @@
+"""The pages the plugin serves through Flower's template loader: our templates, and Flower's with our parts spliced
+in (the broker banner in the base template every page extends, the Jobs and Schedules links in the navigation bar,
+the Paused column in the Broker tab)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tornado.template
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+#: The chart library served with the page (uPlot, vendored: operators' networks often have no way to a CDN).
+STATIC = Path(__file__).resolve().parent / "static"
+OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
+
+#: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
+NAVBAR_ANCHOR = "Broker</a>\n        </li>"
+NAVBAR_LINK = """
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'jobs' %} active{% end %}" href="{{ reverse_url('jobs') }}"
+            {% if active_tab == 'jobs' %}aria-current="page"{% end %}>Jobs</a>
+        </li>
+        <li class="nav-item">
+          <a class="nav-link{% if active_tab == 'schedules' %} active{% end %}" href="{{ reverse_url('schedules') }}"
+            {% if active_tab == 'schedules' %}aria-current="page"{% end %}>Schedules</a>
+        </li>"""
+BROKER_HEADER_ANCHOR = '<th class="broker-secondary-column">Idle since</th>'
+BROKER_CELL_ANCHOR = "{% raw format_value(queue.get('idle_since')) %}</td>"
+BROKER_HEADER = "\n          <th>Paused</th>"
+BROKER_CELL = "\n          <td>{{ ('paused by ' + str(queue.get('pausedBy'))) if queue.get('paused') else '—' }}</td>"
+
+
+def template_source(root: str, name: str) -> bytes | None:
+    """The source of one of our templates, or of Flower's navigation bar with the Jobs link and its Broker tab with
+    the Paused column (from Flower's template directory `root`); None for any other template."""
+    if name in OUR_TEMPLATES:
+        return (TEMPLATES / name).read_bytes()
+    if name == "navbar.html":
+        text = (Path(root) / name).read_text()
+        return text.replace(NAVBAR_ANCHOR, NAVBAR_ANCHOR + NAVBAR_LINK, 1).encode()
+    if name == "broker.html":
+        text = (Path(root) / name).read_text()
+        text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
+        return text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1).encode()
+    return None
+
+
+#: Where the banner goes in Flower's base template, and the banner (escaped, as every value the template shows).
+_BANNER_ANCHOR = b'<main class="app-content" id="main-content">'
+_BANNER = b"""
+{% from bb_broker.contrib.flower.health import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
+{% if bb_broker_banner %}
+<div class="alert alert-danger m-3" role="alert" id="bb-broker-error">{{ bb_broker_banner }}</div>
+{% end %}
+"""
+
+
+class BannerLoader(tornado.template.Loader):
+    """Flower's templates, with the broker banner in the base template every page extends, and the Jobs tab's."""
+
+    def _create_template(self, name: str) -> tornado.template.Template:
+        ours = template_source(self.root, name)
+        if ours is not None:
+            return tornado.template.Template(ours, name, self)
+        if name != "base.html":
+            return super()._create_template(name)
+        source = Path(self.root, name).read_bytes()
+        # Should a Flower release move the anchor, its pages show no banner (tests/flower/test_flower.py says so).
+        return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
