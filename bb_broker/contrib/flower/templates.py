@@ -32,7 +32,8 @@ BROKER_CELL = "\n          <td>{{ ('paused by ' + str(queue.get('pausedBy'))) if
 
 def template_source(root: str, name: str) -> bytes | None:
     """The source of one of our templates, or of Flower's navigation bar with the Jobs link and its Broker tab with
-    the Paused column (from Flower's template directory `root`); None for any other template."""
+    the Paused column (from Flower's template directory `root`); None for any other template, and for a Broker tab
+    that lacks either of the column's anchors (it is shown as Flower has it)."""
     if name in OUR_TEMPLATES:
         return (TEMPLATES / name).read_bytes()
     if name == "navbar.html":
@@ -40,6 +41,8 @@ def template_source(root: str, name: str) -> bytes | None:
         return text.replace(NAVBAR_ANCHOR, NAVBAR_ANCHOR + NAVBAR_LINK, 1).encode()
     if name == "broker.html":
         text = (Path(root) / name).read_text()
+        if BROKER_HEADER_ANCHOR not in text or BROKER_CELL_ANCHOR not in text:
+            return None  # a header without its cells shifts every column after it (Flower 2.1 has the header's only)
         text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
         return text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1).encode()
     return None
