@@ -86,27 +86,76 @@ def test_the_template_loader_reaches_every_page_and_the_anchors_are_there() -> N
         "come from, and no page shows the banner or the Jobs tab; " + where("install_template_loader")
     )
     loader = upstream_flower.template_loader()
-    assert isinstance(loader, templates.BannerLoader)
-    # BannerLoader overrides Tornado's Loader._create_template, which BaseLoader.load calls for a template not loaded.
+    assert isinstance(loader, upstream_flower.RewritingLoader) and loader.rewrite is templates.template_source
+    plugin.install()  # again: the same loader
+    assert upstream_flower.template_loader() is loader
+    # RewritingLoader overrides Tornado's Loader._create_template, which BaseLoader.load calls for a template not
+    # loaded yet.
     assert "self._create_template(name)" in inspect.getsource(tornado.template.BaseLoader.load), (
         "tornado.template.BaseLoader.load no longer calls _create_template(name): Tornado changed how a loader makes "
-        "its templates; see bb_broker/contrib/flower/templates.py:BannerLoader"
+        "its templates; " + where("RewritingLoader")
     )
-    assert list(inspect.signature(tornado.template.Loader._create_template).parameters) == ["self", "name"]
+    assert list(inspect.signature(tornado.template.Loader._create_template).parameters) == ["self", "name"], (
+        "tornado.template.Loader._create_template changed its parameters: " + where("RewritingLoader")
+    )
     base = flower_file("templates", "base.html").read_bytes()
-    assert base.count(templates._BANNER_ANCHOR) == 1, (
+    assert base.count(templates.BANNER_ANCHOR) == 1, (
         "Flower's base.html no longer has the banner's anchor once: Flower changed its page layout; see "
-        "bb_broker/contrib/flower/templates.py:BannerLoader"
+        "bb_broker/contrib/flower/templates.py:template_source"
     )
     assert "reverse_url('jobs')" in loader.load("navbar.html").code and loader.load("bb_jobs.html")
     flowers_templates = Path(loader.root)
     assert templates.NAVBAR_ANCHOR in (flowers_templates / "navbar.html").read_text(), (
         "Flower's navbar.html no longer has the Jobs link's anchor; see bb_broker/contrib/flower/templates.py"
     )
+    with_banner = templates.template_source(str(flowers_templates), "base.html")
+    assert with_banner is not None and b'id="bb-broker-error"' in with_banner
     broker = (flowers_templates / "broker.html").read_text()
     assert templates.BROKER_HEADER_ANCHOR in broker and templates.BROKER_CELL_ANCHOR in broker, (
         "Flower's broker.html no longer has the Paused column's anchors; see bb_broker/contrib/flower/templates.py"
     )
+
+
+def test_a_rewriting_loader_compiles_what_rewrite_gives_and_leaves_the_rest_to_tornado(tmp_path: Path) -> None:
+    (tmp_path / "page.html").write_text("{% extends 'base.html' %}{% block body %}page{% end %}")
+    (tmp_path / "base.html").write_text("<body>{% block body %}{% end %}</body>")
+    asked: list[tuple[str, str]] = []
+
+    def rewrite(root: str, name: str) -> bytes | None:
+        asked.append((root, name))
+        return b"<main>{% block body %}{% end %}</main>" if name == "base.html" else None
+
+    loader = upstream_flower.RewritingLoader(str(tmp_path), rewrite)
+    assert loader.load("page.html").generate() == b"<main>page</main>", (
+        "a template extending a rewritten one no longer gets the rewritten source: Tornado changed how its loaders "
+        "make templates; " + where("RewritingLoader")
+    )
+    assert asked == [(loader.root, "page.html"), (loader.root, "base.html")]
+    loader.load("page.html")
+    assert len(asked) == 2, "Tornado no longer keeps a loaded template: rewrite is asked at every page"
+
+
+def test_bb_brokers_state_lives_on_flowers_application() -> None:
+    import flower.app
+    from celery import Celery
+    from flower.options import default_options
+
+    for cls in flower.app.Flower.__mro__[:-1]:
+        assert "__slots__" not in vars(cls), f"{cls.__qualname__} now has __slots__: " + where("application_state")
+        assert upstream_flower.APPLICATION_STATE not in vars(cls), (
+            f"{cls.__qualname__} now has an attribute {upstream_flower.APPLICATION_STATE}: "
+            + where("application_state")
+        )
+    application = flower.app.Flower(capp=Celery(broker="memory://"), options=default_options)
+    try:
+        state = upstream_flower.application_state(application)
+        state["jobs_tab"] = tab = object()
+        assert upstream_flower.application_state(application)["jobs_tab"] is tab
+        other = flower.app.Flower(capp=Celery(broker="memory://"), options=default_options)
+        assert upstream_flower.application_state(other) == {}, "two applications share one state"
+        other.executor.shutdown()
+    finally:
+        application.executor.shutdown()
 
 
 def test_the_workers_page_has_no_prepare_of_its_own() -> None:

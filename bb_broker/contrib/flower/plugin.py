@@ -32,7 +32,7 @@ def install() -> None:
     add the Jobs and Schedules tabs; calling it again changes nothing."""
     hosts.define_options()
     upstream_flower.install_host_check(hosts.refusal_for)
-    upstream_flower.install_template_loader(templates.BannerLoader)
+    upstream_flower.install_template_loader(templates.template_source)
     upstream_flower.install_workers_refresh_check(health.fail_workers_refresh_while_broker_fails)
     upstream_flower.install_cross_site_check(access.refuse_cross_site_without_login)
     tab.define_options()

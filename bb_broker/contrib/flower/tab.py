@@ -28,6 +28,7 @@ from bb_broker.jobs.queues import QueueControls
 from bb_broker.ops.operations import ARGUMENT_SEARCH_WINDOW, Operations
 from bb_broker.ops.stats import SummarizingAhead
 from bb_broker.server import is_authentication_failure
+from bb_broker.upstream import flower as upstream_flower
 
 #: The largest --jobs_search_window taken: past it a search inside arguments would read most of a big collection.
 MAX_SEARCH_WINDOW = 1_000_000
@@ -118,10 +119,10 @@ def start_chart_summaries(app: Any, broker_url: str) -> None:
 
 def tab_of(handler: BaseHandler) -> JobsTab:
     """The Flower app's JobsTab, made on first use."""
-    app = handler.application
-    tab = getattr(app, "_bb_jobs_tab", None)
+    state = upstream_flower.application_state(handler.application)
+    tab = state.get("jobs_tab")
     if tab is None:
-        tab = app._bb_jobs_tab = JobsTab(app)
+        tab = state["jobs_tab"] = JobsTab(handler.application)
     return tab
 
 

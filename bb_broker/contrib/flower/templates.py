@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tornado.template
-
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 #: The chart library served with the page (uPlot, vendored: operators' networks often have no way to a CDN).
 STATIC = Path(__file__).resolve().parent / "static"
@@ -30,12 +28,27 @@ BROKER_HEADER = "\n          <th>Paused</th>"
 BROKER_CELL = "\n          <td>{{ ('paused by ' + str(queue.get('pausedBy'))) if queue.get('paused') else '—' }}</td>"
 
 
+#: Where the banner goes in Flower's base template, and the banner (escaped, as every value the template shows).
+BANNER_ANCHOR = b'<main class="app-content" id="main-content">'
+BANNER = b"""
+{% from bb_broker.contrib.flower.health import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
+{% if bb_broker_banner %}
+<div class="alert alert-danger m-3" role="alert" id="bb-broker-error">{{ bb_broker_banner }}</div>
+{% end %}
+"""
+
+
 def template_source(root: str, name: str) -> bytes | None:
-    """The source of one of our templates, or of Flower's navigation bar with the Jobs link and its Broker tab with
-    the Paused column (from Flower's template directory `root`); None for any other template, and for a Broker tab
-    that lacks either of the column's anchors (it is shown as Flower has it)."""
+    """The source of one of our templates, or of one of Flower's (from its template directory `root`) with our part:
+    the base template every page extends with the broker banner, the navigation bar with the Jobs and Schedules
+    links, the Broker tab with the Paused column; None for any other template, and for a Broker tab that lacks either
+    of the column's anchors (it is shown as Flower has it). Flower's template loader asks this first for each
+    template (bb_broker.upstream.flower.install_template_loader)."""
     if name in OUR_TEMPLATES:
         return (TEMPLATES / name).read_bytes()
+    if name == "base.html":
+        # Should a Flower release move the anchor, its pages show no banner (tests/flower/test_flower.py says so).
+        return (Path(root) / name).read_bytes().replace(BANNER_ANCHOR, BANNER_ANCHOR + BANNER, 1)
     if name == "navbar.html":
         text = (Path(root) / name).read_text()
         return text.replace(NAVBAR_ANCHOR, NAVBAR_ANCHOR + NAVBAR_LINK, 1).encode()
@@ -46,27 +59,3 @@ def template_source(root: str, name: str) -> bytes | None:
         text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
         return text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1).encode()
     return None
-
-
-#: Where the banner goes in Flower's base template, and the banner (escaped, as every value the template shows).
-_BANNER_ANCHOR = b'<main class="app-content" id="main-content">'
-_BANNER = b"""
-{% from bb_broker.contrib.flower.health import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
-{% if bb_broker_banner %}
-<div class="alert alert-danger m-3" role="alert" id="bb-broker-error">{{ bb_broker_banner }}</div>
-{% end %}
-"""
-
-
-class BannerLoader(tornado.template.Loader):
-    """Flower's templates, with the broker banner in the base template every page extends, and the Jobs tab's."""
-
-    def _create_template(self, name: str) -> tornado.template.Template:
-        ours = template_source(self.root, name)
-        if ours is not None:
-            return tornado.template.Template(ours, name, self)
-        if name != "base.html":
-            return super()._create_template(name)
-        source = Path(self.root, name).read_bytes()
-        # Should a Flower release move the anchor, its pages show no banner (tests/flower/test_flower.py says so).
-        return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
