@@ -25,9 +25,13 @@ def test_the_wheel_ships_bb_broker_only(tmp_path: Path) -> None:
     distribution, version = wheel.name.split("-")[:2]
     assert {name.split("/")[0] for name in names} == {"bb_broker", f"{distribution}-{version}.dist-info"}
     assert "bb_broker/ops/cli.py" in names and "bb_broker/transport/channel.py" in names
-    assert {"bb_broker/contrib/flower/templates/bb_jobs.html", "bb_broker/contrib/flower/templates/bb_job.html"} <= set(
-        names
-    )  # the Jobs tab
+    the_jobs_tab = {
+        "bb_broker/contrib/flower/templates/bb_jobs.html",
+        "bb_broker/contrib/flower/templates/bb_job.html",
+        "bb_broker/contrib/flower/static/bb_jobs.js",
+        "bb_broker/contrib/flower/static/uPlot.iife.min.js",
+    }
+    assert the_jobs_tab <= set(names)
     assert not [name for name in names if name.startswith(("celery_app", "tests"))]
 
 

@@ -29,7 +29,7 @@ from bb_broker.contrib.flower.access import (
     user_name,
 )
 from bb_broker.contrib.flower.tab import operations_of, tab_of
-from bb_broker.contrib.flower.templates import STATIC
+from bb_broker.contrib.flower.templates import STATIC, static_version
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError
 from bb_broker.ops.operations import (
@@ -398,6 +398,7 @@ class JobsPage(JobsHandler):
             filter_names=list(FILTER_NAMES),
             can_act=can_act(self),
             user=user_name(self),
+            script_version=static_version("bb_jobs.js"),
         )
 
 
@@ -554,6 +555,8 @@ class QueueLimitApi(QueueLimitAction, ApiHandler):
 
 
 ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
+#: The files the Jobs page loads from STATIC: its script and the chart library.
+STATIC_FILES = r"(bb_jobs\.js|uPlot\.iife\.min\.js|uPlot\.min\.css)"
 
 # No job id or task id is ever part of a path: one job is `job?id=<id>` (its actions `job/<action>` with `id`), so
 # whatever a task id is (`bulk`, `data`, `queue`, `..`, `a/b`), it cannot reach another route. Every path under
@@ -562,7 +565,7 @@ HANDLERS = [
     url(r"/jobs", JobsPage, name="jobs"),
     (r"/jobs/data", JobsData),
     (r"/jobs/stats", JobsStats),
-    (r"/jobs/static/(uPlot\.iife\.min\.js|uPlot\.min\.css)", tornado.web.StaticFileHandler, {"path": str(STATIC)}),
+    (r"/jobs/static/" + STATIC_FILES, tornado.web.StaticFileHandler, {"path": str(STATIC)}),
     url(r"/jobs/job", JobPage, name="job"),
     (r"/jobs/job/" + ACTION_PATTERN, JobAction),
     (r"/jobs/bulk/" + ACTION_PATTERN + r"/count", JobsBulkCount),

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import tornado.web
+
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-#: The chart library served with the page (uPlot, vendored: operators' networks often have no way to a CDN).
+#: The Jobs page's script, and the chart library it draws with (uPlot, vendored: operators' networks often have no
+#: way to a CDN).
 STATIC = Path(__file__).resolve().parent / "static"
 OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
 
@@ -59,3 +62,12 @@ def template_source(root: str, name: str) -> bytes | None:
         text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
         return text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1).encode()
     return None
+
+
+def static_version(name: str) -> str:
+    """A hash of the static file `name`, for its URL's `v=`: Tornado's StaticFileHandler lets browsers keep a URL with
+    one for years, and a new bb_broker's script gets a URL of its own, never the old one from a browser's cache."""
+    version = tornado.web.StaticFileHandler.get_version({"static_path": str(STATIC)}, name)
+    if version is None:
+        raise FileNotFoundError(STATIC / name)  # a package without it is broken: say which file, not a bad page
+    return version
