@@ -27,7 +27,7 @@ FULL = [
     "tests/unit/test_upstream_kombu.py",
     "tests/unit/test_upstream_billiard.py",
     "tests/unit/test_upstream_pymongo.py",
-    "tests/unit/test_flower_contracts.py",
+    "tests/unit/test_upstream_flower.py",
     "tests/e2e/test_lifecycle_e2e.py",
     "tests/e2e/test_results_e2e.py",
     "tests/database/test_results_backend.py",
@@ -55,7 +55,7 @@ SHORT = [
     "tests/unit/test_upstream_kombu.py",
     "tests/unit/test_upstream_billiard.py",
     "tests/unit/test_upstream_pymongo.py",
-    "tests/unit/test_flower_contracts.py",
+    "tests/unit/test_upstream_flower.py",
     "tests/flower/test_jobs_view.py::test_lists_counts_and_look_ups",
 ]
 

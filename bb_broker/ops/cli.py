@@ -506,7 +506,7 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
     address) says where: --address=0.0.0.0 for every interface.
     """
     try:
-        from bb_broker.contrib.flower import broker as adapter  # importing it gives Flower's Broker tab bbmongo://
+        from bb_broker.contrib.flower import broker as adapter  # importing the plugin installs its tabs into Flower
         from bb_broker.contrib.flower import hosts
     except ImportError as exc:
         _fail(f"Flower is not installed ({exc}): pip install 'bb-broker[flower]'")

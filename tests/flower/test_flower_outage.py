@@ -143,7 +143,7 @@ def test_the_jobs_list_says_the_server_is_down_after_one_wait_not_two(
 # --- one user's many slow requests ----------------------------------------------------------------------------
 
 #: How many Jobs-tab requests one user may have running, and the name its client gives the server
-#: (bb_broker.contrib.flower.jobs_tab.PER_USER_REQUESTS, APPNAME).
+#: (bb_broker.contrib.flower.tab.PER_USER_REQUESTS, APPNAME).
 PER_USER = 4
 APPNAME = "bb_broker Jobs tab"
 
