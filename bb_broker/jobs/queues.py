@@ -29,6 +29,13 @@ SLOT_WAITERS_FIELD = "slotWaiters"
 #: The looks a claim takes at the slots when they are freed faster than it flags their holders.
 MAX_SLOT_LOOKS = 3
 
+#: Seconds a pause or a change of limits waits after its write before it answers, and for which a worker's claims
+#: trust what it read of its queues' controls: each claim carries the deadline of that read (read time + this, on the
+#: server's clock: JobStore.claim's `until`), and a claim that reaches the server after it takes nothing. So a claim
+#: that lands after a pause answered was made knowing of the pause, or takes nothing, without one more read per
+#: claim; a worker reads the controls again every half of this while it claims (docs/guides/flow-control.md).
+CONTROL_SETTLE = 1.0
+
 #: The largest concurrency limit: a claim of a limited queue picks one of its N slots (see JobStore.claim).
 MAX_CONCURRENCY = 10_000
 
@@ -191,8 +198,14 @@ class QueueLimits:
 class QueueControls:
     """Pause and resume queues durably: the state outlives every process, and a worker started later reads it."""
 
-    def __init__(self, db: Database, *, collection: str = QUEUES_COLLECTION) -> None:
+    def __init__(self, db: Database, *, collection: str = QUEUES_COLLECTION, settle: float = CONTROL_SETTLE) -> None:
         self.coll: Collection = db[collection]
+        self.settle = settle
+
+    def _settled(self) -> None:
+        """Wait out CONTROL_SETTLE after a write that pauses or limits: the claims made knowing the old controls run
+        out of time meanwhile, and the change then holds for every claim that lands after the answer."""
+        time.sleep(self.settle)
 
     def pause(self, queue: str, *, by: str, now: datetime) -> bool:
         """Pause `queue`; False when it was paused already (the first pause keeps its author)."""
@@ -206,6 +219,7 @@ class QueueControls:
                 )
         except DuplicateKeyError:
             return False
+        self._settled()
         return True
 
     def resume(self, queue: str, *, by: str, now: datetime) -> bool:
@@ -248,6 +262,7 @@ class QueueControls:
                 removed["ratePerKey"] = ""
         update: dict[str, Any] = {"$set": changes, **({"$unset": removed} if removed else {})}
         self.coll.update_one({"_id": queue}, update, upsert=True)
+        self._settled()
 
     def control(self, queue: str) -> dict[str, Any]:
         """`queue`'s control document as it is now (empty when it was never paused or limited): one read by _id."""
@@ -261,6 +276,16 @@ class QueueControls:
 
 #: Seconds a consumer trusts its read of the paused queues while a live change stream would report any change.
 WATCHED_MAX_AGE = 60.0
+
+
+@dataclass(frozen=True)
+class KnownQueue:
+    """One queue's control as a consumer knows it, and since when: `read_at`, the monotonic clock just before the
+    read that told (a claim made on it is fenced on that moment: see CONTROL_SETTLE)."""
+
+    paused: bool
+    limits: QueueLimits
+    read_at: float
 
 
 class KnownControls:
@@ -291,6 +316,15 @@ class KnownControls:
         with self._lock:
             self._read_if_old()
             return self._limits.get(queue) or QueueLimits()
+
+    def of(self, queue: str) -> KnownQueue:
+        """What is known of `queue` for a claim: read again first when the read is half CONTROL_SETTLE old, so that a
+        claim made now still has most of the read's settle time to reach the server in."""
+        with self._lock:
+            if time.monotonic() - self._read_at >= CONTROL_SETTLE / 2:
+                self._read_at = float("-inf")
+            self._read_if_old()
+            return KnownQueue(queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at)
 
     def learnt(self, queue: str, control: Mapping[str, Any]) -> None:
         """`queue`'s control as a claim just read it: known at once, and everything is read again at the next look
