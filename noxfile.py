@@ -23,7 +23,10 @@ VARIED = ("celery", "kombu", "pymongo", "flower")
 #: Lifecycle, results (end to end and the backend alone), chords and canvas, crashes and faults, the event loop, and
 #: Flower (its process with the broker tab, and the Jobs tab).
 FULL = [
-    "tests/unit/test_upstream_contracts.py",
+    "tests/unit/test_upstream_celery.py",
+    "tests/unit/test_upstream_kombu.py",
+    "tests/unit/test_upstream_billiard.py",
+    "tests/unit/test_upstream_pymongo.py",
     "tests/unit/test_flower_contracts.py",
     "tests/e2e/test_lifecycle_e2e.py",
     "tests/e2e/test_results_e2e.py",
@@ -48,7 +51,10 @@ SHORT = [
     "tests/database/test_results_backend.py",
     "tests/e2e/test_event_loop_e2e.py::test_the_worker_runs_celerys_event_loop_except_on_a_green_pool",
     "tests/e2e/test_event_loop_e2e.py::test_a_saturated_worker_answers_remote_control_and_its_revokes_take_effect",
-    "tests/unit/test_upstream_contracts.py",
+    "tests/unit/test_upstream_celery.py",
+    "tests/unit/test_upstream_kombu.py",
+    "tests/unit/test_upstream_billiard.py",
+    "tests/unit/test_upstream_pymongo.py",
     "tests/unit/test_flower_contracts.py",
     "tests/flower/test_jobs_view.py::test_lists_counts_and_look_ups",
 ]

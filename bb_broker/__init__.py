@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,9 @@ __all__ = [
     "statuses",
 ]
 
+#: The distribution's name, as `pip install` takes it (pyproject.toml's project.name).
+DISTRIBUTION = "bb-broker"
+
 #: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
 _LAZY = {
     "BrokerURLError": "connection",
@@ -57,6 +61,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # written once, in pyproject.toml: the installed metadata brings it here
+        return importlib.metadata.version(DISTRIBUTION)
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from bb_broker import DISTRIBUTION
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
 from bb_broker.ops.arguments import BAD_ARGUMENT, Group
 from bb_broker.ops.schedules import schedules_commands
@@ -155,6 +156,7 @@ WAIT = Duration(positive=True, longest=timedelta(days=36500))
 
 
 @click.group(name="bb-broker", cls=Group)  # its name as a `celery` subcommand too (pyproject.toml's celery.commands)
+@click.version_option(package_name=DISTRIBUTION, prog_name="bb-broker", message="%(prog)s %(version)s")
 def main() -> None:
     """Operate bb_broker, the Celery broker that keeps every task as a MongoDB `jobs` document."""
 
@@ -507,7 +509,7 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
         from bb_broker.contrib.flower import broker as adapter  # importing it gives Flower's Broker tab bbmongo://
         from bb_broker.contrib.flower import hosts
     except ImportError as exc:
-        _fail(f"Flower is not installed ({exc}): pip install 'bb_broker[flower]'")
+        _fail(f"Flower is not installed ({exc}): pip install 'bb-broker[flower]'")
     from tornado.options import Error as FlowerOptionError
 
     try:

@@ -67,8 +67,8 @@ from bb_broker.results import states as job_states
 from bb_broker.results.chords import ChordBackend
 from bb_broker.results.consumer import ResultConsumer
 from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
+from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import hooks as celery_hooks
-from bb_broker.worker import patches
 
 __all__ = ["JobFailed", "JobResultBackend"]
 
@@ -118,7 +118,7 @@ class JobResultBackend(ChordBackend):
         self.jobs_collection = str(options.get("jobs_collection", "jobs"))
         self._shares_broker_jobs: bool | None = None
         self._indexed_pid: int | None = None
-        self.result_consumer = ResultConsumer(self, cache=patches.result_cache(self))
+        self.result_consumer = ResultConsumer(self, cache=upstream_celery.result_cache(self))
 
     # --- where things are -------------------------------------------------------
 
@@ -177,7 +177,7 @@ class JobResultBackend(ChordBackend):
         self, result: Any, state: str, traceback: str | None, request: Any
     ) -> tuple[dict[str, Any], int]:
         """_result_fields, and about how many bytes they are (the encoded result and the traceback)."""
-        meta = patches.result_meta(self, result, state, traceback, request)
+        meta = upstream_celery.result_meta(self, result, state, traceback, request)
         if state in states.EXCEPTION_STATES:
             result = self._masked(result)  # an error's text, as lastError and the traceback have it
         payload = self.encode(result)
@@ -281,9 +281,9 @@ class JobResultBackend(ChordBackend):
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
         if request.chord:
             self.on_chord_part_return(request, state, exc)
-        patches.fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result, state)
+        upstream_celery.fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result, state)
         if call_errbacks and request.errbacks:
-            patches.call_errbacks(self, request, exc, traceback)
+            upstream_celery.call_errbacks(self, request, exc, traceback)
 
     def failed_unstored(
         self,
@@ -426,7 +426,7 @@ class JobResultBackend(ChordBackend):
         READY_STATES: frozenset[str] = states.READY_STATES,  # Celery's keyword
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (task id, meta) as each task is ready (see ResultConsumer.get_many)."""
-        patches.refuse_when_eager(self)
+        upstream_celery.refuse_when_eager(self)
         yield from self.result_consumer.get_many(
             task_ids,
             timeout=timeout,

@@ -16,7 +16,7 @@ from bb_broker import connection
 from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, ResultTooLarge
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import _bson_safe, decompress_bounded
-from bb_broker.worker import patches
+from bb_broker.upstream import kombu as upstream_kombu
 
 #: Room left in a job document for everything that is not the result (payload, history, the rest).
 RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
@@ -57,7 +57,7 @@ def loaded(value: Any, fmt: str | None, *, serializer: str, accept: Any) -> Any:
     if fmt == "json":
         return loads(json.dumps(value), "application/json", "utf-8", accept=accept)
     serializer = (fmt or "").partition(":")[2] or serializer
-    content_type, content_encoding = patches.serializer_content_types(serializer)
+    content_type, content_encoding = upstream_kombu.serializer_content_types(serializer)
     return loads(decompressed_result(bytes(value)), content_type, content_encoding, accept=accept)
 
 

@@ -55,7 +55,7 @@ from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
 from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
 from bb_broker.transport.wakeups import Look, Wakeups
-from bb_broker.worker import patches
+from bb_broker.upstream import kombu as upstream_kombu
 
 if TYPE_CHECKING:
     from bb_broker.transport.transport import Transport
@@ -259,7 +259,7 @@ class Channel(virtual.Channel):
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
         # Kombu keeps this connection's bindings in each exchange's table too, which routes as the stored ones do.
-        patches.drop_bindings(self.state, lambda row: row[2] != queue)
+        upstream_kombu.drop_bindings(self.state, lambda row: row[2] != queue)
 
     def queue_unbind(
         self, queue: str, exchange: str | None = None, routing_key: str = "", arguments: Any = None, **kwargs: Any
@@ -269,7 +269,7 @@ class Channel(virtual.Channel):
         exchange = exchange or "amq.direct"
         self.state.binding_delete(queue, exchange, routing_key)
         row = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
-        patches.drop_bindings(self.state, lambda kept: kept != tuple(row), exchange)
+        upstream_kombu.drop_bindings(self.state, lambda kept: kept != tuple(row), exchange)
         self.plumbing.unbind(exchange, routing_key, queue)
 
     def exchange_declare(
@@ -304,7 +304,7 @@ class Channel(virtual.Channel):
         self.plumbing.bind(exchange, routing_key, pattern, queue)
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
-        local = patches.exchange_table(self.state, exchange)
+        local = upstream_kombu.exchange_table(self.state, exchange)
         max_age = self.topic_table_max_age if self.typeof(exchange).type == "topic" else 0.0
         return list({*local, *self.plumbing.table(exchange, max_age=max_age)})
 
@@ -314,7 +314,7 @@ class Channel(virtual.Channel):
         # its own must still reach the reply queue of each process that asks it something.
         kind = self.typeof(exchange) if exchange else None
         if kind is not None and kind.type == "direct":
-            local = patches.exchange_table(self.state, exchange)
+            local = upstream_kombu.exchange_table(self.state, exchange)
             if routed := kind.lookup(local, exchange, routing_key, default):
                 return routed
         return super()._lookup(exchange, routing_key, default)
@@ -544,7 +544,7 @@ class Channel(virtual.Channel):
         while True:
             if not held:
                 # A batch only for a queue being consumed: what basic_get leaves here would wait for no one.
-                room = self.qos.claimable() if queue in patches.consumed_queues(self) else 1
+                room = self.qos.claimable() if queue in upstream_kombu.consumed_queues(self) else 1
                 told = look.messages if look is not None else 0
                 wanted = int(max(min(told, room, self.options.max_claim_batch), 1))
                 taken, exhausted = self.plumbing.take(queue, wanted)
@@ -565,7 +565,7 @@ class Channel(virtual.Channel):
                 logger.error("message %s of queue %s cannot be delivered: %s", stored["_id"], queue, exc)
                 self.plumbing.set_aside(stored, str(exc))
                 continue
-            message["properties"].setdefault("delivery_tag", patches.next_delivery_tag(self))
+            message["properties"].setdefault("delivery_tag", upstream_kombu.next_delivery_tag(self))
             return {**message, STORED_AS: (stored["queue"], stored["expiresAt"])}
 
     def _claim(self, queue: str) -> dict[str, Any]:
@@ -808,7 +808,7 @@ class Channel(virtual.Channel):
             return
         queue, jobs = landed.queue, landed.jobs
         self._note_backlog(queue, taken=len(jobs), wanted=landed.wanted)
-        if queue not in patches.consumed_queues(self):
+        if queue not in upstream_kombu.consumed_queues(self):
             self._release(jobs)  # a consumer cancelled while its claim was on the way gets nothing
             return
         self._held.setdefault(queue, deque()).extend(jobs)
@@ -828,7 +828,7 @@ class Channel(virtual.Channel):
     def _batch_size(self, queue: str) -> int:
         # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never
         # more than the consumer can start: a claimed job must not wait behind a busy pool.
-        if queue not in self._backlogged or queue not in patches.consumed_queues(self):
+        if queue not in self._backlogged or queue not in upstream_kombu.consumed_queues(self):
             return 1
         held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
         size = min(self.qos.claimable() - held, self.options.max_claim_batch)
@@ -842,13 +842,13 @@ class Channel(virtual.Channel):
     def is_backlogged(self) -> bool:
         """Whether a queue this channel consumes had more jobs than its last claim took."""
         self._take_landed_claims()
-        return not self._backlogged.isdisjoint(patches.consumed_queues(self))
+        return not self._backlogged.isdisjoint(upstream_kombu.consumed_queues(self))
 
     def _live_jobs(self) -> list[str]:
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
 
     def _give_back(self, queue: str) -> None:
-        if self._ahead is not None and queue not in patches.consumed_queues(self):
+        if self._ahead is not None and queue not in upstream_kombu.consumed_queues(self):
             self._ahead.give_up(queue)
         self._take_landed_claims()
         self._release(self._held.pop(queue, deque()))
@@ -879,13 +879,13 @@ class Channel(virtual.Channel):
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         # Also how close() ends each consumer: jobs are held only for a queue being consumed.
-        queue = patches.queue_of_consumer(self, consumer_tag)
+        queue = upstream_kombu.queue_of_consumer(self, consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if self.connection is not None:  # None once the channel closed (a consumer cancelled at shutdown)
             self.connection.consumers_changed()
         if queue is not None:
             self._give_back(queue)
-            if queue in self._auto_delete_queues and queue not in patches.consumed_queues(self):
+            if queue in self._auto_delete_queues and queue not in upstream_kombu.consumed_queues(self):
                 self._unbind_from_broadcasts(queue)
         return result
 

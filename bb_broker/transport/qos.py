@@ -4,8 +4,6 @@ rejection settles that job on the server, and the prefetch limit says how much t
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
-from collections.abc import Callable
 from datetime import datetime
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -14,7 +12,7 @@ from kombu.transport import virtual
 
 from bb_broker.jobs.document import attempt_entry
 from bb_broker.jobs.payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
-from bb_broker.worker import patches
+from bb_broker.upstream import kombu as upstream_kombu
 
 if TYPE_CHECKING:
     from bb_broker.transport.channel import Channel
@@ -60,10 +58,6 @@ class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
 
     channel: Channel
-    # Kombu's, which its __init__ sets (its stubs leave them optional, or leave _quick_ack out).
-    _delivered: OrderedDict[str, Any]
-    _dirty: set[str]
-    _quick_ack: Callable[[str], None]
 
     #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
     batch_patience = 0.05
@@ -87,7 +81,7 @@ class JobQoS(virtual.QoS):
         self._poke()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        delivered = patches.delivered_messages(self)
+        delivered = upstream_kombu.delivered_messages(self)
         message = delivered.get(delivery_tag) or self._running_on.pop(delivery_tag, None)
         if not (isinstance(message, JobMessage) and message.job_id):
             if delivery_tag not in delivered:
@@ -104,7 +98,7 @@ class JobQoS(virtual.QoS):
             self._rejected_in_delivery.append(message)
         else:
             self._fail_rejected(message)
-        patches.ack_without_restore(self, delivery_tag)
+        upstream_kombu.ack_without_restore(self, delivery_tag)
         self._poke()
 
     def settle_rejections(self) -> None:
@@ -139,7 +133,7 @@ class JobQoS(virtual.QoS):
         jobs.fail(message.job_id, message.attempts, reason, attempt=entry, retryable=retryable, backoff=backoff)
 
     def live_jobs(self) -> list[str]:
-        delivered = patches.delivered_messages(self)  # not those acked since (see there)
+        delivered = upstream_kombu.delivered_messages(self)  # not those acked since (see there)
         return [m.job_id for m in list(delivered.values()) if isinstance(m, JobMessage) and m.job_id]
 
     def claimable(self) -> int:

@@ -21,7 +21,7 @@ from bb_broker.jobs.outages import passes_with_time
 from bb_broker.transport.channel import Channel, ServerUnreachable, joined_event_loop, left_event_loop
 from bb_broker.transport.qos import JobMessage
 from bb_broker.transport.wakeups import Doorbell, Wakeups
-from bb_broker.worker import patches
+from bb_broker.upstream import kombu as upstream_kombu
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +115,8 @@ class Transport(virtual.Transport):
                 {
                     queue
                     for channel in list(self.channels)
-                    if patches.has_consumers(channel)
-                    for queue in patches.consumed_queues(channel)
+                    if upstream_kombu.has_consumers(channel)
+                    for queue in upstream_kombu.consumed_queues(channel)
                 }
             )
 
@@ -148,7 +148,7 @@ class Transport(virtual.Transport):
         if tag is None:
             return  # delivered by no channel here
         for channel in list(self.channels):
-            delivered = patches.delivered_messages(channel.qos).get(tag)
+            delivered = upstream_kombu.delivered_messages(channel.qos).get(tag)
             if isinstance(delivered, JobMessage) and delivered.job_id and not delivered.acknowledged:
                 reason = f"the worker could not take the message: {type(exc).__name__}: {exc}"
                 try:
@@ -156,7 +156,7 @@ class Transport(virtual.Transport):
                 except PyMongoError as error:
                     logger.warning("could not fail job %s (%s)", delivered.job_id, type(error).__name__)
                     return
-                patches.ack_without_restore(channel.qos, tag)
+                upstream_kombu.ack_without_restore(channel.qos, tag)
 
     # --- Celery's event loop (asynloop) ----------------------------------------
 
@@ -283,7 +283,9 @@ class Transport(virtual.Transport):
         """Seconds until the consumers should look again; None when every one is at its prefetch limit."""
         # A consumer letting room build up for a batch claims when its patience ends, whatever else happens.
         batch_waits = [
-            wait for channel in self.channels if patches.has_consumers(channel) and (wait := channel.qos.batch_wait())
+            wait
+            for channel in self.channels
+            if upstream_kombu.has_consumers(channel) and (wait := channel.qos.batch_wait())
         ]
         pollable = self._pollable_queues()
         if not pollable:
@@ -303,8 +305,8 @@ class Transport(virtual.Transport):
         return {
             queue
             for channel in self.channels
-            if patches.has_consumers(channel) and channel.qos.can_consume()
-            for queue in patches.consumed_queues(channel)
+            if upstream_kombu.has_consumers(channel) and channel.qos.can_consume()
+            for queue in upstream_kombu.consumed_queues(channel)
             if not (channel._ahead and channel._ahead.busy_with(queue))  # its claim rings when it lands
         }
 

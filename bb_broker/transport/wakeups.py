@@ -26,6 +26,7 @@ from bb_broker.jobs.serial import WAITERS_FIELD
 from bb_broker.server import capabilities, passes_with_time
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import BindingsWatch
+from bb_broker.upstream import pymongo as upstream_pymongo
 
 logger = logging.getLogger(__name__)
 
@@ -561,7 +562,7 @@ class _Feed:
                         if change is not None:
                             changes += 1
                             batch.add(self._on_change(change))
-                        if _buffered(stream) == 0:  # the next try_next is a getMore
+                        if upstream_pymongo.buffered_changes(stream) == 0:  # the next try_next is a getMore
                             now = time.monotonic()
                             if changes < CHANGE_BATCH and _worth_a_pace(batch, others_before):
                                 coming = PACED_CHANGES * (now - last_batch) / max(changes, 1)
@@ -649,14 +650,6 @@ def _worth_a_pace(batch: set[Seen], others_before: bool) -> bool:
     if Seen.REPEAT in batch:
         return True
     return Seen.NEWS not in batch and others_before
-
-
-def _buffered(stream: Any) -> int | None:
-    """Changes the last getMore returned that are not read yet; None when this pymongo does not say."""
-    # pymongo keeps a batch in the stream's command cursor and has no public way to ask its length. Without
-    # it the watcher never paces, which costs getMores, never wake-ups.
-    data = getattr(getattr(stream, "_cursor", None), "_data", None)
-    return None if data is None else len(data)
 
 
 class Doorbell:

@@ -37,7 +37,7 @@ from bb_broker.jobs.store import JOB_SETTLE, JobStore
 from bb_broker.ops import metrics_endpoint
 from bb_broker.options import BrokerOptions, OptionError, open_store
 from bb_broker.transport.qos import explain_rejection
-from bb_broker.worker import patches
+from bb_broker.upstream import celery as upstream_celery
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +113,12 @@ def store_for(app: Any, **client_options: Any) -> JobStore | None:
     options = app.conf.broker_transport_options or {}
     key = (os.getpid(), url, repr(sorted(options.items())), repr(sorted(client_options.items())))
     with _stores_lock:
-        stores: dict[tuple[int, str, str, str], JobStore] = app.__dict__.setdefault(APP_STORES, {})
+        stores: dict[tuple[int, str, str, str], JobStore] = upstream_celery.app_state(app).setdefault(APP_STORES, {})
         store = stores.get(key)
         if store is None:
             target = connection.parse_broker_url(url)
             store = stores[key] = open_store(target, BrokerOptions.parse(options), **client_options)
-            store.settle_relay = app.__dict__.get(APP_SETTLE_RELAY)
+            store.settle_relay = upstream_celery.app_state(app).get(APP_SETTLE_RELAY)
     return store
 
 
@@ -133,12 +133,12 @@ def store_of(task: Any) -> JobStore | None:
 def _task_store(app: Any) -> JobStore | None:
     # store_for reads the app's conf, about a tenth of a pool process's CPU per task (py-spy --gil, a drain). In a
     # worker, whatever its pool, the conf no longer changes: the store is kept on the app, by process.
-    kept = app.__dict__.get(APP_TASK_STORE)
+    kept = upstream_celery.app_state(app).get(APP_TASK_STORE)
     if kept is not None and kept[0] == os.getpid():
         return kept[1]
     store = store_for(app)
-    if APP_TASK_STORE in app.__dict__:
-        app.__dict__[APP_TASK_STORE] = (os.getpid(), store)
+    if APP_TASK_STORE in upstream_celery.app_state(app):
+        upstream_celery.app_state(app)[APP_TASK_STORE] = (os.getpid(), store)
     return store
 
 
@@ -201,7 +201,7 @@ def retry_failed_attempts(app: Any) -> None:
     errback, chain failure or chord error, and Flower shows RETRY; the last attempt's failure propagates as ever."""
     if store_for(app) is None:
         return
-    patches.wrap_task_runs(app, _broker_retry)
+    upstream_celery.wrap_task_runs(app, _broker_retry)
 
 
 def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
@@ -232,7 +232,7 @@ def _broker_retry(task: Any, exc: Exception) -> Retry | Ignore | None:
         # max_retries: never Celery's limit (the task's, 3 by default) but the broker's, checked above.
         return task.retry(exc=exc, countdown=countdown, max_retries=request.retries + 1, headers=headers, throw=False)
     finally:
-        patches.forget_retry_override(task)
+        upstream_celery.forget_retry_override(task)
 
 
 def retried_by_broker(request: Any) -> bool:
@@ -442,7 +442,7 @@ def _flow_control_headers(
         return
     options = (*unique.OPTION_NAMES, *serial.OPTION_NAMES, *rate_keys.OPTION_NAMES)
     call = {name: properties.pop(name) for name in options if name in properties}
-    task = patches.registered_task(sender) if isinstance(sender, str) else None
+    task = upstream_celery.registered_task(sender) if isinstance(sender, str) else None
     if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
         args, kwargs = body[0], body[1]
     else:  # protocol 1: a dict
@@ -586,13 +586,13 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
         return
     # Before the pool forks and the consumer builds its tracers and request classes: `pool_shrink` must not wedge
     # a worker, a task's failed attempt the broker runs again is a Celery retry, and what the main process reports of
-    # a task (its pool process died, a hard time limit) is right for the job (see patches.py).
-    patches.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
+    # a task (its pool process died, a hard time limit) is right for the job (see bb_broker/upstream/celery.py).
+    upstream_celery.install(sender.app, runs_again=runs_again, retry_for=_broker_retry, explain_lost=_explain_lost)
     # The requests this worker holds keep their leases, and what it still holds at exit is released. A consumer
     # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
     add_process_source(_reserved_jobs)
     add_started_source(_started_jobs)
-    sender.app.__dict__[APP_TASK_STORE] = None  # kept from the first task on (_task_store)
+    upstream_celery.app_state(sender.app)[APP_TASK_STORE] = None  # kept from the first task on (_task_store)
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
     if _forks_its_pool(sender):
         app = sender.app
@@ -604,7 +604,7 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
         except OSError as exc:  # no SOCK_SEQPACKET socket pair here (macOS, the BSDs): each pool process writes
             logger.info("bb_broker: pool processes settle on their own (%s)", exc)
             return
-        app.__dict__[APP_SETTLE_RELAY] = relay
+        upstream_celery.app_state(app)[APP_SETTLE_RELAY] = relay
         relay.start()
 
 
