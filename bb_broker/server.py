@@ -83,9 +83,15 @@ FALLBACKS: dict[str, tuple[str, str]] = {
     "hint_aggregate": ("hint on aggregates", "counts are not hinted: the planner picks the index"),
     "update_pipelines": (
         "update pipelines",
-        "a queue with a concurrency limit claims one job per round trip instead of a batch in two",
+        "a queue with a concurrency limit claims one job per round trip instead of a batch in two; the stale sweep "
+        "and the release at shutdown read the lost jobs, then write each one fenced on what they read (one read and "
+        "a bulk write per outcome, whatever their number: a round trip more); forget() reads the task's jobs first",
     ),
-    "ttl_indexes": ("TTL indexes", "succeeded jobs and expired messages are deleted by the workers' periodic sweep"),
+    "ttl_indexes": (
+        "TTL indexes",
+        "succeeded jobs and expired messages are deleted by the workers' periodic sweep; rate counters and the "
+        "results of tasks without a job (bb_results) are kept",
+    ),
     "retryable_writes": (
         "retryable writes",
         "a write whose answer was lost is repeated by bb_broker itself, fenced on the job's attempt",
@@ -209,6 +215,12 @@ def is_missing_hinted_index(exc: BaseException) -> TypeGuard[OperationFailure]:
 def too_large_write_error(error: dict[str, Any]) -> bool:
     """Whether one of a bulk write's `writeErrors` is a document that would pass the size limit."""
     return error.get("code") in TOO_LARGE_CODES
+
+
+def unapplicable_write_error(error: dict[str, Any]) -> bool:
+    """Whether one of a bulk write's `writeErrors` is an update that cannot apply to its document (see
+    is_unapplicable_update)."""
+    return error.get("code") in UNAPPLICABLE_UPDATE_CODES
 
 
 def unrecognised_write_error(error: dict[str, Any]) -> bool:

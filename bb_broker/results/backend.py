@@ -46,7 +46,7 @@ from celery import states
 from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.serialization import prepare_accept_content
-from pymongo import ASCENDING, DESCENDING
+from pymongo import ASCENDING, DESCENDING, UpdateOne
 from pymongo.collection import Collection
 from pymongo.uri_parser import parse_uri
 
@@ -67,6 +67,7 @@ from bb_broker.results import states as job_states
 from bb_broker.results.chords import ChordBackend
 from bb_broker.results.consumer import ResultConsumer
 from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
+from bb_broker.server import capabilities
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import hooks as celery_hooks
 
@@ -134,7 +135,10 @@ class JobResultBackend(ChordBackend):
     def side(self) -> Collection:
         db = self.database
         if self._indexed_pid != os.getpid():
-            db[RESULTS_COLLECTION].create_index([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0)
+            # A server without TTL indexes keeps these documents (a task's without a job, a group's, a chord's
+            # counter), as it keeps the rate counters: small, one per such task, read by id.
+            if capabilities(db).ttl_indexes:
+                db[RESULTS_COLLECTION].create_index([("expiresAt", ASCENDING)], name="bb_expiry", expireAfterSeconds=0)
             self._indexed_pid = os.getpid()
         return db[RESULTS_COLLECTION]
 
@@ -363,9 +367,30 @@ class JobResultBackend(ChordBackend):
     def _forget(self, task_id: str) -> None:
         # A failed job reads FAILURE (or REVOKED) from its status alone: `forgotten` records which finish was
         # forgotten, so the job reads PENDING until it finishes again (an operator's retry runs it again).
-        forgotten = {"$cond": [{"$eq": ["$status", FAILED]}, "$finishedAt", None]}
-        self.jobs.update_many({"taskId": task_id}, [{"$set": {"forgotten": forgotten}}, {"$unset": list(FORGOTTEN)}])
+        if capabilities(self.database).update_pipelines:
+            forgotten = {"$cond": [{"$eq": ["$status", FAILED]}, "$finishedAt", None]}
+            pipeline: list[dict[str, Any]] = [{"$set": {"forgotten": forgotten}}, {"$unset": list(FORGOTTEN)}]
+            self.jobs.update_many({"taskId": task_id}, pipeline)
+        else:
+            self._forget_by_read(task_id)
         self.side.delete_one({"_id": f"task:{task_id}"})
+
+    def _forget_by_read(self, task_id: str) -> None:
+        """Where the server refuses update pipelines (Amazon DocumentDB): the task's jobs read, then one write each in
+        one bulk write, fenced on the status and finish read. A job that finished again in between keeps its new
+        outcome, as it would had it finished just after the forget."""
+        writes = [
+            UpdateOne(
+                {"_id": doc["_id"], "status": doc.get("status"), "finishedAt": doc.get("finishedAt")},
+                {
+                    "$set": {"forgotten": doc.get("finishedAt") if doc.get("status") == FAILED else None},
+                    "$unset": FORGOTTEN,
+                },
+            )
+            for doc in self.jobs.find({"taskId": task_id}, {"status": 1, "finishedAt": 1})
+        ]
+        if writes:
+            self.jobs.bulk_write(writes, ordered=False)
 
     # --- reading ----------------------------------------------------------------------
 

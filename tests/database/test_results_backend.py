@@ -10,6 +10,7 @@ from bson import Binary
 from celery import Celery, states
 from celery.app.task import Context
 from celery.exceptions import ChordError
+from pymongo import MongoClient
 from pymongo.database import Database
 
 import bb_broker
@@ -18,6 +19,9 @@ from bb_broker.jobs.document import HISTORY_LIMIT, attempt_entry
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.results.backend import JobFailed, JobResultBackend
+from bb_broker.server import capabilities
+from tests.support.faults import fail_point_off, fail_point_on
+from tests.support.servers import with_database
 from tests.support.workers import producer, wait_for
 
 
@@ -104,6 +108,22 @@ def test_results_without_a_job_expire_with_result_expires(app: Celery, db: Datab
     assert timedelta(minutes=59) < doc["expiresAt"] - doc["dateDone"] <= timedelta(hours=1, seconds=5)
     index = {ix["name"]: ix for ix in db.bb_results.list_indexes()}["bb_expiry"]
     assert index["expireAfterSeconds"] == 0
+
+
+def test_on_a_server_without_ttl_indexes_a_result_without_a_job_is_stored_and_read(own_server):
+    client = MongoClient(own_server.url, tz_aware=True)
+    # createIndexes refused as a server without TTL indexes refuses them (NotImplemented): the probe finds it.
+    fail_point_on(client, failCommands=["createIndexes"], errorCode=238, appName="bb_broker")
+    app = producer(with_database(own_server.url, "no_ttl"))
+    app.conf.result_backend = with_database(own_server.url, "no_ttl")
+    try:
+        app.backend.store_result("t-side", 1, states.SUCCESS)
+        assert app.AsyncResult("t-side").get(timeout=10) == 1
+        assert not capabilities(app.backend.database).ttl_indexes
+    finally:
+        fail_point_off(client)
+        app.close()
+    assert "bb_expiry" not in client.no_ttl.bb_results.index_information()
 
 
 def test_a_success_is_never_overwritten(app: Celery):

@@ -1,8 +1,9 @@
 """The deployments our users run, played by a wire proxy in front of the stand-in (tests/support/wire.py): a standalone
-server (no change streams: 40573), `mongos` routers, and an engine that refuses what FerretDB 2.5 refuses (`hint` on
-findAndModify and `$changeStream` with 115, a unique index's refusal reported as code 1). On each, real workers run
-the everyday scenarios; none may exit, lose a job or run one twice. And a server answer the code has never seen,
-mid-claim, backs that queue off instead of ending the worker."""
+server (no change streams: 40573), `mongos` routers, an engine that refuses what FerretDB 2.5 refuses (`hint` on
+findAndModify and `$changeStream` with 115, a unique index's refusal reported as code 1), and one that refuses update
+pipelines as Amazon DocumentDB does (code 9). On each, real workers run the everyday scenarios; none may exit, lose
+a job or run one twice. And a server answer the code has never seen, mid-claim, backs that queue off instead of
+ending the worker."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ from tests.support.faults import fail_point
 from tests.support.servers import with_database
 from tests.support.workers import Worker, all_succeeded, producer, send, wait_for
 
-PROFILES = {"standalone": wire.standalone, "mongos": wire.router, "ferretdb": wire.ferretdb}
+PROFILES = {
+    "standalone": wire.standalone,
+    "mongos": wire.router,
+    "ferretdb": wire.ferretdb,
+    "documentdb": wire.amazon_documentdb,
+}
 
 
 @pytest.fixture(params=sorted(PROFILES))

@@ -8,7 +8,7 @@ from pymongo import MongoClient
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.cli import main
 from tests.support.servers import with_database
-from tests.support.wire import WireProxy, ferretdb
+from tests.support.wire import WireProxy, amazon_documentdb, ferretdb
 
 
 def doctor(url: str) -> tuple[int, dict[str, str], str]:
@@ -79,3 +79,16 @@ def test_on_an_engine_like_ferretdb_doctor_names_the_server_and_each_fallback_in
     assert "findAndModify.hint is not implemented yet (code 115 CommandNotSupported)" in output
     assert "claims are not hinted" in output and "poll instead of being woken" in output
     assert verdicts["atomic claims"] == "ok" and verdicts["hint on finds"] == "ok", output
+
+
+def test_on_a_server_without_update_pipelines_doctor_says_the_sweep_reads_then_writes(mongo_url, db) -> None:
+    proxy = WireProxy(mongo_url, amazon_documentdb())
+    try:
+        code, verdicts, output = doctor(with_database(f"mongodb://{proxy.address}", db.name))
+    finally:
+        proxy.close()
+    assert code == 0, output
+    assert verdicts["update pipelines"] == "degraded" and verdicts["hint on findAndModify"] == "ok", output
+    line = next(line for line in output.splitlines() if "update pipelines:" in line)
+    assert "Failed to parse update: field must be of BSON type object (code 9)" in line, line
+    assert "the stale sweep and the release at shutdown read the lost jobs" in line and "a round trip more" in line
