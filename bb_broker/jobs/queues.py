@@ -317,11 +317,11 @@ class KnownControls:
             self._read_if_old()
             return self._limits.get(queue) or QueueLimits()
 
-    def of(self, queue: str) -> KnownQueue:
-        """What is known of `queue` for a claim: read again first when the read is half CONTROL_SETTLE old, so that a
-        claim made now still has most of the read's settle time to reach the server in."""
+    def of(self, queue: str, *, read_now: bool = False) -> KnownQueue:
+        """What is known of `queue` for a claim: read again first when the read is half CONTROL_SETTLE old (or
+        `read_now`), so that a claim made now still has most of the read's settle time to reach the server in."""
         with self._lock:
-            if time.monotonic() - self._read_at >= CONTROL_SETTLE / 2:
+            if read_now or time.monotonic() - self._read_at >= CONTROL_SETTLE / 2:
                 self._read_at = float("-inf")
             self._read_if_old()
             return KnownQueue(queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at)

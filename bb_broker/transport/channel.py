@@ -705,11 +705,17 @@ class Channel(virtual.Channel):
             return []
         until = self._claim_deadline(known)
         jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if until is not None and not jobs and jobs is not None and self._past(until):
+        if until is not None and jobs == [] and self._past(until):
             # Found nothing, or reached the server too late to take anything: the answer does not tell which. Claimed
-            # again the way that needs no deadline.
-            until = None
+            # again on a fresh read; if that one is late too (a slow link), the way that needs no deadline.
+            known = self.known_controls.of(queue, read_now=True)
+            if known.paused:
+                return []
+            until = self._claim_deadline(known)
             jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
+            if until is not None and jobs == [] and self._past(until):
+                until = None
+                jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
         if not jobs or until is not None:
             return jobs or []
         try:
