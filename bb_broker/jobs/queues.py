@@ -15,6 +15,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
+from bb_broker.clock import aware
 from bb_broker.server import unique_refusals
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
@@ -268,6 +269,10 @@ class QueueControls:
         """`queue`'s control document as it is now (empty when it was never paused or limited): one read by _id."""
         return self.coll.find_one({"_id": queue}) or {}
 
+    def server_time(self) -> datetime:
+        """The server's clock now (its `hello`'s localTime, to the millisecond below)."""
+        return aware(self.coll.database.client.admin.command("hello")["localTime"])
+
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
         selector = {"$or": [{"paused": True}, {"concurrency": {"$exists": True}}, {"rateStarts": {"$exists": True}}]}
@@ -281,11 +286,14 @@ WATCHED_MAX_AGE = 60.0
 @dataclass(frozen=True)
 class KnownQueue:
     """One queue's control as a consumer knows it, and since when: `read_at`, the monotonic clock just before the
-    read that told (a claim made on it is fenced on that moment: see CONTROL_SETTLE)."""
+    read that told, and `server_time`, the server's clock just before it (None where the read was not timed). A
+    claim made on it is fenced on `server_time` + CONTROL_SETTLE, and surely reached the server before that while
+    less than CONTROL_SETTLE has passed since `read_at` (the server's time at the read came after both)."""
 
     paused: bool
     limits: QueueLimits
     read_at: float
+    server_time: datetime | None
 
 
 class KnownControls:
@@ -305,6 +313,7 @@ class KnownControls:
         self._limits: dict[str, QueueLimits] = {}
         self._read_at = float("-inf")
         self._read_version: int | None = -1
+        self._server_time: datetime | None = None
 
     def __contains__(self, queue: str) -> bool:
         with self._lock:
@@ -317,14 +326,20 @@ class KnownControls:
             self._read_if_old()
             return self._limits.get(queue) or QueueLimits()
 
-    def of(self, queue: str, *, read_now: bool = False) -> KnownQueue:
-        """What is known of `queue` for a claim: read again first when the read is half CONTROL_SETTLE old (or
-        `read_now`), so that a claim made now still has most of the read's settle time to reach the server in."""
+    def of(self, queue: str, *, timed: bool = False, read_now: bool = False) -> KnownQueue:
+        """What is known of `queue` for a claim; `timed`, with the server's time of the read (for the claim's fence):
+        then read again (timed) when the last read was not, or is half CONTROL_SETTLE old, so that a claim made now
+        still has most of the settle time to reach the server in. `read_now`: read again in any case."""
         with self._lock:
-            if read_now or time.monotonic() - self._read_at >= CONTROL_SETTLE / 2:
-                self._read_at = float("-inf")
-            self._read_if_old()
-            return KnownQueue(queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at)
+            stale = time.monotonic() - self._read_at >= CONTROL_SETTLE / 2 or self._server_time is None
+            if read_now or (timed and stale):
+                self._read(timed=timed)
+            else:
+                self._read_if_old()
+            server_time = self._server_time if timed else None
+            return KnownQueue(
+                queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at, server_time
+            )
 
     def learnt(self, queue: str, control: Mapping[str, Any]) -> None:
         """`queue`'s control as a claim just read it: known at once, and everything is read again at the next look
@@ -339,11 +354,15 @@ class KnownControls:
             self._read_at = float("-inf")
 
     def _read_if_old(self) -> None:
+        max_age = self.max_age if self._version() is None else max(self.max_age, WATCHED_MAX_AGE)
+        if time.monotonic() - self._read_at >= max_age or self._version() != self._read_version:
+            self._read(timed=False)
+
+    def _read(self, *, timed: bool) -> None:
+        # The version and the clocks first: a change after them is seen at the next check, or fenced.
         now, version = time.monotonic(), self._version()
-        max_age = self.max_age if version is None else max(self.max_age, WATCHED_MAX_AGE)
-        if now - self._read_at >= max_age or version != self._read_version:
-            # Read the version first: a change after it is seen at the next check.
-            controls = self.controls.controls()
-            self._names = frozenset(name for name, control in controls.items() if control.get("paused") is True)
-            self._limits = {name: limits for name, control in controls.items() if (limits := QueueLimits.of(control))}
-            self._read_at, self._read_version = now, version
+        server_time = self.controls.server_time() if timed else None
+        controls = self.controls.controls()
+        self._names = frozenset(name for name, control in controls.items() if control.get("paused") is True)
+        self._limits = {name: limits for name, control in controls.items() if (limits := QueueLimits.of(control))}
+        self._read_at, self._read_version, self._server_time = now, version, server_time

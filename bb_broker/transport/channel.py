@@ -636,7 +636,7 @@ class Channel(virtual.Channel):
         self._held.setdefault(queue, deque()).extend(jobs)
 
     def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
-        known = self.known_controls.of(queue)
+        known = self.known_controls.of(queue, timed=self.jobs.server.clock_fences)
         if known.paused:
             return []
         limits = known.limits
@@ -705,15 +705,15 @@ class Channel(virtual.Channel):
             return []
         until = self._claim_deadline(known)
         jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if until is not None and jobs == [] and self._past(until):
+        if until is not None and jobs == [] and self._may_be_late(known):
             # Found nothing, or reached the server too late to take anything: the answer does not tell which. Claimed
             # again on a fresh read; if that one is late too (a slow link), the way that needs no deadline.
-            known = self.known_controls.of(queue, read_now=True)
+            known = self.known_controls.of(queue, timed=True, read_now=True)
             if known.paused:
                 return []
             until = self._claim_deadline(known)
             jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-            if until is not None and jobs == [] and self._past(until):
+            if until is not None and jobs == [] and self._may_be_late(known):
                 until = None
                 jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
         if not jobs or until is not None:
@@ -759,16 +759,16 @@ class Channel(virtual.Channel):
         return jobs
 
     def _claim_deadline(self, known: KnownQueue) -> datetime | None:
-        """The server time until which a claim made on what is `known` may land: CONTROL_SETTLE after the read that
-        told began, less the clock's uncertainty; None where the server cannot fence a write on its clock, or the
-        clock is too uncertain for a deadline to leave a claim time to land (it would take nothing)."""
-        if not self.jobs.server.clock_fences or self.clock.uncertainty > CONTROL_SETTLE / 4:
-            return None
-        return self.clock.at(known.read_at) + timedelta(seconds=CONTROL_SETTLE - self.clock.uncertainty)
+        """The server time until which a claim made on what is `known` may land: CONTROL_SETTLE after the server's
+        clock read just before the controls were; None where the read was not timed (the server cannot fence a write
+        on its clock)."""
+        return None if known.server_time is None else known.server_time + timedelta(seconds=CONTROL_SETTLE)
 
-    def _past(self, until: datetime) -> bool:
-        """Whether the server's clock may have passed `until` by now."""
-        return self.clock() + timedelta(seconds=self.clock.uncertainty) >= until
+    @staticmethod
+    def _may_be_late(known: KnownQueue) -> bool:
+        """Whether a claim just answered may have reached the server after its deadline: CONTROL_SETTLE has passed
+        since just before the timed read (the server's clock ran no faster meanwhile). No clock is compared."""
+        return time.monotonic() - known.read_at >= CONTROL_SETTLE
 
     def _refused(self, queue: str, exc: OperationFailure, wakeups: Wakeups | None) -> list[Claimed]:
         """A claim of `queue` met `exc`: an outage is raised (Celery reconnects: transport.py); any other answer backs
