@@ -58,11 +58,19 @@ class ServerClock:
         self._measured = False
         #: Why the last attempt to read the server's time failed; None once one succeeds.
         self._failure: PyMongoError | None = None
+        #: How far the offset may be off, in seconds: half the measuring round trip, and the millisecond the server's
+        #: `localTime` is truncated to; unbounded until measured.
+        self.uncertainty = float("inf")
 
     def __call__(self) -> datetime:
         if self._synced_at is None or time.monotonic() - self._synced_at > self.resync_every:
             self._sync()
         return _monotonic_time() + self._offset
+
+    def at(self, monotonic: float) -> datetime:
+        """The server's time when the monotonic clock read `monotonic` (give or take `uncertainty`)."""
+        self()  # measured (again) where due
+        return _EPOCH + timedelta(seconds=monotonic) + self._offset
 
     def reading(self) -> datetime:
         """The server's time, for a caller whose query goes to the same server next: when the last attempt to read it
@@ -110,6 +118,7 @@ class ServerClock:
             if server_time.tzinfo is None:
                 server_time = server_time.replace(tzinfo=UTC)
             self._offset = server_time - (before + (after - before) / 2)
+            self.uncertainty = (after - before).total_seconds() / 2 + 0.001
             self._synced_at = time.monotonic()
             self._measured = True
             self._failure = None

@@ -73,6 +73,7 @@ from bb_broker.jobs.sweeps import Sweeps
 from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
 from bb_broker.server import (
     Capabilities,
+    before_server_time,
     capabilities,
     is_missing_hinted_index,
     is_unapplicable_update,
@@ -287,6 +288,7 @@ class JobStore(Sweeps):
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
         rate_holds: RateHolds | None = None,
+        until: datetime | None = None,
     ) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
         (LimitReached when they let no job start now).
@@ -294,7 +296,11 @@ class JobStore(Sweeps):
         A job whose serial key another running job holds is skipped (see serial.py): its key is added to `busy_keys`,
         which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed.
         Likewise, under a rate per key, a job whose key's next start is ahead is skipped: its key is added to
-        `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again."""
+        `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again.
+
+        With `until`, the claim's write takes nothing once the server's clock has passed it (server.before_server_time:
+        the deadline of what the caller knows of the queue's controls, see CONTROL_SETTLE): None, as for no job."""
+        fence = {} if until is None else before_server_time(until)
         busy = set() if busy_keys is None else busy_keys
         rate = None if limits is None else limits.rate
         holds = None
@@ -326,9 +332,9 @@ class JobStore(Sweeps):
                         continue
             try:
                 if limits is not None and limits.concurrency is not None:
-                    job = self._claim_in_a_slot(queue, due, take, limits.concurrency)
+                    job = self._claim_in_a_slot(queue, due, take, limits.concurrency, fence)
                 else:
-                    job = self._claim_one(due, take)
+                    job = self._claim_one(due, take, fence)
             except DuplicateKeyError as exc:
                 self._give_start_back(start)
                 self._skip_busy_key(exc, due, busy)
@@ -459,7 +465,7 @@ class JobStore(Sweeps):
         )
         return flagged.matched_count == 1
 
-    def _claim_one(self, due: dict[str, Any], take: dict[str, Any]) -> Claimed | None:
+    def _claim_one(self, due: dict[str, Any], take: dict[str, Any], fence: dict[str, Any]) -> Claimed | None:
         # A hand-edited job failed on the way is not the end of the queue: the job behind it is claimed in its place
         # (given up as empty, the queue would wait for its next wake-up with jobs in it).
         for _ in range(MAX_MALFORMED_SKIPS):
@@ -467,7 +473,7 @@ class JobStore(Sweeps):
                 with _claiming:
                     doc = self._hinted(
                         lambda: self.coll.find_one_and_update(
-                            due,
+                            {**due, **fence},
                             take,
                             CLAIMED_FIELDS,
                             sort=CLAIM_ORDER,
@@ -489,7 +495,9 @@ class JobStore(Sweeps):
                 return claimed(doc, doc["attempts"])
         return None
 
-    def _claim_in_a_slot(self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int) -> Claimed | None:
+    def _claim_in_a_slot(
+        self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int, fence: dict[str, Any]
+    ) -> Claimed | None:
         """The claim of a queue limited to `limit` jobs running at once: the job takes one of the queue's slots
         0..limit-1 in the claim's own write, and the unique index bb_limit_slot refuses a slot another running job
         holds. A first guess costs nothing more than the claim; only a refused one reads the slots taken (one read
@@ -502,7 +510,7 @@ class JobStore(Sweeps):
             while free := [slot for slot in range(limit) if slot not in taken]:
                 slot = random.choice(free)  # workers guessing at once spread over the slots
                 try:
-                    return self._claim_one(due, in_slot(take, slot, limit))
+                    return self._claim_one(due, in_slot(take, slot, limit), fence)
                 except DuplicateKeyError as exc:
                     if self._refused_by_serial_key(exc, due):
                         raise  # the job's serial key, not its slot: the caller skips the key
@@ -571,6 +579,7 @@ class JobStore(Sweeps):
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
         rate_holds: RateHolds | None = None,
+        until: datetime | None = None,
     ) -> list[Claimed]:
         """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch, also in a
         queue with a concurrency limit (each job in a slot of its own: _take_in_slots). A queue with a rate, or with
@@ -579,7 +588,8 @@ class JobStore(Sweeps):
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
-        all ours, or its outcome is unknown, does a third read say which jobs are.
+        all ours, or its outcome is unknown, does a third read say which jobs are. `until` fences every claim's write
+        as claim's does.
         """
         slots = None if limits is None else limits.concurrency
         batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
@@ -591,7 +601,7 @@ class JobStore(Sweeps):
         ):
             # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip; so do
             # a concurrency limit's slots where the server has no update pipelines to spread a batch over them.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds)
+            return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds, until)
         due, taken = claim_query(queue, owner, self.now())
         head = self._hinted(
             lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim")))
@@ -599,15 +609,16 @@ class JobStore(Sweeps):
         if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
             # A hand-edited document (an _id that may not even hash, a document say): the claims of one job deal
             # with it, within the queue's limits, and take the jobs behind it.
-            return self._claim_each(queue, owner, limit, limits, busy_keys)
+            return self._claim_each(queue, owner, limit, limits, busy_keys, until=until)
         if any("serialKey" in doc for doc in head):
             # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
-            return self._claim_each(queue, owner, limit, limits, busy_keys)
+            return self._claim_each(queue, owner, limit, limits, busy_keys, until=until)
         if not head:
             return []
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
         mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **attempts_fence(head, shift=1)}
-        take = self._take_in_slots(head, taken, slots) if slots else self._take_all(head, ids, taken)
+        fence = {} if until is None else before_server_time(until)
+        take = self._take_in_slots(head, taken, slots, fence) if slots else self._take_all(head, ids, taken, fence)
         asked = len(head)
         with _claiming:
             try:
@@ -632,31 +643,35 @@ class JobStore(Sweeps):
         ]
         if len(jobs) < len(head) and not slots:
             # Hand-edited jobs failed on the way are not the end of the queue: the claims of one job take their place.
-            jobs += self._claim_each(queue, owner, len(head) - len(jobs), limits, busy_keys)
+            jobs += self._claim_each(queue, owner, len(head) - len(jobs), limits, busy_keys, until=until)
         elif slots and len(jobs) < limit and (len(head) < asked or batch < limit or len(jobs) < len(head)):
             # A guessed slot was taken, or the limit is below what was asked: the claims of one job go on, and read
             # the free slots, or flag their holders and say the limit is reached, as a claim of one job does.
             try:
-                jobs += self._claim_each(queue, owner, limit - len(jobs), limits, busy_keys)
+                jobs += self._claim_each(queue, owner, limit - len(jobs), limits, busy_keys, until=until)
             except LimitReached as exc:
                 raise LimitReached(exc.queue, exc.limit, jobs + exc.claimed, retry_in=exc.retry_in) from None
         return jobs
 
-    def _take_all(self, head: list[dict[str, Any]], ids: dict[str, Any], taken: dict[str, Any]) -> Callable[[], int]:
+    def _take_all(
+        self, head: list[dict[str, Any]], ids: dict[str, Any], taken: dict[str, Any], fence: dict[str, Any]
+    ) -> Callable[[], int]:
         """The write that takes every job of `head` still queued at its attempts: one updateMany, how many it took."""
         return lambda: (
             self.coll.update_many(
-                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, **self._hint("_id_", "update")
+                {"_id": ids, "status": QUEUED, **attempts_fence(head), **fence}, taken, **self._hint("_id_", "update")
             ).modified_count
         )
 
-    def _take_in_slots(self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int) -> Callable[[], int]:
+    def _take_in_slots(
+        self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int, fence: dict[str, Any]
+    ) -> Callable[[], int]:
         """The write that takes the jobs of `head` in a queue limited to `limit` running at once, each in a slot of its
         own, guessed at random as a single claim's first guess is (_claim_in_a_slot): one updateMany, as in a queue
         without a limit, how many it took. bb_limit_slot refuses a slot another running job holds, and that stops the
         updateMany there (the jobs it took before stay taken): 0, and the caller reads which jobs are its own."""
         slots = dict(zip((doc["_id"] for doc in head), random.sample(range(limit), len(head)), strict=True))
-        fenced = {"_id": {"$in": list(slots)}, "status": QUEUED, **attempts_fence(head)}
+        fenced = {"_id": {"$in": list(slots)}, "status": QUEUED, **attempts_fence(head), **fence}
         pipeline = in_slots(taken, slots, limit)
 
         def take() -> int:
@@ -680,12 +695,13 @@ class JobStore(Sweeps):
         limits: QueueLimits | None,
         busy_keys: set[str] | None,
         rate_holds: RateHolds | None = None,
+        until: datetime | None = None,
     ) -> list[Claimed]:
         jobs: list[Claimed] = []
         busy = set() if busy_keys is None else busy_keys
         while len(jobs) < wanted:
             try:
-                job = self.claim(queue, owner, limits, busy, rate_holds)
+                job = self.claim(queue, owner, limits, busy, rate_holds, until)
             except LimitReached as exc:
                 raise LimitReached(exc.queue, exc.limit, jobs, retry_in=exc.retry_in) from None
             if job is None:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from queue import Empty
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -44,7 +44,7 @@ from bb_broker.jobs.payloads import (
     to_document,
     to_message,
 )
-from bb_broker.jobs.queues import KnownControls, LimitReached, QueueControls, QueueLimits
+from bb_broker.jobs.queues import CONTROL_SETTLE, KnownControls, KnownQueue, LimitReached, QueueControls, QueueLimits
 from bb_broker.jobs.rate_keys import RATE_KEY_HEADER, RateHolds
 from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
@@ -636,7 +636,10 @@ class Channel(virtual.Channel):
         self._held.setdefault(queue, deque()).extend(jobs)
 
     def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
-        limits = self.known_controls.limits(queue)
+        known = self.known_controls.of(queue, timed=self.jobs.server.clock_fences)
+        if known.paused:
+            return []
+        limits = known.limits
         wakeups = self.connection.wakeups if self.connection is not None else None
         freed_before = wakeups.freed if wakeups is not None and wakeups.available else None
         with self._busy_lock:
@@ -653,15 +656,17 @@ class Channel(virtual.Channel):
                 self._busy_keys.pop(queue, None)
                 read_at = None
             busy = set(self._busy_keys.get(queue, ()))
-            known = self._rate_holds.get(queue)
+            kept_holds = self._rate_holds.get(queue)
             rate = limits.rate
             holds = None
             if rate is not None and rate.per_key:
-                holds = RateHolds(rate, dict(known.until) if known is not None and known.rate == rate else {})
+                holds = RateHolds(
+                    rate, dict(kept_holds.until) if kept_holds is not None and kept_holds.rate == rate else {}
+                )
         if wakeups is not None and limits:
             # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
             wakeups.wake_when_freed(queue)
-        jobs = self._claim_within(queue, wanted, limits, busy, holds, wakeups)
+        jobs = self._claim_within(queue, wanted, known, busy, holds, wakeups)
         if busy and wakeups is not None:
             wakeups.wake_when_freed(queue)
             if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed
@@ -680,34 +685,41 @@ class Channel(virtual.Channel):
         self,
         queue: str,
         wanted: int,
-        limits: QueueLimits,
+        known: KnownQueue,
         busy: set[str],
         holds: RateHolds | None,
         wakeups: Wakeups | None,
     ) -> list[Claimed]:
-        """The store's claim of up to `wanted` jobs of `queue` within its `limits`, and what holds it back: a limit
-        reached (a wake-up when it lets jobs start again), a server answer the code does not recognise (the queue
-        backed off meanwhile, the others go on), a pause or limit written as the claim was (the jobs go back)."""
+        """The store's claim of up to `wanted` jobs of `queue` within its limits as `known`, and what holds it back:
+        a limit reached (a wake-up when it lets jobs start again), a server answer the code does not recognise (the
+        queue backed off meanwhile, the others go on), a pause or limit written as the claim was.
+
+        A pause or a limit is a write to bb_queues, and a claim a write to jobs. Where the server's clock can fence a
+        write (server.clock_fences), the claim carries the deadline of what is `known` (CONTROL_SETTLE after its
+        read began): a pause answers only that long after its write, so a claim that lands after the answer was made
+        knowing of it, or takes nothing. Where it cannot (or the clock is too uncertain), one read of the queue's
+        control after the claim orders them (_still_claimable)."""
         if (backed_off := self._refusals.wait(queue)) > 0:
             if wakeups is not None:
                 wakeups.wake_in(queue, backed_off)
             return []
+        until = self._claim_deadline(known)
+        jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
+        if until is not None and jobs == [] and self._may_be_late(known):
+            # Found nothing, or reached the server too late to take anything: the answer does not tell which. Claimed
+            # again on a fresh read; if that one is late too (a slow link), the way that needs no deadline.
+            known = self.known_controls.of(queue, timed=True, read_now=True)
+            if known.paused:
+                return []
+            until = self._claim_deadline(known)
+            jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
+            if until is not None and jobs == [] and self._may_be_late(known):
+                until = None
+                jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
+        if not jobs or until is not None:
+            return jobs or []
         try:
-            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy, holds)
-        except LimitReached as exc:
-            # The next claim comes when a job of the queue ends somewhere, or a rate's next start is due (or at the
-            # safety poll).
-            jobs = exc.claimed
-            if exc.retry_in is not None and wakeups is not None:
-                wakeups.wake_in(queue, exc.retry_in)
-        except OperationFailure as exc:
-            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back).
-            return self._refused(queue, exc, wakeups)
-        self._refusals.cleared(queue)
-        if not jobs:
-            return jobs
-        try:
-            claimable = self._still_claimable(queue, limits)
+            claimable = self._still_claimable(queue, known.limits)
         except PyMongoError as exc:
             self._release(jobs)  # unread, a pause cannot be ruled out: the jobs go back before the error goes on
             if isinstance(exc, OperationFailure):
@@ -720,6 +732,44 @@ class Channel(virtual.Channel):
             return []
         return jobs
 
+    def _claim_until(
+        self,
+        queue: str,
+        wanted: int,
+        limits: QueueLimits,
+        busy: set[str],
+        holds: RateHolds | None,
+        wakeups: Wakeups | None,
+        until: datetime | None,
+    ) -> list[Claimed] | None:
+        """The store's claim, its writes fenced on `until`; None when the server refused it (the queue backed off)."""
+        try:
+            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy, holds, until)
+        except LimitReached as exc:
+            # The next claim comes when a job of the queue ends somewhere, or a rate's next start is due (or at the
+            # safety poll).
+            jobs = exc.claimed
+            if exc.retry_in is not None and wakeups is not None:
+                wakeups.wake_in(queue, exc.retry_in)
+        except OperationFailure as exc:
+            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back).
+            self._refused(queue, exc, wakeups)
+            return None
+        self._refusals.cleared(queue)
+        return jobs
+
+    def _claim_deadline(self, known: KnownQueue) -> datetime | None:
+        """The server time until which a claim made on what is `known` may land: CONTROL_SETTLE after the server's
+        clock read just before the controls were; None where the read was not timed (the server cannot fence a write
+        on its clock)."""
+        return None if known.server_time is None else known.server_time + timedelta(seconds=CONTROL_SETTLE)
+
+    @staticmethod
+    def _may_be_late(known: KnownQueue) -> bool:
+        """Whether a claim just answered may have reached the server after its deadline: CONTROL_SETTLE has passed
+        since just before the timed read (the server's clock ran no faster meanwhile). No clock is compared."""
+        return time.monotonic() - known.read_at >= CONTROL_SETTLE
+
     def _refused(self, queue: str, exc: OperationFailure, wakeups: Wakeups | None) -> list[Claimed]:
         """A claim of `queue` met `exc`: an outage is raised (Celery reconnects: transport.py); any other answer backs
         this queue off while the others go on."""
@@ -731,13 +781,13 @@ class Channel(virtual.Channel):
         return []
 
     def _still_claimable(self, queue: str, limits: QueueLimits) -> bool:
-        """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew.
+        """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew: the
+        claim had no deadline (_claim_within).
 
-        A pause or a limit is a write to bb_queues, and a claim a write to jobs: one read of the queue's control
-        after the claim orders them. A pause that answered before the claim is seen here, and the claimed jobs go
-        back unspent; so pause and limits hold from the moment they answer, however late this worker hears of them
-        (its change stream, or pause_check_interval without one). A pause that lands after this read finds the jobs
-        claimed before it: they run (docs/guides/flow-control.md)."""
+        One read of the queue's control after the claim orders the two writes. A pause that answered before the
+        claim is seen here, and the claimed jobs go back unspent; so pause and limits hold from the moment they
+        answer, however late this worker hears of them (its change stream, or pause_check_interval without one). A
+        pause that lands after this read finds the jobs claimed before it: they run (docs/guides/flow-control.md)."""
         control = self.queue_controls.control(queue)
         if control.get("paused") is not True and QueueLimits.of(control) == limits:
             return True

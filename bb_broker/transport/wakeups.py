@@ -30,9 +30,6 @@ from bb_broker.upstream import pymongo as upstream_pymongo
 
 logger = logging.getLogger(__name__)
 
-#: Server error codes that mean this deployment has no change streams: a standalone mongod (40573), an unknown
-#: pipeline stage (40324), no $changeStream on this server (136), or a MongoDB-compatible server that refuses it as
-#: NotImplemented (238) or FailedToParse (9).
 #: How long one getMore waits on the server for a change: an idle consumer's only steady cost.
 AWAIT_MS = 10_000
 #: Seconds between getMores while the changes only repeat what the consumer knows (its queues are already

@@ -7,8 +7,10 @@ ending the worker."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -130,7 +132,8 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
 # The standalone played in front of the embedded server; and the suite's own server, whatever its topology.
 @pytest.mark.parametrize("profile", [pytest.param("standalone", marks=pytest.mark.stand_in), "suite server"])
 def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, db: Database, tmp_path) -> None:
-    # The worker trusts what it read of the paused queues for a minute: only the pause's write can stop its claims.
+    # No change stream tells the worker of the pause (pause_check_interval 60): only what its claims do after the
+    # pause's write can stop them.
     proxy = wire.WireProxy(mongo_url, wire.standalone()) if profile == "standalone" else None
     url = (
         with_database(f"mongodb://{proxy.address}", db.name) if proxy is not None else with_database(mongo_url, db.name)
@@ -160,6 +163,75 @@ def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, d
         app.close()
         if proxy is not None:
             proxy.close()
+    still_up(worker)
+
+
+def _is_claim(command: dict[str, Any]) -> bool:
+    """A worker's claim of jobs: a findAndModify of the jobs collection, or an update of it that makes jobs run."""
+    if command.get("findAndModify") == "jobs":
+        return True
+    updates = command.get("updates", []) if command.get("update") == "jobs" else []
+    return any(isinstance(u.get("u"), dict) and u["u"].get("$set", {}).get("status") == "running" for u in updates)
+
+
+def _names_now(command: dict[str, Any]) -> bool:
+    return "$$NOW" in repr(command)
+
+
+#: What MongoDB before 4.2 answers a filter that uses $$NOW (the variable came in 4.2): a server without it.
+UNDEFINED_NOW = {"ok": 0.0, "code": 17276, "codeName": "Location17276", "errmsg": "Use of undefined variable: NOW"}
+
+
+@pytest.mark.stand_in
+@pytest.mark.parametrize("fences", [True, False], ids=["clock fences", "without $$NOW"])
+def test_a_claim_that_lands_after_a_pause_answered_takes_nothing(fences, mongo_url, db: Database, tmp_path) -> None:
+    # The worker's claim of a job is held on the wire (a slow link, a stalled process) until after `pause` answered.
+    # With clock fences its deadline has passed when it reaches the server: it takes nothing, and the job stays as
+    # published. On a server without them the worker reads the queue's control after each claim: the job is taken
+    # and given back unspent. Either way it never starts until the resume.
+    holding, release = threading.Event(), threading.Event()
+    hold = threading.Event()
+
+    def slow_link(command: dict[str, Any]) -> dict[str, Any] | None:
+        if not fences and _names_now(command):
+            return UNDEFINED_NOW
+        if hold.is_set() and _is_claim(command):
+            holding.set()
+            release.wait(60)
+        return None
+
+    proxy = wire.WireProxy(mongo_url, wire.Profile("slow link", refuse=slow_link))
+    url = with_database(f"mongodb://{proxy.address}", db.name)
+    worker = Worker(url, log_dir=tmp_path, name="w0", extra_args=("-Q", "q,other"))
+    worker.start()
+    app = producer(url)
+    try:
+        warm = send(app, "add", 0, 0, queue="q")
+        wait_for(lambda: db.jobs.find_one({"taskId": warm, "status": "succeeded"}), 60, "the first job ran")
+        hold.set()
+        late = send(app, "add", 1, 1, queue="q")
+        assert holding.wait(60), "the worker never claimed the job"
+        published = db.jobs.find_one({"taskId": late})
+        assert Operations(JobStore(db)).pause("q", by="tester")
+        hold.clear()
+        release.set()  # the claim reaches the server now, after the pause answered
+        after = send(app, "add", 2, 2, queue="other")
+        wait_for(lambda: db.jobs.find_one({"taskId": after, "status": "succeeded"}), 60, "the other queue's job ran")
+        doc = db.jobs.find_one({"taskId": late})
+        assert (doc["status"], doc["attempts"], doc.get("startedAt"), doc.get("history")) == ("queued", 0, None, None)
+        if fences:
+            assert doc == published  # not even claimed and given back
+        else:
+            assert proxy.profile.refused.get("findAndModify") or proxy.profile.refused.get("update")  # the probe's
+            assert "clock_fences" in worker.log(), worker.log()[-3000:]  # said at start: the fallback in use
+        assert Operations(JobStore(db)).resume("q", by="tester")
+        wait_for(
+            lambda: db.jobs.find_one({"taskId": late, "status": "succeeded", "attempts": 1}), 60, "it ran once resumed"
+        )
+    finally:
+        release.set()
+        app.close()
+        proxy.close()
     still_up(worker)
 
 
