@@ -19,8 +19,6 @@ from celery.result import AsyncResult
 from pymongo.database import Database
 
 from bb_broker.clock import ServerClock
-from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import Operations
 from tests.faults.test_beat_outage import assert_slots_follow_the_policy
 from tests.support import wire
 from tests.support.beat_process import Beat, recorded, slot_jobs
@@ -291,44 +289,3 @@ def test_two_beats_through_an_election_send_each_slot_once_and_lose_none(replica
         assert_slots_follow_the_policy(jobs, entry)  # none lost: each slot sent, or covered by the catch-up policy
         entry, covered = recorded(db, name)
         assert entry["runCount"] == len(covered)
-
-
-def test_a_pause_and_a_revoke_answered_right_after_the_primarys_return_hold(
-    replica_set, db: Database, tmp_path
-) -> None:
-    """The worker's change streams were cut by the election and its claims start again at once: a pause and a
-    revoke that answered then hold by their writes, whenever the worker hears of them."""
-    proxy, url = replica_set
-    # The worker trusts what it read of the paused queues for a minute: only its change stream, cut by the election,
-    # or the pause's write can stop its claims.
-    worker = Worker(
-        f"{url}?{QUICK_SELECTION}",
-        log_dir=tmp_path,
-        name="w0",
-        options={"pause_check_interval": 60},
-        extra_args=("-Q", "q,other"),
-    )
-    worker.start()
-    app = producer(url)
-    operations = Operations(JobStore(db))
-    try:
-        warm = [send(app, "add", 0, 0, queue=queue) for queue in ("q", "other")]
-        wait_for(all_succeeded(db, warm), 60, "the worker claims both queues")
-        revoked = send(app, "add", 2, 2, queue="other", countdown=SHORT_ELECTION + 3)  # due just after the return
-        election = proxy.hold_election(SHORT_ELECTION)
-        assert election.ended.wait(SHORT_ELECTION + 30)
-        assert operations.pause("q", by="tester")
-        assert operations.revoke_queued([revoked], by="tester") == 1
-        held = [send(app, "add", n, n, queue="q") for n in range(3)]
-        after = [send(app, "add", 1, 1, queue="other", countdown=4)]  # due after the revoked one: it was claimable
-        wait_for(all_succeeded(db, after), 60, "the other queue's job ran")
-        docs = list(db.jobs.find({"taskId": {"$in": held}}))
-        assert [(doc["status"], doc["attempts"]) for doc in docs] == [("queued", 0)] * 3, docs
-        gone = db.jobs.find_one({"taskId": revoked})
-        assert (gone["status"], gone["attempts"], "revokedAt" in gone) == ("failed", 0, True), gone
-        assert not db.runs.find_one({"taskId": {"$in": [*held, revoked]}})
-        assert operations.resume("q", by="tester")
-        wait_for(all_succeeded(db, held), 60, "the held jobs ran once the queue was resumed")
-    finally:
-        app.close()
-    still_up(worker)
