@@ -94,33 +94,50 @@ def server_clock_offset(db: Database) -> float:
     return local_time - (before + time.time()) / 2
 
 
+#: A client's server selection shorter than the election (serverSelectionTimeoutMS=1500 in its URL, as deployments
+#: that want an outage said quickly set it): each path meets the election as errors, not as pymongo's wait, and
+#: the broker's own recovery carries it.
+QUICK_SELECTION = "serverSelectionTimeoutMS=1500"
+SHORT_ELECTION = 6.0
+
+
+@pytest.mark.parametrize("selection", ["pymongo waits", "quick selection"])
 def test_jobs_run_once_through_an_election_and_workers_claim_again_at_the_primarys_return(
-    replica_set, db: Database, tmp_path
+    selection, replica_set, db: Database, tmp_path
 ) -> None:
+    """The full 15 s election. With pymongo's server selection (30 s) the workers' commands wait for the next
+    primary; with a quick one (QUICK_SELECTION) they fail meanwhile, and the broker's recovery carries each path.
+    Tasks that write nothing themselves but for the long ones' start, before the election (a task's own write would
+    fail in it, and the task with it)."""
     proxy, url = replica_set
+    worker_url = f"{url}?{QUICK_SELECTION}" if selection == "quick selection" else url
     # Room for 8 jobs each (prefetch 4 x 2 processes): each worker holds jobs claimed in batches and not yet started
-    # when the primary steps down.
+    # when the primary steps down. Two consume a queue of their own besides: two long jobs in each of their pools.
+    env = {"BB_PREFETCH_MULTIPLIER": "4", "BB_RESULT_BACKEND": worker_url}
     workers = [
-        Worker(url, log_dir=tmp_path, name=f"w{n}", env={"BB_PREFETCH_MULTIPLIER": "4", "BB_RESULT_BACKEND": url})
-        for n in range(3)
+        Worker(worker_url, log_dir=tmp_path, name=f"w{n}", env=env, extra_args=("-Q", f"celery,w{n}")) for n in range(3)
     ]
     for worker in workers:
         worker.start()
-    app = results_producer(url)
+    app = results_producer(url)  # a web process: pymongo's own server selection
+    gate = tmp_path / "gate"
     during: list[str] = []
     got: list[Any] = []
     try:
-        # Long jobs that end, and settle, while the set has no primary; a web process waits for their results.
-        long = [app.send_task("tests.support.e2e_app.sleep", args=(4.0,)) for _ in range(4)]
-        before = [result.id for result in long] + [send(app, "sleep", 0.8) for _ in range(16)]
-        wait_for(lambda: db.runs.count_documents({"phase": "start", "taskId": {"$in": before[:4]}}) == 4, 60, "running")
+        # Long jobs that end, and settle, while the set has no primary (the gate opens in it); a web process waits
+        # for their results.
+        hold = "tests.support.e2e_app.hold_until"
+        long = [app.send_task(hold, args=(str(gate),), queue=f"w{n % 2}") for n in range(4)]
+        before = [result.id for result in long] + [send(app, "identity", n) for n in range(16)]
+        wait_for(lambda: db.runs.count_documents({"taskId": {"$in": before[:4]}}) == 4, 60, "the long jobs running")
         waiter = waiting_for(long, got)
         offset = server_clock_offset(db)
         election = proxy.hold_election(ELECTION_SECONDS)
         # A web process publishing meanwhile: its inserts wait for the next primary (pymongo's server selection).
-        publisher = threading.Thread(target=lambda: during.extend(send(app, "sleep", 0.5) for _ in range(12)))
+        publisher = threading.Thread(target=lambda: during.extend(send(app, "identity", n) for n in range(12)))
         time.sleep(1.0)  # the member is a secondary by now: these are published during the election
         publisher.start()
+        gate.touch()
         assert election.ended.wait(ELECTION_SECONDS + 30)
         publisher.join(60)
         assert len(during) == 12
@@ -130,8 +147,8 @@ def test_jobs_run_once_through_an_election_and_workers_claim_again_at_the_primar
     finally:
         app.close()
 
-    docs = ran_once_at_first_attempt(db, ids)
-    assert got == [4.0] * 4, got  # get() waited through the election
+    docs = ran_once_at_first_attempt(db, ids, bodies=before[:4])
+    assert got == [str(gate)] * 4, got  # get() waited through the election
     start, end = election.started_at + offset, election.ended_at + offset
     started = sorted(doc["startedAt"].timestamp() for doc in docs)
     # pymongo stayed on the proxy: nothing was claimed while the set had no primary (a claim sent just before the
@@ -142,18 +159,11 @@ def test_jobs_run_once_through_an_election_and_workers_claim_again_at_the_primar
     assert {doc["taskId"] for doc in through} >= set(before[:4])
     claim_again = min(t for t in started if t >= end) - end
     print(
-        f"\nelection: {len(through)} jobs running through it, refused {proxy.profile.refused}, "
+        f"\nelection ({selection}): {len(through)} jobs running through it, refused {proxy.profile.refused}, "
         f"{proxy.interrupted} writes interrupted, first claim {claim_again:.2f} s after the primary's return"
     )
     assert claim_again < CLAIM_AGAIN_WITHIN, claim_again
     still_up(*workers)
-
-
-#: A client's server selection shorter than the election (serverSelectionTimeoutMS=1500 in its URL, as deployments
-#: that want an outage said quickly set it): each path meets the election as errors, not as pymongo's wait, and
-#: the broker's own recovery carries it.
-QUICK_SELECTION = "serverSelectionTimeoutMS=1500"
-SHORT_ELECTION = 6.0
 
 
 def test_through_an_election_longer_than_server_selection_claims_settles_leases_and_get_lose_nothing(
