@@ -196,7 +196,6 @@ def test_through_an_election_longer_than_server_selection_claims_settles_leases_
         ids = [result.id for result in long] + held
         wait_for(lambda: db.runs.count_documents({"taskId": {"$in": ids[:4]}}) == 4, 60, "the long jobs running")
         waiter = waiting_for(long, got)
-        offset = server_clock_offset(db)
         election = proxy.hold_election(SHORT_ELECTION)
         time.sleep(1.0)
         gate.touch()
@@ -206,14 +205,10 @@ def test_through_an_election_longer_than_server_selection_claims_settles_leases_
     finally:
         app.close()
 
-    docs = ran_once_at_first_attempt(db, ids, bodies=ids[:4])
+    ran_once_at_first_attempt(db, ids, bodies=ids[:4])
     assert got == [str(gate)] * 4, got
-    end = election.ended_at + offset
-    after = [doc["startedAt"].timestamp() - end for doc in docs if doc["startedAt"].timestamp() >= end]
-    print(
-        f"\nshort election: refused {proxy.profile.refused}, {proxy.interrupted} writes interrupted, "
-        f"first claim {min(after, default=float('nan')):.2f} s after the primary's return"
-    )
+    # Every job was claimed before the primary stepped down (held, or running): no claim-again figure here.
+    print(f"\nshort election: refused {proxy.profile.refused}, {proxy.interrupted} writes interrupted")
     still_up(*workers)
 
 
