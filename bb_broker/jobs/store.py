@@ -482,7 +482,12 @@ class JobStore(Sweeps):
                             return_document=ReturnDocument.AFTER,
                         )
                     )
-            except OperationFailure as exc:
+            except (ConnectionFailure, OperationFailure) as exc:
+                if is_transient(exc):
+                    doc = self._landed_unseen(take)
+                    if doc is None:
+                        raise  # nothing claimed: the outage goes on to the caller
+                    return None if self._failed_malformed(doc, doc["attempts"]) else claimed(doc, doc["attempts"])
                 if not is_unapplicable_update(exc):
                     raise
                 # A hand-edited document the update cannot apply to must not block the queue behind it.
@@ -494,6 +499,14 @@ class JobStore(Sweeps):
             if not self._failed_malformed(doc, doc["attempts"]):
                 return claimed(doc, doc["attempts"])
         return None
+
+    def _landed_unseen(self, take: dict[str, Any]) -> dict[str, Any] | None:
+        """The job a claim of one job took if its write landed and its answer was lost (a failover interrupted it,
+        pymongo's one retry met no primary either), read once the server answers: else it stayed `running` in this
+        worker's name, held by nobody, until the stale sweep took it back with an attempt spent. The claim's own
+        owner and moment (`take`) name it: no other write of this process sets both at once."""
+        mine = {"status": RUNNING, **{name: take["$set"][name] for name in ("leaseOwner", "updatedAt", "startedAt")}}
+        return self._through_outages(lambda: self.coll.find_one(mine, CLAIMED_FIELDS))
 
     def _claim_in_a_slot(
         self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int, fence: dict[str, Any]
