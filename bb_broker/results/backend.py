@@ -261,7 +261,14 @@ class JobResultBackend(ChordBackend):
         final = not retryable or store.policy.is_final_attempt(job[1])
         if store_result:
             error = describe_error(exc)
-            attempt = celery_hooks.attempt_for(store, request, job[1], "failed", error, traceback)
+            ran_here = celery_hooks.attempt_state(request).started_at is not None
+            attempt: dict[str, Any] | None = celery_hooks.attempt_for(
+                store, request, job[1], "failed", error, traceback
+            )
+            if not ran_here and store.attempt_recorded(*job):
+                # As task_failure's receiver does: the main process reporting a pool process it lost, after that
+                # process's broker retry recorded the attempt's failure. The attempt has its entry.
+                attempt = None
             unwritable = partial(self.failed_unstored, store, job, attempt, request, FAILURE)
             try:
                 fields, size = self._sized_result_fields(self.encode_result(exc, state), state, traceback, request)
@@ -274,7 +281,7 @@ class JobResultBackend(ChordBackend):
                     if_unwritable=unwritable,
                     subject=FAILURE,
                 )
-                celery_hooks.settle_ran(store, request, settle, size + len(attempt.get("traceback") or ""))
+                celery_hooks.settle_ran(store, request, settle, size + len((attempt or {}).get("traceback") or ""))
             except (ResultTooLarge, SettleUnwritable) as unstored:
                 # The exception or its traceback is what cannot be kept: the job fails on that, for good.
                 final = True
