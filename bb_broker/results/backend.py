@@ -69,7 +69,7 @@ from bb_broker.results.consumer import ResultConsumer
 from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
 from bb_broker.server import capabilities
 from bb_broker.upstream import celery as upstream_celery
-from bb_broker.worker import hooks as celery_hooks
+from bb_broker.worker import settle as celery_hooks
 
 __all__ = ["JobFailed", "JobResultBackend"]
 

@@ -46,7 +46,7 @@ class JobMessage(virtual.Message):
 
 
 def explain_rejection(message: Any, reason: str) -> None:
-    """The one way a reason reaches a job's rejection. Celery's receivers (worker/hooks.py) say it before the
+    """The one way a reason reaches a job's rejection. Celery's receivers (worker/settle.py) say it before the
     rejection (a lost pool process) or just after it, still inside the delivery (an unknown task, an invalid message):
     the QoS fails the job with it, in the write that settles the rejection. A message not of a job has nothing to tell.
     """

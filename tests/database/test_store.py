@@ -434,7 +434,7 @@ def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its
     from celery.exceptions import TimeLimitExceeded
 
     from bb_broker import connection
-    from bb_broker.worker import hooks as celery_hooks
+    from bb_broker.worker import settle as celery_hooks
     from tests.support.workers import producer
 
     app = producer(broker_url)
