@@ -89,7 +89,7 @@ def _register_result_backend(celery_backends: ModuleType) -> None:
 
 
 def _connect_celery_hooks(_signals: ModuleType) -> None:
-    importlib.import_module(f"{__name__}.worker.settle")  # its receivers connect as it is imported
+    importlib.import_module(f"{__name__}.worker")  # its receivers connect as it is imported
 
 
 # The aliases and the signal receivers are in place before anything can use them: a transport is resolved through

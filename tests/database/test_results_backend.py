@@ -14,7 +14,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 import bb_broker
-import bb_broker.worker.settle
+import bb_broker.app_stores
 from bb_broker.jobs.document import HISTORY_LIMIT, attempt_entry
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
@@ -245,7 +245,7 @@ def test_a_waiting_get_is_woken_by_a_new_job_of_a_task_id_it_knows(app: Celery, 
 
 def held_part(app: Celery, task_id: str, group_id: str, callback) -> Context:
     """A chord part as a worker holds it: its job claimed (attempt 1 of 1), the request naming job and attempt."""
-    store = bb_broker.worker.settle.store_for(app)
+    store = bb_broker.app_stores.store_for(app)
     store.ensure_indexes()
     job_id = store.publish(queue="q", kind="k", task_id=task_id, payload={}, priority=0, run_after=None, is_retry=False)
     claimed = store.claim("q", "owner-a")

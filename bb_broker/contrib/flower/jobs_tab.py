@@ -111,8 +111,8 @@ class JobsTab:
     makes its requests answer 503 at once while Flower knows the server cannot be used."""
 
     def __init__(self, app: Any) -> None:
+        from bb_broker.app_stores import broker_url, store_for
         from bb_broker.contrib.flower.broker import BrokerHealth  # bb_broker.contrib.flower.broker imports this module
-        from bb_broker.worker.settle import broker_url, store_for
 
         url = broker_url(app.capp)
         store = store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url))) if url else None
@@ -170,7 +170,7 @@ def start_chart_summaries(app: Any, broker_url: str) -> None:
     """Flower's share of keeping the charts' summaries written ahead of them (bb_broker.ops.stats.SummarizingAhead),
     once per jobs collection in a process, on a client with the Jobs tab's quick timeouts. A read-only Flower starts
     none: its charts read the summaries the workers and the other Flowers keep."""
-    from bb_broker.worker.settle import store_for
+    from bb_broker.app_stores import store_for
 
     # A client of its own, named apart: its passes' reads are told from the tab's in the server's logs and
     # currentOp, and a slow pass queues behind none of the tab's requests.
