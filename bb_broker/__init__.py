@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from bb_broker.jobs.refusals import PublishRefused
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
-    from bb_broker.worker.hooks import is_final_attempt
+    from bb_broker.worker.settle import is_final_attempt
 
 __all__ = [
     "FAILED",
@@ -56,7 +56,7 @@ _LAZY = {
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",
-    "is_final_attempt": "worker.hooks",
+    "is_final_attempt": "worker.settle",
 }
 
 
@@ -89,7 +89,7 @@ def _register_result_backend(celery_backends: ModuleType) -> None:
 
 
 def _connect_celery_hooks(_signals: ModuleType) -> None:
-    importlib.import_module(f"{__name__}.worker.hooks")  # its receivers connect as it is imported
+    importlib.import_module(f"{__name__}.worker")  # its receivers connect as it is imported
 
 
 # The aliases and the signal receivers are in place before anything can use them: a transport is resolved through

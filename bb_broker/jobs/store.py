@@ -141,7 +141,7 @@ class JobStore(Sweeps):
         #: What the deployment offers, once asked (see `server`).
         self._server: Capabilities | None = None
         #: In a prefork worker's pool process, the main process's relay that writes this store's settles (set by
-        #: the worker's hooks); None elsewhere.
+        #: app_stores.store_for, from the worker's start-up); None elsewhere.
         self.settle_relay: SettleRelay | None = None
         #: The server's answers the code does not recognise, met by this store's settles: said once, backed off.
         self._settle_refusals = Refusals("settle", self._secrets)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -15,8 +15,18 @@ from bb_broker.jobs.document import RESULTS_COLLECTION
 from bb_broker.jobs.outages import Refusals
 from bb_broker.server import capabilities, passes_with_time
 
-if TYPE_CHECKING:
-    from bb_broker.results.backend import JobResultBackend
+
+class ResultSource(Protocol):
+    """What the consumer reads through: the result backend (JobResultBackend), named by what it offers so that the
+    backend's module and this one do not import each other."""
+
+    jobs_collection: str
+
+    @property
+    def database(self) -> Any: ...
+
+    def metas(self, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]: ...
+
 
 #: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
 SAFETY_READ = 10.0
@@ -28,7 +38,7 @@ class ResultConsumer:
     """The waiting side of JobResultBackend, as Celery's Redis backend has its ResultConsumer: it reads through the
     backend and watches what can change the results it waits for."""
 
-    def __init__(self, backend: JobResultBackend, *, cache: Any) -> None:
+    def __init__(self, backend: ResultSource, *, cache: Any) -> None:
         self.backend = backend
         #: The backend's cache of ready results (Celery's `self._cache`): a ready result is not read again.
         self._cache = cache

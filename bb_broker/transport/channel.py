@@ -133,7 +133,7 @@ class Channel(virtual.Channel):
     safety_poll_interval = DEFAULTS.safety_poll_interval
     use_change_streams = DEFAULTS.use_change_streams
     events_linger = DEFAULTS.events_linger
-    settle_linger = DEFAULTS.settle_linger  # read by the worker's SettleRelay (worker/hooks.py), not the channel
+    settle_linger = DEFAULTS.settle_linger  # read by the worker's SettleRelay (worker/startup.py), not the channel
     from_transport_options = virtual.Channel.from_transport_options + TRANSPORT_OPTIONS
 
     #: Seconds a consumer trusts what it read of the paused queues without a change stream (with one, it reads

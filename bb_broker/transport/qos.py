@@ -46,7 +46,7 @@ class JobMessage(virtual.Message):
 
 
 def explain_rejection(message: Any, reason: str) -> None:
-    """The one way a reason reaches a job's rejection. Celery's receivers (worker/hooks.py) say it before the
+    """The one way a reason reaches a job's rejection. Celery's receivers (worker/receivers.py) say it before the
     rejection (a lost pool process) or just after it, still inside the delivery (an unknown task, an invalid message):
     the QoS fails the job with it, in the write that settles the rejection. A message not of a job has nothing to tell.
     """
@@ -90,7 +90,7 @@ class JobQoS(virtual.QoS):
         if requeue:
             # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message
             # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
-            # reason is the message's own when it has one (celery_hooks names a lost pool process).
+            # reason is the message's own when it has one (worker/receivers.py names a lost pool process).
             self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
         elif self.channel.connection is not None and self.channel.connection.delivering_here():
             # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still

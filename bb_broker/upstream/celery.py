@@ -11,8 +11,6 @@ from datetime import UTC, datetime
 from functools import wraps
 from typing import TYPE_CHECKING, Any
 
-from bb_broker.upstream import billiard as upstream_billiard
-
 if TYPE_CHECKING:
     from celery.canvas import _chain
 
@@ -270,24 +268,7 @@ def crontab_fields(crontab: Any) -> tuple[Any, Any, Any, Any, Any]:
     )
 
 
-# --- the entry point -------------------------------------------------------------------------------------------------
-
-
-def install(
-    app: Any,
-    *,
-    runs_again: Callable[[Any, Any, BaseException], bool],
-    retry_for: Callable[[Any, Exception], BaseException | None],
-    explain_lost: Callable[[Any, BaseException], None],
-) -> None:
-    """Every patch a bbmongo:// worker needs, before its pool forks and its consumer builds the tasks' requests and
-    tracers (its worker_init); calling it again changes nothing. `wrap_task_runs` alone runs again as the tasks'
-    modules are imported (a pool process started afresh builds its tracers without worker_init)."""
-    upstream_billiard.install_pool_queue_guard()
-    wrap_task_runs(app, retry_for)
-    for task in list(app.tasks.values()):
-        explain_worker_lost(task, explain_lost)
-    install_failure_as_retry(runs_again)
+# --- the task runs of an app ------------------------------------------------------------------------------------------
 
 
 def wrap_task_runs(app: Any, retry_for: Callable[[Any, Exception], BaseException | None]) -> None:

@@ -357,9 +357,9 @@ def test_importing_bb_broker_still_registers_the_transport_and_the_celery_hooks(
         "from kombu.transport import TRANSPORT_ALIASES\n"
         "assert TRANSPORT_ALIASES['bbmongo'] == TRANSPORT_ALIASES['bbmongo+srv']\n"
         "assert TRANSPORT_ALIASES['bbmongo'] == 'bb_broker.transport:Transport'\n"
-        "from bb_broker.worker import hooks as celery_hooks\n"
-        "assert any(r[1]() is celery_hooks._on_success for r in signals.task_success.receivers)\n"
-        "assert any(r[1]() is celery_hooks._on_failure for r in signals.task_failure.receivers)\n"
+        "from bb_broker.worker import receivers\n"
+        "assert any(r[1]() is receivers._on_success for r in signals.task_success.receivers)\n"
+        "assert any(r[1]() is receivers._on_failure for r in signals.task_failure.receivers)\n"
         "print('registered')\n"
     )
     for first, then in (

@@ -146,7 +146,7 @@ def test_before_task_publish_hands_receivers_the_headers_and_properties_it_publi
     assert "properties.update(kwargs)" in body[:sent] and "**properties" in body[sent:], (
         "Celery no longer puts apply_async's unknown keywords in the properties it sends before_task_publish and "
         "then publishes: the per-call unique and serial options cannot be read there; see "
-        "bb_broker/worker/hooks.py:_flow_control_headers"
+        "bb_broker/worker/publish_headers.py:_flow_control_headers"
     )
 
 
@@ -224,24 +224,24 @@ def test_the_backend_methods_bbmongo_implements_keep_their_parameters() -> None:
 
 
 def test_the_worker_lists_the_requests_it_holds() -> None:
-    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/hooks.py:_reserved_jobs keeps
+    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/startup.py:_reserved_jobs keeps
     # their leases fresh from them, and _started_jobs keeps a closed consumer from giving back a job that runs on).
     from celery.worker import state
     from celery.worker.request import Request
 
     assert hasattr(state.reserved_requests, "__iter__") and isinstance(Request.request_dict, property), (
         "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
-        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/hooks.py:_reserved_jobs"
+        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/startup.py:_reserved_jobs"
     )
     from celery.app import defaults
 
     # _cancelled_on_reconnect repeats Celery's own test of the runs it cancels on a reconnect.
     assert "cancel_long_running_tasks_on_connection_loss" in defaults.NAMESPACES["worker"] and hasattr(
         Request, "acknowledged"
-    ), "Celery's cancel-on-reconnect setting or Request.acknowledged changed; see bb_broker/worker/hooks.py"
+    ), "Celery's cancel-on-reconnect setting or Request.acknowledged changed; see bb_broker/worker/startup.py"
     assert hasattr(state.active_requests, "__iter__"), (
         "celery.worker.state.active_requests changed: Celery changed how a worker lists the requests its pool runs, "
-        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/hooks.py:_started_jobs"
+        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/startup.py:_started_jobs"
     )
 
 

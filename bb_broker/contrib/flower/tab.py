@@ -22,6 +22,7 @@ from pymongo.errors import ConnectionFailure, OperationFailure
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
+from bb_broker.app_stores import broker_url, store_for
 from bb_broker.connection import parse_broker_url, quick_timeouts
 from bb_broker.contrib.flower.health import BrokerHealth, describe
 from bb_broker.jobs.queues import QueueControls
@@ -52,8 +53,6 @@ class JobsTab:
     makes its requests answer 503 at once while Flower knows the server cannot be used."""
 
     def __init__(self, app: Any) -> None:
-        from bb_broker.worker.hooks import broker_url, store_for
-
         url = broker_url(app.capp)
         store = store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url))) if url else None
         if store is None:
@@ -108,8 +107,6 @@ def start_chart_summaries(app: Any, broker_url: str) -> None:
     """Flower's share of keeping the charts' summaries written ahead of them (bb_broker.ops.stats.SummarizingAhead),
     once per jobs collection in a process, on a client with the Jobs tab's quick timeouts. A read-only Flower starts
     none: its charts read the summaries the workers and the other Flowers keep."""
-    from bb_broker.worker.hooks import store_for
-
     # A client of its own, named apart: its passes' reads are told from the tab's in the server's logs and
     # currentOp, and a slow pass queues behind none of the tab's requests.
     store = store_for(app, appname=SUMMARIES_APPNAME, **quick_timeouts(parse_broker_url(broker_url)))
