@@ -103,7 +103,8 @@ def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], 
 
 def in_slot(take: dict[str, Any], slot: int, limit: int) -> dict[str, Any]:
     """The claim's update `take` for a queue limited to `limit` running jobs: the job holds `slot` (see
-    JobStore._claim_in_a_slot) and keeps the limit in `claimLimits`, beside a rate the claim already put there."""
+    ConcurrencySlots.claim_in_a_slot) and keeps the limit in `claimLimits`, beside a rate the claim already put
+    there."""
     limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
     return {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
 
@@ -130,7 +131,7 @@ def in_slots(take: dict[str, Any], slots: dict[Any, int], limit: int) -> list[di
 #: What a job holds only while it is `running`, unset by every write that ends its attempt (a settle, a retry's
 #: reschedule, a release, the stale sweep, an operator's requeue), in the write that exists anyway: its lease, and
 #: the slot of its queue's concurrency limit (bb_limit_slot) it holds, the flag that claims wait for a slot of that
-#: limit (JobStore._wait_for_slot), and the flag that others wait for its serial key (see serial.py).
+#: limit (ConcurrencySlots._wait_for_slot), and the flag that others wait for its serial key (see serial.py).
 RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot", "slotWaiters", "serialWaiters")
 HOLDS_RELEASED = dict.fromkeys(RUNNING_ONLY_FIELDS, "")
 

@@ -103,7 +103,7 @@ def moment_us(now: datetime) -> int:
 @dataclass(frozen=True)
 class RateStart:
     """One start taken from a queue's rate: its counter's _id (`key`), the moment it was taken at and the `next` it
-    set, in microseconds since the epoch, to give the start back with (see JobStore._take_start)."""
+    set, in microseconds since the epoch, to give the start back with (see RateCounters.take_start)."""
 
     key: dict[str, Any]
     taken_at: int

@@ -20,8 +20,8 @@ from ulid import ULID
 
 from bb_broker.clock import ServerClock, aware
 from bb_broker.jobs import lifecycle
-from bb_broker.jobs.admin import DEFAULT_RETENTION
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
+from bb_broker.jobs.indexes import DEFAULT_RETENTION
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
 from bb_broker.jobs.store import JobStore

@@ -16,6 +16,7 @@ from bb_broker import UniqueOptionError
 from bb_broker.jobs.payloads import MalformedTaskMessage
 from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits, Rate
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, RateHolds
+from bb_broker.jobs.rates import RateCounters
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support.store import CommandLog, FakeClock
@@ -120,15 +121,15 @@ def test_a_head_another_worker_takes_between_the_read_and_the_claim_spends_no_st
     publish(store, "a0", "a")
     publish(store, "b0", "b")
     other = JobStore(db, clock=clock)
-    read_head = JobStore._rate_head
+    read_head = RateCounters.head
 
-    def then_taken(self: JobStore, *args: Any) -> Any:
+    def then_taken(self: RateCounters, *args: Any) -> Any:
         head = read_head(self, *args)
         if head is not None and head["_id"] == db.jobs.find_one({"taskId": "a0"})["_id"]:
             assert other.claim("limited", "w2") is not None  # a worker whose limits read no rate yet takes a0
         return head
 
-    monkeypatch.setattr(JobStore, "_rate_head", then_taken)
+    monkeypatch.setattr(RateCounters, "head", then_taken)
     holds = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
     assert claimed_task(store, holds) == "b0"  # a0 was gone: its key's start given back, and the next job claimed
     assert set(holds.until) == {"b"}  # held by its own start, which the next claim leaves out without a write

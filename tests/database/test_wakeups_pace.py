@@ -14,8 +14,8 @@ from kombu import Connection, Consumer, Queue
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from bb_broker.jobs.admin import INDEXES
 from bb_broker.jobs.document import due_query
+from bb_broker.jobs.indexes import INDEXES
 from bb_broker.transport import wakeups as wakeups_module
 from bb_broker.transport.plumbing import MessageStore
 from bb_broker.transport.wakeups import BUSY_PACE, FIRST_PACE, PACED_CHANGES, Look, Wakeups
