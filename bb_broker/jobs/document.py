@@ -57,6 +57,8 @@ MAX_KIND_LENGTH = 1024
 HISTORY_LIMIT = 10
 #: A traceback in `history` is cut to its last this many characters (where the exception is).
 MAX_HISTORY_TRACEBACK = 4000
+#: The most operator actions a job keeps a record of (the oldest go first).
+ACTIONS_KEPT = 20
 
 #: What a settle too large for its document says, after what it settles ("the task's result does not fit ...").
 DOES_NOT_FIT = f"does not fit in its job document ({MAX_DOCUMENT_BYTES} bytes at most)"
@@ -189,6 +191,12 @@ def history_entry_of(update: dict[str, Any]) -> dict[str, Any] | None:
     each = update.get("$push", {}).get("history", {}).get("$each")
     entry = each[0] if isinstance(each, list) and each else None
     return entry if isinstance(entry, dict) else None
+
+
+def action_record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any]:
+    """The $push that records an operator's action on a job, keeping the last ACTIONS_KEPT."""
+    entry = {"action": action, "by": by, "at": at, **{k: v for k, v in details.items() if v is not None}}
+    return {"actions": {"$each": [entry], "$slice": -ACTIONS_KEPT}}
 
 
 @dataclass(frozen=True)

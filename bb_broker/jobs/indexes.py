@@ -8,7 +8,7 @@ import math
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection as MongoCollection
@@ -17,7 +17,13 @@ from pymongo.errors import OperationFailure
 from bb_broker.jobs.lifecycle import SUCCEEDED
 from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEXES
-from bb_broker.server import is_index_conflict, is_missing_hinted_index, is_not_implemented, unique_refusals
+from bb_broker.server import (
+    Capabilities,
+    is_index_conflict,
+    is_missing_hinted_index,
+    is_not_implemented,
+    unique_refusals,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +40,7 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
-    # The operator's lists (bb_broker.ops.operations), newest first by job id, filtered by status, queue or kind.
+    # The operator's lists (bb_broker.ops.queries), newest first by job id, filtered by status, queue or kind.
     IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
     IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
     IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
@@ -65,6 +71,28 @@ DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
 RETENTION_INDEX = "bb_retention"
 RETENTION_FILTER = {"status": SUCCEEDED}
+
+
+class IndexedStore(Protocol):
+    """What hint_if_indexed reads of a store (a JobStore): its collection and what its server offers."""
+
+    @property
+    def coll(self) -> MongoCollection: ...
+
+    @property
+    def server(self) -> Capabilities: ...
+
+
+def hint_if_indexed(store: IndexedStore, index: str, command: str = "find") -> dict[str, Any]:
+    """The hint of `index` for `command`, for a read an operator makes (their queries, the charts' summaries)."""
+    # An operator may look at a database no worker has indexed yet, where a hint would be an error. The _id index
+    # is always there (a missing collection ignores the hint), and hinted: a planner may otherwise scan and sort
+    # the whole collection for a newest-first read with nothing else in its filter (the Python stand-in does).
+    # No hint at all where the server refuses one on `command` (server.py).
+    hint = store.server.hint(index, command)
+    if not hint or index == "_id_":
+        return hint
+    return hint if any(ix["name"] == index for ix in store.coll.list_indexes()) else {}
 
 
 class ServerLacksFeature(RuntimeError):

@@ -626,7 +626,8 @@ def stats(
     """What finished, waited and ran over time, per interval: attempts succeeded, jobs failed for good, attempts
     retried, and the wait (runAfter to start) and run time of the jobs that finished, p50 and p95 in seconds. The
     numbers of the Jobs tab's charts; intervals without a finished attempt are left out of the table."""
-    from bb_broker.ops.operations import FilterError, JobFilter, Operations
+    from bb_broker.ops.filters import FilterError, JobFilter
+    from bb_broker.ops.operations import Operations
     from bb_broker.ops.stats import job_stats
 
     with _jobs(broker, collection) as store:
@@ -678,7 +679,8 @@ def run_now(
         _fail("run-now: --all cannot be combined with --queue or --kind", 2)
     if not (identifiers or selected or every):
         _fail("run-now: say which jobs: ID... (job ids or task ids), --queue NAME, --kind NAME, or --all", 2)
-    from bb_broker.ops.operations import RUN_NOW, FilterError, JobFilter, Operations
+    from bb_broker.ops.filters import FilterError, JobFilter
+    from bb_broker.ops.operations import RUN_NOW, Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)
@@ -715,7 +717,8 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
     command = "pause" if paused else "resume"
     if not queue.strip():
         _fail(f"{command}: the queue name is empty", 2)
-    from bb_broker.ops.operations import FilterError, Operations
+    from bb_broker.ops.filters import FilterError
+    from bb_broker.ops.operations import Operations
 
     with _jobs(broker, collection) as store:
         operations = Operations(store)
@@ -748,7 +751,8 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
 def limit(broker: str, collection: str, queue: str, concurrency: str | None, rate: str | None, clear: bool) -> None:
     """Limit a queue for every worker, now and later, or with no option show its limits and what they count."""
     from bb_broker.jobs.queues import LimitError
-    from bb_broker.ops.operations import FilterError, Operations
+    from bb_broker.ops.filters import FilterError
+    from bb_broker.ops.operations import Operations
 
     if not queue.strip():
         _fail("limit: the queue name is empty", 2)

@@ -46,9 +46,9 @@ from bb_broker.jobs.payloads import (
 )
 from bb_broker.jobs.queues import CONTROL_SETTLE, KnownControls, KnownQueue, LimitReached, QueueControls, QueueLimits
 from bb_broker.jobs.rate_keys import RATE_KEY_HEADER, RateHolds
+from bb_broker.jobs.revokes import revoke_queued, revoked_task_ids
 from bb_broker.jobs.serial import SERIAL_KEY_HEADER
 from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
-from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
 from bb_broker.server import capabilities, describe_failure, is_unrecognised
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
@@ -417,7 +417,7 @@ class Channel(virtual.Channel):
         properties = message.get("properties") or {}
         task_ids = revoked_task_ids(message, self.decode_body(message.get("body"), properties.get("body_encoding")))
         if task_ids:
-            Operations(self.jobs, self.queue_controls).revoke_queued(task_ids, by=f"revoke from {self.owner}")
+            revoke_queued(self.jobs, task_ids, by=f"revoke from {self.owner}")
 
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:

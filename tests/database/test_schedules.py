@@ -22,7 +22,8 @@ from bb_broker import MalformedTaskMessage
 from bb_broker.beat import EntryError, JobScheduler, ScheduleStore, run_now
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import Operations
 from tests.support.beat_process import OUT_OF_RANGE, add_out_of_range_entries
 from tests.support.store import CommandLog, assert_each_reads_through_an_index
 from tests.support.workers import ROOT

@@ -32,17 +32,10 @@ from bb_broker.contrib.flower.tab import operations_of, tab_of
 from bb_broker.contrib.flower.templates import STATIC, static_version
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError
-from bb_broker.ops.operations import (
-    ACTIONS,
-    ARGUMENT_FIELDS,
-    FILTER_NAMES,
-    MAX_PAGE,
-    ActionRefused,
-    FilterError,
-    JobFilter,
-    Operations,
-)
+from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
+from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
+from bb_broker.ops.queries import MAX_PAGE
 from bb_broker.ops.stats import job_stats
 from bb_broker.upstream import flower as upstream_flower
 

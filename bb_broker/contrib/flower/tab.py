@@ -26,7 +26,8 @@ from bb_broker.app_stores import broker_url, store_for
 from bb_broker.connection import parse_broker_url, quick_timeouts
 from bb_broker.contrib.flower.health import BrokerHealth, describe
 from bb_broker.jobs.queues import QueueControls
-from bb_broker.ops.operations import ARGUMENT_SEARCH_WINDOW, Operations
+from bb_broker.ops.filters import ARGUMENT_SEARCH_WINDOW
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.stats import SummarizingAhead
 from bb_broker.server import is_authentication_failure
 from bb_broker.upstream import flower as upstream_flower
