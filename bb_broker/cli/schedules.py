@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from bb_broker.ops.arguments import Group
+from bb_broker.cli.common import Group
 
 # pymongo and Celery are imported by the commands that use them: `--help` answers at once.
 

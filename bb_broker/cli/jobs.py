@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from bb_broker import DISTRIBUTION
+from bb_broker.cli.common import BAD_ARGUMENT, Group
+from bb_broker.cli.schedules import schedules_commands
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, Policy, parse_duration
-from bb_broker.ops.arguments import BAD_ARGUMENT, Group
-from bb_broker.ops.schedules import schedules_commands
 from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 
 if TYPE_CHECKING:
@@ -776,6 +776,3 @@ def _limits_line(queue: str, row: dict[str, Any]) -> str:
 
 
 main.add_command(schedules_commands(broker_option, collection_option, _jobs, _fail, _operator), name="schedules")
-
-if __name__ == "__main__":
-    main()
