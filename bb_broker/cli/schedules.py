@@ -6,13 +6,12 @@ import functools
 import json
 import shlex
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
-from bb_broker.cli.common import Group
+from bb_broker.cli.common import Group, broker_option, collection_option, fail, job_store, operator_name
 
 # pymongo and Celery are imported by the commands that use them: `--help` answers at once.
 
@@ -40,152 +39,145 @@ def where(command: Callable[..., None]) -> Callable[..., None]:
     return with_where
 
 
-def schedules_commands(
-    broker_option: Callable[[Any], Any],
-    collection_option: Callable[[Any], Any],
-    jobs: Callable[[str, str], AbstractContextManager[Any]],
-    fail: Callable[..., NoReturn],
-    operator: Callable[[], str],
-) -> click.Group:
-    """The `schedules` group, made with the CLI's own `--broker` and `--collection` options, job store context and
-    error exit. Each sub-command takes them too (`schedules run-now NAME --broker URL`, as every command takes
-    `--broker`), over the group's."""
+@click.group(cls=Group, invoke_without_command=True)
+@broker_option
+@collection_option
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+@click.pass_context
+def schedules(ctx: click.Context, broker: str, collection: str, as_json: bool) -> None:
+    """The periodic entries (celery beat -S bb_broker.beat:JobScheduler): schedule, next slot, last job."""
+    ctx.obj = Where(broker, collection)
+    if ctx.invoked_subcommand is not None:
+        return
+    from bb_broker.beat.overview import describe
 
-    @click.group(cls=Group, invoke_without_command=True)
-    @broker_option
-    @collection_option
-    @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
-    @click.pass_context
-    def schedules(ctx: click.Context, broker: str, collection: str, as_json: bool) -> None:
-        """The periodic entries (celery beat -S bb_broker.beat:JobScheduler): schedule, next slot, last job."""
-        ctx.obj = Where(broker, collection)
-        if ctx.invoked_subcommand is not None:
-            return
-        from bb_broker.beat.overview import describe
+    with job_store(broker, collection) as store:
+        db = store.coll.database
+        rows = [describe(doc, db, jobs_collection=collection) for doc in db.bb_schedules.find({}).sort("_id", 1)]
+    _print_entries(rows, as_json=as_json)
 
-        with jobs(broker, collection) as store:
-            db = store.coll.database
-            rows = [describe(doc, db, jobs_collection=collection) for doc in db.bb_schedules.find({}).sort("_id", 1)]
-        _print_entries(rows, as_json=as_json)
 
-    @schedules.command(name="run-now")
-    @click.argument("name")
-    @where
-    def run_now(where: Where, name: str) -> None:
-        """Send one extra job of the entry now (marked "run now"; no slot is used up)."""
-        from celery import Celery
+@schedules.command(name="run-now")
+@click.argument("name")
+@where
+def run_now(where: Where, name: str) -> None:
+    """Send one extra job of the entry now (marked "run now"; no slot is used up)."""
+    from celery import Celery
 
-        from bb_broker.beat.entries import EntryError, ScheduleStore
-        from bb_broker.beat.scheduler import run_now as send_now
-        from bb_broker.clock import ServerClock
+    from bb_broker.beat.entries import EntryError, ScheduleStore
+    from bb_broker.beat.scheduler import run_now as send_now
+    from bb_broker.clock import ServerClock
 
-        with jobs(where.broker, where.collection) as store:
-            db = store.coll.database
-            app = Celery("bb-broker", broker=where.broker, set_as_current=False)
-            app.conf.broker_transport_options = {"jobs_collection": where.collection}  # where its job goes
-            try:
-                task_id = send_now(app, ScheduleStore(db, ServerClock.of(db)), name)
-            except EntryError as exc:
-                fail(f"run-now: {exc}")
-            finally:
-                app.close()
-        click.echo(f"sent {name} now: task id {task_id}")
-
-    def _set_enabled(where: Where, name: str, enabled: bool) -> None:
-        from bb_broker.beat.entries import EntryError, ScheduleStore
-        from bb_broker.clock import ServerClock
-
-        command = "enable" if enabled else "disable"
-        with jobs(where.broker, where.collection) as store:
-            db = store.coll.database
-            try:
-                ScheduleStore(db, ServerClock.of(db)).set_enabled(name, enabled, by=operator())
-            except EntryError as exc:
-                fail(f"{command}: {exc}")
-        click.echo(f"{command}d {name}")
-
-    @schedules.command()
-    @click.argument("name")
-    @where
-    def disable(where: Where, name: str) -> None:
-        """Stop sending the entry's slots (every beat, without a restart)."""
-        _set_enabled(where, name, False)
-
-    @schedules.command()
-    @click.argument("name")
-    @where
-    def enable(where: Where, name: str) -> None:
-        """Send the entry's slots again, from now on (the slots it skipped are not caught up)."""
-        _set_enabled(where, name, True)
-
-    @schedules.command()
-    @click.argument("name")
-    @click.argument("task")
-    @click.option("--every", type=float, help="Seconds between slots.")
-    @click.option("--crontab", "cron", help='Five crontab fields, e.g. "0 3 * * *" (minute hour dom month dow).')
-    @click.option("--timezone", default="UTC", show_default=True, help="Where the crontab's fields are read (IANA).")
-    @click.option("--catch-up", type=click.Choice(["once", "all", "none"]), default="once", show_default=True)
-    @click.option("--args", "args_json", default="[]", help="The task's args, as a JSON list.")
-    @click.option("--kwargs", "kwargs_json", default="{}", help="The task's kwargs, as a JSON object.")
-    @click.option("--queue", help="The queue its jobs go to.")
-    @click.option("-A", "--app", "app_name", help="A Celery app whose tasks the task name is checked against.")
-    @where
-    def add(
-        where: Where,
-        name: str,
-        task: str,
-        every: float | None,
-        cron: str | None,
-        timezone: str,
-        catch_up: str,
-        args_json: str,
-        kwargs_json: str,
-        queue: str | None,
-        app_name: str | None,
-    ) -> None:
-        """Add an entry at run time (every beat picks it up without a restart)."""
-        from bb_broker.beat.entries import EntryError, ScheduleStore, entry_fields
-        from bb_broker.clock import ServerClock
-
-        schedule = _schedule_of(every, cron, fail)
-        args, kwargs = _json_arguments(args_json, kwargs_json, fail)
-        how = {
-            "timezone": timezone,
-            "catch_up": catch_up,
-            "args": args,
-            "kwargs": kwargs,
-            "options": {"queue": queue} if queue else {},
-            "known_tasks": _tasks_of(app_name) if app_name else None,
-        }
+    with job_store(where.broker, where.collection) as store:
+        db = store.coll.database
+        app = Celery("bb-broker", broker=where.broker, set_as_current=False)
+        app.conf.broker_transport_options = {"jobs_collection": where.collection}  # where its job goes
         try:
-            entry_fields(name, task, schedule, **how)  # checked before the server is asked: a bad argument's exit
+            task_id = send_now(app, ScheduleStore(db, ServerClock.of(db)), name)
         except EntryError as exc:
-            fail(f"add: {exc}", 2)
-        with jobs(where.broker, where.collection) as store:
-            db = store.coll.database
-            try:
-                ScheduleStore(db, ServerClock.of(db)).add(name, task, schedule, **how)
-            except EntryError as exc:  # the name is taken
-                fail(f"add: {exc}")
-        click.echo(f"added {name}")
+            fail(f"run-now: {exc}")
+        finally:
+            app.close()
+    click.echo(f"sent {name} now: task id {task_id}")
 
-    @schedules.command()
-    @click.argument("name")
-    @where
-    def remove(where: Where, name: str) -> None:
-        """Remove an entry (one from beat_schedule comes back at the next beat's start)."""
-        from bb_broker.beat.entries import EntryError, ScheduleStore
-        from bb_broker.clock import ServerClock
 
-        with jobs(where.broker, where.collection) as store:
-            db = store.coll.database
-            try:
-                ScheduleStore(db, ServerClock.of(db)).remove(name)
-            except EntryError as exc:
-                fail(f"remove: {exc}")
-        click.echo(f"removed {name}")
+def _set_enabled(where: Where, name: str, enabled: bool) -> None:
+    from bb_broker.beat.entries import EntryError, ScheduleStore
+    from bb_broker.clock import ServerClock
 
-    return schedules
+    command = "enable" if enabled else "disable"
+    with job_store(where.broker, where.collection) as store:
+        db = store.coll.database
+        try:
+            ScheduleStore(db, ServerClock.of(db)).set_enabled(name, enabled, by=operator_name())
+        except EntryError as exc:
+            fail(f"{command}: {exc}")
+    click.echo(f"{command}d {name}")
+
+
+@schedules.command()
+@click.argument("name")
+@where
+def disable(where: Where, name: str) -> None:
+    """Stop sending the entry's slots (every beat, without a restart)."""
+    _set_enabled(where, name, False)
+
+
+@schedules.command()
+@click.argument("name")
+@where
+def enable(where: Where, name: str) -> None:
+    """Send the entry's slots again, from now on (the slots it skipped are not caught up)."""
+    _set_enabled(where, name, True)
+
+
+@schedules.command()
+@click.argument("name")
+@click.argument("task")
+@click.option("--every", type=float, help="Seconds between slots.")
+@click.option("--crontab", "cron", help='Five crontab fields, e.g. "0 3 * * *" (minute hour dom month dow).')
+@click.option("--timezone", default="UTC", show_default=True, help="Where the crontab's fields are read (IANA).")
+@click.option("--catch-up", type=click.Choice(["once", "all", "none"]), default="once", show_default=True)
+@click.option("--args", "args_json", default="[]", help="The task's args, as a JSON list.")
+@click.option("--kwargs", "kwargs_json", default="{}", help="The task's kwargs, as a JSON object.")
+@click.option("--queue", help="The queue its jobs go to.")
+@click.option("-A", "--app", "app_name", help="A Celery app whose tasks the task name is checked against.")
+@where
+def add(
+    where: Where,
+    name: str,
+    task: str,
+    every: float | None,
+    cron: str | None,
+    timezone: str,
+    catch_up: str,
+    args_json: str,
+    kwargs_json: str,
+    queue: str | None,
+    app_name: str | None,
+) -> None:
+    """Add an entry at run time (every beat picks it up without a restart)."""
+    from bb_broker.beat.entries import EntryError, ScheduleStore, entry_fields
+    from bb_broker.clock import ServerClock
+
+    schedule = _schedule_of(every, cron)
+    args, kwargs = _json_arguments(args_json, kwargs_json)
+    how = {
+        "timezone": timezone,
+        "catch_up": catch_up,
+        "args": args,
+        "kwargs": kwargs,
+        "options": {"queue": queue} if queue else {},
+        "known_tasks": _tasks_of(app_name) if app_name else None,
+    }
+    try:
+        entry_fields(name, task, schedule, **how)  # checked before the server is asked: a bad argument's exit
+    except EntryError as exc:
+        fail(f"add: {exc}", 2)
+    with job_store(where.broker, where.collection) as store:
+        db = store.coll.database
+        try:
+            ScheduleStore(db, ServerClock.of(db)).add(name, task, schedule, **how)
+        except EntryError as exc:  # the name is taken
+            fail(f"add: {exc}")
+    click.echo(f"added {name}")
+
+
+@schedules.command()
+@click.argument("name")
+@where
+def remove(where: Where, name: str) -> None:
+    """Remove an entry (one from beat_schedule comes back at the next beat's start)."""
+    from bb_broker.beat.entries import EntryError, ScheduleStore
+    from bb_broker.clock import ServerClock
+
+    with job_store(where.broker, where.collection) as store:
+        db = store.coll.database
+        try:
+            ScheduleStore(db, ServerClock.of(db)).remove(name)
+        except EntryError as exc:
+            fail(f"remove: {exc}")
+    click.echo(f"removed {name}")
 
 
 def _print_entries(rows: list[dict[str, Any]], *, as_json: bool) -> None:
@@ -228,18 +220,14 @@ def _tasks_of(app_name: str) -> Any:
     return app.tasks
 
 
-def _as_json(value: Any) -> str:
-    return value.isoformat() if hasattr(value, "isoformat") else str(value)
-
-
-def _schedule_of(every: float | None, cron: str | None, fail: Callable[..., NoReturn]) -> dict[str, Any]:
+def _schedule_of(every: float | None, cron: str | None) -> dict[str, Any]:
     """The entry's schedule from `add`'s options: exactly one of --every and --crontab."""
     if (every is None) == (cron is None):
         fail("add: give one of --every or --crontab", 2)
     return {"every": every} if every is not None else {"crontab": cron}
 
 
-def _json_arguments(args_json: str, kwargs_json: str, fail: Callable[..., NoReturn]) -> tuple[Any, Any]:
+def _json_arguments(args_json: str, kwargs_json: str) -> tuple[Any, Any]:
     from bb_broker.jobs.payloads import unencodable_text
 
     try:

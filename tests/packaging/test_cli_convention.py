@@ -13,7 +13,7 @@ from pymongo.database import Database
 
 from bb_broker.beat import ScheduleStore
 from bb_broker.cli import main
-from bb_broker.cli.jobs import JobId
+from bb_broker.cli.common import JobId
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
