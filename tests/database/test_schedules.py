@@ -123,7 +123,7 @@ def test_a_beat_refuses_to_start_with_a_missed_after_no_date_holds(beat_app: Cel
 
 
 def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, *args]
+    argv = [sys.executable, "-m", "bb_broker.cli", "schedules", "--broker", broker_url, *args]
     env = {**os.environ, "BB_BROKER_URL": broker_url}  # read by tests/support/e2e_app.py, the app `-A` names
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
 

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from pymongo.database import Database
 
 from bb_broker import DuplicateJob, MalformedTaskMessage, UniqueOptionError, metrics
+from bb_broker.cli import main
 from bb_broker.jobs.revokes import revoke_queued
 from bb_broker.jobs.unique import (
     MAX_UNIQUE_KEY_LENGTH,
@@ -23,7 +24,6 @@ from bb_broker.jobs.unique import (
     UNIQUE_PERIOD_HEADER,
     period_bucket,
 )
-from bb_broker.ops.cli import main
 from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.options import BrokerOptions, open_store
 from tests.support import unique_app

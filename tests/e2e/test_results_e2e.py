@@ -16,7 +16,7 @@ from pymongo import monitoring
 from pymongo.database import Database
 
 import bb_broker
-from bb_broker.ops.cli import main
+from bb_broker.cli import main
 from bb_broker.results.backend import JobFailed, JobResultBackend
 from tests.support.workers import job, producer, wait_for
 

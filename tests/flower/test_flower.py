@@ -449,7 +449,7 @@ def flower_env(**extra: str) -> dict[str, str]:
 
 
 def bb_broker_flower(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "tests.support.e2e_app", *args]
+    argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "tests.support.e2e_app", *args]
     return subprocess.run(argv, cwd=cwd, env=flower_env(**env), capture_output=True, text=True, timeout=60)
 
 
