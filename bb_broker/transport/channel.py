@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from queue import Empty
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pymongo
 from bson import ObjectId
@@ -53,12 +53,9 @@ from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_s
 from bb_broker.server import capabilities, describe_failure, is_unrecognised
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
-from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
+from bb_broker.transport.qos import BATCH_MIN, STORED_AS, HoldingChannel, JobMessage, JobQoS
 from bb_broker.transport.wakeups import Look, Wakeups
 from bb_broker.upstream import kombu as upstream_kombu
-
-if TYPE_CHECKING:
-    from bb_broker.transport.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +106,37 @@ class ServerUnreachable(OperationalError):
     Kombu's and Celery's retries and reconnects treat it as every transport's lost connection."""
 
 
+class ChannelTransport(Protocol):
+    """What a channel asks of its transport (transport.py's), which Kombu hands it as `connection`."""
+
+    @property
+    def broker_url(self) -> str: ...
+
+    @property
+    def wakeups(self) -> Wakeups | None: ...
+
+    @property
+    def on_event_loop(self) -> bool: ...
+
+    def watch(self, channel: Channel) -> None: ...
+
+    def consumers_changed(self) -> None: ...
+
+    def poke(self) -> None: ...
+
+    def ring(self) -> None: ...
+
+    def delivering_here(self) -> bool: ...
+
+
 class Channel(virtual.Channel):
     QoS = JobQoS
     Message = JobMessage
     supports_fanout = True
 
-    connection: Transport  # Kombu hands a channel its transport as `connection`
+    # Kombu hands a channel its transport as `connection`: transport.py's, of which the channel asks only what
+    # ChannelTransport says (the stubs say Kombu's virtual Transport, which has none of it).
+    connection: ChannelTransport  # type: ignore[assignment]
 
     if TYPE_CHECKING:  # Kombu's property makes a QoS of the class above
 
@@ -484,7 +506,7 @@ class Channel(virtual.Channel):
             return self._claim(queue)
         if self._held_plain.get(queue):
             return self._fetch_plain(queue)
-        if self._ahead is not None and self._ahead.busy_with(queue):
+        if self.claim_in_flight_for(queue):
             raise ClaimOnItsWay()
         plain = queue in self._plain_queues
         wakeups = self.connection.wakeups
@@ -850,6 +872,10 @@ class Channel(virtual.Channel):
         self._take_landed_claims()
         return not self._backlogged.isdisjoint(upstream_kombu.consumed_queues(self))
 
+    def claim_in_flight_for(self, queue: str) -> bool:
+        """Whether a claim of `queue` is on its way in the background (it rings the event loop when it lands)."""
+        return self._ahead is not None and self._ahead.busy_with(queue)
+
     def _live_jobs(self) -> list[str]:
         return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
 
@@ -921,6 +947,9 @@ class Channel(virtual.Channel):
         with connection.shutdown_patience():  # a server that is gone must not hold a worker's stop
             super().close()
 
+
+if TYPE_CHECKING:  # what the QoS asks of its channel, checked by mypy
+    _asked_by_qos: type[HoldingChannel] = Channel
 
 _said: set[str] = set()
 
