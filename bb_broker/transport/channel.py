@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import logging
-import math
-import reprlib
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from queue import Empty
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pymongo
-from bson import ObjectId
 from kombu.exceptions import ChannelError, OperationalError
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
@@ -25,34 +22,28 @@ from bb_broker import connection
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
-from bb_broker.jobs.document import Claimed, attempt_entry, new_job_id
+from bb_broker.jobs.document import Claimed, attempt_entry
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.outages import Refusals, passes_with_time
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
-    PUBLISH_ID_PROPERTY,
-    SCHEDULE_HEADER,
     MalformedTaskMessage,
     PayloadError,
-    body_parts,
     check_body,
     check_encodable,
     check_envelope,
-    check_publish_ids,
     is_task_message,
-    to_document,
     to_message,
 )
 from bb_broker.jobs.queues import CONTROL_SETTLE, KnownControls, KnownQueue, LimitReached, QueueControls, QueueLimits
-from bb_broker.jobs.rate_keys import RATE_KEY_HEADER, RateHolds
-from bb_broker.jobs.serial import SERIAL_KEY_HEADER
-from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
+from bb_broker.jobs.rate_keys import RateHolds
 from bb_broker.ops.operations import Operations, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
 from bb_broker.server import capabilities, describe_failure, is_unrecognised
 from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
+from bb_broker.transport.publishing import expiration, moment, names_a_task, plain_publish, put_job, put_plain
 from bb_broker.transport.qos import BATCH_MIN, STORED_AS, HoldingChannel, JobMessage, JobQoS
 from bb_broker.transport.wakeups import Look, Wakeups
 from bb_broker.upstream import kombu as upstream_kombu
@@ -365,72 +356,17 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], linger: float = 0.0, **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
-            if _names_a_task(message):
-                check_envelope(message)  # a task without an id: Celery's consumer cannot take it
-            check_encodable(
-                {
-                    "the queue name": queue,
-                    "the headers": message.get("headers"),
-                    "the properties": message.get("properties"),
-                }
-            )
-            message, message_id = _plain_publish(message, queue)
-            soon = _on_a_loop_thread()
-            self.plumbing.put(
-                queue, message, priority, ttl=_expiration(message), soon=soon, linger=linger, message_id=message_id
-            )
+            put_plain(self.plumbing, queue, message, priority, soon=_on_a_loop_thread(), linger=linger)
             return
-        properties = message["properties"]
-        body = self.decode_body(message["body"], properties.get("body_encoding"))
-        if isinstance(body, str):
-            body = body.encode(message.get("content-encoding") or "utf-8")
-        headers = message["headers"]
-        if UNIQUE_REFUSED_HEADER in headers:
-            # The publisher's unique options could not make a key: its before_task_publish receiver cannot raise.
-            raise UniqueOptionError(str(headers[UNIQUE_REFUSED_HEADER]))
-        check_envelope(message)  # refused here, with nothing written, rather than failed at its claim
-        # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
-        # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
-        # inserts that landed instead of writing twins.
-        job_id = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, new_job_id())
-        eta = _moment(headers, "eta")
-        expires = _moment(headers, "expires", strict=False)
-        if expires is not None and expires.tzinfo is not None:
-            # Stored on the server's clock, as every time here, and given to each worker on its own (see _claim).
-            headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
-        payload = to_document({**message, "headers": headers}, body)
-        check_body({**message, "body": body}, payload, whole_canvas=True)
-        # The body's own parts first, so that an error names the argument: as the job keeps them readable, or parsed
-        # here only where it keeps the body whole (a text BSON cannot hold is one reason it does).
-        readable = "args" in payload or payload.get("bodyFormat") == "json"
-        parts = payload if readable else body_parts(message, body)
-        named = {f"the body's {part}": parts[part] for part in ("args", "kwargs", "options") if part in parts}
-        if parts.get("bodyFormat") == "json":
-            named["the body"] = parts["body"]
-        check_encodable({"the queue name": queue, **named, "the headers": headers, "the properties": properties})
-        self.jobs.publish(
-            queue=queue,
-            kind=headers["task"],
-            task_id=str(headers["id"]),
-            payload=payload,
-            priority=priority,
-            # Celery's ETA is its countdown added to this process's clock: due by the server's, as every due time.
-            run_after=None if eta is None else self.clock.from_local(eta if eta.tzinfo else eta.replace(tzinfo=UTC)),
-            is_retry=bool(headers.get("retries")),
-            job_id=job_id,
-            retry_of=_retry_of(headers),
-            unique=hold_of(headers, self.clock),
-            schedule=headers.get(SCHEDULE_HEADER),
-            serial_key=headers.get(SERIAL_KEY_HEADER),
-            rate_key=headers.get(RATE_KEY_HEADER),
-        )
+        body = self.decode_body(message["body"], message["properties"].get("body_encoding"))
+        put_job(self.jobs, self.clock, queue, message, body, priority)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
         self._revoke_durably(message)
         priority = self._get_message_priority(message)
         for queue in {queue for _, _, queue in self.get_table(exchange)}:
-            stored, message_id = _plain_publish(message, queue)
-            ttl = _expiration(message)
+            stored, message_id = plain_publish(message, queue)
+            ttl = expiration(message)
             self.plumbing.put(queue, stored, priority, ttl=ttl, soon=_on_a_loop_thread(), message_id=message_id)
 
     def _revoke_durably(self, message: dict[str, Any]) -> None:
@@ -579,7 +515,7 @@ class Channel(virtual.Channel):
             stored = held.popleft()
             try:
                 message = payload_of(stored)
-                if _names_a_task(message):
+                if names_a_task(message):
                     # Celery's consumer takes it as a task (its `task` header says so), and a task the transport
                     # did not store as a job lacks what a worker needs: it would end every worker it reaches.
                     check_envelope(message)
@@ -627,7 +563,7 @@ class Channel(virtual.Channel):
                 # The claim found the job due by the server's clock; the ETA is the publisher's, and Celery compares
                 # it with this process's clock: a worker whose clock is behind would wait the difference again.
                 headers["eta"] = self.clock.to_local(job.run_after).isoformat()
-            expires = _moment(headers, "expires", strict=False)
+            expires = moment(headers, "expires", strict=False)
             if expires is not None and expires.tzinfo is not None:
                 # Stored on the server's clock; Celery compares it with this process's (a clock ahead expired it early).
                 headers["expires"] = self.clock.to_local(expires).isoformat()
@@ -969,60 +905,3 @@ def _say_once(message: str) -> None:
 def _every_server_refused(client: Any) -> bool:
     servers = list(client.topology_description.server_descriptions().values())
     return bool(servers) and all(server.error is not None for server in servers)
-
-
-def _expiration(message: dict[str, Any]) -> float | None:
-    """Seconds a message may wait for a consumer: Kombu's `expiration` property (milliseconds, as in AMQP)."""
-    value = (message.get("properties") or {}).get("expiration")
-    if value is None:
-        return None
-    try:
-        milliseconds = float(value)
-    except (TypeError, ValueError, OverflowError):
-        milliseconds = math.nan
-    if not math.isfinite(milliseconds):
-        raise ValueError(f"message has an unreadable expiration property {reprlib.repr(value)}")
-    return max(milliseconds / 1000.0, 0.0)
-
-
-def _plain_publish(message: dict[str, Any], queue: str) -> tuple[dict[str, Any], ObjectId]:
-    """The plain message to store for `queue`, and the _id this publish chose for it there.
-
-    Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the same
-    properties dict: the _id kept there, one per queue, lets the retry find the insert that landed instead of
-    storing a twin. It is never stored in the message."""
-    properties = message.get("properties") or {}
-    check_publish_ids(properties)
-    chosen = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, str(ObjectId()))
-    stored = {k: v for k, v in properties.items() if k != PUBLISH_ID_PROPERTY}
-    return {**message, "properties": stored}, ObjectId(chosen)
-
-
-def _names_a_task(message: dict[str, Any]) -> bool:
-    """Whether a message that is not a task message (is_task_message) still has the `task` header Celery's consumer
-    reads first: a task message missing its id, or whose task is not a name."""
-    headers = message.get("headers")
-    return isinstance(headers, dict) and "task" in headers
-
-
-def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:
-    """The (job id, attempt) a Celery retry comes from: its request's delivery headers, which Celery's retry message
-    carries on (and the broker's own retries set)."""
-    job_id, attempts = headers.get(JOB_ID_HEADER), headers.get(ATTEMPTS_HEADER)
-    if not headers.get("retries") or job_id is None or attempts is None:
-        return None
-    return str(job_id), int(attempts)
-
-
-def _moment(headers: dict[str, Any], name: str, *, strict: bool = True) -> datetime | None:
-    """A task message's `eta` or `expires` header as Celery writes it (ISO 8601); naive ones are left naive (Celery
-    reads them in the worker's timezone). `strict`: an unreadable one is an error, else None (left to Celery)."""
-    value = headers.get(name)
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(str(value))
-    except ValueError:
-        if strict:
-            raise ValueError(f"task message has an unreadable {name} header {value!r}") from None
-        return None
