@@ -282,14 +282,15 @@ def test_a_channel_keeps_its_held_keys_between_claims_and_forgets_them_when_the_
         publish(store, task_id, key)
     with Connection(broker_url) as conn:
         channel = conn.default_channel
-        assert {job.id for job in channel._claim_many("limited", 4)} == {
+        assert {job.id for job in channel.claimer._claim_many("limited", 4)} == {
             doc["_id"] for doc in db.jobs.find({"taskId": {"$in": ["a0", "b0"]}})
         }
-        assert set(channel._rate_holds["limited"].until) == {"a", "b"}
+        assert set(channel.claimer._rate_holds["limited"].until) == {"a", "b"}
         before = db.command("serverStatus")["opcounters"]["update"]
-        assert channel._claim_many("limited", 4) == []
+        assert channel.claimer._claim_many("limited", 4) == []
         assert db.command("serverStatus")["opcounters"]["update"] == before  # no start asked of a held key
         operations.set_limits("limited", rate="2/h per key", by="tester")
         wait_for(lambda: channel.known_controls.limits("limited").rate == Rate(2, 3600.0, per_key=True))
-        assert [job.id for job in channel._claim_many("limited", 4)] == [db.jobs.find_one({"taskId": "a1"})["_id"]]
-        assert channel._rate_holds["limited"].rate == Rate(2, 3600.0, per_key=True)
+        a1 = db.jobs.find_one({"taskId": "a1"})["_id"]
+        assert [job.id for job in channel.claimer._claim_many("limited", 4)] == [a1]
+        assert channel.claimer._rate_holds["limited"].rate == Rate(2, 3600.0, per_key=True)
