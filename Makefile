@@ -45,6 +45,7 @@ lint: install $(ACTIONLINT)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 	$(ACTIONLINT) .github/workflows/*.yml
 
 # The documentation site (mkdocs.yml, docs/) into build/site; --strict fails on a broken link, anchor or page.
