@@ -345,10 +345,10 @@ class Claimer:
         queue backed off meanwhile, the others go on), a pause or limit written as the claim was.
 
         A pause or a limit is a write to bb_queues, and a claim a write to jobs. Where the server's clock can fence a
-        write (server.clock_fences), the claim carries the deadline of what is `known` (CONTROL_SETTLE after its
-        read began): a pause answers only that long after its write, so a claim that lands after the answer was made
-        knowing of it, or takes nothing. Where it cannot (or the clock is too uncertain), one read of the queue's
-        control after the claim orders them (_still_claimable)."""
+        write (server.clock_fences), the claim carries the deadline of what is `known` (CONTROL_SETTLE after the
+        server's time just before that read): a pause answers only that long after its write, so a claim that lands
+        after the answer was made knowing of it, or takes nothing. Where it cannot (or two claims in a row may have
+        come too late), one read of the queue's control after the claim orders them (_still_claimable)."""
         if (backed_off := self._refusals.wait(queue)) > 0:
             if wakeups is not None:
                 wakeups.wake_in(queue, backed_off)
