@@ -26,6 +26,8 @@ import math
 from datetime import datetime
 from typing import Any
 
+from pymongo.collection import Collection
+
 from bb_broker.jobs.lifecycle import RUNNING, SUCCEEDED
 from bb_broker.jobs.outages import through_outages
 from bb_broker.jobs.store import JobStore
@@ -195,3 +197,11 @@ PROGRESS_PROJECTION: dict[str, Any] = {
         {"done": _number(f"${CHECKPOINT_COUNTS}.done"), "total": _number(f"${CHECKPOINT_COUNTS}.total")},
     ]
 }
+
+
+def progress_now(coll: Collection, job_id: str) -> dict[str, Any] | None:
+    """A job's status and bar as the job page refreshes them, reading nothing else of it; None: no such job."""
+    doc = coll.find_one({"_id": job_id}, {"status": 1, "progress": PROGRESS_PROJECTION})
+    if doc is None:
+        return None
+    return {"status": doc.get("status"), "progress": shown_progress(doc.get("progress"), doc.get("status"))}

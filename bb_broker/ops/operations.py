@@ -21,6 +21,7 @@ from ulid import ULID
 from bb_broker.clock import ServerClock, aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
+from bb_broker.jobs.checkpoints import PROGRESS_PROJECTION, shown_progress
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
@@ -65,6 +66,7 @@ def _list_projection() -> dict[str, Any]:
         shown = {"$in": [kind, ["string", *_SMALL_TYPES]]}
         not_shown.append({"$cond": [shown, [], [{"$concat": [name, ":", kind]}]]})
     projection["bbNotShown"] = {"$concatArrays": not_shown}
+    projection["progress"] = PROGRESS_PROJECTION  # its counts, numbers only: list_row makes the bar
     return projection
 
 
@@ -87,6 +89,8 @@ def list_row(doc: dict[str, Any]) -> dict[str, Any]:
             cut.append(name)
     if cut:
         row["truncated"] = sorted(cut)
+    if (bar := shown_progress(row.pop("progress", None), row.get("status"))) is not None:
+        row["progress"] = bar
     return row
 
 

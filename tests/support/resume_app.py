@@ -80,13 +80,14 @@ def bad_checkpoint(self, kind):
 
 
 @app.task(bind=True)
-def show_progress(self, meta, counts, key):
-    """Reports `meta` as Celery's PROGRESS state (when given), saves `counts` as a checkpoint (when given), then waits
-    for `key`: its job shows a progress bar meanwhile."""
-    if counts is not None:
-        bb_broker.checkpoint(counts)
-    if meta is not None:
-        self.update_state(state="PROGRESS", meta=meta)
-    record(self, phase="reported")
-    _gate(key)
-    return key
+def show_progress(self, steps, key, how):
+    """Reports each of `steps` (`{done, total}`) as Celery's PROGRESS state (`how` "state") or as its checkpoint
+    ("checkpoint"), then waits for `<key>:<index>`: its job shows a progress bar meanwhile."""
+    for index, step in enumerate(steps):
+        if how == "state":
+            self.update_state(state="PROGRESS", meta=step)
+        else:
+            bb_broker.checkpoint(step)
+        record(self, phase="reported", step=index)
+        _gate(f"{key}:{index}")
+    return len(steps)

@@ -30,6 +30,7 @@ from bb_broker.contrib.flower.access import (
 )
 from bb_broker.contrib.flower.tab import operations_of, tab_of
 from bb_broker.contrib.flower.templates import STATIC, static_version
+from bb_broker.jobs.checkpoints import progress_of
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError
 from bb_broker.ops.operations import (
@@ -75,6 +76,7 @@ def job_json(doc: dict[str, Any]) -> dict[str, Any]:
     body["id"] = body.pop("_id")
     body["arguments"] = jsonable(arguments(doc))
     body["attemptHistory"] = jsonable(attempts_of(doc))
+    body["progress"] = progress_of(doc)
     return body
 
 
@@ -493,6 +495,7 @@ class JobPage(JobsHandler):
             stale_after=operations_of(self).store.policy.stale_after,
             action_labels=ACTION_LABELS,
             can_act=can_act(self),
+            progress=progress_of(doc),
             jsonable=jsonable,
             as_text=as_text,
         )
