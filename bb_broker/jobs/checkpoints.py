@@ -42,6 +42,8 @@ MAX_COUNT = 2**53
 CHECKPOINT = "checkpoint"
 CHECKPOINT_AT = "checkpointAt"
 CHECKPOINT_COUNTS = "checkpointCounts"
+#: What an operator's retry that starts the job over (`fresh`) unsets.
+CHECKPOINT_CLEARED = dict.fromkeys((CHECKPOINT, CHECKPOINT_AT, CHECKPOINT_COUNTS), "")
 #: Celery's custom state whose meta a bar shows.
 PROGRESS_STATE = "PROGRESS"
 

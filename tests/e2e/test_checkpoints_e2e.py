@@ -8,7 +8,9 @@ import os
 import signal
 
 import pytest
+from click.testing import CliRunner
 
+from bb_broker.ops.cli import main
 from tests.support.workers import job, producer, settled, wait_for
 
 APP = "tests.support.resume_app"
@@ -79,6 +81,26 @@ def test_a_stale_attempts_checkpoint_changes_nothing(broker_url, db, worker_fact
     db.fixes.insert_many([{"_id": "k:2:end"}, {"_id": "k:1:end"}])
     assert wait_for(settled(db, task_id, "succeeded"), message="attempt 2 succeeded")["attempts"] == 2
     assert json.loads(job(db, task_id)["checkpoint"]) == {"attempt": 2}
+
+
+def test_an_operators_retry_resumes_from_the_checkpoint_and_a_fresh_one_starts_over(
+    broker_url, db, worker_factory
+) -> None:
+    worker_factory(app=APP, options={"max_attempts": 1}, concurrency=1)
+    app = producer(broker_url)
+    kept, fresh = (app.send_task(PREFIX + "items", args=(6, 3, "until-fixed")).id for _ in range(2))
+    for task_id in (kept, fresh):
+        failed = wait_for(settled(db, task_id, "failed"), message="the job failed for good")
+        assert failed["checkpointCounts"] == {"done": 3, "total": 6}
+    db.fixes.insert_one({"_id": "fixed"})
+    for task_id, options in ((kept, []), (fresh, ["--fresh"])):
+        result = CliRunner().invoke(main, ["retry", "--broker", broker_url, task_id, *options])
+        assert result.exit_code == 0 and result.stdout == "retried 1 failed job\n", result.output
+        wait_for(settled(db, task_id, "succeeded"), message="the retried job succeeded")
+    assert _items_done(db, kept) == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]  # item 3 saved before it failed
+    assert _items_done(db, fresh) == [(1, 1), (1, 2), (1, 3)] + [(1, i) for i in range(1, 7)]
+    records = {task_id: job(db, task_id)["actions"][-1] for task_id in (kept, fresh)}
+    assert "checkpoint" not in records[kept] and records[fresh]["checkpoint"] == "cleared"
 
 
 BAD = {

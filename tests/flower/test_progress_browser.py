@@ -106,3 +106,20 @@ def test_a_read_only_user_watches_a_running_jobs_bar_move_in_the_browser(
     expect(page.locator("#job-status")).to_have_text("succeeded")
     expect(page.locator("#job-progress")).to_be_hidden()
     assert errors == []
+
+
+def test_a_retry_from_the_tab_keeps_the_checkpoint_unless_told_to_start_over(app, db, flower_factory) -> None:
+    flower = flower_factory(basic_auth="admin:s3cret,viewer:peek", extra_args=("--jobs_admins=admin",))
+    saved = {"checkpoint": '{"done":3,"total":6}', "checkpointCounts": {"done": 3, "total": 6}}
+    kept, fresh = (parked(app, db, status="failed", **saved) for _ in range(2))
+    plain = parked(app, db, status="failed")
+    assert 'data-fresh="1"' in flower.request("GET", f"/jobs/job?id={kept}", user="admin:s3cret")[1]
+    assert 'data-fresh="1"' not in flower.request("GET", f"/jobs/job?id={kept}", user="viewer:peek")[1]
+    assert 'data-fresh="1"' not in flower.request("GET", f"/jobs/job?id={plain}", user="admin:s3cret")[1]
+    for job_id, form in ((kept, {}), (fresh, {"fresh": "1"})):
+        status, body = flower.request("POST", f"/api/jobs/job/retry?id={job_id}", form, user="admin:s3cret")
+        assert status == 200, body
+    kept_doc, fresh_doc = db.jobs.find_one({"_id": kept}), db.jobs.find_one({"_id": fresh})
+    assert (kept_doc["status"], kept_doc["checkpoint"], kept_doc["checkpointCounts"]) == ("queued", *saved.values())
+    assert fresh_doc["status"] == "queued" and "checkpoint" not in fresh_doc and "checkpointCounts" not in fresh_doc
+    assert fresh_doc["actions"][-1]["checkpoint"] == "cleared" and "checkpoint" not in kept_doc["actions"][-1]

@@ -21,14 +21,17 @@ def _gate(key: str) -> None:
 def items(self, total, stop_after, how):
     """Does items 1..`total`, one checkpoint after each, resuming after the last checkpointed one. On its first
     attempt it stops after item `stop_after`: `hold` (waits there, to be killed), `retry` (Celery's self.retry) or
-    `raise` (an exception: the broker's retry)."""
+    `raise` (an exception: the broker's retry); `until-fixed` stops there on every attempt while `fixed` is not in
+    `fixes` (an operator's retry then)."""
     resumed = bb_broker.last_checkpoint()
     record(self, phase="start", resumed=resumed)
     start = resumed["done"] if resumed else 0
     for item in range(start + 1, total + 1):
         record(self, item=item)
         bb_broker.checkpoint({"done": item, "total": total})
-        if item == stop_after and self.request.bb_attempts == 1:
+        if how == "until-fixed" and item == stop_after and not runs().database.fixes.find_one({"_id": "fixed"}):
+            raise RuntimeError(f"stopped after item {item} until fixed")
+        if item == stop_after and self.request.bb_attempts == 1 and how != "until-fixed":
             if how == "hold":
                 record(self, phase="holding")
                 _gate("never")

@@ -261,7 +261,9 @@ class JobsHandler(BaseHandler):
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         refuse_unless_allowed(self)
         try:
-            doc = await self.run_query(operations_of(self).act, action, identifier, by=user_name(self))
+            # `fresh`: a retry that clears the job's checkpoint (the job page's "Retry from the start").
+            fresh = self.get_argument("fresh", default="", escape=False) in ("1", "true")
+            doc = await self.run_query(operations_of(self).act, action, identifier, by=user_name(self), fresh=fresh)
         except ActionRefused as exc:
             raise tornado.web.HTTPError(404 if exc.reason == "not found" else 409, str(exc)) from None
         job = {"id": doc["_id"], "deleted": True} if doc.get("deleted") else job_json(doc)
