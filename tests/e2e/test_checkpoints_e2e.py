@@ -58,6 +58,31 @@ def test_a_retried_task_resumes_from_its_last_checkpoint(how, broker_url, db, wo
     assert done["checkpointCounts"] == {"done": 10, "total": 10}
 
 
+def test_a_job_given_back_at_a_warm_shutdown_resumes_from_its_checkpoint(
+    broker_url, db, worker_factory, tmp_path
+) -> None:
+    # Attempt 1 checkpoints items 1..4 and retries itself in 3 s. Meanwhile the worker's one process runs a task that
+    # holds it, and the worker claims the job ahead (prefetch) as it comes due. A warm shutdown gives the job back
+    # unstarted; another worker runs attempt 2, which resumes at item 5.
+    first = worker_factory(app=APP, concurrency=1, env={"BB_PREFETCH_MULTIPLIER": "4"})
+    app = producer(broker_url)
+    task_id = app.send_task(PREFIX + "items", args=(10, 4, "retry-later")).id
+    wait_for(lambda: job(db, task_id).get("status") == "queued" and job(db, task_id).get("checkpoint"))
+    gate = tmp_path / "gate"
+    app.send_task("tests.support.e2e_app.hold_until", args=(str(gate),))
+    wait_for(lambda: (doc := job(db, task_id))["status"] == "running" and doc["attempts"] == 2, message="prefetched")
+    first.signal(signal.SIGTERM)
+    gate.touch()
+    assert first.wait(60) == 0
+    given_back = job(db, task_id)
+    assert (given_back["status"], given_back["attempts"]) == ("queued", 1)
+    assert json.loads(given_back["checkpoint"]) == {"done": 4, "total": 10}
+    worker_factory(app=APP, concurrency=1)
+    done = wait_for(settled(db, task_id, "succeeded"), timeout=90, message="the job succeeded")
+    assert done["attempts"] == 2
+    assert _items_done(db, task_id) == [(1, i) for i in range(1, 5)] + [(2, i) for i in range(5, 11)]
+
+
 def test_a_stale_attempts_checkpoint_changes_nothing(broker_url, db, worker_factory) -> None:
     # Attempt 1's worker stops (SIGSTOP: no heartbeats) while its pool process runs on; the sweep gives the job to a
     # second worker (attempt 2), which saves its checkpoint. Attempt 1's save afterwards lands nowhere, and says so.

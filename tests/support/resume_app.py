@@ -20,9 +20,9 @@ def _gate(key: str) -> None:
 @app.task(bind=True)
 def items(self, total, stop_after, how):
     """Does items 1..`total`, one checkpoint after each, resuming after the last checkpointed one. On its first
-    attempt it stops after item `stop_after`: `hold` (waits there, to be killed), `retry` (Celery's self.retry) or
-    `raise` (an exception: the broker's retry); `until-fixed` stops there on every attempt while `fixed` is not in
-    `fixes` (an operator's retry then)."""
+    attempt it stops after item `stop_after`: `hold` (waits there, to be killed), `retry` (Celery's self.retry;
+    `retry-later` with a countdown of 3 s) or `raise` (an exception: the broker's retry); `until-fixed` stops there
+    on every attempt while `fixed` is not in `fixes` (an operator's retry then)."""
     resumed = bb_broker.last_checkpoint()
     record(self, phase="start", resumed=resumed)
     start = resumed["done"] if resumed else 0
@@ -35,8 +35,9 @@ def items(self, total, stop_after, how):
             if how == "hold":
                 record(self, phase="holding")
                 _gate("never")
-            if how == "retry":
-                raise self.retry(countdown=0, exc=RuntimeError(f"stopped after item {item}"))
+            if how in ("retry", "retry-later"):
+                countdown = 3 if how == "retry-later" else 0
+                raise self.retry(countdown=countdown, exc=RuntimeError(f"stopped after item {item}"))
             raise RuntimeError(f"stopped after item {item}")
     return total
 
