@@ -3,7 +3,7 @@
 A checkpoint is a small JSON value a task saves as it works (bb_broker.checkpoint) and reads when it runs again
 (bb_broker.last_checkpoint): whatever sends the job back to the queue (a Celery retry, the broker's retry, the stale
 sweep after a SIGKILL, a warm shutdown's give-back, an operator's retry or run-now) leaves it in place, so the next
-attempt resumes from it. Fields:
+attempt resumes from it; only an operator's retry told to start over (`fresh`) clears it (CHECKPOINT_CLEARED). Fields:
 
 - `checkpoint`: the value as JSON text (at most MAX_CHECKPOINT_BYTES encoded). Text, not BSON: every JSON value
   round-trips as it was (an integer past 64 bits, a key with a `$` or a `.`), and a hand edit that is not JSON says so.
@@ -44,6 +44,8 @@ CHECKPOINT_AT = "checkpointAt"
 CHECKPOINT_COUNTS = "checkpointCounts"
 #: What an operator's retry that starts the job over (`fresh`) unsets.
 CHECKPOINT_CLEARED = dict.fromkeys((CHECKPOINT, CHECKPOINT_AT, CHECKPOINT_COUNTS), "")
+#: What such a retry adds to its entry in the job's `actions`.
+CLEARED_RECORD = {"checkpoint": "cleared"}
 #: Celery's custom state whose meta a bar shows.
 PROGRESS_STATE = "PROGRESS"
 

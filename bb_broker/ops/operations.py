@@ -21,7 +21,7 @@ from ulid import ULID
 from bb_broker.clock import ServerClock, aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, PROGRESS_PROJECTION, shown_progress
+from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD, PROGRESS_PROJECTION, shown_progress
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, bson_kind
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
 from bb_broker.jobs.queues import LimitError, QueueControls, QueueLimits, parse_concurrency, parse_rate
@@ -122,8 +122,6 @@ ACTIONS: dict[str, tuple[str, ...]] = {
 }
 #: The action that makes a waiting job due now.
 RUN_NOW = "run-now"
-#: What a retry that clears the job's checkpoint (`fresh`) adds to its record.
-FRESH_RECORD = {"checkpoint": "cleared"}
 
 #: The index each filtered list reads through, by the most selective field it filters on (see JobFilter.hint).
 LIST_INDEXES = {
@@ -880,7 +878,7 @@ class Operations:
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne]] = []
         renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
-        cleared_record = FRESH_RECORD if fresh else {}
+        cleared_record = CLEARED_RECORD if fresh else {}
         for doc in docs:
             if not isinstance(doc["_id"], str):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
