@@ -215,6 +215,9 @@ def _act_on_each(operations: Operations, action: str, identifiers: tuple[str, ..
 @click.option("--id", "deprecated_ids", multiple=True, type=JOB_ID, hidden=True)
 @click.option("--kind", help="Every failed job of this task name (with IDs: only those of this task name).")
 @click.option("--all", "retry_all", is_flag=True, help="Every failed job.")
+@click.option(
+    "--fresh", is_flag=True, help="Start over: clear each job's checkpoint, which a retry otherwise resumes from."
+)
 def retry(
     broker: str,
     collection: str,
@@ -222,9 +225,10 @@ def retry(
     deprecated_ids: tuple[str, ...],
     kind: str | None,
     retry_all: bool,
+    fresh: bool,
 ) -> None:
     """Failed jobs back to queued, due now, with their attempts reset to 0: by job id or Celery task id, or every one
-    of a kind (--all: every one)."""
+    of a kind (--all: every one). Each keeps its checkpoint (bb_broker.checkpoint) to resume from, unless --fresh."""
     if deprecated_ids:
         warn("retry --id is deprecated: give the ids as arguments (bb-broker retry ID...)")
     ids = identifiers + deprecated_ids
@@ -236,7 +240,9 @@ def retry(
 
     with job_store(broker, collection) as store:
         operations = Operations(store)
-        retried = operations.retry(list(dict.fromkeys(ids)) if ids else None, kind=kind, by=operator_name())
+        retried = operations.retry(
+            list(dict.fromkeys(ids)) if ids else None, kind=kind, by=operator_name(), fresh=fresh
+        )
         missed = {identifier: operations.why_not_retried(identifier, kind) for identifier in retried.unmatched}
         count = retried.count
     click.echo(f"retried {count} failed job{'' if count == 1 else 's'}")

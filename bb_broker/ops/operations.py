@@ -16,6 +16,7 @@ from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError, ExecutionTimeout
 
 from bb_broker.clock import aware
+from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, action_record, bson_kind
 from bb_broker.jobs.indexes import DEFAULT_RETENTION, hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
@@ -97,8 +98,9 @@ class Operations(Queries):
 
     # --- actions ---------------------------------------------------------------
 
-    def act(self, action: str, identifier: str, *, by: str) -> dict[str, Any]:
-        """Apply one action to one job (by job id or Celery task id): the job afterwards.
+    def act(self, action: str, identifier: str, *, by: str, fresh: bool = False) -> dict[str, Any]:
+        """Apply one action to one job (by job id or Celery task id): the job afterwards. `fresh`: a retry clears
+        the job's checkpoint (bb_broker.checkpoint), which it otherwise keeps for the next attempt to resume from.
 
         Raises ActionRefused when there is no such job, or it is not in a status the action applies to."""
         if action not in ACTIONS:
@@ -124,7 +126,7 @@ class Operations(Queries):
                 "conflict", f"job {doc['_id']} is due already: a worker that consumes {doc.get('queue')} takes it next"
             )
         held: dict[str, str] = {}
-        done = self._apply(action, job_filter, by=by, held=held)
+        done = self._apply(action, job_filter, by=by, held=held, fresh=fresh)
         if doc["_id"] in held:
             raise ActionRefused("conflict", held[doc["_id"]])
         if not done:
@@ -143,10 +145,16 @@ class Operations(Queries):
         return self._apply(action, query, by=by, hint=job_filter.hint, unchanged_since=unchanged_since)
 
     def retry(
-        self, identifiers: Iterable[str] | None = None, *, kind: str | None = None, by: str = "operator"
+        self,
+        identifiers: Iterable[str] | None = None,
+        *,
+        kind: str | None = None,
+        by: str = "operator",
+        fresh: bool = False,
     ) -> Retried:
         """Failed jobs back to queued, due now, with all their attempts again: those with these job ids or Celery
-        task ids, of this kind, or (no selector) every one. `unmatched` lists the identifiers of no failed job."""
+        task ids, of this kind, or (no selector) every one. `unmatched` lists the identifiers of no failed job.
+        Each keeps its checkpoint, to resume from; `fresh` clears it, to start over."""
         selector: dict[str, Any] = {"status": FAILED}
         if kind is not None:
             selector["kind"] = str(kind)
@@ -162,7 +170,7 @@ class Operations(Queries):
             more = self.coll.find(by_task, RETRY_FIELDS, **hint_if_indexed(self.store, "bb_task_id"))
             docs += [doc for doc in more if doc["_id"] not in seen]
         held: dict[str, str] = {}
-        job_ids = self._retry_docs(docs, by=by, held=held)
+        job_ids = self._retry_docs(docs, by=by, held=held, fresh=fresh)
         unmatched = []
         if wanted is not None:
             found = [doc["_id"] for doc in docs] + [doc.get("taskId") for doc in docs]
@@ -244,13 +252,14 @@ class Operations(Queries):
         hint: str | None = None,
         unchanged_since: datetime | None = None,
         held: dict[str, str] | None = None,
+        fresh: bool = False,
     ) -> int:
         now = self.now()
         selected = _unchanged(self._action_query(query, action), unchanged_since)
         options = hint_if_indexed(self.store, hint, "update") if hint else {}
         if action == "retry":
             docs = self.coll.find(selected, RETRY_FIELDS, **(hint_if_indexed(self.store, hint) if hint else {}))
-            return len(self._retry_docs(docs, by=by, held={} if held is None else held))
+            return len(self._retry_docs(docs, by=by, held={} if held is None else held, fresh=fresh))
         if action == "cancel":
             update = {
                 "$set": {
@@ -297,7 +306,9 @@ class Operations(Queries):
             narrowed["runAfter"] = {"$gt": self.now()}
         return narrowed
 
-    def _retry_docs(self, docs: Iterable[dict[str, Any]], *, by: str, held: dict[str, str]) -> list[str]:
+    def _retry_docs(
+        self, docs: Iterable[dict[str, Any]], *, by: str, held: dict[str, str], fresh: bool = False
+    ) -> list[str]:
         """Each failed job back to queued, fenced on its status. A revoked job gets a new Celery task id: every
         worker that saw the revoke keeps the old id in memory and would discard it unrun. A job whose unique key
         was given back takes it again in the same write; where another job holds it now, the unique index refuses
@@ -306,25 +317,29 @@ class Operations(Queries):
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne]] = []
         renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
+        cleared_record = CLEARED_RECORD if fresh else {}
         for doc in docs:
             if not isinstance(doc["_id"], str):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
                 held[str(doc.get("taskId") or doc["_id"])] = f"job {doc['_id']} stays failed: {_not_a_string_id(doc)}"
                 continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
-            record = action_record("retry", by, now)
+            record = action_record("retry", by, now, **cleared_record)
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
             if isinstance(headers, dict) and headers.get("eta"):
                 changes["payload.headers.eta"] = None  # due now: a worker would otherwise hold it until the old ETA
             if doc.get("revokedAt") or str(doc.get("lastError", "")).startswith("revoked"):
                 new_id = str(uuid.uuid4())
                 changes |= self._renamed(doc["_id"], new_id)
-                record = action_record("retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id)
+                record = action_record(
+                    "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, **cleared_record
+                )
                 if doc.get("taskId"):
                     renamed[doc["_id"]] = (doc["taskId"], new_id)
             changes |= _key_taken_again(doc)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
-            update = {"$set": changes, "$unset": {"finishedAt": "", "revokedAt": ""}, "$push": record}
+            cleared = {"finishedAt": "", "revokedAt": "", **(CHECKPOINT_CLEARED if fresh else {})}
+            update = {"$set": changes, "$unset": cleared, "$push": record}
             batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
             if len(batch) >= 500:
                 retried += self._write_batch(batch, held)

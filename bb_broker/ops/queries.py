@@ -13,6 +13,7 @@ from pymongo import DESCENDING
 from pymongo.errors import ExecutionTimeout
 
 from bb_broker.clock import aware, reading
+from bb_broker.jobs.checkpoints import PROGRESS_PROJECTION, shown_progress
 from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES
 from bb_broker.jobs.queues import QueueControls, QueueLimits
@@ -60,6 +61,7 @@ def _list_projection() -> dict[str, Any]:
         shown = {"$in": [kind, ["string", *_SMALL_TYPES]]}
         not_shown.append({"$cond": [shown, [], [{"$concat": [name, ":", kind]}]]})
     projection["bbNotShown"] = {"$concatArrays": not_shown}
+    projection["progress"] = PROGRESS_PROJECTION  # its counts, numbers only: list_row makes the bar
     return projection
 
 
@@ -82,6 +84,8 @@ def list_row(doc: dict[str, Any]) -> dict[str, Any]:
             cut.append(name)
     if cut:
         row["truncated"] = sorted(cut)
+    if (bar := shown_progress(row.pop("progress", None), row.get("status"))) is not None:
+        row["progress"] = bar
     return row
 
 

@@ -30,6 +30,7 @@ from bb_broker.contrib.flower.access import (
 )
 from bb_broker.contrib.flower.tab import operations_of, tab_of
 from bb_broker.contrib.flower.templates import STATIC, static_version
+from bb_broker.jobs.checkpoints import progress_of
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError
 from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
@@ -68,6 +69,7 @@ def job_json(doc: dict[str, Any]) -> dict[str, Any]:
     body["id"] = body.pop("_id")
     body["arguments"] = jsonable(arguments(doc))
     body["attemptHistory"] = jsonable(attempts_of(doc))
+    body["progress"] = progress_of(doc)
     return body
 
 
@@ -252,7 +254,9 @@ class JobsHandler(BaseHandler):
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         refuse_unless_allowed(self)
         try:
-            doc = await self.run_query(operations_of(self).act, action, identifier, by=user_name(self))
+            # `fresh`: a retry that clears the job's checkpoint (the job page's "Retry from the start").
+            fresh = self.get_argument("fresh", default="", escape=False) in ("1", "true")
+            doc = await self.run_query(operations_of(self).act, action, identifier, by=user_name(self), fresh=fresh)
         except ActionRefused as exc:
             raise tornado.web.HTTPError(404 if exc.reason == "not found" else 409, str(exc)) from None
         job = {"id": doc["_id"], "deleted": True} if doc.get("deleted") else job_json(doc)
@@ -486,6 +490,7 @@ class JobPage(JobsHandler):
             stale_after=operations_of(self).store.policy.stale_after,
             action_labels=ACTION_LABELS,
             can_act=can_act(self),
+            progress=progress_of(doc),
             jsonable=jsonable,
             as_text=as_text,
         )

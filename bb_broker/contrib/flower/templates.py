@@ -12,7 +12,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 #: The Jobs page's script, and the chart library it draws with (uPlot, vendored: operators' networks often have no
 #: way to a CDN).
 STATIC = Path(__file__).resolve().parent / "static"
-OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_schedules.html")
+OUR_TEMPLATES = ("bb_jobs.html", "bb_job.html", "bb_post.html", "bb_progress.html", "bb_schedules.html")
 
 #: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
 NAVBAR_ANCHOR = "Broker</a>\n        </li>"

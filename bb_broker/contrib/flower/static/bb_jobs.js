@@ -133,6 +133,24 @@
     });
   }
 
+  // A job's progress (its PROGRESS state's done and total, else its checkpoint's: clamped by the server, and here).
+  function progressBar(progress) {
+    const percent = Math.max(0, Math.min(100, Number(progress.percent) || 0));
+    const outer = document.createElement('div');
+    outer.className = 'progress job-progress mt-1';
+    outer.style.height = '0.6rem';
+    outer.setAttribute('role', 'progressbar');
+    outer.setAttribute('aria-valuemin', '0');
+    outer.setAttribute('aria-valuemax', '100');
+    outer.setAttribute('aria-valuenow', String(percent));
+    outer.title = text(progress.done) + ' of ' + text(progress.total) + ' (' + percent + '%)';
+    const inner = document.createElement('div');
+    inner.className = 'progress-bar';
+    inner.style.width = percent + '%';
+    outer.appendChild(inner);
+    return outer;
+  }
+
   function renderJobs(data) {
     const body = document.querySelector('#jobs-table tbody');
     body.innerHTML = '';
@@ -163,6 +181,7 @@
         badge.textContent = 'orphaned';
         status.appendChild(badge);
       }
+      if (job.progress) status.appendChild(progressBar(job.progress));
       cell(row, job.attempts);
       cell(row, when(job.createdAt));
       cell(row, when(job.updatedAt));
