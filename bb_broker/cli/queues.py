@@ -62,8 +62,22 @@ def _set_paused(broker: str, collection: str, queue: str, *, paused: bool) -> No
     help="At most N of the queue's jobs started per period, across every worker: 10/s, 10/m, 10/h, 10/d; '10/m per "
     "key' for so many of each rate key (the jobs' rate_key); none removes it.",
 )
-@click.option("--clear", is_flag=True, help="Remove the queue's limits.")
-def limit(broker: str, collection: str, queue: str, concurrency: str | None, rate: str | None, clear: bool) -> None:
+@click.option(
+    "--fair/--no-fair",
+    default=None,
+    help="Rotate the queue's claims across its jobs' fair keys (the jobs' fair_key or fair_on), so that one key's "
+    "backlog does not hold back the others; --no-fair claims in plain order again. Not beside a rate per key.",
+)
+@click.option("--clear", is_flag=True, help="Remove the queue's limits, its fairness with them.")
+def limit(
+    broker: str,
+    collection: str,
+    queue: str,
+    concurrency: str | None,
+    rate: str | None,
+    fair: bool | None,
+    clear: bool,
+) -> None:
     """Limit a queue for every worker, now and later, or with no option show its limits and what they count."""
     from bb_broker.jobs.queues import LimitError
     from bb_broker.ops.filters import FilterError
@@ -71,13 +85,15 @@ def limit(broker: str, collection: str, queue: str, concurrency: str | None, rat
 
     if not queue.strip():
         fail("limit: the queue name is empty", 2)
-    if clear and (concurrency is not None or rate is not None):
+    if clear and (concurrency is not None or rate is not None or fair is not None):
         fail("limit: --clear removes every limit: give it alone", 2)
     with job_store(broker, collection) as store:
         operations = Operations(store)
         try:
-            if clear or concurrency is not None or rate is not None:
-                operations.set_limits(queue, concurrency=concurrency, rate=rate, clear=clear, by=operator_name())
+            if clear or concurrency is not None or rate is not None or fair is not None:
+                operations.set_limits(
+                    queue, concurrency=concurrency, rate=rate, fair=fair, clear=clear, by=operator_name()
+                )
             row = operations.queues([queue.strip()])[queue.strip()]
         except (LimitError, FilterError) as exc:  # nothing was changed
             fail(f"limit: {exc}", 2)
@@ -91,4 +107,6 @@ def limits_line(queue: str, row: dict[str, Any]) -> str:
         limits.append(f"at most {row['concurrency']} running at once")
     if row.get("rate") is not None:
         limits.append(f"at most {row['rate']} started")
+    if row.get("fair"):
+        limits.append("fair per key")
     return f"queue {queue}: {', '.join(limits) or 'no limit'} {counts}"

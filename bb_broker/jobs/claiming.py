@@ -33,6 +33,7 @@ from bb_broker.jobs.document import (
     due_query,
     malformed,
 )
+from bb_broker.jobs.fair_keys import FairRotation
 from bb_broker.jobs.indexes import CLAIM_ORDER, first_due, hinted
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.jobs.outages import is_transient, through_outages
@@ -72,6 +73,7 @@ class ClaimingStore(Protocol):
     settle_patience: float
     rates: RateCounters
     slots: ConcurrencySlots
+    fairness: FairRotation
 
     @property
     def server(self) -> Capabilities: ...
@@ -101,7 +103,8 @@ class Claims:
         A job whose serial key another running job holds is skipped (see serial.py): its key is added to `busy_keys`,
         which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed.
         Likewise, under a rate per key, a job whose key's next start is ahead is skipped: its key is added to
-        `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again.
+        `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again. A fair queue's
+        job is the next in its rotation across the fair keys (see fair_keys.py).
 
         With `until`, the claim's write takes nothing once the server's clock has passed it (server.before_server_time:
         the deadline of what the caller knows of the queue's controls, see CONTROL_SETTLE): None, as for no job."""
@@ -136,12 +139,12 @@ class Claims:
                         holds.until[rate_key] = moment_us(now) + round((exc.retry_in or 0.0) * 1_000_000)
                         learnt = True
                         continue
+            claim_in = self._claim_of(queue, due, fence, fair=limits is not None and limits.fair)
             try:
                 if limits is not None and limits.concurrency is not None:
-                    claim_in_slot = partial(self._claim_one, due, fence=fence)
-                    job = store.slots.claim_in_a_slot(queue, due, take, limits.concurrency, claim_in_slot)
+                    job = store.slots.claim_in_a_slot(queue, due, take, limits.concurrency, claim_in)
                 else:
-                    job = self._claim_one(due, take, fence)
+                    job = claim_in(take)
             except DuplicateKeyError as exc:
                 rates.give_back(start)
                 self._skip_busy_key(exc, due, busy)
@@ -188,10 +191,32 @@ class Claims:
         )
         return flagged.matched_count == 1
 
-    def _claim_one(self, due: dict[str, Any], take: dict[str, Any], fence: dict[str, Any]) -> Claimed | None:
+    def _claim_of(
+        self, queue: str, due: dict[str, Any], fence: dict[str, Any], *, fair: bool
+    ) -> Callable[[dict[str, Any]], Claimed | None]:
+        """The claim of one job of `due` with a given update (a slot's, see ConcurrencySlots.claim_in_a_slot): in
+        CLAIM_ORDER, or in a fair queue the next job of its rotation (fair_keys.FairRotation: one findAndModify per
+        turn it tries, as a plain claim's)."""
+        if not fair:
+            return partial(self._claim_one, due, fence=fence)
+        return lambda take: self._store.fairness.claim(
+            queue, due, lambda keyed, order: self._claim_one(keyed, take, fence, order=order)
+        )
+
+    def _claim_one(
+        self,
+        due: dict[str, Any],
+        take: dict[str, Any],
+        fence: dict[str, Any],
+        order: dict[str, Any] | None = None,
+    ) -> Claimed | None:
+        """The first job of `due` in CLAIM_ORDER through bb_claim, or in `order` (its sort and hint: a fair claim's)."""
         # A hand-edited job failed on the way is not the end of the queue: the job behind it is claimed in its place
         # (given up as empty, the queue would wait for its next wake-up with jobs in it).
         coll = self._store.coll
+        if order is None:
+            # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
+            order = {"sort": CLAIM_ORDER, **self._hint("_id_" if "_id" in due else "bb_claim", "findAndModify")}
         for _ in range(MAX_MALFORMED_SKIPS):
             try:
                 with _claiming:
@@ -201,9 +226,7 @@ class Claims:
                             {**due, **fence},
                             take,
                             CLAIMED_FIELDS,
-                            sort=CLAIM_ORDER,
-                            # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
-                            **self._hint("_id_" if "_id" in due else "bb_claim", "findAndModify"),
+                            **order,
                             return_document=ReturnDocument.AFTER,
                         ),
                     )
@@ -266,12 +289,13 @@ class Claims:
         batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
         if (
             busy_keys
-            or (limits is not None and limits.rate is not None)
+            or (limits is not None and (limits.rate is not None or limits.fair))
             or batch <= 1
             or (slots and not store.server.update_pipelines)
         ):
-            # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip; so do
-            # a concurrency limit's slots where the server has no update pipelines to spread a batch over them.
+            # A rate takes a start per job, a fair queue's rotation a turn per job, and a busy key asks for the jobs
+            # around it: one job per round trip; so do a concurrency limit's slots where the server has no update
+            # pipelines to spread a batch over them.
             return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds, until)
         due, taken = claim_query(queue, owner, store.now())
         head = hinted(

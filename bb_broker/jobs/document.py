@@ -39,7 +39,7 @@ RETRY_STATE = "RETRY"
 #: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
 #: `history` only its type; the history itself and the result fields stay on the server.
 CLAIMED_FIELDS = {
-    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1, "serialKey": 1,
+    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1, "serialKey": 1, "fairKey": 1,
     "historyType": {"$type": "$history"},
 }  # fmt: skip
 
@@ -209,6 +209,8 @@ class Claimed:
     payload: Any
     #: When the job was due, on the server's clock (None in a hand-edited document without it).
     run_after: datetime | None = None
+    #: Its fair key (fair_keys.py), None for none (or a hand-edited one that is not a string).
+    fair_key: str | None = None
 
 
 def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
@@ -217,7 +219,8 @@ def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
         run_after = None
     elif run_after.tzinfo is None:
         run_after = run_after.replace(tzinfo=UTC)
-    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after)
+    fair_key = doc.get("fairKey") if isinstance(doc.get("fairKey"), str) else None
+    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after, fair_key)
 
 
 def malformed(doc: dict[str, Any]) -> str | None:

@@ -38,6 +38,7 @@ from bb_broker.jobs.document import (
     storable_text,
     unwritable_cause,
 )
+from bb_broker.jobs.fair_keys import FairRotation
 from bb_broker.jobs.lifecycle import QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
 from bb_broker.jobs.outages import Refusals, through_outages, through_refusals
 from bb_broker.jobs.queues import QueueLimits
@@ -94,6 +95,7 @@ class JobStore(Sweeps):
         #: them (claim, claim_many and any_due are the claims').
         self.rates = RateCounters(self.coll, self._hint)
         self.slots = ConcurrencySlots(self.coll, self._hint)
+        self.fairness = FairRotation(self.coll, self._hint)
         self._claims = Claims(self)
 
     @property
@@ -147,6 +149,7 @@ class JobStore(Sweeps):
         schedule: str | None = None,
         serial_key: str | None = None,
         rate_key: str | None = None,
+        fair_key: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -158,7 +161,8 @@ class JobStore(Sweeps):
         retry's reschedule leaves the job's key as it is: the key stays taken through retries.
         `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field.
         `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time.
-        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among."""
+        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among.
+        `fair_key` (see bb_broker.jobs.fair_keys): whose turn a fair queue's rotation claims it in."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -201,6 +205,7 @@ class JobStore(Sweeps):
             **({} if schedule is None else {"schedule": schedule}),
             **({} if serial_key is None else {"serialKey": serial_key}),
             **({} if rate_key is None else {"rateKey": rate_key}),
+            **({} if fair_key is None else {"fairKey": fair_key}),
         }
         try:
             self._write(self.coll.insert_one, job)

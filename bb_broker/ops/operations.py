@@ -18,9 +18,10 @@ from pymongo.errors import BulkWriteError, ExecutionTimeout
 from bb_broker.clock import aware
 from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD
 from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, action_record, bson_kind
-from bb_broker.jobs.indexes import DEFAULT_RETENTION, hint_if_indexed
+from bb_broker.jobs.fair_keys import FAIR_INDEX
+from bb_broker.jobs.indexes import DEFAULT_RETENTION, ensure_plain_indexes, hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
-from bb_broker.jobs.queues import LimitError, QueueLimits, parse_concurrency, parse_rate
+from bb_broker.jobs.queues import LimitError, QueueLimits, parse_concurrency, parse_fair, parse_rate
 from bb_broker.jobs.revokes import revoke_queued
 from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
 from bb_broker.ops.filters import FilterError, JobFilter, queue_name
@@ -219,17 +220,31 @@ class Operations(Queries):
         return self.controls.resume(queue_name(queue), by=by, now=self.now())
 
     def set_limits(
-        self, queue: str, *, concurrency: object = None, rate: object = None, clear: bool = False, by: str
+        self,
+        queue: str,
+        *,
+        concurrency: object = None,
+        rate: object = None,
+        fair: object = None,
+        clear: bool = False,
+        by: str,
     ) -> QueueLimits:
         """Set `queue`'s limits for every worker: `concurrency` (N running at once) and `rate` ("10/m"), each left as
-        it is when None and removed when "none"; `clear` removes both. A value that cannot be a limit is refused with
+        it is when None and removed when "none", and `fair` (true or false: whether its claims rotate across its jobs'
+        fair keys), left as it is when None; `clear` removes them all. A value that cannot be a limit is refused with
         LimitError, and nothing changes. The limits the queue has now."""
         name = queue_name(queue)
-        if clear and (concurrency is not None or rate is not None):
+        if clear and (concurrency is not None or rate is not None or fair is not None):
             raise LimitError("clear removes every limit: give it alone")
-        if not clear and concurrency is None and rate is None:
-            raise LimitError("give a concurrency limit, a rate, or clear")
+        if not clear and concurrency is None and rate is None and fair is None:
+            raise LimitError("give a concurrency limit, a rate, fair, or clear")
         wanted: dict[str, Any] = {}
+        if clear or fair is not None:
+            wanted["fair"] = False if clear else parse_fair(fair)
+            if wanted["fair"]:
+                # Made before the queue is fair, so that its first fair claim finds it (one createIndexes: the same
+                # index again is no change).
+                ensure_plain_indexes(self.coll, [FAIR_INDEX])
         if clear or _is_none(concurrency):
             wanted["concurrency"] = None
         elif concurrency is not None:

@@ -158,7 +158,7 @@ class Queries:
     def queues(self, consumed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
         """Every queue holding queued, running or failed jobs, every queue named in `consumed` (what workers
         consume) and every paused or limited queue: its depths, whether it is paused and its limits (`concurrency`,
-        beside the `running` it counts, and `rate`, as "10/m"), sorted by name."""
+        beside the `running` it counts, `rate`, as "10/m", and `fair` when it is), sorted by name."""
         depths = self.queue_depths()
         controls = self.controls.controls()
         rows: dict[str, dict[str, Any]] = {}
@@ -176,6 +176,8 @@ class Queries:
                     rows[name]["concurrency"] = limits.concurrency
                 if limits.rate is not None:
                     rows[name]["rate"] = str(limits.rate)
+                if limits.fair:
+                    rows[name]["fair"] = True
         return rows
 
     # --- argument searches ----------------------------------------------------

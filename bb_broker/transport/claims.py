@@ -313,7 +313,7 @@ class Claimer:
                 holds = RateHolds(
                     rate, dict(kept_holds.until) if kept_holds is not None and kept_holds.rate == rate else {}
                 )
-        if wakeups is not None and limits:
+        if wakeups is not None and (limits.concurrency is not None or limits.rate is not None):
             # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
             wakeups.wake_when_freed(queue)
         jobs = self._claim_within(queue, wanted, known, busy, holds, wakeups)

@@ -573,7 +573,7 @@ def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: J
             operations.set_limits("limited", rate=bad, by="mallory")
     with pytest.raises(LimitError, match="clear removes every limit"):
         operations.set_limits("limited", rate="1/s", clear=True, by="mallory")
-    with pytest.raises(LimitError, match="give a concurrency limit, a rate, or clear"):
+    with pytest.raises(LimitError, match="give a concurrency limit, a rate, fair, or clear"):
         operations.set_limits("limited", by="mallory")
     assert db.bb_queues.find_one({"_id": "limited"}) == before
 

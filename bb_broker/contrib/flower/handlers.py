@@ -305,29 +305,33 @@ class JobsHandler(BaseHandler):
         return {"message": message, "queue": queue, "changed": changed}
 
     async def queue_limits(self, queue: str) -> dict[str, Any]:
-        """Set a queue's limits: `concurrency=N`, `rate=10/m` or `rate=10/m per key` (each `none` removes it), or
-        `clear=1` (both); a value that cannot be a limit is a 400, and nothing changes."""
+        """Set a queue's limits: `concurrency=N`, `rate=10/m` or `rate=10/m per key` (each `none` removes it),
+        `fair=true` or `fair=false`, or `clear=1` (all); a value that cannot be a limit is a 400, and nothing
+        changes."""
         refuse_unless_allowed(self)
         concurrency = self.get_argument("concurrency", default=None, escape=False)
         rate = self.get_argument("rate", default=None, escape=False)
+        fair = self.get_argument("fair", default=None, escape=False)
         clear = self.get_argument("clear", default="", escape=False) in ("1", "true")
         operations = operations_of(self)
         try:
             limits = await self.run_query(
-                operations.set_limits, queue, concurrency=concurrency, rate=rate, clear=clear, by=user_name(self)
+                operations.set_limits,
+                queue,
+                concurrency=concurrency,
+                rate=rate,
+                fair=fair,
+                clear=clear,
+                by=user_name(self),
             )
         except (FilterError, LimitError) as exc:
             raise tornado.web.HTTPError(400, str(exc)) from None
-        shown = []
-        if limits.concurrency is not None:
-            shown.append(f"at most {limits.concurrency} running at once")
-        if limits.rate is not None:
-            shown.append(f"at most {limits.rate} started")
         return {
-            "message": f"queue {queue}: {', '.join(shown) or 'no limit'}",
+            "message": f"queue {queue}: {limits.described()}",
             "queue": queue,
             "concurrency": limits.concurrency,
             "rate": None if limits.rate is None else str(limits.rate),
+            "fair": limits.fair,
         }
 
     async def summary(self, *, breakdowns: bool = True) -> dict[str, Any]:
