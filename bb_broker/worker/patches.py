@@ -212,6 +212,15 @@ def fail_chain(
     backend._fail_chain(chain, exc, traceback, store_result=store_result, state=state)
 
 
+def compressed_result_mark() -> bytes | None:
+    """The marker Celery puts before a result it compressed (`result_compression`, celery.backends.base
+    `COMPRESSED_PAYLOAD_MAGIC`, then the method and a NUL), or None on a Celery without result compression (before
+    5.7.0: no result it stores is compressed). Checked against celery 5.4.0, 5.5.3, 5.6.3 (absent), 5.7.0."""
+    from celery.backends import base
+
+    return getattr(base, "COMPRESSED_PAYLOAD_MAGIC", None)
+
+
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None) -> None:
     """Run a failed task's errbacks, as Celery's own mark_as_failure does (`BaseBackend._call_task_errbacks`): no
     public method runs them. Checked against celery 5.5.3, 5.6.3, 5.7.0."""

@@ -206,6 +206,24 @@ def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery) -> None:
     assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
 
 
+def test_a_compressed_result_is_told_by_celerys_own_mark() -> None:
+    # result_compression is new in Celery 5.7.0: before it, no result is compressed and there is no mark to look for.
+    import celery
+    from celery.backends import base
+
+    mark = patches.compressed_result_mark()
+    if celery.VERSION >= (5, 7):
+        assert mark is not None and base.compress_payload(b"{}", "zlib").startswith(mark), (
+            "celery.backends.base.COMPRESSED_PAYLOAD_MAGIC is gone or no longer starts what compress_payload writes: "
+            "Celery changed how a compressed result is told apart; " + where("compressed_result_mark")
+        )
+    else:
+        assert mark is None and not hasattr(base, "compress_payload"), (
+            f"Celery {celery.__version__} compresses results (compress_payload) without the mark bb_broker reads; "
+            + where("compressed_result_mark")
+        )
+
+
 def test_a_backend_has_its_result_cache_and_eager_check(app: Celery) -> None:
     backend = app.backend
     assert callable(getattr(backend, "_ensure_not_eager", None)), (
