@@ -205,11 +205,41 @@ def result_meta(backend: Any, result: Any, state: str, traceback: str | None, re
 def fail_chain(
     backend: Any, chain: Any, exc: BaseException, traceback: str | None, store_result: bool, state: str
 ) -> None:
-    """Fail the tasks chained after a failed one, as Celery's own mark_as_failure does (`BaseBackend._fail_chain`):
-    for a backend that overrides mark_as_failure and stores the failure itself. No public method fails a chain
-    without storing the failed task's own result again. Checked against celery 5.7.0 (the pin's floor: 5.5 and 5.6
-    have no such method)."""
-    backend._fail_chain(chain, exc, traceback, store_result=store_result, state=state)
+    """Fail the tasks chained after a failed one, as Celery's own mark_as_failure does on the installed release: for a
+    backend that overrides mark_as_failure and stores the failure itself. No public method fails a chain without
+    storing the failed task's own result again. Celery 5.7.0 does it in `BaseBackend._fail_chain` (which also
+    descends into a chord step's body); 5.4.0, 5.5.3 and 5.6.3 have no such method and do it inline in
+    mark_as_failure, which _fail_chain_before_celery_5_7 does the same way, so a chain fails as it does on Celery's
+    own backends of that release (Redis's among them)."""
+    own = getattr(backend, "_fail_chain", None)
+    if own is None:
+        _fail_chain_before_celery_5_7(backend, chain, exc, traceback, store_result, state)
+    else:
+        own(chain, exc, traceback, store_result=store_result, state=state)
+
+
+def _fail_chain_before_celery_5_7(
+    backend: Any, chain: Any, exc: BaseException, traceback: str | None, store_result: bool, state: str
+) -> None:
+    # Celery 5.4.0's to 5.6.3's mark_as_failure: each chained task's request rebuilt from its signature; its failure
+    # stored when it has an id, its chord part counted when it is part of a chord.
+    from celery import states
+    from celery.app.task import Context
+
+    try:
+        elements = iter(chain)
+    except TypeError:
+        elements = iter(())
+    for element in elements:
+        options = element.get("options") or {}  # Context(element).options, which celery-types does not declare
+        context = Context(element)
+        context.update(options)
+        context.id = options.get("task_id")
+        context.group = options.get("group_id")
+        if store_result and state in states.PROPAGATE_STATES and context.id is not None:
+            backend.store_result(context.id, exc, state, traceback=traceback, request=context)
+        if "chord" in options:
+            backend.on_chord_part_return(context, state, exc)
 
 
 def compressed_result_mark() -> bytes | None:

@@ -186,24 +186,42 @@ def test_result_meta_has_the_fields_a_job_document_keeps(app: Celery) -> None:
 
 
 def test_failing_a_chain_and_calling_errbacks_take_what_the_backend_passes() -> None:
+    import celery
     from celery.backends.base import BaseBackend
 
-    found = parameters(BaseBackend._fail_chain)
-    assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
-        f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
-        "the tasks chained after it; " + where("fail_chain")
-    )
+    if celery.VERSION >= (5, 7):
+        found = parameters(BaseBackend._fail_chain)
+        assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
+            f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
+            "the tasks chained after it; " + where("fail_chain")
+        )
+    else:  # before 5.7, mark_as_failure fails the chain inline, as patches._fail_chain_before_celery_5_7 does
+        inline = source(BaseBackend.mark_as_failure)
+        assert not hasattr(BaseBackend, "_fail_chain"), f"Celery {celery.__version__} has _fail_chain; " + where(
+            "fail_chain"
+        )
+        assert "chain_elem_ctx = Context(chain_elem)" in inline and "on_chord_part_return(chain_elem_ctx" in inline, (
+            f"celery.backends.base.BaseBackend.mark_as_failure of Celery {celery.__version__} neither calls "
+            "_fail_chain nor fails the chain as 5.4 to 5.6 do: Celery changed how a failure reaches the tasks "
+            "chained after it; " + where("fail_chain")
+        )
     found = parameters(BaseBackend._call_task_errbacks)
     assert found == ["self", "request", "exc", "traceback"], (
         f"celery.backends.base.BaseBackend._call_task_errbacks now takes {found}; " + where("call_errbacks")
     )
 
 
-def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery) -> None:
+@pytest.mark.parametrize("part", ["alone", "chord part"])
+def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, part: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through Celery's own _fail_chain from 5.7, as 5.4-5.6's mark_as_failure does it inline before.
+    counted: list[str] = []
+    monkeypatch.setattr(app.backend, "on_chord_part_return", lambda request, state, exc: counted.append(request.id))
     chained = app.signature("contracts.next").freeze()
-    chain = [dict(app.signature("contracts.next", task_id=chained.id))]
+    options = {"task_id": chained.id} | ({"chord": {"task": "contracts.body"}} if part == "chord part" else {})
+    chain = [dict(app.signature("contracts.next", options=options))]
     patches.fail_chain(app.backend, chain, KeyError("x"), None, True, states.FAILURE)
     assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
+    assert counted == ([chained.id] if part == "chord part" else []), "a chained chord part was not counted"
 
 
 def test_a_compressed_result_is_told_by_celerys_own_mark() -> None:
