@@ -382,10 +382,19 @@ def _on_failure(
 
 
 @signals.task_postrun.connect
-def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
+def _on_postrun(sender: Any = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
+    if sender is None:
+        return
+    if state == states.REJECTED and isinstance(retval, Reject) and not patches.fails_rejected_tasks():
+        # Before Celery 5.7 a task that rejects its message without requeue gets no failure signal, and its
+        # message, acked when it was received (unless acks_late), cannot be rejected any more: its job fails for
+        # good here, as 5.7's task_failure fails it. A requeue is the message's (acks_late), on every release.
+        if not retval.requeue:  # type: ignore[attr-defined]  # Reject.__init__ sets it; celery-types omits it
+            _on_failure(sender=sender, task_id=sender.request.id, exception=retval)
+        return
     # A task that raised Ignore (Task.replace does: its replacement is a new message with the same task id) gets
     # no success or failure signal. Its job is done, not lost: left running, the stale sweep would run it again.
-    if state != states.IGNORED or sender is None:
+    if state != states.IGNORED:
         return
     store, job = store_of(sender), job_of(sender.request)
     if store is not None and job is not None and not _settled_already(sender.request):

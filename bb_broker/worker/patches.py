@@ -242,6 +242,17 @@ def _fail_chain_before_celery_5_7(
             backend.on_chord_part_return(context, state, exc)
 
 
+def fails_rejected_tasks() -> bool:
+    """Whether Celery itself reports a task that raised `Reject(requeue=False)` as failed: from 5.7.0 the worker's
+    `Request.on_failure` calls the result backend's mark_as_failure and sends `task_failure` (its issue 4222); 5.4.0
+    to 5.6.3 only reject the message (already acked unless acks_late) and leave the result PENDING, on every result
+    backend, Redis's too: the pool process's `task_postrun` (state REJECTED, the Reject as retval) is all that
+    tells of it. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (celery/worker/request.py)."""
+    import celery
+
+    return celery.VERSION >= (5, 7)
+
+
 def compressed_result_mark() -> bytes | None:
     """The marker Celery puts before a result it compressed (`result_compression`, celery.backends.base
     `COMPRESSED_PAYLOAD_MAGIC`, then the method and a NUL), or None on a Celery without result compression (before

@@ -224,6 +224,27 @@ def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, part: str, mo
     assert counted == ([chained.id] if part == "chord part" else []), "a chained chord part was not counted"
 
 
+def test_a_task_rejected_without_requeue_is_reported_failed_from_celery_5_7_only() -> None:
+    # Before 5.7 the pool process's task_postrun (state REJECTED, the Reject as retval) is all that tells of it.
+    import celery
+    from celery.app import trace
+    from celery.worker.request import Request
+
+    on_failure = source(Request.on_failure)
+    reports = "if not exc.requeue:" in on_failure and "signals.task_failure.send(" in on_failure
+    assert reports == patches.fails_rejected_tasks(), (
+        f"celery.worker.request.Request.on_failure of Celery {celery.__version__} "
+        + ("now" if reports else "no longer")
+        + " reports a task that raised Reject(requeue=False) as failed; "
+        + where("fails_rejected_tasks")
+    )
+    tracer = source(trace.build_tracer)
+    assert "except Reject as exc:" in tracer and "Info(REJECTED, exc)" in tracer and "task_postrun" in tracer, (
+        "celery.app.trace.build_tracer no longer ends a rejecting task with state REJECTED and the Reject as its "
+        "retval for task_postrun; " + where("fails_rejected_tasks")
+    )
+
+
 def test_a_compressed_result_is_told_by_celerys_own_mark() -> None:
     # result_compression is new in Celery 5.7.0: before it, no result is compressed and there is no mark to look for.
     import celery
