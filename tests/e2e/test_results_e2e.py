@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import celery
 import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import ChordError, Reject, TaskRevokedError
@@ -362,6 +363,12 @@ def test_a_chord_whose_last_part_is_in_a_group_nested_in_its_header(results_app,
 
     header = group(add(1, 100), chain(add(1, 200), group(add(1, 1000), add(1, 2000))))
     result = chord(header)(sig(results_app, "echo"))
+    if celery.VERSION < (5, 7):
+        # Celery 5.4-5.6 join the nested group from the part before it ran, with one pool process: with Redis as
+        # broker and backend the chord never completes (get() times out); here the join's own timeout fails it.
+        with pytest.raises(ChordError, match="Join error"):
+            result.get(timeout=120)
+        return
     assert result.get(timeout=120) == [101, [1001, 2001]]
 
 
