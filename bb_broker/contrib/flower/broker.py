@@ -132,7 +132,7 @@ def is_ours(broker_url: str | None) -> bool:
 
 def broker_banner(handler: BaseHandler) -> str | None:
     """The banner for the broker of the Flower app serving `handler` (the base template calls this)."""
-    broker_url = handler.application.broker_uri_with_password
+    broker_url = patches.broker_url_with_password(handler.application)
     if not is_ours(broker_url):
         return None
     monitor = BrokerHealth.of(broker_url)

@@ -64,6 +64,18 @@ def flowers_broker_new() -> Callable[..., Any]:
     return getattr(new, "flowers_new", new)
 
 
+def broker_url_with_password(app: Flower) -> str:
+    """The URL of the broker Flower's app watches, password included: `Flower.broker_uri_with_password` (Flower 2.1
+    on, a cached property), or on Flower 2.0, which has none, what its own Broker tab passes its factory
+    (`app.capp.connection().as_uri(include_password=True)`, flower/views/broker.py). Checked against flower 2.0.1,
+    2.1.0, 2.2.0."""
+    url = getattr(app, "broker_uri_with_password", None)
+    if url is not None:
+        return str(url)
+    with app.capp.connection() as connection:
+        return str(connection.as_uri(include_password=True))
+
+
 def install_template_loader(loader_class: type[tornado.template.BaseLoader]) -> None:
     """Serve Flower's templates through `loader_class(template_path)` (idempotent).
 
