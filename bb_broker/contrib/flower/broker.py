@@ -27,6 +27,7 @@ module also adds the Jobs tab (bb_broker.contrib.flower.jobs_tab), whose templat
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Iterable
 from datetime import datetime
@@ -49,6 +50,8 @@ from bb_broker.ops.operations import Operations
 from bb_broker.options import BrokerOptions, open_store
 from bb_broker.server import is_authentication_failure
 from bb_broker.threads import start_supervised
+
+logger = logging.getLogger(__name__)
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
@@ -140,8 +143,9 @@ def broker_banner(handler: BaseHandler) -> str | None:
     return monitor.banner()
 
 
-#: Where the banner goes in Flower's base template, and the banner (escaped, as every value the template shows).
-_BANNER_ANCHOR = b'<main class="app-content" id="main-content">'
+#: Where the banner goes in Flower's base template, the first found (Flower 2.1 and 2.2's main element; 2.0's alert
+#: container), and the banner (escaped, as every value the template shows).
+_BANNER_ANCHORS = (b'<main class="app-content" id="main-content">', b'<div id="alert-container"></div>')
 _BANNER = b"""
 {% from bb_broker.contrib.flower.broker import broker_banner %}{% set bb_broker_banner = broker_banner(handler) %}
 {% if bb_broker_banner %}
@@ -160,8 +164,19 @@ class BannerLoader(tornado.template.Loader):
         if name != "base.html":
             return super()._create_template(name)
         source = Path(self.root, name).read_bytes()
-        # Should a Flower release move the anchor, its pages show no banner (tests/flower/test_flower.py says so).
-        return tornado.template.Template(source.replace(_BANNER_ANCHOR, _BANNER_ANCHOR + _BANNER, 1), name, self)
+        anchor = banner_anchor(source)
+        if anchor is None:
+            # Tornado loads a template once per process: said once, when Flower shows its first page.
+            logger.warning(
+                "this Flower's base.html has no place bb_broker knows for its broker banner: no page shows it"
+            )
+            return super()._create_template(name)
+        return tornado.template.Template(source.replace(anchor, anchor + _BANNER, 1), name, self)
+
+
+def banner_anchor(base_template: bytes) -> bytes | None:
+    """The first of _BANNER_ANCHORS in Flower's base.html, or None (a release that moved them)."""
+    return next((anchor for anchor in _BANNER_ANCHORS if anchor in base_template), None)
 
 
 def fail_workers_refresh_while_broker_fails(handler: BaseHandler) -> None:

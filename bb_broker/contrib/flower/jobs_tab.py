@@ -20,6 +20,7 @@ import base64
 import functools
 import logging
 import os
+import re
 import reprlib
 import socket
 from collections import Counter
@@ -78,8 +79,9 @@ ACTION_LABELS = {"run-now": "Run now"}
 #: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
 MAX_ID_LENGTH = 512
 
-#: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html.
-NAVBAR_ANCHOR = "Broker</a>\n        </li>"
+#: Where the Jobs link goes in Flower's navbar.html, and the Broker tab's row and header ends in broker.html: each
+#: found as Flower 2.0, 2.1 and 2.2 write them (indentation, a class, the cell's formatting differ).
+NAVBAR_ANCHOR = re.compile(r"Broker</a>\s*</li>")
 NAVBAR_LINK = """
         <li class="nav-item">
           <a class="nav-link{% if active_tab == 'jobs' %} active{% end %}" href="{{ reverse_url('jobs') }}"
@@ -89,8 +91,8 @@ NAVBAR_LINK = """
           <a class="nav-link{% if active_tab == 'schedules' %} active{% end %}" href="{{ reverse_url('schedules') }}"
             {% if active_tab == 'schedules' %}aria-current="page"{% end %}>Schedules</a>
         </li>"""
-BROKER_HEADER_ANCHOR = '<th class="broker-secondary-column">Idle since</th>'
-BROKER_CELL_ANCHOR = "{% raw format_value(queue.get('idle_since')) %}</td>"
+BROKER_HEADER_ANCHOR = re.compile(r"<th[^>]*>Idle since</th>")
+BROKER_CELL_ANCHOR = re.compile(r"[^\n]*queue\.get\('idle_since'[^\n]*?</td>")
 BROKER_HEADER = "\n          <th>Paused</th>"
 BROKER_CELL = "\n          <td>{{ ('paused by ' + str(queue.get('pausedBy'))) if queue.get('paused') else '—' }}</td>"
 
@@ -795,13 +797,23 @@ def template_source(root: str, name: str) -> bytes | None:
     if name in OUR_TEMPLATES:
         return (TEMPLATES / name).read_bytes()
     if name == "navbar.html":
-        text = (Path(root) / name).read_text()
-        return text.replace(NAVBAR_ANCHOR, NAVBAR_ANCHOR + NAVBAR_LINK, 1).encode()
+        return _after(
+            NAVBAR_ANCHOR, NAVBAR_LINK, (Path(root) / name).read_text(), "the Jobs and Schedules links"
+        ).encode()
     if name == "broker.html":
-        text = (Path(root) / name).read_text()
-        text = text.replace(BROKER_HEADER_ANCHOR, BROKER_HEADER_ANCHOR + BROKER_HEADER, 1)
-        return text.replace(BROKER_CELL_ANCHOR, BROKER_CELL_ANCHOR + BROKER_CELL, 1).encode()
+        text = _after(BROKER_HEADER_ANCHOR, BROKER_HEADER, (Path(root) / name).read_text(), "the Paused column")
+        return _after(BROKER_CELL_ANCHOR, BROKER_CELL, text, "the Paused column").encode()
     return None
+
+
+def _after(anchor: re.Pattern[str], addition: str, template: str, what: str) -> str:
+    """`template` with `addition` after the first match of `anchor`; as it was, said in one line, without one."""
+    found = anchor.search(template)
+    if found is None:
+        # Tornado loads a template once per process: said once, when Flower first shows the page.
+        logger.warning("this Flower's templates have no place bb_broker knows for %s: they are not shown", what)
+        return template
+    return template[: found.end()] + addition + template[found.end() :]
 
 
 # --- Flower's own actions, for --jobs_admins only -------------------------------------------------------------------
