@@ -183,7 +183,10 @@ def fail_workers_refresh_while_broker_fails(handler: BaseHandler) -> None:
     """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated".
     `handler` is Flower's (its get_argument takes a `type`, Tornado's does not)."""
     if handler.get_argument("json", default=False, type=bool) and (banner := broker_banner(handler)):
-        raise tornado.web.HTTPError(503, "%s", banner)
+        # Answered here, not raised: Flower before 2.2 writes an HTTPError's message unformatted ("%s").
+        handler.set_status(503)
+        handler.set_header("Content-Type", "text/plain")
+        handler.finish(banner)
 
 
 @signals.import_modules.connect
@@ -195,6 +198,8 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
         broker_url = conn.as_uri(include_password=True)
     if is_ours(broker_url):
         BrokerHealth.of(broker_url)
+        if not patches.workers_refresh_shows_failures():
+            logger.warning("this Flower's Workers page does not show a failed refresh (Flower 2.1 and later do)")
         if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
             jobs_view.start_chart_summaries(sender, broker_url)
 

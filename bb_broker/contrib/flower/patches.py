@@ -13,7 +13,6 @@ bb_broker.contrib.flower.broker and .jobs_tab: this module knows Flower's shapes
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -31,8 +30,6 @@ from tornado.web import URLSpec
 #: The releases every function here was checked against: the contract tests pass on Flower 2.2.0; the sources of
 #: 2.0.1 and 2.1.0 were read, and where they differ each function says how (the tests then fail, naming the place).
 CHECKED_AGAINST = "flower 2.2.0 (2.0.1, 2.1.0 read); tornado 6.6.1"
-
-logger = logging.getLogger(__name__)
 
 #: Marks what this module installed, so that installing twice installs once.
 INSTALLED = "_bb_broker_patch"
@@ -105,12 +102,10 @@ def install_workers_refresh_check(prepare: Callable[[Any], None]) -> None:
     Tornado's `prepare` is the documented place for a check before every method, but WorkersView is Flower's class,
     made by Flower's URL table: the only way into it is its attribute. Relies on: neither WorkersView nor Flower's
     BaseHandler defining a prepare of its own (this one replaces Tornado's empty one, calling nothing before it).
-    Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh,
-    which this says once, as it installs."""
+    Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh
+    (workers_refresh_shows_failures; Flower says so as it starts, bb_broker.contrib.flower.broker)."""
     if WorkersView.prepare is not prepare:
         WorkersView.prepare = prepare
-        if not workers_refresh_shows_failures():
-            logger.warning("this Flower's Workers page does not show a failed refresh: its dot stays as it was")
 
 
 #: How flower.js's Workers refresh turns its dot red on a failed request (Flower 2.1 and 2.2).
