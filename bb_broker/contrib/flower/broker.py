@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import Iterable
 from datetime import datetime
@@ -200,6 +201,9 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
         BrokerHealth.of(broker_url)
         if not patches.workers_refresh_shows_failures():
             logger.warning("this Flower's Workers page does not show a failed refresh (Flower 2.1 and later do)")
+        if "--read_only" in sys.argv and "read_only" not in tornado_options:
+            # Flower 2.0 has no read-only mode and drops the option unsaid: every user may act, in any tab.
+            logger.warning("this Flower has no --read_only (Flower 2.1 and later have): it is ignored, users may act")
         if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
             jobs_view.start_chart_summaries(sender, broker_url)
 
