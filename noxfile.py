@@ -38,8 +38,11 @@ LOWEST_SIDE_FLOWER = {"5.4": "2.0", "5.5": "2.0", "5.6": "2.1", "5.7": "2.1"}
 #: Lifecycle, results (end to end and the backend alone), chords and canvas, crashes and faults, the event loop, and
 #: Flower (its process with the broker tab, and the Jobs tab).
 FULL = [
-    "tests/unit/test_upstream_contracts.py",
-    "tests/unit/test_flower_contracts.py",
+    "tests/unit/test_upstream_celery.py",
+    "tests/unit/test_upstream_kombu.py",
+    "tests/unit/test_upstream_billiard.py",
+    "tests/unit/test_upstream_pymongo.py",
+    "tests/unit/test_upstream_flower.py",
     "tests/e2e/test_lifecycle_e2e.py",
     "tests/e2e/test_results_e2e.py",
     "tests/database/test_results_backend.py",
@@ -63,8 +66,11 @@ SHORT = [
     "tests/database/test_results_backend.py",
     "tests/e2e/test_event_loop_e2e.py::test_the_worker_runs_celerys_event_loop_except_on_a_green_pool",
     "tests/e2e/test_event_loop_e2e.py::test_a_saturated_worker_answers_remote_control_and_its_revokes_take_effect",
-    "tests/unit/test_upstream_contracts.py",
-    "tests/unit/test_flower_contracts.py",
+    "tests/unit/test_upstream_celery.py",
+    "tests/unit/test_upstream_kombu.py",
+    "tests/unit/test_upstream_billiard.py",
+    "tests/unit/test_upstream_pymongo.py",
+    "tests/unit/test_upstream_flower.py",
     "tests/flower/test_jobs_view.py::test_lists_counts_and_look_ups",
 ]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from bb_broker.jobs.refusals import PublishRefused
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
-    from bb_broker.worker.hooks import is_final_attempt
+    from bb_broker.worker.settle import is_final_attempt
 
 __all__ = [
     "FAILED",
@@ -41,6 +42,9 @@ __all__ = [
     "statuses",
 ]
 
+#: The distribution's name, as `pip install` takes it (pyproject.toml's project.name).
+DISTRIBUTION = "bb-broker"
+
 #: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
 _LAZY = {
     "BrokerURLError": "connection",
@@ -52,11 +56,13 @@ _LAZY = {
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",
-    "is_final_attempt": "worker.hooks",
+    "is_final_attempt": "worker.settle",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # written once, in pyproject.toml: the installed metadata brings it here
+        return importlib.metadata.version(DISTRIBUTION)
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -83,7 +89,7 @@ def _register_result_backend(celery_backends: ModuleType) -> None:
 
 
 def _connect_celery_hooks(_signals: ModuleType) -> None:
-    importlib.import_module(f"{__name__}.worker.hooks")  # its receivers connect as it is imported
+    importlib.import_module(f"{__name__}.worker")  # its receivers connect as it is imported
 
 
 # The aliases and the signal receivers are in place before anything can use them: a transport is resolved through

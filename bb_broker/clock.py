@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from pymongo.database import Database
@@ -58,11 +59,19 @@ class ServerClock:
         self._measured = False
         #: Why the last attempt to read the server's time failed; None once one succeeds.
         self._failure: PyMongoError | None = None
+        #: How far the offset may be off, in seconds: half the measuring round trip, and the millisecond the server's
+        #: `localTime` is truncated to; unbounded until measured.
+        self.uncertainty = float("inf")
 
     def __call__(self) -> datetime:
         if self._synced_at is None or time.monotonic() - self._synced_at > self.resync_every:
             self._sync()
         return _monotonic_time() + self._offset
+
+    def at(self, monotonic: float) -> datetime:
+        """The server's time when the monotonic clock read `monotonic` (give or take `uncertainty`)."""
+        self()  # measured (again) where due
+        return _EPOCH + timedelta(seconds=monotonic) + self._offset
 
     def reading(self) -> datetime:
         """The server's time, for a caller whose query goes to the same server next: when the last attempt to read it
@@ -110,11 +119,18 @@ class ServerClock:
             if server_time.tzinfo is None:
                 server_time = server_time.replace(tzinfo=UTC)
             self._offset = server_time - (before + (after - before) / 2)
+            self.uncertainty = (after - before).total_seconds() / 2 + 0.001
             self._synced_at = time.monotonic()
             self._measured = True
             self._failure = None
         finally:
             self._lock.release()
+
+
+def reading(clock: Callable[[], datetime]) -> datetime:
+    """A store's time for a caller whose query goes to the server next: a ServerClock's reading (which raises when
+    the server could not be reached: see ServerClock.reading), any other clock's time."""
+    return clock.reading() if isinstance(clock, ServerClock) else clock()
 
 
 def _forget_parent_clocks() -> None:

@@ -21,5 +21,5 @@ def run_daemon(argv: list[str]) -> int:
     try:
         from secantus.cli import main
     except ImportError:
-        raise EmbeddedServerMissing("the embedded server needs SecantusDB: pip install 'bb_broker[embedded]'") from None
+        raise EmbeddedServerMissing("the embedded server needs SecantusDB: pip install 'bb-broker[embedded]'") from None
     return main(argv)

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeGuard
 
 from pymongo import MongoClient
@@ -82,12 +83,23 @@ FALLBACKS: dict[str, tuple[str, str]] = {
     "hint_aggregate": ("hint on aggregates", "counts are not hinted: the planner picks the index"),
     "update_pipelines": (
         "update pipelines",
-        "a queue with a concurrency limit claims one job per round trip instead of a batch in two",
+        "a queue with a concurrency limit claims one job per round trip instead of a batch in two; the stale sweep "
+        "and the release at shutdown read the lost jobs, then write each one fenced on what they read (one read and "
+        "a bulk write per outcome, whatever their number: a round trip more); forget() reads the task's jobs first",
     ),
-    "ttl_indexes": ("TTL indexes", "succeeded jobs and expired messages are deleted by the workers' periodic sweep"),
+    "ttl_indexes": (
+        "TTL indexes",
+        "succeeded jobs and expired messages are deleted by the workers' periodic sweep; rate counters and the "
+        "results of tasks without a job (bb_results) are kept",
+    ),
     "retryable_writes": (
         "retryable writes",
         "a write whose answer was lost is repeated by bb_broker itself, fenced on the job's attempt",
+    ),
+    "clock_fences": (
+        "claims fenced by the server's clock",
+        "each claim reads its queue's control after its write, so that a pause or a limit that answered before it "
+        "holds: one more round trip per claim (per batch at prefetch > 1)",
     ),
 }
 
@@ -107,6 +119,10 @@ class Capabilities:
     update_pipelines: bool = True
     ttl_indexes: bool = True
     retryable_writes: bool = True
+    #: Whether a write's filter can compare the server's clock (`$$NOW`) with a time (before_server_time): a claim
+    #: then carries the deadline of what its worker knows of its queue's pause and limits. Unlike the others, False
+    #: where the probe could not tell: its fallback is always right, only slower.
+    clock_fences: bool = True
     #: How this server reports a unique index's refusal, beside DuplicateKey: (code, the message's first words).
     unique_refusals: frozenset[tuple[int, str]] = frozenset()
     #: For each capability found missing, the server's own words (for doctor and the log).
@@ -157,6 +173,13 @@ class Capabilities:
         return f"{self.engine} {self.version}, {self.topology}"
 
 
+def before_server_time(until: datetime) -> dict[str, Any]:
+    """A filter clause that matches only while the server's clock is before `until` (to the millisecond): a write
+    that reaches the server later matches nothing. `$toLong` of `$$NOW` (its milliseconds since the epoch), compared
+    with a number: every server that has `$$NOW` compares those alike (the probe checks it, clock_fences)."""
+    return {"$expr": {"$lt": [{"$toLong": "$$NOW"}, int(until.timestamp() * 1000)]}}
+
+
 # --- the errors every module asks about -------------------------------------------------------------------------
 
 
@@ -192,6 +215,12 @@ def is_missing_hinted_index(exc: BaseException) -> TypeGuard[OperationFailure]:
 def too_large_write_error(error: dict[str, Any]) -> bool:
     """Whether one of a bulk write's `writeErrors` is a document that would pass the size limit."""
     return error.get("code") in TOO_LARGE_CODES
+
+
+def unapplicable_write_error(error: dict[str, Any]) -> bool:
+    """Whether one of a bulk write's `writeErrors` is an update that cannot apply to its document (see
+    is_unapplicable_update)."""
+    return error.get("code") in UNAPPLICABLE_UPDATE_CODES
 
 
 def unrecognised_write_error(error: dict[str, Any]) -> bool:
@@ -391,6 +420,7 @@ def _probe(db: Database) -> Capabilities:
         }
         for name, probe in probes.items():
             found[name] = _offered(name, probe, refusals)
+        found["clock_fences"] = _fences_by_clock(scratch, token, refusals)
     finally:
         _drop(scratch)
     topology = "sharded" if hello.get("msg") == "isdbgrid" else "replica set" if hello.get("setName") else "standalone"
@@ -415,6 +445,32 @@ def _offered(name: str, probe: Any, refusals: dict[str, str]) -> bool:
         if exc.code == UNAUTHORIZED:
             return True
         refusals[name] = server_words(exc)
+        return False
+    return True
+
+
+def _fences_by_clock(scratch: Any, token: str, refusals: dict[str, str]) -> bool:
+    """Whether a write's filter compares the server's clock as before_server_time says, both ways: a deadline an hour
+    ahead matches (a claim's findAndModify), one an hour past does not (a batch claim's updateMany). A server that
+    refuses either, or answers either wrong (matching nothing, or everything), has not got it."""
+    now = datetime.now(UTC)
+    try:
+        scratch.insert_one({"_id": token})
+        ahead = scratch.find_one_and_update(
+            {"_id": token, **before_server_time(now + timedelta(hours=1))}, {"$set": {"p": 1}}
+        )
+        past = scratch.update_many({"_id": token, **before_server_time(now - timedelta(hours=1))}, {"$set": {"p": 2}})
+    except OperationFailure as exc:
+        if passes_with_time(exc):
+            raise  # a failover mid-probe: nothing is learnt, the next call probes again
+        refusals["clock_fences"] = (
+            "not probed: this user may not write" if exc.code == UNAUTHORIZED else server_words(exc)
+        )
+        return False
+    if ahead is None or past.matched_count != 0:
+        refusals["clock_fences"] = "a filter comparing $$NOW with a time matched " + (
+            "nothing before it" if ahead is None else "after it"
+        )
         return False
     return True
 

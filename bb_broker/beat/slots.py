@@ -24,6 +24,8 @@ from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from bb_broker.upstream import celery as upstream_celery
+
 #: How many days ahead a crontab is searched for its next slot (February 29th on a Monday comes round in 28 years).
 CRON_SEARCH_DAYS = 366 * 29
 #: The shortest interval of an `every` schedule, in seconds: slots are whole milliseconds.
@@ -137,13 +139,9 @@ class Solar:
     _celery: Any  # celery.schedules.solar, which holds the ephem observer
 
     def next_after(self, moment: datetime) -> datetime | None:
-        ephem = self._celery.ephem
-        start = ephem.Date(moment.astimezone(UTC).replace(tzinfo=None) + timedelta(seconds=1))
-        self._celery.cal.date = start
-        found = self._celery._next_event(start)
-        if found == start:  # no such event within Celery's search (a polar night): checked again then
+        slot = upstream_celery.solar_next_event(self._celery, moment.astimezone(UTC) + timedelta(seconds=1))
+        if slot is None:  # no such event within Celery's search (a polar night): checked again then
             return None
-        slot = found.datetime().replace(tzinfo=UTC)
         return slot.replace(microsecond=0) + (timedelta(seconds=1) if slot.microsecond >= 500_000 else timedelta())
 
 
@@ -179,14 +177,7 @@ def cron_text(celery_crontab: Any) -> str:
             return ",".join(str(v) for v in sorted(value))
         return str(value)
 
-    parts = (
-        celery_crontab._orig_minute,
-        celery_crontab._orig_hour,
-        celery_crontab._orig_day_of_month,
-        celery_crontab._orig_month_of_year,
-        celery_crontab._orig_day_of_week,
-    )
-    return " ".join(field(part) for part in parts)
+    return " ".join(field(part) for part in upstream_celery.crontab_fields(celery_crontab))
 
 
 def schedule_document(schedule: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
+from bb_broker.clock import aware
 from bb_broker.server import unique_refusals
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
@@ -28,6 +29,13 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 SLOT_WAITERS_FIELD = "slotWaiters"
 #: The looks a claim takes at the slots when they are freed faster than it flags their holders.
 MAX_SLOT_LOOKS = 3
+
+#: Seconds a pause or a change of limits waits after its write before it answers, and for which a worker's claims
+#: trust what it read of its queues' controls: each claim carries the deadline of that read (read time + this, on the
+#: server's clock: JobStore.claim's `until`), and a claim that reaches the server after it takes nothing. So a claim
+#: that lands after a pause answered was made knowing of the pause, or takes nothing, without one more read per
+#: claim; a worker reads the controls again every half of this while it claims (docs/guides/flow-control.md).
+CONTROL_SETTLE = 1.0
 
 #: The largest concurrency limit: a claim of a limited queue picks one of its N slots (see JobStore.claim).
 MAX_CONCURRENCY = 10_000
@@ -95,7 +103,7 @@ def moment_us(now: datetime) -> int:
 @dataclass(frozen=True)
 class RateStart:
     """One start taken from a queue's rate: its counter's _id (`key`), the moment it was taken at and the `next` it
-    set, in microseconds since the epoch, to give the start back with (see JobStore._take_start)."""
+    set, in microseconds since the epoch, to give the start back with (see RateCounters.take_start)."""
 
     key: dict[str, Any]
     taken_at: int
@@ -191,8 +199,14 @@ class QueueLimits:
 class QueueControls:
     """Pause and resume queues durably: the state outlives every process, and a worker started later reads it."""
 
-    def __init__(self, db: Database, *, collection: str = QUEUES_COLLECTION) -> None:
+    def __init__(self, db: Database, *, collection: str = QUEUES_COLLECTION, settle: float = CONTROL_SETTLE) -> None:
         self.coll: Collection = db[collection]
+        self.settle = settle
+
+    def _settled(self) -> None:
+        """Wait out CONTROL_SETTLE after a write that pauses or limits: the claims made knowing the old controls run
+        out of time meanwhile, and the change then holds for every claim that lands after the answer."""
+        time.sleep(self.settle)
 
     def pause(self, queue: str, *, by: str, now: datetime) -> bool:
         """Pause `queue`; False when it was paused already (the first pause keeps its author)."""
@@ -206,6 +220,7 @@ class QueueControls:
                 )
         except DuplicateKeyError:
             return False
+        self._settled()
         return True
 
     def resume(self, queue: str, *, by: str, now: datetime) -> bool:
@@ -248,10 +263,15 @@ class QueueControls:
                 removed["ratePerKey"] = ""
         update: dict[str, Any] = {"$set": changes, **({"$unset": removed} if removed else {})}
         self.coll.update_one({"_id": queue}, update, upsert=True)
+        self._settled()
 
     def control(self, queue: str) -> dict[str, Any]:
         """`queue`'s control document as it is now (empty when it was never paused or limited): one read by _id."""
         return self.coll.find_one({"_id": queue}) or {}
+
+    def server_time(self) -> datetime:
+        """The server's clock now (its `hello`'s localTime, to the millisecond below)."""
+        return aware(self.coll.database.client.admin.command("hello")["localTime"])
 
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
@@ -261,6 +281,19 @@ class QueueControls:
 
 #: Seconds a consumer trusts its read of the paused queues while a live change stream would report any change.
 WATCHED_MAX_AGE = 60.0
+
+
+@dataclass(frozen=True)
+class KnownQueue:
+    """One queue's control as a consumer knows it, and since when: `read_at`, the monotonic clock just before the
+    read that told, and `server_time`, the server's clock just before it (None where the read was not timed). A
+    claim made on it is fenced on `server_time` + CONTROL_SETTLE, and surely reached the server before that while
+    less than CONTROL_SETTLE has passed since `read_at` (the server's time at the read came after both)."""
+
+    paused: bool
+    limits: QueueLimits
+    read_at: float
+    server_time: datetime | None
 
 
 class KnownControls:
@@ -280,6 +313,7 @@ class KnownControls:
         self._limits: dict[str, QueueLimits] = {}
         self._read_at = float("-inf")
         self._read_version: int | None = -1
+        self._server_time: datetime | None = None
 
     def __contains__(self, queue: str) -> bool:
         with self._lock:
@@ -291,6 +325,21 @@ class KnownControls:
         with self._lock:
             self._read_if_old()
             return self._limits.get(queue) or QueueLimits()
+
+    def of(self, queue: str, *, timed: bool = False, read_now: bool = False) -> KnownQueue:
+        """What is known of `queue` for a claim; `timed`, with the server's time of the read (for the claim's fence):
+        then read again (timed) when the last read was not, or is half CONTROL_SETTLE old, so that a claim made now
+        still has most of the settle time to reach the server in. `read_now`: read again in any case."""
+        with self._lock:
+            stale = time.monotonic() - self._read_at >= CONTROL_SETTLE / 2 or self._server_time is None
+            if read_now or (timed and stale):
+                self._read(timed=timed)
+            else:
+                self._read_if_old()
+            server_time = self._server_time if timed else None
+            return KnownQueue(
+                queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at, server_time
+            )
 
     def learnt(self, queue: str, control: Mapping[str, Any]) -> None:
         """`queue`'s control as a claim just read it: known at once, and everything is read again at the next look
@@ -305,11 +354,15 @@ class KnownControls:
             self._read_at = float("-inf")
 
     def _read_if_old(self) -> None:
+        max_age = self.max_age if self._version() is None else max(self.max_age, WATCHED_MAX_AGE)
+        if time.monotonic() - self._read_at >= max_age or self._version() != self._read_version:
+            self._read(timed=False)
+
+    def _read(self, *, timed: bool) -> None:
+        # The version and the clocks first: a change after them is seen at the next check, or fenced.
         now, version = time.monotonic(), self._version()
-        max_age = self.max_age if version is None else max(self.max_age, WATCHED_MAX_AGE)
-        if now - self._read_at >= max_age or version != self._read_version:
-            # Read the version first: a change after it is seen at the next check.
-            controls = self.controls.controls()
-            self._names = frozenset(name for name, control in controls.items() if control.get("paused") is True)
-            self._limits = {name: limits for name, control in controls.items() if (limits := QueueLimits.of(control))}
-            self._read_at, self._read_version = now, version
+        server_time = self.controls.server_time() if timed else None
+        controls = self.controls.controls()
+        self._names = frozenset(name for name, control in controls.items() if control.get("paused") is True)
+        self._limits = {name: limits for name, control in controls.items() if (limits := QueueLimits.of(control))}
+        self._read_at, self._read_version, self._server_time = now, version, server_time

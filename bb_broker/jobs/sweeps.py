@@ -2,7 +2,7 @@
 
 A mixin JobStore inherits, not functions: every caller (the worker's sweep thread, the CLI, Flower, the tests) keeps
 calling `store.requeue_stale()` and `store.statuses()` on the one store it holds, and store.py reads as the hot path
-alone. The mixin uses only what JobStore sets up (its collection, policy, clock and hinted query), declared below.
+alone. The mixin uses only what JobStore sets up (its collection, policy, clock and hints), declared below.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pymongo import UpdateOne
 from pymongo.collection import Collection as MongoCollection
+from pymongo.errors import BulkWriteError
 
 from bb_broker import metrics
 from bb_broker.jobs.document import (
@@ -21,9 +23,12 @@ from bb_broker.jobs.document import (
     HISTORY_NOT_ARRAY,
     RUNNING_ONLY_FIELDS,
     attempt_recorded_expression,
+    has_entry_of_current_attempt,
 )
+from bb_broker.jobs.indexes import hinted
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, Policy
 from bb_broker.jobs.unique import RELEASED_AT_END
+from bb_broker.server import Capabilities, unapplicable_write_error
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +42,11 @@ class Sweeps:
     coll: MongoCollection
     policy: Policy
     now: Callable[[], datetime]
-    _hinted: Callable[[Callable[[], Any]], Any]
     _hint: Callable[[str, str], dict[str, Any]]
+    if TYPE_CHECKING:
+
+        @property
+        def server(self) -> Capabilities: ...
 
     # --- recovering lost work ---------------------------------------------
 
@@ -77,59 +85,93 @@ class Sweeps:
         return self._recover({"leaseOwner": owner}, reason, hint="bb_status_updated")
 
     def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
+        """Settle the running jobs `selector` finds as lost: requeued where an attempt is left, else failed. Two
+        pipeline updates where the server takes them; else a read and fenced per-job writes (see _recover_by_read)."""
         now = self.now()
+        outcomes = ((QUEUED, reason), (FAILED, f"{reason}, and no attempt is left"))
+        if self.server.update_pipelines:
+            retried, failed = (self._recover_by_pipeline(selector, *outcome, now, hint) for outcome in outcomes)
+        else:
+            retried, failed = self._recover_by_read(selector, dict(outcomes), now, hint)
+        metrics.record("retried", retried)
+        metrics.record("failed", failed)
+        if retried or failed:
+            logger.warning("recovered lost jobs: %d re-queued, %d failed (%s)", retried, failed, reason)
+        return retried, failed
 
-        def settled_lost(status: str, last_error: str) -> list[dict[str, Any]]:
-            # A pipeline update, so that each job's history entry takes its own attempt number, owner and start.
-            lost = {
-                "n": "$attempts",
-                "worker": "$leaseOwner",
-                "startedAt": "$startedAt",
-                "finishedAt": now,
-                "outcome": "lost",
-                "error": {"$literal": last_error},
-            }
-            history = {"$concatArrays": [HISTORY_ARRAY, [lost]]}
-            # A broker retry records its attempt's failure, then publishes the retry: a worker lost between the two
-            # left the attempt in the history already. Its entry and error stay; the job goes where the retry would.
-            recorded = attempt_recorded_expression()
-            changes: dict[str, Any] = {
-                "status": status,
-                "lastError": {"$cond": [recorded, "$lastError", {"$literal": last_error}]},
-                "updatedAt": now,
-            }
-            changes["runAfter" if status == QUEUED else "finishedAt"] = now
-            # A history written by hand that is not an array is kept as it is: no sweep fails on it (for every job).
-            kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, HISTORY_NOT_ARRAY]}]}
-            changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
-            # Requeued, the job keeps its unique key; failed for good, it gives it back.
-            released = [*RUNNING_ONLY_FIELDS] if status == QUEUED else [*RUNNING_ONLY_FIELDS, *RELEASED_AT_END]
-            return [{"$set": changes}, {"$unset": released}]
+    def _recover_by_pipeline(
+        self, selector: dict[str, Any], status: str, last_error: str, now: datetime, hint: str
+    ) -> int:
+        """One pipeline update settles every job of `selector` that ends in `status` (one round trip), so that each
+        job's history entry takes its own attempt number, owner and start."""
+        lost = {
+            "n": "$attempts",
+            "worker": "$leaseOwner",
+            "startedAt": "$startedAt",
+            "finishedAt": now,
+            "outcome": "lost",
+            "error": {"$literal": last_error},
+        }
+        history = {"$concatArrays": [HISTORY_ARRAY, [lost]]}
+        # A broker retry records its attempt's failure, then publishes the retry: a worker lost between the two left
+        # the attempt in the history already. Its entry and error stay; the job goes where the retry would.
+        recorded = attempt_recorded_expression()
+        changes: dict[str, Any] = {
+            "status": status,
+            "lastError": {"$cond": [recorded, "$lastError", {"$literal": last_error}]},
+            "updatedAt": now,
+        }
+        changes["runAfter" if status == QUEUED else "finishedAt"] = now
+        # A history written by hand that is not an array is kept as it is: no sweep fails on it (for every job).
+        kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, HISTORY_NOT_ARRAY]}]}
+        changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
+        pipeline: list[dict[str, Any]] = [{"$set": changes}, {"$unset": list(_released(status))}]
+        result = hinted(
+            self.coll,
+            lambda: self.coll.update_many(
+                {"status": RUNNING, **selector, "attempts": _attempts_ending_in(status, self.policy.max_attempts)},
+                pipeline,
+                **self._hint(hint, "update"),
+            ),
+        )
+        return int(result.modified_count)
 
-        retry = self._hinted(
-            lambda: self.coll.update_many(
-                {"status": RUNNING, **selector, "attempts": {"$lt": self.policy.max_attempts}},
-                settled_lost(QUEUED, reason),
-                **self._hint(hint, "update"),
-            )
+    def _recover_by_read(
+        self, selector: dict[str, Any], errors: dict[str, str], now: datetime, hint: str
+    ) -> tuple[int, int]:
+        """Where the server refuses update pipelines (Amazon DocumentDB): the lost jobs read, then one update per job
+        computed here, fenced on what was read (its status, attempt and updatedAt, as well as `selector`), sent in one
+        unordered bulk write per outcome. A job whose lease was renewed, or that another sweeper settled, between
+        the read and the write matches no fence and is left alone: each lost job is settled once, as by the pipeline.
+        """
+        fields = ("attempts", "leaseOwner", "startedAt", "updatedAt")
+        projection = {**dict.fromkeys(fields, 1), "history": {"$slice": -1}}
+        found = hinted(
+            self.coll,
+            lambda: list(self.coll.find({"status": RUNNING, **selector}, projection, **self._hint(hint, "find"))),
         )
-        give_up = self._hinted(
-            lambda: self.coll.update_many(
-                {"status": RUNNING, **selector, "attempts": {"$gte": self.policy.max_attempts}},
-                settled_lost(FAILED, f"{reason}, and no attempt is left"),
-                **self._hint(hint, "update"),
-            )
-        )
-        metrics.record("retried", retry.modified_count)
-        metrics.record("failed", give_up.modified_count)
-        if retry.modified_count or give_up.modified_count:
-            logger.warning(
-                "recovered lost jobs: %d re-queued, %d failed (%s)",
-                retry.modified_count,
-                give_up.modified_count,
-                reason,
-            )
-        return retry.modified_count, give_up.modified_count
+        writes: dict[str, list[UpdateOne]] = {QUEUED: [], FAILED: []}
+        for doc in found:
+            if not isinstance(doc.get("attempts"), int | float):
+                continue  # written by hand: neither pipeline's filter matches it either
+            status = QUEUED if doc["attempts"] < self.policy.max_attempts else FAILED
+            # The read's updatedAt, equal, in place of the selector's `$lt` (it met it): a heartbeat since moves it.
+            fence = {**selector, "_id": doc["_id"], "status": RUNNING, "attempts": doc["attempts"]}
+            fence["updatedAt"] = doc.get("updatedAt")
+            writes[status].append(UpdateOne(fence, _lost_update(doc, status, errors[status], now)))
+        return self._write_lost(writes[QUEUED]), self._write_lost(writes[FAILED])
+
+    def _write_lost(self, writes: list[UpdateOne]) -> int:
+        if not writes:
+            return 0
+        try:
+            return int(self.coll.bulk_write(writes, ordered=False).modified_count)
+        except BulkWriteError as exc:
+            # A history edited by hand into another type since the read: that job's write cannot apply; the next
+            # sweep reads it again (and keeps its history). Any other refusal is the caller's to handle.
+            if not all(unapplicable_write_error(error) for error in exc.details.get("writeErrors", [])):
+                raise
+            return int(exc.details.get("nModified", 0))
 
     # --- reading and operating --------------------------------------------
 
@@ -155,3 +197,34 @@ class Sweeps:
 
     def purge_queued(self, queue: str) -> int:
         return self.coll.delete_many({"status": QUEUED, "queue": queue}).deleted_count
+
+
+def _attempts_ending_in(status: str, max_attempts: int) -> dict[str, int]:
+    """The attempts of a lost job the sweep settles as `status`: requeued while an attempt is left, else failed."""
+    return {"$lt": max_attempts} if status == QUEUED else {"$gte": max_attempts}
+
+
+def _released(status: str) -> dict[str, str]:
+    """What a lost job gives back: its lease and slot; failed for good, its unique key too (requeued, it keeps it)."""
+    return dict.fromkeys(RUNNING_ONLY_FIELDS, "") | ({} if status == QUEUED else RELEASED_AT_END)
+
+
+def _lost_update(doc: dict[str, Any], status: str, last_error: str, now: datetime) -> dict[str, Any]:
+    """The pipeline's change to one lost job, computed from `doc` as read (its last history entry only): the same
+    fields, entry and error, as operators every server takes."""
+    changes: dict[str, Any] = {"status": status, "updatedAt": now}
+    changes["runAfter" if status == QUEUED else "finishedAt"] = now
+    update: dict[str, Any] = {"$set": changes, "$unset": _released(status)}
+    history = doc.get("history", [])
+    if not isinstance(history, list):
+        return update | {"$set": {**changes, "lastError": last_error}}  # written by hand: kept as it is
+    if has_entry_of_current_attempt(doc):
+        return update  # the attempt's failure is recorded already: its entry and its error stay
+    # As the pipeline's `$leaseOwner` and `$startedAt`: a field the job does not have is left out of the entry.
+    entry = {"n": doc["attempts"]}
+    kept = {"worker": "leaseOwner", "startedAt": "startedAt"}
+    entry |= {name: doc[field] for name, field in kept.items() if field in doc}
+    entry |= {"finishedAt": now, "outcome": "lost", "error": last_error}
+    changes["lastError"] = last_error
+    update["$push"] = {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}
+    return update

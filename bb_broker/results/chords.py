@@ -23,14 +23,14 @@ from pymongo import ReturnDocument
 from pymongo.collection import Collection
 
 from bb_broker.jobs.document import ResultTooLarge
-from bb_broker.worker import patches
+from bb_broker.upstream import celery as upstream_celery
 
 logger = logging.getLogger(__name__)
 
 
 def _first_message(signature: Any) -> Any:
     """The signature whose message a canvas sends first: a chain's first step, a group's or chord's first task."""
-    while isinstance(signature, patches.chain_class() | group | chord) and signature.tasks:
+    while isinstance(signature, upstream_celery.chain_class() | group | chord) and signature.tasks:
         tasks = signature.tasks
         signature = maybe_signature(tasks[0] if isinstance(tasks, list | tuple) else next(iter(tasks)))
     return signature
@@ -101,7 +101,7 @@ class ChordBackend(BaseBackend):
             {"kind": "chord", "count": 0, "extra": 0, "members": [], "parts": [], **self._expires_at()},
             upsert=True,
         )
-        if not patches.is_lazy_result_list(header_result_args[1]):
+        if not upstream_celery.is_lazy_result_list(header_result_args[1]):
             header = self.app.GroupResult(*header_result_args)
             if any(isinstance(result, GroupResult) for result in header.results or []):
                 header.save(backend=self)  # nested groups: the callback gets their structure from a join

@@ -15,14 +15,15 @@ from bb_broker import connection
 from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, ResultTooLarge
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import _bson_safe, decompress_bounded
-from bb_broker.worker import patches
+from bb_broker.upstream import celery as upstream_celery
+from bb_broker.upstream import kombu as upstream_kombu
 
 #: Room left in a job document for everything that is not the result (payload, history, the rest).
 RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
 
 #: Celery stores a compressed result (result_compression) behind this marker, then its method and a NUL
 #: (celery.backends.base.compress_payload); None on a Celery that compresses no result (before 5.7).
-_COMPRESSED_RESULT_MARK = patches.compressed_result_mark()
+_COMPRESSED_RESULT_MARK = upstream_celery.compressed_result_mark()
 
 
 def decompressed_result(payload: bytes) -> bytes:
@@ -56,7 +57,7 @@ def loaded(value: Any, fmt: str | None, *, serializer: str, accept: Any) -> Any:
     if fmt == "json":
         return loads(json.dumps(value), "application/json", "utf-8", accept=accept)
     serializer = (fmt or "").partition(":")[2] or serializer
-    content_type, content_encoding = patches.serializer_content_types(serializer)
+    content_type, content_encoding = upstream_kombu.serializer_content_types(serializer)
     return loads(decompressed_result(bytes(value)), content_type, content_encoding, accept=accept)
 
 

@@ -26,12 +26,10 @@ from bb_broker.jobs.serial import WAITERS_FIELD
 from bb_broker.server import capabilities, passes_with_time
 from bb_broker.threads import start_supervised
 from bb_broker.transport.plumbing import BindingsWatch
+from bb_broker.upstream import pymongo as upstream_pymongo
 
 logger = logging.getLogger(__name__)
 
-#: Server error codes that mean this deployment has no change streams: a standalone mongod (40573), an unknown
-#: pipeline stage (40324), no $changeStream on this server (136), or a MongoDB-compatible server that refuses it as
-#: NotImplemented (238) or FailedToParse (9).
 #: How long one getMore waits on the server for a change: an idle consumer's only steady cost.
 AWAIT_MS = 10_000
 #: Seconds between getMores while the changes only repeat what the consumer knows (its queues are already
@@ -47,9 +45,9 @@ FIRST_PACE = 0.005
 #: backlog published at 1,200 tasks/s costs 0.03 getMores per task (0.05 at 16), and news waits at most ~27 ms.
 PACED_CHANGES = 32
 #: The fields whose removal from a job frees what another claim waits for: the flag that claims wait for a slot of
-#: its queue's concurrency limit (set only once the limit is reached, see JobStore._wait_for_slot), and the flag that
-#: others wait for its serial key (see bb_broker.jobs.serial). `limitSlot` itself is not one: every job of a limited
-#: queue has it, and a change event per job would wake nobody while the limit is not reached.
+#: its queue's concurrency limit (set only once the limit is reached, see ConcurrencySlots._wait_for_slot), and the
+#: flag that others wait for its serial key (see bb_broker.jobs.serial). `limitSlot` itself is not one: every job of a
+#: limited queue has it, and a change event per job would wake nobody while the limit is not reached.
 FREED_FIELDS = (SLOT_WAITERS_FIELD, WAITERS_FIELD)
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000
@@ -561,7 +559,7 @@ class _Feed:
                         if change is not None:
                             changes += 1
                             batch.add(self._on_change(change))
-                        if _buffered(stream) == 0:  # the next try_next is a getMore
+                        if upstream_pymongo.buffered_changes(stream) == 0:  # the next try_next is a getMore
                             now = time.monotonic()
                             if changes < CHANGE_BATCH and _worth_a_pace(batch, others_before):
                                 coming = PACED_CHANGES * (now - last_batch) / max(changes, 1)
@@ -649,14 +647,6 @@ def _worth_a_pace(batch: set[Seen], others_before: bool) -> bool:
     if Seen.REPEAT in batch:
         return True
     return Seen.NEWS not in batch and others_before
-
-
-def _buffered(stream: Any) -> int | None:
-    """Changes the last getMore returned that are not read yet; None when this pymongo does not say."""
-    # pymongo keeps a batch in the stream's command cursor and has no public way to ask its length. Without
-    # it the watcher never paces, which costs getMores, never wake-ups.
-    data = getattr(getattr(stream, "_cursor", None), "_data", None)
-    return None if data is None else len(data)
 
 
 class Doorbell:

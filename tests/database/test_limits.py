@@ -547,7 +547,7 @@ def test_a_rate_counter_edited_by_hand_is_replaced_and_never_stops_the_queue(
     publish(store, "t0")
     key = {"queue": "limited", "starts": 1, "period": 60.0}
     db.bb_rates.insert_one({"_id": key, "next": edited})
-    with caplog.at_level("WARNING", logger="bb_broker.jobs.store"):
+    with caplog.at_level("WARNING", logger="bb_broker.jobs.rates"):
         assert store.claim("limited", "w", QueueLimits(rate=Rate(1, 60.0))) is not None
     assert "rate counter's next start" in caplog.text
     assert isinstance(db.bb_rates.find_one({"_id": key})["next"], int)

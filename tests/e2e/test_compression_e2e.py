@@ -15,7 +15,7 @@ from kombu import Connection, Producer, Queue, compression
 from pymongo.database import Database
 
 import bb_broker
-from bb_broker.contrib.flower.jobs_tab import job_json
+from bb_broker.contrib.flower.handlers import job_json
 from bb_broker.jobs.payloads import DECOMPRESSED_LIMIT, READABLE_DECOMPRESSED_LIMIT
 from tests.support.workers import job, producer, send, settled, wait_for
 

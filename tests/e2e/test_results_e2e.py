@@ -17,9 +17,9 @@ from pymongo import monitoring
 from pymongo.database import Database
 
 import bb_broker
-from bb_broker.ops.cli import main
+from bb_broker.cli import main
 from bb_broker.results.backend import JobFailed, JobResultBackend
-from bb_broker.worker import patches
+from bb_broker.upstream import celery as upstream_celery
 from tests.support.workers import job, producer, wait_for
 
 T = "tests.support.e2e_app."
@@ -270,7 +270,7 @@ def test_a_reject_without_requeue_fails_at_once(results_app, results_worker, db:
     result = results_app.send_task(T + "reject_for_good")
     # Celery 5.7 stores the Reject as the task's FAILURE (its issue 4222); before, Celery stores no result for it on
     # any backend (Redis's get() waits for ever), and get() raises the failure the job itself records.
-    with pytest.raises(Reject if patches.fails_rejected_tasks() else JobFailed, match="bad input"):
+    with pytest.raises(Reject if upstream_celery.fails_rejected_tasks() else JobFailed, match="bad input"):
         result.get(timeout=60)
     assert result.state == "FAILURE"
     doc = job(db, result.id)

@@ -1,13 +1,17 @@
 """The deployments our users run, played by a wire proxy in front of the stand-in (tests/support/wire.py): a standalone
-server (no change streams: 40573), `mongos` routers, and an engine that refuses what FerretDB 2.5 refuses (`hint` on
-findAndModify and `$changeStream` with 115, a unique index's refusal reported as code 1). On each, real workers run
-the everyday scenarios; none may exit, lose a job or run one twice. And a server answer the code has never seen,
-mid-claim, backs that queue off instead of ending the worker."""
+server (no change streams: 40573), `mongos` routers, an engine that refuses what FerretDB 2.5 refuses (`hint` on
+findAndModify and `$changeStream` with 115, a unique index's refusal reported as code 1), and one that refuses update
+pipelines as Amazon DocumentDB does (code 9). On each, real workers run the everyday scenarios; none may exit, lose
+a job or run one twice. And a server answer the code has never seen, mid-claim, backs that queue off instead of
+ending the worker."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -15,6 +19,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker import DuplicateJob
+from bb_broker.jobs.queues import CONTROL_SETTLE
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support import wire
@@ -23,7 +28,12 @@ from tests.support.faults import fail_point
 from tests.support.servers import with_database
 from tests.support.workers import Worker, all_succeeded, producer, send, wait_for
 
-PROFILES = {"standalone": wire.standalone, "mongos": wire.router, "ferretdb": wire.ferretdb}
+PROFILES = {
+    "standalone": wire.standalone,
+    "mongos": wire.router,
+    "ferretdb": wire.ferretdb,
+    "documentdb": wire.amazon_documentdb,
+}
 
 
 @pytest.fixture(params=sorted(PROFILES))
@@ -103,6 +113,7 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
     try:
         first = send(app, "add", 1, 1)  # the worker has probed the server and claimed once
         wait_for(lambda: client.unknown_answers.jobs.find_one({"taskId": first, "status": "succeeded"}), 60, "first")
+        time.sleep(CONTROL_SETTLE)  # what the worker read of its queue's control is old: its next claim reads it again
         # Every such command meets an answer no list in bb_broker names, four times over.
         # bb_broker's clients only (its appname): the test's own reads are no part of it.
         fail_point(client, 4, failCommands=commands, errorCode=54321, appName="bb_broker")
@@ -124,7 +135,8 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
 # The standalone played in front of the embedded server; and the suite's own server, whatever its topology.
 @pytest.mark.parametrize("profile", [pytest.param("standalone", marks=pytest.mark.stand_in), "suite server"])
 def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, db: Database, tmp_path) -> None:
-    # The worker trusts what it read of the paused queues for a minute: only the pause's write can stop its claims.
+    # No change stream tells the worker of the pause (pause_check_interval 60): only what its claims do after the
+    # pause's write can stop them.
     proxy = wire.WireProxy(mongo_url, wire.standalone()) if profile == "standalone" else None
     url = (
         with_database(f"mongodb://{proxy.address}", db.name) if proxy is not None else with_database(mongo_url, db.name)
@@ -154,6 +166,75 @@ def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, d
         app.close()
         if proxy is not None:
             proxy.close()
+    still_up(worker)
+
+
+def _is_claim(command: dict[str, Any]) -> bool:
+    """A worker's claim of jobs: a findAndModify of the jobs collection, or an update of it that makes jobs run."""
+    if command.get("findAndModify") == "jobs":
+        return True
+    updates = command.get("updates", []) if command.get("update") == "jobs" else []
+    return any(isinstance(u.get("u"), dict) and u["u"].get("$set", {}).get("status") == "running" for u in updates)
+
+
+def _names_now(command: dict[str, Any]) -> bool:
+    return "$$NOW" in repr(command)
+
+
+#: What MongoDB before 4.2 answers a filter that uses $$NOW (the variable came in 4.2): a server without it.
+UNDEFINED_NOW = {"ok": 0.0, "code": 17276, "codeName": "Location17276", "errmsg": "Use of undefined variable: NOW"}
+
+
+@pytest.mark.stand_in
+@pytest.mark.parametrize("fences", [True, False], ids=["clock fences", "without $$NOW"])
+def test_a_claim_that_lands_after_a_pause_answered_takes_nothing(fences, mongo_url, db: Database, tmp_path) -> None:
+    # The worker's claim of a job is held on the wire (a slow link, a stalled process) until after `pause` answered.
+    # With clock fences its deadline has passed when it reaches the server: it takes nothing, and the job stays as
+    # published. On a server without them the worker reads the queue's control after each claim: the job is taken
+    # and given back unspent. Either way it never starts until the resume.
+    holding, release = threading.Event(), threading.Event()
+    hold = threading.Event()
+
+    def slow_link(command: dict[str, Any]) -> dict[str, Any] | None:
+        if not fences and _names_now(command):
+            return UNDEFINED_NOW
+        if hold.is_set() and _is_claim(command):
+            holding.set()
+            release.wait(60)
+        return None
+
+    proxy = wire.WireProxy(mongo_url, wire.Profile("slow link", refuse=slow_link))
+    url = with_database(f"mongodb://{proxy.address}", db.name)
+    worker = Worker(url, log_dir=tmp_path, name="w0", extra_args=("-Q", "q,other"))
+    worker.start()
+    app = producer(url)
+    try:
+        warm = send(app, "add", 0, 0, queue="q")
+        wait_for(lambda: db.jobs.find_one({"taskId": warm, "status": "succeeded"}), 60, "the first job ran")
+        hold.set()
+        late = send(app, "add", 1, 1, queue="q")
+        assert holding.wait(60), "the worker never claimed the job"
+        published = db.jobs.find_one({"taskId": late})
+        assert Operations(JobStore(db)).pause("q", by="tester")
+        hold.clear()
+        release.set()  # the claim reaches the server now, after the pause answered
+        after = send(app, "add", 2, 2, queue="other")
+        wait_for(lambda: db.jobs.find_one({"taskId": after, "status": "succeeded"}), 60, "the other queue's job ran")
+        doc = db.jobs.find_one({"taskId": late})
+        assert (doc["status"], doc["attempts"], doc.get("startedAt"), doc.get("history")) == ("queued", 0, None, None)
+        if fences:
+            assert doc == published  # not even claimed and given back
+        else:
+            assert proxy.profile.refused.get("findAndModify") or proxy.profile.refused.get("update")  # the probe's
+            assert "clock_fences" in worker.log(), worker.log()[-3000:]  # said at start: the fallback in use
+        assert Operations(JobStore(db)).resume("q", by="tester")
+        wait_for(
+            lambda: db.jobs.find_one({"taskId": late, "status": "succeeded", "attempts": 1}), 60, "it ran once resumed"
+        )
+    finally:
+        release.set()
+        app.close()
+        proxy.close()
     still_up(worker)
 
 

@@ -286,7 +286,7 @@ def test_a_read_only_user_can_use_none_of_flowers_actions(app, db, worker_factor
         (f"/api/worker/pool/restart/{name}", {}),
         (f"/api/worker/shutdown/{name}", {}),
     ]
-    # Every endpoint of Flower's that acts is here (tests/unit/test_flower_contracts.py keeps that list in step with
+    # Every endpoint of Flower's that acts is here (tests/unit/test_upstream_flower.py keeps that list in step with
     # Flower's).
     assert {handler_of(path).__name__ for path, _ in calls} == FLOWERS_ACTIONS
     refused = "viewer may look but not act: only --jobs_admins may use Flower's actions"
@@ -323,7 +323,7 @@ def test_an_admins_revoke_through_flower_is_recorded_with_their_name(app, db, wo
 # --- the Broker tab -----------------------------------------------------------------------------------------
 
 
-# Flower's internals the Broker tab and the banner rely on: tests/unit/test_flower_contracts.py.
+# Flower's internals the Broker tab and the banner rely on: tests/unit/test_upstream_flower.py.
 
 
 def test_the_factory_answers_bbmongo_with_job_queues(broker_url: str) -> None:
@@ -455,7 +455,7 @@ def flower_env(**extra: str) -> dict[str, str]:
 
 
 def bb_broker_flower(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "tests.support.e2e_app", *args]
+    argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "tests.support.e2e_app", *args]
     return subprocess.run(argv, cwd=cwd, env=flower_env(**env), capture_output=True, text=True, timeout=60)
 
 
@@ -600,7 +600,7 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
 
 
 def test_a_broker_nobody_answers_is_named_in_words(tmp_path: Path) -> None:
-    from bb_broker.contrib.flower.broker import BrokerHealth
+    from bb_broker.contrib.flower.health import BrokerHealth
 
     port = free_port()  # nothing listens there
     health = BrokerHealth(f"bbmongo://bb:pw-xyz@127.0.0.1:{port}/db?serverSelectionTimeoutMS=300")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import json
+import re
 import urllib.parse
+import urllib.request
 from datetime import UTC, datetime, timedelta
 from importlib.metadata import version
 from typing import Any
 
 import pytest
+import tornado.web
 from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
@@ -409,6 +413,25 @@ def test_the_pages_show_counts_attempts_and_links(store: JobStore, db: Database,
     assert missing[0] == 404 and "no job has the id or task id" in html.unescape(missing[1])
 
 
+def test_the_jobs_pages_script_is_a_file_of_its_own_that_browsers_keep_until_it_changes(
+    store: JobStore, flower_factory
+) -> None:
+    flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
+    page = flower.page("/jobs")
+    (script,) = re.findall(r'<script src="(/jobs/static/bb_jobs\.js\?v=[0-9a-f]+)"></script>', page)
+    inline = re.findall(r"<script>(.*?)</script>", page, re.S)
+    assert not [code for code in inline if "filterNames" in code or "uPlot" in code], "the page's code is inline"
+    assert 'data-filter-names="[&quot;status&quot;' in page  # what the script reads from the page
+
+    request = urllib.request.Request(flower.url + script)
+    request.add_header("Authorization", "Basic " + base64.b64encode(ADMIN.encode()).decode())
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        body, headers = answer.read().decode(), answer.headers
+    assert "JSON.parse(root.dataset.filterNames)" in body and "new uPlot(" in body
+    assert headers["Content-Type"].startswith(("application/javascript", "text/javascript"))
+    assert f"max-age={tornado.web.StaticFileHandler.CACHE_MAX_AGE}" in headers["Cache-Control"]  # a new script: new v
+
+
 def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_factory) -> None:
     seed(store)
     publish(store, "task-reports", queue="reports")
@@ -422,7 +445,7 @@ def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_fac
 
 
 # Flower's internals the Jobs tab relies on, and the guard on each of Flower's actions:
-# tests/unit/test_flower_contracts.py.
+# tests/unit/test_upstream_flower.py.
 
 
 def test_the_flowerconfig_route_gets_the_jobs_tab_and_its_options(store: JobStore, tmp_path, flower_factory) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import click
 import yaml
 
-from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.ops.cli import main as bb_broker_command
+from bb_broker.cli import main as bb_broker_command
+from bb_broker.jobs.indexes import DEFAULT_RETENTION
 from bb_broker.transport.channel import Channel
 from bb_broker.transport.transport import Transport
 from tests.support.workers import ROOT

@@ -5,10 +5,10 @@ from __future__ import annotations
 from click.testing import CliRunner
 from pymongo import MongoClient
 
+from bb_broker.cli import main
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.cli import main
 from tests.support.servers import with_database
-from tests.support.wire import WireProxy, ferretdb
+from tests.support.wire import WireProxy, amazon_documentdb, ferretdb
 
 
 def doctor(url: str) -> tuple[int, dict[str, str], str]:
@@ -27,7 +27,8 @@ def scratch_collections(client: MongoClient, database: str) -> list[str]:
 
 #: Every capability the probe (bb_broker/server.py) reports, as doctor names it.
 CAPABILITIES = {"change streams", "hint on findAndModify", "hint on updates", "hint on finds", "hint on aggregates",
-                "update pipelines", "TTL indexes", "retryable writes"}  # fmt: skip
+                "update pipelines", "TTL indexes", "retryable writes",
+                "claims fenced by the server's clock"}  # fmt: skip
 
 
 def test_the_embedded_server_carries_the_broker(own_server) -> None:
@@ -79,3 +80,16 @@ def test_on_an_engine_like_ferretdb_doctor_names_the_server_and_each_fallback_in
     assert "findAndModify.hint is not implemented yet (code 115 CommandNotSupported)" in output
     assert "claims are not hinted" in output and "poll instead of being woken" in output
     assert verdicts["atomic claims"] == "ok" and verdicts["hint on finds"] == "ok", output
+
+
+def test_on_a_server_without_update_pipelines_doctor_says_the_sweep_reads_then_writes(mongo_url, db) -> None:
+    proxy = WireProxy(mongo_url, amazon_documentdb())
+    try:
+        code, verdicts, output = doctor(with_database(f"mongodb://{proxy.address}", db.name))
+    finally:
+        proxy.close()
+    assert code == 0, output
+    assert verdicts["update pipelines"] == "degraded" and verdicts["hint on findAndModify"] == "ok", output
+    line = next(line for line in output.splitlines() if "update pipelines:" in line)
+    assert "Failed to parse update: field must be of BSON type object (code 9)" in line, line
+    assert "the stale sweep and the release at shutdown read the lost jobs" in line and "a round trip more" in line

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,29 +12,15 @@ from pathlib import Path
 from pymongo.database import Database
 
 import bb_broker
+from tests.support.readme import README_URL, block, commands
 from tests.support.workers import ROOT, Worker
-
-README = (ROOT / "README.md").read_text()
-QUICK_START = README.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
-#: The URL the quick start writes; the test puts its own server's in its place.
-README_URL = "bbmongo://127.0.0.1:27017/bountyboard"
-
-
-def _block(after: str, language: str) -> str:
-    """The first fenced block of `language` after the text `after` in the quick start."""
-    return re.search(rf"{re.escape(after)}.*?```{language}\n(.*?)```", QUICK_START, re.S)[1]
-
-
-def _commands(after: str) -> list[list[str]]:
-    """The shell commands of the first `sh` block after `after`, each split as a shell would (comments dropped)."""
-    return [shlex.split(line, comments=True) for line in _block(after, "sh").splitlines() if line.strip()]
 
 
 def test_the_quick_start_runs_as_written(tmp_path: Path, broker_url: str, db: Database) -> None:
-    app_source = _block("**2. An app**", "python")
+    app_source = block("**2. An app**", "python")
     assert README_URL in app_source
     (tmp_path / "myapp.py").write_text(app_source.replace(README_URL, broker_url))
-    worker_command, task_command, status_command = _commands("**3. A worker, a task, the counts**")
+    worker_command, task_command, status_command = commands("**3. A worker, a task, the counts**")
     assert worker_command[:4] == ["celery", "-A", "myapp", "worker"]
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     worker_options = tuple(worker_command[4:])  # -E --loglevel INFO
@@ -58,11 +43,11 @@ def test_the_quick_start_runs_as_written(tmp_path: Path, broker_url: str, db: Da
 
     # The abridged job document and the statuses() the README shows are what the run left behind.
     document = db.jobs.find_one()
-    shown = set(re.findall(r'"(\w+)": ', _block("What the task left behind", "python")))
+    shown = set(re.findall(r'"(\w+)": ', block("What the task left behind", "python")))
     in_payload, in_history = {"args", "kwargs"}, {"n", "worker", "outcome"}
     assert shown - in_payload - in_history <= set(document)
     assert in_payload <= set(document["payload"]) and in_history <= set(document["history"][0])
     assert (document["kind"], document["status"], document["result"]) == ("myapp.add", "succeeded", 5)
     assert document["payload"]["args"] == [2, 3] and document["history"][0]["outcome"] == "succeeded"
-    counts = ast.literal_eval(re.search(r"# (\{.*\})", _block("And from code", "python"))[1])
+    counts = ast.literal_eval(re.search(r"# (\{.*\})", block("And from code", "python"))[1])
     assert bb_broker.statuses(broker_url) == counts

@@ -50,7 +50,10 @@ class FlowerProcess:
         env: dict[str, str] | None = None,
         user: str | None = None,
         address: str | None = "127.0.0.1",
+        bin_dir: Path | None = None,
     ) -> None:
+        """`bin_dir`: a venv's bin/ whose `celery` or `bb-broker` command runs Flower (a user's install), else the
+        suite's Python runs it."""
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
         # A directed inspect returns at its one reply; the long timeout only matters on a loaded machine.
@@ -65,10 +68,12 @@ class FlowerProcess:
         if basic_auth:
             flower_args.append(f"--basic-auth={basic_auth}")
         if launcher == "celery":
-            self.argv = [sys.executable, "-m", "celery", "-A", app, "flower", *flower_args]
+            celery = [str(bin_dir / "celery")] if bin_dir else [sys.executable, "-m", "celery"]
+            self.argv = [*celery, "-A", app, "flower", *flower_args]
         elif launcher == "bb-broker":
             no_auth = [] if basic_auth else ["--no-auth"]
-            self.argv = [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", app, *no_auth, *flower_args]
+            bb_broker = [str(bin_dir / "bb-broker")] if bin_dir else [sys.executable, "-m", "bb_broker.cli"]
+            self.argv = [*bb_broker, "flower", "-A", app, *no_auth, *flower_args]
         else:
             raise ValueError(f"unknown launcher {launcher!r}")
         self.cwd = cwd

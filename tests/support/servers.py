@@ -21,21 +21,25 @@ from bb_broker.embedded import daemon_argv
 AUTH_PASSWORD = "s3cret-pw"
 
 
-#: Where free_port hands out ports: a block per pytest-xdist worker, below Linux's ephemeral range (32768 and up).
+#: Where free_port hands out ports: a block per test process, below Linux's ephemeral range (32768 and up).
 FIRST_PORT = 20_000
-PORTS_PER_WORKER = 500
+PORTS_PER_WORKER = 250
+BLOCKS = (32_768 - FIRST_PORT) // PORTS_PER_WORKER
 _handed_out = itertools.count()
+#: The socket that holds this process's block (bound to its first port) for as long as the process lives.
+_block_claim: socket.socket | None = None
 
 
 def free_port() -> int:
-    """A port nothing listens on, which no other process of the suite is handed: each pytest-xdist worker takes
-    from its own block, below the ephemeral range, where neither another worker's free_port nor an outgoing
-    connection can take it between this call and its server's bind. (A port the kernel picked at random once went
-    to two workers' Flowers: a request reached the other one, whose users differ, and had a 401.)"""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    block = FIRST_PORT + (int(worker) if worker.isdigit() else 0) * PORTS_PER_WORKER
-    for _ in range(PORTS_PER_WORKER):
-        port = block + next(_handed_out) % PORTS_PER_WORKER
+    """A port nothing listens on, which no other test process on this machine is handed: each takes from a block of
+    its own, below the ephemeral range, where neither another process's free_port nor an outgoing connection can
+    take it between this call and its server's bind. (A port the kernel picked at random once went to two workers'
+    Flowers: a request reached the other one, whose users differ, and had a 401. A block per xdist worker number
+    alone was shared by two pytest sessions on one machine: a Flower that could not bind its port left the test
+    talking to the other session's Flower, and a server's port went to the other session's server.)"""
+    block = _own_block()
+    for _ in range(PORTS_PER_WORKER - 1):
+        port = block + 1 + next(_handed_out) % (PORTS_PER_WORKER - 1)  # the first port is the block's claim
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -43,6 +47,29 @@ def free_port() -> int:
                 continue  # still in use, or its last connection not yet closed
             return port
     raise RuntimeError(f"no free port in {block}-{block + PORTS_PER_WORKER - 1}")
+
+
+def _own_block() -> int:
+    """The first port of this process's block, claimed on first use by listening on it until the process ends: a
+    process of another pytest session finds the claim and takes the next free block. An xdist worker starts looking
+    at its own number's block, so one session's workers do not contend."""
+    global _block_claim
+    if _block_claim is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        first = int(worker) if worker.isdigit() else 0
+        for n in range(BLOCKS):
+            claim = socket.socket()
+            try:
+                claim.bind(("127.0.0.1", FIRST_PORT + (first + n) % BLOCKS * PORTS_PER_WORKER))
+                claim.listen(1)
+            except OSError:
+                claim.close()
+                continue
+            _block_claim = claim
+            break
+        else:
+            raise RuntimeError(f"every block of {PORTS_PER_WORKER} ports from {FIRST_PORT} is claimed")
+    return _block_claim.getsockname()[1]
 
 
 def with_database(mongo_url: str, database: str, scheme: str = "bbmongo") -> str:

@@ -1,8 +1,8 @@
 """A wire proxy in front of the stand-in that plays another deployment: a `mongos`, a standalone server, an engine
-that refuses what FerretDB 2 refuses, or a replica set through an election. Every message goes through; the profile
-rewrites the server's handshake, answers some commands itself with the refusal the real deployment gives, and rewrites
-some refusals as that engine reports them. The broker only ever sees answers a real server gives: nothing here is known
-to bb_broker's code.
+that refuses what FerretDB 2 refuses, one that refuses update pipelines as Amazon DocumentDB does, or a replica set
+through an election. Every message goes through; the profile rewrites the server's handshake, answers some commands
+itself with the refusal the real deployment gives, and rewrites some refusals as that engine reports them. The broker
+only ever sees answers a real server gives: nothing here is known to bb_broker's code.
 """
 
 from __future__ import annotations
@@ -116,6 +116,27 @@ def ferretdb() -> Profile:
         return document
 
     return Profile("ferretdb", handshake=_without_replica_set, refuse=refuse, answer=answer)
+
+
+def _is_pipeline_update(command: dict[str, Any]) -> bool:
+    """An `update` with a statement whose update is a pipeline (a list), or a findAndModify with one."""
+    if "findAndModify" in command:
+        return isinstance(command.get("update"), list)
+    return "update" in command and any(isinstance(s.get("u"), list) for s in command.get("updates", []))
+
+
+def amazon_documentdb() -> Profile:
+    """Amazon DocumentDB (5.0), as its users meet it: an update with an aggregation pipeline refused as a whole with
+    code 9 (FailedToParse), `Failed to parse update: field must be of BSON type object` (its developer guide lists
+    only the classic update operators; the answer as reported in Matgenix/jobflow-remote#299). Its handshake names no
+    replica set here, for the reason ferretdb() gives (a real cluster's does; it takes no retryable writes either)."""
+
+    def refuse(command: dict[str, Any]) -> dict[str, Any] | None:
+        if _is_pipeline_update(command):
+            return {"ok": 0.0, "code": 9, "errmsg": "Failed to parse update: field must be of BSON type object"}
+        return None
+
+    return Profile("amazon documentdb", handshake=_without_replica_set, refuse=refuse)
 
 
 def _has_output_stage(command: dict[str, Any]) -> bool:

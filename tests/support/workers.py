@@ -55,12 +55,16 @@ class Worker:
         pool: str = "prefork",
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        bin_dir: Path | None = None,
+        cwd: Path = ROOT,
     ) -> None:
+        """`bin_dir`: a venv's bin/ whose `celery` command runs the worker (a user's install), else the suite's."""
         self.broker_url = broker_url
         self.log_path = log_dir / f"worker-{name}.log"
         self.name = name
+        celery = [str(bin_dir / "celery")] if bin_dir else [sys.executable, "-m", "celery"]
         self.argv = [
-            sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "-c", str(concurrency),
+            *celery, "-A", app, "worker", "-n", f"{name}@%h", "-c", str(concurrency),
             "-P", pool, "--loglevel", "INFO", "--without-mingle", "--without-gossip", *extra_args,
         ]  # fmt: skip
         self.env = {
@@ -70,13 +74,14 @@ class Worker:
             "PYTHONPATH": str(ROOT),
             **(env or {}),
         }
+        self.cwd = cwd
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> None:
         STARTED.append(self)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the worker writes to it for its whole life)
         self.process = subprocess.Popen(
-            self.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         wait_for(lambda: self.process.poll() is not None or " ready." in self.log(), timeout, f"{self.name} ready")
         if self.process.poll() is not None:

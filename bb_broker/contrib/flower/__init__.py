@@ -3,4 +3,6 @@
 `import bb_broker.contrib.flower` in the `flowerconfig.py` Flower reads (`bb-broker flower` does it for you).
 """
 
-from bb_broker.contrib.flower import broker  # noqa: F401  (importing it installs the tabs into Flower)
+from bb_broker.contrib.flower import plugin
+
+plugin.install()

@@ -109,7 +109,7 @@ def checks_host(options: Any) -> bool:
 
 def refusal_for(application: Any, request: httputil.HTTPServerRequest) -> type[tornado.web.RequestHandler] | None:
     """The handler that answers a request whose Host this Flower does not serve (ForeignHostRefused), or None to let
-    Flower's own routing answer it (patches.install_host_check calls this for every request)."""
+    Flower's own routing answer it (upstream_flower.install_host_check calls this for every request)."""
     options = getattr(application, "options", None)
     if options is None or not checks_host(options):
         return None

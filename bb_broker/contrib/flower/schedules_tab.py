@@ -1,6 +1,6 @@
 """Flower's Schedules view beside the Jobs tab: bb_broker.beat's entries, with run now, enable and disable.
 
-Its handlers are the Jobs tab's (bb_broker.contrib.flower.jobs_tab): the same login, XSRF protection, per-user share
+Its handlers are the Jobs tab's (bb_broker.contrib.flower.handlers): the same login, XSRF protection, per-user share
 of queries, and read-only rule (`--read_only`, `--jobs_admins`): a user who may not act gets a 403 and nothing runs.
 """
 
@@ -14,27 +14,21 @@ from tornado.web import url
 from bb_broker.beat.entries import EntryError, ScheduleStore
 from bb_broker.beat.overview import describe
 from bb_broker.beat.scheduler import run_now
-from bb_broker.contrib.flower.jobs_tab import (
-    _ApiHandler,
-    _JobsHandler,
-    _operations,
-    _refuse_unless_allowed,
-    can_act,
-    jsonable,
-    user_name,
-)
+from bb_broker.contrib.flower.access import can_act, refuse_unless_allowed, user_name
+from bb_broker.contrib.flower.handlers import ApiHandler, JobsHandler, jsonable
+from bb_broker.contrib.flower.tab import operations_of
 
 SCHEDULE_ACTIONS = ("run-now", "enable", "disable")
 ACTION_PATTERN = "(" + "|".join(SCHEDULE_ACTIONS) + ")"
 
 
-class _SchedulesHandler(_JobsHandler):
+class _SchedulesHandler(JobsHandler):
     def schedule_store(self) -> ScheduleStore:
-        store = _operations(self).store
+        store = operations_of(self).store
         return ScheduleStore(store.coll.database, store.now)
 
     async def entries(self) -> list[dict[str, Any]]:
-        store = _operations(self).store
+        store = operations_of(self).store
 
         def read() -> list[dict[str, Any]]:
             db = store.coll.database
@@ -43,8 +37,8 @@ class _SchedulesHandler(_JobsHandler):
         return await self.run_query(read)
 
     async def act(self, action: str) -> dict[str, Any]:
-        _refuse_unless_allowed(self)
-        name = self.get_argument("name", default="", escape=False, strip=False)
+        refuse_unless_allowed(self)
+        name = self.plain_argument("name", default="", strip=False)
         if not name:
             raise tornado.web.HTTPError(400, "name is required: the entry's name")
         schedules = self.schedule_store()
@@ -75,13 +69,13 @@ class ScheduleAction(_SchedulesHandler):
         self.write(await self.act(action))
 
 
-class SchedulesApi(_SchedulesHandler, _ApiHandler):
+class SchedulesApi(_SchedulesHandler, ApiHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         self.write({"entries": jsonable(await self.entries())})
 
 
-class ScheduleActionApi(ScheduleAction, _ApiHandler):
+class ScheduleActionApi(ScheduleAction, ApiHandler):
     pass
 
 

@@ -1,31 +1,19 @@
-"""The shapes of Celery, Kombu and billiard that bb_broker/worker/patches.py relies on: each test fails, naming the
-upstream change and the function of patches.py it breaks, before a user meets the broken behaviour."""
+"""The shapes of Celery that bb_broker/upstream/celery.py relies on: each test fails, naming the Celery change and
+the function it breaks, before a user meets the broken behaviour."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from functools import partial
 
 import pytest
 from celery import Celery, states
-from kombu import Connection, Exchange, Queue
 
-from bb_broker.worker import patches
+from bb_broker.upstream import celery as upstream_celery
+from tests.support.upstream import parameters, source
+from tests.support.upstream import where as where_in
 
-PATCHES = "bb_broker/worker/patches.py"
-
-
-def where(function: str) -> str:
-    return f"see {PATCHES}:{function} (checked against {patches.CHECKED_AGAINST})"
-
-
-def parameters(function: Any) -> list[str]:
-    """The parameter names of an upstream function, under any wrapper of ours (functools.wraps keeps __wrapped__)."""
-    return list(inspect.signature(inspect.unwrap(function)).parameters)
-
-
-def source(obj: Any) -> str:
-    return inspect.getsource(inspect.unwrap(obj))
+where = partial(where_in, upstream_celery)
 
 
 @pytest.fixture
@@ -57,11 +45,11 @@ def test_the_retry_wrapper_is_installed_once_around_celerys_own(monkeypatch: pyt
     from celery.backends.base import BaseBackend
 
     monkeypatch.setattr(BaseBackend, "mark_as_failure", BaseBackend.mark_as_failure)  # put back afterwards
-    patches.install_failure_as_retry(lambda app, request, exc: False)
+    upstream_celery.install_failure_as_retry(lambda app, request, exc: False)
     installed = BaseBackend.mark_as_failure
-    patches.install_failure_as_retry(lambda app, request, exc: True)
+    upstream_celery.install_failure_as_retry(lambda app, request, exc: True)
     assert BaseBackend.mark_as_failure is installed
-    assert not getattr(installed.__wrapped__, patches._INSTALLED, False), "wrapped twice"
+    assert not getattr(installed.__wrapped__, upstream_celery._INSTALLED, False), "wrapped twice"
 
 
 def test_a_tasks_request_class_is_the_documented_hook_for_a_lost_pool_process(app: Celery) -> None:
@@ -93,9 +81,9 @@ def test_a_tasks_request_class_is_the_documented_hook_for_a_lost_pool_process(ap
     def noop() -> None:
         pass
 
-    patches.explain_worker_lost(noop, str)
+    upstream_celery.explain_worker_lost(noop, str)
     explained = noop.Request
-    patches.explain_worker_lost(noop, str)
+    upstream_celery.explain_worker_lost(noop, str)
     assert noop.Request is explained and issubclass(explained, Request), "the request class was subclassed twice"
 
 
@@ -124,7 +112,7 @@ def test_a_chain_from_a_message_is_a_private_chain(app: Celery) -> None:
         "chain_class"
     )
     rebuilt = maybe_signature(dict(app.signature("a") | app.signature("b")), app=app)
-    assert isinstance(rebuilt, patches.chain_class()) and issubclass(chain, patches.chain_class()), (
+    assert isinstance(rebuilt, upstream_celery.chain_class()) and issubclass(chain, upstream_celery.chain_class()), (
         f"a chain rebuilt from its message is a {type(rebuilt).__name__}, not a celery.canvas._chain: Celery changed "
         "its chain classes; " + where("chain_class")
     )
@@ -143,11 +131,11 @@ def test_a_publishing_process_apps_and_their_registries_are_found_without_finali
         pass
 
     unique_task.name  # noqa: B018 (evaluating the task proxy registers the task, as apply_async does)
-    assert patches.registered_task("contracts.unique").unique is True and not app.finalized, (
+    assert upstream_celery.registered_task("contracts.unique").unique is True and not app.finalized, (
         "a task is no longer in `app._tasks` once its proxy is evaluated, or reading it finalizes the app; "
         + where("registered_task")
     )
-    assert patches.registered_task("contracts.nowhere") is None
+    assert upstream_celery.registered_task("contracts.nowhere") is None
 
 
 def test_before_task_publish_hands_receivers_the_headers_and_properties_it_publishes(app: Celery) -> None:
@@ -158,14 +146,14 @@ def test_before_task_publish_hands_receivers_the_headers_and_properties_it_publi
     assert "properties.update(kwargs)" in body[:sent] and "**properties" in body[sent:], (
         "Celery no longer puts apply_async's unknown keywords in the properties it sends before_task_publish and "
         "then publishes: the per-call unique and serial options cannot be read there; see "
-        "bb_broker/worker/hooks.py:_flow_control_headers"
+        "bb_broker/worker/publish_headers.py:_flow_control_headers"
     )
 
 
 def test_a_generator_chord_header_is_a_regen() -> None:
     from celery.utils.functional import regen
 
-    assert patches.is_lazy_result_list(regen(iter([1]))), (
+    assert upstream_celery.is_lazy_result_list(regen(iter([1]))), (
         "celery.utils.functional.regen no longer returns a celery.utils.functional._regen: Celery changed its lazy "
         "list; " + where("is_lazy_result_list")
     )
@@ -179,7 +167,7 @@ def test_result_meta_has_the_fields_a_job_document_keeps(app: Celery) -> None:
         f"celery.backends.base.BaseBackend._get_result_meta now takes {found}: Celery changed how a result's meta "
         "is built; " + where("result_meta")
     )
-    meta = patches.result_meta(app.backend, 1, states.SUCCESS, None, None)
+    meta = upstream_celery.result_meta(app.backend, 1, states.SUCCESS, None, None)
     assert {"date_done", "children"} <= set(meta), (
         f"BaseBackend._get_result_meta returns {sorted(meta)}, without date_done or children; " + where("result_meta")
     )
@@ -195,7 +183,7 @@ def test_failing_a_chain_and_calling_errbacks_take_what_the_backend_passes() -> 
             f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
             "the tasks chained after it; " + where("fail_chain")
         )
-    else:  # before 5.7, mark_as_failure fails the chain inline, as patches._fail_chain_before_celery_5_7 does
+    else:  # before 5.7, mark_as_failure fails the chain inline, as upstream_celery._fail_chain_before_celery_5_7 does
         inline = source(BaseBackend.mark_as_failure)
         assert not hasattr(BaseBackend, "_fail_chain"), f"Celery {celery.__version__} has _fail_chain; " + where(
             "fail_chain"
@@ -219,7 +207,7 @@ def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, part: str, mo
     chained = app.signature("contracts.next").freeze()
     options = {"task_id": chained.id} | ({"chord": {"task": "contracts.body"}} if part == "chord part" else {})
     chain = [dict(app.signature("contracts.next", options=options))]
-    patches.fail_chain(app.backend, chain, KeyError("x"), None, True, states.FAILURE)
+    upstream_celery.fail_chain(app.backend, chain, KeyError("x"), None, True, states.FAILURE)
     assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
     assert counted == ([chained.id] if part == "chord part" else []), "a chained chord part was not counted"
 
@@ -232,7 +220,7 @@ def test_a_task_rejected_without_requeue_is_reported_failed_from_celery_5_7_only
 
     on_failure = source(Request.on_failure)
     reports = "if not exc.requeue:" in on_failure and "signals.task_failure.send(" in on_failure
-    assert reports == patches.fails_rejected_tasks(), (
+    assert reports == upstream_celery.fails_rejected_tasks(), (
         f"celery.worker.request.Request.on_failure of Celery {celery.__version__} "
         + ("now" if reports else "no longer")
         + " reports a task that raised Reject(requeue=False) as failed; "
@@ -250,7 +238,7 @@ def test_a_compressed_result_is_told_by_celerys_own_mark() -> None:
     import celery
     from celery.backends import base
 
-    mark = patches.compressed_result_mark()
+    mark = upstream_celery.compressed_result_mark()
     if celery.VERSION >= (5, 7):
         assert mark is not None and base.compress_payload(b"{}", "zlib").startswith(mark), (
             "celery.backends.base.COMPRESSED_PAYLOAD_MAGIC is gone or no longer starts what compress_payload writes: "
@@ -269,7 +257,7 @@ def test_a_backend_has_its_result_cache_and_eager_check(app: Celery) -> None:
         "BaseBackend._ensure_not_eager is gone: Celery changed how a read refuses eager results; "
         + where("refuse_when_eager")
     )
-    cache = patches.result_cache(backend)
+    cache = upstream_celery.result_cache(backend)
     assert hasattr(cache, "get") and hasattr(cache, "__setitem__"), (
         f"BaseBackend._cache is a {type(cache).__name__}, not a mapping: Celery changed its result cache; "
         + where("result_cache")
@@ -292,137 +280,83 @@ def test_the_backend_methods_bbmongo_implements_keep_their_parameters() -> None:
         )
 
 
-# --- Kombu ----------------------------------------------------------------------------------------------------------
-
-
-def test_kombus_registry_keeps_each_serializers_content_type_and_encoding() -> None:
-    assert patches.serializer_content_types("json") == ("application/json", "utf-8"), (
-        "kombu.serialization.registry._encoders changed shape: Kombu moved its serializer table; "
-        + where("serializer_content_types")
-    )
-
-
-@pytest.fixture
-def channel() -> Any:
-    with Connection("memory://") as connection:
-        yield connection.default_channel
-
-
-def test_a_virtual_channels_consumers_queues_and_bindings(channel: Any) -> None:
-    queue = Queue("contracts", Exchange("contracts", "direct"), routing_key="k")
-    queue(channel).declare()
-    assert patches.exchange_table(channel.state, "contracts") == [("k", None, "contracts")], (
-        "kombu.transport.virtual BrokerState.exchanges[...]['table'] no longer holds (routing key, pattern, queue) "
-        "rows: Kombu changed its routing tables; " + where("exchange_table")
-    )
-    patches.drop_bindings(channel.state, lambda row: row[2] != "contracts")
-    assert patches.exchange_table(channel.state, "contracts") == [], "the table is not the one Kombu routes by"
-    channel.basic_consume("contracts", False, lambda message: None, "tag-1")
-    assert patches.has_consumers(channel) and patches.consumed_queues(channel) == ["contracts"], (
-        "kombu.transport.virtual.Channel._consumers or _active_queues changed: Kombu changed how a channel keeps its "
-        "consumers; " + where("consumed_queues")
-    )
-    assert patches.queue_of_consumer(channel, "tag-1") == "contracts", (
-        "kombu.transport.virtual.Channel._tag_to_queue changed; " + where("queue_of_consumer")
-    )
-    assert isinstance(patches.next_delivery_tag(channel), str), (
-        "kombu.transport.virtual.Channel._next_delivery_tag() changed; " + where("next_delivery_tag")
-    )
-
-
-def test_a_virtual_qos_tracks_what_it_delivered(channel: Any) -> None:
-    qos = channel.qos
-    assert qos.can_consume_max_estimate() is None, "can_consume_max_estimate() without a prefetch limit is not None"
-    qos.prefetch_count = 4
-    qos.append(object(), "tag-1")
-    assert "tag-1" in patches.delivered_messages(qos) and qos.can_consume_max_estimate() == 3, (
-        "kombu.transport.virtual.QoS._delivered or can_consume_max_estimate changed: Kombu changed how it counts "
-        "unacked messages; " + where("delivered_messages")
-    )
-    patches.ack_without_restore(qos, "tag-1")
-    assert qos.can_consume_max_estimate() == 4, (
-        "kombu.transport.virtual.QoS._quick_ack no longer settles a message; " + where("ack_without_restore")
-    )
-    qos.append(object(), "tag-2")
-    qos.ack("tag-2")  # kept in _delivered, marked in _dirty, until the next append
-    assert "tag-2" in qos._delivered and "tag-2" not in patches.delivered_messages(qos), (
-        "kombu.transport.virtual.QoS no longer marks an acked tag in _dirty; " + where("delivered_messages")
-    )
-
-
-def test_the_virtual_transport_methods_bbmongo_overrides_keep_their_parameters() -> None:
-    from kombu.transport import virtual
-
-    from bb_broker.transport.channel import Channel
-    from bb_broker.transport.transport import Transport
-
-    overridden = {
-        virtual.Channel: ("_get", "_put", "_size", "_purge", "_delete", "_new_queue", "_has_queue", "_lookup"),
-        virtual.Transport: ("_deliver",),
-    }
-    for base, names in overridden.items():
-        ours, module = (Channel, "channel") if base is virtual.Channel else (Transport, "transport")
-        for name in names:
-            kombus, mine = parameters(getattr(base, name)), parameters(getattr(ours, name))
-            assert mine[: len(kombus)] == kombus or "args" in kombus, (
-                f"kombu.transport.virtual.{base.__name__}.{name} now takes {kombus}, bbmongo:// overrides it with "
-                f"{mine}: Kombu changed its virtual transport interface; see bb_broker/transport/{module}.py"
-            )
-    assert "self._queue_bind(exchange, *meta)" in source(virtual.Channel.queue_bind), (
-        "kombu.transport.virtual.Channel.queue_bind no longer calls _queue_bind(exchange, routing key, pattern, "
-        "queue): bbmongo:// stores its bindings there; see bb_broker/transport/channel.py"
-    )
-    assert "self.channel._put_fanout(" in source(virtual.exchange.FanoutExchange.deliver), (
-        "kombu's FanoutExchange.deliver no longer calls Channel._put_fanout; see bb_broker/transport/channel.py"
-    )
-
-
-# --- billiard -------------------------------------------------------------------------------------------------------
-
-
-def test_billiards_pool_reads_its_job_queue_through_get_payload_under_its_read_lock(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import billiard
-    from billiard import pool, queues
-
-    monkeypatch.setattr(queues.SimpleQueue, "get_payload", queues.SimpleQueue.get_payload)  # put back afterwards
-
-    simple_queue = inspect.getsource(queues.SimpleQueue)  # the file's text, whatever is installed on the class
-    assert "with self._rlock:\n            return self._reader.recv_bytes()" in simple_queue, (
-        "billiard.queues.SimpleQueue.get_payload no longer reads `self._reader` under `self._rlock`: billiard changed "
-        "its job queue, and the guarded read may lock what it no longer uses; " + where("install_pool_queue_guard")
-    )
-    assert "conn.get_payload" in inspect.getsource(pool), (
-        "billiard's pool no longer reads tasks through `get_payload`: the guard is never called; "
-        + where("install_pool_queue_guard")
-    )
-    queue = queues.SimpleQueue(ctx=billiard.get_context())
-    locked = queue._rlock.acquire(timeout=0.01)
-    assert locked, "billiard's SimpleQueue._rlock takes no acquire(timeout=); " + where("install_pool_queue_guard")
-    queue._rlock.release()
-    patches.install_pool_queue_guard()
-    queue.send_payload(b"job")
-    assert queue.get_payload() == b"job", "the guarded read does not read what billiard wrote"
-
-
 def test_the_worker_lists_the_requests_it_holds() -> None:
-    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/hooks.py:_reserved_jobs keeps
+    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/startup.py:_reserved_jobs keeps
     # their leases fresh from them, and _started_jobs keeps a closed consumer from giving back a job that runs on).
     from celery.worker import state
     from celery.worker.request import Request
 
     assert hasattr(state.reserved_requests, "__iter__") and isinstance(Request.request_dict, property), (
         "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
-        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/hooks.py:_reserved_jobs"
+        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/startup.py:_reserved_jobs"
     )
     from celery.app import defaults
 
     # _cancelled_on_reconnect repeats Celery's own test of the runs it cancels on a reconnect.
     assert "cancel_long_running_tasks_on_connection_loss" in defaults.NAMESPACES["worker"] and hasattr(
         Request, "acknowledged"
-    ), "Celery's cancel-on-reconnect setting or Request.acknowledged changed; see bb_broker/worker/hooks.py"
+    ), "Celery's cancel-on-reconnect setting or Request.acknowledged changed; see bb_broker/worker/startup.py"
     assert hasattr(state.active_requests, "__iter__"), (
         "celery.worker.state.active_requests changed: Celery changed how a worker lists the requests its pool runs, "
-        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/hooks.py:_started_jobs"
+        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/startup.py:_started_jobs"
+    )
+
+
+# --- the app's state, beat's schedules ------------------------------------------------------------------------------
+
+
+def test_an_apps_dict_keeps_our_state_and_pickling_the_app_carries_none_of_it(app: Celery) -> None:
+    import pickle
+    import threading
+
+    assert "__slots__" not in vars(type(app)) and upstream_celery.app_state(app) is vars(app), (
+        "a Celery app no longer keeps its attributes in a __dict__: bb_broker's per-app state has nowhere to live; "
+        + where("app_state")
+    )
+    key = "bb_broker_contract"
+    upstream_celery.app_state(app)[key] = threading.Lock()  # as a relay's sockets or a store's client: unpicklable
+    reduced = repr(app.__reduce__())
+    copy = pickle.loads(pickle.dumps(app))
+    assert key not in reduced and key not in upstream_celery.app_state(copy), (
+        "pickling a Celery app now carries its __dict__: bb_broker's stores and relay would travel to pool processes; "
+        + where("app_state")
+    )
+    assert copy.main == app.main
+
+
+def test_a_solars_next_event_is_found_from_any_moment() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from celery.schedules import solar
+
+    london = solar("sunrise", 51.5, 0.0)
+    assert {"ephem", "cal"} <= set(vars(london)) and callable(getattr(london, "_next_event", None)), (
+        "celery.schedules.solar no longer keeps `ephem`, its observer `cal` or `_next_event(start)`: Celery changed "
+        "how a solar schedule finds its event; " + where("solar_next_event")
+    )
+    assert "return start" in source(london._next_event), (
+        "solar._next_event no longer returns its start when the event never comes: a polar night would read as an "
+        "event at that moment; " + where("solar_next_event")
+    )
+    start = datetime(2024, 6, 1, tzinfo=UTC)
+    found = upstream_celery.solar_next_event(london, start)
+    assert found is not None and timedelta(hours=3) < found - start < timedelta(hours=5), (
+        f"London's sunrise after {start} is {found}, not about 03:43 UTC; " + where("solar_next_event")
+    )
+    night = datetime(2024, 12, 21, tzinfo=UTC)  # the polar night: the next sunrise at 80°N is in February
+    found = upstream_celery.solar_next_event(solar("sunrise", 80.0, 0.0), night)
+    assert found is not None and datetime(2025, 2, 1, tzinfo=UTC) < found < datetime(2025, 3, 1, tzinfo=UTC), (
+        f"the sunrise after the polar night at 80°N is {found}: solar._next_event no longer searches the days "
+        "ahead; " + where("solar_next_event")
+    )
+
+
+def test_a_crontab_keeps_its_fields_as_written() -> None:
+    from celery.schedules import crontab
+
+    written = crontab(minute="*/15", hour="9-17", day_of_month="1,15", month_of_year="*", day_of_week="mon-fri")
+    assert upstream_celery.crontab_fields(written) == ("*/15", "9-17", "1,15", "*", "mon-fri"), (
+        "celery.schedules.crontab's _orig_minute, _orig_hour, _orig_day_of_month, _orig_month_of_year or "
+        "_orig_day_of_week no longer hold the fields as written: a schedule's stored form would change; "
+        + where("crontab_fields")
     )

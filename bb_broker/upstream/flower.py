@@ -1,13 +1,15 @@
-"""Every contact with Flower's and Tornado's internals: each patch of theirs is installed here, and only here.
+"""Every contact with Flower's and Tornado's internals: each patch of theirs is made here, and only here.
 
 Flower 2 has no extension point: no plugin interface, no way to add a broker, a handler or a template but editing
 its modules' tables and classes before it builds its Tornado application. Each function below says what it changes,
-why no public hook does it, and the Flower releases it was checked against; tests/unit/test_flower_contracts.py
+why no public hook does it, and the Flower releases it was checked against; tests/unit/test_upstream_flower.py
 asserts the shapes each relies on and fails, naming the Flower change and the function here, when a release moves
 one. What a patch does for bb_broker (the Broker tab's rows, the banner, who may act) is passed in by
-bb_broker.contrib.flower.broker and .jobs_tab: this module knows Flower's shapes, not the tabs' rules.
+bb_broker.contrib.flower.plugin, whose `install()` makes them all: this module knows Flower's shapes, not the tabs'
+rules.
 
-`install()` is the one entry point (idempotent); importing bb_broker.contrib.flower.broker calls it.
+Unlike the other upstream modules, this one imports Flower and Tornado at its top: only the Flower plugin imports it,
+in a process running Flower, never while `celery` or `kombu.transport` are being imported.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import tornado.template
 import tornado.web
 from flower import urls as flower_urls
 from flower.app import Flower
@@ -27,9 +30,10 @@ from flower.views.workers import WorkersView
 from tornado.httputil import HTTPServerRequest
 from tornado.web import URLSpec
 
-#: The releases every function here was checked against: the contract tests pass on Flower 2.2.0; the sources of
-#: 2.0.1 and 2.1.0 were read, and where they differ each function says how (the tests then fail, naming the place).
-CHECKED_AGAINST = "flower 2.2.0 (2.0.1, 2.1.0 read); tornado 6.6.1"
+#: The releases every function here was checked against: the contract tests pass on Flower 2.0.1, 2.1.0 and 2.2.0
+#: with Tornado 6.6.1; the sources of the Tornado releases they allow (5.0, 5.1.1, 6.0.4 to 6.5.7) were read, and
+#: where releases differ each function says how (the tests then fail, naming the place).
+CHECKED_AGAINST = "flower 2.0.1, 2.1.0, 2.2.0; tornado 6.6.1 (5.0 to 6.5.7 read)"
 
 #: Marks what this module installed, so that installing twice installs once.
 INSTALLED = "_bb_broker_patch"
@@ -78,17 +82,46 @@ def broker_url_with_password(app: Flower) -> str:
         return str(connection.as_uri(include_password=True))
 
 
-def install_template_loader(loader_class: type[tornado.template.BaseLoader]) -> None:
-    """Serve Flower's templates through `loader_class(template_path)` (idempotent).
+def plain_argument(handler: tornado.web.RequestHandler, name: str, default: Any = None, strip: bool = True) -> Any:
+    """A request argument as sent, not HTML-escaped: Tornado's own `RequestHandler.get_argument`, under Flower's
+    `BaseHandler.get_argument`, which escapes every value and takes `escape=False` only from Flower 2.2 on (2.0 and
+    2.1 have no such parameter: a call with it fails the request). Relies on: Flower's override calling Tornado's
+    first, then escaping (its `type` and `required` are not used here). Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    return tornado.web.RequestHandler.get_argument(handler, name, default, strip)
+
+
+def install_template_loader(rewrite: Callable[[str, str], bytes | None]) -> None:
+    """Serve Flower's templates through a Tornado `Loader` on Flower's template path that asks `rewrite(root, name)`
+    first for each template it loads: the source it returns is compiled in the template's place; None leaves the
+    template to Tornado (the file `name` under `root`) (idempotent).
 
     `template_loader` is a documented Tornado application setting; Flower builds its application from the module-level
     `flower.urls.settings` dict and takes no setting of its own for it, so the dict is where it goes. Relies on:
     `flower.urls.settings["template_path"]`, and Flower passing `**settings` to its Application
-    (flower.command: `Flower(capp=app, options=options, **settings)`). Checked against flower 2.2.0; 2.0.1 and 2.1.0
-    too, but their base.html and broker.html lack the anchors the banner and the Paused column go after (those pages
-    then show neither)."""
-    if not isinstance(flower_urls.settings.get("template_loader"), loader_class):
-        flower_urls.settings["template_loader"] = loader_class(flower_urls.settings["template_path"])
+    (flower.command: `Flower(capp=app, options=options, **settings)`). Tornado's loaders take no hook for a template's
+    source: `Loader._create_template(name)`, which `BaseLoader.load` calls once per template name, is overridden (and
+    called for Flower's own templates). Checked against flower 2.0.1, 2.1.0, 2.2.0 (each writes the places
+    bb_broker.contrib.flower.templates splices after its own way: that module finds each release's) and tornado 5.0
+    to 6.6.1 (the same `load` and `_create_template(self, name)` in each)."""
+    current = flower_urls.settings.get("template_loader")
+    if isinstance(current, RewritingLoader) and current.rewrite is rewrite:
+        return
+    flower_urls.settings["template_loader"] = RewritingLoader(flower_urls.settings["template_path"], rewrite)
+
+
+class RewritingLoader(tornado.template.Loader):
+    """A Tornado template loader that asks `rewrite(root, name)` for a template's source first (see
+    install_template_loader)."""
+
+    def __init__(self, root_directory: str, rewrite: Callable[[str, str], bytes | None]) -> None:
+        super().__init__(root_directory)
+        self.rewrite = rewrite
+
+    def _create_template(self, name: str) -> tornado.template.Template:
+        source = self.rewrite(self.root, name)
+        if source is None:
+            return super()._create_template(name)
+        return tornado.template.Template(source, name, self)
 
 
 def template_loader() -> Any:
@@ -245,17 +278,18 @@ def known_workers(application: Any) -> dict[str, int | None]:
     return known
 
 
-def install() -> None:
-    """Every patch of Flower's the Broker tab, the broker banner and the Jobs tab need; calling it again changes
-    nothing."""
-    from bb_broker.contrib.flower import broker, hosts, jobs_tab, schedules_tab  # they import this module
+#: The attribute of Flower's application that holds bb_broker's state for it (application_state).
+APPLICATION_STATE = "_bb_broker"
 
-    hosts.define_options()
-    install_host_check(hosts.refusal_for)
-    install_template_loader(broker.BannerLoader)
-    install_workers_refresh_check(broker.fail_workers_refresh_while_broker_fails)
-    install_cross_site_check(jobs_tab.refuse_cross_site_without_login)
-    jobs_tab.define_options()
-    guard_prepares(jobs_tab.flowers_actions(url_table()), jobs_tab.refuse_flowers_action_unless_allowed)
-    install_handlers(jobs_tab.HANDLERS + schedules_tab.HANDLERS, "jobs")
-    install_broker_factory(broker.is_ours, broker.JobQueues)
+
+def application_state(application: Any) -> dict[str, Any]:
+    """bb_broker's state for one of Flower's applications (the Jobs tab's threads and client, made on first use), a
+    dict kept on the application itself, where every handler reaches it (`handler.application`).
+
+    Flower's application (`flower.app.Flower`, a `tornado.web.Application`) has no place for a plugin's state and its
+    handlers are made per request: an attribute of the application's own is the one place shared by all of them for
+    its lifetime. Relies on: neither class having `__slots__` or an attribute of this name. Handlers run on the
+    application's event loop, one at a time, so no lock is needed. Checked against flower 2.0.1, 2.1.0, 2.2.0 and
+    tornado 5.0 to 6.6.1."""
+    state: dict[str, Any] = vars(application).setdefault(APPLICATION_STATE, {})
+    return state
