@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from celery.canvas import _chain
 
 #: The releases every function here was checked against (their sources read, the contract tests run on the newest).
-CHECKED_AGAINST = "celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (fail_chain and solar_next_event: 5.7.0 only)"
+CHECKED_AGAINST = "celery 5.4.0, 5.5.3, 5.6.3, 5.7.0"
 
 #: Marks a wrapper this module installed, so that installing twice wraps once.
 _INSTALLED = "bb_broker_patch"
@@ -289,16 +289,36 @@ def solar_next_event(solar: Any, start: datetime) -> datetime | None:
 
     No public method answers "when is the event after this moment": remaining_estimate and is_due measure from now.
     Relies on: the solar's `ephem` module, its observer `cal` (whose `date` is where the search starts) and
-    `_next_event(start)`, which returns `start` itself when the event never comes. Checked against celery 5.7.0 (5.4
-    to 5.6 have no `_next_event`)."""
+    `_next_event(start)`, which returns `start` itself when the event never comes. Checked against celery 5.7.0; 5.4.0
+    to 5.6.3 have no `_next_event` (their remaining_estimate asks the observer once, and after a CircumpolarError
+    checks again the next day): there the same search is made with what their remaining_estimate uses, the solar's
+    `cal`, `method` and `use_center` (_solar_search)."""
     ephem = solar.ephem
     begin = ephem.Date(start.astimezone(UTC).replace(tzinfo=None))
     solar.cal.date = begin
-    found = solar._next_event(begin)
+    next_event = getattr(solar, "_next_event", None)
+    found = next_event(begin) if next_event is not None else _solar_search(solar, begin)
     if found == begin:
         return None
     slot: datetime = found.datetime().replace(tzinfo=UTC)
     return slot
+
+
+#: How many days Celery 5.7's solar._next_event searches ahead (its `max_search_days`).
+_SOLAR_SEARCH_DAYS = 366
+
+
+def _solar_search(solar: Any, start: Any) -> Any:
+    # Celery 5.7.0's solar._next_event, for 5.4 to 5.6: a day without the event (CircumpolarError) moves the search
+    # to the next anti-transit; `start` itself when no event comes within the days searched.
+    sun = solar.ephem.Sun()
+    kwargs = {"use_center": True} if solar.use_center else {}
+    for _ in range(_SOLAR_SEARCH_DAYS):
+        try:
+            return getattr(solar.cal, solar.method)(sun, start=start, **kwargs)
+        except solar.ephem.CircumpolarError:
+            start = solar.cal.next_antitransit(sun, start=start)
+    return start
 
 
 def crontab_fields(crontab: Any) -> tuple[Any, Any, Any, Any, Any]:
