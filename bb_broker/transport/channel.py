@@ -35,6 +35,7 @@ from bb_broker.jobs.payloads import (
 from bb_broker.jobs.queues import KnownControls, QueueControls
 from bb_broker.jobs.revokes import revoke_queued, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
+from bb_broker.results.revoked import store_revoked_results
 from bb_broker.server import capabilities, describe_failure
 from bb_broker.transport.claims import Claimer, ClaimOnItsWay
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
@@ -356,6 +357,7 @@ class Channel(virtual.Channel):
         task_ids = revoked_task_ids(message, self.decode_body(message.get("body"), properties.get("body_encoding")))
         if task_ids:
             revoke_queued(self.jobs, task_ids, by=f"revoke from {self.owner}")
+            store_revoked_results(self.jobs, task_ids)  # no worker will: the app's own result backend is told here
 
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:

@@ -283,6 +283,17 @@ def app_state(app: Any) -> dict[str, Any]:
     return state
 
 
+def apps() -> list[Any]:
+    """Every Celery app alive in this process (whether or not it is the current one).
+
+    No public API lists them: `celery.current_app` is one app, and a process may publish through others (an app made
+    with set_as_current=False, a library's own). Relies on: `celery._state._apps`, the WeakSet every Celery app adds
+    itself to as it is made (`_register_app`). Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    from celery import _state
+
+    return list(_state._apps)  # type: ignore[attr-defined]  # celery-types does not declare it
+
+
 def solar_next_event(solar: Any, start: datetime) -> datetime | None:
     """The first time of a `celery.schedules.solar`'s event at or after `start` (aware), in UTC, as Celery's own
     remaining_estimate finds it; None when its search finds none (a polar night: Celery searches a year ahead).

@@ -490,3 +490,24 @@ def test_urls_that_differ_only_in_options_share_the_jobs(broker_url: str, worker
         client.close()
     assert job(db, result.id)["state"] == "SUCCESS"
     assert "bb_results" not in db.list_collection_names() or db.bb_results.count_documents({}) == 0
+
+
+def test_a_task_revoked_while_queued_reads_revoked_on_the_apps_own_result_backend(
+    app: Celery, db: Database, tmp_path: Path
+) -> None:
+    """Celery's own test_revoked with Redis as the result backend, as on Celery 5.4 and 5.5: the task is revoked
+    while queued, its job fails at the revoke and no worker ever receives it, so no worker stores REVOKED. The
+    revoker's process does, in the app's own backend (a directory here, read by another app as by another process)."""
+    app.conf.result_backend = f"file://{tmp_path}"
+    result = app.send_task(T + "add", args=(1, 1))
+    result.revoke()
+    assert job(db, result.id)["lastError"] == "revoked before it ran"
+    reader = producer(app.conf.broker_url)
+    reader.conf.result_backend = f"file://{tmp_path}"
+    try:
+        revoked = AsyncResult(result.id, app=reader)
+        with pytest.raises(TaskRevokedError):
+            revoked.get(timeout=10)
+        assert revoked.state == "REVOKED" and revoked.ready() and not revoked.failed()
+    finally:
+        reader.close()

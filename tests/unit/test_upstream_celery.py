@@ -370,3 +370,11 @@ def test_a_crontab_keeps_its_fields_as_written() -> None:
         "_orig_day_of_week no longer hold the fields as written: a schedule's stored form would change; "
         + where("crontab_fields")
     )
+
+
+def test_every_app_of_the_process_is_listed_current_or_not() -> None:
+    made = Celery("listed", broker="memory://", set_as_current=False)
+    assert any(app is made for app in upstream_celery.apps()), (
+        "an app made with set_as_current=False is not in celery._state._apps: Celery changed where it keeps its apps; "
+        + where("apps")
+    )
