@@ -63,3 +63,16 @@ def revoke_queued(store: JobStore, task_ids: Iterable[str], *, by: str) -> int:
     if result.modified_count:
         logger.info("revoked %d queued job(s) of task(s) %s (%s)", result.modified_count, ", ".join(ids), by)
     return result.modified_count
+
+
+def revoked_before_running(store: JobStore, task_ids: Iterable[str]) -> list[dict[str, Any]]:
+    """The jobs (task id and payload) of `task_ids` that a revoke failed while they were still queued."""
+    ids = [str(task_id) for task_id in task_ids]
+    if not ids:
+        return []
+    found = store.coll.find(
+        {"taskId": {"$in": ids}, "status": FAILED, "lastError": REVOKED},
+        {"taskId": 1, "payload": 1},
+        **hint_if_indexed(store, "bb_task_id"),
+    )
+    return list(found)

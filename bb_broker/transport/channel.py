@@ -17,6 +17,7 @@ from pymongo import errors as mongo_errors
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker import connection
+from bb_broker.app_stores import store_revoked_results
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
@@ -356,6 +357,7 @@ class Channel(virtual.Channel):
         task_ids = revoked_task_ids(message, self.decode_body(message.get("body"), properties.get("body_encoding")))
         if task_ids:
             revoke_queued(self.jobs, task_ids, by=f"revoke from {self.owner}")
+            store_revoked_results(self.jobs, task_ids)  # no worker will: the app's own result backend is told here
 
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:

@@ -64,7 +64,7 @@ class JobsTab:
             limits = f"from 1 to {MAX_SEARCH_WINDOW}"
             raise tornado.web.HTTPError(500, f"--jobs_search_window must be {limits}, not {window}")
         self.operations.search_window = window
-        self.health = BrokerHealth.of(app.broker_uri_with_password)
+        self.health = BrokerHealth.of(upstream_flower.broker_url_with_password(app))
         self.executor = ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="bb-jobs-tab")
         self.running: Counter[str] = Counter()  # requests running, by user; only the event loop's thread counts
 
