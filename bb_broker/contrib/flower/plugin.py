@@ -20,6 +20,7 @@ from bb_broker.contrib.flower import (
     handlers,
     health,
     hosts,
+    rerun,
     schedules_tab,
     tab,
     templates,
@@ -40,7 +41,7 @@ def install() -> None:
         flowers_actions.flowers_actions(upstream_flower.url_table()),
         flowers_actions.refuse_flowers_action_unless_allowed,
     )
-    upstream_flower.install_handlers(handlers.HANDLERS + schedules_tab.HANDLERS, "jobs")
+    upstream_flower.install_handlers(handlers.HANDLERS + rerun.HANDLERS + schedules_tab.HANDLERS, "jobs")
     upstream_flower.install_broker_factory(health.is_ours, broker.JobQueues)
 
 
