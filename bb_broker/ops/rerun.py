@@ -82,6 +82,13 @@ class RerunRefused(Exception):
         self.reason = reason
 
 
+def offered(doc: dict[str, Any]) -> bool:
+    """Whether the Jobs tab offers a retry with changed arguments for this job: not queued, and a JSON message (a
+    message kept whole, `raw`, is left to the API and the CLI, which read it)."""
+    payload = doc.get("payload")
+    return doc.get("status") != QUEUED and isinstance(payload, dict) and payload.get("contentType") == JSON
+
+
 def parse_arguments(args_text: str | None, kwargs_text: str | None) -> tuple[list[Any] | None, dict[str, Any] | None]:
     """The args (a JSON list) and kwargs (a JSON object) an operator typed; None for one not given (the original's
     stays). Refused (bad input) before it is parsed when the text is over the document limit."""
