@@ -70,6 +70,8 @@ KEY_HEADERS = (
     (SERIAL_KEY_HEADER, "serial", MAX_SERIAL_KEY_LENGTH),
     (RATE_KEY_HEADER, "rate", MAX_RATE_KEY_LENGTH),
 )
+#: How a send outlasts a failover (kombu's retry of a publish on a connection error).
+PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0}
 _DIGEST_KEY = re.compile(r":[0-9a-f]{64}\Z")
 
 
@@ -270,6 +272,9 @@ def send(operations: Operations, rerun: Rerun, connection: Any, *, by: str) -> d
                 content_type=JSON,
                 content_encoding=message["content-encoding"],
                 priority=priority,
+                # Through a failover, as Celery's own publish: the publish id makes a repeated insert find the first.
+                retry=True,
+                retry_policy=PUBLISH_RETRY,
                 **{**properties, PUBLISH_ID_PROPERTY: {rerun.queue: job_id}},
             )
     except DuplicateJob as exc:
