@@ -145,6 +145,15 @@ def warn(message: str) -> None:
     click.echo(f"bb-broker: warning: {message}", err=True)
 
 
+def tasks_of(app_name: str) -> Any:
+    """The registered tasks of the Celery app `-A` names, its task modules imported."""
+    from celery.app.utils import find_app
+
+    app = find_app(app_name)
+    app.loader.import_default_modules()
+    return app.tasks
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"bb-broker: {message}", err=True)
     sys.exit(code)

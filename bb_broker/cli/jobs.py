@@ -22,6 +22,7 @@ from bb_broker.cli.common import (
     job_ids_argument,
     job_store,
     operator_name,
+    tasks_of,
     warn,
 )
 from bb_broker.cli.queues import limits_line
@@ -218,6 +219,17 @@ def _act_on_each(operations: Operations, action: str, identifiers: tuple[str, ..
 @click.option(
     "--fresh", is_flag=True, help="Start over: clear each job's checkpoint, which a retry otherwise resumes from."
 )
+@click.option(
+    "--args", "args_json", help="Retry with changed arguments: a NEW job of the one ID, with these args (a JSON list)."
+)
+@click.option("--kwargs", "kwargs_json", help="Retry with changed arguments: with these kwargs (a JSON object).")
+@click.option("--yes", is_flag=True, help="With --args/--kwargs: send the new job without asking.")
+@click.option(
+    "-A",
+    "--app",
+    "app_name",
+    help="With --args/--kwargs: the Celery app whose task options (unique_on, serial_on, rate_on) make keys anew.",
+)
 def retry(
     broker: str,
     collection: str,
@@ -226,12 +238,25 @@ def retry(
     kind: str | None,
     retry_all: bool,
     fresh: bool,
+    args_json: str | None,
+    kwargs_json: str | None,
+    yes: bool,
+    app_name: str | None,
 ) -> None:
     """Failed jobs back to queued, due now, with their attempts reset to 0: by job id or Celery task id, or every one
-    of a kind (--all: every one). Each keeps its checkpoint (bb_broker.checkpoint) to resume from, unless --fresh."""
+    of a kind (--all: every one). Each keeps its checkpoint (bb_broker.checkpoint) to resume from, unless --fresh.
+    With --args and/or --kwargs, one job (not queued) is sent again as a NEW job with those arguments, shown first and
+    sent once confirmed (or --yes); both jobs record the link."""
     if deprecated_ids:
         warn("retry --id is deprecated: give the ids as arguments (bb-broker retry ID...)")
     ids = identifiers + deprecated_ids
+    if args_json is not None or kwargs_json is not None:
+        if len(ids) != 1 or kind or retry_all:
+            fail("retry: --args and --kwargs take exactly one ID (no --kind, no --all)", 2)
+        _retry_with_arguments(broker, collection, ids[0], args_json, kwargs_json, yes=yes, app_name=app_name)
+        return
+    if yes or app_name:
+        fail("retry: --yes and --app go with --args or --kwargs", 2)
     if retry_all and (ids or kind):
         fail("retry: --all cannot be combined with IDs or --kind", 2)
     if not (retry_all or ids or kind):
@@ -253,6 +278,47 @@ def retry(
     if missed:
         reasons = ", ".join(f"{job_id} ({why})" for job_id, why in missed.items())
         fail(f"retry: {len(missed)} id{'' if len(missed) == 1 else 's'} matched no failed job: {reasons}")
+
+
+def _retry_with_arguments(
+    broker: str,
+    collection: str,
+    identifier: str,
+    args_json: str | None,
+    kwargs_json: str | None,
+    *,
+    yes: bool,
+    app_name: str | None,
+) -> None:
+    """Show the new job's arguments and message, ask, send it (bb_broker.ops.rerun); a refusal in one line, exit 2 for
+    bad arguments or an unknown job, 1 for a job that cannot be sent again so."""
+    from celery import Celery
+
+    from bb_broker.ops.operations import Operations
+    from bb_broker.ops.present import as_json as as_json_value
+    from bb_broker.ops.rerun import RerunRefused, parse_arguments, plan, send
+
+    exits = {"bad input": 2, "not found": 2, "conflict": 1}
+    task_of = tasks_of(app_name).get if app_name else (lambda name: None)
+    with job_store(broker, collection) as store:
+        operations = Operations(store)
+        try:
+            rerun = plan(operations, identifier, *parse_arguments(args_json, kwargs_json), task_of=task_of)
+        except RerunRefused as exc:
+            fail(f"retry: {exc}", exits[exc.reason])
+        click.echo(json.dumps(as_json_value(rerun.preview()), indent=2))
+        if not yes:
+            click.confirm(f"send this as a new job replacing job {rerun.job_id}?", abort=True)
+        app = Celery("bb-broker", broker=broker, set_as_current=False)
+        app.conf.broker_transport_options = {"jobs_collection": collection}  # where the new job goes
+        try:
+            with app.connection_for_write() as connection:
+                doc = send(operations, rerun, connection, by=operator_name())
+        except RerunRefused as exc:
+            fail(f"retry: {exc}", exits[exc.reason])
+        finally:
+            app.close()
+    click.echo(f"sent job {doc['_id']} (task {doc.get('taskId')}), replacing job {rerun.job_id}")
 
 
 @click.command("run-now", cls=Command)

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from bb_broker.cli.common import Group, broker_option, collection_option, fail, job_store, operator_name
+from bb_broker.cli.common import Group, broker_option, collection_option, fail, job_store, operator_name, tasks_of
 
 # pymongo and Celery are imported by the commands that use them: `--help` answers at once.
 
@@ -148,7 +148,7 @@ def add(
         "args": args,
         "kwargs": kwargs,
         "options": {"queue": queue} if queue else {},
-        "known_tasks": _tasks_of(app_name) if app_name else None,
+        "known_tasks": tasks_of(app_name) if app_name else None,
     }
     try:
         entry_fields(name, task, schedule, **how)  # checked before the server is asked: a bad argument's exit
@@ -209,15 +209,6 @@ def _entry_lines(row: dict[str, Any]) -> list[str]:
     name = shlex.quote(str(row["name"]))
     lines.append(f"  jobs: Flower /jobs?{row['jobsQuery']}; failed ones: bb-broker failed --schedule {name}")
     return lines
-
-
-def _tasks_of(app_name: str) -> Any:
-    """The registered tasks of the Celery app `-A` names, its task modules imported."""
-    from celery.app.utils import find_app
-
-    app = find_app(app_name)
-    app.loader.import_default_modules()
-    return app.tasks
 
 
 def _schedule_of(every: float | None, cron: str | None) -> dict[str, Any]:

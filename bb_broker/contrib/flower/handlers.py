@@ -37,6 +37,8 @@ from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, Jo
 from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
 from bb_broker.ops.queries import MAX_PAGE
+from bb_broker.ops.rerun import ACTION as RERUN
+from bb_broker.ops.rerun import offered
 from bb_broker.ops.stats import job_stats
 from bb_broker.upstream import flower as upstream_flower
 
@@ -492,6 +494,7 @@ class JobPage(JobsHandler):
             task_id=doc.get("taskId") if isinstance(doc.get("taskId"), str) else None,
             arguments=jsonable(arguments(doc)),
             actions=await self.run_query(operations_of(self).applicable, doc),
+            rerun=RERUN if can_act(self) and offered(doc) else None,
             orphaned=await self.run_query(operations_of(self).orphaned, doc),
             stale_after=operations_of(self).store.policy.stale_after,
             action_labels=ACTION_LABELS,

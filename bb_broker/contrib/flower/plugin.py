@@ -23,6 +23,7 @@ from bb_broker.contrib.flower import (
     health,
     hosts,
     progress,
+    rerun,
     schedules_tab,
     tab,
     templates,
@@ -45,7 +46,9 @@ def install() -> None:
         flowers_actions.flowers_actions(upstream_flower.url_table()),
         flowers_actions.refuse_flowers_action_unless_allowed,
     )
-    upstream_flower.install_handlers(handlers.HANDLERS + progress.HANDLERS + schedules_tab.HANDLERS, "jobs")
+    upstream_flower.install_handlers(
+        handlers.HANDLERS + progress.HANDLERS + rerun.HANDLERS + schedules_tab.HANDLERS, "jobs"
+    )
     upstream_flower.install_broker_factory(health.is_ours, broker.JobQueues)
 
 
