@@ -11,6 +11,7 @@ from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
+from bb_broker.jobs.canvas import CANVAS_INDEXES
 from bb_broker.jobs.lifecycle import SUCCEEDED
 from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEXES
@@ -45,6 +46,7 @@ INDEXES = [
         partialFilterExpression={"limitSlot": {"$exists": True}},
     ),
     SERIAL_INDEX,
+    *CANVAS_INDEXES,  # the steps of one canvas (bb_broker.jobs.canvas)
 ]
 
 #: The TTL index that removes a rate counter once its next start has come (`expireAt`, see JobStore._take_start):

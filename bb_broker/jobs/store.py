@@ -197,6 +197,7 @@ class JobStore(Sweeps):
         schedule: str | None = None,
         serial_key: str | None = None,
         rate_key: str | None = None,
+        canvas: dict[str, Any] | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -208,7 +209,8 @@ class JobStore(Sweeps):
         retry's reschedule leaves the job's key as it is: the key stays taken through retries.
         `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field.
         `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time.
-        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among."""
+        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among.
+        `canvas`: the job's place in its canvas (bb_broker.jobs.canvas.canvas_fields), kept as they are."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -251,6 +253,7 @@ class JobStore(Sweeps):
             **({} if schedule is None else {"schedule": schedule}),
             **({} if serial_key is None else {"serialKey": serial_key}),
             **({} if rate_key is None else {"rateKey": rate_key}),
+            **(canvas or {}),
         }
         try:
             self._write(self.coll.insert_one, job)

@@ -25,6 +25,7 @@ from bb_broker import connection
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
+from bb_broker.jobs.canvas import canvas_fields
 from bb_broker.jobs.document import Claimed, attempt_entry, new_job_id
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.outages import Refusals, passes_with_time
@@ -401,6 +402,7 @@ class Channel(virtual.Channel):
             schedule=headers.get(SCHEDULE_HEADER),
             serial_key=headers.get(SERIAL_KEY_HEADER),
             rate_key=headers.get(RATE_KEY_HEADER),
+            canvas=canvas_fields(headers),
         )
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:

@@ -1,0 +1,108 @@
+"""A job's canvas (bb_broker.ops.canvas) from documents written by hand: hostile canvas fields and links, the `root=`
+filter, and the figure of a 1,000-step canvas among 100,000 jobs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.canvas import MAX_STEPS, canvas_of, tree_lines
+from bb_broker.ops.operations import JobFilter, Operations
+from tests.database.test_scale import fill
+from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
+
+ROOT = "root-task"
+
+
+def step(n: int, clock: FakeClock, **fields) -> dict:
+    """A job of the canvas ROOT, as a publish and its settle leave it."""
+    return {
+        "_id": f"01K{n:023d}",
+        "taskId": f"t{n}",
+        "kind": "app.step",
+        "queue": "celery",
+        "status": "succeeded",
+        "attempts": 1,
+        "priority": 0,
+        "createdAt": clock.now,
+        "updatedAt": clock.now,
+        "runAfter": clock.now,
+        "rootId": ROOT,
+        "payload": {"args": [], "kwargs": {}, "options": {}},
+        **fields,
+    }
+
+
+def signature(task_id, **fields) -> dict:
+    return {"task": "app.next", "args": [], "kwargs": {}, "options": {"task_id": task_id}, **fields}
+
+
+@pytest.fixture
+def ops(store: JobStore) -> Operations:
+    return Operations(store)
+
+
+def test_hostile_canvas_fields_and_links_neither_break_nor_loop(ops: Operations, db: Database, clock) -> None:
+    nested: dict = signature("deepest")
+    for _ in range(25):  # deeper than any walk goes (and within BSON's 100 levels of nesting)
+        nested = {"subtask_type": "chain", "kwargs": {"tasks": [nested]}}
+    db.jobs.insert_many(
+        [
+            step(0, clock, taskId=ROOT, parentId="t2"),  # a cycle: the root's parent is its grandchild
+            step(1, clock, parentId=ROOT, payload={"options": {"chain": "not a list", "callbacks": [nested, 7]}}),
+            step(2, clock, parentId="t1", status="failed", payload={"options": {"chain": [signature("t2")]}}),
+            step(3, clock, rootId={"$gt": ""}, parentId=["t1"]),  # not ids: not in the canvas, nor an error
+            step(4, clock, rootId="x" * 5_000_000, groupId=12),
+            step(5, clock, payload={"options": {"callbacks": [signature(f"cb{n}") for n in range(3 * MAX_STEPS)]}}),
+            step(6, clock, payload="not a document"),
+        ]
+    )
+    canvas = canvas_of(ops, ROOT)
+    assert canvas is not None
+    steps = {s["id"]: s for s in canvas["steps"]}
+    assert {ROOT, "t1", "t2", "t5", "t6"} <= set(steps) and "t3" not in steps and "t4" not in steps
+    assert ("t2" in [e["to"] for e in canvas["edges"] if e["from"] == "t1"]) and steps["t2"]["marks"] == ["failed"]
+    assert canvas["truncated"] and len(steps) == MAX_STEPS  # the 3,000 callbacks: bounded, and said so
+    assert "deepest" not in steps  # nested past the walk's depth
+    lines = tree_lines(canvas)
+    assert len(lines) <= 2 * MAX_STEPS and lines[-1].startswith("... truncated")
+    # The hostile documents' own canvases: each alone, never an error.
+    for n, root in ((3, "t3"), (4, "t4"), (6, ROOT)):  # a root that is no id: the job is its own
+        alone = canvas_of(ops, f"t{n}")
+        assert alone is not None and alone["root"] == root and f"t{n}" in [s["id"] for s in alone["steps"]]
+
+
+def test_the_root_filter_lists_a_canvas(ops: Operations, db: Database, clock) -> None:
+    db.jobs.insert_many([step(n, clock) for n in range(3)] + [step(9, clock, rootId="other")])
+    page = ops.list_jobs(JobFilter.parse({"root": ROOT}, ops.now()))
+    assert [row["taskId"] for row in page.jobs] == ["t2", "t1", "t0"]
+    assert JobFilter.parse({"root": ROOT}, ops.now()).as_dict() == {"root": ROOT}
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(1800)  # inserting 100k jobs into the indexes takes minutes on the Python stand-in
+def test_a_1000_step_canvas_among_100k_jobs(mongo_url: str, db: Database) -> None:
+    """The figure: the canvas of a 1,000-step chain of groups among 100,000 jobs, read through the canvas indexes;
+    its time printed (run with -s)."""
+    clock = FakeClock()
+    fill(JobStore(db, clock=clock), db, clock)
+    docs = []
+    for n in range(MAX_STEPS):
+        group = {"groupId": f"g{n // 10}", "groupIndex": n % 10}
+        docs.append(step(n, clock, parentId=f"t{n - 10 - n % 10 + 9}" if n >= 10 else ROOT, **group))
+    docs[0] = step(0, clock, taskId=ROOT, groupId="g0")
+    db.jobs.insert_many(docs)
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        operations = Operations(JobStore(client[db.name], clock=clock))
+        began = time.perf_counter()
+        canvas = canvas_of(operations, "t500")
+        took = time.perf_counter() - began
+    assert canvas is not None and len(canvas["steps"]) == MAX_STEPS and not canvas["truncated"]
+    assert max(s["depth"] for s in canvas["steps"]) == MAX_STEPS // 10 - 1
+    print(f"\ncanvas of {MAX_STEPS} steps among {db.jobs.estimated_document_count()} jobs: {took:.3f} s")
+    assert_each_reads_through_an_index(db, [c for c in log.commands if "find" in c])
