@@ -104,13 +104,13 @@ def canvas_of(operations: Operations, identifier: str) -> dict[str, Any] | None:
     for found in docs:
         canvas.steps[_step_id(found)] = _step(operations, found, now, cutoff)
     by_task = {found["taskId"]: found for found in docs if is_canvas_id(found.get("taskId"))}
-    for found in docs:
-        parent = found.get("parentId")
-        if is_canvas_id(parent) and parent in by_task:
-            canvas.link(parent, _step_id(found), "chain")
     pending = _Pending(canvas, set(by_task))
     for found in docs:
         pending.add_from(_step_id(found), _embed(found))
+    for found in docs:  # after the messages' links, whose kind (a chord's body, a link) says more than a parent does
+        parent = found.get("parentId")
+        if is_canvas_id(parent) and parent in by_task:
+            canvas.link(parent, _step_id(found), "chain")
     return canvas.as_json()
 
 
