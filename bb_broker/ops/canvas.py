@@ -344,7 +344,8 @@ def tree_lines(canvas: dict[str, Any]) -> list[str]:
             stack.extend((child, level + 1, child_kind) for child, child_kind in reversed(children[step_id]))
     if canvas["truncated"]:
         lines.append(f"... truncated: the canvas has more than {canvas['limit']} steps")
-    return lines
+    # A control character a hand-written name or id holds (a newline, a terminal's escape) shown as `?`.
+    return ["".join(char if char.isprintable() else "?" for char in line) for line in lines]
 
 
 def step_line(step: dict[str, Any]) -> str:
