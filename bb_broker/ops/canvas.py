@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bb_broker.clock import aware
-from bb_broker.jobs.canvas import GROUP_INDEX, ROOT_INDEX, is_canvas_id
+from bb_broker.jobs.canvas import CANVAS_INDEXES, GROUP_INDEX, ROOT_INDEX, is_canvas_id
 from bb_broker.jobs.lifecycle import FAILED, QUEUED
 from bb_broker.ops.operations import Operations
 
@@ -117,29 +117,29 @@ def canvas_of(operations: Operations, identifier: str) -> dict[str, Any] | None:
 def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> list[dict[str, Any]]:
     """The jobs of the canvas: `doc`, those of its root, and of each root and group found among them, in rounds; at
     most MAX_STEPS (oldest first), `canvas.truncated` set when there were more."""
-    found: dict[Any, dict[str, Any]] = {doc["_id"]: _projected(operations, doc["_id"]) or doc}
+    found: dict[Any, dict[str, Any]] = {doc["_id"]: doc}
     roots = {canvas.root} if canvas.root else set()
     groups = {doc["groupId"]} if is_canvas_id(doc.get("groupId")) else set()
     asked_roots: set[str] = set()
     asked_groups: set[str] = set()
+    hints = {index.document["name"]: operations._hint_if_indexed(index.document["name"]) for index in CANVAS_INDEXES}
     for _ in range(MAX_ROUNDS):
         new_roots, new_groups = sorted(roots - asked_roots), sorted(groups - asked_groups)
-        if not new_roots and not new_groups:
+        if canvas.truncated or not new_roots and not new_groups:
             break
         asked_roots.update(new_roots)
         asked_groups.update(new_groups)
         for name, keys, index in (("rootId", new_roots, ROOT_INDEX), ("groupId", new_groups, GROUP_INDEX)):
             if not keys:
                 continue
-            room = MAX_STEPS - len(found)
-            if room <= 0:
-                canvas.truncated = True
-                break
-            hint = operations._hint_if_indexed(index.document["name"])
-            cursor = operations.coll.find({name: {"$in": keys}}, STEP_FIELDS, sort=[("_id", 1)], **hint)
-            for job in cursor.limit(room + 1):
-                if job["_id"] in found:
-                    continue
+            # Only the jobs not found yet (the index holds `_id`: no document is read to leave one out), one more
+            # than there is room for: whether the canvas has more than MAX_STEPS is known, never guessed.
+            room = max(MAX_STEPS - len(found), 0)
+            query = {name: {"$in": keys}, "_id": {"$nin": list(found)}}
+            # No sort: through the index a key's jobs come in id order, and a sort of several keys' jobs may be
+            # one in memory of all of them, where the limit bounds this read.
+            hint = hints[index.document["name"]]
+            for job in operations.coll.find(query, STEP_FIELDS, **hint).limit(room + 1):
                 if len(found) >= MAX_STEPS:
                     canvas.truncated = True
                     break
@@ -151,10 +151,6 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
     else:
         canvas.truncated = canvas.truncated or bool(roots - asked_roots or groups - asked_groups)
     return sorted(found.values(), key=lambda job: str(job["_id"]))
-
-
-def _projected(operations: Operations, job_id: Any) -> dict[str, Any] | None:
-    return operations.coll.find_one({"_id": job_id}, STEP_FIELDS)
 
 
 def _step_id(doc: dict[str, Any]) -> str:

@@ -93,8 +93,11 @@ def test_a_1000_step_canvas_among_100k_jobs(mongo_url: str, db: Database) -> Non
     docs = []
     for n in range(MAX_STEPS):
         group = {"groupId": f"g{n // 10}", "groupIndex": n % 10}
-        docs.append(step(n, clock, parentId=f"t{n - 10 - n % 10 + 9}" if n >= 10 else ROOT, **group))
-    docs[0] = step(0, clock, taskId=ROOT, groupId="g0")
+        # Groups of 10 in a chain: each group's tasks sent by the last task of the group before (the first
+        # group's sent on their own, as a group is).
+        parent = {"parentId": f"t{n // 10 * 10 - 1}"} if n >= 10 else {}
+        docs.append(step(n, clock, **parent, **group))
+    docs[0] = step(0, clock, taskId=ROOT, groupId="g0", groupIndex=0)
     db.jobs.insert_many(docs)
     log = CommandLog()
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
@@ -106,3 +109,42 @@ def test_a_1000_step_canvas_among_100k_jobs(mongo_url: str, db: Database) -> Non
     assert max(s["depth"] for s in canvas["steps"]) == MAX_STEPS // 10 - 1
     print(f"\ncanvas of {MAX_STEPS} steps among {db.jobs.estimated_document_count()} jobs: {took:.3f} s")
     assert_each_reads_through_an_index(db, [c for c in log.commands if "find" in c])
+
+
+def test_the_steps_still_to_come_are_read_from_the_stored_chain_links_and_chord(
+    ops: Operations, db: Database, clock
+) -> None:
+    """A chain's first step ran; what follows it is in its message, as Celery stores a chain of a task, a chord
+    (a group of two and its body) and a last task, with a link and an errback on the first step."""
+    header = {"task": "celery.group", "kwargs": {"tasks": [signature("h1"), signature("h2")]}, "subtask_type": "group"}
+    a_chord = {
+        "task": "celery.chord",
+        "kwargs": {"kwargs": {}, "header": header, "body": signature("body")},
+        "options": {},
+        "subtask_type": "chord",
+    }
+    embed = {
+        "chain": [signature("last"), a_chord, signature("second")],  # Celery keeps the rest of a chain last step first
+        "callbacks": [signature("linked")],
+        "errbacks": [signature("on-error")],
+    }
+    db.jobs.insert_one(step(0, clock, taskId=ROOT, payload={"args": [], "kwargs": {}, "options": embed}))
+    canvas = canvas_of(ops, ROOT)
+    assert canvas is not None
+    steps = {s["id"]: s for s in canvas["steps"]}
+    assert steps[ROOT]["status"] == "succeeded"
+    assert {s for s, step in steps.items() if step["status"] == "pending"} == {
+        "second", "h1", "h2", "body", "last", "linked", "on-error",
+    }  # fmt: skip
+    assert {(e["from"], e["to"], e["kind"]) for e in canvas["edges"]} == {
+        (ROOT, "second", "chain"), ("second", "h1", "chain"), ("second", "h2", "chain"),
+        ("h1", "body", "chord"), ("h2", "body", "chord"), ("body", "last", "chain"),
+        (ROOT, "linked", "link"), (ROOT, "on-error", "errback"),
+    }  # fmt: skip
+    depths = {s: step["depth"] for s, step in steps.items()}
+    assert (depths["second"], depths["h1"], depths["h2"], depths["body"], depths["last"]) == (1, 2, 2, 3, 4)
+    assert tree_lines(canvas)[1:4] == [
+        f"app.step {ROOT} job {steps[ROOT]['jobId']}: succeeded, 1 attempts, queue celery",
+        "  app.next second: pending, queue -",
+        "    app.next h1: pending, queue -",
+    ]

@@ -99,6 +99,10 @@ def test_a_failed_chain_and_a_chord_as_one_picture(
     assert drawn.evaluate("svg => svg.parentElement.getBoundingClientRect().width") >= width  # all of it shown
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "jobs-canvas-chain.png"), full_page=True)
+    page.click("#canvas-list")  # the Jobs list of the canvas's root: the chain's two published steps
+    expect(page.locator("#jobs-table tbody tr[data-job]")).to_have_count(2)
+    expect(page.locator("#f-root")).to_have_value(first)
+    page.go_back()
     drawn.locator(f"[data-step='{first}']").click()  # a step is its job's page
     expect(page.locator("#job-status")).to_have_text("succeeded")
     assert job(db, first)["_id"] in page.url

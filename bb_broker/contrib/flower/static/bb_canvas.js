@@ -105,7 +105,14 @@
       return count + ' ' + status;
     });
     summary.textContent = steps.length + ' step' + (steps.length === 1 ? '' : 's') + ' (' + counts.join(', ') + ')'
-      + (canvas.truncated ? ': truncated, the canvas has more than ' + canvas.limit + ' steps' : '');
+      + (canvas.truncated ? ': truncated, the canvas has more than ' + canvas.limit + ' steps' : '') + '. ';
+    if (canvas.root) {
+      const list = document.createElement('a');
+      list.id = 'canvas-list';
+      list.href = base + '?root=' + encodeURIComponent(canvas.root);
+      list.textContent = 'List the jobs of its root';
+      summary.appendChild(list);
+    }
   }
 
   fetch(section.dataset.url + '?id=' + encodeURIComponent(page.dataset.job), {credentials: 'same-origin'})
