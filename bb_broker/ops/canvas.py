@@ -37,12 +37,19 @@ MAX_STEP_ERROR = 300
 #: What a step not published yet has for a status.
 PENDING = "pending"
 
-#: What a step's read needs of a job: its message's embed, not its arguments.
+#: What a step's read needs of a job: its message's embed, not its arguments; of the rest of its chain only the next
+#: step (Celery keeps it last). Each message of a chain holds all the steps after it, so the whole chains of a
+#: 1,000-step chain are half a million signatures: only the steps whose next step is not published have theirs read
+#: whole (WHOLE_CHAINS_READ), which is where the pending steps are.
 STEP_FIELDS = {
     "_id": 1, "taskId": 1, "kind": 1, "queue": 1, "status": 1, "attempts": 1, "createdAt": 1, "startedAt": 1,
     "updatedAt": 1, "runAfter": 1, "lastError": 1, "rootId": 1, "parentId": 1, "groupId": 1, "groupIndex": 1,
-    "payload.options": 1, "history.finishedAt": 1,
+    "payload.options.chain": {"$slice": -1}, "payload.options.callbacks": 1, "payload.options.errbacks": 1,
+    "payload.options.chord": 1, "history.finishedAt": 1,
 }  # fmt: skip
+#: The most steps whose chain is read whole: a chain stops at its first unpublished step (a failed step, the one
+#: queued or running); a group of chains has one such step per chain.
+WHOLE_CHAINS_READ = 20
 
 
 @dataclass
@@ -104,6 +111,7 @@ def canvas_of(operations: Operations, identifier: str) -> dict[str, Any] | None:
     for found in docs:
         canvas.steps[_step_id(found)] = _step(operations, found, now, cutoff)
     by_task = {found["taskId"]: found for found in docs if is_canvas_id(found.get("taskId"))}
+    _read_whole_chains(operations, docs, set(by_task))
     pending = _Pending(canvas, set(by_task))
     for found in docs:
         pending.add_from(_step_id(found), _embed(found))
@@ -151,6 +159,26 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
     else:
         canvas.truncated = canvas.truncated or bool(roots - asked_roots or groups - asked_groups)
     return sorted(found.values(), key=lambda job: str(job["_id"]))
+
+
+def _read_whole_chains(operations: Operations, docs: list[dict[str, Any]], published: set[str]) -> None:
+    """Put the whole rest of its chain into each step (at most WHOLE_CHAINS_READ) read with only the next step of it
+    where that step is not published: the steps after it are pending."""
+    ends = []
+    for doc in docs:
+        chain = _embed(doc).get("chain")
+        if isinstance(chain, list) and len(chain) == 1:
+            next_id = _document(_document(chain[0]).get("options")).get("task_id")
+            if not (is_canvas_id(next_id) and next_id in published):
+                ends.append(doc)
+    ends = ends[:WHOLE_CHAINS_READ]
+    if not ends:
+        return
+    query = {"_id": {"$in": [doc["_id"] for doc in ends]}}
+    chains = {job["_id"]: _embed(job).get("chain") for job in operations.coll.find(query, {"payload.options.chain": 1})}
+    for doc in ends:
+        if doc["_id"] in chains:
+            doc["payload"]["options"]["chain"] = chains[doc["_id"]]
 
 
 def _step_id(doc: dict[str, Any]) -> str:

@@ -148,3 +148,23 @@ def test_the_steps_still_to_come_are_read_from_the_stored_chain_links_and_chord(
         "  app.next second: pending, queue -",
         "    app.next h1: pending, queue -",
     ]
+
+
+def test_a_long_chain_reads_only_its_end_whole(mongo_url: str, db: Database, store: JobStore, clock) -> None:
+    """A chain of 300 whose step 200 failed: each message holds the rest of the chain (as Celery's do), 45,000
+    signatures in all; the canvas reads each step's next step only, and the failed step's whole chain."""
+    rest = [signature(f"t{n}", task=f"app.s{n}") for n in range(299, 0, -1)]  # last step first, as Celery keeps it
+    docs = [step(0, clock, taskId=ROOT, payload={"options": {"chain": rest}})]
+    for n in range(1, 201):
+        status = "failed" if n == 200 else "succeeded"
+        docs.append(step(n, clock, parentId=docs[-1]["taskId"], status=status, payload={"options": {"chain": rest[:-n]}}))
+    db.jobs.insert_many(docs)
+    log = CommandLog()
+    with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
+        canvas = canvas_of(Operations(JobStore(client[db.name], clock=clock)), "t100")
+    assert canvas is not None and len(canvas["steps"]) == 300 and not canvas["truncated"]
+    steps = {s["id"]: s for s in canvas["steps"]}
+    assert [steps[f"t{n}"]["status"] for n in (199, 200, 201, 299)] == ["succeeded", "failed", "pending", "pending"]
+    assert steps["t299"]["depth"] == 299 and steps["t299"]["name"] == "app.s299"
+    whole = [c for c in log.commands if c.get("projection") == {"payload.options.chain": 1}]
+    assert [c["filter"] for c in whole] == [{"_id": {"$in": [docs[200]["_id"]]}}]  # the failed step's alone
