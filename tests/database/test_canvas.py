@@ -157,7 +157,8 @@ def test_a_long_chain_reads_only_its_end_whole(mongo_url: str, db: Database, sto
     docs = [step(0, clock, taskId=ROOT, payload={"options": {"chain": rest}})]
     for n in range(1, 201):
         status = "failed" if n == 200 else "succeeded"
-        docs.append(step(n, clock, parentId=docs[-1]["taskId"], status=status, payload={"options": {"chain": rest[:-n]}}))
+        payload = {"options": {"chain": rest[:-n]}}
+        docs.append(step(n, clock, parentId=docs[-1]["taskId"], status=status, payload=payload))
     db.jobs.insert_many(docs)
     log = CommandLog()
     with MongoClient(mongo_url, event_listeners=[log], tz_aware=True) as client:
