@@ -15,6 +15,7 @@ grandparent) is drawn, never followed forever.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -125,7 +126,7 @@ def canvas_of(operations: Operations, identifier: str) -> dict[str, Any] | None:
 def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> list[dict[str, Any]]:
     """The jobs of the canvas: `doc`, those of its root, and of each root and group found among them, in rounds; at
     most MAX_STEPS (oldest first), `canvas.truncated` set when there were more."""
-    found: dict[Any, dict[str, Any]] = {doc["_id"]: doc}
+    found: dict[Any, dict[str, Any]] = {_key(doc["_id"]): doc}
     roots = {canvas.root} if canvas.root else set()
     groups = {doc["groupId"]} if is_canvas_id(doc.get("groupId")) else set()
     asked_roots: set[str] = set()
@@ -140,18 +141,21 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
         for name, keys, index in (("rootId", new_roots, ROOT_INDEX), ("groupId", new_groups, GROUP_INDEX)):
             if not keys:
                 continue
-            # Only the jobs not found yet (the index holds `_id`: no document is read to leave one out), one more
-            # than there is room for: whether the canvas has more than MAX_STEPS is known, never guessed.
+            # The ids first (the index holds them: no document read), as many as could be new beyond those found
+            # already, one more than there is room for: whether the canvas has more than MAX_STEPS is known, never
+            # guessed. No sort: through the index a key's jobs come in id order, and a sort of several keys' jobs may
+            # be one in memory of all of them, where the limit bounds this read. Then, only when some are new, the
+            # same read of their fields (a thousand ids in an `$in` of `_id` cost the stand-in seconds).
             room = max(MAX_STEPS - len(found), 0)
-            query = {name: {"$in": keys}, "_id": {"$nin": list(found)}}
-            # No sort: through the index a key's jobs come in id order, and a sort of several keys' jobs may be
-            # one in memory of all of them, where the limit bounds this read.
-            hint = hints[index.document["name"]]
-            for job in operations.coll.find(query, STEP_FIELDS, **hint).limit(room + 1):
-                if len(found) >= MAX_STEPS:
-                    canvas.truncated = True
-                    break
-                found[job["_id"]] = job
+            query, hint, limit = {name: {"$in": keys}}, hints[index.document["name"]], room + 1 + len(found)
+            new = {_key(job["_id"]) for job in operations.coll.find(query, {"_id": 1}, **hint).limit(limit)}
+            new -= found.keys()
+            if len(new) > room:
+                canvas.truncated = True
+            for job in operations.coll.find(query, STEP_FIELDS, **hint).limit(limit) if new else ():
+                if _key(job["_id"]) not in new or len(found) >= MAX_STEPS:
+                    continue
+                found[_key(job["_id"])] = job
                 if is_canvas_id(job.get("rootId")):
                     roots.add(job["rootId"])
                 if is_canvas_id(job.get("groupId")):
@@ -159,6 +163,11 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
     else:
         canvas.truncated = canvas.truncated or bool(roots - asked_roots or groups - asked_groups)
     return sorted(found.values(), key=lambda job: str(job["_id"]))
+
+
+def _key(job_id: Any) -> Any:
+    """A job id as a key of a dict: a hand-written one may be a document or an array, which are not."""
+    return job_id if isinstance(job_id, Hashable) else repr(job_id)
 
 
 def _read_whole_chains(operations: Operations, docs: list[dict[str, Any]], published: set[str]) -> None:

@@ -59,12 +59,14 @@ def test_hostile_canvas_fields_and_links_neither_break_nor_loop(ops: Operations,
             step(4, clock, rootId="x" * 5_000_000, groupId=12),
             step(5, clock, payload={"options": {"callbacks": [signature(f"cb{n}") for n in range(3 * MAX_STEPS)]}}),
             step(6, clock, payload="not a document"),
+            {**step(7, clock), "_id": {"a": "document"}},
+            {**step(8, clock), "_id": ["an", "array"]},
         ]
     )
     canvas = canvas_of(ops, ROOT)
     assert canvas is not None
     steps = {s["id"]: s for s in canvas["steps"]}
-    assert {ROOT, "t1", "t2", "t5", "t6"} <= set(steps) and "t3" not in steps and "t4" not in steps
+    assert {ROOT, "t1", "t2", "t5", "t6", "t7", "t8"} <= set(steps) and "t3" not in steps and "t4" not in steps
     assert ("t2" in [e["to"] for e in canvas["edges"] if e["from"] == "t1"]) and steps["t2"]["marks"] == ["failed"]
     assert canvas["truncated"] and len(steps) == MAX_STEPS  # the 3,000 callbacks: bounded, and said so
     assert "deepest" not in steps  # nested past the walk's depth
