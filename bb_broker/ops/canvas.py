@@ -128,7 +128,7 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
     most MAX_STEPS (oldest first), `canvas.truncated` set when there were more."""
     found: dict[Any, dict[str, Any]] = {_key(doc["_id"]): doc}
     roots = {canvas.root} if canvas.root else set()
-    groups = {doc["groupId"]} if is_canvas_id(doc.get("groupId")) else set()
+    groups = {doc["groupId"]} if _sent_alone_in_group(doc) else set()
     asked_roots: set[str] = set()
     asked_groups: set[str] = set()
     hints = {index.document["name"]: operations._hint_if_indexed(index.document["name"]) for index in CANVAS_INDEXES}
@@ -158,11 +158,18 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
                 found[_key(job["_id"])] = job
                 if is_canvas_id(job.get("rootId")):
                     roots.add(job["rootId"])
-                if is_canvas_id(job.get("groupId")):
+                if _sent_alone_in_group(job):
                     groups.add(job["groupId"])
     else:
         canvas.truncated = canvas.truncated or bool(roots - asked_roots or groups - asked_groups)
     return sorted(found.values(), key=lambda job: str(job["_id"]))
+
+
+def _sent_alone_in_group(job: dict[str, Any]) -> bool:
+    """Whether the job is in a group sent on its own (its own root, or no root): such a group's other tasks are each
+    their own root too, found only through the group. A group a task sent shares that task's root, read already."""
+    root = job.get("rootId")
+    return is_canvas_id(job.get("groupId")) and (not is_canvas_id(root) or root == job.get("taskId"))
 
 
 def _key(job_id: Any) -> Any:
