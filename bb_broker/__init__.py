@@ -16,12 +16,14 @@ if TYPE_CHECKING:
     from pymongo.database import Database
 
     from bb_broker.connection import BrokerURLError
+    from bb_broker.jobs.checkpoints import CheckpointError
     from bb_broker.jobs.document import JobTooLarge, ResultNotStored, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
     from bb_broker.jobs.refusals import PublishRefused
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
-    from bb_broker.worker.hooks import is_final_attempt
+    from bb_broker.worker.checkpoints import checkpoint, last_checkpoint
+    from bb_broker.worker.settle import is_final_attempt
 
 __all__ = [
     "FAILED",
@@ -30,6 +32,7 @@ __all__ = [
     "STATUSES",
     "SUCCEEDED",
     "BrokerURLError",
+    "CheckpointError",
     "DuplicateJob",
     "JobTooLarge",
     "MalformedTaskMessage",
@@ -38,7 +41,9 @@ __all__ = [
     "ResultTooLarge",
     "ServerUnreachable",
     "UniqueOptionError",
+    "checkpoint",
     "is_final_attempt",
+    "last_checkpoint",
     "statuses",
 ]
 
@@ -48,6 +53,7 @@ DISTRIBUTION = "bb-broker"
 #: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
 _LAZY = {
     "BrokerURLError": "connection",
+    "CheckpointError": "jobs.checkpoints",
     "DuplicateJob": "jobs.unique",
     "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
@@ -56,7 +62,9 @@ _LAZY = {
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",
-    "is_final_attempt": "worker.hooks",
+    "checkpoint": "worker.checkpoints",
+    "is_final_attempt": "worker.settle",
+    "last_checkpoint": "worker.checkpoints",
 }
 
 
@@ -89,7 +97,7 @@ def _register_result_backend(celery_backends: ModuleType) -> None:
 
 
 def _connect_celery_hooks(_signals: ModuleType) -> None:
-    importlib.import_module(f"{__name__}.worker.hooks")  # its receivers connect as it is imported
+    importlib.import_module(f"{__name__}.worker")  # its receivers connect as it is imported
 
 
 # The aliases and the signal receivers are in place before anything can use them: a transport is resolved through

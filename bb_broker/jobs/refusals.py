@@ -11,4 +11,4 @@ class PublishRefused(EncodeError):
 
     A Kombu EncodeError, so that Celery's tracer records a callback or chain step refused after a task's body ran as
     that task's failure, as it does one it cannot encode, and the broker does not run the body again for it
-    (bb_broker.worker.hooks.is_retryable: an EncodeError is not retried)."""
+    (bb_broker.worker.settle.is_retryable: an EncodeError is not retried)."""

@@ -17,7 +17,7 @@ never waits: a settle too large for a datagram, or sent while the socket's buffe
 writes held up by an outage) or after the main process is gone, the pool process writes itself, at once, before its
 task's result goes back to the main process (JobStore.settle_soon). Every settle in a worker whose pool is not
 forked (threads, solo, gevent, eventlet) goes to a writer thread of its process (GroupCommit). A script calling the
-result backend writes its settle at once (hooks.settle_ran).
+result backend writes its settle at once (worker/settle.py).
 
 The crash window this opens: a finished task waits for its settle at most the write in flight, the relay's wait for
 the next settle (up to `settle_linger`, 10 ms) and its own write (a round trip or two; through an outage, up to

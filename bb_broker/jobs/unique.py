@@ -15,7 +15,7 @@ job also keeps `unique: {key, mode}`, not indexed, for the people who look at it
 its mode: the same string in two modes is two keys (a key derived from the arguments names the task anyway).
 
 The Celery side (`@app.task(unique=True)`, `apply_async(unique_key=...)`) is UniqueOptions: the options read from
-the task and the call, turned into those headers by a `before_task_publish` receiver (bb_broker.worker.hooks).
+the task and the call, turned into those headers by a `before_task_publish` receiver (bb_broker.worker.publish_headers).
 Celery's signals swallow what a receiver raises, so a bad option travels as UNIQUE_REFUSED_HEADER and the transport
 raises UniqueOptionError before it writes anything.
 """

@@ -22,8 +22,9 @@ from typing import Any
 
 from bb_broker.clock import aware
 from bb_broker.jobs.canvas import CANVAS_INDEXES, GROUP_INDEX, ROOT_INDEX, is_canvas_id
+from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, QUEUED
-from bb_broker.ops.operations import Operations
+from bb_broker.ops.queries import Queries
 
 #: The most steps (published and pending) one canvas shows; past it the answer says `truncated`.
 MAX_STEPS = 1000
@@ -98,7 +99,7 @@ class Canvas:
         }
 
 
-def canvas_of(operations: Operations, identifier: str) -> dict[str, Any] | None:
+def canvas_of(operations: Queries, identifier: str) -> dict[str, Any] | None:
     """The canvas of the job with this job id or task id, as JSON (Canvas.as_json); None when no job has it."""
     doc = operations.find(identifier)
     if doc is None:
@@ -123,7 +124,7 @@ def canvas_of(operations: Operations, identifier: str) -> dict[str, Any] | None:
     return canvas.as_json()
 
 
-def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> list[dict[str, Any]]:
+def _published(operations: Queries, doc: dict[str, Any], canvas: Canvas) -> list[dict[str, Any]]:
     """The jobs of the canvas: `doc`, those of its root, and of each root and group found among them, in rounds; at
     most MAX_STEPS (oldest first), `canvas.truncated` set when there were more."""
     found: dict[Any, dict[str, Any]] = {_key(doc["_id"]): doc}
@@ -131,7 +132,9 @@ def _published(operations: Operations, doc: dict[str, Any], canvas: Canvas) -> l
     groups = {doc["groupId"]} if _sent_alone_in_group(doc) else set()
     asked_roots: set[str] = set()
     asked_groups: set[str] = set()
-    hints = {index.document["name"]: operations._hint_if_indexed(index.document["name"]) for index in CANVAS_INDEXES}
+    hints = {
+        index.document["name"]: hint_if_indexed(operations.store, index.document["name"]) for index in CANVAS_INDEXES
+    }
     for _ in range(MAX_ROUNDS):
         new_roots, new_groups = sorted(roots - asked_roots), sorted(groups - asked_groups)
         if canvas.truncated or not new_roots and not new_groups:
@@ -177,7 +180,7 @@ def _key(job_id: Any) -> Any:
     return job_id if isinstance(job_id, Hashable) else repr(job_id)
 
 
-def _read_whole_chains(operations: Operations, docs: list[dict[str, Any]], published: set[str]) -> None:
+def _read_whole_chains(operations: Queries, docs: list[dict[str, Any]], published: set[str]) -> None:
     """Put the whole rest of its chain into each step (at most WHOLE_CHAINS_READ) read with only the next step of it
     where that step is not published: the steps after it are pending."""
     ends = []
@@ -202,7 +205,7 @@ def _step_id(doc: dict[str, Any]) -> str:
     return doc["taskId"] if is_canvas_id(doc.get("taskId")) else f"job:{doc['_id']}"
 
 
-def _step(operations: Operations, doc: dict[str, Any], now: datetime, cutoff: datetime) -> dict[str, Any]:
+def _step(operations: Queries, doc: dict[str, Any], now: datetime, cutoff: datetime) -> dict[str, Any]:
     """What the graph shows of a published step; `marks` says why it needs a look (failed, stuck)."""
     status = doc.get("status") if isinstance(doc.get("status"), str) else "unknown"
     history = doc.get("history")

@@ -7,7 +7,7 @@ Where things are kept:
   the settling write the worker makes anyway: success and final failure cost no operation more than without results.
   A failure the broker retries stores `state: RETRY` (a caller's `get()` waits for the next attempt) and fires no
   errback, chain failure or chord part: those belong to the failure that ends the job. A task's exception is a
-  Celery retry then (celery_hooks.retry_failed_attempts); a failure Celery reports from outside the task (a hard
+  Celery retry then (worker/settle.py's broker_retry); a failure Celery reports from outside the task (a hard
   time limit) comes to mark_as_failure, which keeps it from Celery's failure path the same way.
 - `STARTED` (`task_track_started`), custom states (`update_state`) and Celery's own retries are one write each on
   the job's current attempt; `ignore_result` tasks write nothing beyond the settle.
@@ -39,7 +39,6 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 from celery import states
@@ -50,7 +49,7 @@ from pymongo import ASCENDING, DESCENDING, UpdateOne
 from pymongo.collection import Collection
 from pymongo.uri_parser import parse_uri
 
-from bb_broker import connection
+from bb_broker import app_stores, connection
 from bb_broker.jobs.document import (
     DOES_NOT_FIT,
     RESULTS_COLLECTION,
@@ -69,16 +68,12 @@ from bb_broker.results.consumer import ResultConsumer
 from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
 from bb_broker.server import capabilities
 from bb_broker.upstream import celery as upstream_celery
-from bb_broker.worker import hooks as celery_hooks
+from bb_broker.worker import settle
+from bb_broker.worker.settle import RESULT
 
 __all__ = ["JobFailed", "JobResultBackend"]
 
 logger = logging.getLogger(__name__)
-
-
-#: What a job's failure names when its result, or its failure, cannot be kept in its document (Settle.subject).
-RESULT = "the task's result"
-FAILURE = "the task's failure"
 
 
 def not_stored(subject: str, cause: str) -> ResultNotStored:
@@ -144,12 +139,12 @@ class JobResultBackend(ChordBackend):
 
     def _store(self) -> JobStore | None:
         """The broker's job store when it shares this backend's database: only then are results kept on jobs."""
-        store = celery_hooks.store_for(self.app)
+        store = app_stores.store_for(self.app)
         if store is None:
             return None
         if self._shares_broker_jobs is None:
             # The same servers, database and collection, whatever options either URL carries.
-            broker = connection.parse_broker_url(celery_hooks.broker_url(self.app) or "")
+            broker = connection.parse_broker_url(app_stores.broker_url(self.app) or "")
             self._shares_broker_jobs = (_servers(broker), broker.database, store.coll.name) == (
                 _servers(self.target),
                 self.target.database,
@@ -206,7 +201,7 @@ class JobResultBackend(ChordBackend):
 
     def _held(self, request: Any) -> tuple[JobStore, tuple[str, int]] | None:
         """The store and (job id, attempt) of a job this process runs for `request`, if any."""
-        job = celery_hooks.job_of(request) if request is not None else None
+        job = settle.job_of(request) if request is not None else None
         store = self._store() if job is not None else None
         return (store, job) if store is not None and job is not None else None
 
@@ -225,15 +220,10 @@ class JobResultBackend(ChordBackend):
             self.on_chord_part_return(request, state, result)
         if fields is None:
             return  # the task_success signal settles the job
-        store, job = held
-        attempt = celery_hooks.attempt_for(store, request, job[1], "succeeded")
-        unwritable = partial(self.failed_unstored, store, job, attempt, request, RESULT)
         try:
-            settle = store.success(*job, attempt=attempt, result=fields, if_unwritable=unwritable, subject=RESULT)
-            celery_hooks.settle_ran(store, request, settle, size)
+            settle.succeeded(held[0], request, result=(fields, size), unwritable=self.failed_unstored)
         except SettleUnwritable as exc:
             raise not_stored(RESULT, exc.cause) from None  # Celery's tracer records it as the task's failure
-        celery_hooks.settled_by_backend(request)
 
     def mark_as_failure(
         self,
@@ -256,31 +246,18 @@ class JobResultBackend(ChordBackend):
                 call_errbacks=call_errbacks,
                 state=state,
             )
-        store, job = held
-        retryable = celery_hooks.is_retryable(request, exc)
-        final = not retryable or store.policy.is_final_attempt(job[1])
+        store = held[0]
         if store_result:
-            error = describe_error(exc)
-            attempt = celery_hooks.attempt_for(store, request, job[1], "failed", error, traceback)
-            unwritable = partial(self.failed_unstored, store, job, attempt, request, FAILURE)
-            try:
-                fields, size = self._sized_result_fields(self.encode_result(exc, state), state, traceback, request)
-                settle = store.failure(
-                    *job,
-                    error,
-                    retryable=retryable,
-                    attempt=attempt,
-                    result=fields,
-                    if_unwritable=unwritable,
-                    subject=FAILURE,
-                )
-                celery_hooks.settle_ran(store, request, settle, size + len(attempt.get("traceback") or ""))
-            except (ResultTooLarge, SettleUnwritable) as unstored:
-                # The exception or its traceback is what cannot be kept: the job fails on that, for good.
-                final = True
-                cause = unstored.cause if isinstance(unstored, SettleUnwritable) else f"{DOES_NOT_FIT}: {unstored}"
-                store.settle(unwritable(cause))
-            celery_hooks.settled_by_backend(request)
+            final = settle.failed(
+                store,
+                request,
+                exc,
+                traceback,
+                result=lambda: self._sized_result_fields(self.encode_result(exc, state), state, traceback, request),
+                unwritable=self.failed_unstored,
+            )
+        else:
+            final = settle.ends_the_job(store, request, exc)
         if not final:
             return  # the broker runs the task again (a hard time limit): chord part, chain, errbacks wait for the last
         if request.chord:
@@ -317,7 +294,7 @@ class JobResultBackend(ChordBackend):
             return super().mark_as_revoked(task_id, reason, request=request, store_result=store_result, state=state)
         # The task_revoked signal that follows settles the job, with the reason it knows, and these fields.
         fields = self._result_fields(self.encode_result(TaskRevokedError(reason), state), state, None, request)
-        celery_hooks.pending_result(request, fields)
+        settle.revoked(held[0], request, result=fields)
         if request.chord:
             self.on_chord_part_return(request, state, TaskRevokedError(reason))
 
@@ -335,18 +312,14 @@ class JobResultBackend(ChordBackend):
         held = self._held(request)
         if held is not None:
             store, job = held
-            attempt = None
+            if state != states.RETRY:
+                # Fenced on the attempt: a worker whose job was taken over changes nothing.
+                store.annotate(*job, fields)
+                return result
             # A Retry as the exception is Celery cancelling the task as its worker stops (no retry of the task's
             # own): the attempt's entry comes from the release of the worker's jobs.
-            # A broker's retry recorded its failed attempt itself (see celery_hooks.retry_failed_attempts).
             cancelled = isinstance(result, dict) and result.get("exc_type") == "Retry"
-            if state == states.RETRY and not cancelled and not celery_hooks.retried_by_broker(request):
-                error = codec.described(result)
-                attempt = celery_hooks.attempt_for(store, request, job[1], "retry", error, traceback)
-                celery_hooks.settled_by_backend(request)  # the task_retry signal must not add this attempt again
-            # Fenced on the attempt: a worker whose job was taken over changes nothing.
-            if not store.annotate(*job, fields, attempt=attempt) and attempt is not None:
-                store.record_retry(*job, attempt)  # the retry's publish let a worker claim the job again first
+            settle.retried(store, request, None if cancelled else codec.described(result), traceback, result=fields)
             return result
         # Not a job this process holds: the job of that task id if there is one (never over its success), else ours.
         job_doc = self.jobs.find_one({"taskId": task_id}, {"state": 1}, sort=[("_id", DESCENDING)])

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from pymongo.errors import OperationFailure
+from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker.jobs.document import RESULTS_COLLECTION
 from bb_broker.jobs.outages import Refusals
 from bb_broker.server import capabilities, passes_with_time
 
-if TYPE_CHECKING:
-    from bb_broker.results.backend import JobResultBackend
+
+class ResultSource(Protocol):
+    """What the consumer reads through: the result backend (JobResultBackend), named by what it offers so that the
+    backend's module and this one do not import each other."""
+
+    jobs_collection: str
+
+    @property
+    def database(self) -> Any: ...
+
+    def metas(self, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]: ...
+
 
 #: The longest a waiting get() goes without reading the result, even with a change stream that said nothing.
 SAFETY_READ = 10.0
@@ -27,7 +38,7 @@ class ResultConsumer:
     """The waiting side of JobResultBackend, as Celery's Redis backend has its ResultConsumer: it reads through the
     backend and watches what can change the results it waits for."""
 
-    def __init__(self, backend: JobResultBackend, *, cache: Any) -> None:
+    def __init__(self, backend: ResultSource, *, cache: Any) -> None:
         self.backend = backend
         #: The backend's cache of ready results (Celery's `self._cache`): a ready result is not read again.
         self._cache = cache
@@ -62,30 +73,58 @@ class ResultConsumer:
         iterations = 0
         try:
             while pending:
-                yield from self._ready_in_read(pending, ready_states, on_message)
+                ready, outage = self._read(pending, ready_states, on_message)
+                yield from ready
                 if not pending:
                     return
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise CeleryTimeoutError(f"Operation timed out ({timeout})")
+                    raise CeleryTimeoutError(f"Operation timed out ({timeout})") from outage
                 iterations += 1
                 if max_iterations and iterations >= max_iterations:
                     return
                 jobs = tuple(sorted(self._job_ids[task_id] for task_id in pending if task_id in self._job_ids))
                 unknown = tuple(sorted(task_id for task_id in pending if task_id not in self._job_ids))
-                if self.change_streams and (jobs, unknown) != watched:
-                    if stream is not None:
-                        stream.close()
-                    stream, watched = self.watch(jobs, unknown, pending), (jobs, unknown)
-                    if stream is not None:
-                        continue  # read again at once: a change between the read and the watch is not missed
-                self._pause(stream, interval, remaining)
+                try:
+                    if outage is None and self.change_streams and (jobs, unknown) != watched:
+                        if stream is not None:
+                            stream.close()
+                        stream, watched = None, None
+                        stream, watched = self.watch(jobs, unknown, pending), (jobs, unknown)
+                        if stream is not None:
+                            continue  # read again at once: a change between the read and the watch is not missed
+                    self._pause(None if outage is not None else stream, interval, remaining)
+                except PyMongoError as exc:
+                    if not passes_with_time(exc):
+                        raise
+                    stream, watched = self._closed(stream), None  # a new one once the server answers a read again
+                    time.sleep(interval if remaining is None else min(interval, remaining))
                 if on_interval is not None:
                     # After the wait and before the next read, as Redis's consumer does: a parent's error (a
                     # chord's revoked header task) is raised before the failure it caused downstream.
                     on_interval()
         finally:
             if stream is not None:
+                stream.close()
+
+    def _read(
+        self, pending: set[str], ready_states: frozenset[str], on_message: Any
+    ) -> tuple[list[tuple[str, dict[str, Any]]], PyMongoError | None]:
+        """One read's ready results (_ready_in_read); none and the error of an outage (a failover, a dropped
+        connection) that met it: the wait reads again after a pause, until its timeout, as it would through a server
+        that is slow to answer."""
+        try:
+            return list(self._ready_in_read(pending, ready_states, on_message)), None
+        except PyMongoError as exc:
+            if not passes_with_time(exc):
+                raise
+            return [], exc
+
+    @staticmethod
+    def _closed(stream: Any) -> None:
+        """Close a change stream an outage met (closing it may meet the outage too)."""
+        if stream is not None:
+            with contextlib.suppress(PyMongoError):
                 stream.close()
 
     def _ready_in_cache(self, pending: set[str], ready_states: frozenset[str]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -11,7 +11,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.canvas import MAX_STEPS, canvas_of, tree_lines
-from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import Operations
 from tests.database.test_scale import fill
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 

@@ -14,7 +14,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 import bb_broker
-import bb_broker.worker.hooks
+import bb_broker.app_stores
 from bb_broker.jobs.document import HISTORY_LIMIT, attempt_entry
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
@@ -245,7 +245,7 @@ def test_a_waiting_get_is_woken_by_a_new_job_of_a_task_id_it_knows(app: Celery, 
 
 def held_part(app: Celery, task_id: str, group_id: str, callback) -> Context:
     """A chord part as a worker holds it: its job claimed (attempt 1 of 1), the request naming job and attempt."""
-    store = bb_broker.worker.hooks.store_for(app)
+    store = bb_broker.app_stores.store_for(app)
     store.ensure_indexes()
     job_id = store.publish(queue="q", kind="k", task_id=task_id, payload={}, priority=0, run_after=None, is_retry=False)
     claimed = store.claim("q", "owner-a")
@@ -276,3 +276,29 @@ def test_a_chord_part_whose_failure_is_over_the_limit_still_fails_the_chord(app:
     assert db.bb_results.find_one({"_id": "chord:g5"})["count"] == 1
     with pytest.raises(ChordError, match="ResultTooLarge"):
         app.AsyncResult(callback.id).get(timeout=10)
+
+
+def test_a_failure_the_main_process_reports_adds_no_second_entry_for_an_attempt_its_retry_recorded(
+    app: Celery, db: Database
+) -> None:
+    # A pool process's broker retry records the failed attempt, then the process dies before the retry's publish:
+    # the worker's main process reports the lost process to the result backend, with the request it holds (the
+    # task never started in that process). The attempt has its entry already; the job goes back with that one.
+    from billiard.exceptions import WorkerLostError
+
+    store = bb_broker.app_stores.store_for(app)
+    store.ensure_indexes()
+    job_id = store.publish(queue="q", kind="k", task_id="lost", payload={}, priority=0, run_after=None, is_retry=False)
+    held = store.claim("q", "owner-a")
+    error = "RuntimeError: the first attempt fails"
+    recorded = attempt_entry(
+        held.attempts, worker="w0", started_at=store.now(), finished_at=store.now(), outcome="failed", error=error
+    )
+    assert store.record_failed_attempt(job_id, held.attempts, error, attempt=recorded)
+    request = Context({"id": "lost", "bb_job_id": job_id, "bb_attempts": held.attempts, "errbacks": None})
+    app.backend.mark_as_failure(
+        "lost", WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."), request=request
+    )
+    doc = db.jobs.find_one({"_id": job_id})
+    assert (doc["status"], doc["attempts"]) == ("queued", 1), doc
+    assert [(entry["n"], entry["error"]) for entry in doc["history"]] == [(1, error)], doc["history"]

@@ -433,12 +433,11 @@ def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its
     from celery import signals
     from celery.exceptions import TimeLimitExceeded
 
-    from bb_broker import connection
-    from bb_broker.worker import hooks as celery_hooks
+    from bb_broker import app_stores, connection
     from tests.support.workers import producer
 
     app = producer(broker_url)
-    store = celery_hooks.store_for(app)
+    store = app_stores.store_for(app)
     store.ensure_indexes()
     publish(store, "limited")
     held = store.claim("celery", connection.lease_owner())

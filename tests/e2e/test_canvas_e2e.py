@@ -7,7 +7,7 @@ from celery import Celery, chain
 from click.testing import CliRunner
 from pymongo.database import Database
 
-from bb_broker.ops.cli import main
+from bb_broker.cli import main
 from tests.support.workers import job, send, settled, wait_for
 
 T = "tests.support.e2e_app."

@@ -8,6 +8,7 @@ ending the worker."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker import DuplicateJob
+from bb_broker.jobs.queues import CONTROL_SETTLE
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support import wire
@@ -111,6 +113,7 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
     try:
         first = send(app, "add", 1, 1)  # the worker has probed the server and claimed once
         wait_for(lambda: client.unknown_answers.jobs.find_one({"taskId": first, "status": "succeeded"}), 60, "first")
+        time.sleep(CONTROL_SETTLE)  # what the worker read of its queue's control is old: its next claim reads it again
         # Every such command meets an answer no list in bb_broker names, four times over.
         # bb_broker's clients only (its appname): the test's own reads are no part of it.
         fail_point(client, 4, failCommands=commands, errorCode=54321, appName="bb_broker")

@@ -22,10 +22,12 @@ from pymongo.errors import ConnectionFailure, OperationFailure
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
+from bb_broker.app_stores import broker_url, store_for
 from bb_broker.connection import parse_broker_url, quick_timeouts
 from bb_broker.contrib.flower.health import BrokerHealth, describe
 from bb_broker.jobs.queues import QueueControls
-from bb_broker.ops.operations import ARGUMENT_SEARCH_WINDOW, Operations
+from bb_broker.ops.filters import ARGUMENT_SEARCH_WINDOW
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.stats import SummarizingAhead
 from bb_broker.server import is_authentication_failure
 from bb_broker.upstream import flower as upstream_flower
@@ -52,8 +54,6 @@ class JobsTab:
     makes its requests answer 503 at once while Flower knows the server cannot be used."""
 
     def __init__(self, app: Any) -> None:
-        from bb_broker.worker.hooks import broker_url, store_for
-
         url = broker_url(app.capp)
         store = store_for(app.capp, appname=APPNAME, **quick_timeouts(parse_broker_url(url))) if url else None
         if store is None:
@@ -64,7 +64,7 @@ class JobsTab:
             limits = f"from 1 to {MAX_SEARCH_WINDOW}"
             raise tornado.web.HTTPError(500, f"--jobs_search_window must be {limits}, not {window}")
         self.operations.search_window = window
-        self.health = BrokerHealth.of(app.broker_uri_with_password)
+        self.health = BrokerHealth.of(upstream_flower.broker_url_with_password(app))
         self.executor = ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="bb-jobs-tab")
         self.running: Counter[str] = Counter()  # requests running, by user; only the event loop's thread counts
 
@@ -108,8 +108,6 @@ def start_chart_summaries(app: Any, broker_url: str) -> None:
     """Flower's share of keeping the charts' summaries written ahead of them (bb_broker.ops.stats.SummarizingAhead),
     once per jobs collection in a process, on a client with the Jobs tab's quick timeouts. A read-only Flower starts
     none: its charts read the summaries the workers and the other Flowers keep."""
-    from bb_broker.worker.hooks import store_for
-
     # A client of its own, named apart: its passes' reads are told from the tab's in the server's logs and
     # currentOp, and a slow pass queues behind none of the tab's requests.
     store = store_for(app, appname=SUMMARIES_APPNAME, **quick_timeouts(parse_broker_url(broker_url)))

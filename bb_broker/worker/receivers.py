@@ -1,0 +1,151 @@
+"""Celery's task signals, each handing its outcome to the settle protocol (worker/settle.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signals, states
+from celery.exceptions import Reject
+
+from bb_broker import app_stores
+from bb_broker.jobs.lifecycle import describe_error
+from bb_broker.jobs.payloads import MalformedTaskMessage, check_signature
+from bb_broker.transport.qos import explain_rejection
+from bb_broker.upstream import celery as upstream_celery
+from bb_broker.worker import settle
+
+logger = logging.getLogger(__name__)
+
+
+@signals.task_prerun.connect
+def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    store = settle.store_of(sender) if sender is not None else None
+    if store is not None and task_id and settle.job_of(sender.request) is not None:
+        settle.started(store, sender.request)
+        _drop_refused_signatures(sender)
+
+
+#: The attributes of a task's request holding the signatures its tracer publishes once its body ran (callbacks, the
+#: next chain step) or failed for good (errbacks): read from the request Celery's tracer runs, the one given here.
+_LATER_SIGNATURES = ("callbacks", "errbacks", "chain")
+
+
+def _drop_refused_signatures(task: Any) -> None:
+    """Take off the task's request every callback, errback and chain step whose publish the broker would refuse
+    (check_signature, the check of a publish's whole canvas), each reported in one line, before the body runs.
+
+    A message that carries one never passed this broker's publish (written by hand, or by another client): refused
+    when Celery's tracer publishes it after the body, it would fail the task that ran, and the broker would run the
+    body again. The task runs and settles as it would without it. A refused chain step takes the steps after it
+    along: it is the one that would publish them."""
+    request = task.request
+    for name in _LATER_SIGNATURES:
+        signatures = getattr(request, name, None)
+        if not isinstance(signatures, list) or not signatures:
+            continue
+        kept = [signature for index, signature in enumerate(signatures) if _publishable(task, name, index, signature)]
+        if name == "chain" and len(kept) != len(signatures):
+            kept = []
+        if len(kept) != len(signatures):
+            setattr(request, name, kept or None)
+
+
+def _publishable(task: Any, name: str, index: int, signature: Any) -> bool:
+    try:
+        check_signature(signature, f"its {name!r}[{index}]")
+    except MalformedTaskMessage as exc:
+        shown = signature.get("task") if isinstance(signature, dict) else None
+        logger.error(
+            "task %s[%s]: %s %r is not published, the broker refuses it (the task runs without it): %s",
+            task.name,
+            task.request.id,
+            name,
+            shown,
+            exc,
+        )
+        return False
+    return True
+
+
+@signals.task_success.connect
+def _on_success(sender: Any = None, **_: Any) -> None:
+    settle.succeeded(settle.store_of(sender), sender.request)
+
+
+@signals.task_failure.connect
+def _on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    einfo: Any = None,
+    **_: Any,
+) -> None:
+    store = app_stores.store_for(sender.app)
+    if store is None or exception is None:
+        return
+    # A hard time limit is reported by the main process, whose task has no request of that task id.
+    request = sender.request
+    held = request if getattr(request, "id", None) == task_id else None
+    settle.failed(store, held, exception, getattr(einfo, "traceback", None), task_id=task_id)
+
+
+@signals.task_postrun.connect
+def _on_postrun(sender: Any = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
+    if sender is None:
+        return
+    # A task that raised Ignore gets no success or failure signal.
+    if state == states.IGNORED:
+        settle.ignored(settle.store_of(sender), sender.request)
+    elif state == states.REJECTED and isinstance(retval, Reject) and not upstream_celery.fails_rejected_tasks():
+        # Before Celery 5.7 a task that rejects its message without requeue gets no failure signal, and its message,
+        # acked when it was received (unless acks_late), cannot be rejected any more: its job fails for good here, as
+        # 5.7's task_failure fails it (_on_failure). A requeue is the message's (acks_late), on every release.
+        store = app_stores.store_for(sender.app)
+        if store is not None and not retval.requeue:  # type: ignore[attr-defined]  # celery-types omits it
+            settle.failed(store, sender.request, retval)
+
+
+@signals.task_retry.connect
+def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any) -> None:
+    # No reason: Celery cancelled the task as its worker stops.
+    if reason is None:
+        error = None
+    else:
+        error = describe_error(reason.exc) if getattr(reason, "exc", None) is not None else str(reason)
+    settle.retried(app_stores.store_for(sender.app), request, error, getattr(einfo, "traceback", None))
+
+
+@signals.task_revoked.connect
+def _on_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    signum: Any = None,
+    **_: Any,
+) -> None:
+    why = settle.revoke_reason(terminated, expired, signum)
+    settle.revoked(app_stores.store_for(sender.app), request, why=why)
+
+
+@signals.task_unknown.connect
+def _on_unknown(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
+    _explain_rejection(message, f"unknown task {name!r}: no worker has it registered")
+
+
+@signals.task_rejected.connect
+def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
+    reason = describe_error(exc) if exc is not None else "not a task message this worker understands"
+    _explain_rejection(message, f"invalid task message: {reason}")
+
+
+def explain_lost(message: Any, exc: BaseException) -> None:
+    """Give the message of a request whose pool process died its reason (upstream_celery.explain_worker_lost)."""
+    explain_rejection(message, describe_error(exc))
+
+
+def _explain_rejection(message: Any, reason: str) -> None:
+    # Celery sends this just after rejecting the message, inside its delivery: the transport fails the job with
+    # this reason when the delivery returns, in the one write that fails it.
+    explain_rejection(message, reason)

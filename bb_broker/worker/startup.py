@@ -1,0 +1,207 @@
+"""The worker's start and stop: the patches a bbmongo:// worker takes, the leases of what it holds, the settle relay
+of its pool processes, credentials masked in its logs, its chart summaries and metrics endpoint, its last settles."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+from celery import signals
+from celery.worker import state as worker_state
+
+from bb_broker import app_stores, connection
+from bb_broker.jobs import settles
+from bb_broker.jobs.leases import add_process_source, add_started_source
+from bb_broker.jobs.payloads import JOB_ID_HEADER
+from bb_broker.ops import metrics_endpoint
+from bb_broker.options import BrokerOptions, OptionError
+from bb_broker.upstream import billiard as upstream_billiard
+from bb_broker.upstream import celery as upstream_celery
+from bb_broker.worker import receivers, settle
+
+logger = logging.getLogger(__name__)
+
+#: Celery's setting (5.1 and later; True by default from 6.0) that cancels the running acks_late tasks on a reconnect.
+CANCEL_ON_CONNECTION_LOSS = "worker_cancel_long_running_tasks_on_connection_loss"
+
+
+def install(app: Any) -> None:
+    """Every patch a bbmongo:// worker needs, before its pool forks and its consumer builds the tasks' requests and
+    tracers (its worker_init); calling it again changes nothing. The task runs' wrapper alone is installed again as
+    the tasks' modules are imported (settle.retry_failed_attempts: a pool process started afresh builds its tracers
+    without worker_init)."""
+    upstream_billiard.install_pool_queue_guard()
+    upstream_celery.wrap_task_runs(app, settle.broker_retry)
+    for task in list(app.tasks.values()):
+        upstream_celery.explain_worker_lost(task, receivers.explain_lost)
+    upstream_celery.install_failure_as_retry(settle.runs_again)
+
+
+def _reserved_jobs() -> list[str]:
+    # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
+    return _jobs_of(worker_state.reserved_requests)
+
+
+def _started_jobs() -> list[str]:
+    # The requests its pool took. Celery keeps them through a reconnect (Consumer.on_close), and their runs go on,
+    # except those it cancels then for the broker to deliver again (worker_cancel_long_running_tasks_on_connection_loss:
+    # nothing settles a cancelled run, and its job goes back, as Celery means it to).
+    return _jobs_of(request for request in list(worker_state.active_requests) if not _cancelled_on_reconnect(request))
+
+
+def _cancelled_on_reconnect(request: Any) -> bool:
+    """Celery's own test (Consumer.on_connection_error_after_connected) of a request it cancels on a reconnect."""
+    task = getattr(request, "task", None)
+    cancels = bool(getattr(getattr(task, "app", None), "conf", {}).get(CANCEL_ON_CONNECTION_LOSS))
+    return cancels and bool(getattr(task, "acks_late", False)) and not getattr(request, "acknowledged", False)
+
+
+def _jobs_of(requests: Iterable[Any]) -> list[str]:
+    held = (getattr(request, "request_dict", None) or {} for request in list(requests))
+    return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
+
+
+class _ScrubSecrets(logging.Filter):
+    """Masks the broker's credentials in every record, tracebacks included, whoever wrote them."""
+
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = connection.scrub(message, self.secrets)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info:
+            trace = logging.Formatter().formatException(record.exc_info)
+            if connection.scrub(trace, self.secrets) != trace:
+                record.exc_text, record.exc_info = connection.scrub(trace, self.secrets), None
+        return True
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    from celery import current_app
+
+    url = app_stores.broker_url(current_app)
+    secrets = connection.parse_broker_url(url).secrets if url else ()
+    if logger is None or not secrets:
+        return
+    for handler in logger.handlers:
+        if not any(isinstance(f, _ScrubSecrets) for f in handler.filters):
+            handler.addFilter(_ScrubSecrets(secrets))
+
+
+@signals.worker_shutting_down.connect
+def _stopping(**_: Any) -> None:
+    connection.begin_shutdown()
+
+
+@signals.worker_process_shutdown.connect
+@signals.worker_shutdown.connect
+def _write_the_last_settles(**_: Any) -> None:
+    # A pool process exits with os._exit (no atexit): the settles its writer still has go out first.
+    settles.flush_all(connection.SHUTDOWN_PATIENCE)
+
+
+@signals.import_modules.connect
+def _tasks_imported(sender: Any = None, **_: Any) -> None:
+    # A pool process started afresh (spawn, execv) imports the tasks and builds its tracers without worker_init.
+    if sender is not None:
+        try:
+            settle.retry_failed_attempts(sender)
+        except (connection.BrokerURLError, OptionError) as exc:
+            # The worker cannot start: one line, not the 50-line traceback Celery re-raises a receiver's error with.
+            raise SystemExit(f"bb_broker: {exc}") from None
+
+
+@signals.worker_process_init.connect
+def _in_a_pool_process(**_: Any) -> None:
+    connection.in_a_pool_process()  # its clients' monitors look at the server once a minute (connection.py says why)
+
+
+@signals.worker_init.connect
+def _become_worker(sender: Any = None, **_: Any) -> None:
+    if app_stores.broker_url(sender.app) is None:
+        return
+    # Before the pool forks and the consumer builds its tracers and request classes: `pool_shrink` must not wedge
+    # a worker, a task's failed attempt the broker runs again is a Celery retry, and what the main process reports of
+    # a task (its pool process died, a hard time limit) is right for the job (see bb_broker/upstream/celery.py).
+    install(sender.app)
+    # The requests this worker holds keep their leases, and what it still holds at exit is released. A consumer
+    # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
+    add_process_source(_reserved_jobs)
+    add_started_source(_started_jobs)
+    app_stores.keep_task_store(sender.app)  # kept from the first task on
+    # The pool processes it forks settle through this process: their settles go out together (settles.py).
+    if _forks_its_pool(sender):
+        app = sender.app
+        try:
+            linger = BrokerOptions.parse(app.conf.broker_transport_options).settle_linger
+            relay = settles.SettleRelay(
+                lambda: app_stores.store_for(app), partial(settle.relayed_unwritable, app), linger=linger
+            )
+        except OptionError as exc:
+            raise SystemExit(f"bb_broker: {exc}") from None  # one line, as for a broker URL it cannot use
+        except OSError as exc:  # no SOCK_SEQPACKET socket pair here (macOS, the BSDs): each pool process writes
+            logger.info("bb_broker: pool processes settle on their own (%s)", exc)
+            return
+        app_stores.keep_settle_relay(app, relay)
+        relay.start()
+
+
+def _forks_its_pool(worker: Any) -> bool:
+    """Whether the worker's pool is processes forked from this one (prefork): a threads, solo, gevent or eventlet
+    pool settles in this process. `pool_cls` is the `-P` choice at worker_init, resolved by Celery's own public
+    `get_implementation` (checked against celery 5.5.3, 5.6.3, 5.7.0)."""
+    # Imported here: billiard's pool is of no use to the command line's start.
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    try:
+        pool = get_implementation(worker.pool_cls)
+    except Exception:  # an unknown pool is Celery's to refuse, a moment later
+        return False
+    return isinstance(pool, type) and issubclass(pool, PreforkPool)
+
+
+@signals.worker_ready.connect
+def _summarize_charts_ahead(sender: Any = None, **_: Any) -> None:
+    """The worker's main process takes its turns at keeping the Jobs tab's chart summaries written ahead of the
+    charts (one process of the fleet at a time: bb_broker.ops.stats.SummarizingAhead), so that a chart finds them
+    written whether or not a Flower that may write runs."""
+    store = app_stores.store_for(sender.app)
+    if store is None:
+        return
+    # Imported here: the operator's queries are of no use to the pool processes and the command line's start.
+    from bb_broker.ops.operations import Operations
+    from bb_broker.ops.stats import SummarizingAhead
+
+    SummarizingAhead.start(Operations(store), owner=f"{getattr(sender, 'hostname', None)}:{os.getpid()}")
+
+
+@signals.worker_ready.connect
+def _serve_metrics(sender: Any = None, **_: Any) -> None:
+    """Opt-in with BB_METRICS_PORT: the worker's main process serves /metrics and /statuses."""
+    port = os.environ.get("BB_METRICS_PORT", "").strip()
+    if not port:
+        return
+    store = app_stores.store_for(sender.app)
+    if store is None:
+        logger.warning("BB_METRICS_PORT is set but this worker's broker is not bbmongo://: no metrics endpoint")
+        return
+    host = os.environ.get("BB_METRICS_HOST", "127.0.0.1")
+    try:
+        server = metrics_endpoint.serve_in_background(store, host, int(port))
+    except (OSError, ValueError) as exc:
+        # A busy port must not stop the worker from working.
+        logger.error("bb_broker metrics endpoint not started on %s:%s: %s", host, port, exc)
+        return
+    if not metrics_endpoint.multiprocess_dir() and type(getattr(sender, "pool", None)).__module__.endswith("prefork"):
+        logger.warning("PROMETHEUS_MULTIPROC_DIR is not set: the counters of the pool processes are not served")
+    logger.info("bb_broker metrics on http://%s:%d/metrics and /statuses", host, server.server_port)
