@@ -58,11 +58,15 @@ def test_two_beats_outlive_an_outage_longer_than_server_selection_and_catch_up_w
         wait_for(lambda: all(len(slot_jobs(db, name)) >= 3 for name in ENTRIES), 60, "3 slots of each entry")
         # The next insert of each beat hangs on the server, and the server goes away under it: the outage meets a
         # publish, not only the look that reads the schedule.
+        sending = [beat.log().count("Sending due task") for beat in beats]
         fail_point(client, len(beats), failCommands=["insert"], blockConnection=True, blockTimeMS=60_000)
         sent = db.jobs.count_documents({})
         last_slot = max(job["slot"] for name in ENTRIES for job in slot_jobs(db, name))
         clock = ServerClock(db)
         wait_for(lambda: clock() > last_slot + timedelta(seconds=2.5), 30, "the next slot's time, and a second more")
+        # Each beat has begun the publish that now hangs (a loaded machine's beat may be seconds behind the clock).
+        for beat, before in zip(beats, sending, strict=True):
+            wait_for(lambda beat=beat, before=before: beat.log().count("Sending due task") > before, 60, "a send")
         assert db.jobs.count_documents({}) == sent, "an insert got through the fail point"
         own_server.stop()
         outage_ends = time.monotonic() + OUTAGE_SECONDS
