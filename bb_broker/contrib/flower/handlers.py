@@ -152,6 +152,14 @@ class JobsHandler(BaseHandler):
             raise tornado.web.HTTPError(400, f"id is longer than {MAX_ID_LENGTH} characters: no job has it")
         return identifier
 
+    async def found_job(self) -> dict[str, Any]:
+        """The job of the `id` argument (job_id), read; 404 when no job has that id or task id."""
+        identifier = self.job_id()
+        doc = await self.run_query(operations_of(self).find, identifier)
+        if doc is None:
+            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        return doc
+
     async def job_filter(self) -> JobFilter:
         """The request's filter, its ages (`since=1h`) on the server's clock, an argument search bounded to its
         window (the request's `searchFrom`, the one its count or list answered, else the newest jobs now)."""
@@ -481,10 +489,7 @@ class JobPage(JobsHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        identifier = self.job_id()
-        doc = await self.run_query(operations_of(self).find, identifier)
-        if doc is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        doc = await self.found_job()
         self.render(
             "bb_job.html",
             job=doc,
@@ -541,10 +546,7 @@ class JobsApi(ApiHandler):
 class JobApi(ApiHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
-        identifier = self.job_id()
-        doc = await self.run_query(operations_of(self).find, identifier)
-        if doc is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        doc = await self.found_job()
         self.write(job_json(doc))
 
 
