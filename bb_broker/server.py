@@ -20,7 +20,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from datetime import UTC, datetime, timedelta
 from typing import Any, TypeGuard
 
 from pymongo import MongoClient
@@ -96,11 +95,6 @@ FALLBACKS: dict[str, tuple[str, str]] = {
         "retryable writes",
         "a write whose answer was lost is repeated by bb_broker itself, fenced on the job's attempt",
     ),
-    "clock_fences": (
-        "claims fenced by the server's clock",
-        "each claim reads its queue's control after its write, so that a pause or a limit that answered before it "
-        "holds: one more round trip per claim (per batch at prefetch > 1)",
-    ),
 }
 
 
@@ -119,10 +113,6 @@ class Capabilities:
     update_pipelines: bool = True
     ttl_indexes: bool = True
     retryable_writes: bool = True
-    #: Whether a write's filter can compare the server's clock (`$$NOW`) with a time (before_server_time): a claim
-    #: then carries the deadline of what its worker knows of its queue's pause and limits. Unlike the others, False
-    #: where the probe could not tell: its fallback is always right, only slower.
-    clock_fences: bool = True
     #: How this server reports a unique index's refusal, beside DuplicateKey: (code, the message's first words).
     unique_refusals: frozenset[tuple[int, str]] = frozenset()
     #: For each capability found missing, the server's own words (for doctor and the log).
@@ -171,13 +161,6 @@ class Capabilities:
     def describe(self) -> str:
         """One line naming the server: engine, version, topology."""
         return f"{self.engine} {self.version}, {self.topology}"
-
-
-def before_server_time(until: datetime) -> dict[str, Any]:
-    """A filter clause that matches only while the server's clock is before `until` (to the millisecond): a write
-    that reaches the server later matches nothing. `$toLong` of `$$NOW` (its milliseconds since the epoch), compared
-    with a number: every server that has `$$NOW` compares those alike (the probe checks it, clock_fences)."""
-    return {"$expr": {"$lt": [{"$toLong": "$$NOW"}, int(until.timestamp() * 1000)]}}
 
 
 # --- the errors every module asks about -------------------------------------------------------------------------
@@ -420,7 +403,6 @@ def _probe(db: Database) -> Capabilities:
         }
         for name, probe in probes.items():
             found[name] = _offered(name, probe, refusals)
-        found["clock_fences"] = _fences_by_clock(scratch, token, refusals)
     finally:
         _drop(scratch)
     topology = "sharded" if hello.get("msg") == "isdbgrid" else "replica set" if hello.get("setName") else "standalone"
@@ -445,32 +427,6 @@ def _offered(name: str, probe: Any, refusals: dict[str, str]) -> bool:
         if exc.code == UNAUTHORIZED:
             return True
         refusals[name] = server_words(exc)
-        return False
-    return True
-
-
-def _fences_by_clock(scratch: Any, token: str, refusals: dict[str, str]) -> bool:
-    """Whether a write's filter compares the server's clock as before_server_time says, both ways: a deadline an hour
-    ahead matches (a claim's findAndModify), one an hour past does not (a batch claim's updateMany). A server that
-    refuses either, or answers either wrong (matching nothing, or everything), has not got it."""
-    now = datetime.now(UTC)
-    try:
-        scratch.insert_one({"_id": token})
-        ahead = scratch.find_one_and_update(
-            {"_id": token, **before_server_time(now + timedelta(hours=1))}, {"$set": {"p": 1}}
-        )
-        past = scratch.update_many({"_id": token, **before_server_time(now - timedelta(hours=1))}, {"$set": {"p": 2}})
-    except OperationFailure as exc:
-        if passes_with_time(exc):
-            raise  # a failover mid-probe: nothing is learnt, the next call probes again
-        refusals["clock_fences"] = (
-            "not probed: this user may not write" if exc.code == UNAUTHORIZED else server_words(exc)
-        )
-        return False
-    if ahead is None or past.matched_count != 0:
-        refusals["clock_fences"] = "a filter comparing $$NOW with a time matched " + (
-            "nothing before it" if ahead is None else "after it"
-        )
         return False
     return True
 

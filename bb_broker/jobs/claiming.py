@@ -43,7 +43,7 @@ from bb_broker.jobs.rates import RateCounters
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.slots import ConcurrencySlots
 from bb_broker.jobs.unique import RELEASED_AT_END
-from bb_broker.server import Capabilities, before_server_time, is_unapplicable_update
+from bb_broker.server import Capabilities, is_unapplicable_update
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,6 @@ class Claims:
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
         rate_holds: RateHolds | None = None,
-        until: datetime | None = None,
     ) -> Claimed | None:
         """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
         (LimitReached when they let no job start now).
@@ -104,12 +103,8 @@ class Claims:
         which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed.
         Likewise, under a rate per key, a job whose key's next start is ahead is skipped: its key is added to
         `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again. A fair queue's
-        job is the next in its rotation across the fair keys (see fair_keys.py).
-
-        With `until`, the claim's write takes nothing once the server's clock has passed it (server.before_server_time:
-        the deadline of what the caller knows of the queue's controls, see CONTROL_SETTLE): None, as for no job."""
+        job is the next in its rotation across the fair keys (see fair_keys.py)."""
         store, rates = self._store, self._store.rates
-        fence = {} if until is None else before_server_time(until)
         busy = set() if busy_keys is None else busy_keys
         rate = None if limits is None else limits.rate
         holds = None
@@ -139,7 +134,7 @@ class Claims:
                         holds.until[rate_key] = moment_us(now) + round((exc.retry_in or 0.0) * 1_000_000)
                         learnt = True
                         continue
-            claim_in = self._claim_of(queue, due, fence, fair=limits is not None and limits.fair)
+            claim_in = self._claim_of(queue, due, fair=limits is not None and limits.fair)
             try:
                 if limits is not None and limits.concurrency is not None:
                     job = store.slots.claim_in_a_slot(queue, due, take, limits.concurrency, claim_in)
@@ -191,23 +186,20 @@ class Claims:
         )
         return flagged.matched_count == 1
 
-    def _claim_of(
-        self, queue: str, due: dict[str, Any], fence: dict[str, Any], *, fair: bool
-    ) -> Callable[[dict[str, Any]], Claimed | None]:
+    def _claim_of(self, queue: str, due: dict[str, Any], *, fair: bool) -> Callable[[dict[str, Any]], Claimed | None]:
         """The claim of one job of `due` with a given update (a slot's, see ConcurrencySlots.claim_in_a_slot): in
         CLAIM_ORDER, or in a fair queue the next job of its rotation (fair_keys.FairRotation: one findAndModify per
         turn it tries, as a plain claim's)."""
         if not fair:
-            return partial(self._claim_one, due, fence=fence)
+            return partial(self._claim_one, due)
         return lambda take: self._store.fairness.claim(
-            queue, due, lambda keyed, order: self._claim_one(keyed, take, fence, order=order)
+            queue, due, lambda keyed, order: self._claim_one(keyed, take, order=order)
         )
 
     def _claim_one(
         self,
         due: dict[str, Any],
         take: dict[str, Any],
-        fence: dict[str, Any],
         order: dict[str, Any] | None = None,
     ) -> Claimed | None:
         """The first job of `due` in CLAIM_ORDER through bb_claim, or in `order` (its sort and hint: a fair claim's)."""
@@ -223,7 +215,7 @@ class Claims:
                     doc = hinted(
                         coll,
                         lambda: coll.find_one_and_update(
-                            {**due, **fence},
+                            due,
                             take,
                             CLAIMED_FIELDS,
                             **order,
@@ -272,7 +264,6 @@ class Claims:
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
         rate_holds: RateHolds | None = None,
-        until: datetime | None = None,
     ) -> list[Claimed]:
         """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch, also in a
         queue with a concurrency limit (each job in a slot of its own: ConcurrencySlots.take_in_slots). A queue with a
@@ -281,8 +272,7 @@ class Claims:
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
         another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
-        all ours, or its outcome is unknown, does a third read say which jobs are. `until` fences every claim's write
-        as claim's does.
+        all ours, or its outcome is unknown, does a third read say which jobs are.
         """
         store, coll = self._store, self._store.coll
         slots = None if limits is None else limits.concurrency
@@ -296,7 +286,7 @@ class Claims:
             # A rate takes a start per job, a fair queue's rotation a turn per job, and a busy key asks for the jobs
             # around it: one job per round trip; so do a concurrency limit's slots where the server has no update
             # pipelines to spread a batch over them.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds, until)
+            return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds)
         due, taken = claim_query(queue, owner, store.now())
         head = hinted(
             coll, lambda: list(coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim")))
@@ -304,18 +294,15 @@ class Claims:
         if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
             # A hand-edited document (an _id that may not even hash, a document say): the claims of one job deal
             # with it, within the queue's limits, and take the jobs behind it.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, until=until)
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if any("serialKey" in doc for doc in head):
             # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, until=until)
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if not head:
             return []
         ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
         mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **attempts_fence(head, shift=1)}
-        fence = {} if until is None else before_server_time(until)
-        take = (
-            store.slots.take_in_slots(head, taken, slots, fence) if slots else self._take_all(head, ids, taken, fence)
-        )
+        take = store.slots.take_in_slots(head, taken, slots) if slots else self._take_all(head, ids, taken)
         asked = len(head)
         with _claiming:
             try:
@@ -338,23 +325,21 @@ class Claims:
         ]
         if len(jobs) < len(head) and not slots:
             # Hand-edited jobs failed on the way are not the end of the queue: the claims of one job take their place.
-            jobs += self._claim_each(queue, owner, len(head) - len(jobs), limits, busy_keys, until=until)
+            jobs += self._claim_each(queue, owner, len(head) - len(jobs), limits, busy_keys)
         elif slots and len(jobs) < limit and (len(head) < asked or batch < limit or len(jobs) < len(head)):
             # A guessed slot was taken, or the limit is below what was asked: the claims of one job go on, and read
             # the free slots, or flag their holders and say the limit is reached, as a claim of one job does.
             try:
-                jobs += self._claim_each(queue, owner, limit - len(jobs), limits, busy_keys, until=until)
+                jobs += self._claim_each(queue, owner, limit - len(jobs), limits, busy_keys)
             except LimitReached as exc:
                 raise LimitReached(exc.queue, exc.limit, jobs + exc.claimed, retry_in=exc.retry_in) from None
         return jobs
 
-    def _take_all(
-        self, head: list[dict[str, Any]], ids: dict[str, Any], taken: dict[str, Any], fence: dict[str, Any]
-    ) -> Callable[[], int]:
+    def _take_all(self, head: list[dict[str, Any]], ids: dict[str, Any], taken: dict[str, Any]) -> Callable[[], int]:
         """The write that takes every job of `head` still queued at its attempts: one updateMany, how many it took."""
         return lambda: (
             self._store.coll.update_many(
-                {"_id": ids, "status": QUEUED, **attempts_fence(head), **fence}, taken, **self._hint("_id_", "update")
+                {"_id": ids, "status": QUEUED, **attempts_fence(head)}, taken, **self._hint("_id_", "update")
             ).modified_count
         )
 
@@ -366,13 +351,12 @@ class Claims:
         limits: QueueLimits | None,
         busy_keys: set[str] | None,
         rate_holds: RateHolds | None = None,
-        until: datetime | None = None,
     ) -> list[Claimed]:
         jobs: list[Claimed] = []
         busy = set() if busy_keys is None else busy_keys
         while len(jobs) < wanted:
             try:
-                job = self.claim(queue, owner, limits, busy, rate_holds, until)
+                job = self.claim(queue, owner, limits, busy, rate_holds)
             except LimitReached as exc:
                 raise LimitReached(exc.queue, exc.limit, jobs, retry_in=exc.retry_in) from None
             if job is None:

@@ -15,7 +15,6 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
-from bb_broker.clock import aware
 from bb_broker.server import unique_refusals
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
@@ -310,10 +309,6 @@ class QueueControls:
         """`queue`'s control document as it is now (empty when it was never paused or limited): one read by _id."""
         return self.coll.find_one({"_id": queue}) or {}
 
-    def server_time(self) -> datetime:
-        """The server's clock now (its `hello`'s localTime, to the millisecond below)."""
-        return aware(self.coll.database.client.admin.command("hello")["localTime"])
-
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
         selector = {
@@ -334,14 +329,21 @@ WATCHED_MAX_AGE = 60.0
 @dataclass(frozen=True)
 class KnownQueue:
     """One queue's control as a consumer knows it, and since when: `read_at`, the monotonic clock just before the
-    read that told, and `server_time`, the server's clock just before it (None where the read was not timed). A
-    claim made on it is fenced on `server_time` + CONTROL_SETTLE, and surely reached the server before that while
-    less than CONTROL_SETTLE has passed since `read_at` (the server's time at the read came after both)."""
+    read that told.
+
+    A claim made on it and answered less than CONTROL_SETTLE after `read_at` landed less than that after the read,
+    and a pause or a limit answers only CONTROL_SETTLE after its write: so one that answered before the claim landed
+    was written before the read, which saw it. Only a claim answered later may have landed after such an answer
+    (`answered_in_time`); the claimer reads its queue's control once more for it. Elapsed time on this process's
+    clock, no clock compared with the server's: it holds on every server."""
 
     paused: bool
     limits: QueueLimits
     read_at: float
-    server_time: datetime | None
+
+    def answered_in_time(self) -> bool:
+        """Whether a claim made on this and answered just now surely landed while this was still true."""
+        return time.monotonic() - self.read_at < CONTROL_SETTLE
 
 
 class KnownControls:
@@ -361,7 +363,6 @@ class KnownControls:
         self._limits: dict[str, QueueLimits] = {}
         self._read_at = float("-inf")
         self._read_version: int | None = -1
-        self._server_time: datetime | None = None
 
     def __contains__(self, queue: str) -> bool:
         with self._lock:
@@ -374,20 +375,15 @@ class KnownControls:
             self._read_if_old()
             return self._limits.get(queue) or QueueLimits()
 
-    def of(self, queue: str, *, timed: bool = False, read_now: bool = False) -> KnownQueue:
-        """What is known of `queue` for a claim; `timed`, with the server's time of the read (for the claim's fence):
-        then read again (timed) when the last read was not, or is half CONTROL_SETTLE old, so that a claim made now
-        still has most of the settle time to reach the server in. `read_now`: read again in any case."""
+    def of(self, queue: str) -> KnownQueue:
+        """What is known of `queue` for a claim: read again once the last read is half CONTROL_SETTLE old, so that a
+        claim made now still has most of the settle time to be answered in (KnownQueue)."""
         with self._lock:
-            stale = time.monotonic() - self._read_at >= CONTROL_SETTLE / 2 or self._server_time is None
-            if read_now or (timed and stale):
-                self._read(timed=timed)
+            if time.monotonic() - self._read_at >= CONTROL_SETTLE / 2:
+                self._read()
             else:
                 self._read_if_old()
-            server_time = self._server_time if timed else None
-            return KnownQueue(
-                queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at, server_time
-            )
+            return KnownQueue(queue in self._names, self._limits.get(queue) or QueueLimits(), self._read_at)
 
     def learnt(self, queue: str, control: Mapping[str, Any]) -> None:
         """`queue`'s control as a claim just read it: known at once, and everything is read again at the next look
@@ -404,13 +400,12 @@ class KnownControls:
     def _read_if_old(self) -> None:
         max_age = self.max_age if self._version() is None else max(self.max_age, WATCHED_MAX_AGE)
         if time.monotonic() - self._read_at >= max_age or self._version() != self._read_version:
-            self._read(timed=False)
+            self._read()
 
-    def _read(self, *, timed: bool) -> None:
-        # The version and the clocks first: a change after them is seen at the next check, or fenced.
+    def _read(self) -> None:
+        # The version and the clock first: a change after them is seen at the next check, or by the claim's own read.
         now, version = time.monotonic(), self._version()
-        server_time = self.controls.server_time() if timed else None
         controls = self.controls.controls()
         self._names = frozenset(name for name, control in controls.items() if control.get("paused") is True)
         self._limits = {name: limits for name, control in controls.items() if (limits := QueueLimits.of(control))}
-        self._read_at, self._read_version, self._server_time = now, version, server_time
+        self._read_at, self._read_version = now, version

@@ -61,15 +61,13 @@ class ConcurrencySlots:
         metrics.record_held_back("concurrency")
         raise LimitReached(queue, f"concurrency limit {limit}")
 
-    def take_in_slots(
-        self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int, fence: dict[str, Any]
-    ) -> Callable[[], int]:
+    def take_in_slots(self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int) -> Callable[[], int]:
         """The write that takes the jobs of `head` in a queue limited to `limit` running at once, each in a slot of its
         own, guessed at random as a single claim's first guess is (claim_in_a_slot): one updateMany, as in a queue
         without a limit, how many it took. bb_limit_slot refuses a slot another running job holds, and that stops the
         updateMany there (the jobs it took before stay taken): 0, and the caller reads which jobs are its own."""
         slots = dict(zip((doc["_id"] for doc in head), random.sample(range(limit), len(head)), strict=True))
-        fenced = {"_id": {"$in": list(slots)}, "status": QUEUED, **attempts_fence(head), **fence}
+        fenced = {"_id": {"$in": list(slots)}, "status": QUEUED, **attempts_fence(head)}
         pipeline = in_slots(taken, slots, limit)
 
         def take() -> int:

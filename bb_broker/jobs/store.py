@@ -246,10 +246,9 @@ class JobStore(Sweeps):
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
         rate_holds: RateHolds | None = None,
-        until: datetime | None = None,
     ) -> Claimed | None:
         """Claim the next due job of `queue` for `owner` (see claiming.Claims.claim)."""
-        return self._claims.claim(queue, owner, limits, busy_keys, rate_holds, until)
+        return self._claims.claim(queue, owner, limits, busy_keys, rate_holds)
 
     def claim_many(
         self,
@@ -259,10 +258,9 @@ class JobStore(Sweeps):
         limits: QueueLimits | None = None,
         busy_keys: set[str] | None = None,
         rate_holds: RateHolds | None = None,
-        until: datetime | None = None,
     ) -> list[Claimed]:
         """Claim up to `limit` due jobs of `queue` for `owner` (see claiming.Claims.claim_many)."""
-        return self._claims.claim_many(queue, owner, limit, limits, busy_keys, rate_holds, until)
+        return self._claims.claim_many(queue, owner, limit, limits, busy_keys, rate_holds)
 
     def any_due(self, queues: Iterable[str]) -> bool:
         """Whether a job of any of `queues` is due (see claiming.Claims.any_due)."""

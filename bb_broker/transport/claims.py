@@ -10,7 +10,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
 from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,7 +18,7 @@ from pymongo.errors import OperationFailure, PyMongoError
 from bb_broker.jobs import leases
 from bb_broker.jobs.document import Claimed, attempt_entry
 from bb_broker.jobs.outages import Refusals, passes_with_time
-from bb_broker.jobs.queues import CONTROL_SETTLE, KnownQueue, LimitReached, QueueLimits
+from bb_broker.jobs.queues import KnownQueue, LimitReached, QueueLimits
 from bb_broker.jobs.rate_keys import RateHolds
 from bb_broker.server import is_unrecognised
 from bb_broker.threads import start_supervised
@@ -286,7 +285,7 @@ class Claimer:
         self._held.setdefault(queue, deque()).extend(jobs)
 
     def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
-        known = self._channel.known_controls.of(queue, timed=self._channel.jobs.server.clock_fences)
+        known = self._channel.known_controls.of(queue)
         if known.paused:
             return []
         limits = known.limits
@@ -344,29 +343,17 @@ class Claimer:
         a limit reached (a wake-up when it lets jobs start again), a server answer the code does not recognise (the
         queue backed off meanwhile, the others go on), a pause or limit written as the claim was.
 
-        A pause or a limit is a write to bb_queues, and a claim a write to jobs. Where the server's clock can fence a
-        write (server.clock_fences), the claim carries the deadline of what is `known` (CONTROL_SETTLE after the
-        server's time just before that read): a pause answers only that long after its write, so a claim that lands
-        after the answer was made knowing of it, or takes nothing. Where it cannot (or two claims in a row may have
-        come too late), one read of the queue's control after the claim orders them (_still_claimable)."""
+        A pause or a limit is a write to bb_queues, and a claim a write to jobs. A pause answers only CONTROL_SETTLE
+        after its write: a claim answered within that time of the read of what is `known` landed knowing of every
+        pause that had answered by then (KnownQueue). One answered later (a slow link, a stalled process, a failover)
+        is checked by one read of the queue's control after it (_still_claimable), and its jobs go back unspent if
+        the queue was paused or limited meanwhile."""
         if (backed_off := self._refusals.wait(queue)) > 0:
             if wakeups is not None:
                 wakeups.wake_in(queue, backed_off)
             return []
-        until = self._claim_deadline(known)
-        jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if until is not None and jobs == [] and self._may_be_late(known):
-            # Found nothing, or reached the server too late to take anything: the answer does not tell which. Claimed
-            # again on a fresh read; if that one is late too (a slow link), the way that needs no deadline.
-            known = self._channel.known_controls.of(queue, timed=True, read_now=True)
-            if known.paused:
-                return []
-            until = self._claim_deadline(known)
-            jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-            if until is not None and jobs == [] and self._may_be_late(known):
-                until = None
-                jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if not jobs or until is not None:
+        jobs = self._claim_of_store(queue, wanted, known.limits, busy, holds, wakeups)
+        if not jobs or known.answered_in_time():
             return jobs or []
         try:
             claimable = self._still_claimable(queue, known.limits)
@@ -382,7 +369,7 @@ class Claimer:
             return []
         return jobs
 
-    def _claim_until(
+    def _claim_of_store(
         self,
         queue: str,
         wanted: int,
@@ -390,11 +377,10 @@ class Claimer:
         busy: set[str],
         holds: RateHolds | None,
         wakeups: Wakeups | None,
-        until: datetime | None,
     ) -> list[Claimed] | None:
-        """The store's claim, its writes fenced on `until`; None when the server refused it (the queue backed off)."""
+        """The store's claim; None when the server refused it (the queue backed off)."""
         try:
-            jobs = self._channel.jobs.claim_many(queue, self._channel.owner, wanted, limits, busy, holds, until)
+            jobs = self._channel.jobs.claim_many(queue, self._channel.owner, wanted, limits, busy, holds)
         except LimitReached as exc:
             # The next claim comes when a job of the queue ends somewhere, or a rate's next start is due (or at the
             # safety poll).
@@ -402,27 +388,15 @@ class Claimer:
             if exc.retry_in is not None and wakeups is not None:
                 wakeups.wake_in(queue, exc.retry_in)
         except OperationFailure as exc:
-            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back).
+            # Nothing claimed (a claim of one job is one write, and a batch's outcome is read back).
             self.refused(queue, exc, wakeups)
             return None
         self._refusals.cleared(queue)
         return jobs
 
-    def _claim_deadline(self, known: KnownQueue) -> datetime | None:
-        """The server time until which a claim made on what is `known` may land: CONTROL_SETTLE after the server's
-        clock read just before the controls were; None where the read was not timed (the server cannot fence a write
-        on its clock)."""
-        return None if known.server_time is None else known.server_time + timedelta(seconds=CONTROL_SETTLE)
-
-    @staticmethod
-    def _may_be_late(known: KnownQueue) -> bool:
-        """Whether a claim just answered may have reached the server after its deadline: CONTROL_SETTLE has passed
-        since just before the timed read (the server's clock ran no faster meanwhile). No clock is compared."""
-        return time.monotonic() - known.read_at >= CONTROL_SETTLE
-
     def _still_claimable(self, queue: str, limits: QueueLimits) -> bool:
         """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew: the
-        claim had no deadline (_claim_within).
+        claim was answered too late to be sure it landed before a pause answered (_claim_within).
 
         One read of the queue's control after the claim orders the two writes. A pause that answered before the
         claim is seen here, and the claimed jobs go back unspent; so pause and limits hold from the moment they

@@ -27,8 +27,7 @@ def scratch_collections(client: MongoClient, database: str) -> list[str]:
 
 #: Every capability the probe (bb_broker/server.py) reports, as doctor names it.
 CAPABILITIES = {"change streams", "hint on findAndModify", "hint on updates", "hint on finds", "hint on aggregates",
-                "update pipelines", "TTL indexes", "retryable writes",
-                "claims fenced by the server's clock"}  # fmt: skip
+                "update pipelines", "TTL indexes", "retryable writes"}  # fmt: skip
 
 
 def test_the_embedded_server_carries_the_broker(own_server) -> None:
