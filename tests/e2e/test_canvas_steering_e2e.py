@@ -172,3 +172,23 @@ def test_a_retried_header_step_killed_at_each_step_of_the_resend_sends_the_body_
     assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
     counter = db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"})
     assert counter["fixedKeys"] == [f"{broken['taskId']}:1"] and counter["resent"]
+
+
+def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    last = chain(
+        si(results_app, "add", 1, 2), si(results_app, "fails_until_fixed", "chain-step"), s(results_app, "length")
+    ).apply_async()
+    broken = failed_for_good(db, "chain-step")
+    assert job(db, last.id) == {}
+    failure = wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
+    assert failure["state"] == "FAILURE"  # as Celery fails the rest of a chain, stored after the step's own settle
+    retried(db, broker_url, broken)
+    # The caller's get() waits for the rest of the chain, not the failure stored when the step failed.
+    assert last.get(timeout=120) == len("fixed")
+    done = wait_for(settled(db, last.id, "succeeded"), message="the last step settled")
+    assert done["result"] == len("fixed")
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+    assert ran(db, "add") == 1  # the steps before the retried one are not run again
