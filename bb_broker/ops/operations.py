@@ -179,6 +179,11 @@ class Operations(Queries):
             unmatched = [identifier for identifier in wanted if identifier not in found]
         return Retried(job_ids, unmatched, held)
 
+    def cancel_queued(self, job_ids: Iterable[str], *, by: str) -> int:
+        """Cancel those of these jobs (by job id) that are still queued, in one write: how many it cancelled."""
+        query = {"_id": {"$in": list(job_ids)}, "status": QUEUED}
+        return self.coll.update_many(query, _cancelled(by, self.now())).modified_count
+
     def why_not_retried(self, identifier: str, kind: str | None = None) -> str:
         """Why a job id or task id given to retry() is in its `unmatched`."""
         doc = self.find(identifier)
@@ -277,17 +282,7 @@ class Operations(Queries):
             docs = self.coll.find(selected, RETRY_FIELDS, **(hint_if_indexed(self.store, hint) if hint else {}))
             return len(self._retry_docs(docs, by=by, held={} if held is None else held, fresh=fresh))
         if action == "cancel":
-            update = {
-                "$set": {
-                    "status": FAILED,
-                    "lastError": f"cancelled by {by}"[:MAX_ERROR_LENGTH],
-                    "updatedAt": now,
-                    "finishedAt": now,
-                },
-                "$unset": RELEASED_BY_CANCEL,  # a cancelled job gives back its unique key (not a beat slot's)
-                "$push": action_record("cancel", by, now),
-            }
-            return self.coll.update_many(selected, update, **options).modified_count
+            return self.coll.update_many(selected, _cancelled(by, now), **options).modified_count
         if action == RUN_NOW:
             # Due now, behind the jobs due before it: the change stream's update of runAfter wakes the workers.
             update = {"$set": {"runAfter": now, "updatedAt": now}, "$push": action_record(RUN_NOW, by, now)}
@@ -466,6 +461,20 @@ class Operations(Queries):
         updated = doc.get("updatedAt")
         cutoff = self.now() - timedelta(seconds=self.store.policy.stale_after)
         return isinstance(updated, datetime) and aware(updated) < cutoff
+
+
+def _cancelled(by: str, now: datetime) -> dict[str, Any]:
+    """The update that cancels a queued job: failed, saying who cancelled it."""
+    return {
+        "$set": {
+            "status": FAILED,
+            "lastError": f"cancelled by {by}"[:MAX_ERROR_LENGTH],
+            "updatedAt": now,
+            "finishedAt": now,
+        },
+        "$unset": RELEASED_BY_CANCEL,  # a cancelled job gives back its unique key (not a beat slot's)
+        "$push": action_record("cancel", by, now),
+    }
 
 
 def _not_a_string_id(doc: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Steering a canvas with real workers: a failed step retried (`bb-broker retry`) continues its canvas once, a chord
-it failed included, whatever runs twice."""
+it failed included, whatever runs twice; `bb-broker cancel --canvas` cancels the queued steps, not the running one."""
 
 from __future__ import annotations
 
@@ -192,3 +192,46 @@ def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
     assert done["result"] == len("fixed")
     assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
     assert ran(db, "add") == 1  # the steps before the retried one are not run again
+
+
+def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker()
+    gate = tmp_path / "gate"
+    later = [si(results_app, "add", i, i).set(countdown=600) for i in range(2)]
+    group(si(results_app, "hold_until", str(gate)), *later).apply_async()
+    running = wait_for(
+        lambda: db.jobs.find_one({"kind": T + "hold_until", "status": "running"}), message="the first step running"
+    )
+    assert db.jobs.count_documents({"kind": T + "add", "status": "queued"}) == 2
+
+    answer = bb(broker_url, "cancel", "--canvas", running["taskId"])
+    assert answer.exit_code == 0, answer.output
+    lines = answer.output.splitlines()
+    assert lines[0].endswith("cancelled 2 queued steps")
+    assert (
+        f"  running, not touched (revoke it to stop it): {T}hold_until {running['taskId']} job {running['_id']}"
+        in lines
+    )
+    cancelled = list(db.jobs.find({"kind": T + "add"}))
+    assert [doc["status"] for doc in cancelled] == ["failed", "failed"]
+    assert all(doc["lastError"].startswith("cancelled by ") for doc in cancelled)
+    assert all(doc["actions"][-1]["action"] == "cancel" for doc in cancelled)
+    assert job(db, running["taskId"])["status"] == "running"  # not touched
+
+    # As JSON, again: nothing left to cancel; the running step still named, the cancelled ones finished.
+    again = bb(broker_url, "cancel", "--canvas", "--json", running["taskId"])
+    assert again.exit_code == 0, again.output
+    body = json.loads(again.output)
+    assert body["cancelled"] == [] and [step["id"] for step in body["running"]] == [running["taskId"]]
+    assert sorted(step["status"] for step in body["finished"]) == ["failed", "failed"]
+    gate.touch()
+    wait_for(settled(db, running["taskId"], "succeeded"), message="the running step ran to its end")
+    assert ran(db, "add") == 0
+
+    missing = bb(broker_url, "cancel", "--canvas", "no-such-task")
+    assert (missing.exit_code, missing.output) == (
+        1,
+        "bb-broker: cancel: no job has the id or task id 'no-such-task'\n",
+    )
