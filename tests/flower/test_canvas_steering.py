@@ -1,5 +1,5 @@
-"""Cancelling a whole canvas through the Jobs tab's API in a real Flower: for admins only; a user who may only read
-changes nothing."""
+"""Cancelling a whole canvas through the Jobs tab's API and its job page (Chromium) in a real Flower: for admins only;
+a user who may only read changes nothing."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from celery import Celery, group
+from playwright.sync_api import expect
 from pymongo.database import Database
 
 from tests.support.flower_process import FlowerProcess
@@ -53,3 +54,19 @@ def test_cancel_canvas_is_for_admins_and_answers_each_step(results_app: Celery, 
     assert status == 404 and "no job has the id or task id 'no-such-task'" in body["error"], body
     status, body = post(flower, "/api/jobs/canvas/cancel", {})
     assert status == 400, body
+
+
+def test_an_admin_cancels_a_canvas_from_its_job_page(
+    results_app: Celery, db: Database, flower_factory, browser
+) -> None:
+    flower = flower_factory(basic_auth=USERS, extra_args=("--jobs_admins=admin",))
+    steps = [results_app.signature(T + "add", args=(i, i), immutable=True).set(countdown=600) for i in range(2)]
+    group(steps).apply_async()
+    first = db.jobs.find_one({}, sort=[("_id", 1)])
+    page = browser.new_context(http_credentials={"username": "admin", "password": "s3cret"}).new_page()
+    page.on("dialog", lambda dialog: dialog.accept())  # the confirmation: yes
+    page.goto(f"{flower.url}/jobs/job?id={first['_id']}")
+    expect(page.locator("#canvas-summary")).to_contain_text("2 steps (2 queued)")
+    page.click("#canvas-cancel")
+    expect(page.locator("#canvas-cancelled")).to_have_text("cancel canvas: 2 queued steps cancelled")
+    assert {doc["status"] for doc in db.jobs.find({})} == {"failed"}
