@@ -192,12 +192,43 @@ def show(broker: str, collection: str, identifier: str, as_json: bool, tree: boo
 @broker_option
 @collection_option
 @job_ids_argument(required=True)
-def cancel(broker: str, collection: str, identifiers: tuple[str, ...]) -> None:
-    """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts."""
+@click.option(
+    "--canvas",
+    is_flag=True,
+    help="Cancel every queued step of each ID's canvas (its chains, groups, chord bodies); say which were running.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --canvas: print each canvas's answer as JSON.")
+def cancel(broker: str, collection: str, identifiers: tuple[str, ...], canvas: bool, as_json: bool) -> None:
+    """Cancel queued jobs (by job id or Celery task id): each ends failed, no worker runs it, whatever restarts.
+
+    With --canvas, each ID names a canvas by any of its steps: every queued step of it is cancelled; a running step is
+    not touched (revoke it to stop it), and the steps it publishes when it finishes are not cancelled (cancel again
+    then); finished steps are counted."""
     from bb_broker.ops.operations import Operations
 
+    if as_json and not canvas:
+        fail("cancel: --json goes with --canvas", 2)
     with job_store(broker, collection) as store:
-        _act_on_each(Operations(store), "cancel", identifiers, "cancelled job {id} ({kind})")
+        if not canvas:
+            _act_on_each(Operations(store), "cancel", identifiers, "cancelled job {id} ({kind})")
+            return
+        _cancel_canvases(Operations(store), identifiers, as_json)
+
+
+def _cancel_canvases(operations: Operations, identifiers: tuple[str, ...], as_json: bool) -> None:
+    from bb_broker.ops.steering import cancel_canvas
+
+    missing = []
+    for identifier in identifiers:
+        answer = cancel_canvas(operations, identifier, by=operator_name())
+        if answer is None:
+            missing.append(identifier)
+        elif as_json:
+            click.echo(json.dumps(answer.as_json(), indent=2))
+        else:
+            click.echo("\n".join(answer.lines()))
+    if missing:
+        fail("cancel: no job has the id or task id " + ", ".join(repr(identifier) for identifier in missing))
 
 
 def _act_on_each(operations: Operations, action: str, identifiers: tuple[str, ...], done: str) -> None:
@@ -254,6 +285,8 @@ def retry(
 ) -> None:
     """Failed jobs back to queued, due now, with their attempts reset to 0: by job id or Celery task id, or every one
     of a kind (--all: every one). Each keeps its checkpoint (bb_broker.checkpoint) to resume from, unless --fresh.
+    A step of a canvas continues it when it succeeds: the rest of its chain runs, and a chord it failed completes,
+    its body sent once.
     With --args and/or --kwargs, one job (not queued) is sent again as a NEW job with those arguments, shown first and
     sent once confirmed (or --yes); both jobs record the link."""
     if deprecated_ids:

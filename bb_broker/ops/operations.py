@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 #: What a retry reads of each job it sends back.
 RETRY_FIELDS = {
     "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1, "unique": 1,
+    "payload.options.chain.options.task_id": 1,
     **dict.fromkeys(HOLD_FIELDS.values(), 1),
 }  # fmt: skip
 #: Each action: the statuses it applies to.
@@ -178,6 +179,11 @@ class Operations(Queries):
             unmatched = [identifier for identifier in wanted if identifier not in found]
         return Retried(job_ids, unmatched, held)
 
+    def cancel_queued(self, job_ids: Iterable[str], *, by: str) -> int:
+        """Cancel those of these jobs (by job id) that are still queued, in one write: how many it cancelled."""
+        query = {"_id": {"$in": list(job_ids)}, "status": QUEUED}
+        return self.coll.update_many(query, _cancelled(by, self.now())).modified_count
+
     def why_not_retried(self, identifier: str, kind: str | None = None) -> str:
         """Why a job id or task id given to retry() is in its `unmatched`."""
         doc = self.find(identifier)
@@ -276,17 +282,7 @@ class Operations(Queries):
             docs = self.coll.find(selected, RETRY_FIELDS, **(hint_if_indexed(self.store, hint) if hint else {}))
             return len(self._retry_docs(docs, by=by, held={} if held is None else held, fresh=fresh))
         if action == "cancel":
-            update = {
-                "$set": {
-                    "status": FAILED,
-                    "lastError": f"cancelled by {by}"[:MAX_ERROR_LENGTH],
-                    "updatedAt": now,
-                    "finishedAt": now,
-                },
-                "$unset": RELEASED_BY_CANCEL,  # a cancelled job gives back its unique key (not a beat slot's)
-                "$push": action_record("cancel", by, now),
-            }
-            return self.coll.update_many(selected, update, **options).modified_count
+            return self.coll.update_many(selected, _cancelled(by, now), **options).modified_count
         if action == RUN_NOW:
             # Due now, behind the jobs due before it: the change stream's update of runAfter wakes the workers.
             update = {"$set": {"runAfter": now, "updatedAt": now}, "$push": action_record(RUN_NOW, by, now)}
@@ -332,6 +328,7 @@ class Operations(Queries):
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne]] = []
         renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
+        chained: dict[str, list[str]] = {}  # job id -> the task ids of the rest of its chain
         cleared_record = CLEARED_RECORD if fresh else {}
         for doc in docs:
             if not isinstance(doc["_id"], str):
@@ -352,6 +349,7 @@ class Operations(Queries):
                 if doc.get("taskId"):
                     renamed[doc["_id"]] = (doc["taskId"], new_id)
             changes |= _key_taken_again(doc)
+            chained[doc["_id"]] = _chained_task_ids(doc)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
             cleared = {"finishedAt": "", "revokedAt": "", **(CHECKPOINT_CLEARED if fresh else {})}
             update = {"$set": changes, "$unset": cleared, "$push": record}
@@ -362,7 +360,16 @@ class Operations(Queries):
         if batch:
             retried += self._write_batch(batch, held)
         self._keep_revoked([renamed[job_id] for job_id in retried if job_id in renamed], by=by, now=now)
+        self._forget_chain_failures([task_id for job_id in retried for task_id in chained.get(job_id, [])])
         return retried
+
+    def _forget_chain_failures(self, task_ids: list[str]) -> None:
+        """The rest of a retried step's chain reads PENDING again: when the step failed, Celery stored a FAILURE for
+        each later step (no job of theirs exists yet, so in `bb_results`), which a caller's get() would raise before
+        the retry even ran. The retry decides them anew (a step failing again stores them again)."""
+        if task_ids:
+            stored = {"_id": {"$in": [f"task:{task_id}" for task_id in task_ids]}, "state": "FAILURE"}
+            self.coll.database[RESULTS_COLLECTION].delete_many(stored)
 
     def _keep_revoked(self, renamed: list[tuple[str, str]], *, by: str, now: datetime) -> None:
         """A revoked task retried under a new id: its old id keeps reading REVOKED for the result backend (Celery's
@@ -456,10 +463,33 @@ class Operations(Queries):
         return isinstance(updated, datetime) and aware(updated) < cutoff
 
 
+def _cancelled(by: str, now: datetime) -> dict[str, Any]:
+    """The update that cancels a queued job: failed, saying who cancelled it."""
+    return {
+        "$set": {
+            "status": FAILED,
+            "lastError": f"cancelled by {by}"[:MAX_ERROR_LENGTH],
+            "updatedAt": now,
+            "finishedAt": now,
+        },
+        "$unset": RELEASED_BY_CANCEL,  # a cancelled job gives back its unique key (not a beat slot's)
+        "$push": action_record("cancel", by, now),
+    }
+
+
 def _not_a_string_id(doc: dict[str, Any]) -> str:
     """Why a job whose _id was written by hand, not a string, is not retried: no worker can run a job under it (a
     claim fails it as malformed)."""
     return f"its _id is {bson_kind(doc['_id'])}, not a string: no worker can run it"
+
+
+def _chained_task_ids(doc: dict[str, Any]) -> list[str]:
+    """The task ids of the steps chained after a job's task, as its stored message names them (none when the message
+    is not stored as JSON, or a hand edit made it something else)."""
+    options = (doc.get("payload") or {}).get("options") if isinstance(doc.get("payload"), dict) else None
+    chain = options.get("chain") if isinstance(options, dict) else None
+    steps = [step.get("options") for step in chain if isinstance(step, dict)] if isinstance(chain, list) else []
+    return [step["task_id"] for step in steps if isinstance(step, dict) and isinstance(step.get("task_id"), str)]
 
 
 def _key_taken_again(doc: dict[str, Any]) -> dict[str, Any]:

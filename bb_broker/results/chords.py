@@ -7,6 +7,13 @@ its part counted. The part that completes the count claims the callback (recordi
 first message), sends it, then marks it sent; a worker killed between the claim and the mark leaves its part's job
 running, and the rerun of that part (the same key) takes the claim over: it sends the callback with the claimed id
 unless a job of that id exists already.
+
+A header task that failed for good and that an operator retried (bb_broker.ops.operations) reports again under the
+same key: its success replaces its failed part (kept in `fixed`, once per key, the count unchanged). A chord that had
+completed in error (the callback failed with a ChordError, never sent, marked `failed`) whose parts have all
+succeeded now sends its callback after all, once: the part that claims `resend` sends it under the task id the
+failed callback had, so the callers' results and the rest of the canvas follow it; a rerun of that part after its
+worker died sends it only if no job of that id exists.
 """
 
 from __future__ import annotations
@@ -26,6 +33,16 @@ from bb_broker.jobs.document import ResultTooLarge
 from bb_broker.upstream import celery as upstream_celery
 
 logger = logging.getLogger(__name__)
+
+#: A chord counter without its parts (what most reads need), and its parts with their replacements (see _current_parts).
+SMALL = {"parts": 0, "members": 0, "fixed": 0, "fixedKeys": 0}
+COUNTED = {"parts": 1, "fixed": 1}
+
+
+def _current_parts(counted: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chord's parts as they stand: a failed part an operator's retry since made succeed replaced by that success."""
+    fixed = {part["key"]: part for part in counted.get("fixed") or []}
+    return [fixed.get(part["key"], part) for part in counted["parts"]]
 
 
 def _first_message(signature: Any) -> Any:
@@ -126,27 +143,59 @@ class ChordBackend(BaseBackend):
         size = counter.get("size")
         if size is None:
             size = (request.chord or {}).get("chord_size")
-        if size is None or counter["count"] < size + counter.get("extra", 0) or counter.get("sent"):
+        if size is None or counter["count"] < size + counter.get("extra", 0):
+            return
+        callback = maybe_signature(request.chord, app=self.app)
+        if counter.get("sent"):
+            self._send_again_if_fixed(group_id, key, callback, counter)
             return
         # The count is complete: the part that claims the callback sends it.
-        callback = maybe_signature(request.chord, app=self.app)
         first = _first_message(callback)
         if not self._claim_callback(group_id, key, first, counter.get("callback")):
             return
+        sent: dict[str, Any] = {"sent": self.app.now()}
         try:
-            counted = self.side.find_one({"_id": f"chord:{group_id}"}, {"parts": 1})
+            counted = self.side.find_one({"_id": f"chord:{group_id}"}, COUNTED)
             # Read back by _count_part just now, its expiry renewed by this very part: it is there.
             assert counted is not None, f"chord {group_id}: its counter vanished before its callback was sent"
-            values = self._chord_values(group_id, counted["parts"])
+            values = self._chord_values(group_id, _current_parts(counted))
         except ChordError as exc:
             logger.error("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, exc)
+            sent["failed"] = True
         except Exception as exc:
             logger.exception("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, ChordError(f"Join error: {exc!r}"))
+            sent["failed"] = True
         else:
             self._send_callback(group_id, callback, values)
-        self.side.update_one({"_id": f"chord:{group_id}"}, {"$set": {"sent": self.app.now()}})
+        marked = self.side.find_one_and_update(
+            {"_id": f"chord:{group_id}"}, {"$set": sent}, SMALL, return_document=ReturnDocument.AFTER
+        )
+        if sent.get("failed") and marked is not None:
+            # A failed part retried and fixed while this part read the parts: the fix found the chord not yet failed.
+            self._send_again_if_fixed(group_id, key, callback, marked)
+
+    def _send_again_if_fixed(self, group_id: str, key: str, callback: Any, counter: dict[str, Any]) -> None:
+        """A chord that completed in error, each of its failed parts since retried and succeeded: its callback sent
+        now, once (the part that claims `resend` sends it)."""
+        if not counter.get("failed") or counter.get("resent"):
+            return
+        counted = self.side.find_one({"_id": f"chord:{group_id}"}, COUNTED)
+        if counted is None or any(part["state"] in states.PROPAGATE_STATES for part in _current_parts(counted)):
+            return  # a part still failed: the chord stays failed until that one is retried too
+        first = _first_message(callback)
+        if not self._claim_resend(group_id, key, first, counter):
+            return
+        try:
+            values = self._chord_values(group_id, _current_parts(counted))
+        except Exception as exc:
+            logger.exception("Chord %r raised again: %r", group_id, exc)
+            self.chord_error_from_stack(callback, ChordError(f"Join error: {exc!r}"))
+        else:
+            logger.warning("chord %s: every failed part succeeded on its retry; its callback is sent now", group_id)
+            self._send_callback(group_id, callback, values)
+        self.side.update_one({"_id": f"chord:{group_id}"}, {"$set": {"resent": self.app.now()}})
 
     def _part_value(self, result: Any, state: str) -> tuple[Any, str]:
         """A part's value as the counter keeps it. A failure too large to keep is kept as that (as its job records
@@ -162,20 +211,30 @@ class ChordBackend(BaseBackend):
     def _count_part(self, group_id: str, key: str, part: dict[str, Any]) -> dict[str, Any] | None:
         """Add a part to the chord's counter, once per key; the counter as it stands (None: no such chord)."""
         chord_id = f"chord:{group_id}"
-        small = {"parts": 0, "members": 0}
         counted: dict[str, Any] = {"$push": {"members": key, "parts": part}, "$inc": {"count": 1}}
-        if self.expires:
-            # Renewed by every part, as Redis renews a chord's keys: a header that runs longer than result_expires
-            # keeps its counter while its parts keep coming.
-            counted["$set"] = self._expires_at()
+        # Renewed by every part, as Redis renews a chord's keys: a header that runs longer than result_expires keeps
+        # its counter while its parts keep coming.
+        renewed = {"$set": self._expires_at()} if self.expires else {}
         counter = self.side.find_one_and_update(
             {"_id": chord_id, "members": {"$ne": key}},
-            counted,
-            projection=small,
+            counted | renewed,
+            projection=SMALL,
             return_document=ReturnDocument.AFTER,
         )
+        if counter is None and part["state"] == states.SUCCESS:
+            # Counted before: a part that failed for good and was retried by an operator replaces its failure with
+            # its success, once (a retried part run again after its worker died finds it replaced).
+            failed = {"key": key, "state": {"$in": sorted(states.PROPAGATE_STATES)}}
+            counter = self.side.find_one_and_update(
+                {"_id": chord_id, "parts": {"$elemMatch": failed}, "fixedKeys": {"$ne": key}},
+                {"$push": {"fixed": part, "fixedKeys": key}} | renewed,
+                projection=SMALL,
+                return_document=ReturnDocument.AFTER,
+            )
+            if counter is not None:
+                logger.warning("chord %s: part %s failed before and succeeded on its retry", group_id, key)
         # None: this part was counted before (the task ran again after its worker died), or the chord is unknown.
-        return counter if counter is not None else self.side.find_one({"_id": chord_id}, small)
+        return counter if counter is not None else self.side.find_one({"_id": chord_id}, SMALL)
 
     def _claim_callback(self, group_id: str, key: str, first: Any, claim: dict[str, Any] | None) -> bool:
         """Whether this part sends the callback: the first to claim it, or the same part run again after its
@@ -185,25 +244,48 @@ class ChordBackend(BaseBackend):
         the same id and can look for its job first: the callback is sent once whichever side of the send the
         worker died on.
         """
+        first_id = first.options.get("task_id") or uuid()
+        return self._claim(group_id, key, first, "callback", claim, first_id, {})
+
+    def _claim_resend(self, group_id: str, key: str, first: Any, counter: dict[str, Any]) -> bool:
+        """Whether this part sends again the callback of a chord that completed in error (`failed`): as
+        _claim_callback, under the task id the failed callback had (a job of that id: sent already)."""
+        first_id = (counter.get("callback") or {}).get("firstId") or first.options.get("task_id") or uuid()
+        return self._claim(group_id, key, first, "resend", counter.get("resend"), first_id, {"failed": True})
+
+    def _claim(
+        self,
+        group_id: str,
+        key: str,
+        first: Any,
+        name: str,
+        claim: dict[str, Any] | None,
+        first_id: str,
+        guard: dict[str, Any],
+    ) -> bool:
+        """Take the claim `name` on the counter (`guard`: what the counter must also hold), or find it this part's own
+        from before its worker died: then whether the message is still to send (no job of its id; for the first
+        send, no error of the chord stored either)."""
         chord_id = f"chord:{group_id}"
         if claim is None:
-            first_id = first.options.get("task_id") or uuid()
             claim = {"by": key, "firstId": first_id, "at": self.app.now()}
-            taken = self.side.update_one(
-                {"_id": chord_id, "callback": {"$exists": False}}, {"$set": {"callback": claim}}
-            )
+            taken = self.side.update_one({"_id": chord_id, name: {"$exists": False}, **guard}, {"$set": {name: claim}})
             if taken.modified_count:
                 first.set(task_id=first_id)
                 return True
-            claim = (self.side.find_one({"_id": chord_id}, {"callback": 1, "sent": 1}) or {}).get("callback")
+            claim = (self.side.find_one({"_id": chord_id}, {name: 1}) or {}).get(name)
         if claim is None or claim.get("by") != key:
             return False  # another part sends it
         # This part claimed it before and ran again: its worker died between the claim and the end of the send.
         first.set(task_id=claim["firstId"])
+        done = "sent" if name == "callback" else "resent"
         sent = self.jobs.find_one({"taskId": claim["firstId"]}, {"_id": 1}) is not None
-        if sent or self._side_state(claim["firstId"]) is not None:  # a job, or the chord's error stored
+        # The first send's error is stored as the callback's result; a resend's is there already from before.
+        failed = not sent and name == "callback" and self._side_state(claim["firstId"]) is not None
+        if sent or failed:
             logger.warning("chord %s: the callback was sent before its sender died; not sent again", group_id)
-            self.side.update_one({"_id": chord_id}, {"$set": {"sent": self.app.now()}})
+            marks = {done: self.app.now(), **({"failed": True} if failed else {})}
+            self.side.update_one({"_id": chord_id}, {"$set": marks})
             return False
         logger.warning("chord %s: its callback's sender died before sending it; sending it now", group_id)
         return True

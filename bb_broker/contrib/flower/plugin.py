@@ -25,6 +25,7 @@ from bb_broker.contrib.flower import (
     progress,
     rerun,
     schedules_tab,
+    steering,
     tab,
     templates,
 )
@@ -47,7 +48,7 @@ def install() -> None:
         flowers_actions.refuse_flowers_action_unless_allowed,
     )
     upstream_flower.install_handlers(
-        handlers.HANDLERS + progress.HANDLERS + rerun.HANDLERS + schedules_tab.HANDLERS, "jobs"
+        handlers.HANDLERS + progress.HANDLERS + rerun.HANDLERS + steering.HANDLERS + schedules_tab.HANDLERS, "jobs"
     )
     upstream_flower.install_broker_factory(health.is_ours, broker.JobQueues)
 

@@ -1,0 +1,237 @@
+"""Steering a canvas with real workers: a failed step retried (`bb-broker retry`) continues its canvas once, a chord
+it failed included, whatever runs twice; `bb-broker cancel --canvas` cancels the queued steps, not the running one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, chain, chord, group
+from click.testing import CliRunner, Result
+from pymongo.database import Database
+
+from bb_broker.cli import main
+from tests.support.workers import job, settled, wait_for
+
+T = "tests.support.e2e_app."
+#: A worker on which a failing step fails for good at once.
+ONE_ATTEMPT = {"max_attempts": 1}
+
+
+@pytest.fixture
+def results_worker(worker_factory, broker_url: str):
+    def start(**kwargs):
+        env = {"BB_RESULT_BACKEND": broker_url, **kwargs.pop("env", {})}
+        return worker_factory(env=env, **kwargs)
+
+    return start
+
+
+def bb(broker_url: str, *args: str) -> Result:
+    """The `bb-broker` command, as an operator runs it."""
+    return CliRunner().invoke(main, [*args, "--broker", broker_url], catch_exceptions=False)
+
+
+def si(app: Celery, name: str, *args: Any) -> Any:
+    return app.signature(T + name, args=args, immutable=True)
+
+
+def s(app: Celery, name: str, *args: Any) -> Any:
+    return app.signature(T + name, args=args)
+
+
+def failed_for_good(db: Database, key: str, *, chord_done: bool = True) -> dict[str, Any]:
+    """The job of `fails_until_fixed(key)` once it failed for good, and (`chord_done`) its chord, if any, completed in
+    error."""
+    broken = wait_for(
+        lambda: db.jobs.find_one({"kind": T + "fails_until_fixed", "payload.args": [key], "status": "failed"}),
+        timeout=120,
+        message=f"fails_until_fixed({key!r}) failed for good",
+    )
+    if chord_done and broken.get("groupId"):
+        wait_for(
+            lambda: (db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"}) or {}).get("sent"),
+            message="its chord completed in error",
+        )
+    return broken
+
+
+def retried(db: Database, broker_url: str, *jobs: dict[str, Any]) -> None:
+    """Fix what broke them, and retry them as an operator does."""
+    for broken in jobs:
+        db.fixes.insert_one({"_id": broken["payload"]["args"][0]})
+    answer = bb(broker_url, "retry", *[broken["taskId"] for broken in jobs])
+    assert answer.exit_code == 0 and f"retried {len(jobs)} failed job" in answer.output, answer.output
+
+
+def ran(db: Database, name: str) -> int:
+    return db.runs.count_documents({"name": T + name})
+
+
+def test_a_chain_of_a_group_into_a_chord_whose_failed_step_is_retried_completes_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    canvas = chain(
+        group(si(results_app, "add", 1, 1), si(results_app, "add", 2, 2)),
+        chord(
+            [si(results_app, "add", 3, 3), si(results_app, "fails_until_fixed", "chord-part")], s(results_app, "length")
+        ),
+        s(results_app, "add", 10),
+    )
+    last = canvas.apply_async()
+    broken = failed_for_good(db, "chord-part")
+    counter = db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"})
+    body_id = counter["callback"]["firstId"]  # the body: length, chained to the last step (Celery's chord | task)
+    assert db.bb_results.find_one({"_id": f"task:{last.id}"})["state"] == "FAILURE"  # the ChordError
+    assert job(db, body_id) == {} and job(db, last.id) == {} and ran(db, "length") == 0
+
+    retried(db, broker_url, broken)
+    done = wait_for(settled(db, last.id, "succeeded"), timeout=120, message="the chain's last step ran")
+    assert done["result"] == 12  # length([6, "fixed"]) + 10
+    # The body and the step after it ran once: one job each, one run each.
+    body = job(db, body_id)
+    assert body["status"] == "succeeded" and body["result"] == 2
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+    assert db.jobs.count_documents({"taskId": last.id}) == 1 and db.runs.count_documents({"taskId": last.id}) == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"})
+    assert counter["count"] == 2 and counter["failed"] and counter["resent"]
+    assert counter["fixedKeys"] == [f"{broken['taskId']}:1"] and counter["resend"]["firstId"] == body_id
+    # The canvas (as the API gives it) shows every step succeeded, none pending.
+    shown = bb(broker_url, "show", "--tree", "--json", broken["taskId"])
+    assert shown.exit_code == 0, shown.output
+    steps = json.loads(shown.output)["steps"]
+    assert sorted(step["name"] for step in steps) == sorted([T + "add"] * 4 + [T + "fails_until_fixed", T + "length"])
+    assert {step["status"] for step in steps} == {"succeeded"}, steps
+
+
+def test_two_failed_header_steps_retried_at_once_send_the_body_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT, concurrency=2)
+    header = [si(results_app, "fails_until_fixed", "left"), si(results_app, "fails_until_fixed", "right")]
+    body = chord(header)(s(results_app, "length"))
+    left, right = failed_for_good(db, "left"), failed_for_good(db, "right")
+    retried(db, broker_url, left, right)  # one retry of both: the two run at once on the two pool processes
+    done = wait_for(settled(db, body.id, "succeeded"), timeout=120, message="the chord's body ran")
+    assert done["result"] == 2
+    wait_for(
+        lambda: db.jobs.count_documents({"kind": T + "fails_until_fixed", "status": "succeeded"}) == 2,
+        message="both retried parts settled",
+    )
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{left['groupId']}"})
+    assert sorted(counter["fixedKeys"]) == sorted([f"{left['taskId']}:0", f"{right['taskId']}:1"])
+
+
+def test_a_header_step_retried_while_the_others_run_just_counts(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT, concurrency=2)
+    gate = tmp_path / "gate"
+    body = chord([si(results_app, "hold_until", str(gate)), si(results_app, "fails_until_fixed", "early")])(
+        s(results_app, "echo")
+    )
+    broken = failed_for_good(db, "early", chord_done=False)  # counted as failed; the chord waits for its other part
+    wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{broken['groupId']}", "count": 1}), message="counted")
+    retried(db, broker_url, broken)
+    wait_for(settled(db, broken["taskId"], "succeeded"), timeout=120, message="the retried part succeeded")
+    counter = db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"})
+    assert counter["count"] == 1 and "sent" not in counter and counter["fixedKeys"] == [f"{broken['taskId']}:1"]
+    gate.touch()
+    done = wait_for(settled(db, body.id, "succeeded"), timeout=120, message="the chord's body ran")
+    assert done["result"] == [str(gate), "fixed"]  # the retried part's success, not its failure
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    assert "failed" not in db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"})
+
+
+@pytest.mark.parametrize("crash_at", ["part-counted", "callback-claimed", "callback-sent"])
+def test_a_retried_header_step_killed_at_each_step_of_the_resend_sends_the_body_once(
+    crash_at: str, results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    first = results_worker(options=ONE_ATTEMPT)
+    body = chord([si(results_app, "add", 1, 1), si(results_app, "fails_until_fixed", "crash")])(
+        s(results_app, "length")
+    )
+    broken = failed_for_good(db, "crash")
+    first.kill()
+    # The retried part's worker SIGKILLs itself and its pool at `crash_at` (tests/support/e2e_app.py): the part's
+    # job stays running until the next worker's sweep re-queues it, and it runs again.
+    options = {"stale_after": 4.0, "max_attempts": 3}
+    crashing = results_worker(options=options, env={"BB_TEST_CRASH_AT": crash_at})
+    retried(db, broker_url, broken)
+    wait_for(lambda: crashing.process.poll() is not None, timeout=120, message=f"the worker killed at {crash_at}")
+    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
+    results_worker(options=options)
+    done = wait_for(settled(db, body.id, "succeeded"), timeout=180, message="the chord's body ran")
+    assert done["result"] == 2
+    part = wait_for(settled(db, broken["taskId"], "succeeded"), timeout=120, message="the retried part settled")
+    assert [entry["outcome"] for entry in part["history"]][-2:] == ["lost", "succeeded"]
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{broken['groupId']}"})
+    assert counter["fixedKeys"] == [f"{broken['taskId']}:1"] and counter["resent"]
+
+
+def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    last = chain(
+        si(results_app, "add", 1, 2), si(results_app, "fails_until_fixed", "chain-step"), s(results_app, "length")
+    ).apply_async()
+    broken = failed_for_good(db, "chain-step")
+    assert job(db, last.id) == {}
+    failure = wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
+    assert failure["state"] == "FAILURE"  # as Celery fails the rest of a chain, stored after the step's own settle
+    retried(db, broker_url, broken)
+    # The caller's get() waits for the rest of the chain, not the failure stored when the step failed.
+    assert last.get(timeout=120) == len("fixed")
+    done = wait_for(settled(db, last.id, "succeeded"), message="the last step settled")
+    assert done["result"] == len("fixed")
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+    assert ran(db, "add") == 1  # the steps before the retried one are not run again
+
+
+def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker()
+    gate = tmp_path / "gate"
+    later = [si(results_app, "add", i, i).set(countdown=600) for i in range(2)]
+    group(si(results_app, "hold_until", str(gate)), *later).apply_async()
+    running = wait_for(
+        lambda: db.jobs.find_one({"kind": T + "hold_until", "status": "running"}), message="the first step running"
+    )
+    assert db.jobs.count_documents({"kind": T + "add", "status": "queued"}) == 2
+
+    answer = bb(broker_url, "cancel", "--canvas", running["taskId"])
+    assert answer.exit_code == 0, answer.output
+    lines = answer.output.splitlines()
+    assert lines[0].endswith("cancelled 2 queued steps")
+    assert (
+        f"  running, not touched (revoke it to stop it): {T}hold_until {running['taskId']} job {running['_id']}"
+        in lines
+    )
+    cancelled = list(db.jobs.find({"kind": T + "add"}))
+    assert [doc["status"] for doc in cancelled] == ["failed", "failed"]
+    assert all(doc["lastError"].startswith("cancelled by ") for doc in cancelled)
+    assert all(doc["actions"][-1]["action"] == "cancel" for doc in cancelled)
+    assert job(db, running["taskId"])["status"] == "running"  # not touched
+
+    # As JSON, again: nothing left to cancel; the running step still named, the cancelled ones finished.
+    again = bb(broker_url, "cancel", "--canvas", "--json", running["taskId"])
+    assert again.exit_code == 0, again.output
+    body = json.loads(again.output)
+    assert body["cancelled"] == [] and [step["id"] for step in body["running"]] == [running["taskId"]]
+    assert sorted(step["status"] for step in body["finished"]) == ["failed", "failed"]
+    gate.touch()
+    wait_for(settled(db, running["taskId"], "succeeded"), message="the running step ran to its end")
+    assert ran(db, "add") == 0
+
+    missing = bb(broker_url, "cancel", "--canvas", "no-such-task")
+    assert (missing.exit_code, missing.output) == (
+        1,
+        "bb-broker: cancel: no job has the id or task id 'no-such-task'\n",
+    )
