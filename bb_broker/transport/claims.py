@@ -347,8 +347,12 @@ class Claimer:
         A pause or a limit is a write to bb_queues, and a claim a write to jobs. Where the server's clock can fence a
         write (server.clock_fences), the claim carries the deadline of what is `known` (CONTROL_SETTLE after the
         server's time just before that read): a pause answers only that long after its write, so a claim that lands
-        after the answer was made knowing of it, or takes nothing. Where it cannot (or two claims in a row may have
-        come too late), one read of the queue's control after the claim orders them (_still_claimable)."""
+        after the answer was made knowing of it, or takes nothing. A claim answered within CONTROL_SETTLE of that
+        read landed before any pause it did not know of answered, whatever the clocks say. One answered later with
+        jobs is not taken on its fence's word: the fence compared the clock of the server that took the claim with
+        the one read before, and across a failover those are two members' clocks (the new primary's may be behind).
+        It, and a claim where the server cannot fence (or two claims in a row may have come too late), is ordered by
+        one read of the queue's control after the claim (_still_claimable)."""
         if (backed_off := self._refusals.wait(queue)) > 0:
             if wakeups is not None:
                 wakeups.wake_in(queue, backed_off)
@@ -366,7 +370,7 @@ class Claimer:
             if until is not None and jobs == [] and self._may_be_late(known):
                 until = None
                 jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if not jobs or until is not None:
+        if not jobs or (until is not None and not self._may_be_late(known)):
             return jobs or []
         try:
             claimable = self._still_claimable(queue, known.limits)
@@ -416,13 +420,13 @@ class Claimer:
 
     @staticmethod
     def _may_be_late(known: KnownQueue) -> bool:
-        """Whether a claim just answered may have reached the server after its deadline: CONTROL_SETTLE has passed
-        since just before the timed read (the server's clock ran no faster meanwhile). No clock is compared."""
+        """Whether a claim just answered may have reached the server after its deadline, or after a pause it did not
+        know of answered: CONTROL_SETTLE has passed since just before the timed read. No clock is compared."""
         return time.monotonic() - known.read_at >= CONTROL_SETTLE
 
     def _still_claimable(self, queue: str, limits: QueueLimits) -> bool:
         """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew: the
-        claim had no deadline (_claim_within).
+        claim had no deadline, or was answered too late for its deadline to say (_claim_within).
 
         One read of the queue's control after the claim orders the two writes. A pause that answered before the
         claim is seen here, and the claimed jobs go back unspent; so pause and limits hold from the moment they
