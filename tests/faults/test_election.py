@@ -486,8 +486,14 @@ def test_a_claim_that_lands_on_a_new_primary_whose_clock_is_behind_after_a_pause
         return answer
 
     def refuse(command: dict[str, Any]) -> dict[str, Any] | None:
-        # The claim of one job of q (a findAndModify: the worker claims a lone job so), not another queue's.
-        if hold.is_set() and command.get("findAndModify") == "jobs" and command.get("query", {}).get("queue") == "q":
+        # The claim of one job of q (a findAndModify: the worker claims a lone job so), not another queue's, once the
+        # job is there to take (not a safety poll's claim sent just before it was published).
+        if (
+            hold.is_set()
+            and command.get("findAndModify") == "jobs"
+            and command.get("query", {}).get("queue") == "q"
+            and db.jobs.find_one({"queue": "q", "status": "queued"})
+        ):
             hold.clear()
             assert Operations(JobStore(db)).pause("q", by="tester")  # answered while the claim is on its way
             old_primary.clear()
