@@ -232,8 +232,9 @@ class QueueControls:
         self.settle = settle
 
     def _settled(self) -> None:
-        """Wait out CONTROL_SETTLE after a write that pauses or limits: the claims made knowing the old controls run
-        out of time meanwhile, and the change then holds for every claim that lands after the answer."""
+        """Wait out CONTROL_SETTLE after a write that pauses or limits: a claim made knowing the old controls is
+        answered meanwhile, or reads the control after it (KnownQueue), so the change holds for every claim that lands
+        after the answer."""
         time.sleep(self.settle)
 
     def pause(self, queue: str, *, by: str, now: datetime) -> bool:
@@ -247,6 +248,9 @@ class QueueControls:
                     upsert=True,
                 )
         except DuplicateKeyError:
+            # Paused already, maybe a moment ago: by this very call, whose first write landed and lost its answer and
+            # which pymongo made again, or by another operator's call still settling. Answered after the settle too.
+            self._settled()
             return False
         self._settled()
         return True

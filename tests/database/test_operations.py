@@ -3,10 +3,14 @@ actions, refusals."""
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
+
 import pytest
 from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.queues import CONTROL_SETTLE, QueueControls
 from bb_broker.jobs.revokes import revoke_queued, revoked_task_ids
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.filters import FilterError, JobFilter
@@ -220,6 +224,16 @@ def test_bad_filters_say_what_is_wrong(values: dict, message: str, ops: Operatio
 def test_bad_paging_says_what_is_wrong(ops: Operations) -> None:
     with pytest.raises(FilterError, match="limit must be between 1 and 200"):
         ops.list_jobs(JobFilter(), limit=0)
+
+
+def test_a_pause_that_finds_its_queue_paused_answers_after_the_settle_too(db: Database) -> None:
+    # "Paused already" may be this very call's own first write, landed with its answer lost and made again by pymongo,
+    # or another operator's pause still settling: claims made before it must have had their settle time as well.
+    controls = QueueControls(db)
+    assert controls.pause("mail", by="alice", now=datetime.now(UTC)) is True
+    began = time.monotonic()
+    assert controls.pause("mail", by="alice", now=datetime.now(UTC)) is False
+    assert time.monotonic() - began >= CONTROL_SETTLE  # a lower bound: a loaded machine only waits longer
 
 
 def test_pause_and_resume_are_kept_with_who_and_when(ops: Operations, db: Database) -> None:
