@@ -135,15 +135,13 @@ def test_a_server_answer_never_seen_mid_claim_backs_the_queue_off_and_the_worker
 # The standalone played in front of the embedded server; and the suite's own server, whatever its topology.
 @pytest.mark.parametrize("profile", [pytest.param("standalone", marks=pytest.mark.stand_in), "suite server"])
 def test_a_job_published_after_pause_answered_never_starts(profile, mongo_url, db: Database, tmp_path) -> None:
-    # No change stream tells the worker of the pause (pause_check_interval 60): only what its claims do after the
-    # pause's write can stop them.
+    # Without change streams (the standalone profile) nothing tells the worker of the pause: what it reads of the
+    # queue's control for its claims stops them (at most half a second old, or read again after a late claim).
     proxy = wire.WireProxy(mongo_url, wire.standalone()) if profile == "standalone" else None
     url = (
         with_database(f"mongodb://{proxy.address}", db.name) if proxy is not None else with_database(mongo_url, db.name)
     )
-    worker = Worker(
-        url, log_dir=tmp_path, name="w0", options={"pause_check_interval": 60}, extra_args=("-Q", "q,other")
-    )
+    worker = Worker(url, log_dir=tmp_path, name="w0", extra_args=("-Q", "q,other"))
     worker.start()
     app = producer(url)
     try:
