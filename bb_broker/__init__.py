@@ -15,6 +15,7 @@ from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 if TYPE_CHECKING:
     from pymongo.database import Database
 
+    from bb_broker.bulk import EnqueueManyError, enqueue_many
     from bb_broker.connection import BrokerURLError
     from bb_broker.jobs.document import JobTooLarge, ResultNotStored, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
@@ -31,6 +32,7 @@ __all__ = [
     "SUCCEEDED",
     "BrokerURLError",
     "DuplicateJob",
+    "EnqueueManyError",
     "JobTooLarge",
     "MalformedTaskMessage",
     "PublishRefused",
@@ -38,6 +40,7 @@ __all__ = [
     "ResultTooLarge",
     "ServerUnreachable",
     "UniqueOptionError",
+    "enqueue_many",
     "is_final_attempt",
     "statuses",
 ]
@@ -49,6 +52,7 @@ DISTRIBUTION = "bb-broker"
 _LAZY = {
     "BrokerURLError": "connection",
     "DuplicateJob": "jobs.unique",
+    "EnqueueManyError": "bulk",
     "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
     "PublishRefused": "jobs.refusals",
@@ -56,6 +60,7 @@ _LAZY = {
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",
+    "enqueue_many": "bulk",
     "is_final_attempt": "worker.settle",
 }
 

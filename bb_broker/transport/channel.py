@@ -148,6 +148,9 @@ class Channel(virtual.Channel):
         self.options = BrokerOptions.parse({name: getattr(self, name) for name in TRANSPORT_OPTIONS})
         self.target = connection.parse_broker_url(connection_.broker_url)
         self.jobs = open_store(self.target, self.options)
+        #: Where a task message's job goes (JobStore.publish's keywords): inserted at once, or, while bb_broker.bulk
+        #: builds a batch on this channel, kept for the batch's insert.
+        self.publish_job: Callable[..., Any] = self.jobs.publish
         db = self.jobs.coll.database
         self.clock = ServerClock.of(db)
         self.plumbing = MessageStore(db, ttl=self.options.message_ttl, secrets=self.target.secrets)
@@ -386,7 +389,7 @@ class Channel(virtual.Channel):
         if parts.get("bodyFormat") == "json":
             named["the body"] = parts["body"]
         check_encodable({"the queue name": queue, **named, "the headers": headers, "the properties": properties})
-        self.jobs.publish(
+        self.publish_job(
             queue=queue,
             kind=headers["task"],
             task_id=str(headers["id"]),
