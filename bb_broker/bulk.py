@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from celery import Celery, current_app
 from celery.canvas import Signature
@@ -47,7 +47,7 @@ class EnqueueManyError(PublishRefused):
         self,
         total: int,
         published: list[tuple[int, str]],
-        refused: list[tuple[int, str, PublishRefused]],
+        refused: list[tuple[int, str, Exception]],
         results: list[AsyncResult | None],
     ) -> None:
         named = "; ".join(f"#{index} ({task_id}): {reason}" for index, task_id, reason in refused[:NAMED_REFUSALS])
@@ -125,7 +125,8 @@ class _Batch:
                 signature.options.setdefault(PUBLISH_ID_PROPERTY, {})  # its job ids, likewise (see _keep)
                 before = len(self.jobs)
                 try:
-                    results.append(signature.apply_async(producer=self))
+                    # Celery's send_task uses a producer's publish() and connection only: this one's.
+                    results.append(signature.apply_async(producer=cast(Producer, self)))
                 except Exception as exc:
                     exc.add_note(f"enqueue_many: signature #{index} ({signature.task}); nothing was published")
                     raise

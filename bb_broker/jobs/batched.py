@@ -86,10 +86,10 @@ class Pending:
 
 @dataclass
 class Outcome:
-    """What each job of a batch became: published, or refused (a PublishRefused saying why)."""
+    """What each job of a batch became: published, or refused (a PublishRefused or DuplicateJob saying why)."""
 
     published: list[Pending] = field(default_factory=list)
-    refused: list[tuple[Pending, PublishRefused]] = field(default_factory=list)
+    refused: list[tuple[Pending, Exception]] = field(default_factory=list)
 
 
 def insert_queued(store: JobStore, jobs: Sequence[Pending], *, batch_size: int) -> Outcome:
@@ -161,7 +161,7 @@ def _landed(store: JobStore, jobs: Sequence[Pending]) -> set[str]:
     return {doc["_id"] for doc in found if (doc.get("taskId"), doc.get("queue")) == wanted[doc["_id"]]}
 
 
-def _duplicate(store: JobStore, job: Pending, error: dict[str, Any]) -> PublishRefused:
+def _duplicate(store: JobStore, job: Pending, error: dict[str, Any]) -> Exception:
     """The refusal of a job a unique index refused: DuplicateJob naming the holder of its key."""
     if job.unique is not None:
         holder = store.coll.find_one({job.unique.field: job.unique.key}, {"taskId": 1})
