@@ -15,8 +15,9 @@ from pymongo.database import Database
 import bb_broker
 from bb_broker import DuplicateJob, EnqueueManyError, JobTooLarge
 from bb_broker.jobs.document import MAX_DOCUMENT_BYTES
-from tests.support import unique_app
-from tests.support.workers import all_succeeded, wait_for
+from tests.support import unique_app, wire
+from tests.support.servers import with_database
+from tests.support.workers import all_succeeded, producer, wait_for
 
 E2E = "tests.support.e2e_app."
 #: What differs between two publishes of the same signature: the ids and the times.
@@ -213,3 +214,37 @@ def test_a_broker_that_is_not_bbmongo_is_refused(tasks) -> None:
             bb_broker.enqueue_many([other.signature("x")], app=other)
     finally:
         other.close()
+
+
+def test_a_server_refusal_mid_call_says_which_batches_were_published(mongo_url: str, db: Database) -> None:
+    # The server refuses the call's second insert as a whole (a refusal no retry passes: not authorized), after the
+    # first landed: the first batch is reported published, the second refused with the server's words, none lost.
+    inserts = []
+
+    def second_insert_refused(command: dict[str, Any]) -> dict[str, Any] | None:
+        if command.get("insert") == "jobs":
+            inserts.append(len(command.get("documents", [])))
+            if len(inserts) == 3:  # the warm-up's insert, then the call's two
+                return {"ok": 0.0, "code": 13, "codeName": "Unauthorized", "errmsg": "not authorized on jobs"}
+        return None
+
+    proxy = wire.WireProxy(mongo_url, wire.Profile("refuses an insert", refuse=second_insert_refused))
+    app = producer(with_database(f"mongodb://{proxy.address}", db.name))
+    try:
+        app.send_task(E2E + "add", args=(0, 0))
+        add = app.signature(E2E + "add")
+        signatures = [add.clone(args=(i, i)) for i in range(10)]
+        with pytest.raises(EnqueueManyError) as raised:
+            bb_broker.enqueue_many(signatures, app=app, batch_size=6)
+        error = raised.value
+        assert error.published == [(i, signatures[i].id) for i in range(6)]
+        assert [(i, t) for i, t, _ in error.refused] == [(i, signatures[i].id) for i in range(6, 10)]
+        assert all("not authorized on jobs" in str(reason) for _, _, reason in error.refused)
+        assert {j["taskId"] for j in db.jobs.find({"taskId": {"$ne": None}})} >= {s.id for s in signatures[:6]}
+        assert db.jobs.count_documents({}) == 7  # the warm-up's and the first batch
+        # Called again once the server takes it: the refused four are written, the six not twice.
+        bb_broker.enqueue_many(signatures, app=app, batch_size=6)
+        assert db.jobs.count_documents({}) == 11
+    finally:
+        app.close()
+        proxy.close()
