@@ -14,6 +14,7 @@ a lost answer) find the jobs that landed and write only the others.
 
 from __future__ import annotations
 
+import gc
 import reprlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -118,6 +119,11 @@ class _Batch:
     def build(self, signatures: list[Signature]) -> list[AsyncResult]:
         results = []
         self.channel.publish_job = self._keep
+        collecting = gc.isenabled()
+        # Every message and job built here lives until the insert: the collector's passes over them, as they pile
+        # up, cost about as much as building them. Paused (process-wide) for the build only; nothing it makes is
+        # garbage before the call returns.
+        gc.disable()
         try:
             for index, signature in enumerate(signatures):
                 self._index = index
@@ -134,6 +140,8 @@ class _Batch:
                     raise TypeError(f"enqueue_many: signature #{index} ({signature.task}) made no job")
         finally:
             self.channel.publish_job = self.channel.jobs.publish
+            if collecting:
+                gc.enable()
         return results
 
     # --- the producer Celery's send_task publishes with ---------------------------------------------------------
