@@ -59,6 +59,7 @@ INSERTS = Inserts()
 monitoring.register(INSERTS)
 
 
+@pytest.mark.timeout(1200)  # a thousand runs on a loaded 2-core machine
 def test_a_thousand_signatures_in_one_call_all_run_once(results_app, tasks, results_worker, db: Database) -> None:
     add = results_app.signature(E2E + "add")  # not registered here: sent by name, as send_task does
     signatures = [add.clone(args=(i, i)) for i in range(1000)]
@@ -71,8 +72,8 @@ def test_a_thousand_signatures_in_one_call_all_run_once(results_app, tasks, resu
     assert INSERTS.sizes == [400, 400, 200]  # three inserts, not a thousand
     assert [r.id for r in results] == [s.id for s in signatures]
     assert db.jobs.count_documents({"status": "queued"}) == 1000  # durable before any worker ran
-    results_worker()
-    wait_for(all_succeeded(db, [r.id for r in results]), timeout=900, message="the thousand jobs succeeded")
+    results_worker(concurrency=4, extra_args=("--prefetch-multiplier", "4"))
+    wait_for(all_succeeded(db, [r.id for r in results]), timeout=1100, message="the thousand jobs succeeded")
     assert [r.get(timeout=60) for r in results[::100]] == [2 * i for i in range(0, 1000, 100)]
     assert db.jobs.count_documents({}) == 1000
     assert all(j["attempts"] == 1 for j in db.jobs.find({}, {"attempts": 1}))

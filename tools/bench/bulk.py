@@ -6,7 +6,9 @@ rotating order from round to round, so that a busy moment of the shared machine 
 publish is timed (no worker runs): from the call until it returns, the jobs durable (bbmongo://) or pushed (Redis).
 
 BENCH_N (10000), BENCH_REPEAT (3) and BENCH_SERVER (python forces the Python stand-in) as in `make bench`;
-BENCH_BULK picks the variants (enqueue_many,redis_group; bbmongo_group adds the group on bbmongo://).
+BENCH_BULK picks the variants (enqueue_many,redis_group,celery_floor; bbmongo_group adds the group on bbmongo://).
+`celery_floor` is each signature's `apply_async` with a producer that drops the message (on Redis's app): what
+Celery's own building of the messages costs, which enqueue_many pays as the group does.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from tools.bench.app import QUEUE, TASK
 from tools.bench.runner import QUIET_CLIENT
 from tools.bench.servers import RedisServer, mongo_server
 
-VARIANTS = ("enqueue_many", "redis_group", "bbmongo_group")
-DEFAULT_VARIANTS = "enqueue_many,redis_group"
+VARIANTS = ("enqueue_many", "redis_group", "celery_floor", "bbmongo_group")
+DEFAULT_VARIANTS = "enqueue_many,redis_group,celery_floor"
 
 
 def _log(message: str) -> None:
@@ -48,6 +50,16 @@ def _signatures(app: Celery, n: int) -> list[Any]:
     return [task.clone(args=(i, "d")) for i in range(n)]
 
 
+class _Dropping:
+    """A producer that drops what Celery's send_task publishes with it (send_task uses `publish` and `connection`)."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def publish(self, body: Any, **options: Any) -> None:
+        pass
+
+
 def _timed(publish: Callable[[], Any]) -> float:
     started = time.perf_counter()
     publish()
@@ -60,12 +72,13 @@ def one_round(rep: int, wanted: list[str], mongo_url: str, redis_url: str, n: in
         "enqueue_many": with_database(mongo_url, f"bulk_many_{rep}") + f"?{quiet}",
         "bbmongo_group": with_database(mongo_url, f"bulk_group_{rep}") + f"?{quiet}",
         "redis_group": redis_url,
+        "celery_floor": redis_url,
     }
     apps = {name: _app(urls[name]) for name in wanted}
     try:
         for name, app in apps.items():  # connect, declare and index outside the timed call
             app.send_task(TASK, args=(0, "warm"), queue=QUEUE)
-            if name == "redis_group":
+            if name in ("redis_group", "celery_floor"):
                 with app.connection_for_write() as conn:
                     conn.default_channel.client.flushdb()
         order = wanted[rep % len(wanted) :] + wanted[: rep % len(wanted)]
@@ -74,6 +87,10 @@ def one_round(rep: int, wanted: list[str], mongo_url: str, redis_url: str, n: in
             signatures = _signatures(apps[name], n)
             if name == "enqueue_many":
                 seconds[name] = _timed(lambda s=signatures, a=apps[name]: bb_broker.enqueue_many(s, app=a))
+            elif name == "celery_floor":
+                with apps[name].connection_for_write() as conn:
+                    dropping = _Dropping(conn)
+                    seconds[name] = _timed(lambda s=signatures, p=dropping: [sig.apply_async(producer=p) for sig in s])
             else:
                 seconds[name] = _timed(lambda s=signatures: group(s).apply_async())
             _log(f"round {rep + 1}: {name} {n} tasks in {seconds[name]:.2f}s")
@@ -114,6 +131,14 @@ def main() -> int:
         spread = ", ".join(f"{r:.2f}" for r in ratios)
         lines.append(f"  enqueue_many over Redis's group: {statistics.median(ratios):.2f}x  (rounds: {spread})")
         line["ratio_rounds"], line["ratio"] = ratios, statistics.median(ratios)
+    if "celery_floor" in rounds and "redis_group" in rounds:
+        ceilings = [r / f for f, r in zip(rounds["celery_floor"], rounds["redis_group"], strict=True)]
+        spread = ", ".join(f"{c:.2f}" for c in ceilings)
+        lines.append(
+            f"  the most any exact bulk path could gain (Redis's group over Celery's floor): "
+            f"{statistics.median(ceilings):.2f}x  (rounds: {spread})"
+        )
+        line["ceiling_rounds"], line["ceiling"] = ceilings, statistics.median(ceilings)
     line["servers"] = {"mongo": mongo.label, "redis": redis_server.label}
     print("\n".join(lines))
     print(json.dumps(line, sort_keys=True))
