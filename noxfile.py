@@ -1,12 +1,20 @@
-"""Version matrix: the end-to-end tests against the lowest and the newest Celery, Kombu, pymongo, Flower allowed.
+"""Version matrix: the end-to-end tests against every Celery minor the pins allow, with the Kombu, pymongo and Flower
+each one runs with, the lowest and the newest.
 
-`nox -s newest lowest` (`make compat`) runs the whole selection below in each session's own venv under .nox;
-`nox -s newest lowest -- short` (`make compat-short`, CI) runs its quick part. Other arguments after `--` are passed
-to pytest in place of the selection, e.g. `nox -s lowest -- tests/e2e/test_results_e2e.py -k chord`.
+Sessions, each in its own venv under .nox:
+- `newest`: whatever pip picks within the pins (upgraded on every run);
+- `lowest`: the lowest minor each pin allows, read from pyproject.toml;
+- `minor(5.4-lowest)` ... `minor(5.7-newest)`: each Celery minor (CELERY_MINORS) at its newest patch, once with the
+  lowest Kombu, pymongo and a Flower of the pins (`lowest`), once with the newest the minor allows (`newest`).
+
+`nox -s SESSION` runs the whole selection below; `nox -t short -- short` (`make compat-short`, CI) runs its quick part
+on the sessions tagged `short`: one per Celery minor, both ends of pymongo, every Flower minor. Other arguments after
+`--` are passed to pytest in place of the selection, e.g. `nox -s lowest -- tests/e2e/test_results_e2e.py -k chord`.
 """
 
 from __future__ import annotations
 
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -14,11 +22,18 @@ import nox
 from packaging.requirements import Requirement
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["newest", "lowest"]
+nox.options.sessions = ["newest", "lowest"]  # `nox` alone; `nox -t short` and `-s minor` for the rest
 nox.options.reuse_existing_virtualenvs = True
 
 #: The packages whose versions the matrix varies: what bb_broker patches, subclasses or reads the internals of.
 VARIED = ("celery", "kombu", "pymongo", "flower")
+
+#: Every Celery minor the pin allows, from its floor (checked against pyproject.toml) to the newest released.
+CELERY_MINORS = ("5.4", "5.5", "5.6", "5.7")
+
+#: The Flower each minor's `lowest` session runs (its `newest` session runs the newest Flower): every Flower minor the
+#: pin allows meets two Celery minors, and the short sessions meet all three.
+LOWEST_SIDE_FLOWER = {"5.4": "2.0", "5.5": "2.0", "5.6": "2.1", "5.7": "2.1"}
 
 #: Lifecycle, results (end to end and the backend alone), chords and canvas, crashes and faults, the event loop, and
 #: Flower (its process with the broker tab, and the Jobs tab).
@@ -66,24 +81,46 @@ PRINT_VERSIONS = (
 )
 
 
+def pin_floors() -> dict[str, str]:
+    """The floor (`major.minor`) of each varied package's pin in pyproject.toml, by package name."""
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    pins = [*project["dependencies"], *project["optional-dependencies"]["flower"]]
+    floors = {}
+    for pin in map(Requirement, pins):
+        if pin.name.lower() not in VARIED:
+            continue
+        (floor,) = [spec.version for spec in pin.specifier if spec.operator == ">="]
+        floors[pin.name.lower()] = ".".join(floor.split(".")[:2])
+    missing = set(VARIED) - set(floors)
+    if missing:
+        raise RuntimeError(f"pyproject.toml pins no floor for {sorted(missing)}")
+    if floors["celery"] != CELERY_MINORS[0]:
+        raise RuntimeError(f"celery's pin starts at {floors['celery']}: CELERY_MINORS must start there too")
+    return floors
+
+
 def lowest_allowed() -> list[str]:
     """The newest patch of the lowest minor each varied package's pin allows, read from pyproject.toml.
 
     `celery>=5.5,<6` gives `celery~=5.5.0`: raising a pin's floor moves the lowest session with it.
     """
-    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
-    pins = [*project["dependencies"], *project["optional-dependencies"]["flower"]]
-    lowest = []
-    for pin in map(Requirement, pins):
-        if pin.name.lower() not in VARIED:
-            continue
-        (floor,) = [spec.version for spec in pin.specifier if spec.operator == ">="]
-        major, minor = floor.split(".")[:2]
-        lowest.append(f"{pin.name}~={major}.{minor}.0")
-    missing = set(VARIED) - {requirement.split("~=")[0].lower() for requirement in lowest}
-    if missing:
-        raise RuntimeError(f"pyproject.toml pins no floor for {sorted(missing)}")
-    return lowest
+    return [f"{name}~={floor}.0" for name, floor in pin_floors().items()]
+
+
+def minor_pins(celery: str, end: str) -> list[str]:
+    """The pins of a `minor` session: Celery `celery` at its newest patch; at the `lowest` end, the Kombu of the same
+    minor (or the pin's floor, if higher), the lowest pymongo and LOWEST_SIDE_FLOWER's Flower; at the `newest` end,
+    whatever pip picks with that Celery (Celery 5.5 caps Kombu at 5.5, 5.4 allows any 5.x from the pin's floor)."""
+    if end == "newest":
+        return [f"celery~={celery}.0"]
+    floors = pin_floors()
+    kombu = max(celery, floors["kombu"], key=lambda version: tuple(map(int, version.split("."))))
+    return [
+        f"celery~={celery}.0",
+        f"kombu~={kombu}.0",
+        f"pymongo~={floors['pymongo']}.0",
+        f"flower~={LOWEST_SIDE_FLOWER[celery]}.0",
+    ]
 
 
 def run_selection(session: nox.Session, pins: list[str]) -> None:
@@ -101,13 +138,50 @@ def run_selection(session: nox.Session, pins: list[str]) -> None:
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests)
 
 
-@nox.session
+@nox.session(tags=["short"])
 def newest(session: nox.Session) -> None:
     """The newest release each pin allows (pip's choice, upgraded on every run)."""
     run_selection(session, [])
 
 
-@nox.session
+@nox.session(tags=["short"])
 def lowest(session: nox.Session) -> None:
     """The lowest minor each pin allows, at that minor's newest patch."""
     run_selection(session, lowest_allowed())
+
+
+#: The `minor` sessions the short run takes beside `lowest` (5.4) and `newest` (5.7): Celery 5.5 with the newest
+#: pymongo and Flower, 5.6 with the lowest pymongo and Flower 2.1.
+SHORT_MINORS = {("5.5", "newest"), ("5.6", "lowest")}
+
+
+@nox.session
+@nox.parametrize(
+    ("celery", "end"),
+    [
+        nox.param(celery, end, id=f"{celery}-{end}", tags=["short"] if (celery, end) in SHORT_MINORS else [])
+        for celery in CELERY_MINORS
+        for end in ("lowest", "newest")
+    ],
+)
+def minor(session: nox.Session, celery: str, end: str) -> None:
+    """One Celery minor at its newest patch, with the lowest or the newest Kombu, pymongo and Flower it allows."""
+    run_selection(session, minor_pins(celery, end))
+
+
+@nox.session
+@nox.parametrize("celery", CELERY_MINORS, ids=list(CELERY_MINORS))
+def conformance(session: nox.Session, celery: str) -> None:
+    """Celery's own t/integration/test_tasks.py (tools/conformance) on one Celery minor with the newest Kombu and
+    pymongo it allows: bbmongo:// beside Redis (redis-server on the PATH), failing when a test fails only on bbmongo://.
+    """
+    if shutil.which("redis-server") is None:
+        session.error("redis-server is not on the PATH: `make conformance` installs it (Debian's redis-server)")
+    # pydantic: Celery's integration tests import it (`make conformance` installs it the same way).
+    pins = minor_pins(celery, "newest")
+    session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[dev]", "pydantic", *pins)
+    session.run("python", "-c", PRINT_VERSIONS, *VARIED)
+    # The shell's CONFORMANCE_BROKERS, CONFORMANCE_K, CONFORMANCE_SUITE_TIMEOUT narrow it as in `make conformance`.
+    session.run(
+        "python", "-m", "tools.conformance", env={"CONFORMANCE_SUITES": "tasks", "CONFORMANCE_REQUIRE_PARITY": "1"}
+    )

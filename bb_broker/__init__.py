@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 
     from bb_broker.bulk import EnqueueManyError, enqueue_many
     from bb_broker.connection import BrokerURLError
+    from bb_broker.jobs.checkpoints import CheckpointError
     from bb_broker.jobs.document import JobTooLarge, ResultNotStored, ResultTooLarge
     from bb_broker.jobs.payloads import MalformedTaskMessage
     from bb_broker.jobs.refusals import PublishRefused
     from bb_broker.jobs.unique import DuplicateJob, UniqueOptionError
     from bb_broker.transport.channel import ServerUnreachable
+    from bb_broker.worker.checkpoints import checkpoint, last_checkpoint
     from bb_broker.worker.settle import is_final_attempt
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "STATUSES",
     "SUCCEEDED",
     "BrokerURLError",
+    "CheckpointError",
     "DuplicateJob",
     "EnqueueManyError",
     "JobTooLarge",
@@ -41,7 +44,9 @@ __all__ = [
     "ServerUnreachable",
     "UniqueOptionError",
     "enqueue_many",
+    "checkpoint",
     "is_final_attempt",
+    "last_checkpoint",
     "statuses",
 ]
 
@@ -51,6 +56,7 @@ DISTRIBUTION = "bb-broker"
 #: Names served on first use (PEP 562), so that `bb-broker --help` need not import Celery, Kombu or pymongo.
 _LAZY = {
     "BrokerURLError": "connection",
+    "CheckpointError": "jobs.checkpoints",
     "DuplicateJob": "jobs.unique",
     "EnqueueManyError": "bulk",
     "JobTooLarge": "jobs.document",
@@ -61,7 +67,9 @@ _LAZY = {
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",
     "enqueue_many": "bulk",
+    "checkpoint": "worker.checkpoints",
     "is_final_attempt": "worker.settle",
+    "last_checkpoint": "worker.checkpoints",
 }
 
 

@@ -183,6 +183,7 @@ class _Batch:
         schedule: str | None = None,
         serial_key: str | None = None,
         rate_key: str | None = None,
+        fair_key: str | None = None,
         **_: Any,
     ) -> str:
         if is_retry:
@@ -202,6 +203,7 @@ class _Batch:
             schedule=schedule,
             serial_key=serial_key,
             rate_key=rate_key,
+            fair_key=fair_key,
         )
         self.jobs.append(Pending(self._index, document, unique))
         return job_id

@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from pymongo.database import Database
@@ -124,6 +125,12 @@ class ServerClock:
             self._failure = None
         finally:
             self._lock.release()
+
+
+def reading(clock: Callable[[], datetime]) -> datetime:
+    """A store's time for a caller whose query goes to the server next: a ServerClock's reading (which raises when
+    the server could not be reached: see ServerClock.reading), any other clock's time."""
+    return clock.reading() if isinstance(clock, ServerClock) else clock()
 
 
 def _forget_parent_clocks() -> None:

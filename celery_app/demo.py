@@ -103,7 +103,7 @@ class Child:
 
 def flower_command(address: str, port: int) -> list[str]:
     """`bb-broker flower` for the demo's app, with the Broker tab; its credentials come in FLOWER_BASIC_AUTH."""
-    return [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "celery_app", f"--address={address}",
+    return [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "celery_app", f"--address={address}",
             f"--port={port}"]  # fmt: skip
 
 
@@ -279,7 +279,7 @@ def _start_server(data: Path, children: list[Child], logs: Path, stop: StopReque
         shutil.rmtree(data, ignore_errors=True)
         say(f"data in {data}, emptied first (BB_DEMO_KEEP_DATA=1 keeps it)")
     port = _port(int(os.environ.get("BB_DEMO_SERVER_PORT", "27017")), "server")
-    server = Child("server", [sys.executable, "-m", "bb_broker.ops.cli", "serve", "--host", HOST, "--port", str(port),
+    server = Child("server", [sys.executable, "-m", "bb_broker.cli", "serve", "--host", HOST, "--port", str(port),
                               "--data", str(data)], logs / "server.log")  # fmt: skip
     children.append(server)
     url = f"bbmongo://{HOST}:{port}/bountyboard"

@@ -12,10 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import bson
 from bson.raw_bson import RawBSONDocument
+from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import BulkWriteError, PyMongoError
 
 from bb_broker import metrics
@@ -23,10 +24,7 @@ from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, JobTooLarge
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.unique import DuplicateJob, Hold
-from bb_broker.server import is_transient, server_words, too_large_write_error
-
-if TYPE_CHECKING:
-    from bb_broker.jobs.store import JobStore
+from bb_broker.server import Capabilities, is_transient, server_words, too_large_write_error
 
 #: Seconds an insert keeps trying through a failover or a restart before its jobs are reported as not known.
 BATCH_PATIENCE = 30.0
@@ -46,6 +44,7 @@ def queued_job(
     schedule: str | None = None,
     serial_key: str | None = None,
     rate_key: str | None = None,
+    fair_key: str | None = None,
 ) -> dict[str, Any]:
     """A new queued job's document (JobStore.publish's and a batch's)."""
     return {
@@ -64,7 +63,20 @@ def queued_job(
         **({} if schedule is None else {"schedule": schedule}),
         **({} if serial_key is None else {"serialKey": serial_key}),
         **({} if rate_key is None else {"rateKey": rate_key}),
+        **({} if fair_key is None else {"fairKey": fair_key}),
     }
+
+
+class BatchingStore(Protocol):
+    """What a batch's insert needs of the store it writes to (JobStore, which builds its own jobs with queued_job)."""
+
+    coll: MongoCollection
+
+    @property
+    def server(self) -> Capabilities: ...
+
+    @property
+    def secrets(self) -> tuple[str, ...]: ...
 
 
 class PublishUnknown(PublishRefused):
@@ -92,7 +104,7 @@ class Outcome:
     refused: list[tuple[Pending, Exception]] = field(default_factory=list)
 
 
-def insert_queued(store: JobStore, jobs: Sequence[Pending], *, batch_size: int) -> Outcome:
+def insert_queued(store: BatchingStore, jobs: Sequence[Pending], *, batch_size: int) -> Outcome:
     """Insert `jobs`, `batch_size` per unordered insert; never raises for one job (each is in the Outcome)."""
     outcome = Outcome()
     encoded: list[tuple[Pending, RawBSONDocument]] = []
@@ -109,7 +121,7 @@ def insert_queued(store: JobStore, jobs: Sequence[Pending], *, batch_size: int) 
     return outcome
 
 
-def _insert_batch(store: JobStore, batch: list[tuple[Pending, RawBSONDocument]], outcome: Outcome) -> None:
+def _insert_batch(store: BatchingStore, batch: list[tuple[Pending, RawBSONDocument]], outcome: Outcome) -> None:
     deadline = time.monotonic() + BATCH_PATIENCE
     delay = 0.1
     while True:
@@ -131,7 +143,7 @@ def _insert_batch(store: JobStore, batch: list[tuple[Pending, RawBSONDocument]],
 
 
 def _sort_refusals(
-    store: JobStore, batch: list[tuple[Pending, RawBSONDocument]], exc: BulkWriteError, outcome: Outcome
+    store: BatchingStore, batch: list[tuple[Pending, RawBSONDocument]], exc: BulkWriteError, outcome: Outcome
 ) -> None:
     """An unordered insert's refusals, job by job: every job without a write error landed."""
     errors = {int(error["index"]): error for error in exc.details.get("writeErrors", [])}
@@ -152,7 +164,7 @@ def _sort_refusals(
             outcome.refused.append((job, refusal))
 
 
-def _landed(store: JobStore, jobs: Sequence[Pending]) -> set[str]:
+def _landed(store: BatchingStore, jobs: Sequence[Pending]) -> set[str]:
     """The `_id`s among `jobs` already on the server with the same task and queue: an earlier try's inserts."""
     if not jobs:
         return set()
@@ -161,7 +173,7 @@ def _landed(store: JobStore, jobs: Sequence[Pending]) -> set[str]:
     return {doc["_id"] for doc in found if (doc.get("taskId"), doc.get("queue")) == wanted[doc["_id"]]}
 
 
-def _duplicate(store: JobStore, job: Pending, error: dict[str, Any]) -> Exception:
+def _duplicate(store: BatchingStore, job: Pending, error: dict[str, Any]) -> Exception:
     """The refusal of a job a unique index refused: DuplicateJob naming the holder of its key."""
     if job.unique is not None:
         holder = store.coll.find_one({job.unique.field: job.unique.key}, {"taskId": 1})
@@ -174,7 +186,7 @@ def _duplicate(store: JobStore, job: Pending, error: dict[str, Any]) -> Exceptio
 
 
 def _sort_unanswered(
-    store: JobStore, batch: list[tuple[Pending, RawBSONDocument]], exc: PyMongoError, outcome: Outcome
+    store: BatchingStore, batch: list[tuple[Pending, RawBSONDocument]], exc: PyMongoError, outcome: Outcome
 ) -> None:
     """An insert that failed as a whole: the jobs found on the server landed; the others are refused (the server's
     words) when it can be read, not known when it cannot."""

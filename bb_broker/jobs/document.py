@@ -39,7 +39,7 @@ RETRY_STATE = "RETRY"
 #: What a worker needs of a job it claims, and what the claim checks (see malformed): its `queue`, and of its
 #: `history` only its type; the history itself and the result fields stay on the server.
 CLAIMED_FIELDS = {
-    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1, "serialKey": 1,
+    "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1, "serialKey": 1, "fairKey": 1,
     "historyType": {"$type": "$history"},
 }  # fmt: skip
 
@@ -57,6 +57,8 @@ MAX_KIND_LENGTH = 1024
 HISTORY_LIMIT = 10
 #: A traceback in `history` is cut to its last this many characters (where the exception is).
 MAX_HISTORY_TRACEBACK = 4000
+#: The most operator actions a job keeps a record of (the oldest go first).
+ACTIONS_KEPT = 20
 
 #: What a settle too large for its document says, after what it settles ("the task's result does not fit ...").
 DOES_NOT_FIT = f"does not fit in its job document ({MAX_DOCUMENT_BYTES} bytes at most)"
@@ -103,7 +105,8 @@ def claim_query(queue: str, owner: str, now: datetime) -> tuple[dict[str, Any], 
 
 def in_slot(take: dict[str, Any], slot: int, limit: int) -> dict[str, Any]:
     """The claim's update `take` for a queue limited to `limit` running jobs: the job holds `slot` (see
-    JobStore._claim_in_a_slot) and keeps the limit in `claimLimits`, beside a rate the claim already put there."""
+    ConcurrencySlots.claim_in_a_slot) and keeps the limit in `claimLimits`, beside a rate the claim already put
+    there."""
     limits = {**take["$set"].get("claimLimits", {}), "concurrency": limit}
     return {**take, "$set": {**take["$set"], "limitSlot": slot, "claimLimits": limits}}
 
@@ -130,7 +133,7 @@ def in_slots(take: dict[str, Any], slots: dict[Any, int], limit: int) -> list[di
 #: What a job holds only while it is `running`, unset by every write that ends its attempt (a settle, a retry's
 #: reschedule, a release, the stale sweep, an operator's requeue), in the write that exists anyway: its lease, and
 #: the slot of its queue's concurrency limit (bb_limit_slot) it holds, the flag that claims wait for a slot of that
-#: limit (JobStore._wait_for_slot), and the flag that others wait for its serial key (see serial.py).
+#: limit (ConcurrencySlots._wait_for_slot), and the flag that others wait for its serial key (see serial.py).
 RUNNING_ONLY_FIELDS = ("leaseOwner", "limitSlot", "slotWaiters", "serialWaiters")
 HOLDS_RELEASED = dict.fromkeys(RUNNING_ONLY_FIELDS, "")
 
@@ -190,6 +193,12 @@ def history_entry_of(update: dict[str, Any]) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) else None
 
 
+def action_record(action: str, by: str, at: datetime, **details: Any) -> dict[str, Any]:
+    """The $push that records an operator's action on a job, keeping the last ACTIONS_KEPT."""
+    entry = {"action": action, "by": by, "at": at, **{k: v for k, v in details.items() if v is not None}}
+    return {"actions": {"$each": [entry], "$slice": -ACTIONS_KEPT}}
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A job a worker now holds: `attempts` is its fencing token for every later write."""
@@ -200,6 +209,8 @@ class Claimed:
     payload: Any
     #: When the job was due, on the server's clock (None in a hand-edited document without it).
     run_after: datetime | None = None
+    #: Its fair key (fair_keys.py), None for none (or a hand-edited one that is not a string).
+    fair_key: str | None = None
 
 
 def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
@@ -208,7 +219,8 @@ def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
         run_after = None
     elif run_after.tzinfo is None:
         run_after = run_after.replace(tzinfo=UTC)
-    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after)
+    fair_key = doc.get("fairKey") if isinstance(doc.get("fairKey"), str) else None
+    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after, fair_key)
 
 
 def malformed(doc: dict[str, Any]) -> str | None:

@@ -61,6 +61,19 @@ def parse_concurrency(value: object) -> int:
     return int(text)
 
 
+def parse_fair(value: object) -> bool:
+    """Whether a queue is to be fair, as an operator gives it (a bool, or true/false, 1/0, yes/no, on/off), else
+    LimitError."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise LimitError(f"fair is true or false, not {str(value)[:40]!r}")
+
+
 #: A rate's periods, as an operator writes them, in seconds.
 RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 #: The most starts a rate lets through per period.
@@ -103,7 +116,7 @@ def moment_us(now: datetime) -> int:
 @dataclass(frozen=True)
 class RateStart:
     """One start taken from a queue's rate: its counter's _id (`key`), the moment it was taken at and the `next` it
-    set, in microseconds since the epoch, to give the start back with (see JobStore._take_start)."""
+    set, in microseconds since the epoch, to give the start back with (see RateCounters.take_start)."""
 
     key: dict[str, Any]
     taken_at: int
@@ -171,6 +184,8 @@ class QueueLimits:
     concurrency: int | None = None
     #: At most so many of the queue's jobs started per period, across every worker.
     rate: Rate | None = None
+    #: Claims rotate across the jobs' fair keys (fair_keys.py).
+    fair: bool = False
 
     @classmethod
     def of(cls, control: Mapping[str, Any]) -> QueueLimits:
@@ -190,10 +205,24 @@ class QueueLimits:
             and type(per_key) is bool
         ):
             rate = Rate(starts, float(period), per_key=per_key)
-        return cls(concurrency=concurrency if valid else None, rate=rate)
+        # A rate per key picks the job whose key's start it takes: fairness is refused beside it (set_limits), and a
+        # hand edit that sets both keeps the rate.
+        fair = control.get("fair") is True and not (rate is not None and rate.per_key)
+        return cls(concurrency=concurrency if valid else None, rate=rate, fair=fair)
 
     def __bool__(self) -> bool:
-        return self.concurrency is not None or self.rate is not None
+        return self.concurrency is not None or self.rate is not None or self.fair
+
+    def described(self) -> str:
+        """The limits as a person reads them ("no limit" for none)."""
+        shown = []
+        if self.concurrency is not None:
+            shown.append(f"at most {self.concurrency} running at once")
+        if self.rate is not None:
+            shown.append(f"at most {self.rate} started")
+        if self.fair:
+            shown.append("fair per key")
+        return ", ".join(shown) or "no limit"
 
 
 class QueueControls:
@@ -241,14 +270,26 @@ class QueueControls:
         *,
         concurrency: int | None | Unchanged = UNCHANGED,
         rate: Rate | None | Unchanged = UNCHANGED,
+        fair: bool | Unchanged = UNCHANGED,
         by: str,
         now: datetime,
     ) -> None:
         """Set `queue`'s limits for every worker: a concurrency limit, a rate, None to remove one, UNCHANGED to leave
-        it; each worker learns of it as it learns of a pause. A concurrency limit lowered below the jobs running
-        drains: no job is stopped."""
+        it, and whether its claims are `fair` across its jobs' fair keys; each worker learns of it as it learns of a
+        pause. A concurrency limit lowered below the jobs running drains: no job is stopped. A fair queue with a rate
+        per key is refused (LimitError): each picks the next job its own way."""
         changes: dict[str, Any] = {"limitedBy": by, "limitedAt": now}
         removed: dict[str, Any] = {}
+        if fair is True or (isinstance(rate, Rate) and rate.per_key):
+            current = QueueLimits.of(self.control(queue))
+            fair_after = current.fair if isinstance(fair, Unchanged) else fair
+            rate_after = current.rate if isinstance(rate, Unchanged) else rate
+            if fair_after and rate_after is not None and rate_after.per_key:
+                raise LimitError(f"a queue is fair or has a rate {PER_KEY}, not both: remove the one it has first")
+        if fair is True:
+            changes["fair"] = True
+        elif fair is False:
+            removed["fair"] = ""
         if concurrency is None:
             removed["concurrency"] = ""
         elif not isinstance(concurrency, Unchanged):
@@ -275,7 +316,14 @@ class QueueControls:
 
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
-        selector = {"$or": [{"paused": True}, {"concurrency": {"$exists": True}}, {"rateStarts": {"$exists": True}}]}
+        selector = {
+            "$or": [
+                {"paused": True},
+                {"concurrency": {"$exists": True}},
+                {"rateStarts": {"$exists": True}},
+                {"fair": True},
+            ]
+        }
         return {doc.pop("_id"): doc for doc in self.coll.find(selector)}
 
 

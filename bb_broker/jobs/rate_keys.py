@@ -4,7 +4,7 @@ start at most at that rate, whatever the other keys do (the mail of one customer
 A task message whose header RATE_KEY_HEADER holds a key becomes a job with that key in `rateKey`; the task options
 `rate_key` (the key) and `rate_on` (the arguments the key is made of), on the task or on `apply_async`, set it, as
 serial.py's options set a serial key. The jobs without a key count as one more key of their own. Each key has its own
-counter in bb_rates, taken as a queue's is (JobStore._take_start); a claim reads the head of the queue to learn whose
+counter in bb_rates, taken as a queue's is (RateCounters.take_start); a claim reads the head of the queue to learn whose
 start to take, and a consumer keeps the keys whose next start is ahead (RateHolds) out of its claims until then, so a
 busy key never holds back the keys behind it, and nothing polls it.
 """

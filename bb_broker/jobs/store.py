@@ -1,117 +1,63 @@
 """The hot path's queries on `jobs`: publish, claim, heartbeat and settle, each write on a held job fenced on it.
 
-The job document itself is in document.py, the sweeps and counts JobStore inherits in sweeps.py, the indexes and
-retention in admin.py.
+The job document itself is in document.py, the sweeps and counts JobStore inherits in sweeps.py, the claims it
+delegates to in claiming.py (with the rate counters of rates.py and the concurrency slots of slots.py), the indexes
+and retention in indexes.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from pymongo import ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
-from pymongo.errors import (
-    ConnectionFailure,
-    DocumentTooLarge,
-    DuplicateKeyError,
-    OperationFailure,
-)
+from pymongo.errors import DocumentTooLarge, DuplicateKeyError
 
 from bb_broker import metrics
 from bb_broker.connection import scrub
-from bb_broker.forks import reset_in_child
-from bb_broker.jobs import admin, lifecycle
-from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES
+from bb_broker.jobs import indexes, lifecycle
 from bb_broker.jobs.batched import queued_job
+from bb_broker.jobs.claiming import Claims
 from bb_broker.jobs.document import (
-    CLAIMED_FIELDS,
     DOES_NOT_FIT,
     HISTORY_LIMIT,
     HOLDS_RELEASED,
     MAX_DOCUMENT_BYTES,
     RETRY_STATE,
-    UNCOUNTABLE_ATTEMPTS,
     Claimed,
     JobTooLarge,
     SettleUnwritable,
     attempt_entry,
-    attempts_fence,
-    bad_serial_key,
-    claim_query,
-    claimed,
-    due_query,
     has_entry_of_current_attempt,
-    in_slot,
-    in_slots,
-    malformed,
     new_job_id,
     pushed,
     storable_text,
     unwritable_cause,
 )
-from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
-from bb_broker.jobs.outages import Refusals, is_transient, through_outages, through_refusals
-from bb_broker.jobs.queues import (
-    MAX_SLOT_LOOKS,
-    SLOT_WAITERS_FIELD,
-    LimitReached,
-    QueueLimits,
-    Rate,
-    RateStart,
-    moment_us,
-)
-from bb_broker.jobs.rate_keys import RateHolds, counted_key
-from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
+from bb_broker.jobs.fair_keys import FairRotation
+from bb_broker.jobs.lifecycle import QUEUED, RUNNING, SUCCEEDED, Outcome, Policy
+from bb_broker.jobs.outages import Refusals, through_outages, through_refusals
+from bb_broker.jobs.queues import QueueLimits
+from bb_broker.jobs.rate_keys import RateHolds
+from bb_broker.jobs.rates import RateCounters
 from bb_broker.jobs.settles import GroupCommit, Settle, SettleRelay, SettleWriter
+from bb_broker.jobs.slots import ConcurrencySlots
 from bb_broker.jobs.sweeps import Sweeps
-from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold, shown
-from bb_broker.server import (
-    Capabilities,
-    before_server_time,
-    capabilities,
-    is_missing_hinted_index,
-    is_unapplicable_update,
-    unique_refusals,
-)
+from bb_broker.jobs.unique import RELEASED_AT_END, RELEASED_BY_CANCEL, DuplicateJob, Hold
+from bb_broker.server import Capabilities, capabilities, unique_refusals
 
 logger = logging.getLogger(__name__)
-
-#: The counters of the rate-limited queues' starts, one document per queue and rate (see JobStore._take_start).
-RATES_COLLECTION = "bb_rates"
-#: How far a rate counter's next start may be ahead of a claimer's clock beyond one spacing before it is taken for a
-#: hand edit (or a clock far ahead) and replaced: the workers read the server's time (ServerClock) within milliseconds.
-MAX_RATE_CLOCK_SKEW_US = 60_000_000
-#: The tries one claim makes at a counter that changes under it before it waits a spacing.
-MAX_RATE_TRIES = 3
-
-#: The most busy serial keys one claim skips before it gives up for now (each skip costs a round trip or two).
-MAX_KEY_SKIPS = 16
-
-#: The most hand-edited jobs one claim fails on its way before it gives up for now (each costs a round trip or two).
-MAX_MALFORMED_SKIPS = 16
 
 #: The error of a job whose settle would make its document exceed MongoDB's limit (each settle's own replacement).
 #: What the store's own failure of a settle that can never be written names (Settle.subject), and that failure for
 #: a settle too large.
 JOB_SETTLE = "the job's settle"
 TOO_LARGE_TO_SETTLE = f"{JOB_SETTLE} {DOES_NOT_FIT}"
-
-#: One claim at a time per process: then a job's owner and attempts say whose claim it is (see claim_many).
-_claiming = threading.Lock()
-
-
-@reset_in_child
-def _forget_parent_claim() -> None:
-    # A parent's claim in flight at the fork is not the child's: its lock would never be released there.
-    global _claiming
-    _claiming = threading.Lock()
 
 
 class JobStore(Sweeps):
@@ -146,6 +92,12 @@ class JobStore(Sweeps):
         self.settle_relay: SettleRelay | None = None
         #: The server's answers the code does not recognise, met by this store's settles: said once, backed off.
         self._settle_refusals = Refusals("settle", self._secrets)
+        #: The rate-limited queues' start counters, the limited queues' concurrency slots, and the claims that take
+        #: them (claim, claim_many and any_due are the claims').
+        self.rates = RateCounters(self.coll, self._hint)
+        self.slots = ConcurrencySlots(self.coll, self._hint)
+        self.fairness = FairRotation(self.coll, self._hint)
+        self._claims = Claims(self)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -172,13 +124,13 @@ class JobStore(Sweeps):
         return self.coll
 
     def ensure_indexes(self, *, retention: float | None = None) -> None:
-        """Create the indexes and set the retention of succeeded jobs (see admin.ensure_indexes)."""
-        self.retention_sweep = admin.ensure_indexes(self.coll, retention=retention)
-        admin.ensure_rate_expiry(self.coll.database[RATES_COLLECTION])
+        """Create the indexes and set the retention of succeeded jobs (see indexes.ensure_indexes)."""
+        self.retention_sweep = indexes.ensure_indexes(self.coll, retention=retention)
+        indexes.ensure_rate_expiry(self.rates.counters)
 
     def expire_succeeded(self) -> int:
         """Where the server has no TTL index: delete the succeeded jobs past retention (a worker's periodic sweep)."""
-        return admin.expire_succeeded(self.coll, self.retention_sweep, self.now())
+        return indexes.expire_succeeded(self.coll, self.retention_sweep, self.now())
 
     # --- producing -------------------------------------------------------
 
@@ -198,6 +150,7 @@ class JobStore(Sweeps):
         schedule: str | None = None,
         serial_key: str | None = None,
         rate_key: str | None = None,
+        fair_key: str | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -209,7 +162,8 @@ class JobStore(Sweeps):
         retry's reschedule leaves the job's key as it is: the key stays taken through retries.
         `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field.
         `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time.
-        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among."""
+        `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among.
+        `fair_key` (see bb_broker.jobs.fair_keys): whose turn a fair queue's rotation claims it in."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -249,6 +203,7 @@ class JobStore(Sweeps):
             schedule=schedule,
             serial_key=serial_key,
             rate_key=rate_key,
+            fair_key=fair_key,
         )
         try:
             self._write(self.coll.insert_one, job)
@@ -288,299 +243,8 @@ class JobStore(Sweeps):
         rate_holds: RateHolds | None = None,
         until: datetime | None = None,
     ) -> Claimed | None:
-        """Atomically move the next due job of `queue` to running, held by `owner`, within the queue's `limits`
-        (LimitReached when they let no job start now).
-
-        A job whose serial key another running job holds is skipped (see serial.py): its key is added to `busy_keys`,
-        which the caller keeps and passes again (the jobs of those keys are not tried) until one of them is freed.
-        Likewise, under a rate per key, a job whose key's next start is ahead is skipped: its key is added to
-        `rate_holds` (see rate_keys.py), which the caller keeps for the queue's rate and passes again.
-
-        With `until`, the claim's write takes nothing once the server's clock has passed it (server.before_server_time:
-        the deadline of what the caller knows of the queue's controls, see CONTROL_SETTLE): None, as for no job."""
-        fence = {} if until is None else before_server_time(until)
-        busy = set() if busy_keys is None else busy_keys
-        rate = None if limits is None else limits.rate
-        holds = None
-        if rate is not None and rate.per_key:
-            holds = rate_holds if rate_holds is not None and rate_holds.rate == rate else RateHolds(rate)
-        learnt = False  # a held rate key found by this claim: the claims after it leave it out
-        for _ in range(MAX_KEY_SKIPS):
-            now = self.now()
-            due, take = claim_query(queue, owner, now)
-            if busy:
-                due["serialKey"] = {"$nin": sorted(busy)}
-            start = None
-            if rate is not None:
-                take["$set"]["claimLimits"] = {"rate": str(rate)}
-                if holds is None:
-                    start = self._take_start(queue, rate, now)
-                else:
-                    head = self._rate_head(due, holds, now)
-                    if head is None:
-                        self._raise_if_held(queue, holds, now)
-                        return None
-                    due["_id"] = head["_id"]  # the job whose key's start is taken, and no other
-                    rate_key = counted_key(head.get("rateKey"))
-                    try:
-                        start = self._take_start(queue, rate, now, rate_key)
-                    except LimitReached as exc:
-                        holds.until[rate_key] = moment_us(now) + round((exc.retry_in or 0.0) * 1_000_000)
-                        learnt = True
-                        continue
-            try:
-                if limits is not None and limits.concurrency is not None:
-                    job = self._claim_in_a_slot(queue, due, take, limits.concurrency, fence)
-                else:
-                    job = self._claim_one(due, take, fence)
-            except DuplicateKeyError as exc:
-                self._give_start_back(start)
-                self._skip_busy_key(exc, due, busy)
-                continue
-            except BaseException:
-                self._give_start_back(start)
-                raise
-            if job is None:
-                self._give_start_back(start)  # nothing started: the start is not spent
-                if holds is not None:
-                    continue  # its key's head was taken meanwhile: the next job, whoever's key it is
-            elif holds is not None and start is not None:
-                holds.until[counted_key(start.key["key"])] = start.next  # the next claim goes on to the other keys
-            return job
-        if holds is not None:
-            self._raise_if_held(queue, holds, self.now(), learnt=learnt)
-        return None
-
-    def _skip_busy_key(self, exc: DuplicateKeyError, due: dict[str, Any], busy: set[str]) -> None:
-        """A claim refused by the serial key index: the key goes into `busy` while its running job is flagged (see
-        serial.py); any other refusal is raised."""
-        ours, key = busy_key(exc)
-        if ours is False:
-            raise exc
-        # Unnamed (ours is None): the serial key's is the one unique index a claim outside a slot can meet.
-        if not is_serial_key(key):  # a server that does not name the key: the head of the queue is the refused job
-            key = self._head_key(due)
-        if not is_serial_key(key):
-            # A hand-edited key (null, a number, too long) no claim can leave out by name: left queued, its job would
-            # be refused at the head of every claim and hold back the queue behind it. It fails, as its claim would.
-            self._fail_unclaimable(due, bad_serial_key(key), {"serialKey": {"$exists": True, "$eq": key}})
-        elif self._wait_for_key(key):
-            busy.add(key)
-        metrics.record_held_back("serial key")
-
-    def _rate_head(self, due: dict[str, Any], holds: RateHolds, now: datetime) -> dict[str, Any] | None:
-        """The next due job (its _id and rateKey) whose rate key is not held, under a rate per key."""
-        held = holds.due(moment_us(now))
-        if held is not None:
-            due = {**due, "rateKey": held}
-        return self._hinted(lambda: self.coll.find_one(due, {"rateKey": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim")))
-
-    def _raise_if_held(self, queue: str, holds: RateHolds, now: datetime, *, learnt: bool = False) -> None:
-        """No job whose rate key is free was found: LimitReached until the first held key's next start, if a key is
-        held; at once when this claim `learnt` held keys (more than one claim skips), so that the next claim leaves
-        them out and finds the keys behind them."""
-        retry_in = 0.0 if learnt else holds.retry_in(moment_us(now))
-        if retry_in is not None:
-            raise LimitReached(queue, f"rate limit {holds.rate}", retry_in=max(retry_in, 0.0))
-
-    def _take_start(self, queue: str, rate: Rate, now: datetime, rate_key: str | None = None) -> RateStart:
-        """Take one start of `queue` at `now` within its `rate` (see RateStart); LimitReached, with the seconds until
-        the next start, when the last one was less than the rate's spacing ago.
-
-        One counter document per queue and rate in RATES_COLLECTION holds `next`, the earliest moment (in
-        microseconds) the next start may be. The start is taken by moving `next` one spacing past now, only where it
-        is not ahead of now: when it is, the filter matches nothing and the upsert's insert collides with the counter's
-        _id, so of two workers at once only one moves it. Under a rate per key, `rate_key`'s own counter.
-
-        A rate key's counter expires once its next start has come (`expireAt`, the TTL index admin.RATE_EXPIRY): one
-        that is gone lets a start through as it would have, and the counters of keys no longer seen do not pile up."""
-        counters = self.coll.database[RATES_COLLECTION]
-        start = RateStart.at(queue, rate, now, rate_key)
-        for _ in range(MAX_RATE_TRIES):
-            try:
-                # A key's counter expires (one per key the rate meets); a queue's is the queue's for good.
-                expiry = {"expireAt": start.expires_at} if rate.per_key else {}
-                taken = self._write(
-                    counters.update_one,
-                    {"_id": start.key, "next": {"$lte": start.taken_at}},
-                    {"$set": {"next": start.next, **expiry}},
-                    upsert=True,
-                )
-            except DuplicateKeyError:
-                retry_in = self._rate_wait(counters, start, rate)
-                if retry_in is None:
-                    continue  # the counter changed under us, or was replaced: take it again
-                metrics.record_held_back("rate")
-                raise LimitReached(queue, f"rate limit {rate}", retry_in=retry_in) from None
-            if taken.upserted_id is not None and not rate.per_key:
-                # A new rate for the queue: its earlier rates' counters are of no use. (A rate per key makes a
-                # counter for each new key: the old ones expire.)
-                counters.delete_many({"_id.queue": queue, "_id": {"$ne": start.key}})
-            return start
-        metrics.record_held_back("rate")
-        # A counter that changed under every try (many claimers at once): soon again, not a whole spacing later.
-        raise LimitReached(queue, f"rate limit {rate}", retry_in=min(rate.spacing_us / 1_000_000, 1.0))
-
-    def _rate_wait(self, counters: MongoCollection, start: RateStart, rate: Rate) -> float | None:
-        """The seconds until the refused `start`'s counter lets the next one through; None to take it again: the
-        counter let it through meanwhile, or held a `next` no claim writes (not a whole number, or further ahead than
-        one spacing and MAX_RATE_CLOCK_SKEW_US: edited by hand, or written by a clock far ahead), which is logged and
-        replaced, so that a bad counter never stops a queue."""
-        counter = counters.find_one({"_id": start.key})
-        if counter is None:
-            return None
-        next_at = counter.get("next")
-        if isinstance(next_at, int) and not isinstance(next_at, bool):
-            if next_at <= start.taken_at:
-                return None
-            if next_at - start.taken_at <= rate.spacing_us + MAX_RATE_CLOCK_SKEW_US:
-                return (next_at - start.taken_at) / 1_000_000
-        logger.warning("queue %s: its rate counter's next start %r is not one a claim writes: replaced", start.queue,
-                       shown(next_at))  # fmt: skip
-        counters.update_one({"_id": start.key, "next": next_at}, {"$set": {"next": start.taken_at}})
-        return None
-
-    def _give_start_back(self, start: RateStart | None) -> None:
-        """Undo a start no job took, unless another claim has taken the next one since."""
-        if start is not None:
-            self.coll.database[RATES_COLLECTION].update_one(
-                {"_id": start.key, "next": start.next}, {"$set": {"next": start.taken_at}}
-            )
-
-    def _head_key(self, due: dict[str, Any]) -> Any:
-        head = self._hinted(
-            lambda: self.coll.find_one(due, {"serialKey": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim"))
-        )
-        return None if head is None else head.get("serialKey")
-
-    def _wait_for_key(self, key: str) -> bool:
-        """Flag the running job of `key` so that its end wakes the claimers; False when it ended meanwhile (then the
-        key is free: claim again)."""
-        flagged = self.coll.update_one(
-            {"serialKey": key, "status": RUNNING},
-            {"$set": {WAITERS_FIELD: True}},
-            **self._hint(SERIAL_INDEX_NAME, "update"),
-        )
-        return flagged.matched_count == 1
-
-    def _claim_one(self, due: dict[str, Any], take: dict[str, Any], fence: dict[str, Any]) -> Claimed | None:
-        # A hand-edited job failed on the way is not the end of the queue: the job behind it is claimed in its place
-        # (given up as empty, the queue would wait for its next wake-up with jobs in it).
-        for _ in range(MAX_MALFORMED_SKIPS):
-            try:
-                with _claiming:
-                    doc = self._hinted(
-                        lambda: self.coll.find_one_and_update(
-                            {**due, **fence},
-                            take,
-                            CLAIMED_FIELDS,
-                            sort=CLAIM_ORDER,
-                            # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
-                            **self._hint("_id_" if "_id" in due else "bb_claim", "findAndModify"),
-                            return_document=ReturnDocument.AFTER,
-                        )
-                    )
-            except (ConnectionFailure, OperationFailure) as exc:
-                if is_transient(exc):
-                    doc = self._landed_unseen(take)
-                    if doc is None:
-                        raise  # nothing claimed: the outage goes on to the caller
-                    return None if self._failed_malformed(doc, doc["attempts"]) else claimed(doc, doc["attempts"])
-                if not is_unapplicable_update(exc):
-                    raise
-                # A hand-edited document the update cannot apply to must not block the queue behind it.
-                if not self._fail_unclaimable(due, lifecycle.describe_error(exc)):
-                    return None
-                continue
-            if doc is None:
-                return None
-            if not self._failed_malformed(doc, doc["attempts"]):
-                return claimed(doc, doc["attempts"])
-        return None
-
-    def _landed_unseen(self, take: dict[str, Any]) -> dict[str, Any] | None:
-        """The job a claim of one job took if its write landed and its answer was lost (a failover interrupted it,
-        pymongo's one retry met no primary either), read once the server answers: else it stayed `running` in this
-        worker's name, held by nobody, until the stale sweep took it back with an attempt spent. The claim's own
-        owner and moment (`take`) name it: no other write of this process sets both at once."""
-        mine = {"status": RUNNING, **{name: take["$set"][name] for name in ("leaseOwner", "updatedAt", "startedAt")}}
-        return self._through_outages(lambda: self.coll.find_one(mine, CLAIMED_FIELDS))
-
-    def _claim_in_a_slot(
-        self, queue: str, due: dict[str, Any], take: dict[str, Any], limit: int, fence: dict[str, Any]
-    ) -> Claimed | None:
-        """The claim of a queue limited to `limit` jobs running at once: the job takes one of the queue's slots
-        0..limit-1 in the claim's own write, and the unique index bb_limit_slot refuses a slot another running job
-        holds. A first guess costs nothing more than the claim; only a refused one reads the slots taken (one read
-        through that index), then tries the free ones, and with none free flags their holders (_wait_for_slot). Every
-        write that ends the attempt unsets the slot, the stale sweep's too, so a dead worker's slot comes back with its
-        job. Slots at `limit` and above (a limit lowered) are never taken again: their jobs drain."""
-        for _ in range(MAX_SLOT_LOOKS):
-            taken: set[int] = set()
-            looked = False
-            while free := [slot for slot in range(limit) if slot not in taken]:
-                slot = random.choice(free)  # workers guessing at once spread over the slots
-                try:
-                    return self._claim_one(due, in_slot(take, slot, limit), fence)
-                except DuplicateKeyError as exc:
-                    if self._refused_by_serial_key(exc, due):
-                        raise  # the job's serial key, not its slot: the caller skips the key
-                    if looked:
-                        taken.add(slot)  # taken since the read
-                    else:
-                        taken, looked = self._slots_taken(queue), True
-            if self._wait_for_slot(queue, limit):
-                break
-        metrics.record_held_back("concurrency")
-        raise LimitReached(queue, f"concurrency limit {limit}")
-
-    def _refused_by_serial_key(self, exc: DuplicateKeyError, due: dict[str, Any]) -> bool:
-        """Whether a slot claim's refusal was the serial key's index, not the slot's: as the server says, or, where it
-        names no index, by a read: the head's key is held by a running job."""
-        ours = busy_key(exc)[0]
-        if ours is not None:
-            return ours
-        key = self._head_key(due)
-        holder = {"serialKey": key, "status": RUNNING}
-        return (
-            is_serial_key(key) and self.coll.find_one(holder, {"_id": 1}, **self._hint(SERIAL_INDEX_NAME)) is not None
-        )
-
-    def _wait_for_slot(self, queue: str, limit: int) -> bool:
-        """Flag the jobs holding `queue`'s slots below `limit` (SLOT_WAITERS_FIELD, each once), so that the first of
-        them to end wakes the claimers held back; False when fewer hold them than the limit once they are flagged: a
-        slot was freed before its holder was flagged, and nothing would report it, so the claim looks again."""
-        holders = {"queue": queue, "limitSlot": {"$exists": True, "$lt": limit}}
-        self._hinted(
-            lambda: self.coll.update_many(
-                {**holders, SLOT_WAITERS_FIELD: {"$exists": False}},
-                {"$set": {SLOT_WAITERS_FIELD: True}},
-                **self._hint("bb_limit_slot", "update"),
-            )
-        )
-        return (
-            self._hinted(lambda: self.coll.count_documents(holders, **self._hint("bb_limit_slot", "aggregate")))
-            >= limit
-        )
-
-    def _slots_taken(self, queue: str) -> set[int]:
-        """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot)."""
-        holders = self._hinted(
-            lambda: list(
-                self.coll.find(
-                    {"queue": queue, "limitSlot": {"$exists": True}},
-                    {"_id": 0, "limitSlot": 1},
-                    **self._hint("bb_limit_slot"),
-                )
-            )
-        )
-        return {doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int}
-
-    def any_due(self, queues: Iterable[str]) -> bool:
-        """Whether a job of any of `queues` is due: a safety poll's one read for them all (the claim's index, and
-        the first due job found ends it)."""
-        due = due_query({"$in": list(queues)}, self.now())
-        return self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, **self._hint("bb_claim"))) is not None
+        """Claim the next due job of `queue` for `owner` (see claiming.Claims.claim)."""
+        return self._claims.claim(queue, owner, limits, busy_keys, rate_holds, until)
 
     def claim_many(
         self,
@@ -592,197 +256,12 @@ class JobStore(Sweeps):
         rate_holds: RateHolds | None = None,
         until: datetime | None = None,
     ) -> list[Claimed]:
-        """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch, also in a
-        queue with a concurrency limit (each job in a slot of its own: _take_in_slots). A queue with a rate, or with
-        serial keys at its head, claims one job per round trip (each takes its own start or key). LimitReached once
-        the limits are met, with the jobs taken before; `busy_keys` as for claim.
+        """Claim up to `limit` due jobs of `queue` for `owner` (see claiming.Claims.claim_many)."""
+        return self._claims.claim_many(queue, owner, limit, limits, busy_keys, rate_holds, until)
 
-        The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
-        another worker took in between is not taken again, and the write is safe to repeat. Only when it was not
-        all ours, or its outcome is unknown, does a third read say which jobs are. `until` fences every claim's write
-        as claim's does.
-        """
-        slots = None if limits is None else limits.concurrency
-        batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
-        if (
-            busy_keys
-            or (limits is not None and limits.rate is not None)
-            or batch <= 1
-            or (slots and not self.server.update_pipelines)
-        ):
-            # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip; so do
-            # a concurrency limit's slots where the server has no update pipelines to spread a batch over them.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds, until)
-        due, taken = claim_query(queue, owner, self.now())
-        head = self._hinted(
-            lambda: list(self.coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim")))
-        )
-        if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
-            # A hand-edited document (an _id that may not even hash, a document say): the claims of one job deal
-            # with it, within the queue's limits, and take the jobs behind it.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, until=until)
-        if any("serialKey" in doc for doc in head):
-            # Two jobs of a key in one updateMany would stop it at the second: jobs with keys are claimed one by one.
-            return self._claim_each(queue, owner, limit, limits, busy_keys, until=until)
-        if not head:
-            return []
-        ids = {"$in": [doc["_id"] for doc in head]}  # found through the _id index; the fence checks each one
-        mine = {"_id": ids, "status": RUNNING, "leaseOwner": owner, **attempts_fence(head, shift=1)}
-        fence = {} if until is None else before_server_time(until)
-        take = self._take_in_slots(head, taken, slots, fence) if slots else self._take_all(head, ids, taken, fence)
-        asked = len(head)
-        with _claiming:
-            try:
-                complete = take() == len(head)
-            except (ConnectionFailure, OperationFailure) as exc:
-                if not is_transient(exc):
-                    raise
-                # pymongo does not retry a multi-document write, and this one may have landed, in part or late:
-                # repeat it (the fence makes that safe), then read what is ours.
-                self._through_outages(take)
-                complete = False
-            if not complete:
-                won = {
-                    doc["_id"]
-                    for doc in self._through_outages(
-                        lambda: list(self.coll.find(mine, {"_id": 1}, **self._hint("_id_")))
-                    )
-                }
-                head = [doc for doc in head if doc["_id"] in won]
-        jobs = [
-            claimed(doc, doc["attempts"] + 1) for doc in head if not self._failed_malformed(doc, doc["attempts"] + 1)
-        ]
-        if len(jobs) < len(head) and not slots:
-            # Hand-edited jobs failed on the way are not the end of the queue: the claims of one job take their place.
-            jobs += self._claim_each(queue, owner, len(head) - len(jobs), limits, busy_keys, until=until)
-        elif slots and len(jobs) < limit and (len(head) < asked or batch < limit or len(jobs) < len(head)):
-            # A guessed slot was taken, or the limit is below what was asked: the claims of one job go on, and read
-            # the free slots, or flag their holders and say the limit is reached, as a claim of one job does.
-            try:
-                jobs += self._claim_each(queue, owner, limit - len(jobs), limits, busy_keys, until=until)
-            except LimitReached as exc:
-                raise LimitReached(exc.queue, exc.limit, jobs + exc.claimed, retry_in=exc.retry_in) from None
-        return jobs
-
-    def _take_all(
-        self, head: list[dict[str, Any]], ids: dict[str, Any], taken: dict[str, Any], fence: dict[str, Any]
-    ) -> Callable[[], int]:
-        """The write that takes every job of `head` still queued at its attempts: one updateMany, how many it took."""
-        return lambda: (
-            self.coll.update_many(
-                {"_id": ids, "status": QUEUED, **attempts_fence(head), **fence}, taken, **self._hint("_id_", "update")
-            ).modified_count
-        )
-
-    def _take_in_slots(
-        self, head: list[dict[str, Any]], taken: dict[str, Any], limit: int, fence: dict[str, Any]
-    ) -> Callable[[], int]:
-        """The write that takes the jobs of `head` in a queue limited to `limit` running at once, each in a slot of its
-        own, guessed at random as a single claim's first guess is (_claim_in_a_slot): one updateMany, as in a queue
-        without a limit, how many it took. bb_limit_slot refuses a slot another running job holds, and that stops the
-        updateMany there (the jobs it took before stay taken): 0, and the caller reads which jobs are its own."""
-        slots = dict(zip((doc["_id"] for doc in head), random.sample(range(limit), len(head)), strict=True))
-        fenced = {"_id": {"$in": list(slots)}, "status": QUEUED, **attempts_fence(head), **fence}
-        pipeline = in_slots(taken, slots, limit)
-
-        def take() -> int:
-            try:
-                return self._write(
-                    self.coll.update_many, fenced, pipeline, **self._hint("_id_", "update")
-                ).modified_count
-            except DuplicateKeyError as exc:
-                pattern = (exc.details or {}).get("keyPattern")
-                if pattern is not None and "limitSlot" not in pattern:
-                    raise  # not a slot: no claim's write should meet another unique index
-                return 0
-
-        return take
-
-    def _claim_each(
-        self,
-        queue: str,
-        owner: str,
-        wanted: int,
-        limits: QueueLimits | None,
-        busy_keys: set[str] | None,
-        rate_holds: RateHolds | None = None,
-        until: datetime | None = None,
-    ) -> list[Claimed]:
-        jobs: list[Claimed] = []
-        busy = set() if busy_keys is None else busy_keys
-        while len(jobs) < wanted:
-            try:
-                job = self.claim(queue, owner, limits, busy, rate_holds, until)
-            except LimitReached as exc:
-                raise LimitReached(exc.queue, exc.limit, jobs, retry_in=exc.retry_in) from None
-            if job is None:
-                break
-            jobs.append(job)
-        return jobs
-
-    def _hinted(self, query: Callable[[], Any]) -> Any:
-        """Run a query hinted to our index; if someone dropped the indexes (or the collection), make them again. A
-        unique index's refusal comes out as DuplicateKeyError, however this server reports it."""
-        try:
-            with unique_refusals(self.coll.database):
-                return query()
-        except OperationFailure as exc:
-            if not is_missing_hinted_index(exc):
-                raise
-        logger.warning("the indexes of %s are gone; creating them again", self.coll.full_name)
-        self.coll.create_indexes(INDEXES)
-        return query()
-
-    def _failed_malformed(self, doc: dict[str, Any], attempts: Any) -> bool:
-        """Whether the claimed `doc` (now at `attempts`) is malformed: then it ends failed here, once, naming the
-        field, and is never delivered (a job delivered under another id would run, stay running, and run again)."""
-        reason = malformed({**doc, "attempts": attempts})
-        if reason is None:
-            return False
-        logger.error("job %r is malformed and cannot be run: %s", doc.get("_id"), reason)
-        now = self.now()
-        result = self._through_outages(
-            lambda: self.coll.update_one(
-                {"_id": doc["_id"], "status": RUNNING, "attempts": attempts},
-                {
-                    "$set": {
-                        "status": FAILED,
-                        "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
-                        "updatedAt": now,
-                        "finishedAt": now,
-                    },
-                    "$unset": {**HOLDS_RELEASED, **RELEASED_AT_END},
-                },
-            )
-        )
-        metrics.record("failed", result.modified_count)
-        return True
-
-    def _fail_unclaimable(self, due: dict[str, Any], reason: str, unclaimable: dict[str, Any] | None = None) -> bool:
-        """Fail the job at the head of `due` that no claim can take, as the filter `unclaimable` says (by default:
-        its attempts the claim could not count on, not a number or one past counting): whether there was one. Only
-        such a job: another claim may have failed the job this one met, and a sound job be at the head now."""
-        head = self._hinted(lambda: self.coll.find_one(due, {"_id": 1}, sort=CLAIM_ORDER, **self._hint("bb_claim")))
-        if head is None:
-            return False
-        if unclaimable is None:
-            unclaimable = {"attempts": {"$not": {"$gte": 0, "$lt": UNCOUNTABLE_ATTEMPTS}}}
-        result = self.coll.update_one(
-            {"_id": head["_id"], "status": QUEUED, **unclaimable},
-            {
-                "$set": {
-                    "status": FAILED,
-                    "lastError": f"malformed job document: {reason}"[: lifecycle.MAX_ERROR_LENGTH],
-                    "updatedAt": self.now(),
-                    "finishedAt": self.now(),
-                },
-                "$unset": RELEASED_AT_END,
-            },
-        )
-        if result.modified_count:
-            logger.error("job %s is malformed and cannot be claimed: %s", head["_id"], reason)
-            metrics.record("failed", result.modified_count)
-        return result.modified_count == 1
+    def any_due(self, queues: Iterable[str]) -> bool:
+        """Whether a job of any of `queues` is due (see claiming.Claims.any_due)."""
+        return self._claims.any_due(queues)
 
     def heartbeat(self, job_ids: Iterable[str], owner: str) -> int:
         """Refresh the lease of the live jobs this owner still holds."""

@@ -2,7 +2,7 @@
 
 A mixin JobStore inherits, not functions: every caller (the worker's sweep thread, the CLI, Flower, the tests) keeps
 calling `store.requeue_stale()` and `store.statuses()` on the one store it holds, and store.py reads as the hot path
-alone. The mixin uses only what JobStore sets up (its collection, policy, clock and hinted query), declared below.
+alone. The mixin uses only what JobStore sets up (its collection, policy, clock and hints), declared below.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from bb_broker.jobs.document import (
     attempt_recorded_expression,
     has_entry_of_current_attempt,
 )
+from bb_broker.jobs.indexes import hinted
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, STATUSES, Policy
 from bb_broker.jobs.unique import RELEASED_AT_END
 from bb_broker.server import Capabilities, unapplicable_write_error
@@ -41,7 +42,6 @@ class Sweeps:
     coll: MongoCollection
     policy: Policy
     now: Callable[[], datetime]
-    _hinted: Callable[[Callable[[], Any]], Any]
     _hint: Callable[[str, str], dict[str, Any]]
     if TYPE_CHECKING:
 
@@ -126,12 +126,13 @@ class Sweeps:
         kept = {"$or": [recorded, {"$and": [{"$ne": [{"$type": "$history"}, "missing"]}, HISTORY_NOT_ARRAY]}]}
         changes["history"] = {"$cond": [kept, "$history", {"$slice": [history, -HISTORY_LIMIT]}]}
         pipeline: list[dict[str, Any]] = [{"$set": changes}, {"$unset": list(_released(status))}]
-        result = self._hinted(
+        result = hinted(
+            self.coll,
             lambda: self.coll.update_many(
                 {"status": RUNNING, **selector, "attempts": _attempts_ending_in(status, self.policy.max_attempts)},
                 pipeline,
                 **self._hint(hint, "update"),
-            )
+            ),
         )
         return int(result.modified_count)
 
@@ -145,8 +146,9 @@ class Sweeps:
         """
         fields = ("attempts", "leaseOwner", "startedAt", "updatedAt")
         projection = {**dict.fromkeys(fields, 1), "history": {"$slice": -1}}
-        found = self._hinted(
-            lambda: list(self.coll.find({"status": RUNNING, **selector}, projection, **self._hint(hint, "find")))
+        found = hinted(
+            self.coll,
+            lambda: list(self.coll.find({"status": RUNNING, **selector}, projection, **self._hint(hint, "find"))),
         )
         writes: dict[str, list[UpdateOne]] = {QUEUED: [], FAILED: []}
         for doc in found:

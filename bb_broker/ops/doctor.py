@@ -15,8 +15,8 @@ from pymongo.write_concern import WriteConcern
 from ulid import ULID
 
 from bb_broker import connection
-from bb_broker.jobs.admin import CLAIM_ORDER, INDEXES, RETENTION_INDEX
 from bb_broker.jobs.document import claim_query
+from bb_broker.jobs.indexes import CLAIM_ORDER, INDEXES, RETENTION_INDEX
 from bb_broker.jobs.store import JobStore
 from bb_broker.options import DEFAULTS
 from bb_broker.server import FALLBACKS, capabilities

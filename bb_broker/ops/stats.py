@@ -32,8 +32,10 @@ from pymongo.errors import PyMongoError
 
 from bb_broker.clock import aware
 from bb_broker.forks import reset_in_child
+from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, STATUSES, SUCCEEDED
-from bb_broker.ops.operations import FilterError, JobFilter, Operations
+from bb_broker.ops.filters import FilterError, JobFilter
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.summaries import SUMMARY_LAG, SUMMARY_STEP, TURN, Summaries, group_name
 from bb_broker.threads import start_supervised
 
@@ -226,7 +228,7 @@ def summarize_ahead(operations: Operations, length: timedelta = SUMMARIZED_AHEAD
     written (SummarizingAhead runs this in the background), none while there is no job. How many quarter hours were
     summarized. Those before the oldest job cost no more than the rest: the quarter hours left are summarized in one
     pair of reads per run of them, and every run ends at the newest."""
-    if operations.coll.find_one({}, {"_id": 1}, **operations._hint_if_indexed("_id_")) is None:
+    if operations.coll.find_one({}, {"_id": 1}, **hint_if_indexed(operations.store, "_id_")) is None:
         return 0
     now = operations.now()
     start, end = Window.ending(now, length).start, _floor(now - SUMMARY_LAG, SUMMARY_STEP)
@@ -384,7 +386,7 @@ def _aggregate(
     a thread of their own, so that the server runs both aggregations at once (pymongo's client is shared between
     threads; docs/explanation/performance.md has the figures)."""
     query = {**query, "updatedAt": {**query.get("updatedAt", {}), "$gte": start}}
-    hint = operations._hint_if_indexed("bb_status_updated", "aggregate")
+    hint = hint_if_indexed(operations.store, "bb_status_updated", "aggregate")
     finished = _finished_query(query)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-stats") as retried_reader:
         retried = retried_reader.submit(

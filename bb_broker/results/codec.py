@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from bson import Binary
-from celery.backends import base as celery_backends
 from kombu import compression
 from kombu.serialization import loads
 from kombu.utils.encoding import ensure_bytes
@@ -16,19 +15,20 @@ from bb_broker import connection
 from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, ResultTooLarge
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import _bson_safe, decompress_bounded
+from bb_broker.upstream import celery as upstream_celery
 from bb_broker.upstream import kombu as upstream_kombu
 
 #: Room left in a job document for everything that is not the result (payload, history, the rest).
 RESULT_LIMIT = MAX_DOCUMENT_BYTES - 64 * 1024
 
 #: Celery stores a compressed result (result_compression) behind this marker, then its method and a NUL
-#: (celery.backends.base.compress_payload).
-_COMPRESSED_RESULT_MARK: bytes = celery_backends.COMPRESSED_PAYLOAD_MAGIC  # type: ignore[attr-defined]  # celery-types predates 5.7
+#: (celery.backends.base.compress_payload); None on a Celery that compresses no result (before 5.7).
+_COMPRESSED_RESULT_MARK = upstream_celery.compressed_result_mark()
 
 
 def decompressed_result(payload: bytes) -> bytes:
     """An encoded result as Celery wrote it, decompressed if it was (checked on Celery 5.5.3 and 5.7.0)."""
-    if not payload.startswith(_COMPRESSED_RESULT_MARK):
+    if _COMPRESSED_RESULT_MARK is None or not payload.startswith(_COMPRESSED_RESULT_MARK):
         return payload
     method, _, body = payload[len(_COMPRESSED_RESULT_MARK) :].partition(b"\x00")
     name = method.decode("utf-8")

@@ -3,62 +3,46 @@
 from __future__ import annotations
 
 import logging
-import math
-import reprlib
 import threading
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
 from queue import Empty
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pymongo
-from bson import ObjectId
 from kombu.exceptions import ChannelError, OperationalError
 from kombu.transport import virtual
 from pymongo import errors as mongo_errors
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker import connection
+from bb_broker.app_stores import store_revoked_results
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
-from bb_broker.jobs.document import Claimed, attempt_entry, new_job_id
 from bb_broker.jobs.leases import LeaseKeeper
-from bb_broker.jobs.outages import Refusals, passes_with_time
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
-    PUBLISH_ID_PROPERTY,
-    SCHEDULE_HEADER,
     MalformedTaskMessage,
     PayloadError,
-    body_parts,
     check_body,
     check_encodable,
     check_envelope,
-    check_publish_ids,
     is_task_message,
-    to_document,
     to_message,
 )
-from bb_broker.jobs.queues import CONTROL_SETTLE, KnownControls, KnownQueue, LimitReached, QueueControls, QueueLimits
-from bb_broker.jobs.rate_keys import RATE_KEY_HEADER, RateHolds
-from bb_broker.jobs.serial import SERIAL_KEY_HEADER
-from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold_of
-from bb_broker.ops.operations import Operations, revoked_task_ids
+from bb_broker.jobs.queues import KnownControls, QueueControls
+from bb_broker.jobs.revokes import revoke_queued, revoked_task_ids
 from bb_broker.options import DEFAULTS, TRANSPORT_OPTIONS, BrokerOptions, open_store
-from bb_broker.server import capabilities, describe_failure, is_unrecognised
-from bb_broker.transport.claims import ClaimOnItsWay, ClaimsAhead, LandedClaim
+from bb_broker.server import capabilities, describe_failure
+from bb_broker.transport.claims import Claimer, ClaimOnItsWay
 from bb_broker.transport.plumbing import MessageStore, UnreadableMessage, payload_of
-from bb_broker.transport.qos import BATCH_MIN, STORED_AS, JobMessage, JobQoS
+from bb_broker.transport.publishing import expiration, moment, names_a_task, plain_publish, put_job, put_plain
+from bb_broker.transport.qos import STORED_AS, HoldingChannel, JobMessage, JobQoS
 from bb_broker.transport.wakeups import Look, Wakeups
 from bb_broker.upstream import kombu as upstream_kombu
-
-if TYPE_CHECKING:
-    from bb_broker.transport.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +93,37 @@ class ServerUnreachable(OperationalError):
     Kombu's and Celery's retries and reconnects treat it as every transport's lost connection."""
 
 
+class ChannelTransport(Protocol):
+    """What a channel asks of its transport (transport.py's), which Kombu hands it as `connection`."""
+
+    @property
+    def broker_url(self) -> str: ...
+
+    @property
+    def wakeups(self) -> Wakeups | None: ...
+
+    @property
+    def on_event_loop(self) -> bool: ...
+
+    def watch(self, channel: Channel) -> None: ...
+
+    def consumers_changed(self) -> None: ...
+
+    def poke(self) -> None: ...
+
+    def ring(self) -> None: ...
+
+    def delivering_here(self) -> bool: ...
+
+
 class Channel(virtual.Channel):
     QoS = JobQoS
     Message = JobMessage
     supports_fanout = True
 
-    connection: Transport  # Kombu hands a channel its transport as `connection`
+    # Kombu hands a channel its transport as `connection`: transport.py's, of which the channel asks only what
+    # ChannelTransport says (the stubs say Kombu's virtual Transport, which has none of it).
+    connection: ChannelTransport  # type: ignore[assignment]
 
     if TYPE_CHECKING:  # Kombu's property makes a QoS of the class above
 
@@ -165,26 +174,11 @@ class Channel(virtual.Channel):
         self._plain_queues: set[str] = set()
         #: Queues declared here as auto-delete: they leave fanout and topic exchanges with their last consumer here.
         self._auto_delete_queues: set[str] = set()
-        # What the consumer read ahead and its backlog are the consuming thread's alone (the event loop's, or the
-        # one in drain_events): ClaimsAhead's claims reach them through its queue (_take_landed_claims), and the
-        # lease keeper's thread only reads the ids held (_live_jobs).
-        self._held: dict[str, deque[Claimed]] = {}  # claimed in a batch, not yet delivered
+        # What the consumer read ahead is the consuming thread's alone (the event loop's, or the one in drain_events);
+        # the jobs it claimed, its claimer's (whose docstring says which thread owns what).
         self._held_plain: dict[str, deque[dict[str, Any]]] = {}  # plain messages taken in a batch, not yet delivered
-        self._backlogged: set[str] = set()  # job queues whose last claim came back full
-        self._ahead: ClaimsAhead | None = None  # on an event loop, once a queue is backlogged
-        self._claim_error: BaseException | None = None  # met by ClaimsAhead's last claim, raised by the next _get
-        # Serial keys found busy, per queue: skipped by the claims until a job holding a key ends (the wake-ups'
-        # `freed` count moves), or for a safety poll's interval at most (a change the stream did not carry). Claims
-        # run on the consuming thread and on ClaimsAhead's: under a lock.
-        self._busy_lock = threading.Lock()
-        self._busy_keys: dict[str, set[str]] = {}
-        self._busy_read_at: dict[str, tuple[int | None, float]] = {}
-        # Under a rate per key, the keys whose next start is ahead, per queue (see rate_keys.py): skipped until then.
-        # Under the same lock; each claim gets a copy, and what it learnt replaces it.
-        self._rate_holds: dict[str, RateHolds] = {}
+        self.claimer = Claimer(self, secrets=self.target.secrets)
         self._keeper: LeaseKeeper | None = None
-        #: Queues whose claims met a server answer the code does not recognise: backed off (jobs/outages.py).
-        self._refusals = Refusals("claim", self.target.secrets)
         self._check_reachable(db, connection_.client)
         self._ensure_indexes()
         # What the server offers, probed once per process at connect (server.py): its fallbacks are chosen now and
@@ -239,8 +233,8 @@ class Channel(virtual.Channel):
     # purged or deleted with the rest (given back first) rather than delivered after the queue was emptied.
 
     def _size(self, queue: str) -> int:
-        self._take_landed_claims()
-        read_ahead = len(self._held_plain.get(queue, ())) + len(self._held.get(queue, ()))
+        self.claimer.take_landed()
+        read_ahead = len(self._held_plain.get(queue, ())) + self.claimer.held_count(queue)
         return self.plumbing.size(queue) + self.jobs.queued_count(queue) + read_ahead
 
     def _purge(self, queue: str) -> int:
@@ -346,72 +340,17 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], linger: float = 0.0, **kwargs: Any) -> None:
         priority = self._get_message_priority(message)
         if not is_task_message(message):
-            if _names_a_task(message):
-                check_envelope(message)  # a task without an id: Celery's consumer cannot take it
-            check_encodable(
-                {
-                    "the queue name": queue,
-                    "the headers": message.get("headers"),
-                    "the properties": message.get("properties"),
-                }
-            )
-            message, message_id = _plain_publish(message, queue)
-            soon = _on_a_loop_thread()
-            self.plumbing.put(
-                queue, message, priority, ttl=_expiration(message), soon=soon, linger=linger, message_id=message_id
-            )
+            put_plain(self.plumbing, queue, message, priority, soon=_on_a_loop_thread(), linger=linger)
             return
-        properties = message["properties"]
-        body = self.decode_body(message["body"], properties.get("body_encoding"))
-        if isinstance(body, str):
-            body = body.encode(message.get("content-encoding") or "utf-8")
-        headers = message["headers"]
-        if UNIQUE_REFUSED_HEADER in headers:
-            # The publisher's unique options could not make a key: its before_task_publish receiver cannot raise.
-            raise UniqueOptionError(str(headers[UNIQUE_REFUSED_HEADER]))
-        check_envelope(message)  # refused here, with nothing written, rather than failed at its claim
-        # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
-        # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
-        # inserts that landed instead of writing twins.
-        job_id = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, new_job_id())
-        eta = _moment(headers, "eta")
-        expires = _moment(headers, "expires", strict=False)
-        if expires is not None and expires.tzinfo is not None:
-            # Stored on the server's clock, as every time here, and given to each worker on its own (see _claim).
-            headers = {**headers, "expires": self.clock.from_local(expires).isoformat()}
-        payload = to_document({**message, "headers": headers}, body)
-        check_body({**message, "body": body}, payload, whole_canvas=True)
-        # The body's own parts first, so that an error names the argument: as the job keeps them readable, or parsed
-        # here only where it keeps the body whole (a text BSON cannot hold is one reason it does).
-        readable = "args" in payload or payload.get("bodyFormat") == "json"
-        parts = payload if readable else body_parts(message, body)
-        named = {f"the body's {part}": parts[part] for part in ("args", "kwargs", "options") if part in parts}
-        if parts.get("bodyFormat") == "json":
-            named["the body"] = parts["body"]
-        check_encodable({"the queue name": queue, **named, "the headers": headers, "the properties": properties})
-        self.publish_job(
-            queue=queue,
-            kind=headers["task"],
-            task_id=str(headers["id"]),
-            payload=payload,
-            priority=priority,
-            # Celery's ETA is its countdown added to this process's clock: due by the server's, as every due time.
-            run_after=None if eta is None else self.clock.from_local(eta if eta.tzinfo else eta.replace(tzinfo=UTC)),
-            is_retry=bool(headers.get("retries")),
-            job_id=job_id,
-            retry_of=_retry_of(headers),
-            unique=hold_of(headers, self.clock),
-            schedule=headers.get(SCHEDULE_HEADER),
-            serial_key=headers.get(SERIAL_KEY_HEADER),
-            rate_key=headers.get(RATE_KEY_HEADER),
-        )
+        body = self.decode_body(message["body"], message["properties"].get("body_encoding"))
+        put_job(self.publish_job, self.clock, queue, message, body, priority)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
         self._revoke_durably(message)
         priority = self._get_message_priority(message)
         for queue in {queue for _, _, queue in self.get_table(exchange)}:
-            stored, message_id = _plain_publish(message, queue)
-            ttl = _expiration(message)
+            stored, message_id = plain_publish(message, queue)
+            ttl = expiration(message)
             self.plumbing.put(queue, stored, priority, ttl=ttl, soon=_on_a_loop_thread(), message_id=message_id)
 
     def _revoke_durably(self, message: dict[str, Any]) -> None:
@@ -420,7 +359,8 @@ class Channel(virtual.Channel):
         properties = message.get("properties") or {}
         task_ids = revoked_task_ids(message, self.decode_body(message.get("body"), properties.get("body_encoding")))
         if task_ids:
-            Operations(self.jobs, self.queue_controls).revoke_queued(task_ids, by=f"revoke from {self.owner}")
+            revoke_queued(self.jobs, task_ids, by=f"revoke from {self.owner}")
+            store_revoked_results(self.jobs, task_ids)  # no worker will: the app's own result backend is told here
 
     def _restore(self, message: Any) -> None:
         if isinstance(message, JobMessage) and message.job_id:
@@ -431,7 +371,7 @@ class Channel(virtual.Channel):
                 # Celery's rejection of it (a lost pool process, say) still fails the job.
                 self.qos.keep_running(message)
                 return
-            self._release_job(message.job_id, message.attempts)
+            self.claimer.release_job(message.job_id, message.attempts)
             return
         # Kombu's own restore, with `redelivered` where Kombu and Celery read it.
         delivery_info = message.delivery_info
@@ -478,16 +418,14 @@ class Channel(virtual.Channel):
         self.connection.poke()  # Celery raises the limit as its pool grows: room to take more
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        self._take_landed_claims()
-        if self._claim_error is not None:
-            # Where the event loop hands it to Celery (to reconnect).
-            error, self._claim_error = self._claim_error, None
-            raise error
-        if self._held.get(queue):
+        self.claimer.take_landed()
+        if (error := self.claimer.error_met()) is not None:
+            raise error  # where the event loop hands it to Celery (to reconnect)
+        if self.claimer.held_count(queue):
             return self._claim(queue)
         if self._held_plain.get(queue):
             return self._fetch_plain(queue)
-        if self._ahead is not None and self._ahead.busy_with(queue):
+        if self.claim_in_flight_for(queue):
             raise ClaimOnItsWay()
         plain = queue in self._plain_queues
         wakeups = self.connection.wakeups
@@ -498,8 +436,8 @@ class Channel(virtual.Channel):
         # a lone task's claim is not followed by a read of bb_messages, nor by a second claim that finds nothing.
         reads = (("messages", lambda queue: self._fetch_plain(queue, look)), ("jobs", self._claim))
         try:
-            if self._refusals.wait(queue) > 0:
-                _spend(look)  # backed off from a server answer (_refused): its wake-up comes at the pause's end
+            if self.claimer.backed_off(queue) > 0:
+                _spend(look)  # backed off from a server answer (refused): its wake-up comes at the pause's end
                 raise Empty()
             if look.safety and wakeups is not None:
                 self._safety_probe(queue, look, wakeups)  # inside: a probe that fails leaves the look's news as news
@@ -517,13 +455,13 @@ class Channel(virtual.Channel):
                     look.took(source, 0, all_there_was=True)
                     continue
                 if source == "jobs":  # one claim may have taken a batch, and found the queue empty doing it
-                    taken = 1 + len(self._held.get(queue, ()))
-                    look.took(source, taken, all_there_was=queue not in self._backlogged)
+                    taken = 1 + self.claimer.held_count(queue)
+                    look.took(source, taken, all_there_was=not self.claimer.queue_backlogged(queue))
                 return message
             raise Empty()
         except OperationFailure as exc:
             # A safety probe's or a plain message's read (a claim's own is handled where it is made): as a claim's.
-            self._refused(queue, exc, wakeups)
+            self.claimer.refused(queue, exc, wakeups)
             _spend(look)
             raise Empty() from None
         finally:
@@ -560,7 +498,7 @@ class Channel(virtual.Channel):
             stored = held.popleft()
             try:
                 message = payload_of(stored)
-                if _names_a_task(message):
+                if names_a_task(message):
                     # Celery's consumer takes it as a task (its `task` header says so), and a task the transport
                     # did not store as a job lacks what a worker needs: it would end every worker it reaches.
                     check_envelope(message)
@@ -572,21 +510,9 @@ class Channel(virtual.Channel):
             return {**message, STORED_AS: (stored["queue"], stored["expiresAt"])}
 
     def _claim(self, queue: str) -> dict[str, Any]:
-        held = self._held.setdefault(queue, deque())
+        """The message of the next job of `queue` this consumer claims (Claimer.next_job), as Celery takes it."""
         while True:
-            if not held:
-                if queue in self.known_controls:
-                    raise Empty()
-                wanted = self._batch_size(queue)
-                ahead = self._claims_ahead(queue) if wanted > 1 else None  # a batch; one job is one round trip
-                if ahead is not None:
-                    ahead.start(queue, wanted)
-                    self.qos.claimed()
-                    raise ClaimOnItsWay()
-                self._take(queue, wanted)
-                if not held:
-                    raise Empty()
-            job = held.popleft()
+            job = self.claimer.next_job(queue)
             try:
                 message = to_message(job.payload)
             except PayloadError as exc:
@@ -600,7 +526,7 @@ class Channel(virtual.Channel):
                 # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,
                 # once, and the queue behind it moves on.
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
-                self._fail_undeliverable(job, str(exc))
+                self.claimer.fail_undeliverable(job, str(exc))
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
             headers = message["headers"]
@@ -608,7 +534,7 @@ class Channel(virtual.Channel):
                 # The claim found the job due by the server's clock; the ETA is the publisher's, and Celery compares
                 # it with this process's clock: a worker whose clock is behind would wait the difference again.
                 headers["eta"] = self.clock.to_local(job.run_after).isoformat()
-            expires = _moment(headers, "expires", strict=False)
+            expires = moment(headers, "expires", strict=False)
             if expires is not None and expires.tzinfo is not None:
                 # Stored on the server's clock; Celery compares it with this process's (a clock ahead expired it early).
                 headers["expires"] = self.clock.to_local(expires).isoformat()
@@ -617,274 +543,33 @@ class Channel(virtual.Channel):
             message["properties"]["delivery_info"]["redelivered"] = job.attempts > 1
             return message
 
-    def _fail_undeliverable(self, job: Claimed, reason: str) -> None:
-        entry = attempt_entry(
-            job.attempts,
-            worker=self.owner,
-            started_at=None,
-            finished_at=self.jobs.now(),
-            outcome="failed",
-            error=reason,
-        )
-        self.jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry)
-
     def _controls_version(self) -> int | None:
         wakeups = self.connection.wakeups
         return wakeups.controls_version if wakeups is not None and wakeups.available else None
 
-    def _take(self, queue: str, wanted: int) -> None:
-        """Claim up to `wanted` jobs of `queue` into the held ones, here and now."""
-        jobs = self._claim_many(queue, wanted)
-        self._note_backlog(queue, taken=len(jobs), wanted=wanted)
-        self._held.setdefault(queue, deque()).extend(jobs)
-
-    def _claim_many(self, queue: str, wanted: int) -> list[Claimed]:
-        known = self.known_controls.of(queue, timed=self.jobs.server.clock_fences)
-        if known.paused:
-            return []
-        limits = known.limits
-        wakeups = self.connection.wakeups if self.connection is not None else None
-        freed_before = wakeups.freed if wakeups is not None and wakeups.available else None
-        with self._busy_lock:
-            read_at = self._busy_read_at.get(queue)
-            if (
-                freed_before is None
-                or read_at is None
-                or read_at[0] != freed_before
-                or time.monotonic() - read_at[1] >= self.options.safety_poll_interval / 2
-            ):
-                # A job that held a slot or a busy key ended since (or nothing would say so), or the keys were found
-                # busy half a safety poll's interval ago (so that the next safety poll, its interval after the last,
-                # always finds them expired): try every key again.
-                self._busy_keys.pop(queue, None)
-                read_at = None
-            busy = set(self._busy_keys.get(queue, ()))
-            kept_holds = self._rate_holds.get(queue)
-            rate = limits.rate
-            holds = None
-            if rate is not None and rate.per_key:
-                holds = RateHolds(
-                    rate, dict(kept_holds.until) if kept_holds is not None and kept_holds.rate == rate else {}
-                )
-        if wakeups is not None and limits:
-            # Asked before the claim, so that a slot freed while it is on its way still wakes this consumer.
-            wakeups.wake_when_freed(queue)
-        jobs = self._claim_within(queue, wanted, known, busy, holds, wakeups)
-        if busy and wakeups is not None:
-            wakeups.wake_when_freed(queue)
-            if wakeups.freed != freed_before:  # freed while the claim was on its way: its wake-up may be missed
-                busy = set()
-                wakeups.more_jobs_may_wait(queue)
-        with self._busy_lock:
-            self._busy_keys[queue] = busy
-            self._busy_read_at[queue] = (freed_before, time.monotonic() if read_at is None else read_at[1])
-            if holds is None:
-                self._rate_holds.pop(queue, None)
-            else:
-                self._rate_holds[queue] = holds
-        return jobs
-
-    def _claim_within(
-        self,
-        queue: str,
-        wanted: int,
-        known: KnownQueue,
-        busy: set[str],
-        holds: RateHolds | None,
-        wakeups: Wakeups | None,
-    ) -> list[Claimed]:
-        """The store's claim of up to `wanted` jobs of `queue` within its limits as `known`, and what holds it back:
-        a limit reached (a wake-up when it lets jobs start again), a server answer the code does not recognise (the
-        queue backed off meanwhile, the others go on), a pause or limit written as the claim was.
-
-        A pause or a limit is a write to bb_queues, and a claim a write to jobs. Where the server's clock can fence a
-        write (server.clock_fences), the claim carries the deadline of what is `known` (CONTROL_SETTLE after its
-        read began): a pause answers only that long after its write, so a claim that lands after the answer was made
-        knowing of it, or takes nothing. Where it cannot (or the clock is too uncertain), one read of the queue's
-        control after the claim orders them (_still_claimable)."""
-        if (backed_off := self._refusals.wait(queue)) > 0:
-            if wakeups is not None:
-                wakeups.wake_in(queue, backed_off)
-            return []
-        until = self._claim_deadline(known)
-        jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if until is not None and jobs == [] and self._may_be_late(known):
-            # Found nothing, or reached the server too late to take anything: the answer does not tell which. Claimed
-            # again on a fresh read; if that one is late too (a slow link), the way that needs no deadline.
-            known = self.known_controls.of(queue, timed=True, read_now=True)
-            if known.paused:
-                return []
-            until = self._claim_deadline(known)
-            jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-            if until is not None and jobs == [] and self._may_be_late(known):
-                until = None
-                jobs = self._claim_until(queue, wanted, known.limits, busy, holds, wakeups, until)
-        if not jobs or until is not None:
-            return jobs or []
-        try:
-            claimable = self._still_claimable(queue, known.limits)
-        except PyMongoError as exc:
-            self._release(jobs)  # unread, a pause cannot be ruled out: the jobs go back before the error goes on
-            if isinstance(exc, OperationFailure):
-                return self._refused(queue, exc, wakeups)
-            raise
-        if not claimable:
-            self._release(jobs)  # never started: no attempt spent
-            if wakeups is not None:
-                wakeups.more_jobs_may_wait(queue)  # under its new limits, or at its resume
-            return []
-        return jobs
-
-    def _claim_until(
-        self,
-        queue: str,
-        wanted: int,
-        limits: QueueLimits,
-        busy: set[str],
-        holds: RateHolds | None,
-        wakeups: Wakeups | None,
-        until: datetime | None,
-    ) -> list[Claimed] | None:
-        """The store's claim, its writes fenced on `until`; None when the server refused it (the queue backed off)."""
-        try:
-            jobs = self.jobs.claim_many(queue, self.owner, wanted, limits, busy, holds, until)
-        except LimitReached as exc:
-            # The next claim comes when a job of the queue ends somewhere, or a rate's next start is due (or at the
-            # safety poll).
-            jobs = exc.claimed
-            if exc.retry_in is not None and wakeups is not None:
-                wakeups.wake_in(queue, exc.retry_in)
-        except OperationFailure as exc:
-            # Nothing claimed (the claim's writes are fenced, and a batch's outcome is read back).
-            self._refused(queue, exc, wakeups)
-            return None
-        self._refusals.cleared(queue)
-        return jobs
-
-    def _claim_deadline(self, known: KnownQueue) -> datetime | None:
-        """The server time until which a claim made on what is `known` may land: CONTROL_SETTLE after the server's
-        clock read just before the controls were; None where the read was not timed (the server cannot fence a write
-        on its clock)."""
-        return None if known.server_time is None else known.server_time + timedelta(seconds=CONTROL_SETTLE)
-
-    @staticmethod
-    def _may_be_late(known: KnownQueue) -> bool:
-        """Whether a claim just answered may have reached the server after its deadline: CONTROL_SETTLE has passed
-        since just before the timed read (the server's clock ran no faster meanwhile). No clock is compared."""
-        return time.monotonic() - known.read_at >= CONTROL_SETTLE
-
-    def _refused(self, queue: str, exc: OperationFailure, wakeups: Wakeups | None) -> list[Claimed]:
-        """A claim of `queue` met `exc`: an outage is raised (Celery reconnects: transport.py); any other answer backs
-        this queue off while the others go on."""
-        if passes_with_time(exc):
-            raise exc
-        pause = self._refusals.met(queue, exc)
-        if wakeups is not None:
-            wakeups.wake_in(queue, pause)
-        return []
-
-    def _still_claimable(self, queue: str, limits: QueueLimits) -> bool:
-        """Whether `queue` is, after the claim's write, neither paused nor limited otherwise than the claim knew: the
-        claim had no deadline (_claim_within).
-
-        One read of the queue's control after the claim orders the two writes. A pause that answered before the
-        claim is seen here, and the claimed jobs go back unspent; so pause and limits hold from the moment they
-        answer, however late this worker hears of them (its change stream, or pause_check_interval without one). A
-        pause that lands after this read finds the jobs claimed before it: they run (docs/guides/flow-control.md)."""
-        control = self.queue_controls.control(queue)
-        if control.get("paused") is not True and QueueLimits.of(control) == limits:
-            return True
-        self.known_controls.learnt(queue, control)
-        logger.info("queue %s was paused or limited as it was claimed: its jobs go back", queue)
-        return False
-
-    def _note_backlog(self, queue: str, *, taken: int, wanted: int) -> None:
-        if taken < wanted:
-            self._backlogged.discard(queue)
-        else:
-            self._backlogged.add(queue)
-
-    def _take_landed_claims(self) -> None:
-        """Take in what ClaimsAhead's claims brought back: on the consuming thread, as every change of the held jobs."""
-        if self._ahead is None:
-            return
-        while (landed := self._ahead.landed()) is not None:
-            self._take_landed(landed)
-
-    def _take_landed(self, landed: LandedClaim) -> None:
-        if landed.error is not None:
-            self._claim_error = landed.error
-            return
-        queue, jobs = landed.queue, landed.jobs
-        self._note_backlog(queue, taken=len(jobs), wanted=landed.wanted)
-        if queue not in upstream_kombu.consumed_queues(self):
-            self._release(jobs)  # a consumer cancelled while its claim was on the way gets nothing
-            return
-        self._held.setdefault(queue, deque()).extend(jobs)
-        wakeups = self.connection.wakeups if self.connection is not None else None
-        if len(jobs) == landed.wanted and wakeups is not None:
-            # The look that sent this claim handed its news to it: a full batch says there may be more.
-            wakeups.more_jobs_may_wait(queue)
-
-    def _claims_ahead(self, queue: str) -> ClaimsAhead | None:
-        """The background claimer, for a backlogged queue consumed on an event loop; None: claim here and now."""
-        if queue not in self._backlogged or self.connection is None or not self.connection.on_event_loop:
-            return None
-        if self._ahead is None:
-            self._ahead = ClaimsAhead(self._claim_many, self.connection.ring, self._release)
-        return self._ahead
-
-    def _batch_size(self, queue: str) -> int:
-        # One job unless work is known to be waiting (a lone task is then one round trip, not two), and never
-        # more than the consumer can start: a claimed job must not wait behind a busy pool.
-        if queue not in self._backlogged or queue not in upstream_kombu.consumed_queues(self):
-            return 1
-        held = sum(len(jobs) for jobs in self._held.values()) + (self._ahead.pending if self._ahead else 0)
-        size = min(self.qos.claimable() - held, self.options.max_claim_batch)
-        return size if size >= BATCH_MIN else 1
-
     def is_holding(self) -> bool:
         """Whether jobs claimed in a batch wait here to be delivered."""
-        self._take_landed_claims()
-        return any(self._held.values())
+        return self.claimer.is_holding()
 
     def is_backlogged(self) -> bool:
         """Whether a queue this channel consumes had more jobs than its last claim took."""
-        self._take_landed_claims()
-        return not self._backlogged.isdisjoint(upstream_kombu.consumed_queues(self))
+        return self.claimer.is_backlogged()
+
+    def claim_in_flight_for(self, queue: str) -> bool:
+        """Whether a claim of `queue` is on its way in the background (it rings the event loop when it lands)."""
+        return self.claimer.in_flight(queue)
 
     def _live_jobs(self) -> list[str]:
-        return self.qos.live_jobs() + [job.id for jobs in list(self._held.values()) for job in list(jobs)]
+        return self.qos.live_jobs() + self.claimer.held_ids()
 
     def _give_back(self, queue: str) -> None:
-        if self._ahead is not None and queue not in upstream_kombu.consumed_queues(self):
-            self._ahead.give_up(queue)
-        self._take_landed_claims()
-        self._release(self._held.pop(queue, deque()))
+        self.claimer.give_back(queue)
         plain = self._held_plain.pop(queue, None)
         if plain:
             try:
                 self.plumbing.give_back(plain)
             except PyMongoError as exc:
                 logger.warning("could not give back %d messages of %s (%s)", len(plain), queue, type(exc).__name__)
-
-    def _release(self, jobs: Collection[Claimed]) -> None:
-        for job in jobs:
-            self._release_job(job.id, job.attempts)
-
-    def _release_job(self, job_id: str, attempts: int) -> None:
-        """Give back a job that never started, now or, when the server does not answer (a lost connection being
-        closed), once it does: the lease keeper makes the release then, and keeps the lease fresh until it does."""
-        try:
-            self.jobs.release(job_id, attempts, owner=self.owner)
-        except PyMongoError as exc:
-            if passes_with_time(exc) or is_unrecognised(exc):  # an outage, or an answer that may pass: tried again
-                leases.release_later(self.jobs, job_id, attempts)
-                logger.warning(
-                    "could not give back job %s (%s); it goes back once the server answers", job_id, type(exc).__name__
-                )
-            else:
-                logger.warning("could not give back job %s (%s); the stale sweep will", job_id, type(exc).__name__)
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         # Also how close() ends each consumer: jobs are held only for a queue being consumed.
@@ -915,15 +600,16 @@ class Channel(virtual.Channel):
                 )
 
     def close(self) -> None:
-        if self._ahead is not None:
-            for landed in self._ahead.close():
-                self._take_landed(landed)  # the consumers' cancels below give back what they hold
+        self.claimer.close()  # what its claims ahead brought: the consumers' cancels below give back what is held
         if self._keeper is not None:
             self._keeper.remove_source(self._live_jobs)
             self._keeper = None
         with connection.shutdown_patience():  # a server that is gone must not hold a worker's stop
             super().close()
 
+
+if TYPE_CHECKING:  # what the QoS asks of its channel, checked by mypy (the claimer's: at Claimer(self))
+    _asked_by_qos: type[HoldingChannel] = Channel
 
 _said: set[str] = set()
 
@@ -943,60 +629,3 @@ def _say_once(message: str) -> None:
 def _every_server_refused(client: Any) -> bool:
     servers = list(client.topology_description.server_descriptions().values())
     return bool(servers) and all(server.error is not None for server in servers)
-
-
-def _expiration(message: dict[str, Any]) -> float | None:
-    """Seconds a message may wait for a consumer: Kombu's `expiration` property (milliseconds, as in AMQP)."""
-    value = (message.get("properties") or {}).get("expiration")
-    if value is None:
-        return None
-    try:
-        milliseconds = float(value)
-    except (TypeError, ValueError, OverflowError):
-        milliseconds = math.nan
-    if not math.isfinite(milliseconds):
-        raise ValueError(f"message has an unreadable expiration property {reprlib.repr(value)}")
-    return max(milliseconds / 1000.0, 0.0)
-
-
-def _plain_publish(message: dict[str, Any], queue: str) -> tuple[dict[str, Any], ObjectId]:
-    """The plain message to store for `queue`, and the _id this publish chose for it there.
-
-    Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the same
-    properties dict: the _id kept there, one per queue, lets the retry find the insert that landed instead of
-    storing a twin. It is never stored in the message."""
-    properties = message.get("properties") or {}
-    check_publish_ids(properties)
-    chosen = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, str(ObjectId()))
-    stored = {k: v for k, v in properties.items() if k != PUBLISH_ID_PROPERTY}
-    return {**message, "properties": stored}, ObjectId(chosen)
-
-
-def _names_a_task(message: dict[str, Any]) -> bool:
-    """Whether a message that is not a task message (is_task_message) still has the `task` header Celery's consumer
-    reads first: a task message missing its id, or whose task is not a name."""
-    headers = message.get("headers")
-    return isinstance(headers, dict) and "task" in headers
-
-
-def _retry_of(headers: dict[str, Any]) -> tuple[str, int] | None:
-    """The (job id, attempt) a Celery retry comes from: its request's delivery headers, which Celery's retry message
-    carries on (and the broker's own retries set)."""
-    job_id, attempts = headers.get(JOB_ID_HEADER), headers.get(ATTEMPTS_HEADER)
-    if not headers.get("retries") or job_id is None or attempts is None:
-        return None
-    return str(job_id), int(attempts)
-
-
-def _moment(headers: dict[str, Any], name: str, *, strict: bool = True) -> datetime | None:
-    """A task message's `eta` or `expires` header as Celery writes it (ISO 8601); naive ones are left naive (Celery
-    reads them in the worker's timezone). `strict`: an unreadable one is an error, else None (left to Celery)."""
-    value = headers.get(name)
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(str(value))
-    except ValueError:
-        if strict:
-            raise ValueError(f"task message has an unreadable {name} header {value!r}") from None
-        return None

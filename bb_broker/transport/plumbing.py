@@ -26,7 +26,7 @@ from pymongo.errors import BulkWriteError, ConnectionFailure, DuplicateKeyError,
 
 from bb_broker.connection import SHUTDOWN_PATIENCE, scrub, scrub_value, server_gone_at_shutdown
 from bb_broker.forks import reset_in_child
-from bb_broker.jobs.admin import ensure_plain_indexes, say_no_ttl_once
+from bb_broker.jobs.indexes import ensure_plain_indexes, say_no_ttl_once
 from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
 from bb_broker.server import capabilities, is_not_implemented, unique_refusals

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from datetime import datetime
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kombu.transport import virtual
 
@@ -15,7 +15,8 @@ from bb_broker.jobs.payloads import ATTEMPTS_HEADER, JOB_ID_HEADER
 from bb_broker.upstream import kombu as upstream_kombu
 
 if TYPE_CHECKING:
-    from bb_broker.transport.channel import Channel
+    from bb_broker.jobs.store import JobStore
+    from bb_broker.options import BrokerOptions
 
 #: lastError of a job rejected without a reason given (Celery gives one for the messages it refuses).
 REJECTED = "the worker rejected the message without requeue"
@@ -28,6 +29,34 @@ BATCH_MIN = 3
 #: Where a delivered plain message was stored, (queue, expiresAt), kept beside its Kombu payload: a requeue gives it
 #: back to that queue only, with that expiry (not routed again, which would copy a fanout message to every queue).
 STORED_AS = "bb_stored_as"
+
+
+class DeliveringConnection(Protocol):
+    """What the QoS asks of its channel's connection (the transport)."""
+
+    def delivering_here(self) -> bool: ...
+
+    def poke(self) -> None: ...
+
+
+class HoldingChannel(Protocol):
+    """What the QoS asks of its channel: where it settles a job, and whether claimed jobs wait to be delivered."""
+
+    @property
+    def connection(self) -> DeliveringConnection | None: ...  # None once Kombu closed the channel
+
+    @property
+    def jobs(self) -> JobStore: ...
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def options(self) -> BrokerOptions: ...
+
+    def is_holding(self) -> bool: ...
+
+    def is_backlogged(self) -> bool: ...
 
 
 class JobMessage(virtual.Message):
@@ -57,7 +86,9 @@ def explain_rejection(message: Any, reason: str) -> None:
 class JobQoS(virtual.QoS):
     """A rejected job message settles its job; nothing is restored from memory."""
 
-    channel: Channel
+    # Kombu hands a QoS its channel: bb_broker's Channel, of which the QoS asks only what HoldingChannel says (the
+    # stubs say Kombu's virtual Channel, which has none of it).
+    channel: HoldingChannel  # type: ignore[assignment]
 
     #: Seconds a consumer working through a backlog waits for room for a batch before it claims fewer jobs.
     batch_patience = 0.05
@@ -91,7 +122,7 @@ class JobQoS(virtual.QoS):
             # Due again at once, delivered with `redelivered` set; the delivery counted as an attempt, so a message
             # every worker rejects (a poison pill) ends failed after max_attempts instead of looping for ever. The
             # reason is the message's own when it has one (worker/receivers.py names a lost pool process).
-            self._fail(message, message.rejection_reason or REQUEUED, backoff=False)
+            self.fail(message, message.rejection_reason or REQUEUED, backoff=False)
         elif self.channel.connection is not None and self.channel.connection.delivering_here():
             # Celery says why it refused a message (task_unknown, task_rejected) just after rejecting it, still
             # inside the delivery: the job is failed when the delivery returns, with that reason, in one write.
@@ -102,7 +133,9 @@ class JobQoS(virtual.QoS):
         self._poke()
 
     def settle_rejections(self) -> None:
-        """Fail the jobs rejected during the delivery that just ended."""
+        """Fail the jobs rejected during the delivery that just ended; at once when none was (no poke)."""
+        if not self._rejected_in_delivery:
+            return
         while self._rejected_in_delivery:
             self._fail_rejected(self._rejected_in_delivery.pop(0))
         self._poke()
@@ -115,9 +148,10 @@ class JobQoS(virtual.QoS):
             connection.poke()
 
     def _fail_rejected(self, message: JobMessage) -> None:
-        self._fail(message, message.rejection_reason or REJECTED, retryable=False)
+        self.fail(message, message.rejection_reason or REJECTED, retryable=False)
 
-    def _fail(self, message: JobMessage, reason: str, *, retryable: bool = True, backoff: bool = True) -> None:
+    def fail(self, message: JobMessage, reason: str, *, retryable: bool = True, backoff: bool = True) -> None:
+        """Fail the job of a delivered `message` that never ran, for `reason`."""
         # The attempt goes in the job's history in the same write; it never ran, so it has no start.
         if message.job_id is None:
             return  # a plain message: no job to fail (each caller checked already)

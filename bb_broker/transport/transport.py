@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from queue import Empty
 from time import monotonic, sleep
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kombu.transport import virtual
 from kombu.utils.scheduling import FairCycle
@@ -18,7 +18,13 @@ from pymongo.errors import PyMongoError
 
 from bb_broker import connection
 from bb_broker.jobs.outages import passes_with_time
-from bb_broker.transport.channel import Channel, ServerUnreachable, joined_event_loop, left_event_loop
+from bb_broker.transport.channel import (
+    Channel,
+    ChannelTransport,
+    ServerUnreachable,
+    joined_event_loop,
+    left_event_loop,
+)
 from bb_broker.transport.qos import JobMessage
 from bb_broker.transport.wakeups import Doorbell, Wakeups
 from bb_broker.upstream import kombu as upstream_kombu
@@ -134,8 +140,7 @@ class Transport(virtual.Transport):
         finally:
             self._delivering_thread = None
             for channel in list(self.channels):
-                if channel.qos._rejected_in_delivery:
-                    channel.qos.settle_rejections()
+                channel.qos.settle_rejections()
 
     def _fail_unsettled_delivery(self, message: dict[str, Any], exc: Exception) -> None:
         """The consumer raised receiving a job it neither acked nor rejected: a message it chokes on in a way the
@@ -152,7 +157,7 @@ class Transport(virtual.Transport):
             if isinstance(delivered, JobMessage) and delivered.job_id and not delivered.acknowledged:
                 reason = f"the worker could not take the message: {type(exc).__name__}: {exc}"
                 try:
-                    channel.qos._fail(delivered, reason, retryable=False)
+                    channel.qos.fail(delivered, reason, retryable=False)
                 except PyMongoError as error:
                     logger.warning("could not fail job %s (%s)", delivered.job_id, type(error).__name__)
                     return
@@ -307,7 +312,7 @@ class Transport(virtual.Transport):
             for channel in self.channels
             if upstream_kombu.has_consumers(channel) and channel.qos.can_consume()
             for queue in upstream_kombu.consumed_queues(channel)
-            if not (channel._ahead and channel._ahead.busy_with(queue))  # its claim rings when it lands
+            if not channel.claim_in_flight_for(queue)  # its claim rings when it lands
         }
 
     def driver_version(self) -> str:
@@ -318,3 +323,7 @@ class Transport(virtual.Transport):
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
         url = connection.client_url(self.client)
         return url if include_password else connection.redact_url(url)
+
+
+if TYPE_CHECKING:  # what a channel asks of its transport, checked by mypy
+    _asked_by_channels: type[ChannelTransport] = Transport

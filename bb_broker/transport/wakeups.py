@@ -45,9 +45,9 @@ FIRST_PACE = 0.005
 #: backlog published at 1,200 tasks/s costs 0.03 getMores per task (0.05 at 16), and news waits at most ~27 ms.
 PACED_CHANGES = 32
 #: The fields whose removal from a job frees what another claim waits for: the flag that claims wait for a slot of
-#: its queue's concurrency limit (set only once the limit is reached, see JobStore._wait_for_slot), and the flag that
-#: others wait for its serial key (see bb_broker.jobs.serial). `limitSlot` itself is not one: every job of a limited
-#: queue has it, and a change event per job would wake nobody while the limit is not reached.
+#: its queue's concurrency limit (set only once the limit is reached, see ConcurrencySlots._wait_for_slot), and the
+#: flag that others wait for its serial key (see bb_broker.jobs.serial). `limitSlot` itself is not one: every job of a
+#: limited queue has it, and a change event per job would wake nobody while the limit is not reached.
 FREED_FIELDS = (SLOT_WAITERS_FIELD, WAITERS_FIELD)
 #: Changes one getMore may return. A full batch means more are waiting: the watcher reads on without pacing.
 CHANGE_BATCH = 1000

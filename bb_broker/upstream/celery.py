@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from celery.canvas import _chain
 
 #: The releases every function here was checked against (their sources read, the contract tests run on the newest).
-CHECKED_AGAINST = "celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (fail_chain and solar_next_event: 5.7.0 only)"
+CHECKED_AGAINST = "celery 5.4.0, 5.5.3, 5.6.3, 5.7.0"
 
 #: Marks a wrapper this module installed, so that installing twice wraps once.
 _INSTALLED = "bb_broker_patch"
@@ -191,11 +191,61 @@ def result_meta(backend: Any, result: Any, state: str, traceback: str | None, re
 def fail_chain(
     backend: Any, chain: Any, exc: BaseException, traceback: str | None, store_result: bool, state: str
 ) -> None:
-    """Fail the tasks chained after a failed one, as Celery's own mark_as_failure does (`BaseBackend._fail_chain`):
-    for a backend that overrides mark_as_failure and stores the failure itself. No public method fails a chain
-    without storing the failed task's own result again. Checked against celery 5.7.0 (5.4 to 5.6 have no such
-    method: their mark_as_failure fails the chain inline)."""
-    backend._fail_chain(chain, exc, traceback, store_result=store_result, state=state)
+    """Fail the tasks chained after a failed one, as Celery's own mark_as_failure does on the installed release: for a
+    backend that overrides mark_as_failure and stores the failure itself. No public method fails a chain without
+    storing the failed task's own result again. Celery 5.7.0 does it in `BaseBackend._fail_chain` (which also
+    descends into a chord step's body); 5.4.0, 5.5.3 and 5.6.3 have no such method and do it inline in
+    mark_as_failure, which _fail_chain_before_celery_5_7 does the same way, so a chain fails as it does on Celery's
+    own backends of that release (Redis's among them)."""
+    own = getattr(backend, "_fail_chain", None)
+    if own is None:
+        _fail_chain_before_celery_5_7(backend, chain, exc, traceback, store_result, state)
+    else:
+        own(chain, exc, traceback, store_result=store_result, state=state)
+
+
+def _fail_chain_before_celery_5_7(
+    backend: Any, chain: Any, exc: BaseException, traceback: str | None, store_result: bool, state: str
+) -> None:
+    # Celery 5.4.0's to 5.6.3's mark_as_failure: each chained task's request rebuilt from its signature; its failure
+    # stored when it has an id, its chord part counted when it is part of a chord.
+    from celery import states
+    from celery.app.task import Context
+
+    try:
+        elements = iter(chain)
+    except TypeError:
+        elements = iter(())
+    for element in elements:
+        options = element.get("options") or {}  # Context(element).options, which celery-types does not declare
+        context = Context(element)
+        context.update(options)
+        context.id = options.get("task_id")
+        context.group = options.get("group_id")
+        if store_result and state in states.PROPAGATE_STATES and context.id is not None:
+            backend.store_result(context.id, exc, state, traceback=traceback, request=context)
+        if "chord" in options:
+            backend.on_chord_part_return(context, state, exc)
+
+
+def fails_rejected_tasks() -> bool:
+    """Whether Celery itself reports a task that raised `Reject(requeue=False)` as failed: from 5.7.0 the worker's
+    `Request.on_failure` calls the result backend's mark_as_failure and sends `task_failure` (its issue 4222); 5.4.0
+    to 5.6.3 only reject the message (already acked unless acks_late) and leave the result PENDING, on every result
+    backend, Redis's too: the pool process's `task_postrun` (state REJECTED, the Reject as retval) is all that
+    tells of it. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (celery/worker/request.py)."""
+    import celery
+
+    return celery.VERSION >= (5, 7)
+
+
+def compressed_result_mark() -> bytes | None:
+    """The marker Celery puts before a result it compressed (`result_compression`, celery.backends.base
+    `COMPRESSED_PAYLOAD_MAGIC`, then the method and a NUL), or None on a Celery without result compression (before
+    5.7.0: no result it stores is compressed). Checked against celery 5.4.0, 5.5.3, 5.6.3 (absent), 5.7.0."""
+    from celery.backends import base
+
+    return getattr(base, "COMPRESSED_PAYLOAD_MAGIC", None)
 
 
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None) -> None:
@@ -233,22 +283,53 @@ def app_state(app: Any) -> dict[str, Any]:
     return state
 
 
+def apps() -> list[Any]:
+    """Every Celery app alive in this process (whether or not it is the current one).
+
+    No public API lists them: `celery.current_app` is one app, and a process may publish through others (an app made
+    with set_as_current=False, a library's own). Relies on: `celery._state._apps`, the WeakSet every Celery app adds
+    itself to as it is made (`_register_app`). Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    from celery import _state
+
+    return list(_state._apps)  # type: ignore[attr-defined]  # celery-types does not declare it
+
+
 def solar_next_event(solar: Any, start: datetime) -> datetime | None:
     """The first time of a `celery.schedules.solar`'s event at or after `start` (aware), in UTC, as Celery's own
     remaining_estimate finds it; None when its search finds none (a polar night: Celery searches a year ahead).
 
     No public method answers "when is the event after this moment": remaining_estimate and is_due measure from now.
     Relies on: the solar's `ephem` module, its observer `cal` (whose `date` is where the search starts) and
-    `_next_event(start)`, which returns `start` itself when the event never comes. Checked against celery 5.7.0 (5.4
-    to 5.6 have no `_next_event`)."""
+    `_next_event(start)`, which returns `start` itself when the event never comes. Checked against celery 5.7.0; 5.4.0
+    to 5.6.3 have no `_next_event` (their remaining_estimate asks the observer once, and after a CircumpolarError
+    checks again the next day): there the same search is made with what their remaining_estimate uses, the solar's
+    `cal`, `method` and `use_center` (_solar_search)."""
     ephem = solar.ephem
     begin = ephem.Date(start.astimezone(UTC).replace(tzinfo=None))
     solar.cal.date = begin
-    found = solar._next_event(begin)
+    next_event = getattr(solar, "_next_event", None)
+    found = next_event(begin) if next_event is not None else _solar_search(solar, begin)
     if found == begin:
         return None
     slot: datetime = found.datetime().replace(tzinfo=UTC)
     return slot
+
+
+#: How many days Celery 5.7's solar._next_event searches ahead (its `max_search_days`).
+_SOLAR_SEARCH_DAYS = 366
+
+
+def _solar_search(solar: Any, start: Any) -> Any:
+    # Celery 5.7.0's solar._next_event, for 5.4 to 5.6: a day without the event (CircumpolarError) moves the search
+    # to the next anti-transit; `start` itself when no event comes within the days searched.
+    sun = solar.ephem.Sun()
+    kwargs = {"use_center": True} if solar.use_center else {}
+    for _ in range(_SOLAR_SEARCH_DAYS):
+        try:
+            return getattr(solar.cal, solar.method)(sun, start=start, **kwargs)
+        except solar.ephem.CircumpolarError:
+            start = solar.cal.next_antitransit(sun, start=start)
+    return start
 
 
 def crontab_fields(crontab: Any) -> tuple[Any, Any, Any, Any, Any]:

@@ -15,7 +15,9 @@ in a process running Flower, never while `celery` or `kombu.transport` are being
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import tornado.template
@@ -28,10 +30,10 @@ from flower.views.workers import WorkersView
 from tornado.httputil import HTTPServerRequest
 from tornado.web import URLSpec
 
-#: The releases every function here was checked against: the contract tests pass on Flower 2.2.0 and Tornado 6.6.1;
-#: the sources of Flower 2.0.1 and 2.1.0 and of the Tornado releases they allow (5.0, 5.1.1, 6.0.4 to 6.5.7) were
-#: read, and where they differ each function says how (the tests then fail, naming the place).
-CHECKED_AGAINST = "flower 2.2.0 (2.0.1, 2.1.0 read); tornado 6.6.1 (5.0 to 6.5.7 read)"
+#: The releases every function here was checked against: the contract tests pass on Flower 2.0.1, 2.1.0 and 2.2.0
+#: with Tornado 6.6.1; the sources of the Tornado releases they allow (5.0, 5.1.1, 6.0.4 to 6.5.7) were read, and
+#: where releases differ each function says how (the tests then fail, naming the place).
+CHECKED_AGAINST = "flower 2.0.1, 2.1.0, 2.2.0; tornado 6.6.1 (5.0 to 6.5.7 read)"
 
 #: Marks what this module installed, so that installing twice installs once.
 INSTALLED = "_bb_broker_patch"
@@ -68,6 +70,26 @@ def flowers_broker_new() -> Callable[..., Any]:
     return getattr(new, "flowers_new", new)
 
 
+def broker_url_with_password(app: Flower) -> str:
+    """The URL of the broker Flower's app watches, password included: `Flower.broker_uri_with_password` (Flower 2.1
+    on, a cached property), or on Flower 2.0, which has none, what its own Broker tab passes its factory
+    (`app.capp.connection().as_uri(include_password=True)`, flower/views/broker.py). Checked against flower 2.0.1,
+    2.1.0, 2.2.0."""
+    url = getattr(app, "broker_uri_with_password", None)
+    if url is not None:
+        return str(url)
+    with app.capp.connection() as connection:
+        return str(connection.as_uri(include_password=True))
+
+
+def plain_argument(handler: tornado.web.RequestHandler, name: str, default: Any = None, strip: bool = True) -> Any:
+    """A request argument as sent, not HTML-escaped: Tornado's own `RequestHandler.get_argument`, under Flower's
+    `BaseHandler.get_argument`, which escapes every value and takes `escape=False` only from Flower 2.2 on (2.0 and
+    2.1 have no such parameter: a call with it fails the request). Relies on: Flower's override calling Tornado's
+    first, then escaping (its `type` and `required` are not used here). Checked against flower 2.0.1, 2.1.0, 2.2.0."""
+    return tornado.web.RequestHandler.get_argument(handler, name, default, strip)
+
+
 def install_template_loader(rewrite: Callable[[str, str], bytes | None]) -> None:
     """Serve Flower's templates through a Tornado `Loader` on Flower's template path that asks `rewrite(root, name)`
     first for each template it loads: the source it returns is compiled in the template's place; None leaves the
@@ -78,10 +100,9 @@ def install_template_loader(rewrite: Callable[[str, str], bytes | None]) -> None
     `flower.urls.settings["template_path"]`, and Flower passing `**settings` to its Application
     (flower.command: `Flower(capp=app, options=options, **settings)`). Tornado's loaders take no hook for a template's
     source: `Loader._create_template(name)`, which `BaseLoader.load` calls once per template name, is overridden (and
-    called for Flower's own templates). Checked against flower 2.0.1, 2.1.0, 2.2.0 (2.0.1's base.html, navbar.html
-    and broker.html lack the anchors bb_broker.contrib.flower.templates splices after, 2.1.0's broker.html the Paused
-    cell's: those pages then show the banner, link or column nowhere) and tornado 5.0 to 6.6.1 (the same `load` and
-    `_create_template(self, name)` in each)."""
+    called for Flower's own templates). Checked against flower 2.0.1, 2.1.0, 2.2.0 (each writes the places
+    bb_broker.contrib.flower.templates splices after its own way: that module finds each release's) and tornado 5.0
+    to 6.6.1 (the same `load` and `_create_template(self, name)` in each)."""
     current = flower_urls.settings.get("template_loader")
     if isinstance(current, RewritingLoader) and current.rewrite is rewrite:
         return
@@ -114,9 +135,24 @@ def install_workers_refresh_check(prepare: Callable[[Any], None]) -> None:
     Tornado's `prepare` is the documented place for a check before every method, but WorkersView is Flower's class,
     made by Flower's URL table: the only way into it is its attribute. Relies on: neither WorkersView nor Flower's
     BaseHandler defining a prepare of its own (this one replaces Tornado's empty one, calling nothing before it).
-    Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh."""
+    Checked against flower 2.1.0, 2.2.0; 2.0.1's flower.js does not turn the refresh dot red on a failed refresh
+    (workers_refresh_shows_failures; Flower says so as it starts, bb_broker.contrib.flower.broker)."""
     if WorkersView.prepare is not prepare:
         WorkersView.prepare = prepare
+
+
+#: How flower.js's Workers refresh turns its dot red on a failed request (Flower 2.1 and 2.2).
+_REFRESH_FAILURE = re.compile(
+    r"url: url_prefix\(\) \+ '/workers\?json=1',.*?error: function \(\) \{\s*updateWorkerRefreshStatus\(false\);", re.S
+)
+
+
+def workers_refresh_shows_failures() -> bool:
+    """Whether Flower's own flower.js turns the Workers refresh dot red when a refresh fails (not in Flower 2.0)."""
+    import flower
+
+    script = Path(flower.__file__).parent / "static" / "js" / "flower.js"
+    return bool(_REFRESH_FAILURE.search(script.read_text()))
 
 
 def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]) -> None:

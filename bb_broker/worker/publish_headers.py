@@ -1,5 +1,5 @@
-"""The before_task_publish receiver: a publish's flow-control options (unique, serial and rate keys) as its message's
-headers, read by the transport."""
+"""The before_task_publish receiver: a publish's flow-control options (unique, serial, rate and fair keys) as its
+message's headers, read by the transport."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import signals
 
-from bb_broker.jobs import rate_keys, serial, unique
+from bb_broker.jobs import fair_keys, rate_keys, serial, unique
 from bb_broker.upstream import celery as upstream_celery
 
 
@@ -15,12 +15,12 @@ from bb_broker.upstream import celery as upstream_celery
 def _flow_control_headers(
     sender: Any = None, body: Any = None, headers: Any = None, properties: Any = None, **_: Any
 ) -> None:
-    """The unique, serial and rate key options of a publish (the call's, from apply_async's keywords, which Celery puts
-    in the message's properties; the task's attributes under them) as the message's headers (bb_broker.jobs.unique,
-    bb_broker.jobs.serial and bb_broker.jobs.rate_keys)."""
+    """The unique, serial, rate and fair key options of a publish (the call's, from apply_async's keywords, which
+    Celery puts in the message's properties; the task's attributes under them) as the message's headers
+    (bb_broker.jobs.unique, bb_broker.jobs.serial, bb_broker.jobs.rate_keys and bb_broker.jobs.fair_keys)."""
     if not isinstance(headers, dict) or not isinstance(properties, dict):
         return
-    options = (*unique.OPTION_NAMES, *serial.OPTION_NAMES, *rate_keys.OPTION_NAMES)
+    options = (*unique.OPTION_NAMES, *serial.OPTION_NAMES, *rate_keys.OPTION_NAMES, *fair_keys.OPTION_NAMES)
     call = {name: properties.pop(name) for name in options if name in properties}
     task = upstream_celery.registered_task(sender) if isinstance(sender, str) else None
     if isinstance(body, (list, tuple)) and len(body) >= 2:  # Celery's protocol 2: (args, kwargs, embed)
@@ -28,6 +28,11 @@ def _flow_control_headers(
     else:  # protocol 1: a dict
         args, kwargs = (body.get("args"), body.get("kwargs")) if isinstance(body, dict) else ((), {})
     args, kwargs, run = args or (), kwargs or {}, getattr(task, "run", None)
+    if fair_keys.FAIR_KEY_HEADER not in headers and isinstance(args, (list, tuple)) and isinstance(kwargs, dict):
+        # A scheduling hint: options that make no key are logged, and the task is published without one.
+        fair_key = fair_keys.publish_fair_key(task, call, str(sender), args, kwargs, run)
+        if fair_key is not None:
+            headers[fair_keys.FAIR_KEY_HEADER] = fair_key
     try:
         # A header already there is a retry's (its message carries the request's headers), a beat's slot, or set
         # by hand: kept as it is.

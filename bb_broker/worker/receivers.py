@@ -6,11 +6,13 @@ import logging
 from typing import Any
 
 from celery import signals, states
+from celery.exceptions import Reject
 
 from bb_broker import app_stores
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import MalformedTaskMessage, check_signature
 from bb_broker.transport.qos import explain_rejection
+from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import settle
 
 logger = logging.getLogger(__name__)
@@ -89,10 +91,19 @@ def _on_failure(
 
 
 @signals.task_postrun.connect
-def _on_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
+def _on_postrun(sender: Any = None, state: str | None = None, retval: Any = None, **_: Any) -> None:
+    if sender is None:
+        return
     # A task that raised Ignore gets no success or failure signal.
-    if state == states.IGNORED and sender is not None:
+    if state == states.IGNORED:
         settle.ignored(settle.store_of(sender), sender.request)
+    elif state == states.REJECTED and isinstance(retval, Reject) and not upstream_celery.fails_rejected_tasks():
+        # Before Celery 5.7 a task that rejects its message without requeue gets no failure signal, and its message,
+        # acked when it was received (unless acks_late), cannot be rejected any more: its job fails for good here, as
+        # 5.7's task_failure fails it (_on_failure). A requeue is the message's (acks_late), on every release.
+        store = app_stores.store_for(sender.app)
+        if store is not None and not retval.requeue:  # type: ignore[attr-defined]  # celery-types omits it
+            settle.failed(store, sender.request, retval)
 
 
 @signals.task_retry.connect

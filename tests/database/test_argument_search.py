@@ -1,4 +1,4 @@
-"""Searches inside a task's arguments and headers (ops.operations) on a real server: values only, bounded."""
+"""Searches inside a task's arguments and headers (ops.filters, ops.queries) on a real server: values only, bounded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import FilterError, JobFilter, Operations
+from bb_broker.ops.filters import FilterError, JobFilter
+from bb_broker.ops.operations import Operations
 from tests.support.store import FakeClock
 
 #: Values an operator searches for that a query built from text would take for something else.

@@ -547,7 +547,7 @@ def test_a_rate_counter_edited_by_hand_is_replaced_and_never_stops_the_queue(
     publish(store, "t0")
     key = {"queue": "limited", "starts": 1, "period": 60.0}
     db.bb_rates.insert_one({"_id": key, "next": edited})
-    with caplog.at_level("WARNING", logger="bb_broker.jobs.store"):
+    with caplog.at_level("WARNING", logger="bb_broker.jobs.rates"):
         assert store.claim("limited", "w", QueueLimits(rate=Rate(1, 60.0))) is not None
     assert "rate counter's next start" in caplog.text
     assert isinstance(db.bb_rates.find_one({"_id": key})["next"], int)
@@ -573,7 +573,7 @@ def test_rates_are_set_changed_cleared_and_refused_through_the_controls(store: J
             operations.set_limits("limited", rate=bad, by="mallory")
     with pytest.raises(LimitError, match="clear removes every limit"):
         operations.set_limits("limited", rate="1/s", clear=True, by="mallory")
-    with pytest.raises(LimitError, match="give a concurrency limit, a rate, or clear"):
+    with pytest.raises(LimitError, match="give a concurrency limit, a rate, fair, or clear"):
         operations.set_limits("limited", by="mallory")
     assert db.bb_queues.find_one({"_id": "limited"}) == before
 

@@ -1,4 +1,5 @@
-"""The operator's queries and actions (ops.operations) on a real server: lists, look-ups, actions, refusals."""
+"""The operator's queries and actions (ops.queries, ops.operations, jobs.revokes) on a real server: lists, look-ups,
+actions, refusals."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.revokes import revoke_queued, revoked_task_ids
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import ActionRefused, FilterError, JobFilter, Operations, revoked_task_ids
+from bb_broker.ops.filters import FilterError, JobFilter
+from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.ops.present import arguments
 from tests.support.store import CommandLog, FakeClock, assert_lists_read_through_an_index
 
@@ -81,7 +84,7 @@ def test_a_job_written_by_hand_under_a_document_id_is_refused_and_nothing_else_b
 
 def test_a_revoked_job_is_retried_under_a_new_task_id_due_now(ops: Operations, db: Database) -> None:
     job_id = publish(ops, "task-r", eta=True)
-    assert ops.revoke_queued(["task-r", "unknown"], by="tester") == 1
+    assert revoke_queued(ops.store, ["task-r", "unknown"], by="tester") == 1
     doc = db.jobs.find_one({"_id": job_id})
     assert doc["status"] == "failed" and doc["lastError"] == "revoked before it ran" and doc["revokedAt"]
     assert doc["actions"][-1]["action"] == "revoke"
@@ -106,7 +109,7 @@ def test_revoke_leaves_running_and_finished_jobs_to_the_workers(ops: Operations,
     running = publish(ops, "task-run")
     assert ops.store.claim("celery", "w").id == running
     done = failed(ops, "task-done")
-    assert ops.revoke_queued(["task-run", "task-done"], by="t") == 0
+    assert revoke_queued(ops.store, ["task-run", "task-done"], by="t") == 0
     assert db.jobs.find_one({"_id": running})["status"] == "running"
     assert db.jobs.find_one({"_id": done})["lastError"] == "task-done broke"
 

@@ -1,4 +1,4 @@
-"""Orphans and holders (ops.operations) on a real server, from documents written as the lifecycle writes them."""
+"""Orphans and holders (ops.queries) on a real server, from documents written as the lifecycle writes them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import FilterError, JobFilter, Operations
+from bb_broker.ops.filters import FilterError, JobFilter
+from bb_broker.ops.operations import Operations
 from tests.support.store import FakeClock
 
 STALE_AFTER = 60.0

@@ -16,6 +16,7 @@ from bb_broker import UniqueOptionError
 from bb_broker.jobs.payloads import MalformedTaskMessage
 from bb_broker.jobs.queues import KnownControls, LimitError, LimitReached, QueueControls, QueueLimits, Rate
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, RateHolds
+from bb_broker.jobs.rates import RateCounters
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
 from tests.support.store import CommandLog, FakeClock
@@ -120,15 +121,15 @@ def test_a_head_another_worker_takes_between_the_read_and_the_claim_spends_no_st
     publish(store, "a0", "a")
     publish(store, "b0", "b")
     other = JobStore(db, clock=clock)
-    read_head = JobStore._rate_head
+    read_head = RateCounters.head
 
-    def then_taken(self: JobStore, *args: Any) -> Any:
+    def then_taken(self: RateCounters, *args: Any) -> Any:
         head = read_head(self, *args)
         if head is not None and head["_id"] == db.jobs.find_one({"taskId": "a0"})["_id"]:
             assert other.claim("limited", "w2") is not None  # a worker whose limits read no rate yet takes a0
         return head
 
-    monkeypatch.setattr(JobStore, "_rate_head", then_taken)
+    monkeypatch.setattr(RateCounters, "head", then_taken)
     holds = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
     assert claimed_task(store, holds) == "b0"  # a0 was gone: its key's start given back, and the next job claimed
     assert set(holds.until) == {"b"}  # held by its own start, which the next claim leaves out without a write
@@ -281,14 +282,15 @@ def test_a_channel_keeps_its_held_keys_between_claims_and_forgets_them_when_the_
         publish(store, task_id, key)
     with Connection(broker_url) as conn:
         channel = conn.default_channel
-        assert {job.id for job in channel._claim_many("limited", 4)} == {
+        assert {job.id for job in channel.claimer._claim_many("limited", 4)} == {
             doc["_id"] for doc in db.jobs.find({"taskId": {"$in": ["a0", "b0"]}})
         }
-        assert set(channel._rate_holds["limited"].until) == {"a", "b"}
+        assert set(channel.claimer._rate_holds["limited"].until) == {"a", "b"}
         before = db.command("serverStatus")["opcounters"]["update"]
-        assert channel._claim_many("limited", 4) == []
+        assert channel.claimer._claim_many("limited", 4) == []
         assert db.command("serverStatus")["opcounters"]["update"] == before  # no start asked of a held key
         operations.set_limits("limited", rate="2/h per key", by="tester")
         wait_for(lambda: channel.known_controls.limits("limited").rate == Rate(2, 3600.0, per_key=True))
-        assert [job.id for job in channel._claim_many("limited", 4)] == [db.jobs.find_one({"taskId": "a1"})["_id"]]
-        assert channel._rate_holds["limited"].rate == Rate(2, 3600.0, per_key=True)
+        a1 = db.jobs.find_one({"taskId": "a1"})["_id"]
+        assert [job.id for job in channel.claimer._claim_many("limited", 4)] == [a1]
+        assert channel.claimer._rate_holds["limited"].rate == Rate(2, 3600.0, per_key=True)

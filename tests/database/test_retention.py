@@ -9,7 +9,7 @@ from kombu import Connection
 from pymongo.database import Database
 
 import bb_broker  # noqa: F401  (registers bbmongo://)
-from bb_broker.jobs.admin import DEFAULT_RETENTION, RETENTION_INDEX
+from bb_broker.jobs.indexes import DEFAULT_RETENTION, RETENTION_INDEX
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from tests.support.workers import wait_for

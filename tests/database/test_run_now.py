@@ -9,7 +9,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import RUN_NOW, ActionRefused, JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import RUN_NOW, ActionRefused, Operations
 from tests.support.store import FakeClock
 
 

@@ -14,7 +14,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED, Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.stats import Window, job_stats, summarize_ahead
 from bb_broker.ops.summaries import Summaries
 from tests.support.store import (

@@ -22,7 +22,8 @@ from bb_broker import MalformedTaskMessage
 from bb_broker.beat import EntryError, JobScheduler, ScheduleStore, run_now
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import Operations
 from tests.support.beat_process import OUT_OF_RANGE, add_out_of_range_entries
 from tests.support.store import CommandLog, assert_each_reads_through_an_index
 from tests.support.workers import ROOT
@@ -122,7 +123,7 @@ def test_a_beat_refuses_to_start_with_a_missed_after_no_date_holds(beat_app: Cel
 
 
 def cli(broker_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, *args]
+    argv = [sys.executable, "-m", "bb_broker.cli", "schedules", "--broker", broker_url, *args]
     env = {**os.environ, "BB_BROKER_URL": broker_url}  # read by tests/support/e2e_app.py, the app `-A` names
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
 

@@ -12,10 +12,11 @@ from click.testing import CliRunner
 from pymongo import MongoClient
 from pymongo.database import Database
 
+from bb_broker.cli import main
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.cli import main
-from bb_broker.ops.operations import FilterError, JobFilter, Operations
+from bb_broker.ops.filters import FilterError, JobFilter
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.stats import Window, job_stats, percentile, summarize_ahead
 from bb_broker.ops.summaries import Summaries
 from tests.support.servers import AUTH_PASSWORD

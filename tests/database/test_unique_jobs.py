@@ -15,6 +15,8 @@ from click.testing import CliRunner
 from pymongo.database import Database
 
 from bb_broker import DuplicateJob, MalformedTaskMessage, UniqueOptionError, metrics
+from bb_broker.cli import main
+from bb_broker.jobs.revokes import revoke_queued
 from bb_broker.jobs.unique import (
     MAX_UNIQUE_KEY_LENGTH,
     UNIQUE_KEY_HEADER,
@@ -22,7 +24,6 @@ from bb_broker.jobs.unique import (
     UNIQUE_PERIOD_HEADER,
     period_bucket,
 )
-from bb_broker.ops.cli import main
 from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.options import BrokerOptions, open_store
 from tests.support import unique_app
@@ -205,7 +206,7 @@ def test_a_cancelled_or_revoked_job_gives_its_key_back(tasks, operations: Operat
     first = tasks["add"].delay(1, 1)
     operations.act("cancel", first.id, by="ops")
     second = tasks["add"].delay(1, 1)  # the key is free
-    operations.revoke_queued([second.id], by="ops")
+    revoke_queued(operations.store, [second.id], by="ops")
     third = tasks["add"].delay(1, 1)
     assert the_job(db, third.id)["status"] == "queued"
     assert db.jobs.count_documents({"uniqueActive": {"$exists": True}}) == 1

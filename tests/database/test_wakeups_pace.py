@@ -14,8 +14,8 @@ from kombu import Connection, Consumer, Queue
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from bb_broker.jobs.admin import INDEXES
 from bb_broker.jobs.document import due_query
+from bb_broker.jobs.indexes import INDEXES
 from bb_broker.transport import wakeups as wakeups_module
 from bb_broker.transport.plumbing import MessageStore
 from bb_broker.transport.wakeups import BUSY_PACE, FIRST_PACE, PACED_CHANGES, Look, Wakeups
@@ -96,8 +96,10 @@ def draining(wakeups: Wakeups, queue: str) -> None:
 def paced_getmores(changes: int, seconds: float) -> float:
     """The getMores a paced stream may cost for `changes` repeats that came over `seconds`: one per PACED_CHANGES of
     them, or one per BUSY_PACE where they came slower than that (a loaded machine publishes slower), and a few for
-    the pace's ramp after news. A getMore per claim (the regression these tests guard) is far more, loaded or not."""
-    return changes / PACED_CHANGES + seconds / BUSY_PACE + 10
+    the pace's ramp after news, half as many again for a machine so loaded that the watcher's own reads lag. A
+    getMore per claim (the regression these tests guard: 63-65 for 300 jobs on a quiet machine, where this allows 35)
+    is more, loaded or not."""
+    return 1.5 * (changes / PACED_CHANGES + seconds / BUSY_PACE + 10)
 
 
 def test_a_busy_queue_costs_far_fewer_getmores_than_jobs(watched, db: Database) -> None:

@@ -241,7 +241,7 @@ def test_entries_added_disabled_enabled_changed_and_removed_at_run_time_take_eff
         return lambda: len(slot_jobs(db)) >= seen + n
 
     disabled = subprocess.run(
-        [sys.executable, "-m", "bb_broker.ops.cli", "schedules", "--broker", broker_url, "disable", "other"],
+        [sys.executable, "-m", "bb_broker.cli", "schedules", "--broker", broker_url, "disable", "other"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert disabled.stdout == "disabled other\n"

@@ -9,7 +9,8 @@ from datetime import timedelta
 from pymongo.database import Database
 
 from bb_broker.clock import ServerClock
-from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.stats import job_stats
 from bb_broker.options import open_store
 from tests.support.workers import wait_for

@@ -10,7 +10,7 @@ from kombu import Connection
 from pymongo import MongoClient
 
 import bb_broker  # noqa: F401  (registers bbmongo://)
-from bb_broker.jobs.admin import ServerLacksFeature
+from bb_broker.jobs.indexes import ServerLacksFeature
 from bb_broker.jobs.store import JobStore
 from bb_broker.transport.plumbing import MessageStore
 from bb_broker.transport.wakeups import Look, Wakeups

@@ -98,7 +98,7 @@ def get_json(url: str) -> tuple[int, object]:
 def serve_metrics(broker_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """`bb-broker serve-metrics` on a free port; yields its base URL."""
     environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "serve-metrics", "--broker", broker_url, "--port", "0"]
+    argv = [sys.executable, "-m", "bb_broker.cli", "serve-metrics", "--broker", broker_url, "--port", "0"]
     with open(log, "ab") as out:
         process = subprocess.Popen(argv, cwd=ROOT, env={**environ, **(env or {})}, stdout=out, stderr=out)
     try:

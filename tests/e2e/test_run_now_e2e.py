@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 from click.testing import CliRunner
 from pymongo.database import Database
 
+from bb_broker.cli import main
 from bb_broker.clock import aware
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.cli import main
 from bb_broker.ops.operations import RUN_NOW, Operations
 from tests.support.workers import job, send, settled, wait_for
 

@@ -314,7 +314,7 @@ def test_scram_auth_works_and_a_wrong_password_says_so_without_the_password(auth
     assert "s3cret-pw" not in worker.log()
 
     wrong = good.replace("s3cret-pw", "wrong-pw-123")
-    status = subprocess.run([sys.executable, "-m", "bb_broker.ops.cli", "status", "--broker", wrong],
+    status = subprocess.run([sys.executable, "-m", "bb_broker.cli", "status", "--broker", wrong],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert status.returncode == 1 and status.stdout == ""
     # Who failed to log in where, and nothing else: no server reply ($clusterTime, raw bytes), no password.
@@ -463,7 +463,7 @@ def test_tls_options_in_the_url_reach_pymongo(tmp_path) -> None:
         task_id = send(producer(url), "add", 2, 2)
         db = MongoClient(server.url, tz_aware=True, tls=True, tlsCAFile=str(ca)).tlsdb
         wait_for(settled(db, task_id, "succeeded"), message="a task over TLS succeeded")
-        plain = subprocess.run([sys.executable, "-m", "bb_broker.ops.cli", "status", "--broker", url.split("?")[0]],
+        plain = subprocess.run([sys.executable, "-m", "bb_broker.cli", "status", "--broker", url.split("?")[0]],
                                capture_output=True, text=True, timeout=60)  # fmt: skip
         assert plain.returncode != 0  # without the TLS options the server will not talk
     finally:

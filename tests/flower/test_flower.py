@@ -12,6 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from bb_broker.connection import redact_url
 from tests.support.flower_process import FLOWERS_ACTIONS, FlowerProcess, broker_rows
 from tests.support.servers import AUTH_PASSWORD, free_port, with_database
 from tests.support.workers import ARTIFACTS, ROOT, job, send, settled, wait_for
+
+#: The installed Flower's (major, minor): its own pages differ before 2.2 where the tests below say.
+FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 HOST = socket.gethostname()
 
@@ -164,7 +168,8 @@ def test_task_states_and_details_arrive_through_events(app, db, worker_factory, 
 
     # Flower's task page shows the arguments, the result and the exception.
     page = flower.page(f"/task/{ok}")
-    assert "<code>(2, 3)</code>" in page and "<code>5</code>" in page
+    shown = "<code>{}</code>" if FLOWER >= (2, 1) else "<td>{}</td>"  # Flower 2.0's table cells have no <code>
+    assert shown.format("(2, 3)") in page and shown.format("5") in page
     assert "ValueError('always fails')" in html.unescape(flower.page(f"/task/{doomed}"))
 
 
@@ -396,8 +401,9 @@ def test_broker_tab_shows_each_queues_depth(app, db, tmp_path, worker_factory, f
         # Messages, Unacked, Ready, Consumers, Idle since: the columns of Flower's table.
         page = flower.page("/broker")
         assert "not supported" not in page
+        unknown = "—" if FLOWER >= (2, 2) else "N/A"  # what Flower's own columns show for no value
         assert broker_rows(page) == {  # the last column: paused or not
-            queue: [queue, str(row["messages"]), str(row["running"]), str(row["queued"]), "—", "—", "—"]
+            queue: [queue, str(row["messages"]), str(row["running"]), str(row["queued"]), unknown, unknown, "—"]
             for queue, row in expected.items()
         }
 
@@ -449,7 +455,7 @@ def flower_env(**extra: str) -> dict[str, str]:
 
 
 def bb_broker_flower(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "tests.support.e2e_app", *args]
+    argv = [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "tests.support.e2e_app", *args]
     return subprocess.run(argv, cwd=cwd, env=flower_env(**env), capture_output=True, text=True, timeout=60)
 
 
@@ -558,7 +564,8 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
         expected = "authentication failed for user 'bb' on database 'admin'"
         # Flower's first ping of the broker starts with Flower; a page waits for its verdict only briefly.
         wait_for(lambda: expected in html.unescape(flower.page("/")), message="the broker's error on Flower's page")
-        for path in ("/", "/workers", "/tasks", "/broker"):
+        # Flower 2.0's Broker tab answers 500 while its broker fails, whatever the broker (its `queues` unbound).
+        for path in ("/", "/workers", "/tasks", "/broker")[: None if FLOWER >= (2, 1) else 3]:
             page = html.unescape(flower.page(path))
             assert 'id="bb-broker-error"' in page and expected in page, path
             assert f"bbmongo://bb:**@127.0.0.1:{auth_server.port}/flowerdb" in page, path
@@ -571,8 +578,9 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
         page = browser.new_page(viewport=SCREEN)
         page.goto(f"{flower.url}/workers")
         expect(page.locator("#bb-broker-error")).to_contain_text(expected)
-        expect(page.locator("#workers-refresh-status")).to_have_text("Update failed")
-        expect(page.locator("#workers-live-indicator")).to_have_class(re.compile(r"\bstatus-dot-error\b"))
+        if FLOWER >= (2, 1):  # Flower 2.0's page ignores a failed refresh (it says so as it starts)
+            expect(page.locator("#workers-refresh-status")).to_have_text("Update failed")
+            expect(page.locator("#workers-live-indicator")).to_have_class(re.compile(r"\bstatus-dot-error\b"))
         page.goto(f"{flower.url}/")
         expect(page.locator("#bb-broker-error")).to_contain_text(expected)
         screenshot(page, "flower-broker-error.png")
@@ -583,7 +591,8 @@ def test_a_wrong_broker_password_is_shown_on_flowers_pages_until_it_works(auth_s
         wait_for(lambda: "bb-broker-error" not in flower.page("/workers"), message="the banner gone")
         assert flower.request("GET", "/workers?json=1")[0] == 200
         page.goto(f"{flower.url}/workers")
-        expect(page.locator("#workers-refresh-status")).to_have_text(re.compile(r"^Updated "))
+        if FLOWER >= (2, 1):  # Flower 2.0's Workers page has no refresh status
+            expect(page.locator("#workers-refresh-status")).to_have_text(re.compile(r"^Updated "))
         expect(page.locator(".status-dot-error")).to_have_count(0)
         assert "wrong-pw-123" not in flower.log()
     finally:

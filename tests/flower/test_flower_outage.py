@@ -355,7 +355,7 @@ def test_the_names_a_flower_is_told_it_serves_are_answered_and_only_those(
 
     # An entry that is not a host name: `bb-broker flower` says so in one line and does not start.
     bad = subprocess.run(
-        [sys.executable, "-m", "bb_broker.ops.cli", "flower", "-A", "tests.support.e2e_app", "--no-auth",
+        [sys.executable, "-m", "bb_broker.cli", "flower", "-A", "tests.support.e2e_app", "--no-auth",
          "--allowed_hosts=https://flower.example.test/"],
         env=by_env.env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

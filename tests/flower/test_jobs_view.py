@@ -9,6 +9,7 @@ import re
 import urllib.parse
 import urllib.request
 from datetime import UTC, datetime, timedelta
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -20,6 +21,10 @@ from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import FOREVER_MODE, Hold
 from tests.support.flower_process import ADMIN, AUTH_ARGS, USERS, VIEWER, FlowerProcess, broker_rows
 from tests.support.store import wait_past
+from tests.support.workers import wait_for
+
+#: The installed Flower's (major, minor): its own columns and options differ before 2.2 where the tests say.
+FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 
 @pytest.fixture
@@ -372,6 +377,9 @@ def test_a_bulk_action_leaves_jobs_that_arrived_or_changed_after_the_count(
 def test_flowers_read_only_mode_stops_every_action(store: JobStore, db: Database, flower_factory) -> None:
     jobs = seed(store)
     flower = flower_factory(extra_args=("--read_only",))
+    if FLOWER < (2, 1):  # Flower 2.0 has no read-only mode and drops the option: bb_broker says so as it starts
+        wait_for(lambda: "this Flower has no --read_only" in flower.log(), message="the notice")
+        return
     error = {"error": "Flower is read-only (--read_only): no job or queue can be changed"}
     assert act(flower, f"/api/jobs/job/cancel?{one(jobs['queued'])}") == (403, error)
     assert act(flower, "/api/queues/celery/pause") == (403, error)
@@ -431,7 +439,9 @@ def test_the_broker_tab_lists_the_collections_queues(store: JobStore, flower_fac
     names = [row["name"] for row in flower.get("/api/queues/length")["active_queues"]]
     assert names == ["celery", "mail", "reports"]
     rows = broker_rows(flower.page("/broker"))
-    assert rows["mail"] == ["mail", "2", "1", "1", "—", "—", "—"] and rows["reports"][:4] == ["reports", "1", "0", "1"]
+    unknown = "—" if FLOWER >= (2, 2) else "N/A"  # what Flower's own columns show for no value
+    assert rows["mail"] == ["mail", "2", "1", "1", unknown, unknown, "—"]
+    assert rows["reports"][:4] == ["reports", "1", "0", "1"]
 
 
 # Flower's internals the Jobs tab relies on, and the guard on each of Flower's actions:

@@ -44,7 +44,8 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
     # The job claimed under the limit says so on its page.
     page = html.unescape(flower.page("/jobs/job?id=mail-0"))
     assert "claimed under its queue's concurrency limit 2, slot " in page
-    answer = {"message": "queue mail: at most 2 running at once", "queue": "mail", "concurrency": 2, "rate": None}
+    answer = {"message": "queue mail: at most 2 running at once", "queue": "mail", "concurrency": 2, "rate": None,
+              "fair": False}  # fmt: skip
     assert post(flower, "/api/queues/mail/limit", concurrency="2") == (200, answer)
     control = db.bb_queues.find_one({"_id": "mail"})
     assert control["concurrency"] == 2 and control["limitedBy"] == "admin"
@@ -53,7 +54,7 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
     assert post(flower, "/jobs/queue/mail/limit", concurrency="5")[1]["concurrency"] == 5  # the page's own endpoint
     assert post(flower, "/api/queues/mail/limit", clear="1") == (
         200,
-        {"message": "queue mail: no limit", "queue": "mail", "concurrency": None, "rate": None},
+        {"message": "queue mail: no limit", "queue": "mail", "concurrency": None, "rate": None, "fair": False},
     )
     assert "concurrency" not in db.bb_queues.find_one({"_id": "mail"})
     assert "concurrency" not in queue_row(flower, "mail")
@@ -69,7 +70,17 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
         "queue": "mail",
         "concurrency": 3,
         "rate": None,
+        "fair": False,
     }
+    # Fair per key (a rate per key beside it is refused: one clear line, nothing changed).
+    status, answer = post(flower, "/api/queues/mail/limit", fair="true")
+    assert (status, answer["fair"]) == (200, True)
+    assert answer["message"] == "queue mail: at most 3 running at once, fair per key"
+    assert db.bb_queues.find_one({"_id": "mail"})["fair"] is True and queue_row(flower, "mail")["fair"] is True
+    status, answer = post(flower, "/api/queues/mail/limit", rate="1/s per key")
+    assert status == 400 and "a queue is fair or has a rate per key, not both" in str(answer)
+    assert post(flower, "/jobs/queue/mail/limit", fair="false")[1]["fair"] is False  # the page's own endpoint
+    assert "fair" not in db.bb_queues.find_one({"_id": "mail"}) and "fair" not in queue_row(flower, "mail")
 
 
 @pytest.mark.parametrize(
@@ -79,7 +90,8 @@ def test_the_api_sets_changes_and_clears_a_limit_shown_with_the_running_count(
         ({"concurrency": "-2"}, "a concurrency limit is a whole number from 1 to 10000, not '-2'"),
         ({"concurrency": "1.5"}, "a concurrency limit is a whole number from 1 to 10000, not '1.5'"),
         ({"concurrency": "lots"}, "a concurrency limit is a whole number from 1 to 10000, not 'lots'"),
-        ({}, "give a concurrency limit, a rate, or clear"),
+        ({}, "give a concurrency limit, a rate, fair, or clear"),
+        ({"fair": "maybe"}, "fair is true or false, not 'maybe'"),
         ({"concurrency": "2", "clear": "1"}, "clear removes every limit: give it alone"),
         ({"rate": "10/week"}, "a rate's period is s, m, h or d (10/m: ten starts a minute), not 'week' in '10/week'"),
         ({"rate": "0/s"}, "a rate is N/s, N/m, N/h or N/d with N a whole number from 1 to 1000000, not '0/s'"),

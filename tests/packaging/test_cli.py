@@ -15,9 +15,9 @@ from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker import statuses
+from bb_broker.cli import main
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.cli import main
 from bb_broker.ops.operations import Operations
 from tests.support.servers import free_port
 from tests.support.workers import ROOT, Worker, wait_for
@@ -303,7 +303,7 @@ COMMANDS = [
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bb_broker.ops.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bb_broker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
 
 
@@ -335,7 +335,7 @@ def test_help_imports_neither_celery_nor_kombu_nor_pymongo() -> None:
     # `bb-broker --help` and a subcommand's --help answer without the heavy imports (the bench times them).
     probe = (
         "import json, sys\n"
-        "from bb_broker.ops.cli import main\n"
+        "from bb_broker.cli import main\n"
         "for args in (['--help'], ['status', '--help'], ['flower', '--help']):\n"
         "    try:\n"
         "        main(args)\n"
@@ -639,7 +639,7 @@ def test_a_task_id_sent_twice_names_its_newest_job(store: JobStore, db: Database
 
 def run_cli_bytes(*args: bytes | str) -> subprocess.CompletedProcess[bytes]:
     """The CLI run as a shell runs it, each argument bytes (a name in Latin-1 from a file, say)."""
-    argv = [sys.executable.encode(), b"-m", b"bb_broker.ops.cli"]
+    argv = [sys.executable.encode(), b"-m", b"bb_broker.cli"]
     argv += [arg if isinstance(arg, bytes) else arg.encode() for arg in args]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=60)
 

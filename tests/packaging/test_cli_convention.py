@@ -12,10 +12,11 @@ from click.testing import CliRunner
 from pymongo.database import Database
 
 from bb_broker.beat import ScheduleStore
+from bb_broker.cli import main
+from bb_broker.cli.common import JobId
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.cli import JobId, main
 
 #: The commands that do not talk to the server through --broker: `serve` is the server; `flower` reads the broker
 #: of the Celery app its -A names, as `celery flower` does (docs/guides/operating.md says so).

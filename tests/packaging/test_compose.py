@@ -271,7 +271,7 @@ def test_the_worker_command_is_a_valid_celery_worker_of_the_example_app() -> Non
 def test_the_flower_command_is_bb_broker_flower_with_options_flower_knows() -> None:
     from flower.options import options
 
-    from bb_broker.ops.cli import main
+    from bb_broker.cli import main
 
     argv = SERVICES["flower"]["command"]
     assert argv[:2] == ["bb-broker", "flower"]
@@ -287,14 +287,14 @@ def test_the_flower_command_is_bb_broker_flower_with_options_flower_knows() -> N
 def test_the_metrics_command_is_a_registered_bb_broker_command() -> None:
     from importlib.metadata import entry_points
 
-    from bb_broker.ops.cli import main
+    from bb_broker.cli import main
 
     argv = SERVICES["metrics"]["command"]
     scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
-    assert scripts.get(argv[0]) == "bb_broker.ops.cli:main"
+    assert scripts.get(argv[0]) == "bb_broker.cli:main"
     ctx = main.make_context(argv[0], list(argv[1:]))
     command = main.get_command(ctx, argv[1])
-    assert command is not None, f"bb_broker.ops.cli.main has no `{argv[1]}` command yet"
+    assert command is not None, f"bb_broker.cli.main has no `{argv[1]}` command yet"
     params = command.make_context(argv[1], list(argv[2:]), parent=ctx).params
     assert params["host"] == "0.0.0.0"
     assert int(params["port"]) == 9808

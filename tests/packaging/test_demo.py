@@ -177,7 +177,7 @@ def test_the_demo_says_in_words_why_it_cannot_use_the_server_it_was_given() -> N
 def test_bb_broker_serve_says_where_it_listens_and_stores_and_how_to_stop(tmp_path) -> None:
     port = free_port()
     data = tmp_path / "data"
-    argv = [sys.executable, "-m", "bb_broker.ops.cli", "serve", "--port", str(port), "--data", str(data)]
+    argv = [sys.executable, "-m", "bb_broker.cli", "serve", "--port", str(port), "--data", str(data)]
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         said = [server.stdout.readline() for _ in range(3)]
@@ -199,7 +199,7 @@ def test_bb_broker_serve_says_where_it_listens_and_stores_and_how_to_stop(tmp_pa
 def test_bb_broker_serve_refuses_a_port_in_use(tmp_path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        argv = [sys.executable, "-m", "bb_broker.ops.cli", "serve", "--port", str(port), "--data", str(tmp_path / "d")]
+        argv = [sys.executable, "-m", "bb_broker.cli", "serve", "--port", str(port), "--data", str(tmp_path / "d")]
         refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr == (

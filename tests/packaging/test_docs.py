@@ -12,8 +12,8 @@ from pathlib import Path
 import click
 import yaml
 
-from bb_broker.jobs.admin import DEFAULT_RETENTION
-from bb_broker.ops.cli import main as bb_broker_command
+from bb_broker.cli import main as bb_broker_command
+from bb_broker.jobs.indexes import DEFAULT_RETENTION
 from bb_broker.transport.channel import Channel
 from bb_broker.transport.transport import Transport
 from tests.support.workers import ROOT
@@ -134,3 +134,21 @@ def test_the_docs_hold_no_dated_run_logs() -> None:
         for heading in re.findall(r"(?m)^#+ .*$", page.read_text()):
             assert not re.search(r"\b20\d\d-\d\d-\d\d\b", heading), f"{page.relative_to(DOCS)}: {heading}"
     assert re.search(r"(?m)^## 20\d\d-\d\d-\d\d", (ROOT / "CHANGELOG.md").read_text())
+
+
+def test_the_architecture_page_names_modules_and_threads_that_exist() -> None:
+    # The page as the code is: every module it names is there, every thread it lists is started by the code, and
+    # every thread the code starts is in its table.
+    page = (ROOT / "docs/explanation/architecture.md").read_text()
+    named = set(re.findall(r"`(bb_broker/[\w/]+(?:\.py)?)`", page))
+    assert len(named) > 60, named
+    assert not [path for path in sorted(named) if not (ROOT / path).exists()]
+    table = page.split("## Background threads", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(bb-[\w-]+)` \|", table, re.MULTILINE))
+    code = "\n".join(path.read_text() for path in (ROOT / "bb_broker").rglob("*.py"))
+    started = set(re.findall(r'start_supervised\(\s*"(bb-[\w-]+)"', code))
+    assert started and listed == started
+    every_module = {str(path.relative_to(ROOT)) for path in (ROOT / "bb_broker").rglob("*.py")}
+    unnamed = {path for path in every_module if path not in named and not path.endswith(("__init__.py", "__main__.py"))}
+    rooms = {room.rstrip("/") for room in named}
+    assert not [path for path in sorted(unnamed) if not any(path.startswith(f"{room}/") for room in rooms)]

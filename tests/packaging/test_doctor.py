@@ -5,8 +5,8 @@ from __future__ import annotations
 from click.testing import CliRunner
 from pymongo import MongoClient
 
+from bb_broker.cli import main
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.cli import main
 from tests.support.servers import with_database
 from tests.support.wire import WireProxy, amazon_documentdb, ferretdb
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from click.testing import CliRunner
 from pymongo.database import Database
 
-from bb_broker.ops.cli import main
+from bb_broker.cli import main
 
 
 def test_stats_prints_the_intervals_with_work_as_a_table_or_json(broker_url: str, db: Database) -> None:

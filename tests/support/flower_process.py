@@ -72,7 +72,7 @@ class FlowerProcess:
             self.argv = [*celery, "-A", app, "flower", *flower_args]
         elif launcher == "bb-broker":
             no_auth = [] if basic_auth else ["--no-auth"]
-            bb_broker = [str(bin_dir / "bb-broker")] if bin_dir else [sys.executable, "-m", "bb_broker.ops.cli"]
+            bb_broker = [str(bin_dir / "bb-broker")] if bin_dir else [sys.executable, "-m", "bb_broker.cli"]
             self.argv = [*bb_broker, "flower", "-A", app, *no_auth, *flower_args]
         else:
             raise ValueError(f"unknown launcher {launcher!r}")

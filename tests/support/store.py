@@ -10,7 +10,8 @@ from pymongo.database import Database
 
 from bb_broker.jobs.settles import Settle, SettleRelay
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import JobFilter, Operations
+from bb_broker.ops.filters import JobFilter
+from bb_broker.ops.operations import Operations
 from tests.support.workers import wait_for
 
 

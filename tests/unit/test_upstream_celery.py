@@ -174,24 +174,81 @@ def test_result_meta_has_the_fields_a_job_document_keeps(app: Celery) -> None:
 
 
 def test_failing_a_chain_and_calling_errbacks_take_what_the_backend_passes() -> None:
+    import celery
     from celery.backends.base import BaseBackend
 
-    found = parameters(BaseBackend._fail_chain)
-    assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
-        f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
-        "the tasks chained after it; " + where("fail_chain")
-    )
+    if celery.VERSION >= (5, 7):
+        found = parameters(BaseBackend._fail_chain)
+        assert found[:4] == ["self", "chain", "exc", "traceback"] and {"store_result", "state"} <= set(found), (
+            f"celery.backends.base.BaseBackend._fail_chain now takes {found}: Celery changed how a failure reaches "
+            "the tasks chained after it; " + where("fail_chain")
+        )
+    else:  # before 5.7, mark_as_failure fails the chain inline, as upstream_celery._fail_chain_before_celery_5_7 does
+        inline = source(BaseBackend.mark_as_failure)
+        assert not hasattr(BaseBackend, "_fail_chain"), f"Celery {celery.__version__} has _fail_chain; " + where(
+            "fail_chain"
+        )
+        assert "chain_elem_ctx = Context(chain_elem)" in inline and "on_chord_part_return(chain_elem_ctx" in inline, (
+            f"celery.backends.base.BaseBackend.mark_as_failure of Celery {celery.__version__} neither calls "
+            "_fail_chain nor fails the chain as 5.4 to 5.6 do: Celery changed how a failure reaches the tasks "
+            "chained after it; " + where("fail_chain")
+        )
     found = parameters(BaseBackend._call_task_errbacks)
     assert found == ["self", "request", "exc", "traceback"], (
         f"celery.backends.base.BaseBackend._call_task_errbacks now takes {found}; " + where("call_errbacks")
     )
 
 
-def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery) -> None:
+@pytest.mark.parametrize("part", ["alone", "chord part"])
+def test_a_failure_reaches_the_tasks_chained_after_it(app: Celery, part: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through Celery's own _fail_chain from 5.7, as 5.4-5.6's mark_as_failure does it inline before.
+    counted: list[str] = []
+    monkeypatch.setattr(app.backend, "on_chord_part_return", lambda request, state, exc: counted.append(request.id))
     chained = app.signature("contracts.next").freeze()
-    chain = [dict(app.signature("contracts.next", task_id=chained.id))]
+    options = {"task_id": chained.id} | ({"chord": {"task": "contracts.body"}} if part == "chord part" else {})
+    chain = [dict(app.signature("contracts.next", options=options))]
     upstream_celery.fail_chain(app.backend, chain, KeyError("x"), None, True, states.FAILURE)
     assert app.backend.get_state(chained.id) == states.FAILURE, "the chained task's result is not FAILURE"
+    assert counted == ([chained.id] if part == "chord part" else []), "a chained chord part was not counted"
+
+
+def test_a_task_rejected_without_requeue_is_reported_failed_from_celery_5_7_only() -> None:
+    # Before 5.7 the pool process's task_postrun (state REJECTED, the Reject as retval) is all that tells of it.
+    import celery
+    from celery.app import trace
+    from celery.worker.request import Request
+
+    on_failure = source(Request.on_failure)
+    reports = "if not exc.requeue:" in on_failure and "signals.task_failure.send(" in on_failure
+    assert reports == upstream_celery.fails_rejected_tasks(), (
+        f"celery.worker.request.Request.on_failure of Celery {celery.__version__} "
+        + ("now" if reports else "no longer")
+        + " reports a task that raised Reject(requeue=False) as failed; "
+        + where("fails_rejected_tasks")
+    )
+    tracer = source(trace.build_tracer)
+    assert "except Reject as exc:" in tracer and "Info(REJECTED, exc)" in tracer and "task_postrun" in tracer, (
+        "celery.app.trace.build_tracer no longer ends a rejecting task with state REJECTED and the Reject as its "
+        "retval for task_postrun; " + where("fails_rejected_tasks")
+    )
+
+
+def test_a_compressed_result_is_told_by_celerys_own_mark() -> None:
+    # result_compression is new in Celery 5.7.0: before it, no result is compressed and there is no mark to look for.
+    import celery
+    from celery.backends import base
+
+    mark = upstream_celery.compressed_result_mark()
+    if celery.VERSION >= (5, 7):
+        assert mark is not None and base.compress_payload(b"{}", "zlib").startswith(mark), (
+            "celery.backends.base.COMPRESSED_PAYLOAD_MAGIC is gone or no longer starts what compress_payload writes: "
+            "Celery changed how a compressed result is told apart; " + where("compressed_result_mark")
+        )
+    else:
+        assert mark is None and not hasattr(base, "compress_payload"), (
+            f"Celery {celery.__version__} compresses results (compress_payload) without the mark bb_broker reads; "
+            + where("compressed_result_mark")
+        )
 
 
 def test_a_backend_has_its_result_cache_and_eager_check(app: Celery) -> None:
@@ -270,17 +327,27 @@ def test_an_apps_dict_keeps_our_state_and_pickling_the_app_carries_none_of_it(ap
 def test_a_solars_next_event_is_found_from_any_moment() -> None:
     from datetime import UTC, datetime, timedelta
 
+    import celery
     from celery.schedules import solar
 
     london = solar("sunrise", 51.5, 0.0)
-    assert {"ephem", "cal"} <= set(vars(london)) and callable(getattr(london, "_next_event", None)), (
-        "celery.schedules.solar no longer keeps `ephem`, its observer `cal` or `_next_event(start)`: Celery changed "
-        "how a solar schedule finds its event; " + where("solar_next_event")
+    assert {"ephem", "cal"} <= set(vars(london)), (
+        "celery.schedules.solar no longer keeps `ephem` and its observer `cal`: Celery changed how a solar schedule "
+        "finds its event; " + where("solar_next_event")
     )
-    assert "return start" in source(london._next_event), (
-        "solar._next_event no longer returns its start when the event never comes: a polar night would read as an "
-        "event at that moment; " + where("solar_next_event")
-    )
+    if celery.VERSION >= (5, 7):
+        assert callable(getattr(london, "_next_event", None)) and "return start" in source(london._next_event), (
+            "solar._next_event is gone, or no longer returns its start when the event never comes: a polar night "
+            "would read as an event at that moment; " + where("solar_next_event")
+        )
+    else:  # 5.4 to 5.6: no _next_event; the search asks the observer as their remaining_estimate does
+        assert not hasattr(london, "_next_event") and {"method", "use_center"} <= set(vars(london)), (
+            f"celery.schedules.solar of Celery {celery.__version__} has _next_event, or no `method` and "
+            "`use_center`; " + where("solar_next_event")
+        )
+        assert "getattr(self.cal, self.method)(" in source(london.remaining_estimate), (
+            "solar.remaining_estimate no longer asks its observer's `method`; " + where("solar_next_event")
+        )
     start = datetime(2024, 6, 1, tzinfo=UTC)
     found = upstream_celery.solar_next_event(london, start)
     assert found is not None and timedelta(hours=3) < found - start < timedelta(hours=5), (
@@ -302,4 +369,12 @@ def test_a_crontab_keeps_its_fields_as_written() -> None:
         "celery.schedules.crontab's _orig_minute, _orig_hour, _orig_day_of_month, _orig_month_of_year or "
         "_orig_day_of_week no longer hold the fields as written: a schedule's stored form would change; "
         + where("crontab_fields")
+    )
+
+
+def test_every_app_of_the_process_is_listed_current_or_not() -> None:
+    made = Celery("listed", broker="memory://", set_as_current=False)
+    assert any(app is made for app in upstream_celery.apps()), (
+        "an app made with set_as_current=False is not in celery._state._apps: Celery changed where it keeps its apps; "
+        + where("apps")
     )

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from pymongo.uri_parser import parse_uri
 
+from bb_broker.cli import main
 from bb_broker.connection import BrokerURLError, parse_broker_url, redact_url, scrub, url_secrets
-from bb_broker.ops.cli import main
 from tests.support.servers import free_port
 
 #: Two halves no other text of a URL or a message holds: neither may be shown, alone or together.

@@ -46,7 +46,7 @@ import bb_broker  # noqa: F401 (registers bbmongo://)
 from bb_broker import metrics
 from bb_broker.clock import ServerClock
 from bb_broker.jobs import payloads
-from bb_broker.jobs.admin import INDEXES, RETENTION_INDEX
+from bb_broker.jobs.indexes import INDEXES, RETENTION_INDEX
 from bb_broker.jobs.store import JobStore
 from tests.support.servers import with_database
 from tools.bench.app import QUEUE, TASK

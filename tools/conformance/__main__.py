@@ -6,7 +6,8 @@ bbmongo:// as both broker and result backend (`bbmongo+results`, no Redis at all
 `celery_taskmeta` collection appeared, which it must not). Each suite runs in its own pytest process, bounded in
 time. While iterating, CONFORMANCE_SUITES (kombu,tasks,canvas), CONFORMANCE_BROKERS (bbmongo,redis,bbmongo+results)
 and CONFORMANCE_K (a -k expression for the Celery suites) narrow a run, and CONFORMANCE_SUITE_TIMEOUT (seconds)
-caps each suite.
+caps each suite. CONFORMANCE_REQUIRE_PARITY=1 (the version matrix's `conformance` sessions) makes the exit status 1
+when a Celery test fails on a bbmongo column and passes on Redis, or a suite was stopped before it finished.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def no_taskmeta(mongo_url: str, database: str) -> Callable[[], str]:
     return check
 
 
-def print_table(runs: list[Run]) -> None:
+def print_table(runs: list[Run]) -> list[str]:
+    """Print the table and the comparisons; return what fails only on a bbmongo column, as `suite column: test`."""
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"\nkombu {version('kombu')}, celery {version('celery')}, {stamp}")
     print("\n| suite | broker | passed | failed | skipped | time |\n|---|---|---|---|---|---|")
@@ -192,16 +194,19 @@ def print_table(runs: list[Run]) -> None:
     by_suite: dict[str, dict[str, Run]] = {}
     for run in runs:
         by_suite.setdefault(run.suite, {})[run.broker] = run
+    only_ours = []
     for suite, brokers in by_suite.items():
         for column, base in BASELINE.items():
             ours, baseline = brokers.get(column), brokers.get(base)
             if ours is None:
                 continue
-            compare(suite, column, ours, baseline)
+            only_ours += [f"{suite} {column}: {name}" for name in compare(suite, column, ours, baseline)]
+    return only_ours
 
 
-def compare(suite: str, column: str, ours: Run, baseline: Run | None) -> None:
-    """What fails in `column` but passes in the baseline; what the baseline runs that `column` skips; the slowest."""
+def compare(suite: str, column: str, ours: Run, baseline: Run | None) -> list[str]:
+    """What fails in `column` but passes in the baseline (returned too); what the baseline runs that `column` skips;
+    the slowest."""
     only_ours = sorted(
         name for name, outcome in ours.outcomes.items()
         if outcome == "failed" and (baseline is None or baseline.outcomes.get(name) == "passed")
@@ -210,7 +215,7 @@ def compare(suite: str, column: str, ours: Run, baseline: Run | None) -> None:
     for name in only_ours:
         print(f"  - {name}")
     if baseline is None:
-        return
+        return only_ours
     skipped_here = sorted(
         name for name, outcome in ours.outcomes.items()
         if outcome == "skipped" and baseline.outcomes.get(name) == "passed"
@@ -222,6 +227,7 @@ def compare(suite: str, column: str, ours: Run, baseline: Run | None) -> None:
     print(f"{suite}: the slowest on {column} (seconds, {column} / {baseline.broker})")
     for name in slowest:
         print(f"  - {name}: {ours.seconds[name]:.1f} / {baseline.seconds.get(name, float('nan')):.1f}")
+    return only_ours
 
 
 def main() -> int:
@@ -277,8 +283,15 @@ def main() -> int:
     finally:
         redis.stop()
         mongo.stop()
-    print_table(runs)
-    return 0
+    only_ours = print_table(runs)
+    if os.environ.get("CONFORMANCE_REQUIRE_PARITY") != "1":
+        return 0
+    unfinished = [
+        f"{run.suite} {run.broker}: {run.note}" for run in runs if run.note.startswith(("stopped", "no report"))
+    ]
+    for problem in [*only_ours, *unfinished]:
+        print(f"parity: {problem}")
+    return 1 if only_ours or unfinished else 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,12 @@ async def refuse_flowers_action_unless_allowed(handler: BaseHandler) -> None:
         return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
     if not can_act(handler) and not read_only(handler):  # read-only Flower: its handlers say so themselves
         who = user_name(handler)
-        raise tornado.web.HTTPError(403, f"{who} may look but not act: only --jobs_admins may use Flower's actions")
+        # Answered here, not raised: Flower 2.0's task API writes no words for an error (its write_error sets the
+        # status only). Tornado runs no method of a handler its prepare finished.
+        handler.set_status(403)
+        handler.set_header("Content-Type", "text/plain")
+        handler.finish(f"{who} may look but not act: only --jobs_admins may use Flower's actions")
+        return
     if isinstance(handler, TaskRevoke) and can_act(handler):
         await _record_revoke(handler)
 
@@ -61,7 +66,7 @@ async def refuse_flowers_action_unless_allowed(handler: BaseHandler) -> None:
 async def _record_revoke(handler: TaskRevoke) -> None:
     """Flower's revoke, recorded on the task's jobs with the user's name before Flower broadcasts it: a queued job
     ends failed ("revoked before it ran") by this user, not by the anonymous broadcast the transport sees."""
-    terminate_text = tornado.web.RequestHandler.get_argument(handler, "terminate", "") or "false"
+    terminate_text = upstream_flower.plain_argument(handler, "terminate", "") or "false"
     try:
         terminate = bool(strtobool(terminate_text))
     except ValueError:

@@ -30,19 +30,15 @@ from bb_broker.contrib.flower.access import (
 )
 from bb_broker.contrib.flower.tab import operations_of, tab_of
 from bb_broker.contrib.flower.templates import STATIC, static_version
+from bb_broker.jobs.checkpoints import progress_of
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError
-from bb_broker.ops.operations import (
-    ACTIONS,
-    ARGUMENT_FIELDS,
-    FILTER_NAMES,
-    MAX_PAGE,
-    ActionRefused,
-    FilterError,
-    JobFilter,
-    Operations,
-)
+from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
+from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
+from bb_broker.ops.queries import MAX_PAGE
+from bb_broker.ops.rerun import ACTION as RERUN
+from bb_broker.ops.rerun import offered
 from bb_broker.ops.stats import job_stats
 from bb_broker.upstream import flower as upstream_flower
 
@@ -75,6 +71,7 @@ def job_json(doc: dict[str, Any]) -> dict[str, Any]:
     body["id"] = body.pop("_id")
     body["arguments"] = jsonable(arguments(doc))
     body["attemptHistory"] = jsonable(attempts_of(doc))
+    body["progress"] = progress_of(doc)
     return body
 
 
@@ -111,13 +108,15 @@ class JobsHandler(BaseHandler):
         """`call(*args, **kwargs)` in the Jobs tab's threads: Flower's event loop keeps serving pages meanwhile."""
         return await tab_of(self).run(call, *args, **kwargs)
 
+    def plain_argument(self, name: str, default: Any = None, strip: bool = True) -> Any:
+        """A request argument as sent, not HTML-escaped, on every Flower release (upstream.flower.plain_argument). The
+        tab's values are parsed, never written into a page as they came (the templates escape what they show)."""
+        return upstream_flower.plain_argument(self, name, default, strip)
+
     def filter_arguments(self, default: str | None) -> dict[str, str | None]:
         """The request's filter values by name; an entry's name (`schedule`) whole, spaces included, as
         JobFilter.parse takes it (Tornado strips arguments unless told)."""
-        return {
-            name: self.get_argument(name, default=default, escape=False, strip=name != "schedule")
-            for name in FILTER_NAMES
-        }
+        return {name: self.plain_argument(name, default=default, strip=name != "schedule") for name in FILTER_NAMES}
 
     def parse_filter(self, now: datetime) -> JobFilter:
         values = self.filter_arguments(None)
@@ -126,7 +125,7 @@ class JobsHandler(BaseHandler):
             job_filter = JobFilter.parse(values, now, stale_after=operations_of(self).store.policy.stale_after)
         except FilterError as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
-        search_from = self.get_argument("searchFrom", default="", escape=False)
+        search_from = self.plain_argument("searchFrom", default="")
         if search_from and job_filter.arguments:
             if len(search_from) > 64:
                 raise tornado.web.HTTPError(400, "bad filter: searchFrom must be the searchFrom of a list or a count")
@@ -137,7 +136,7 @@ class JobsHandler(BaseHandler):
         """The request's searches inside arguments and headers (`kwargs.<name>=`, `args.<n>=`, `headers.<name>=`),
         their values exactly as sent; JobFilter.parse checks each name."""
         return {
-            name: self.get_argument(name, default=None, escape=False, strip=False)
+            name: self.plain_argument(name, default=None, strip=False)
             for name in self.request.arguments
             if name.partition(".")[0] in ARGUMENT_FIELDS
         }
@@ -145,7 +144,7 @@ class JobsHandler(BaseHandler):
     def job_id(self) -> str:
         """The job an action or a look-up is about: its job id or Celery task id, from the `id` argument (a task id
         may be any text, `bulk`, `..` or `a/b` included, so it is never a segment of the path)."""
-        identifier = self.get_argument("id", default="", escape=False, strip=False)
+        identifier = self.plain_argument("id", default="", strip=False)
         if not identifier:
             raise tornado.web.HTTPError(400, "id is required: a job id or a Celery task id")
         if len(identifier) > MAX_ID_LENGTH:
@@ -168,10 +167,10 @@ class JobsHandler(BaseHandler):
         return job_filter
 
     def page_args(self) -> tuple[str | None, int]:
-        after = self.get_argument("after", default=None, escape=False) or None
+        after = self.plain_argument("after", default=None) or None
         if after is not None and len(after) > 64:
             raise tornado.web.HTTPError(400, "bad filter: after must be a job id (the `next` of the previous page)")
-        limit_text = self.get_argument("limit", default="50", escape=False)
+        limit_text = self.plain_argument("limit", default="50")
         try:
             limit = int(limit_text)
         except ValueError:
@@ -243,7 +242,7 @@ class JobsHandler(BaseHandler):
         }
 
     def as_of(self) -> datetime | None:
-        text = self.get_argument("asOf", default=None, escape=False)
+        text = self.plain_argument("asOf", default=None)
         if not text:
             return None
         try:
@@ -259,7 +258,9 @@ class JobsHandler(BaseHandler):
     async def act_on(self, action: str, identifier: str) -> dict[str, Any]:
         refuse_unless_allowed(self)
         try:
-            doc = await self.run_query(operations_of(self).act, action, identifier, by=user_name(self))
+            # `fresh`: a retry that clears the job's checkpoint (the job page's "Retry from the start").
+            fresh = self.plain_argument("fresh", default="") in ("1", "true")
+            doc = await self.run_query(operations_of(self).act, action, identifier, by=user_name(self), fresh=fresh)
         except ActionRefused as exc:
             raise tornado.web.HTTPError(404 if exc.reason == "not found" else 409, str(exc)) from None
         job = {"id": doc["_id"], "deleted": True} if doc.get("deleted") else job_json(doc)
@@ -285,7 +286,7 @@ class JobsHandler(BaseHandler):
 
     def expected(self, action: str) -> int:
         """The count the operator confirmed (the `count` of GET .../count): a bulk action without it is refused."""
-        text = self.get_argument("expected", default="", escape=False).strip()
+        text = self.plain_argument("expected", default="").strip()
         # ASCII digits only, and short: str.isdigit() takes '²', which int() refuses, and int() refuses 4,300 digits
         if not (text.isascii() and text.isdigit() and len(text) <= 18):
             shown = f" ({text!r} is not a count)" if text else ""
@@ -308,29 +309,33 @@ class JobsHandler(BaseHandler):
         return {"message": message, "queue": queue, "changed": changed}
 
     async def queue_limits(self, queue: str) -> dict[str, Any]:
-        """Set a queue's limits: `concurrency=N`, `rate=10/m` or `rate=10/m per key` (each `none` removes it), or
-        `clear=1` (both); a value that cannot be a limit is a 400, and nothing changes."""
+        """Set a queue's limits: `concurrency=N`, `rate=10/m` or `rate=10/m per key` (each `none` removes it),
+        `fair=true` or `fair=false`, or `clear=1` (all); a value that cannot be a limit is a 400, and nothing
+        changes."""
         refuse_unless_allowed(self)
-        concurrency = self.get_argument("concurrency", default=None, escape=False)
-        rate = self.get_argument("rate", default=None, escape=False)
-        clear = self.get_argument("clear", default="", escape=False) in ("1", "true")
+        concurrency = self.plain_argument("concurrency", default=None)
+        rate = self.plain_argument("rate", default=None)
+        fair = self.plain_argument("fair", default=None)
+        clear = self.plain_argument("clear", default="") in ("1", "true")
         operations = operations_of(self)
         try:
             limits = await self.run_query(
-                operations.set_limits, queue, concurrency=concurrency, rate=rate, clear=clear, by=user_name(self)
+                operations.set_limits,
+                queue,
+                concurrency=concurrency,
+                rate=rate,
+                fair=fair,
+                clear=clear,
+                by=user_name(self),
             )
         except (FilterError, LimitError) as exc:
             raise tornado.web.HTTPError(400, str(exc)) from None
-        shown = []
-        if limits.concurrency is not None:
-            shown.append(f"at most {limits.concurrency} running at once")
-        if limits.rate is not None:
-            shown.append(f"at most {limits.rate} started")
         return {
-            "message": f"queue {queue}: {', '.join(shown) or 'no limit'}",
+            "message": f"queue {queue}: {limits.described()}",
             "queue": queue,
             "concurrency": limits.concurrency,
             "rate": None if limits.rate is None else str(limits.rate),
+            "fair": limits.fair,
         }
 
     async def summary(self, *, breakdowns: bool = True) -> dict[str, Any]:
@@ -408,7 +413,7 @@ class JobsData(JobsHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         body = await self.list_body()
-        body.update(await self.summary(breakdowns=self.get_argument("breakdowns", "", escape=False) == "1"))
+        body.update(await self.summary(breakdowns=self.plain_argument("breakdowns", "") == "1"))
         body["canAct"] = can_act(self)
         self.write(body)
 
@@ -420,8 +425,8 @@ class JobsStats(JobsHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         job_filter = await self.job_filter()
-        text = self.get_argument("window", default="1h", escape=False).strip() or "1h"
-        by = self.get_argument("by", default="", escape=False).strip() or None
+        text = self.plain_argument("window", default="1h").strip() or "1h"
+        by = self.plain_argument("by", default="").strip() or None
         try:
             length = parse_duration(text)
             # A read-only Flower reads the charts' summaries there are and writes none. No request summarizes more
@@ -489,10 +494,12 @@ class JobPage(JobsHandler):
             task_id=doc.get("taskId") if isinstance(doc.get("taskId"), str) else None,
             arguments=jsonable(arguments(doc)),
             actions=await self.run_query(operations_of(self).applicable, doc),
+            rerun=RERUN if can_act(self) and offered(doc) else None,
             orphaned=await self.run_query(operations_of(self).orphaned, doc),
             stale_after=operations_of(self).store.policy.stale_after,
             action_labels=ACTION_LABELS,
             can_act=can_act(self),
+            progress=progress_of(doc),
             jsonable=jsonable,
             as_text=as_text,
         )
@@ -512,7 +519,7 @@ class JobsApi(ApiHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
         body = await self.list_body()
-        if self.get_argument("counts", default="", escape=False) in ("1", "true"):
+        if self.plain_argument("counts", default="") in ("1", "true"):
             body.update(await self.summary())
         self.write(body)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 
-import tornado.web
 from flower.views import BaseHandler
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
@@ -18,6 +17,7 @@ from pymongo.uri_parser import parse_uri
 from bb_broker.connection import BrokerTarget, get_database, parse_broker_url, quick_timeouts, redact_url, scrub
 from bb_broker.server import is_authentication_failure
 from bb_broker.threads import start_supervised
+from bb_broker.upstream import flower as upstream_flower
 
 SCHEMES = frozenset({"bbmongo", "bbmongo+srv"})
 
@@ -101,7 +101,7 @@ def is_ours(broker_url: str | None) -> bool:
 
 def broker_banner(handler: BaseHandler) -> str | None:
     """The banner for the broker of the Flower app serving `handler` (the base template calls this)."""
-    broker_url = handler.application.broker_uri_with_password
+    broker_url = upstream_flower.broker_url_with_password(handler.application)
     if not is_ours(broker_url):
         return None
     monitor = BrokerHealth.of(broker_url)
@@ -113,4 +113,7 @@ def fail_workers_refresh_while_broker_fails(handler: BaseHandler) -> None:
     """The Workers table's refresh fails while the broker does: its dot turns red instead of saying "Updated".
     `handler` is Flower's (its get_argument takes a `type`, Tornado's does not)."""
     if handler.get_argument("json", default=False, type=bool) and (banner := broker_banner(handler)):
-        raise tornado.web.HTTPError(503, "%s", banner)
+        # Answered here, not raised: Flower before 2.2 writes an HTTPError's message unformatted ("%s").
+        handler.set_status(503)
+        handler.set_header("Content-Type", "text/plain")
+        handler.finish(banner)

@@ -8,6 +8,8 @@ and, unless Flower is read-only, its share of the charts' summaries.
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 from celery import Celery, signals
@@ -20,11 +22,15 @@ from bb_broker.contrib.flower import (
     handlers,
     health,
     hosts,
+    progress,
+    rerun,
     schedules_tab,
     tab,
     templates,
 )
 from bb_broker.upstream import flower as upstream_flower
+
+logger = logging.getLogger(__name__)
 
 
 def install() -> None:
@@ -40,7 +46,9 @@ def install() -> None:
         flowers_actions.flowers_actions(upstream_flower.url_table()),
         flowers_actions.refuse_flowers_action_unless_allowed,
     )
-    upstream_flower.install_handlers(handlers.HANDLERS + schedules_tab.HANDLERS, "jobs")
+    upstream_flower.install_handlers(
+        handlers.HANDLERS + progress.HANDLERS + rerun.HANDLERS + schedules_tab.HANDLERS, "jobs"
+    )
     upstream_flower.install_broker_factory(health.is_ours, broker.JobQueues)
 
 
@@ -53,5 +61,10 @@ def _watch_flowers_broker(sender: Celery | None = None, **_: Any) -> None:
         broker_url = conn.as_uri(include_password=True)
     if health.is_ours(broker_url):
         health.BrokerHealth.of(broker_url)
+        if not upstream_flower.workers_refresh_shows_failures():
+            logger.warning("this Flower's Workers page does not show a failed refresh (Flower 2.1 and later do)")
+        if "--read_only" in sys.argv and "read_only" not in tornado_options:
+            # Flower 2.0 has no read-only mode and drops the option unsaid: every user may act, in any tab.
+            logger.warning("this Flower has no --read_only (Flower 2.1 and later have): it is ignored, users may act")
         if not getattr(tornado_options, "read_only", False):  # Flower's options are parsed by now
             tab.start_chart_summaries(sender, broker_url)

@@ -38,7 +38,7 @@ class _SchedulesHandler(JobsHandler):
 
     async def act(self, action: str) -> dict[str, Any]:
         refuse_unless_allowed(self)
-        name = self.get_argument("name", default="", escape=False, strip=False)
+        name = self.plain_argument("name", default="", strip=False)
         if not name:
             raise tornado.web.HTTPError(400, "name is required: the entry's name")
         schedules = self.schedule_store()

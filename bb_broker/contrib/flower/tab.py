@@ -26,7 +26,8 @@ from bb_broker.app_stores import broker_url, store_for
 from bb_broker.connection import parse_broker_url, quick_timeouts
 from bb_broker.contrib.flower.health import BrokerHealth, describe
 from bb_broker.jobs.queues import QueueControls
-from bb_broker.ops.operations import ARGUMENT_SEARCH_WINDOW, Operations
+from bb_broker.ops.filters import ARGUMENT_SEARCH_WINDOW
+from bb_broker.ops.operations import Operations
 from bb_broker.ops.stats import SummarizingAhead
 from bb_broker.server import is_authentication_failure
 from bb_broker.upstream import flower as upstream_flower
@@ -63,7 +64,7 @@ class JobsTab:
             limits = f"from 1 to {MAX_SEARCH_WINDOW}"
             raise tornado.web.HTTPError(500, f"--jobs_search_window must be {limits}, not {window}")
         self.operations.search_window = window
-        self.health = BrokerHealth.of(app.broker_uri_with_password)
+        self.health = BrokerHealth.of(upstream_flower.broker_url_with_password(app))
         self.executor = ThreadPoolExecutor(max_workers=QUERY_THREADS, thread_name_prefix="bb-jobs-tab")
         self.running: Counter[str] = Counter()  # requests running, by user; only the event loop's thread counts
 

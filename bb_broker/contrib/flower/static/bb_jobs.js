@@ -92,6 +92,7 @@
       const limits = [];
       if (queue.concurrency !== undefined) limits.push(queue.running + ' of ' + queue.concurrency + ' running');
       if (queue.rate !== undefined) limits.push('at most ' + queue.rate + ' started');
+      if (queue.fair) limits.push('fair per key');
       cell(row, limits.length ? limits.join(', ') + ' (set by ' + queue.limitedBy + ')' : 'none', 'queue-limit');
       const actions = cell(row, '');
       if (canAct) {
@@ -116,6 +117,22 @@
           });
           actions.appendChild(limitButton);
         });
+        // Fairness is on or off: one click (confirmed) turns it over.
+        const fairButton = document.createElement('button');
+        fairButton.className = 'btn btn-sm btn-outline-secondary me-1';
+        fairButton.textContent = queue.fair ? 'Unfair' : 'Fair';
+        fairButton.dataset.change = 'fair';
+        fairButton.addEventListener('click', async function () {
+          const question = queue.fair ? 'Claim queue ' + name + ' in plain order again?'
+            : 'Rotate the claims of queue ' + name + ' across its jobs\u2019 fair keys?';
+          if (!confirm(question)) return;
+          try {
+            notice((await bbPost(base + '/queue/' + encodeURIComponent(name) + '/limit',
+              {fair: queue.fair ? 'false' : 'true'})).message, 'success');
+          } catch (error) { notice(error.message, 'danger'); }
+          refresh();
+        });
+        actions.appendChild(fairButton);
         const button = document.createElement('button');
         const change = queue.paused ? 'resume' : 'pause';
         button.className = 'btn btn-sm ' + (queue.paused ? 'btn-success' : 'btn-outline-warning');
@@ -131,6 +148,24 @@
         actions.appendChild(button);
       }
     });
+  }
+
+  // A job's progress (its PROGRESS state's done and total, else its checkpoint's: clamped by the server, and here).
+  function progressBar(progress) {
+    const percent = Math.max(0, Math.min(100, Number(progress.percent) || 0));
+    const outer = document.createElement('div');
+    outer.className = 'progress job-progress mt-1';
+    outer.style.height = '0.6rem';
+    outer.setAttribute('role', 'progressbar');
+    outer.setAttribute('aria-valuemin', '0');
+    outer.setAttribute('aria-valuemax', '100');
+    outer.setAttribute('aria-valuenow', String(percent));
+    outer.title = text(progress.done) + ' of ' + text(progress.total) + ' (' + percent + '%)';
+    const inner = document.createElement('div');
+    inner.className = 'progress-bar';
+    inner.style.width = percent + '%';
+    outer.appendChild(inner);
+    return outer;
   }
 
   function renderJobs(data) {
@@ -163,6 +198,7 @@
         badge.textContent = 'orphaned';
         status.appendChild(badge);
       }
+      if (job.progress) status.appendChild(progressBar(job.progress));
       cell(row, job.attempts);
       cell(row, when(job.createdAt));
       cell(row, when(job.updatedAt));

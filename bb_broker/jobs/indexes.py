@@ -1,11 +1,14 @@
-"""Index and TTL administration of `jobs`: the indexes the hot path needs, and how long succeeded jobs are kept."""
+"""The indexes of `jobs` and of the rate counters: those the hot path needs (made again by `hinted` when a hinted
+query finds them gone), and the TTL index that says how long succeeded jobs are kept."""
 
 from __future__ import annotations
 
 import logging
 import math
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any, Protocol, TypeVar
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection as MongoCollection
@@ -14,9 +17,21 @@ from pymongo.errors import OperationFailure
 from bb_broker.jobs.lifecycle import SUCCEEDED
 from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEXES
-from bb_broker.server import is_index_conflict, is_not_implemented
+from bb_broker.server import (
+    Capabilities,
+    is_index_conflict,
+    is_missing_hinted_index,
+    is_not_implemented,
+    unique_refusals,
+)
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The hint of a query to one of our indexes by its name, for a command (find, update, aggregate...): what the
+#: deployment's Capabilities.hint says, so that a server that refuses a hint gets none.
+Hint = Callable[[str, str], dict[str, Any]]
 
 #: Claim order: higher priority first, then the earliest due, then the oldest (what the bb_claim index serves).
 CLAIM_ORDER = [("priority", DESCENDING), ("runAfter", ASCENDING), ("_id", ASCENDING)]
@@ -25,7 +40,7 @@ INDEXES = [
     IndexModel([("status", ASCENDING), ("queue", ASCENDING), *CLAIM_ORDER], name="bb_claim"),
     IndexModel([("status", ASCENDING), ("updatedAt", ASCENDING)], name="bb_status_updated"),
     IndexModel([("taskId", ASCENDING)], name="bb_task_id"),
-    # The operator's lists (bb_broker.ops.operations), newest first by job id, filtered by status, queue or kind.
+    # The operator's lists (bb_broker.ops.queries), newest first by job id, filtered by status, queue or kind.
     IndexModel([("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_status"),
     IndexModel([("queue", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_queue"),
     IndexModel([("kind", ASCENDING), ("status", ASCENDING), ("_id", ASCENDING)], name="bb_list_kind"),
@@ -47,8 +62,8 @@ INDEXES = [
     SERIAL_INDEX,
 ]
 
-#: The TTL index that removes a rate counter once its next start has come (`expireAt`, see JobStore._take_start):
-#: a rate per key makes a counter for each key it meets.
+#: The TTL index that removes a rate counter once its next start has come (`expireAt`, see
+#: rates.RateCounters.take_start): a rate per key makes a counter for each key it meets.
 RATE_EXPIRY = IndexModel([("expireAt", ASCENDING)], name="bb_rate_expiry", expireAfterSeconds=0)
 
 #: Seconds a succeeded job is kept (7 days); 0 keeps succeeded jobs for good.
@@ -56,6 +71,28 @@ DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: The TTL index that expires succeeded jobs; failed ones are outside its partial filter and stay.
 RETENTION_INDEX = "bb_retention"
 RETENTION_FILTER = {"status": SUCCEEDED}
+
+
+class IndexedStore(Protocol):
+    """What hint_if_indexed reads of a store (a JobStore): its collection and what its server offers."""
+
+    @property
+    def coll(self) -> MongoCollection: ...
+
+    @property
+    def server(self) -> Capabilities: ...
+
+
+def hint_if_indexed(store: IndexedStore, index: str, command: str = "find") -> dict[str, Any]:
+    """The hint of `index` for `command`, for a read an operator makes (their queries, the charts' summaries)."""
+    # An operator may look at a database no worker has indexed yet, where a hint would be an error. The _id index
+    # is always there (a missing collection ignores the hint), and hinted: a planner may otherwise scan and sort
+    # the whole collection for a newest-first read with nothing else in its filter (the Python stand-in does).
+    # No hint at all where the server refuses one on `command` (server.py).
+    hint = store.server.hint(index, command)
+    if not hint or index == "_id_":
+        return hint
+    return hint if any(ix["name"] == index for ix in store.coll.list_indexes()) else {}
 
 
 class ServerLacksFeature(RuntimeError):
@@ -110,6 +147,25 @@ def ensure_indexes(coll: MongoCollection, *, retention: float | None = None) -> 
         seconds = DEFAULT_RETENTION if retention is None else retention
         return math.ceil(seconds) or None
     return None
+
+
+def hinted(coll: MongoCollection, query: Callable[[], T]) -> T:
+    """Run a query on `coll` hinted to our index; if someone dropped the indexes (or the collection), make them again.
+    A unique index's refusal comes out as DuplicateKeyError, however this server reports it."""
+    try:
+        with unique_refusals(coll.database):
+            return query()
+    except OperationFailure as exc:
+        if not is_missing_hinted_index(exc):
+            raise
+    logger.warning("the indexes of %s are gone; creating them again", coll.full_name)
+    coll.create_indexes(INDEXES)
+    return query()
+
+
+def first_due(coll: MongoCollection, due: dict[str, Any], fields: dict[str, Any], hint: Hint) -> dict[str, Any] | None:
+    """The job a claim of `due` would take first (CLAIM_ORDER, through bb_claim), its `fields` only; None if none."""
+    return hinted(coll, lambda: coll.find_one(due, fields, sort=CLAIM_ORDER, **hint("bb_claim", "find")))
 
 
 def ensure_rate_expiry(counters: MongoCollection) -> None:
