@@ -24,7 +24,7 @@ from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, JobTooLarge
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.unique import DuplicateJob, Hold
-from bb_broker.server import Capabilities, is_transient, server_words, too_large_write_error
+from bb_broker.server import Capabilities, is_transient, server_words, too_large_write_error, write_error_words
 
 #: Seconds an insert keeps trying through a failover or a restart before its jobs are reported as not known.
 BATCH_PATIENCE = 30.0
@@ -159,8 +159,7 @@ def _sort_refusals(
             message = f"task message does not fit in a MongoDB document (limit {MAX_DOCUMENT_BYTES} bytes)"
             outcome.refused.append((job, JobTooLarge(f"{message}: {error.get('errmsg', '')}")))
         else:
-            words = f"{error.get('errmsg', '')} (code {error.get('code')})"
-            refusal = PublishRefused(f"the server refused the job: {words}")
+            refusal = PublishRefused(f"the server refused the job: {write_error_words(error, store.secrets)}")
             outcome.refused.append((job, refusal))
 
 
