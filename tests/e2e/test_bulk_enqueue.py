@@ -101,7 +101,12 @@ def test_each_job_is_the_document_apply_async_writes(results_app: Celery, tasks,
         add.s(3, 4).set(countdown=30, priority=7),
         add.s(5, 6).set(expires=600, queue="other"),
         charge.s(11, amount=5),  # unique on its account, routed to billing by the app's task_routes
-        add.s(7, 8).set(serial_key="customer-1", rate_key="tenant-2", eta=datetime.now(UTC) + timedelta(hours=1)),
+        add.s(7, 8).set(
+            serial_key="customer-1",
+            rate_key="tenant-2",
+            fair_key="tenant-3",
+            eta=datetime.now(UTC) + timedelta(hours=1),
+        ),
         add.s(9, 10).set(unique=False, headers={"mine": "x"}, time_limit=30, soft_time_limit=20),
     ]
     single = [s.clone().apply_async() for s in signatures]
@@ -119,6 +124,7 @@ def test_each_job_is_the_document_apply_async_writes(results_app: Celery, tasks,
         assert abs(delay - single_delay) < timedelta(seconds=5)  # the countdown and eta as the single publish had them
     assert db.jobs.find_one({"taskId": bulk[3].id})["queue"] == "billing"
     assert db.jobs.find_one({"taskId": bulk[4].id})["serialKey"] == "customer-1"
+    assert db.jobs.find_one({"taskId": bulk[4].id})["fairKey"] == "tenant-3"
 
 
 def test_duplicates_and_an_oversize_one_are_reported_by_index_and_the_rest_published(
