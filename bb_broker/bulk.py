@@ -184,6 +184,7 @@ class _Batch:
         serial_key: str | None = None,
         rate_key: str | None = None,
         fair_key: str | None = None,
+        canvas: dict[str, Any] | None = None,
         **_: Any,
     ) -> str:
         if is_retry:
@@ -204,6 +205,7 @@ class _Batch:
             serial_key=serial_key,
             rate_key=rate_key,
             fair_key=fair_key,
+            canvas=canvas,
         )
         self.jobs.append(Pending(self._index, document, unique))
         return job_id

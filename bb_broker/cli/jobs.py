@@ -161,13 +161,22 @@ def failed(
 @broker_option
 @collection_option
 @click.argument("identifier", metavar="ID", type=JOB_ID)
-@click.option("--json", "as_json", is_flag=True, help="Print the whole document as JSON.")
-def show(broker: str, collection: str, identifier: str, as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the whole document (or with --tree, the canvas) as JSON.")
+@click.option("--tree", is_flag=True, help="Print the job's canvas (its chains, groups, chord bodies) as a tree.")
+def show(broker: str, collection: str, identifier: str, as_json: bool, tree: bool) -> None:
     """One job, by job id or Celery task id: every field, its arguments, attempts and the actions taken on it."""
+    from bb_broker.ops.canvas import canvas_of, tree_lines
     from bb_broker.ops.operations import Operations
     from bb_broker.ops.present import as_json as as_json_value
     from bb_broker.ops.present import describe_job
 
+    if tree:
+        with job_store(broker, collection) as store:
+            canvas = canvas_of(Operations(store), identifier)
+        if canvas is None:
+            fail(f"show: no job has the id or task id {identifier!r}")
+        click.echo(json.dumps(canvas, indent=2) if as_json else "\n".join(tree_lines(canvas)))
+        return
     with job_store(broker, collection) as store:
         doc = Operations(store).find(identifier)
     if doc is None:

@@ -45,6 +45,7 @@ def queued_job(
     serial_key: str | None = None,
     rate_key: str | None = None,
     fair_key: str | None = None,
+    canvas: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A new queued job's document (JobStore.publish's and a batch's)."""
     return {
@@ -64,6 +65,7 @@ def queued_job(
         **({} if serial_key is None else {"serialKey": serial_key}),
         **({} if rate_key is None else {"rateKey": rate_key}),
         **({} if fair_key is None else {"fairKey": fair_key}),
+        **(canvas or {}),
     }
 
 

@@ -14,6 +14,7 @@ from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
+from bb_broker.jobs.canvas import CANVAS_INDEXES
 from bb_broker.jobs.lifecycle import SUCCEEDED
 from bb_broker.jobs.serial import SERIAL_INDEX
 from bb_broker.jobs.unique import UNIQUE_INDEXES
@@ -60,6 +61,7 @@ INDEXES = [
         partialFilterExpression={"limitSlot": {"$exists": True}},
     ),
     SERIAL_INDEX,
+    *CANVAS_INDEXES,  # the steps of one canvas (bb_broker.jobs.canvas)
 ]
 
 #: The TTL index that removes a rate counter once its next start has come (`expireAt`, see

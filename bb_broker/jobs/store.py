@@ -151,6 +151,7 @@ class JobStore(Sweeps):
         serial_key: str | None = None,
         rate_key: str | None = None,
         fair_key: str | None = None,
+        canvas: dict[str, Any] | None = None,
     ) -> str:
         """Insert a queued job; a Celery retry reschedules the job that is running instead.
 
@@ -163,7 +164,8 @@ class JobStore(Sweeps):
         `schedule`: the periodic entry that sent the job (payloads.SCHEDULE_HEADER), kept in its `schedule` field.
         `serial_key` (see bb_broker.jobs.serial): at most one job with it runs at a time.
         `rate_key` (see bb_broker.jobs.rate_keys): whose starts a queue's rate per key counts it among.
-        `fair_key` (see bb_broker.jobs.fair_keys): whose turn a fair queue's rotation claims it in."""
+        `fair_key` (see bb_broker.jobs.fair_keys): whose turn a fair queue's rotation claims it in.
+        `canvas`: the job's place in its canvas (bb_broker.jobs.canvas.canvas_fields), kept as they are."""
         now = self.now()
         due = run_after or now
         if is_retry:
@@ -204,6 +206,7 @@ class JobStore(Sweeps):
             serial_key=serial_key,
             rate_key=rate_key,
             fair_key=fair_key,
+            canvas=canvas,
         )
         try:
             self._write(self.coll.insert_one, job)

@@ -19,6 +19,7 @@ MAX_FILTER_LENGTH = 200
 
 #: The index each filtered list reads through, by the most selective field it filters on (see JobFilter.hint).
 LIST_INDEXES = {
+    "root": "bb_canvas_root",
     "schedule": "bb_list_schedule",
     "kind": "bb_list_kind",
     "queue": "bb_list_queue",
@@ -62,7 +63,7 @@ def _ulid_bound(moment: datetime, *, upper: bool) -> str:
 #: The values that ask for a yes/no filter (`orphaned=1`), and those that leave it off.
 YES, NO = ("1", "true", "yes"), ("0", "false", "no")
 #: The filters by name, as a request or the command line gives them.
-FILTER_NAMES = ("status", "queue", "kind", "schedule", "since", "until", "error", "orphaned")
+FILTER_NAMES = ("status", "queue", "kind", "schedule", "since", "until", "error", "orphaned", "root")
 #: Searches inside what a task was called with, `<prefix>.<name>=<value>`: where each prefix's values are in the job
 #: document (a JSON body is stored decoded there: payloads.to_document), and what a name after it must be (checked
 #: whole, so that no name is ever a path of its own or an operator: no `$`, no `.`).
@@ -98,6 +99,8 @@ class JobFilter:
     arguments: tuple[tuple[str, str], ...] = ()
     #: The oldest job id an argument search looks at (Queries.bounded sets it): the newest of the rest of the filter.
     search_from: str | None = None
+    #: The canvas (its root's task id: bb_broker.jobs.canvas) whose steps are listed.
+    root: str | None = None
 
     @classmethod
     def parse(
@@ -120,7 +123,7 @@ class JobFilter:
                 f"unknown filter {sorted(unknown)[0]!r}: use {', '.join(FILTER_NAMES)}, "
                 "or kwargs.<name>, args.<position>, headers.<name>"
             )
-        for name in ("queue", "kind", "error", "schedule"):
+        for name in ("queue", "kind", "error", "schedule", "root"):
             if len(clean.get(name) or "") > MAX_FILTER_LENGTH:
                 raise FilterError(f"{name} is longer than {MAX_FILTER_LENGTH} characters")
         status = clean.get("status")
@@ -149,12 +152,15 @@ class JobFilter:
             schedule=clean.get("schedule"),
             lease_expired_before=lease_cutoff,
             arguments=arguments,
+            root=clean.get("root"),
         )
 
     def query(self) -> dict[str, Any]:
         """The find filter; without a status, every status is named so that an index on (field, status, _id)
         still gives the jobs in id order (the server merges one scan per status)."""
         query: dict[str, Any] = {}
+        if self.root is not None:
+            query["rootId"] = self.root
         if self.schedule is not None:
             query["schedule"] = self.schedule  # a value, compared whole: an entry's name may be `a.*` or `$x`
         if self.kind is not None:
@@ -193,6 +199,7 @@ class JobFilter:
     def as_dict(self) -> dict[str, str]:
         values = {"status": self.status, "queue": self.queue, "kind": self.kind, "error": self.error}
         values["schedule"] = self.schedule
+        values["root"] = self.root
         values |= {
             "since": self.since.isoformat() if self.since else None,
             "until": self.until.isoformat() if self.until else None,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from bson import ObjectId
 
+from bb_broker.jobs.canvas import canvas_fields
 from bb_broker.jobs.document import new_job_id
 from bb_broker.jobs.fair_keys import FAIR_KEY_HEADER, stored_fair_key
 from bb_broker.jobs.payloads import (
@@ -104,6 +105,7 @@ def put_job(
         serial_key=headers.get(SERIAL_KEY_HEADER),
         rate_key=headers.get(RATE_KEY_HEADER),
         fair_key=stored_fair_key(headers.get(FAIR_KEY_HEADER)),
+        canvas=canvas_fields(headers),
     )
 
 

@@ -264,8 +264,8 @@ def test_a_bulk_action_needs_a_filter_and_the_count_confirmed(store: JobStore, d
     jobs = seed(store)
     flower = flower_factory(basic_auth=USERS, extra_args=AUTH_ARGS)
     no_filter = {
-        "error": "bulk delete needs a filter (status, queue, kind, schedule, since, until, error, orphaned): without "
-        "one it would take every job"
+        "error": "bulk delete needs a filter (status, queue, kind, schedule, since, until, error, orphaned, root): "
+        "without one it would take every job"
     }
     # The paths a job called `bulk` once took (`/jobs/bulk/delete` was its page's Delete), with and without a count.
     for path in ("/api/jobs/bulk/delete", "/jobs/bulk/delete", "/api/jobs/bulk/delete?expected=2",

@@ -33,6 +33,7 @@ from bb_broker.contrib.flower.templates import STATIC, static_version
 from bb_broker.jobs.checkpoints import progress_of
 from bb_broker.jobs.lifecycle import STATUSES, parse_duration
 from bb_broker.jobs.queues import LimitError
+from bb_broker.ops.canvas import canvas_of
 from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
 from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
@@ -150,6 +151,14 @@ class JobsHandler(BaseHandler):
         if len(identifier) > MAX_ID_LENGTH:
             raise tornado.web.HTTPError(400, f"id is longer than {MAX_ID_LENGTH} characters: no job has it")
         return identifier
+
+    async def found_job(self) -> dict[str, Any]:
+        """The job of the `id` argument (job_id), read; 404 when no job has that id or task id."""
+        identifier = self.job_id()
+        doc = await self.run_query(operations_of(self).find, identifier)
+        if doc is None:
+            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        return doc
 
     async def job_filter(self) -> JobFilter:
         """The request's filter, its ages (`since=1h`) on the server's clock, an argument search bounded to its
@@ -480,10 +489,7 @@ class JobPage(JobsHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        identifier = self.job_id()
-        doc = await self.run_query(operations_of(self).find, identifier)
-        if doc is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        doc = await self.found_job()
         self.render(
             "bb_job.html",
             job=doc,
@@ -502,7 +508,20 @@ class JobPage(JobsHandler):
             progress=progress_of(doc),
             jsonable=jsonable,
             as_text=as_text,
+            canvas_script=static_version("bb_canvas.js"),
         )
+
+
+class JobCanvas(JobsHandler):
+    """The job's canvas (bb_broker.ops.canvas) as JSON: what the job page draws; read-only users may read it."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        identifier = self.job_id()
+        body = await self.run_query(canvas_of, operations_of(self), identifier)
+        if body is None:
+            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        self.write(body)
 
 
 # --- the JSON API (Flower's API authentication: its handlers refuse unauthenticated use unless allowed) ------------
@@ -527,10 +546,7 @@ class JobsApi(ApiHandler):
 class JobApi(ApiHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
-        identifier = self.job_id()
-        doc = await self.run_query(operations_of(self).find, identifier)
-        if doc is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+        doc = await self.found_job()
         self.write(job_json(doc))
 
 
@@ -538,6 +554,10 @@ class JobApi(ApiHandler):
 
 
 class JobActionApi(JobAction, ApiHandler):
+    pass
+
+
+class JobCanvasApi(JobCanvas, ApiHandler):
     pass
 
 
@@ -563,7 +583,7 @@ class QueueLimitApi(QueueLimitAction, ApiHandler):
 
 ACTION_PATTERN = "(" + "|".join(ACTIONS) + ")"
 #: The files the Jobs page loads from STATIC: its script and the chart library.
-STATIC_FILES = r"(bb_jobs\.js|uPlot\.iife\.min\.js|uPlot\.min\.css)"
+STATIC_FILES = r"(bb_jobs\.js|bb_canvas\.js|uPlot\.iife\.min\.js|uPlot\.min\.css)"
 
 # No job id or task id is ever part of a path: one job is `job?id=<id>` (its actions `job/<action>` with `id`), so
 # whatever a task id is (`bulk`, `data`, `queue`, `..`, `a/b`), it cannot reach another route. Every path under
@@ -574,6 +594,7 @@ HANDLERS = [
     (r"/jobs/stats", JobsStats),
     (r"/jobs/static/" + STATIC_FILES, tornado.web.StaticFileHandler, {"path": str(STATIC)}),
     url(r"/jobs/job", JobPage, name="job"),
+    (r"/jobs/canvas", JobCanvas),
     (r"/jobs/job/" + ACTION_PATTERN, JobAction),
     (r"/jobs/bulk/" + ACTION_PATTERN + r"/count", JobsBulkCount),
     (r"/jobs/bulk/" + ACTION_PATTERN, JobsBulkAction),
@@ -581,6 +602,7 @@ HANDLERS = [
     (r"/jobs/queue/([^/]+)/limit", QueueLimitAction),
     (r"/api/jobs", JobsApi),
     (r"/api/jobs/job", JobApi),
+    (r"/api/jobs/canvas", JobCanvasApi),
     (r"/api/jobs/stats", JobsStatsApi),
     (r"/api/jobs/job/" + ACTION_PATTERN, JobActionApi),
     (r"/api/jobs/bulk/" + ACTION_PATTERN, BulkApi),
