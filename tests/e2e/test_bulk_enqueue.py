@@ -82,7 +82,7 @@ def test_a_thousand_signatures_in_one_call_all_run_once(results_app, tasks, resu
 def _without_ids_and_times(document: dict[str, Any], task_id: str) -> dict[str, Any]:
     """A job document without what two publishes of one signature make differently (the task id appears in the
     headers and properties too: replaced by a marker)."""
-    shown = {k: v for k, v in document.items() if k not in IDS_AND_TIMES}
+    shown = {k: ("<id>" if v == task_id else v) for k, v in document.items() if k not in IDS_AND_TIMES}  # rootId
     payload = shown["payload"]
     for part in ("headers", "properties"):
         payload[part] = {k: ("<id>" if v == task_id else v) for k, v in payload[part].items()}
@@ -96,18 +96,24 @@ def _without_ids_and_times(document: dict[str, Any], task_id: str) -> dict[str, 
 def test_each_job_is_the_document_apply_async_writes(results_app: Celery, tasks, db: Database) -> None:
     add, charge = tasks["add"], tasks["charge"]
     results_app.conf.task_routes = {unique_app.NAME + "charge": {"queue": "billing"}}
+    soon = datetime.now(UTC) + timedelta(hours=1)
+    # In twos: the first of each kind through apply_async itself, the second replaying its publish (bulk.py's
+    # _Shapes) with its own arguments, task id, ETA and unique, serial, rate and fair keys.
     signatures = [
         add.s(1, 2),
+        add.s(101, 2),
         add.s(3, 4).set(countdown=30, priority=7),
+        add.s(103, 4).set(countdown=30, priority=7),
         add.s(5, 6).set(expires=600, queue="other"),
+        add.s(105, 6).set(expires=600, queue="other"),
         charge.s(11, amount=5),  # unique on its account, routed to billing by the app's task_routes
-        add.s(7, 8).set(
-            serial_key="customer-1",
-            rate_key="tenant-2",
-            fair_key="tenant-3",
-            eta=datetime.now(UTC) + timedelta(hours=1),
-        ),
+        charge.s(12, amount=5),
+        add.s(7, 8).set(serial_key="customer-1", rate_key="tenant-2", fair_key="tenant-3", eta=soon),
+        add.s(107, 8).set(serial_key="customer-9", rate_key="tenant-8", fair_key="tenant-7", eta=soon + timedelta(1)),
         add.s(9, 10).set(unique=False, headers={"mine": "x"}, time_limit=30, soft_time_limit=20),
+        add.s(109, 10).set(unique=False, headers={"mine": "x"}, time_limit=30, soft_time_limit=20),
+        add.s(11, 12).set(unique_key="mine-1", group_id="g-1", group_index=0),
+        add.s(111, 12).set(unique_key="mine-2", group_id="g-1", group_index=0),
     ]
     single = [s.clone().apply_async() for s in signatures]
     singles = {r.id: db.jobs.find_one({"taskId": r.id}) for r in single}
@@ -122,9 +128,17 @@ def test_each_job_is_the_document_apply_async_writes(results_app: Celery, tasks,
         delay = written["runAfter"] - written["createdAt"]
         single_delay = singles[one.id]["runAfter"] - singles[one.id]["createdAt"]
         assert abs(delay - single_delay) < timedelta(seconds=5)  # the countdown and eta as the single publish had them
-    assert db.jobs.find_one({"taskId": bulk[3].id})["queue"] == "billing"
-    assert db.jobs.find_one({"taskId": bulk[4].id})["serialKey"] == "customer-1"
-    assert db.jobs.find_one({"taskId": bulk[4].id})["fairKey"] == "tenant-3"
+        assert (type(many), many.backend, many.ignored) == (type(one), one.backend, one.ignored)
+    jobs = [db.jobs.find_one({"taskId": r.id}) for r in bulk]
+    assert [j["queue"] for j in jobs[6:8]] == ["billing", "billing"]
+    assert [(j["serialKey"], j["rateKey"], j["fairKey"]) for j in jobs[8:10]] == [
+        ("customer-1", "tenant-2", "tenant-3"),
+        ("customer-9", "tenant-8", "tenant-7"),
+    ]
+    assert jobs[9]["runAfter"] - jobs[8]["runAfter"] > timedelta(hours=23)  # each its own ETA
+    assert [j["payload"]["args"] for j in jobs[:2]] == [[1, 2], [101, 2]]
+    assert jobs[0]["unique"]["key"] != jobs[1]["unique"]["key"]  # each key made of its own arguments
+    assert [j["unique"]["key"] for j in jobs[12:14]] == ["mine-1", "mine-2"]
 
 
 def test_duplicates_and_an_oversize_one_are_reported_by_index_and_the_rest_published(
