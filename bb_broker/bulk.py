@@ -148,11 +148,11 @@ class _Batch:
         try:
             for index, signature in enumerate(signatures):
                 self._index = index
-                signature.freeze()  # its task id, in its options: the same on the call's next try
+                frozen = signature.freeze()  # its task id, in its options: the same on the call's next try
                 signature.options.setdefault(PUBLISH_ID_PROPERTY, {})  # its job ids, likewise (see _keep)
                 before = len(self.jobs)
                 try:
-                    results.append(self._shapes.send(signature, cast(Producer, self)))
+                    results.append(self._shapes.send(signature, cast(Producer, self), frozen))
                 except Exception as exc:
                     exc.add_note(f"enqueue_many: signature #{index} ({signature.task}); nothing was published")
                     raise
@@ -401,7 +401,8 @@ class _Shapes:
         self.routed_by_name = all(isinstance(route, MapRoute) for route in app.amqp.routes)
         self.plain_send_task = getattr(type(app), "send_task", None) is Celery.send_task
 
-    def send(self, signature: Signature, producer: Producer) -> AsyncResult:
+    def send(self, signature: Signature, producer: Producer, frozen: AsyncResult) -> AsyncResult:
+        """Publish `signature` (frozen: `frozen` is the AsyncResult its freeze() made, as send_task makes one)."""
         options = signature.options
         shared = {name: (type(value), value) for name, value in options.items() if name not in OWN_OPTIONS}
         has_eta = bool(options.get("eta"))
@@ -412,7 +413,7 @@ class _Shapes:
                     return signature.apply_async(producer=producer)
                 self.batch.template = shape.template
                 try:
-                    return self._replay(shape, signature, producer)
+                    return self._replay(shape, signature, producer, frozen)
                 finally:
                     self.batch.template = None
         shape = _Shape(task_name, shared, has_eta)
@@ -455,7 +456,7 @@ class _Shapes:
         shape.task = task
         return True
 
-    def _replay(self, shape: _Shape, signature: Signature, producer: Producer) -> AsyncResult:
+    def _replay(self, shape: _Shape, signature: Signature, producer: Producer, result: AsyncResult) -> AsyncResult:
         """What Task.apply_async and send_task do for this signature, given what they computed for its shape."""
         assert shape.call is not None
         args, kwargs, options = signature.args, signature.kwargs, signature.options
@@ -473,7 +474,8 @@ class _Shapes:
         if not shape.ignored:
             self.app.backend.on_task_call(producer, task_id)
         shape.call.send(producer, name, message, **send_options)
-        result = (shape.task.AsyncResult if shape.task is not None else self.app.AsyncResult)(task_id)
+        # The signature's AsyncResult (Signature.AsyncResult: the task's, or the app's for a name it does not know),
+        # the class send_task makes its result of.
         result.ignored = shape.ignored
         parent = self.app.current_worker_task if options.get("add_to_parent", True) else None
         if parent:
