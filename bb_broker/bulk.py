@@ -311,6 +311,12 @@ class _Template:
     extra: frozenset[str]
     message: dict[str, Any]
 
+    #: The publish keywords the shape's first was given, but those each publish has its own of.
+    keywords: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keywords = frozenset(self.named) | self.extra
+
     @classmethod
     def learned(cls, learning: _Learning, batch: _Batch) -> _Template | None:
         if not len(learning.published) == len(learning.put) == len(learning.kept) == 1:
@@ -339,16 +345,14 @@ class _Template:
 
     def publish(self, batch: _Batch, body: Any, options: dict[str, Any], keep: Callable[..., str]) -> bool:
         """Make the job of this publish as Kombu's would (False, nothing done, when it differs from the shape's)."""
-        extra: dict[str, Any] = {}
-        for name, value in options.items():
-            if name not in _PUBLISH_PARAMETERS:
-                extra[name] = value
-            elif name not in _PER_PUBLISH and (name not in self.named or self.named[name] != value):
+        if options.keys() - _PER_PUBLISH != self.keywords:
+            return False  # a publish keyword or property the shape's first did not have, or the other way
+        for name, value in self.named.items():
+            if options[name] != value:
                 return False
-        if len(options) - len(extra) - sum(1 for name in _PER_PUBLISH if name in options) != len(self.named):
-            return False  # one of the shape's publish keywords missing
-        if extra.keys() != self.extra or not isinstance(extra.get("reply_to", ""), str):
-            return False  # reply_to a Queue, whose name Kombu's publish takes
+        extra = {name: options[name] for name in self.extra}
+        if not isinstance(extra.get("reply_to", ""), str):
+            return False  # a Queue, whose name Kombu's publish takes
         content_type, content_encoding, data = dumps(body, self.serializer)
         if (content_type, content_encoding) != (self.message["content-type"], self.message["content-encoding"]):
             return False
