@@ -8,7 +8,8 @@ publish is timed (no worker runs): from the call until it returns, the jobs dura
 BENCH_N (10000), BENCH_REPEAT (3) and BENCH_SERVER (python forces the Python stand-in) as in `make bench`;
 BENCH_BULK picks the variants (enqueue_many,redis_group,celery_floor; bbmongo_group adds the group on bbmongo://).
 `celery_floor` is each signature's `apply_async` with a producer that drops the message (on Redis's app): what
-Celery's own building of the messages costs, which enqueue_many pays as the group does.
+Celery's own building of the messages costs, all of which the group pays; enqueue_many pays it for the first signature
+of each kind only, and Celery's message builder and sender for every one (tools.bench.bulk_phases splits its time).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main() -> int:
         ceilings = [r / f for f, r in zip(rounds["celery_floor"], rounds["redis_group"], strict=True)]
         spread = ", ".join(f"{c:.2f}" for c in ceilings)
         lines.append(
-            f"  the most any exact bulk path could gain (Redis's group over Celery's floor): "
+            f"  Redis's group over Celery's own apply_async (celery_floor): "
             f"{statistics.median(ceilings):.2f}x  (rounds: {spread})"
         )
         line["ceiling_rounds"], line["ceiling"] = ceilings, statistics.median(ceilings)
