@@ -222,10 +222,12 @@ def test_a_canvas_and_a_bad_option_are_refused_before_anything_is_written(tasks,
 def test_a_task_name_not_registered_is_published_as_send_task_publishes_it(app: Celery, db: Database) -> None:
     # Celery's send_task (and a signature of a name the app does not know) publishes any name: so does this.
     unknown = app.signature("nobody.registered.this")
-    [result] = bb_broker.enqueue_many([unknown.clone(args=(1,))])
-    sent = app.send_task("nobody.registered.this", args=(1,))
-    bulk, single = db.jobs.find_one({"taskId": result.id}), db.jobs.find_one({"taskId": sent.id})
-    assert _without_ids_and_times(bulk, result.id) == _without_ids_and_times(single, sent.id)
+    results = bb_broker.enqueue_many([unknown.clone(args=(1,)), unknown.clone(args=(2,))])  # the second replayed
+    for result, arg in zip(results, (1, 2), strict=True):
+        sent = app.send_task("nobody.registered.this", args=(arg,))
+        bulk, single = db.jobs.find_one({"taskId": result.id}), db.jobs.find_one({"taskId": sent.id})
+        assert _without_ids_and_times(bulk, result.id) == _without_ids_and_times(single, sent.id)
+        assert type(result) is type(sent)
 
 
 def test_a_broker_that_is_not_bbmongo_is_refused(tasks) -> None:
