@@ -383,37 +383,58 @@ class SendTaskCall:
 CREATE_TASK_ID, CREATE_ARGS, CREATE_KWARGS, CREATE_ETA = 0, 2, 3, 5
 
 
+#: The SendTaskCall each thread records into (recording_send_task), if any.
+_recording = threading.local()
+#: Installs the recording wrappers on an app's AMQP once, whichever thread comes first.
+_installing = threading.Lock()
+
+
 @contextmanager
 def recording_send_task(app: Any) -> Iterator[SendTaskCall]:
     """Record, for the calling thread, what `app.send_task` hands `app.amqp.create_task_message` and
-    `app.amqp.send_task_message` while the block runs (every other thread's calls pass through unrecorded).
+    `app.amqp.send_task_message` while the block runs (every other thread's calls, and this one's after the block,
+    pass through unrecorded; two threads recording at once each record their own).
 
     No public hook sees the message's parts before the producer serializes them: these two are public attributes of
-    the app's AMQP (cached properties, looked up at each send_task), replaced on that instance for the block and put
-    back after. Relies on: `Celery.send_task` computing the exec options, the routing, the expiry, the parent's ids,
-    then calling `amqp.create_task_message(task_id, name, args, kwargs, countdown, eta, group_id, group_index,
-    expires, retries, chord, callbacks, errbacks, reply_to, time_limit, soft_time_limit, create_sent_event, root_id,
-    parent_id, shadow, chain, **options)` once and `amqp.send_task_message(producer, name, message, **options)` once.
-    Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    the app's AMQP (cached properties, looked up at each send_task), wrapped on that instance the first time (the
+    wrappers stay: a thread-local look-up per publish). Relies on: `Celery.send_task` computing the exec options, the
+    routing, the expiry, the parent's ids, then calling `amqp.create_task_message(task_id, name, args, kwargs,
+    countdown, eta, group_id, group_index, expires, retries, chord, callbacks, errbacks, reply_to, time_limit,
+    soft_time_limit, create_sent_event, root_id, parent_id, shadow, chain, **options)` once and
+    `amqp.send_task_message(producer, name, message, **options)` once. Checked against celery 5.4.0, 5.5.3, 5.6.3,
+    5.7.0."""
     amqp = app.amqp
-    call = SendTaskCall(create=amqp.create_task_message, send=amqp.send_task_message)
-    me = threading.get_ident()
-
-    def create_recorded(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == me:
-            call.created.append((args, kwargs))
-        return call.create(*args, **kwargs)
-
-    def send_recorded(producer: Any, name: str, message: Any, **options: Any) -> Any:
-        if threading.get_ident() == me:
-            call.sent.append((name, dict(options)))
-        return call.send(producer, name, message, **options)
-
-    amqp.create_task_message, amqp.send_task_message = create_recorded, send_recorded
+    with _installing:
+        if not getattr(amqp.create_task_message, _INSTALLED, False):
+            _install_recorders(amqp)
+    create, send = amqp.create_task_message, amqp.send_task_message
+    call = SendTaskCall(create=create.__wrapped__, send=send.__wrapped__)
+    outer, _recording.call = getattr(_recording, "call", None), call
     try:
         yield call
     finally:
-        amqp.create_task_message, amqp.send_task_message = call.create, call.send
+        _recording.call = outer
+
+
+def _install_recorders(amqp: Any) -> None:
+    create, send = amqp.create_task_message, amqp.send_task_message
+
+    @wraps(create)
+    def create_recorded(*args: Any, **kwargs: Any) -> Any:
+        call = getattr(_recording, "call", None)
+        if call is not None:
+            call.created.append((args, kwargs))
+        return create(*args, **kwargs)
+
+    @wraps(send)
+    def send_recorded(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        call = getattr(_recording, "call", None)
+        if call is not None:
+            call.sent.append((name, dict(options)))
+        return send(producer, name, message, **options)
+
+    setattr(create_recorded, _INSTALLED, True)
+    amqp.create_task_message, amqp.send_task_message = create_recorded, send_recorded
 
 
 def argument_check(task: Any) -> Callable[..., Any] | None:

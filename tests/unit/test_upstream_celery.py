@@ -411,9 +411,10 @@ def test_send_task_builds_and_sends_through_the_apps_amqp_once_each_and_a_replay
             priority=3,
             serial_key="s-1",
         )
-    assert (app.amqp.create_task_message, app.amqp.send_task_message) == (call.create, call.send), (
-        "recording_send_task did not put Celery's own builder and sender back"
-    )
+    assert (app.amqp.create_task_message.__wrapped__, app.amqp.send_task_message.__wrapped__) == (
+        call.create,
+        call.send,
+    ), "recording_send_task's wrappers do not call Celery's own builder and sender"
     assert len(call.created) == 1 and len(call.sent) == 1, (
         "Celery's send_task no longer calls app.amqp.create_task_message and send_task_message once each: "
         "bb_broker/upstream/celery.py:recording_send_task and bb_broker/bulk.py:_Shapes cannot replay a publish"
@@ -439,14 +440,31 @@ def test_send_task_builds_and_sends_through_the_apps_amqp_once_each_and_a_replay
     assert {k for k in first if k != "headers" and first[k] != second[k]} == {"correlation_id"}
 
 
-def test_a_recorded_send_task_leaves_other_threads_calls_out(app: Celery) -> None:
+def test_a_recorded_send_task_leaves_other_threads_calls_out_and_each_thread_records_its_own(app: Celery) -> None:
     import threading
 
+    recorded: dict[str, list[Any]] = {}
+    inside, go = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with upstream_celery.recording_send_task(app) as call:  # begun while the main thread records, ended after
+            inside.set()
+            go.wait(10)
+            app.send_task("t.theirs", producer=_KeepingProducer(app))
+        recorded["theirs"] = [name for name, _ in call.sent]
+
     with upstream_celery.recording_send_task(app) as call:
-        other = threading.Thread(target=lambda: app.send_task("t.other", producer=_KeepingProducer(app)))
+        other = threading.Thread(target=other_thread)
         other.start()
-        other.join()
-    assert call.created == [] and call.sent == []
+        inside.wait(10)
+        app.send_task("t.mine", producer=_KeepingProducer(app))
+    go.set()
+    other.join()
+    with upstream_celery.recording_send_task(app) as again:
+        app.send_task("t.again", producer=_KeepingProducer(app))
+    assert [name for name, _ in call.sent] == ["t.mine"] and len(call.created) == 1
+    assert recorded["theirs"] == ["t.theirs"]
+    assert [name for name, _ in again.sent] == ["t.again"]
 
 
 def test_apply_async_checks_a_typed_tasks_arguments_with_its_header_and_converts_no_plain_ones(app: Celery) -> None:
