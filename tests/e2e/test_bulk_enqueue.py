@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from celery import Celery, chain, group
+from celery import Celery, chain, group, signals
 from pymongo import monitoring
 from pymongo.database import Database
 
@@ -271,3 +271,33 @@ def test_a_server_refusal_mid_call_says_which_batches_were_published(mongo_url: 
     finally:
         app.close()
         proxy.close()
+
+
+def test_a_replayed_message_is_checked_and_stored_as_alone_where_it_differs_from_its_kinds_first(
+    tasks, db: Database
+) -> None:
+    # A receiver of the app's gives some messages headers their kind's first did not have: a dotted key, which BSON
+    # holds but the job keeps raw (as a single publish does), and a serial key that is no key (refused).
+    add = tasks["add"]
+
+    def headers_of_some(body: Any = None, headers: Any = None, **_: Any) -> None:
+        first = body[0][0] if isinstance(body, tuple) and body[0] else None
+        if first == 2:
+            headers["mine"] = {"a.b": 1}
+        if first == 3:
+            headers["bb_serial_key"] = ""
+
+    signals.before_task_publish.connect(headers_of_some, weak=False)
+    try:
+        single = db.jobs.find_one({"taskId": add.s(2, 0).apply_async().id})
+        db.jobs.delete_many({})
+        results = bb_broker.enqueue_many([add.s(1, 0), add.s(2, 0), add.s(4, 0)])
+        jobs = [db.jobs.find_one({"taskId": r.id}) for r in results]
+        assert ["raw" in j["payload"] for j in jobs] == [False, True, False]
+        assert "raw" in single["payload"]  # as the single publish of the same signature
+        with pytest.raises(bb_broker.MalformedTaskMessage, match="bb_serial_key") as raised:
+            bb_broker.enqueue_many([add.s(5, 0), add.s(3, 0)])
+        assert "signature #1" in " ".join(raised.value.__notes__)
+        assert db.jobs.count_documents({}) == 3
+    finally:
+        signals.before_task_publish.disconnect(headers_of_some)
