@@ -15,6 +15,7 @@ from bb_broker.options import DEFAULTS, BrokerOptions, open_store
 if TYPE_CHECKING:
     from pymongo.database import Database
 
+    from bb_broker.bulk import EnqueueManyError, enqueue_many
     from bb_broker.connection import BrokerURLError
     from bb_broker.jobs.checkpoints import CheckpointError
     from bb_broker.jobs.document import JobTooLarge, ResultNotStored, ResultTooLarge
@@ -34,6 +35,7 @@ __all__ = [
     "BrokerURLError",
     "CheckpointError",
     "DuplicateJob",
+    "EnqueueManyError",
     "JobTooLarge",
     "MalformedTaskMessage",
     "PublishRefused",
@@ -41,6 +43,7 @@ __all__ = [
     "ResultTooLarge",
     "ServerUnreachable",
     "UniqueOptionError",
+    "enqueue_many",
     "checkpoint",
     "is_final_attempt",
     "last_checkpoint",
@@ -55,6 +58,7 @@ _LAZY = {
     "BrokerURLError": "connection",
     "CheckpointError": "jobs.checkpoints",
     "DuplicateJob": "jobs.unique",
+    "EnqueueManyError": "bulk",
     "JobTooLarge": "jobs.document",
     "MalformedTaskMessage": "jobs.payloads",
     "PublishRefused": "jobs.refusals",
@@ -62,6 +66,7 @@ _LAZY = {
     "ResultTooLarge": "jobs.document",
     "ServerUnreachable": "transport.channel",
     "UniqueOptionError": "jobs.unique",
+    "enqueue_many": "bulk",
     "checkpoint": "worker.checkpoints",
     "is_final_attempt": "worker.settle",
     "last_checkpoint": "worker.checkpoints",

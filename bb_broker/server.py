@@ -208,7 +208,16 @@ def unapplicable_write_error(error: dict[str, Any]) -> bool:
 
 def unrecognised_write_error(error: dict[str, Any]) -> bool:
     """Whether one of a bulk write's `writeErrors` is a refusal no question here names (see is_unrecognised)."""
-    return is_unrecognised(OperationFailure(str(error.get("errmsg", "")), error.get("code"), error))
+    return is_unrecognised(_write_failure(error))
+
+
+def write_error_words(error: dict[str, Any], secrets: tuple[str, ...] = ()) -> str:
+    """One of a bulk write's `writeErrors` in the server's words, as server_words says an error."""
+    return server_words(_write_failure(error), secrets)
+
+
+def _write_failure(error: dict[str, Any]) -> OperationFailure:
+    return OperationFailure(str(error.get("errmsg", "")), error.get("code"), error)
 
 
 def is_not_implemented(exc: BaseException) -> TypeGuard[OperationFailure]:

@@ -21,6 +21,7 @@ from pymongo.errors import DocumentTooLarge, DuplicateKeyError
 from bb_broker import metrics
 from bb_broker.connection import scrub
 from bb_broker.jobs import indexes, lifecycle
+from bb_broker.jobs.batched import queued_job
 from bb_broker.jobs.claiming import Claims
 from bb_broker.jobs.document import (
     DOES_NOT_FIT,
@@ -191,25 +192,22 @@ class JobStore(Sweeps):
             if retry_of is not None and self.coll.find_one({"_id": retry_of[0]}, {"_id": 1}) is not None:
                 logger.warning("job %s: a retry from attempt %d, no longer the job's, was dropped", *retry_of)
                 return retry_of[0]
-        job: dict[str, Any] = {
-            "_id": job_id or new_job_id(),
-            "kind": kind,
-            "taskId": task_id,
-            "queue": queue,
-            "priority": priority,
-            "payload": payload,
-            "status": QUEUED,
-            "attempts": 0,
-            "runAfter": due,
-            "createdAt": now,
-            "updatedAt": now,
-            **({} if unique is None else unique.fields()),
-            **({} if schedule is None else {"schedule": schedule}),
-            **({} if serial_key is None else {"serialKey": serial_key}),
-            **({} if rate_key is None else {"rateKey": rate_key}),
-            **({} if fair_key is None else {"fairKey": fair_key}),
-            **(canvas or {}),
-        }
+        job = queued_job(
+            job_id=job_id or new_job_id(),
+            kind=kind,
+            task_id=task_id,
+            queue=queue,
+            priority=priority,
+            payload=payload,
+            due=due,
+            now=now,
+            unique=unique,
+            schedule=schedule,
+            serial_key=serial_key,
+            rate_key=rate_key,
+            fair_key=fair_key,
+            canvas=canvas,
+        )
         try:
             self._write(self.coll.insert_one, job)
         except DuplicateKeyError:

@@ -157,6 +157,9 @@ class Channel(virtual.Channel):
         self.options = BrokerOptions.parse({name: getattr(self, name) for name in TRANSPORT_OPTIONS})
         self.target = connection.parse_broker_url(connection_.broker_url)
         self.jobs = open_store(self.target, self.options)
+        #: Where a task message's job goes (JobStore.publish's keywords): inserted at once, or, while bb_broker.bulk
+        #: builds a batch on this channel, kept for the batch's insert.
+        self.publish_job: Callable[..., Any] = self.jobs.publish
         db = self.jobs.coll.database
         self.clock = ServerClock.of(db)
         self.plumbing = MessageStore(db, ttl=self.options.message_ttl, secrets=self.target.secrets)
@@ -340,7 +343,7 @@ class Channel(virtual.Channel):
             put_plain(self.plumbing, queue, message, priority, soon=_on_a_loop_thread(), linger=linger)
             return
         body = self.decode_body(message["body"], message["properties"].get("body_encoding"))
-        put_job(self.jobs, self.clock, queue, message, body, priority)
+        put_job(self.publish_job, self.clock, queue, message, body, priority)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
         self._revoke_durably(message)

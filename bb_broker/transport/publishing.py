@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,6 @@ from bb_broker.jobs.unique import UNIQUE_REFUSED_HEADER, UniqueOptionError, hold
 
 if TYPE_CHECKING:
     from bb_broker.clock import ServerClock
-    from bb_broker.jobs.store import JobStore
     from bb_broker.transport.plumbing import MessageStore
 
 
@@ -53,9 +53,15 @@ def put_plain(
 
 
 def put_job(
-    jobs: JobStore, clock: ServerClock, queue: str, message: dict[str, Any], body: bytes | str, priority: int
+    publish_job: Callable[..., str],
+    clock: ServerClock,
+    queue: str,
+    message: dict[str, Any],
+    body: bytes | str,
+    priority: int,
 ) -> None:
-    """Store a task message for `queue` as a job; `body`: the message's, as Kombu decoded it."""
+    """Store a task message for `queue` as a job; `body`: the message's, as Kombu decoded it. `publish_job` takes
+    the job (JobStore.publish's keywords): the store's publish, or a bulk enqueue's batch (Channel.publish_job)."""
     properties = message["properties"]
     if isinstance(body, str):
         body = body.encode(message.get("content-encoding") or "utf-8")
@@ -83,7 +89,7 @@ def put_job(
     if parts.get("bodyFormat") == "json":
         named["the body"] = parts["body"]
     check_encodable({"the queue name": queue, **named, "the headers": headers, "the properties": properties})
-    jobs.publish(
+    publish_job(
         queue=queue,
         kind=headers["task"],
         task_id=str(headers["id"]),

@@ -6,7 +6,10 @@ Celery is imported inside the functions: this module is imported while `celery` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import wraps
 from typing import TYPE_CHECKING, Any
@@ -356,3 +359,95 @@ def wrap_task_runs(app: Any, retry_for: Callable[[Any, Exception], BaseException
     """`wrap_task_run` for every task of the app (idempotent)."""
     for task in list(app.tasks.values()):
         wrap_task_run(task, retry_for)
+
+
+# --- a task's publish, recorded and replayed (bb_broker.bulk) ---------------------------------------------------------
+
+
+@dataclass
+class SendTaskCall:
+    """What one `app.send_task` (and so one `apply_async`) handed Celery's two public message steps: the arguments of
+    `app.amqp.create_task_message` (the builder of the task message: headers, properties, body, sent event) and the
+    keywords of `app.amqp.send_task_message` (queue, exchange, serializer, the properties apply_async adds; it runs
+    `before_task_publish`, publishes, runs `after_task_publish` and sends the task-sent event). `create` and `send`
+    are those two, to call again for another task of the same call shape."""
+
+    create: Callable[..., Any]
+    send: Callable[..., Any]
+    created: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    sent: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+#: The positions of the arguments `create_task_message` (as_task_v1/as_task_v2) takes that a bulk call gives per task:
+#: (task_id, name, args, kwargs, countdown, eta, ...) as `Celery.send_task` passes them.
+CREATE_TASK_ID, CREATE_ARGS, CREATE_KWARGS, CREATE_ETA = 0, 2, 3, 5
+
+
+#: The SendTaskCall each thread records into (recording_send_task), if any.
+_recording = threading.local()
+#: Installs the recording wrappers on an app's AMQP once, whichever thread comes first.
+_installing = threading.Lock()
+
+
+@contextmanager
+def recording_send_task(app: Any) -> Iterator[SendTaskCall]:
+    """Record, for the calling thread, what `app.send_task` hands `app.amqp.create_task_message` and
+    `app.amqp.send_task_message` while the block runs (every other thread's calls, and this one's after the block,
+    pass through unrecorded; two threads recording at once each record their own).
+
+    No public hook sees the message's parts before the producer serializes them: these two are public attributes of
+    the app's AMQP (cached properties, looked up at each send_task), wrapped on that instance the first time (the
+    wrappers stay: a thread-local look-up per publish). Relies on: `Celery.send_task` computing the exec options, the
+    routing, the expiry, the parent's ids, then calling `amqp.create_task_message(task_id, name, args, kwargs,
+    countdown, eta, group_id, group_index, expires, retries, chord, callbacks, errbacks, reply_to, time_limit,
+    soft_time_limit, create_sent_event, root_id, parent_id, shadow, chain, **options)` once and
+    `amqp.send_task_message(producer, name, message, **options)` once. Checked against celery 5.4.0, 5.5.3, 5.6.3,
+    5.7.0."""
+    amqp = app.amqp
+    with _installing:
+        if not getattr(amqp.create_task_message, _INSTALLED, False):
+            _install_recorders(amqp)
+    create, send = amqp.create_task_message, amqp.send_task_message
+    call = SendTaskCall(create=create.__wrapped__, send=send.__wrapped__)
+    outer, _recording.call = getattr(_recording, "call", None), call
+    try:
+        yield call
+    finally:
+        _recording.call = outer
+
+
+def _install_recorders(amqp: Any) -> None:
+    create, send = amqp.create_task_message, amqp.send_task_message
+
+    @wraps(create)
+    def create_recorded(*args: Any, **kwargs: Any) -> Any:
+        call = getattr(_recording, "call", None)
+        if call is not None:
+            call.created.append((args, kwargs))
+        return create(*args, **kwargs)
+
+    @wraps(send)
+    def send_recorded(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        call = getattr(_recording, "call", None)
+        if call is not None:
+            call.sent.append((name, dict(options)))
+        return send(producer, name, message, **options)
+
+    setattr(create_recorded, _INSTALLED, True)
+    amqp.create_task_message, amqp.send_task_message = create_recorded, send_recorded
+
+
+def argument_check(task: Any) -> Callable[..., Any] | None:
+    """What `Task.apply_async` calls with a task's args and kwargs before it sends (the task's signature, raising
+    TypeError for arguments it cannot take), or None when the task has `typing=False`: `task.__header__`, the
+    function header Celery's task decorator builds. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    if not task.typing:
+        return None
+    return getattr(task, "__header__", None)
+
+
+def converts_arguments(task: Any) -> bool:
+    """Whether `Task.apply_async` converts a task's arguments before it sends them (pydantic models dumped: the
+    task's `pydantic=True`, Celery 5.5 and later, `Task._dump_pydantic_arguments`), so that its message cannot be
+    built from its arguments as they are. Checked against celery 5.4.0 (absent), 5.5.3, 5.6.3, 5.7.0."""
+    return getattr(task, "_dump_pydantic_arguments", None) is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
+from typing import Any
 
 import pytest
 from celery import Celery, states
@@ -378,3 +379,108 @@ def test_every_app_of_the_process_is_listed_current_or_not() -> None:
         "an app made with set_as_current=False is not in celery._state._apps: Celery changed where it keeps its apps; "
         + where("apps")
     )
+
+
+class _KeepingProducer:
+    """A producer as Celery's send_task uses one (its publish and connection): keeps what it is given."""
+
+    def __init__(self, app: Celery) -> None:
+        self.connection = app.connection_for_write()
+        self.published: list[tuple[Any, dict[str, Any]]] = []
+
+    def publish(self, body: Any, **options: Any) -> None:
+        self.published.append((body, options))
+
+
+def test_send_task_builds_and_sends_through_the_apps_amqp_once_each_and_a_replay_is_the_same_publish(
+    app: Celery,
+) -> None:
+    from datetime import UTC, datetime
+
+    eta = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    producer = _KeepingProducer(app)
+    with upstream_celery.recording_send_task(app) as call:
+        app.send_task(
+            "t.name",
+            args=(1, 2),
+            kwargs={"k": 3},
+            eta=eta,
+            task_id="id-1",
+            producer=producer,
+            queue="q",
+            priority=3,
+            serial_key="s-1",
+        )
+    assert (app.amqp.create_task_message.__wrapped__, app.amqp.send_task_message.__wrapped__) == (
+        call.create,
+        call.send,
+    ), "recording_send_task's wrappers do not call Celery's own builder and sender"
+    assert len(call.created) == 1 and len(call.sent) == 1, (
+        "Celery's send_task no longer calls app.amqp.create_task_message and send_task_message once each: "
+        "bb_broker/upstream/celery.py:recording_send_task and bb_broker/bulk.py:_Shapes cannot replay a publish"
+    )
+    (created, create_options), (name, send_options) = call.created[0], call.sent[0]
+    at = upstream_celery
+    assert (created[at.CREATE_TASK_ID], created[1], created[at.CREATE_ARGS], created[at.CREATE_KWARGS]) == (
+        "id-1",
+        "t.name",
+        (1, 2),
+        {"k": 3},
+    ), "create_task_message's leading arguments moved: see CREATE_TASK_ID, CREATE_ARGS, CREATE_KWARGS"
+    assert created[at.CREATE_ETA] == eta, "create_task_message's eta moved: see CREATE_ETA"
+    assert name == "t.name" and send_options["serial_key"] == "s-1" and send_options["queue"] is not None
+    # Replayed for another task id, its arguments and ETA: the same publish, but for what was given.
+    positional = list(created)
+    positional[at.CREATE_TASK_ID], positional[at.CREATE_ARGS], positional[at.CREATE_ETA] = "id-2", (7,), None
+    call.send(producer, name, call.create(*positional, **create_options), **send_options)
+    (first_body, first), (second_body, second) = producer.published
+    assert second_body[0] == (7,) and second_body[1:] == first_body[1:]
+    differs = {k for k in first["headers"] if first["headers"][k] != second["headers"].get(k)}
+    assert differs == {"id", "root_id", "argsrepr", "eta"}, differs
+    assert {k for k in first if k != "headers" and first[k] != second[k]} == {"correlation_id"}
+
+
+def test_a_recorded_send_task_leaves_other_threads_calls_out_and_each_thread_records_its_own(app: Celery) -> None:
+    import threading
+
+    recorded: dict[str, list[Any]] = {}
+    inside, go = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with upstream_celery.recording_send_task(app) as call:  # begun while the main thread records, ended after
+            inside.set()
+            go.wait(10)
+            app.send_task("t.theirs", producer=_KeepingProducer(app))
+        recorded["theirs"] = [name for name, _ in call.sent]
+
+    with upstream_celery.recording_send_task(app) as call:
+        other = threading.Thread(target=other_thread)
+        other.start()
+        inside.wait(10)
+        app.send_task("t.mine", producer=_KeepingProducer(app))
+    go.set()
+    other.join()
+    with upstream_celery.recording_send_task(app) as again:
+        app.send_task("t.again", producer=_KeepingProducer(app))
+    assert [name for name, _ in call.sent] == ["t.mine"] and len(call.created) == 1
+    assert recorded["theirs"] == ["t.theirs"]
+    assert [name for name, _ in again.sent] == ["t.again"]
+
+
+def test_apply_async_checks_a_typed_tasks_arguments_with_its_header_and_converts_no_plain_ones(app: Celery) -> None:
+    @app.task(name="t.typed", shared=False)
+    def typed(x: int, y: int) -> int:
+        return x + y
+
+    @app.task(name="t.untyped", typing=False, shared=False)
+    def untyped(x: int) -> int:
+        return x
+
+    check = upstream_celery.argument_check(typed)
+    assert check is not None, "Task.__header__ is gone: apply_async's argument check cannot be replayed (bulk.py)"
+    check(1, 2)
+    with pytest.raises(TypeError):
+        check(1, 2, 3)
+    assert upstream_celery.argument_check(untyped) is None
+    assert "check_arguments = self.__header__" in source(app.Task.apply_async)
+    assert not upstream_celery.converts_arguments(typed)
