@@ -14,12 +14,8 @@ import tornado.template
 
 from bb_broker.contrib.flower import (
     flowers_actions,
-    handlers,
     health,
     plugin,
-    progress,
-    rerun,
-    schedules_tab,
     templates,
 )
 from bb_broker.contrib.flower.flowers_actions import READING_POSTS, WRITE_METHODS
@@ -257,10 +253,7 @@ def test_every_one_of_flowers_actions_is_guarded() -> None:
         "Flower's acting handlers changed: a new one is refused to everyone --jobs_admins does not name until it is "
         "looked at; " + where("guard_prepare")
     )
-    ours = {
-        upstream_flower.handler_class_of(spec)
-        for spec in (*handlers.HANDLERS, *progress.HANDLERS, *rerun.HANDLERS, *schedules_tab.HANDLERS)
-    }
+    ours = {upstream_flower.handler_class_of(spec) for spec in plugin.OUR_HANDLERS}
     for spec in table:
         handler = upstream_flower.handler_class_of(spec)
         writes = [name for name in WRITE_METHODS if getattr(handler, name) is not getattr(RequestHandler, name)]

@@ -33,6 +33,10 @@ from bb_broker.upstream import flower as upstream_flower
 
 logger = logging.getLogger(__name__)
 
+#: Every handler the plugin adds to Flower's app: the Jobs tab's, its progress, rerun and canvas steering, the
+#: Schedules tab's (each guards its own actions; tests/unit/test_upstream_flower.py checks every other one that acts).
+OUR_HANDLERS = handlers.HANDLERS + progress.HANDLERS + rerun.HANDLERS + steering.HANDLERS + schedules_tab.HANDLERS
+
 
 def install() -> None:
     """Make Flower's Broker factory answer `bbmongo://` URLs with `JobQueues`, its pages show the broker's error, and
@@ -47,9 +51,7 @@ def install() -> None:
         flowers_actions.flowers_actions(upstream_flower.url_table()),
         flowers_actions.refuse_flowers_action_unless_allowed,
     )
-    upstream_flower.install_handlers(
-        handlers.HANDLERS + progress.HANDLERS + rerun.HANDLERS + steering.HANDLERS + schedules_tab.HANDLERS, "jobs"
-    )
+    upstream_flower.install_handlers(OUR_HANDLERS, "jobs")
     upstream_flower.install_broker_factory(health.is_ours, broker.JobQueues)
 
 
