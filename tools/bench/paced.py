@@ -10,7 +10,7 @@ them). Prints each round's figures with the load average, and the ratios to Redi
 (lowest-highest) over BENCH_REPEAT rounds (default 3). A round whose pace fell under 90% of PACE is said so: a
 worker that could not keep up spends more per task, and the ratio is not at an equal pace.
 
-BENCH_COMMANDS=1 also counts the commands the bbmongo:// worker's processes send during the paced window, per task.
+BENCH_PACED_COMMANDS=1 also counts the commands the bbmongo:// worker's processes send in the paced window, per task.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _spread(values: list[float]) -> str:
 
 def main() -> int:
     n, repeat = int(os.environ.get("BENCH_N", "500")), int(os.environ.get("BENCH_REPEAT", "3"))
-    idle, commands = float(os.environ.get("BENCH_IDLE", "10")), os.environ.get("BENCH_COMMANDS") == "1"
+    idle, commands = float(os.environ.get("BENCH_IDLE", "10")), os.environ.get("BENCH_PACED_COMMANDS") == "1"
     workdir = Path(tempfile.mkdtemp(prefix="bb-paced-"))
     mongo: Server = mongo_server(workdir)
     redis_server = RedisServer(workdir)
