@@ -127,6 +127,10 @@ def _in_a_pool_process(**_: Any) -> None:
 
 @signals.worker_init.connect
 def _become_worker(sender: Any = None, **_: Any) -> None:
+    # Whatever its broker: a worker of another broker in a process that imports bb_broker runs its task receivers
+    # too, and each task's lookup read the app's conf to find no store (about a sixth of a Redis pool process's CPU
+    # per task at 100 tasks/s, in the bench).
+    app_stores.keep_task_store(sender.app)  # kept from the first task on
     if app_stores.broker_url(sender.app) is None:
         return
     # Before the pool forks and the consumer builds its tracers and request classes: `pool_shrink` must not wedge
@@ -137,7 +141,6 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
     add_process_source(_reserved_jobs)
     add_started_source(_started_jobs)
-    app_stores.keep_task_store(sender.app)  # kept from the first task on
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
     if _forks_its_pool(sender):
         app = sender.app

@@ -38,6 +38,9 @@ METRICS: list[tuple[str, str, str]] = [
     ("worker_pool_cpu_ms_per_task_celery_prefetch", "  of which the pool processes", "ms"),
     ("worker_cpu_ms_per_task_paced", "worker CPU per task, 100 tasks/s (main + pool)", "ms"),
     ("worker_pool_cpu_ms_per_task_paced", "  of which the pool processes", "ms"),
+    # Under the pace (a loaded machine, a starved server), a worker spends more per task: not an equal pace then.
+    ("paced_tps", "  the pace it kept (100 sent a second)", "tasks/s"),
+    ("paced_load_average", "  the machine's load average (1 min) after it", "load"),
     ("idle_ops_per_s", "idle server ops/s (1 worker)", "ops/s"),
     ("worker_rss_mb", "worker RSS (main + pool)", "MB"),
 ]

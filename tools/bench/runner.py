@@ -345,6 +345,8 @@ def paced_cpu(worker: Worker, stamps: Stamps, publish: Callable[[str], None], ta
         "worker_cpu_ms_per_task_paced": (main_end - main + pool_end - pool) * 1000 / count,
         "worker_pool_cpu_ms_per_task_paced": (pool_end - pool) * 1000 / count,
         "paced_tps": count / (time.monotonic() - began),
+        # The CPU figures of a loaded machine are noisy: said beside them.
+        "paced_load_average": os.getloadavg()[0],
     }
 
 
