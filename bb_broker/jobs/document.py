@@ -11,7 +11,8 @@ The job document's record of its attempts and its Celery result (designed once, 
   `$push`/`$slice` by the settling write (a failed attempt the broker retries: just before its retry's publish).
 - The result, set by the settling write when the backend is `bbmongo://` (see results.py): `state` (Celery's state),
   `result` (the value as BSON when it came as JSON, else the encoded bytes; `resultFormat` says which), `traceback`,
-  `dateDone`, `children`, `groupId`, `parentId`.
+  `dateDone`, `children`, `groupId`, `parentId`; `readyInAttempt`, the attempt that stored a ready state before the
+  settle that ends it (a revoked chord part's REVOKED, stored before the part is counted: results/states.py).
 """
 
 from __future__ import annotations

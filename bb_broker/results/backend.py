@@ -296,6 +296,13 @@ class JobResultBackend(ChordBackend):
         fields = self._result_fields(self.encode_result(TaskRevokedError(reason), state), state, None, request)
         settle.revoked(held[0], request, result=fields)
         if request.chord:
+            # Celery's backends store REVOKED before they count the chord part (BaseBackend.mark_as_revoked): a
+            # get() on the chord's result, which checks the chord's parents as it waits (follow_parents), raises the
+            # part's TaskRevokedError, not the ChordError the part causes. The settle waits for task_revoked, after
+            # the part is counted (a worker killed in between loses no part): the state goes on the job first, read
+            # as the task's while the job runs this attempt.
+            store, (job_id, attempts) = held
+            store.annotate(job_id, attempts, {**fields, job_states.READY_IN_ATTEMPT: attempts})
             self.on_chord_part_return(request, state, TaskRevokedError(reason))
 
     def _store_result(

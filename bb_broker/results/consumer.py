@@ -74,6 +74,12 @@ class ResultConsumer:
         try:
             while pending:
                 ready, outage = self._read(pending, ready_states, on_message)
+                if on_interval is not None and (ready or iterations):
+                    # After every read, as Redis's consumer calls it after every wait, the one that brought the
+                    # result included: a parent's error (a chord's revoked header task, stored before the failure it
+                    # caused) is raised before that failure. Not after a first read that found nothing: get() has
+                    # just checked the parents itself.
+                    on_interval()
                 yield from ready
                 if not pending:
                     return
@@ -99,10 +105,6 @@ class ResultConsumer:
                         raise
                     stream, watched = self._closed(stream), None  # a new one once the server answers a read again
                     time.sleep(interval if remaining is None else min(interval, remaining))
-                if on_interval is not None:
-                    # After the wait and before the next read, as Redis's consumer does: a parent's error (a
-                    # chord's revoked header task) is raised before the failure it caused downstream.
-                    on_interval()
         finally:
             if stream is not None:
                 stream.close()

@@ -13,6 +13,9 @@ from kombu.serialization import loads
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED
 from bb_broker.jobs.payloads import PayloadError, to_message
 
+#: The job field naming the attempt that stored a ready state on its job ahead of the settle that ends it (a revoked
+#: chord part: JobResultBackend.mark_as_revoked): while the job still runs that attempt, the state is the task's.
+READY_IN_ATTEMPT = "readyInAttempt"
 #: The fields a result read needs from a job document.
 RESULT_FIELDS = {
     "status": 1,
@@ -27,11 +30,15 @@ RESULT_FIELDS = {
     "parentId": 1,
     "finishedAt": 1,
     "forgotten": 1,
+    "attempts": 1,
+    READY_IN_ATTEMPT: 1,
 }
 #: The fields `result_extended` reads too: the task's name, message, queue and the worker that ran it.
 EXTENDED_FIELDS = {"kind": 1, "payload": 1, "queue": 1, "history": {"$slice": -1}}
 #: Fields forget() removes from a job.
-FORGOTTEN = {field: "" for field in RESULT_FIELDS if field not in ("status", "lastError", "finishedAt", "forgotten")}
+FORGOTTEN = {
+    field: "" for field in RESULT_FIELDS if field not in ("status", "lastError", "finishedAt", "forgotten", "attempts")
+}
 
 #: Decodes a stored result: (the `result` field, its `resultFormat`) -> the value (codec.loaded, bound to a backend).
 Loader = Callable[[Any, str | None], Any]
@@ -67,6 +74,9 @@ def meta_of_job(doc: dict[str, Any], load: Loader) -> dict[str, Any]:
         # Celery's docs show) stays what it reads, as in Celery's other backends.
         return pending(task_id)
     if status in (QUEUED, RUNNING) and (state is None or state in states.READY_STATES):
+        ready_in = doc.get(READY_IN_ATTEMPT)
+        if status == RUNNING and state is not None and ready_in is not None and ready_in == doc.get("attempts"):
+            return meta_of_result(doc, task_id, load)  # stored by the attempt that runs, just before its settle
         return pending(task_id)  # an outcome from an earlier run
     return meta_of_result(doc, task_id, load)
 

@@ -9,7 +9,7 @@ import pytest
 from bson import Binary
 from celery import Celery, states
 from celery.app.task import Context
-from celery.exceptions import ChordError
+from celery.exceptions import ChordError, TaskRevokedError
 from pymongo import MongoClient
 from pymongo.database import Database
 
@@ -20,6 +20,7 @@ from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.results.backend import JobFailed, JobResultBackend
 from bb_broker.server import capabilities
+from bb_broker.worker import settle
 from tests.support.faults import fail_point_off, fail_point_on
 from tests.support.servers import with_database
 from tests.support.workers import producer, wait_for
@@ -276,6 +277,38 @@ def test_a_chord_part_whose_failure_is_over_the_limit_still_fails_the_chord(app:
     assert db.bb_results.find_one({"_id": "chord:g5"})["count"] == 1
     with pytest.raises(ChordError, match="ResultTooLarge"):
         app.AsyncResult(callback.id).get(timeout=10)
+
+
+def test_a_revoked_chord_part_reads_revoked_before_the_chord_fails(app: Celery, db: Database):
+    """Celery's backends store REVOKED before they count the chord part: a get() on the chord's result, which checks
+    the chord's parents, raises the part's TaskRevokedError, not the ChordError (Celery's own
+    test_revoked_by_headers_complex_canvas). The worker settles the job at task_revoked, after the part is counted."""
+    callback = tsum(app)
+    app.backend.apply_chord(("g6", [app.AsyncResult("t-revoked")]), callback)
+    app.backend.set_chord_size("g6", 1)
+    request = held_part(app, "t-revoked", "g6", callback)
+    app.backend.mark_as_revoked("t-revoked", "revoked", request=request)  # as a worker does, before task_revoked
+    assert db.bb_results.find_one({"_id": "chord:g6"})["count"] == 1
+    assert db.jobs.find_one({"taskId": "t-revoked"})["status"] == "running"
+    header = app.GroupResult("g6", [app.AsyncResult("t-revoked")])
+    with pytest.raises(TaskRevokedError):
+        app.AsyncResult(callback.id, parent=header).get(timeout=10)
+    with pytest.raises(ChordError, match="TaskRevokedError"):
+        app.AsyncResult(callback.id).get(timeout=10, follow_parents=False)
+    settle.revoked(bb_broker.app_stores.store_for(app), request, why="revoked before it ran")  # task_revoked
+    doc = db.jobs.find_one({"taskId": "t-revoked"})
+    assert doc["status"] == "failed" and doc["lastError"] == "revoked before it ran"
+    assert app.AsyncResult("t-revoked").state == states.REVOKED
+
+
+def test_get_calls_on_interval_after_the_read_that_finds_the_result(app: Celery):
+    """Redis's get() calls on_interval after the wait that brought the result, however soon it came: a chord's
+    parents are checked after its result is found failed, so a header task's error stored before the chord's is the
+    one raised, even when both came between get()'s own first check of the parents and its first read."""
+    app.backend.store_result("done-early", 3, states.SUCCESS)
+    intervals: list[str] = []
+    assert app.AsyncResult("done-early").get(timeout=10, on_interval=lambda: intervals.append("checked")) == 3
+    assert intervals == ["checked"]
 
 
 def test_a_failure_the_main_process_reports_adds_no_second_entry_for_an_attempt_its_retry_recorded(

@@ -9,6 +9,7 @@ from pathlib import Path
 import celery
 import pytest
 from celery import Celery, chain, chord, group
+from celery.canvas import StampingVisitor
 from celery.exceptions import ChordError, Reject, TaskRevokedError
 from celery.result import AsyncResult, GroupResult
 from click.testing import CliRunner, Result
@@ -385,6 +386,28 @@ def test_a_chord_whose_header_task_fails(results_app, results_worker, db: Databa
     with pytest.raises(ChordError, match="always fails"):
         result.get(timeout=10, follow_parents=False)
     assert db.runs.count_documents({"name": T + "tsum"}) == 0
+
+
+class Monitored(StampingVisitor):
+    """Stamps a canvas with a `monitoring_id` header, as Celery's own revoke-by-header tests do."""
+
+    def on_signature(self, sig, **headers) -> dict:
+        return {"monitoring_id": "m-1", "stamped_headers": ["monitoring_id"]}
+
+
+def test_a_chord_whose_header_task_is_revoked_by_its_stamped_header(results_app, results_worker):
+    """Celery's test_revoked_by_headers_complex_canvas: as with Redis, get() on the chord raises the revoked header
+    task's TaskRevokedError (it checks the chord's parents while it waits), not the ChordError the revoke causes."""
+    results_worker()
+    assert results_app.control.revoke_by_stamped_headers({"monitoring_id": "m-1"}, reply=True, timeout=60, limit=1)
+    stamped = sig(results_app, "sleep", 4)
+    stamped.stamp(visitor=Monitored())
+    result = chord([stamped])(sig(results_app, "tsum"))
+    with pytest.raises(TaskRevokedError):
+        result.get(timeout=120)
+    assert result.parent.results[0].state == "REVOKED"
+    with pytest.raises(ChordError, match="TaskRevokedError"):
+        result.get(timeout=10, follow_parents=False)
 
 
 def test_a_failed_chain_step_fails_the_rest_of_the_chain(results_app, results_worker, db: Database):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 from typing import Any
 
 from pymongo.database import Database
@@ -20,6 +21,7 @@ from tests.support.workers import ROOT, send, settled, wait_for
 ADD = "tests.support.e2e_app.add"
 USERS = "admin:s3cret,viewer:peek"
 VIEWER = "viewer:peek"
+FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 
 def post(flower: FlowerProcess, path: str, form: dict[str, Any], **options: Any) -> tuple[int, Any]:
@@ -97,6 +99,9 @@ def test_a_read_only_flower_refuses_it_and_shows_no_control(app, db: Database, f
     store.ensure_indexes()
     job_id = failed_job(store, "t-failed")
     flower = flower_factory(extra_args=("--read_only",))
+    if FLOWER < (2, 1):  # Flower 2.0 has no read-only mode and drops the option: bb_broker says so as it starts
+        wait_for(lambda: "this Flower has no --read_only" in flower.log(), message="the notice")
+        return
     before = snapshot(db)
     for path in (f"/api/jobs/job/{ACTION}/preview", f"/api/jobs/job/{ACTION}"):
         status, body = post(flower, path, {"id": job_id, "args": "[1, 2]"})

@@ -77,6 +77,16 @@ def test_a_queued_or_running_job_with_an_earlier_runs_outcome_reads_pending() ->
         assert job_states.meta_of_job(doc, load)["status"] == states.PENDING
 
 
+def test_a_running_job_reads_the_revoke_its_own_attempt_stored_before_the_settle() -> None:
+    # A revoked chord part: REVOKED goes on the job before the part is counted, the settle comes after. Only the
+    # attempt that stored it reads it; a later attempt of the job (its worker died before the settle) reads PENDING.
+    revoked = result_fields(states.REVOKED, {"exc_type": "TaskRevokedError", "exc_message": ["revoked"]})
+    doc = job("running", attempts=2, readyInAttempt=2, **revoked)
+    assert job_states.meta_of_job(doc, load)["status"] == states.REVOKED
+    for later in (job("running", attempts=3, readyInAttempt=2, **revoked), {**doc, "status": "queued"}):
+        assert job_states.meta_of_job(later, load) == job_states.pending("task-1")
+
+
 def test_a_running_job_reads_its_started_or_custom_state() -> None:
     doc = job("running", **result_fields("PROGRESS", {"done": 3}))
     meta = job_states.meta_of_job(doc, load)

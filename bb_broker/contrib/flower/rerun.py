@@ -23,7 +23,7 @@ class RerunAction(JobsHandler):
     async def post(self, preview: str | None = None) -> None:
         refuse_unless_allowed(self)
         identifier = self.job_id()
-        texts = [self.get_argument(name, default=None, escape=False, strip=False) for name in ("args", "kwargs")]
+        texts = [self.plain_argument(name, default=None, strip=False) for name in ("args", "kwargs")]
         capp = self.application.capp
         operations = operations_of(self)
         try:
