@@ -41,7 +41,7 @@ from bb_broker.jobs.indexes import CLAIM_ORDER, first_due, hinted
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.jobs.outages import is_transient, through_outages
 from bb_broker.jobs.queues import LimitReached, QueueLimits, moment_us
-from bb_broker.jobs.rate_keys import RateHolds, counted_key
+from bb_broker.jobs.rate_keys import RateHolds, bad_rate_key, counted_key
 from bb_broker.jobs.rates import RateCounters
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.slots import ConcurrencySlots
@@ -136,7 +136,7 @@ class Claims:
                 if holds is None:
                     start = rates.take_start(queue, rate, now)
                 else:
-                    head = rates.head(due, holds, now)
+                    head = self._rate_head(due, holds, now)
                     if head is None:
                         rates.raise_if_held(queue, holds, now)
                         return None
@@ -170,6 +170,17 @@ class Claims:
             return job
         if holds is not None:
             rates.raise_if_held(queue, holds, store.now(), learnt=learnt)
+        return None
+
+    def _rate_head(self, due: dict[str, Any], holds: RateHolds, now: datetime) -> dict[str, Any] | None:
+        """The next due job whose rate key is not held (RateCounters.head), past the jobs whose key no claim counts
+        (bad_rate_key), failed on the way: a key longer than a publish writes would become its counter's _id and be
+        sent in every later claim's filter while it is held, whatever its size."""
+        for _ in range(MAX_MALFORMED_SKIPS):
+            head = self._store.rates.head(due, holds, now)
+            if head is None or (reason := bad_rate_key(head.get("rateKey"))) is None:
+                return head
+            self._fail_unclaimable({**due, "_id": head["_id"]}, reason, {"rateKey": {"$type": "string"}})
         return None
 
     def _skip_busy_key(self, exc: DuplicateKeyError, due: dict[str, Any], busy: set[str]) -> None:
