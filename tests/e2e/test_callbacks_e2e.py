@@ -133,3 +133,24 @@ def test_a_chord_body_celery_cannot_rebuild_fails_its_header_jobs_once_and_its_w
     assert db.runs.count_documents({}) == 0
     assert results_app.signature(ADD, (5, 6)).apply_async().get(timeout=60) == 11
     assert worker.process.poll() is None
+
+
+def test_a_dropped_callback_or_chain_step_fails_its_waiter_and_the_body_runs_once(
+    results_app: Celery, db: Database, worker_factory, broker_url: str
+) -> None:
+    # Each dropped signature named its task id: its waiter used to wait for ever, as nothing would ever run it.
+    link = results_app.signature(ADD, (3, 4), immutable=True)
+    link_result = link.freeze()
+    with_link = results_app.signature(ADD, (1, 2)).apply_async(link=link).id
+    _edited(db, with_link, {"$set": {"payload.options.callbacks.0.options.priority": 300}})
+    chained = (results_app.signature(ADD, (5, 6)) | results_app.signature(ADD, (7,))).apply_async()
+    first_step = chained.parent.id
+    _edited(db, first_step, {"$set": {"payload.options.chain.0.options.priority": 300}})
+    worker = worker_factory(env={"BB_RESULT_BACKEND": broker_url})
+    for task_id in (with_link, first_step):
+        ended = wait_for(_ended(db, task_id), timeout=120, message=f"{task_id} ended")
+        assert ended["status"] == bb_broker.SUCCEEDED and _runs(db, task_id) == 1
+    for waited in (AsyncResult(link_result.id, app=results_app), AsyncResult(chained.id, app=results_app)):
+        with pytest.raises(bb_broker.PublishRefused, match="not published, the broker refuses it .* 'priority'"):
+            waited.get(timeout=60)
+    assert db.runs.count_documents({}) == 2 and worker.process.poll() is None
