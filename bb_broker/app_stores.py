@@ -142,6 +142,12 @@ def store_revoked_results(store: JobStore, task_ids: Iterable[str]) -> None:
 
 def _apps_with_their_own_backend(store: JobStore) -> list[Any]:
     """The Celery apps of this process on `store`'s broker whose result backend is their own."""
+    # bbmongo:// (its results are the job documents, bb_broker.results) needs nothing.
+    return [app for app in _apps_with_a_backend(store) if not type(app.backend).__module__.startswith("bb_broker.")]
+
+
+def _apps_with_a_backend(store: JobStore) -> list[Any]:
+    """The Celery apps of this process on `store`'s broker that have a result backend."""
     from celery.backends.base import DisabledBackend
 
     found = []
@@ -151,7 +157,33 @@ def _apps_with_their_own_backend(store: JobStore) -> list[Any]:
             continue
         if BrokerOptions.parse(app.conf.broker_transport_options or {}).jobs_collection != store.coll.name:
             continue
-        # bbmongo:// (its results are the job documents, bb_broker.results) and no backend need nothing.
-        if not isinstance(app.backend, DisabledBackend) and not type(app.backend).__module__.startswith("bb_broker."):
+        if not isinstance(app.backend, DisabledBackend):
             found.append(app)
     return found
+
+
+def store_never_run(backend: Any, task_id: str, error: BaseException) -> None:
+    """Store FAILURE with `error` for `task_id` in a result backend, for a task the broker will never run (a
+    callback dropped as malformed, the body of a chord whose header's job failed before it ran): its waiters
+    (`AsyncResult(task_id).get()`) would wait for ever. A backend's outage, or one that cannot store a result for a
+    task it did not see (rpc://), is logged, never raised: the task that carried it goes on."""
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(backend, DisabledBackend):
+        return
+    try:
+        backend.mark_as_failure(task_id, error, call_errbacks=False)
+    except Exception as exc:  # the backend is the user's
+        logger.warning("task %s will never run, but its result backend could not be told: %s", task_id, exc)
+
+
+def store_chord_never_run(store: JobStore, body_id: str, reason: str) -> None:
+    """store_never_run, with Celery's ChordError, for the body of a chord one of whose header's jobs `store` failed
+    before it ran (its part is never counted), in the backend of each app of this process on `store`'s broker."""
+    if "celery" not in sys.modules:
+        return  # a Kombu client: no Celery app, no result backend
+    from celery.exceptions import ChordError
+
+    error = ChordError(f"a task of the chord's header failed before it ran: {reason}")
+    for app in _apps_with_a_backend(store):
+        store_never_run(app.backend, body_id, error)

@@ -17,6 +17,7 @@ from urllib.parse import quote, quote_plus, unquote, unquote_plus
 
 import pymongo
 from pymongo import MongoClient
+from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import ConfigurationError, InvalidURI, PyMongoError
 from pymongo.uri_parser import parse_uri
@@ -415,11 +416,27 @@ def get_database(target: BrokerTarget, **client_options: Any) -> Database:
     return client[target.database]
 
 
+#: How every client of ours decodes what it reads: a document written by another program may hold what BSON allows
+#: and Python does not, a string whose bytes are not UTF-8 or a date before year 1 or after 9999, and pymongo's
+#: defaults raise InvalidBSON on it (for the whole reply: a list of 100 jobs, a claim's answer). Such text is read
+#: with U+FFFD in place of each bad byte, such a date as the nearest one Python holds (9999-12-31, 0001-01-01), so
+#: that every reader, which copes with text and dates, shows and counts the job. A claim must not run a job whose
+#: message was read altered: it reads its job with strict_text (see jobs/claiming.py).
+LENIENT_DECODING: dict[str, Any] = {"unicode_decode_error_handler": "replace", "datetime_conversion": "DATETIME_CLAMP"}
+
+
+def strict_text(collection: Collection) -> Collection:
+    """`collection`, but reading a string whose bytes are not UTF-8 as InvalidBSON rather than with U+FFFD in it."""
+    return collection.with_options(
+        codec_options=collection.codec_options.with_options(unicode_decode_error_handler="strict")
+    )
+
+
 def new_client(uri: str, **options: Any) -> MongoClient:
-    """A MongoClient whose background threads never take a signal that ends the process (see below): every client
-    bb_broker, its CLI and the demo make is made here."""
+    """A MongoClient whose background threads never take a signal that ends the process (see below), decoding with
+    LENIENT_DECODING: every client bb_broker, its CLI and the demo make is made here."""
     with stop_signals_blocked():
-        return MongoClient(uri, **options)
+        return MongoClient(uri, **{**LENIENT_DECODING, **options})
 
 
 #: Signals that end a process: only its main thread may take them.

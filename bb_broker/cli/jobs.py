@@ -80,7 +80,9 @@ def status(broker: str, collection: str, as_json: bool, by: str | None) -> None:
 
 
 def _table(first: str, rows: dict[str, dict[str, int]]) -> str:
-    names = [name or "(none)" for name in rows]
+    from bb_broker.ops.present import cell
+
+    names = [cell(name or "(none)") for name in rows]
     width = max([len(first), *map(len, names)])
     lines = [f"{first:<{width}}  " + "  ".join(f"{status:>9}" for status in STATUSES)]
     for name, counts in zip(names, rows.values(), strict=True):
@@ -116,7 +118,7 @@ def failed(
     """Failed jobs, the most recently failed first: id, kind, attempts, when, lastError."""
     from bb_broker.ops.operations import Operations
     from bb_broker.ops.present import as_json as as_json_value
-    from bb_broker.ops.present import as_text, to_the_second
+    from bb_broker.ops.present import as_text, cell, to_the_second
 
     with job_store(broker, collection) as store:
         docs = Operations(store).failed_jobs(
@@ -142,8 +144,8 @@ def failed(
         return
     lines = [
         (
-            as_text(doc.get("_id")),
-            as_text(doc.get("kind")),
+            cell(doc.get("_id")),
+            cell(doc.get("kind")),
             as_text(doc.get("attempts")),
             "" if doc.get("updatedAt") is None else to_the_second(doc["updatedAt"]),
             # One line per job: a multi-line error is folded and cut; --json has it whole.

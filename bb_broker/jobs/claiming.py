@@ -11,14 +11,16 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Protocol
 
+from bson.errors import InvalidBSON
 from pymongo import ReturnDocument
 from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import ConnectionFailure, DuplicateKeyError, OperationFailure
 
 from bb_broker import metrics
+from bb_broker.connection import strict_text
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.document import (
@@ -32,13 +34,14 @@ from bb_broker.jobs.document import (
     claimed,
     due_query,
     malformed,
+    not_utf8_fields,
 )
 from bb_broker.jobs.fair_keys import FairRotation
 from bb_broker.jobs.indexes import CLAIM_ORDER, first_due, hinted
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.jobs.outages import is_transient, through_outages
 from bb_broker.jobs.queues import LimitReached, QueueLimits, moment_us
-from bb_broker.jobs.rate_keys import RateHolds, counted_key
+from bb_broker.jobs.rate_keys import RateHolds, bad_rate_key, counted_key
 from bb_broker.jobs.rates import RateCounters
 from bb_broker.jobs.serial import SERIAL_INDEX_NAME, WAITERS_FIELD, busy_key, is_serial_key
 from bb_broker.jobs.slots import ConcurrencySlots
@@ -85,6 +88,12 @@ class Claims:
     def __init__(self, store: ClaimingStore) -> None:
         self._store = store
 
+    @cached_property
+    def _strict(self) -> MongoCollection:
+        """The jobs, their text read as it is or as InvalidBSON: a message read with U+FFFD in it (LENIENT_DECODING)
+        would run altered (see _fail_unreadable)."""
+        return strict_text(self._store.coll)
+
     def _hint(self, index: str, command: str = "find") -> dict[str, Any]:
         return self._store.server.hint(index, command)
 
@@ -122,7 +131,7 @@ class Claims:
                 if holds is None:
                     start = rates.take_start(queue, rate, now)
                 else:
-                    head = rates.head(due, holds, now)
+                    head = self._rate_head(due, holds, now)
                     if head is None:
                         rates.raise_if_held(queue, holds, now)
                         return None
@@ -156,6 +165,17 @@ class Claims:
             return job
         if holds is not None:
             rates.raise_if_held(queue, holds, store.now(), learnt=learnt)
+        return None
+
+    def _rate_head(self, due: dict[str, Any], holds: RateHolds, now: datetime) -> dict[str, Any] | None:
+        """The next due job whose rate key is not held (RateCounters.head), past the jobs whose key no claim counts
+        (bad_rate_key), failed on the way: a key longer than a publish writes would become its counter's _id and be
+        sent in every later claim's filter while it is held, whatever its size."""
+        for _ in range(MAX_MALFORMED_SKIPS):
+            head = self._store.rates.head(due, holds, now)
+            if head is None or (reason := bad_rate_key(head.get("rateKey"))) is None:
+                return head
+            self._fail_unclaimable({**due, "_id": head["_id"]}, reason, {"rateKey": {"$type": "string"}})
         return None
 
     def _skip_busy_key(self, exc: DuplicateKeyError, due: dict[str, Any], busy: set[str]) -> None:
@@ -205,7 +225,7 @@ class Claims:
         """The first job of `due` in CLAIM_ORDER through bb_claim, or in `order` (its sort and hint: a fair claim's)."""
         # A hand-edited job failed on the way is not the end of the queue: the job behind it is claimed in its place
         # (given up as empty, the queue would wait for its next wake-up with jobs in it).
-        coll = self._store.coll
+        coll, strict = self._store.coll, self._strict
         if order is None:
             # A claim of one job by its _id (a rate per key's) must not walk the queue when it is gone.
             order = {"sort": CLAIM_ORDER, **self._hint("_id_" if "_id" in due else "bb_claim", "findAndModify")}
@@ -214,7 +234,7 @@ class Claims:
                 with _claiming:
                     doc = hinted(
                         coll,
-                        lambda: coll.find_one_and_update(
+                        lambda: strict.find_one_and_update(
                             due,
                             take,
                             CLAIMED_FIELDS,
@@ -222,9 +242,16 @@ class Claims:
                             return_document=ReturnDocument.AFTER,
                         ),
                     )
+            except InvalidBSON as exc:
+                self._fail_unreadable(take, exc)  # the write landed: the job is ours, and fails
+                continue
             except (ConnectionFailure, OperationFailure) as exc:
                 if is_transient(exc):
-                    doc = self._landed_unseen(take)
+                    try:
+                        doc = self._landed_unseen(take)
+                    except InvalidBSON as unreadable:
+                        self._fail_unreadable(take, unreadable)
+                        continue
                     if doc is None:
                         raise  # nothing claimed: the outage goes on to the caller
                     return None if self._failed_malformed(doc, doc["attempts"]) else claimed(doc, doc["attempts"])
@@ -245,9 +272,16 @@ class Claims:
         pymongo's one retry met no primary either), read once the server answers: else it stayed `running` in this
         worker's name, held by nobody, until the stale sweep took it back with an attempt spent. The claim's own
         owner and moment (`take`) name it: no other write of this process sets both at once."""
-        mine = {"status": RUNNING, **{name: take["$set"][name] for name in ("leaseOwner", "updatedAt", "startedAt")}}
-        coll = self._store.coll
-        return self._through_outages(lambda: coll.find_one(mine, CLAIMED_FIELDS))
+        return self._through_outages(lambda: self._strict.find_one(_taken_by(take), CLAIMED_FIELDS))
+
+    def _fail_unreadable(self, take: dict[str, Any], exc: InvalidBSON) -> None:
+        """Fail the job the claim `take` took whose fields hold text that is not UTF-8 (another program wrote it):
+        read with U+FFFD in place of its bad bytes, its message would run altered, or its id find no job. Found by
+        the claim's own marks, not by its id, which may be the text in question."""
+        coll, mine = self._store.coll, _taken_by(take)
+        doc = self._through_outages(lambda: coll.find_one(mine, CLAIMED_FIELDS)) or {}
+        fields = ", ".join(not_utf8_fields(doc)) or "a field"
+        self._fail_held(doc.get("_id"), mine, f"{fields} holds text that is not UTF-8 ({exc})")
 
     def any_due(self, queues: Iterable[str]) -> bool:
         """Whether a job of any of `queues` is due: a safety poll's one read for them all (the claim's index, and
@@ -288,9 +322,14 @@ class Claims:
             # pipelines to spread a batch over them.
             return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds)
         due, taken = claim_query(queue, owner, store.now())
-        head = hinted(
-            coll, lambda: list(coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim")))
-        )
+        strict = self._strict
+        try:
+            head = hinted(
+                coll,
+                lambda: list(strict.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim"))),
+            )
+        except InvalidBSON:  # text that is not UTF-8 at the head: the claims of one job fail its job
+            return self._claim_each(queue, owner, limit, limits, busy_keys)
         if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):
             # A hand-edited document (an _id that may not even hash, a document say): the claims of one job deal
             # with it, within the queue's limits, and take the jobs behind it.
@@ -370,11 +409,16 @@ class Claims:
         reason = malformed({**doc, "attempts": attempts})
         if reason is None:
             return False
-        logger.error("job %r is malformed and cannot be run: %s", doc.get("_id"), reason)
+        self._fail_held(doc.get("_id"), {"_id": doc["_id"], "status": RUNNING, "attempts": attempts}, reason)
+        return True
+
+    def _fail_held(self, job_id: Any, held: dict[str, Any], reason: str) -> None:
+        """Fail the job this claim holds (the filter `held`) that no worker can run, once, naming the cause."""
+        logger.error("job %r is malformed and cannot be run: %s", job_id, reason)
         now = self._store.now()
         result = self._through_outages(
             lambda: self._store.coll.update_one(
-                {"_id": doc["_id"], "status": RUNNING, "attempts": attempts},
+                held,
                 {
                     "$set": {
                         "status": FAILED,
@@ -387,7 +431,6 @@ class Claims:
             )
         )
         metrics.record("failed", result.modified_count)
-        return True
 
     def _fail_unclaimable(self, due: dict[str, Any], reason: str, unclaimable: dict[str, Any] | None = None) -> bool:
         """Fail the job at the head of `due` that no claim can take, as the filter `unclaimable` says (by default:
@@ -417,3 +460,9 @@ class Claims:
 
     def _through_outages(self, write: Callable[[], Any]) -> Any:
         return through_outages(write, patience=self._store.settle_patience)
+
+
+def _taken_by(take: dict[str, Any]) -> dict[str, Any]:
+    """The filter of the job a claim of one job took with `take`: its owner and moment, which no other write of this
+    process sets both at once."""
+    return {"status": RUNNING, **{name: take["$set"][name] for name in ("leaseOwner", "updatedAt", "startedAt")}}

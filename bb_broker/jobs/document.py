@@ -247,6 +247,20 @@ def malformed(doc: dict[str, Any]) -> str | None:
     return None
 
 
+def not_utf8_fields(doc: dict[str, Any]) -> list[str]:
+    """The fields of a document read with LENIENT_DECODING (bb_broker.connection) that hold U+FFFD, where its text
+    was not UTF-8 (or held U+FFFD as written: said of a document pymongo's strict decoding refused)."""
+
+    def replaced(value: Any) -> bool:
+        if isinstance(value, str):
+            return "\ufffd" in value
+        if isinstance(value, dict):
+            return any(replaced(key) or replaced(item) for key, item in value.items())
+        return isinstance(value, list) and any(replaced(item) for item in value)
+
+    return [name for name, value in doc.items() if replaced(name) or replaced(value)]
+
+
 def bad_serial_key(value: Any) -> str:
     """Why `value` is no serial key (see serial.py): a key that is not a string is not what SERIAL_INDEX's claims can
     skip, and a key longer than a publish writes is a hand edit."""

@@ -398,21 +398,41 @@ def check_body(message: dict[str, Any], payload: dict[str, Any], *, whole_canvas
         signatures = embed.get(name)
         if signatures is not None and not (isinstance(signatures, list) and all(map(_signature, signatures))):
             raise MalformedTaskMessage(f"the embed's {name!r}", "a list of signatures or null", signatures)
-    if embed.get("chord") is not None and not _signature(embed["chord"]):
-        raise MalformedTaskMessage("the embed's 'chord'", "a signature or null", embed["chord"])
+    if embed.get("chord") is not None:
+        # Checked whole at delivery too: a header's last part publishes the body after its own body ran, and refused
+        # then the chord never completes (a callback refused then is dropped before the body runs: worker/receivers.py).
+        check_signature(embed["chord"], "the embed's 'chord'")
     if whole_canvas:
         check_canvas(embed)
 
 
 def check_canvas(embed: dict[str, Any]) -> None:
-    """check_signature for every signature a task message carries for later (its embed's callbacks, errbacks, chain
-    and chord), at the message's own publish: a worker publishes them only after the task's body ran, too late to
-    refuse anything but the signature itself."""
+    """check_signature for every signature a task message carries for later (its embed's callbacks, errbacks and
+    chain; check_body checks its chord), at the message's own publish: a worker publishes them only after the task's
+    body ran, too late to refuse anything but the signature itself."""
     for name in _SIGNATURE_LISTS:
         for index, signature in enumerate(embed.get(name) or ()):
             check_signature(signature, f"the embed's {name!r}[{index}]")
-    if embed.get("chord") is not None:
-        check_signature(embed["chord"], "the embed's 'chord'")
+
+
+#: The longest task id a signature's waiter is told of (a Celery id is 36 characters): a longer one is a hand edit.
+MAX_TASK_ID_LENGTH = 255
+
+
+def signature_task_id(signature: Any) -> str | None:
+    """The task id a signature's publish gives its task (its option `task_id`), which a waiter may hold
+    (`AsyncResult(id).get()`), when it is one: a string of 1 to MAX_TASK_ID_LENGTH characters BSON can hold."""
+    options = signature.get("options") if isinstance(signature, dict) else None
+    task_id = options.get("task_id") if isinstance(options, dict) else None
+    if isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_LENGTH and utf8_encodable(task_id):
+        return task_id
+    return None
+
+
+def chord_body_id(payload: Any) -> str | None:
+    """The task id of the chord body a stored task message carries in its embed (signature_task_id), if any."""
+    embed = payload.get("options") if isinstance(payload, dict) else None
+    return signature_task_id(embed.get("chord")) if isinstance(embed, dict) else None
 
 
 #: The canvas types Celery's `signature()` rebuilds from a message (celery.canvas, Signature.register_type), and the

@@ -31,8 +31,18 @@ def is_rate_key(value: Any) -> bool:
 
 def counted_key(value: Any) -> str | None:
     """The key a job's `rateKey` is counted under: None, the jobs without a key, for one that is not a string (a hand
-    edit: a string is counted as itself, whatever its length, so that the claim's filter can tell it apart)."""
+    edit: the claim's filter of the held keys tells strings apart from the rest, see RateHolds.due). A string no
+    publish writes never gets here: its job fails at its claim (bad_rate_key)."""
     return value if isinstance(value, str) else None
+
+
+def bad_rate_key(value: Any) -> str | None:
+    """Why a job's `rateKey` string is none a claim counts (None when it is one, or is no string at all): a key
+    longer than a publish writes is a hand edit, which would become its counter's _id and be sent in every later
+    claim's filter while it is held, whatever its size."""
+    if isinstance(value, str) and not is_rate_key(value):
+        return f"rateKey must be a string of 1 to {MAX_RATE_KEY_LENGTH} characters, not a string of {len(value)}"
+    return None
 
 
 #: The most held keys a claim leaves out by name (the soonest to come back are left to be refused again): the

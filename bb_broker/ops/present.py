@@ -141,6 +141,17 @@ def as_text(value: Any) -> str:
     return str(value)
 
 
+#: The most characters a table's cell shows of a stored value (a kind, an id): `show` and --json have it whole.
+CELL_LENGTH = 120
+
+
+def cell(value: Any) -> str:
+    """A stored value as a table's cell shows it: as_text on one line, cut to CELL_LENGTH characters (a hand-edited
+    kind of 1 MB widened every line of a table to 1 MB)."""
+    text = " ".join(as_text(value).split())
+    return text if len(text) <= CELL_LENGTH else text[: CELL_LENGTH - 3] + "..."
+
+
 def to_the_second(value: Any) -> str:
     """A stored moment as a table's column shows it, to the second (UTC); a value that is not a date as its text."""
     return as_text(value)[:19] if isinstance(value, datetime) else as_text(value)

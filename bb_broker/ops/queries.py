@@ -14,11 +14,13 @@ from pymongo.errors import ExecutionTimeout
 
 from bb_broker.clock import aware, reading
 from bb_broker.jobs.checkpoints import PROGRESS_PROJECTION, shown_progress
+from bb_broker.jobs.document import MAX_KIND_LENGTH
 from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES
 from bb_broker.jobs.queues import QueueControls, QueueLimits
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.filters import ARGUMENT_SEARCH_WINDOW, FilterError, JobFilter, ago
+from bb_broker.ops.summaries import NOT_A_NAME, group_name
 
 #: The most rows one page of a list holds.
 MAX_PAGE = 200
@@ -66,6 +68,18 @@ def _list_projection() -> dict[str, Any]:
 
 
 LIST_PROJECTION = _list_projection()
+
+
+def _bounded_name(field: str) -> dict[str, Any]:
+    """A job's queue or kind as a breakdown groups it, bounded on the server (a hand-edited kind of 1 MB was sent and
+    printed whole, a number printed as a name): a text cut one past MAX_KIND_LENGTH, which group_name then folds into
+    NOT_A_NAME as the charts do; none for none; NOT_A_NAME for any other type."""
+    value, kind = f"${field}", {"$type": f"${field}"}
+    branches = [
+        {"case": {"$eq": [kind, "string"]}, "then": {"$substrCP": [value, 0, MAX_KIND_LENGTH + 1]}},
+        {"case": {"$in": [kind, ["missing", "null"]]}, "then": None},
+    ]
+    return {"$switch": {"branches": branches, "default": NOT_A_NAME}}
 
 
 def list_row(doc: dict[str, Any]) -> dict[str, Any]:
@@ -127,13 +141,13 @@ class Queries:
         for row in self.coll.aggregate(
             [
                 {"$match": {"status": {"$in": list(STATUSES)}}},
-                {"$group": {"_id": {"name": f"${by}", "status": "$status"}, "n": {"$sum": 1}}},
+                {"$group": {"_id": {"name": _bounded_name(by), "status": "$status"}, "n": {"$sum": 1}}},
             ],
             **hint_if_indexed(self.store, "bb_status_updated", "aggregate"),
         ):
-            name = row["_id"].get("name")
-            counts = rows.setdefault("" if name is None else str(name), dict.fromkeys(STATUSES, 0))
-            counts[row["_id"]["status"]] = row["n"]
+            name = group_name(row["_id"].get("name"))
+            counts = rows.setdefault("" if name is None else name, dict.fromkeys(STATUSES, 0))
+            counts[row["_id"]["status"]] += row["n"]
         return dict(sorted(rows.items()))
 
     def queue_depths(self, queues: Iterable[str] | None = None) -> dict[str, dict[str, int]]:

@@ -17,7 +17,7 @@ from pymongo import errors as mongo_errors
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker import connection
-from bb_broker.app_stores import store_revoked_results
+from bb_broker.app_stores import store_chord_never_run, store_revoked_results
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
@@ -30,6 +30,7 @@ from bb_broker.jobs.payloads import (
     check_body,
     check_encodable,
     check_envelope,
+    chord_body_id,
     is_task_message,
     to_message,
 )
@@ -527,6 +528,8 @@ class Channel(virtual.Channel):
                 # once, and the queue behind it moves on.
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 self.claimer.fail_undeliverable(job, str(exc))
+                if (body_id := chord_body_id(job.payload)) is not None:
+                    store_chord_never_run(self.jobs, body_id, str(exc))  # its part is never counted
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
             headers = message["headers"]

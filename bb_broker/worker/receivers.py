@@ -10,7 +10,8 @@ from celery.exceptions import Reject
 
 from bb_broker import app_stores
 from bb_broker.jobs.lifecycle import describe_error
-from bb_broker.jobs.payloads import MalformedTaskMessage, check_signature
+from bb_broker.jobs.payloads import MalformedTaskMessage, check_signature, signature_task_id
+from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.transport.qos import explain_rejection
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import settle
@@ -38,20 +39,31 @@ def _drop_refused_signatures(task: Any) -> None:
     A message that carries one never passed this broker's publish (written by hand, or by another client): refused
     when Celery's tracer publishes it after the body, it would fail the task that ran, and the broker would run the
     body again. The task runs and settles as it would without it. A refused chain step takes the steps after it
-    along: it is the one that would publish them."""
+    along: it is the one that would publish them. Each dropped signature that names its task id gets a failure in
+    the result backend, so that its waiters (`AsyncResult(id).get()`) get the reason rather than wait for ever."""
     request = task.request
     for name in _LATER_SIGNATURES:
         signatures = getattr(request, name, None)
         if not isinstance(signatures, list) or not signatures:
             continue
-        kept = [signature for index, signature in enumerate(signatures) if _publishable(task, name, index, signature)]
-        if name == "chain" and len(kept) != len(signatures):
-            kept = []
-        if len(kept) != len(signatures):
-            setattr(request, name, kept or None)
+        refused: dict[int, str] = {}
+        for index, signature in enumerate(signatures):
+            if (error := _refusal(task, name, index, signature)) is not None:
+                refused[index] = error
+        if not refused:
+            continue
+        dropped = dict.fromkeys(range(len(signatures)), next(iter(refused.values()))) if name == "chain" else {}
+        dropped.update(refused)
+        kept = [signature for index, signature in enumerate(signatures) if index not in dropped]
+        setattr(request, name, kept or None)
+        for index, error in dropped.items():
+            if (task_id := signature_task_id(signatures[index])) is not None:
+                refusal = PublishRefused(f"not published, the broker refuses it ({name} of task {request.id}): {error}")
+                app_stores.store_never_run(task.backend, task_id, refusal)
 
 
-def _publishable(task: Any, name: str, index: int, signature: Any) -> bool:
+def _refusal(task: Any, name: str, index: int, signature: Any) -> str | None:
+    """Why the broker would refuse to publish the signature (reported in one line), None when it would not."""
     try:
         check_signature(signature, f"its {name!r}[{index}]")
     except MalformedTaskMessage as exc:
@@ -64,8 +76,8 @@ def _publishable(task: Any, name: str, index: int, signature: Any) -> bool:
             shown,
             exc,
         )
-        return False
-    return True
+        return str(exc)
+    return None
 
 
 @signals.task_success.connect

@@ -194,18 +194,26 @@ def test_a_per_key_flag_edited_by_hand_limits_nothing(db: Database, edited: Any)
     assert KnownControls(QueueControls(db), max_age=0.0).limits("limited") == QueueLimits()
 
 
-def test_a_hand_written_rate_key_counts_with_the_jobs_without_one(store: JobStore, db: Database) -> None:
+def test_a_hand_written_rate_key_counts_with_the_jobs_without_one_and_one_too_long_fails(
+    store: JobStore, db: Database
+) -> None:
     publish(store, "plain", None)
     for task_id, edited in (("document", {"$gt": ""}), ("array", ["a"]), ("number", 7), ("long", "k" * 600)):
         publish(store, task_id, None)
         db.jobs.update_one({"taskId": task_id}, {"$set": {"rateKey": edited}})
     holds = RateHolds(PER_KEY.rate)  # type: ignore[arg-type]
     assert claimed_task(store, holds) == "plain"
-    assert claimed_task(store, holds) == "long"  # a string no publish writes is a key of its own
     with pytest.raises(LimitReached) as reached:  # the keyless jobs' key held: the edited jobs wait with them
         claimed_task(store, holds)
     assert reached.value.retry_in == 60.0
     assert {doc["taskId"] for doc in db.jobs.find({"status": "queued"})} == {"document", "array", "number"}
+    # A string no publish writes is failed at its claim, never counted (see test_limits_e2e.py for what it did).
+    long = db.jobs.find_one({"taskId": "long"})
+    assert (long["status"], long["attempts"]) == ("failed", 0)
+    assert long["lastError"] == (
+        "malformed job document: rateKey must be a string of 1 to 512 characters, not a string of 600"
+    )
+    assert db.bb_rates.count_documents({"_id.key": "k" * 600}) == 0
 
 
 # --- the options ------------------------------------------------------------------------------------------------------

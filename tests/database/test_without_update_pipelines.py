@@ -6,6 +6,7 @@ the write is left alone. A result's forget() reads, then writes, too."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from celery.result import AsyncResult
 from pymongo import MongoClient
 from pymongo.database import Database
 
+from bb_broker.connection import new_client
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.server import capabilities
@@ -107,6 +109,31 @@ def test_the_probe_finds_no_update_pipelines_and_the_sweep_requeues_a_lost_job_o
     assert [(e["n"], e["worker"], e["outcome"]) for e in doc["history"]] == [(1, "dead-worker", "lost")]
     assert store.requeue_stale() == (0, 0)
     assert direct.claim("celery", "survivor").attempts == 2
+
+
+def test_the_sweep_reads_a_lost_job_whose_dates_and_text_python_cannot_hold(
+    direct: JobStore, mongo_url: str, db: Database, clock: FakeClock
+) -> None:
+    # Written by another program, kept by a mongod (the proxy answers as one: wire.as_mongod_keeps): a start before
+    # year 1, an owner whose bytes are not UTF-8. pymongo's default decoding raised InvalidBSON on the sweep's read,
+    # and every sweep failed, for every lost job.
+    job_id = publish(direct, "lost")
+    direct.claim("celery", f"dead-worker-{wire.NOT_UTF8_MARKER}")
+    clock.advance(STALE_AFTER + 1)
+    db.jobs.update_one({"_id": job_id}, {"$set": {"startedAt": wire.BEFORE_YEAR_1_MARKER}})
+    proxy = wire.WireProxy(mongo_url, dataclasses.replace(wire.amazon_documentdb(), raw=wire.as_mongod_keeps))
+    client = new_client(f"mongodb://{proxy.address}", tz_aware=True)  # as every client of the product is made
+    try:
+        store = JobStore(client[db.name], Policy(stale_after=STALE_AFTER), clock=clock)
+        assert store.requeue_stale() == (1, 0)
+    finally:
+        client.close()
+        proxy.close()
+    doc = db.jobs.find_one({"_id": job_id})
+    assert (doc["status"], doc["attempts"]) == ("queued", 1)
+    # What it read, written back as it read it: U+FFFD for the byte, the earliest date Python holds.
+    [entry] = doc["history"]
+    assert (entry["worker"], entry["outcome"], entry["startedAt"].year) == ("dead-worker-caf\ufffd.txt", "lost", 1)
 
 
 def test_two_sweepers_racing_settle_each_lost_job_once(

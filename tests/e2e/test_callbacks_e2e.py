@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, chord
+from celery.exceptions import ChordError
+from celery.result import AsyncResult
 from pymongo.database import Database
 
 import bb_broker
@@ -100,3 +102,55 @@ def test_a_callback_refused_only_when_the_worker_publishes_it_ends_its_task_once
     assert ended["status"] == bb_broker.FAILED and "no_such_argument" in ended["lastError"], ended.get("lastError")
     assert ended["attempts"] == 1 and _runs(db, task_id) == 1, (ended["attempts"], _runs(db, task_id))
     assert [entry["outcome"] for entry in ended["history"]] == ["failed"]
+
+
+def test_a_chord_body_celery_cannot_rebuild_fails_its_header_jobs_once_and_its_waiter_gets_the_error(
+    results_app: Celery, db: Database, worker_factory, broker_url: str
+) -> None:
+    # A chord body made bad in its header's stored jobs (as a hand-written message would carry it): its `options` 5,
+    # or a canvas type Celery does not have. Each header's last part ran three times ("AttributeError: 'int' object
+    # has no attribute 'get'", "KeyError: 'bogus'" from Celery's rebuild of the body after the part's own body ran,
+    # a retryable error) and ended failed, and `AsyncResult(body id).get()` waited for ever.
+    edits = {"options": 5, "subtask_type": "bogus"}
+    chords = {}
+    for field, value in edits.items():
+        header = [results_app.signature(ADD, (1, 2)), results_app.signature(ADD, (3, 4))]
+        result = chord(header)(results_app.signature("tests.support.e2e_app.tsum"))
+        chords[field] = (result, [part.id for part in result.parent.results])
+        for part in chords[field][1]:
+            _edited(db, part, {"$set": {f"payload.options.chord.{field}": value}})
+    worker = worker_factory(env={"BB_RESULT_BACKEND": broker_url})
+    for field, (result, parts) in chords.items():
+        for part in parts:
+            failed = wait_for(settled(db, part, bb_broker.FAILED), timeout=120, message=f"header part {part} failed")
+            assert failed["attempts"] == 1 and _runs(db, part) == 0, (failed["attempts"], _runs(db, part))
+            assert failed["lastError"].startswith(f"malformed message: the embed's 'chord''s '{field}' must be ")
+        with pytest.raises(Exception, match="malformed message"):
+            result.get(timeout=60)  # the chord's own result: its header's failure
+    # A waiter holding the body's id alone is told, where the stored body still names its id (`options` 5 does not).
+    with pytest.raises(ChordError, match="a task of the chord's header failed before it ran: malformed message"):
+        AsyncResult(chords["subtask_type"][0].id, app=results_app).get(timeout=60)
+    assert db.runs.count_documents({}) == 0
+    assert results_app.signature(ADD, (5, 6)).apply_async().get(timeout=60) == 11
+    assert worker.process.poll() is None
+
+
+def test_a_dropped_callback_or_chain_step_fails_its_waiter_and_the_body_runs_once(
+    results_app: Celery, db: Database, worker_factory, broker_url: str
+) -> None:
+    # Each dropped signature named its task id: its waiter used to wait for ever, as nothing would ever run it.
+    link = results_app.signature(ADD, (3, 4), immutable=True)
+    link_result = link.freeze()
+    with_link = results_app.signature(ADD, (1, 2)).apply_async(link=link).id
+    _edited(db, with_link, {"$set": {"payload.options.callbacks.0.options.priority": 300}})
+    chained = (results_app.signature(ADD, (5, 6)) | results_app.signature(ADD, (7,))).apply_async()
+    first_step = chained.parent.id
+    _edited(db, first_step, {"$set": {"payload.options.chain.0.options.priority": 300}})
+    worker = worker_factory(env={"BB_RESULT_BACKEND": broker_url})
+    for task_id in (with_link, first_step):
+        ended = wait_for(_ended(db, task_id), timeout=120, message=f"{task_id} ended")
+        assert ended["status"] == bb_broker.SUCCEEDED and _runs(db, task_id) == 1
+    for waited in (AsyncResult(link_result.id, app=results_app), AsyncResult(chained.id, app=results_app)):
+        with pytest.raises(bb_broker.PublishRefused, match="not published, the broker refuses it .* 'priority'"):
+            waited.get(timeout=60)
+    assert db.runs.count_documents({}) == 2 and worker.process.poll() is None

@@ -236,6 +236,30 @@ def test_a_rate_holds_across_four_workers_in_every_window_counted_from_the_jobs_
     assert len({doc["history"][-1]["worker"] for doc in jobs}) >= 2  # the rate held across workers, not in one
 
 
+def test_rate_keys_too_long_fail_their_own_jobs_and_the_other_keys_go_on(app, db: Database, worker_factory) -> None:
+    # Written by hand (a publish refuses a key over 512 characters): each 6 MB key became its counter's _id, and the
+    # held keys went into every later claim's filter, until it passed what a command may hold.
+    Operations(JobStore(db)).set_limits("limited", rate="1/m per key", by="tester")
+    huge = []
+    for letter in "abc":
+        task_id = send(app, "add", 1, 1, queue="parked")  # a queue no worker reads: edited before any claim
+        db.jobs.update_one({"taskId": task_id}, {"$set": {"queue": "limited", "rateKey": letter * 6_000_000}})
+        huge.append(task_id)
+    worker = worker_factory(extra_args=LIMITED)
+    keyed = [send(app, "add", 2, 2, queue="limited", rate_key=key) for key in ("customer:a", "customer:b")]
+    wait_for(all_succeeded(db, keyed), timeout=60, message="the jobs of sound keys ran past the edited ones")
+    for task_id in huge:
+        failed = wait_for(settled(db, task_id, "failed"), message="the job with a key too long failed")
+        assert failed["attempts"] == 0 and db.runs.count_documents({"taskId": task_id}) == 0
+        assert failed["lastError"] == (
+            "malformed job document: rateKey must be a string of 1 to 512 characters, not a string of 6000000"
+        )
+    assert all(len(counter["_id"].get("key") or "") <= 512 for counter in db.bb_rates.find())
+    later = send(app, "add", 3, 3, queue="limited", rate_key="customer:c")
+    wait_for(settled(db, later, "succeeded"), timeout=60, message="the worker claims on")
+    assert "Unrecoverable error" not in worker.log() and "DocumentTooLarge" not in worker.log(), worker.log()[-3000:]
+
+
 def test_a_rate_per_key_holds_for_each_key_across_four_workers_and_the_keys_start_side_by_side(
     app, db: Database, worker_factory
 ) -> None:

@@ -3,6 +3,7 @@ job once, naming its field, or is shown as it is; no thread of ours dies of one,
 
 from __future__ import annotations
 
+import json
 import signal
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -16,6 +17,7 @@ from bb_broker.beat import ScheduleStore
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.store import JobStore
 from bb_broker.server import capabilities
+from tests.packaging.test_cli import run_cli
 from tests.support.beat_process import OUT_OF_RANGE, add_out_of_range_entries
 from tests.support.workers import job, send, settled, wait_for
 
@@ -169,3 +171,29 @@ def test_the_schedules_view_and_api_flag_entries_edited_into_numbers_no_date_hol
     assert "got 9999-12-31T00:00:00+00:00" in listed["last-slot-9999"]["problem"]
     page = flower.page("/jobs/schedules")
     assert page.count('class="text-danger small entry-problem"') == len(OUT_OF_RANGE)
+
+
+def test_kinds_no_publish_writes_are_counted_under_one_bounded_name_in_the_cli_and_the_tab(
+    app, db, broker_url, flower_factory
+) -> None:
+    # A kind of 1 MB, and kinds that are no text: `status --by kind` printed the first whole on every line of its
+    # table (two lines of 1 MB each), the tab's counts carried it, and the others were printed as names ("7").
+    hand_written(db, app, status="failed", kind="k" * 1_000_000)
+    hand_written(db, app, status="queued", kind=7, queue="parked")
+    hand_written(db, app, status="failed", kind={"name": "add"})
+    plain = hand_written(db, app, status="failed")
+    expected = {plain["kind"]: 1, "(not a name)": 2}
+    for command in (["status", "--by", "kind"], ["status"], ["failed"]):
+        result = run_cli(*command, "--broker", broker_url)
+        assert result.returncode == 0 and len(result.stdout) < 5000, (command, len(result.stdout), result.stderr[-999:])
+    table = run_cli("status", "--by", "kind", "--broker", broker_url).stdout.splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["(not", plain["kind"]], table
+    assert [line.split()[-1] for line in table[1:]] == ["2", "1"], table  # failed: the 1 MB kind and the document
+    counted = json.loads(run_cli("status", "--by", "kind", "--json", "--broker", broker_url).stdout)
+    assert {name: row["failed"] for name, row in counted.items()} == expected
+    assert counted["(not a name)"]["queued"] == 1
+
+    flower = flower_factory()
+    status, body = flower.request("GET", "/api/jobs?counts=1")
+    assert status == 200 and len(body) < 100_000, (status, len(body))
+    assert {name: row["failed"] for name, row in json.loads(body)["byKind"].items()} == expected

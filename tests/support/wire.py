@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -60,6 +61,8 @@ class Profile:
     refuse: Callable[[dict[str, Any]], dict[str, Any] | None] = lambda command: None
     #: Any other answer as this deployment gives it.
     answer: Callable[[dict[str, Any]], dict[str, Any]] = lambda answer: answer
+    #: Every answer's document as this deployment's bytes say it (as_mongod_keeps): what no decoded value can carry.
+    raw: Callable[[bytes], bytes] = lambda document: document
     #: How many commands the profile refused, by command name: what a test asserts the broker never sent again.
     refused: dict[str, int] = field(default_factory=dict)
     #: A replica set's: set while it has no primary (WireProxy.hold_election). A proxy whose profile has one keeps
@@ -69,6 +72,40 @@ class Profile:
 
 def _without_replica_set(answer: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in answer.items() if name not in REPLICA_SET_FIELDS}
+
+
+#: What a `mongod` keeps as a driver wrote it and the stand-in refuses at insert ("invalid BSON in body", code 2):
+#: text whose bytes are not UTF-8 (another language's driver, a Latin-1 file name), and dates before year 1 or after
+#: 9999 (BSON's dates are int64 milliseconds). A test stores the marker, and as_mongod_keeps answers the other in
+#: its place, of the same size: the text's eight bytes, the date's sorting where the marker sorts.
+NOT_UTF8_MARKER, NOT_UTF8 = "NOTUTF8!", b"caf\xe9.txt"
+AFTER_9999_MARKER, AFTER_9999_MS = datetime(9999, 1, 1, tzinfo=UTC), 568_000_000_000_000  # in the year 19969
+BEFORE_YEAR_1_MARKER, BEFORE_YEAR_1_MS = datetime(1, 1, 2, tzinfo=UTC), -62_200_000_000_000  # in 1 BC
+
+
+def _millis(moment: datetime) -> bytes:
+    """The eight bytes BSON holds of a date: its int64 milliseconds (the end of `{d: moment}`, before its 0)."""
+    return bson.encode({"d": moment})[-9:-1]
+
+
+_MONGOD_KEEPS = {
+    NOT_UTF8_MARKER.encode(): NOT_UTF8,
+    _millis(AFTER_9999_MARKER): struct.pack("<q", AFTER_9999_MS),
+    _millis(BEFORE_YEAR_1_MARKER): struct.pack("<q", BEFORE_YEAR_1_MS),
+}
+
+
+def as_mongod_keeps(document: bytes) -> bytes:
+    """An answer's document with each marker of what a `mongod` keeps (NOT_UTF8_MARKER, the date markers) replaced
+    by what it stands for: the bytes pymongo reads from a mongod holding it."""
+    for marker, kept in _MONGOD_KEEPS.items():
+        document = document.replace(marker, kept)
+    return document
+
+
+def mongod_keeping_what_the_stand_in_refuses() -> Profile:
+    """A `mongod` (the stand-in's replica set) holding text that is not UTF-8 and dates outside years 1 to 9999."""
+    return Profile("mongod", raw=as_mongod_keeps)
 
 
 def router() -> Profile:
@@ -427,9 +464,9 @@ class WireProxy:
         if opcode == OP_MSG and body[4] == 0:  # flags, then the one body section pymongo gets in an answer
             flags = struct.unpack("<I", body[:4])[0]
             assert not flags & 1, "a checksummed answer: the proxy cannot rewrite it"
-            return body[:5] + self._rewritten_document(body[5:])
+            return body[:5] + self.profile.raw(self._rewritten_document(body[5:]))
         if opcode == OP_REPLY:  # flags, cursor id, starting from, number returned, then the documents
-            return body[:20] + self._rewritten_document(body[20:])
+            return body[:20] + self.profile.raw(self._rewritten_document(body[20:]))
         return body
 
     def _rewritten_document(self, document: bytes) -> bytes:

@@ -1,0 +1,126 @@
+"""Job documents BSON allows and Python's decoding does not, as another program writes them: a string whose bytes
+are not UTF-8, a date before year 1 or after year 9999. pymongo's defaults raise InvalidBSON on the whole reply that
+holds one. A worker claiming one fails that job alone and goes on; the Jobs tab and the CLI show every job.
+
+A `mongod` keeps such documents; the stand-in refuses them at insert. Every process of these tests (worker, Flower,
+CLI, producer) reaches the server through a wire proxy that answers as a mongod holding them would
+(wire.mongod_keeping_what_the_stand_in_refuses); the test itself writes and reads the stand-in directly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pymongo.database import Database
+
+from tests.flower.test_malformed_documents import SWEEPING, hand_written, runs_of
+from tests.packaging.test_cli import run_cli
+from tests.support import wire
+from tests.support.servers import with_database
+from tests.support.workers import send, settled, wait_for
+
+pytestmark = pytest.mark.stand_in
+
+MARKER = wire.NOT_UTF8_MARKER
+#: How the marker's bytes read where the product decodes leniently: U+FFFD for the one byte that is not UTF-8.
+REPLACED = "caf\ufffd.txt"
+
+
+@pytest.fixture
+def broker_url(mongo_url: str, db: Database) -> Iterator[str]:
+    proxy = wire.WireProxy(mongo_url, wire.mongod_keeping_what_the_stand_in_refuses())
+    yield with_database(f"mongodb://{proxy.address}", db.name)
+    proxy.close()
+
+
+def in_headers(doc: dict[str, Any]) -> None:
+    doc["payload"]["headers"]["argsrepr"] = f"('{MARKER}',)"
+
+
+def undecodable(db: Database, app: Any, edit: Any, **changes: Any) -> dict[str, Any]:
+    """A hand_written job (its `changes`) with `edit(doc)` applied: its markers are what the product reads."""
+    doc = hand_written(db, app, **changes)
+    edit(doc)
+    db.jobs.replace_one({"_id": doc["_id"]}, doc)
+    return doc
+
+
+def test_a_worker_fails_a_job_it_cannot_decode_once_and_runs_the_others(app, db, worker_factory) -> None:
+    worker = worker_factory(options=SWEEPING)
+    in_message = undecodable(db, app, in_headers)
+    in_task_id = undecodable(db, app, lambda doc: doc.update(taskId=f"{doc['taskId']}{MARKER}"))
+    # Neither the claim nor a run reads a job's kind or createdAt: such a job runs. Due before year 1: it is due.
+    elsewhere = undecodable(db, app, lambda doc: doc.update(kind=f"tests.{MARKER}", createdAt=wire.AFTER_9999_MARKER))
+    long_due = hand_written(db, app, runAfter=wire.BEFORE_YEAR_1_MARKER)
+    sentinel = send(app, "add", 2, 3)
+
+    wait_for(settled(db, sentinel, "succeeded"), timeout=60, message="the sentinel ran after the bad documents")
+    for doc, field in ((in_message, "payload"), (in_task_id, "taskId")):
+        failed = wait_for(
+            lambda doc=doc: (found := db.jobs.find_one({"_id": doc["_id"]}) or {}).get("status") == "failed" and found,
+            message=f"the job {doc['_id']} failed",
+        )
+        assert failed["lastError"].startswith(f"malformed job document: {field} holds text that is not UTF-8 ("), (
+            failed["lastError"]
+        )
+        assert failed["attempts"] == 1 and "leaseOwner" not in failed and runs_of(db, failed) == 0
+    for doc in (elsewhere, long_due):
+        wait_for(lambda doc=doc: (db.jobs.find_one({"_id": doc["_id"]}) or {}).get("status") == "succeeded")
+    log = worker.log()
+    assert "Unrecoverable error" not in log and "InvalidBSON" not in log, log[-3000:]
+    later = send(app, "add", 3, 4)  # the worker still claims
+    wait_for(settled(db, later, "succeeded"), timeout=60, message="a job sent after the bad documents ran")
+    assert db.jobs.count_documents({"status": "failed"}) == 2
+
+
+def bad_jobs(db: Database, app: Any) -> dict[str, dict[str, Any]]:
+    """One failed job of each kind no default decoding reads, beside one ordinary failed job."""
+    after_9999, before_1 = wire.AFTER_9999_MARKER, wire.BEFORE_YEAR_1_MARKER
+    return {
+        "kind": undecodable(db, app, lambda doc: doc.update(kind=MARKER), status="failed"),
+        "lastError": undecodable(db, app, lambda doc: doc.update(lastError=f"boom {MARKER}"), status="failed"),
+        "args": undecodable(db, app, in_headers, status="failed"),
+        "year 19969": hand_written(db, app, status="failed", updatedAt=after_9999, finishedAt=after_9999),
+        "before year 1": hand_written(db, app, status="failed", createdAt=before_1, startedAt=before_1),
+        "plain": hand_written(db, app, status="failed", lastError="an ordinary failure"),
+    }
+
+
+def test_the_jobs_tab_lists_and_shows_jobs_it_cannot_decode(app, db, flower_factory) -> None:
+    flower = flower_factory()
+    jobs = bad_jobs(db, app)
+    status, body = flower.request("GET", "/jobs")
+    assert status == 200, body[:2000]
+    listed = flower.get("/api/jobs?status=failed")["jobs"]
+    assert {job["id"] for job in listed} == {doc["_id"] for doc in jobs.values()}
+    for variant, doc in jobs.items():
+        for path in ("/jobs/job", "/api/jobs/job", "/jobs/canvas", "/api/jobs/canvas"):
+            status, body = flower.request("GET", f"{path}?id={doc['_id']}")
+            assert status == 200, (variant, path, body[:2000])
+    shown = flower.get(f"/api/jobs/job?id={jobs['kind']['_id']}")
+    assert REPLACED in json.dumps(shown, ensure_ascii=False)
+    assert flower.get("/api/jobs?counts=1")["statuses"]["failed"] == len(jobs)
+    assert "Traceback" not in flower.log(), flower.log()[-3000:]
+
+
+def test_the_cli_lists_and_shows_jobs_it_cannot_decode(app, db, broker_url) -> None:
+    jobs = bad_jobs(db, app)
+    commands = [
+        ["status"],
+        ["status", "--by", "kind"],
+        ["failed"],
+        ["failed", "--json"],
+        ["stats"],
+        *[["show", doc["_id"], *more] for doc in jobs.values() for more in ([], ["--json"], ["--tree"])],
+    ]
+    for command in commands:
+        result = run_cli(*command, "--broker", broker_url)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (command, result.stderr[-3000:])
+    listed = run_cli("failed", "--json", "--broker", broker_url)
+    assert {job["id"] for job in json.loads(listed.stdout)} == {doc["_id"] for doc in jobs.values()}, listed.stdout
+    by_kind = run_cli("status", "--by", "kind", "--broker", broker_url).stdout
+    assert REPLACED in by_kind, by_kind
+    shown = run_cli("show", jobs["year 19969"]["_id"], "--broker", broker_url).stdout
+    assert "9999-12-31" in shown, shown
