@@ -34,7 +34,7 @@ from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
 from bb_broker.jobs.document import CLAIMED_FIELDS, Claimed
-from bb_broker.jobs.indexes import CLAIM_ORDER, Hint, ensure_plain_indexes
+from bb_broker.jobs.indexes import CLAIM_ORDER, Hint, ensure_plain_indexes, hinted
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.unique import UniqueOptionError, digest, option_key, shown
 from bb_broker.server import is_missing_hinted_index
@@ -182,10 +182,14 @@ class FairRotation:
         options = {"sort": FAIR_ORDER, **self._hint(FAIR_INDEX_NAME, "findAndModify")}
         view, looked = self._view(queue, due)
         while True:
-            for turn in self._order(queue, view):
-                taken = self._indexed(claim_one, {**due, "fairKey": _condition(turn)}, options)
+            order = self._order(queue, view)
+            for turn in order:
+                if len(order) == 1:  # one turn alone, nothing to rotate: the plain claim, its index and order
+                    taken = claim_one(due, {"sort": CLAIM_ORDER, **self._hint("bb_claim", "findAndModify")})
+                else:
+                    taken = self._indexed(claim_one, {**due, "fairKey": _condition(turn)}, options)
                 if taken is not None:
-                    self._served(queue, turn, 1)
+                    self._served(queue, turn if len(order) > 1 else taken.fair_key, 1)
                     return taken
                 view = self._found_empty(queue, turn)
             if looked:
@@ -198,6 +202,13 @@ class FairRotation:
         view, looked = self._view(queue, due)
         while True:
             order = self._order(queue, view)
+            if len(order) == 1:  # one turn alone, nothing to rotate: the plain read, its index and order
+                plain = self._plain_first(due, wanted)
+                if plain:
+                    key = plain[-1].get("fairKey")
+                    self._served(queue, key if isinstance(key, str) else None, len(plain))
+                    return plain
+                order, view = [], self._found_empty(queue, order[0])
             plan = [order[n % len(order)] for n in range(wanted)] if order else []
             found = {turn: self._indexed(self._first, due, turn, count) for turn, count in Counter(plan).items()}
             for turn, count in Counter(plan).items():
@@ -216,6 +227,10 @@ class FairRotation:
             if looked:
                 return []
             view, looked = self._look(queue, due), True
+
+    def _plain_first(self, due: dict[str, Any], count: int) -> list[dict[str, Any]]:
+        coll, hint = self.jobs, self._hint("bb_claim", "find")
+        return hinted(coll, lambda: list(coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=count, **hint)))
 
     def _first(self, due: dict[str, Any], turn: Turn, count: int) -> list[dict[str, Any]]:
         return list(
