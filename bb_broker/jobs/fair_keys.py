@@ -16,8 +16,9 @@ LOOK_EVERY_JOBS jobs or LOOK_EVERY (a key whose first job comes meanwhile waits 
 of one job is as atomic as a plain one, so no job is taken twice; no key with due jobs in the view is passed over
 for more than one turn (two workers that read the same cursor at once may both serve the key after it). A batch
 (Claims.claim_many) reads the jobs of as many turns as it wants, one read per turn among them, and takes them with
-one write, as an unfair batch does; while one key alone has due jobs there is nothing to rotate, and the claims read
-and write no cursor. An unfair queue's claim reads no cursor, no view, and writes none.
+one write, as an unfair batch does; while one key alone has due jobs there is nothing to rotate, and the claims are
+an unfair queue's (bb_claim, the claim order), no cursor read or written. An unfair queue's claim reads no cursor,
+no view, and writes none.
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ class FairRotation:
     The view (its turns with due jobs: one `distinct` of the keys, one read for the jobs without a key) is looked at
     again after LOOK_EVERY_JOBS jobs or LOOK_EVERY (one read: is a due job outside it?), and read again when one is
     or every turn it has was found empty; a turn found empty leaves it until then. While it holds one turn alone
-    (one key's backlog), there is nothing to rotate: a claim reads and writes no cursor and a batch is one read, as
-    in an unfair queue. With more, a claim reads the cursor, claims the next turn after it, and moves it there."""
+    (one key's backlog), there is nothing to rotate: the claims are an unfair queue's, no cursor read or written.
+    With more, a claim reads the cursor, claims the next turn after it, and moves it there."""
 
     def __init__(self, jobs: MongoCollection, hint: Hint, now: Callable[[], datetime]) -> None:
         self.jobs = jobs
