@@ -300,8 +300,9 @@ class Claims:
         rate_holds: RateHolds | None = None,
     ) -> list[Claimed]:
         """Move up to `limit` due jobs of `queue` to running: one round trip for one job, two for a batch, also in a
-        queue with a concurrency limit (each job in a slot of its own: ConcurrencySlots.take_in_slots). A queue with a
-        rate, or with serial keys at its head, claims one job per round trip (each takes its own start or key).
+        queue with a concurrency limit (each job in a slot of its own: ConcurrencySlots.take_in_slots), and in a fair
+        queue one read per turn of its rotation among the jobs (FairRotation.heads). A queue with a rate, or with
+        serial keys at its head, claims one job per round trip (each takes its own start or key).
         LimitReached once the limits are met, with the jobs taken before; `busy_keys` as for claim.
 
         The head of the queue is read, then taken with one write fenced on each job's status and attempts: a job
@@ -313,21 +314,27 @@ class Claims:
         batch = min(limit, slots or limit)  # a limit below what is asked: no more can start at once
         if (
             busy_keys
-            or (limits is not None and (limits.rate is not None or limits.fair))
+            or (limits is not None and limits.rate is not None)
             or batch <= 1
             or (slots and not store.server.update_pipelines)
         ):
-            # A rate takes a start per job, a fair queue's rotation a turn per job, and a busy key asks for the jobs
-            # around it: one job per round trip; so do a concurrency limit's slots where the server has no update
-            # pipelines to spread a batch over them.
+            # A rate takes a start per job, and a busy key asks for the jobs around it: one job per round trip; so do
+            # a concurrency limit's slots where the server has no update pipelines to spread a batch over them.
             return self._claim_each(queue, owner, limit, limits, busy_keys, rate_holds)
         due, taken = claim_query(queue, owner, store.now())
         strict = self._strict
         try:
-            head = hinted(
-                coll,
-                lambda: list(strict.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim"))),
-            )
+            if limits is not None and limits.fair:
+                # The jobs of the next turns of the rotation, a read per turn among them (one while one key alone has
+                # due jobs); taken below as any batch is.
+                head = store.fairness.heads(queue, due, batch)
+            else:
+                head = hinted(
+                    coll,
+                    lambda: list(
+                        strict.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=batch, **self._hint("bb_claim"))
+                    ),
+                )
         except InvalidBSON:  # text that is not UTF-8 at the head: the claims of one job fail its job
             return self._claim_each(queue, owner, limit, limits, busy_keys)
         if not all(type(doc.get("attempts")) is int and type(doc.get("_id")) is str for doc in head):

@@ -9,31 +9,40 @@ string is made one (fair_key_of) or dropped with a warning, and the task is publ
 a key (and the hand-edited keys that are not strings) are one more group of their own, served in its turn.
 
 The rotation (FairRotation): one cursor document per fair queue in FAIR_COLLECTION holds `last`, the key served
-last. A claim takes, in one findAndModify through FAIR_INDEX, the first due job whose key comes after it in key
-order, wrapping around through the jobs without a key, then moves the cursor to the key it took. Each claim of one
-job is as atomic as a plain one (one findAndModify), so no job is taken twice; the cursor only moves forward in key
-order, so no key with due jobs is passed over for more than one turn of the rotation (two workers that read the
-same cursor at once may both serve the key after it, which is all the concurrency costs). An unfair queue's claim
-reads no cursor and writes none.
+last. A claim takes, in one findAndModify through FAIR_INDEX, the first due job of the next turn after it in key
+order (a key with due jobs, or the jobs without a key, after the last key), wrapping around, then moves the cursor
+to the key it took. Which turns have due jobs a worker knows from its view of the queue, read again every
+LOOK_EVERY_JOBS jobs or LOOK_EVERY (a key whose first job comes meanwhile waits for that, then its turn). Each claim
+of one job is as atomic as a plain one, so no job is taken twice; no key with due jobs in the view is passed over
+for more than one turn (two workers that read the same cursor at once may both serve the key after it). A batch
+(Claims.claim_many) reads the jobs of as many turns as it wants, one read per turn among them, and takes them with
+one write, as an unfair batch does; while one key alone has due jobs there is nothing to rotate, and the claims are
+an unfair queue's (bb_claim, the claim order), no cursor read or written. An unfair queue's claim reads no cursor,
+no view, and writes none.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
 
 from pymongo import ASCENDING, IndexModel
 from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
-from bb_broker.jobs.document import Claimed
-from bb_broker.jobs.indexes import CLAIM_ORDER, Hint, ensure_plain_indexes
+from bb_broker.jobs.document import CLAIMED_FIELDS, Claimed
+from bb_broker.jobs.indexes import CLAIM_ORDER, Hint, ensure_plain_indexes, hinted
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.unique import UniqueOptionError, digest, option_key, shown
 from bb_broker.server import is_missing_hinted_index
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The header of a task message that carries its job's fair key.
 FAIR_KEY_HEADER = "bb_fair_key"
@@ -108,25 +117,60 @@ def stored_fair_key(header: Any) -> str | None:
     return header if is_fair_key(header) else None
 
 
-def _turns(last: Any) -> Iterator[dict[str, Any]]:
-    """The `fairKey` conditions a claim tries in turn after the key `last` was served: the keys after it, then the
-    jobs without a key, then the keys from the first (the rotation wrapped around)."""
-    if isinstance(last, str):
-        yield {"$gt": last}
-        yield NO_KEY
-        yield {"$type": "string", "$lte": last}
-    else:  # the jobs without a key were served last, or none yet
-        yield {"$type": "string"}
-        yield NO_KEY
+#: A turn of the rotation: a fair key, or None for the jobs without one.
+Turn = str | None
+#: How long a worker's view of the turns with due jobs serves before it is read again: this many of its claimed jobs,
+#: or this long, whichever comes first. A key whose first job comes meanwhile waits for the next look, then its turn.
+LOOK_EVERY_JOBS = 32
+LOOK_EVERY = timedelta(seconds=1)
+
+
+def _rotation(turns: tuple[Turn, ...], last: Turn) -> list[Turn]:
+    """`turns` (the keys in key order, then None if jobs without a key are due) in the order a claim tries them after
+    `last` was served: the keys after it, then the jobs without a key, then the keys from the first (the rotation
+    wrapped around). After the jobs without a key, or before any claim, the keys from the first."""
+    keys = [turn for turn in turns if turn is not None]
+    unkeyed: list[Turn] = [None] if None in turns else []
+    if last is None:
+        return [*keys, *unkeyed]
+    return [key for key in keys if key > last] + unkeyed + [key for key in keys if key <= last]
+
+
+def _condition(turn: Turn) -> Any:
+    """The `fairKey` condition of a turn's jobs."""
+    return NO_KEY if turn is None else turn
+
+
+@dataclass(frozen=True)
+class _View:
+    """What a worker last read of a fair queue's turns: those with due jobs, as they were at `read_at`."""
+
+    turns: tuple[Turn, ...]
+    read_at: datetime
+    #: Jobs this view may still hand out before it is read again.
+    jobs_left: int
 
 
 class FairRotation:
-    """The rotation cursors of the fair queues of one `jobs` collection (FAIR_COLLECTION, in the same database)."""
+    """The rotation of the fair queues of one `jobs` collection: the cursors (FAIR_COLLECTION, in the same
+    database), and this process's view of each queue's turns.
 
-    def __init__(self, jobs: MongoCollection, hint: Hint) -> None:
+    The view (its turns with due jobs: one `distinct` of the keys, one read for the jobs without a key) is looked at
+    again after LOOK_EVERY_JOBS jobs or LOOK_EVERY (one read: is a due job outside it?), and read again when one is
+    or every turn it has was found empty; a turn found empty leaves it until then. While it holds one turn alone
+    (one key's backlog), there is nothing to rotate: the claims are an unfair queue's, no cursor read or written.
+    With more, a claim reads the cursor, claims the next turn after it, and moves it there."""
+
+    def __init__(self, jobs: MongoCollection, hint: Hint, now: Callable[[], datetime]) -> None:
         self.jobs = jobs
         self.cursors: MongoCollection = jobs.database[FAIR_COLLECTION]
         self._hint = hint
+        self._now = now
+        # Replaced whole, never changed in place: the claims of one process run on two threads (transport/claims.py),
+        # and a view read by one while the other replaces it is only a turn out of date.
+        self._views: dict[str, _View] = {}
+        #: The cursor's `last` as this process last read or wrote it (absent: never).
+        self._cursor_seen: dict[str, Turn] = {}
 
     def claim(
         self,
@@ -135,22 +179,135 @@ class FairRotation:
         claim_one: Callable[[dict[str, Any], dict[str, Any]], Claimed | None],
     ) -> Claimed | None:
         """The next due job of `queue` in its rotation: `claim_one(filter, find_options)` takes the first job of a
-        filter (one findAndModify); the cursor then moves to its key."""
-        cursor = self.cursors.find_one({"_id": queue}, {"last": 1}) or {}
-        last = cursor.get("last")
+        filter (one findAndModify), tried for each turn in the rotation's order until one has a job."""
         options = {"sort": FAIR_ORDER, **self._hint(FAIR_INDEX_NAME, "findAndModify")}
-        for turn in _turns(last):
-            try:
-                taken = claim_one({**due, "fairKey": turn}, options)
-            except OperationFailure as exc:
-                if not is_missing_hinted_index(exc):
-                    raise
-                # Made fair by a hand edit, or the index dropped: made here, once, and the claim made again.
-                logger.warning("the fair claims' index of %s is missing; creating it", self.jobs.full_name)
-                ensure_plain_indexes(self.jobs, [FAIR_INDEX])
-                taken = claim_one({**due, "fairKey": turn}, options)
-            if taken is not None:
-                if taken.fair_key != last or not cursor:
-                    self.cursors.update_one({"_id": queue}, {"$set": {"last": taken.fair_key}}, upsert=True)
-                return taken
-        return None
+        view, looked = self._view(queue, due)
+        while True:
+            order = self._order(queue, view)
+            for turn in order:
+                if len(order) == 1:  # one turn alone, nothing to rotate: the plain claim, its index and order
+                    taken = claim_one(due, {"sort": CLAIM_ORDER, **self._hint("bb_claim", "findAndModify")})
+                else:
+                    taken = self._indexed(claim_one, {**due, "fairKey": _condition(turn)}, options)
+                if taken is not None:
+                    self._served(queue, turn if len(order) > 1 else taken.fair_key, 1)
+                    return taken
+                view = self._found_empty(queue, turn)
+            if looked:
+                return None
+            view, looked = self._look(queue, due), True
+
+    def heads(self, queue: str, due: dict[str, Any], wanted: int) -> list[dict[str, Any]]:
+        """The `wanted` jobs (CLAIMED_FIELDS) that as many claims of one job would take next, read and not taken
+        (Claims.claim_many takes them with one write): a turn each, one read per turn among them."""
+        view, looked = self._view(queue, due)
+        while True:
+            order = self._order(queue, view)
+            if len(order) == 1:  # one turn alone, nothing to rotate: the plain read, its index and order
+                plain = self._plain_first(due, wanted)
+                if plain:
+                    key = plain[-1].get("fairKey")
+                    self._served(queue, key if isinstance(key, str) else None, len(plain))
+                    return plain
+                order, view = [], self._found_empty(queue, order[0])
+            plan = [order[n % len(order)] for n in range(wanted)] if order else []
+            found = {turn: self._indexed(self._first, due, turn, count) for turn, count in Counter(plan).items()}
+            for turn, count in Counter(plan).items():
+                if len(found[turn]) < count:
+                    view = self._found_empty(queue, turn)
+            waiting = {turn: deque(jobs) for turn, jobs in found.items()}
+            heads: list[dict[str, Any]] = []
+            last: Turn = None
+            for turn in plan:
+                if waiting[turn]:
+                    heads.append(waiting[turn].popleft())
+                    last = turn
+            if heads:
+                self._served(queue, last, len(heads))
+                return heads
+            if looked:
+                return []
+            view, looked = self._look(queue, due), True
+
+    def _plain_first(self, due: dict[str, Any], count: int) -> list[dict[str, Any]]:
+        coll, hint = self.jobs, self._hint("bb_claim", "find")
+        return hinted(coll, lambda: list(coll.find(due, CLAIMED_FIELDS, sort=CLAIM_ORDER, limit=count, **hint)))
+
+    def _first(self, due: dict[str, Any], turn: Turn, count: int) -> list[dict[str, Any]]:
+        return list(
+            self.jobs.find(
+                {**due, "fairKey": _condition(turn)},
+                CLAIMED_FIELDS,
+                sort=FAIR_ORDER,
+                limit=count,
+                **self._hint(FAIR_INDEX_NAME, "find"),
+            )
+        )
+
+    def _view(self, queue: str, due: dict[str, Any]) -> tuple[_View, bool]:
+        """This process's view of `queue`'s turns, read again if it is spent or old; whether it was read now."""
+        view = self._views.get(queue)
+        if view is None or view.jobs_left <= 0 or not view.read_at <= self._now() < view.read_at + LOOK_EVERY:
+            return self._look(queue, due), True
+        return view, False
+
+    def _look(self, queue: str, due: dict[str, Any]) -> _View:
+        """Read which turns of `queue` have due jobs. A view with turns left is kept if no due job is outside them
+        (one read through the index); else the keys are read (one distinct), and whether jobs without a key are due
+        (distinct leaves out the jobs without the field)."""
+        view = self._views.get(queue)
+        if view is not None and view.turns and self._indexed(self._none_outside, due, view.turns):
+            view = replace(view, read_at=self._now(), jobs_left=LOOK_EVERY_JOBS)
+        else:
+            values = self._indexed(self.jobs.distinct, "fairKey", due)
+            keys = sorted({value for value in values if isinstance(value, str)})  # code point order: BSON's
+            unkeyed = any(not isinstance(value, str) for value in values) or not self._indexed(
+                self._none_outside, due, tuple(keys)
+            )
+            view = _View((*keys, *([None] if unkeyed else [])), self._now(), LOOK_EVERY_JOBS)
+        self._views[queue] = view
+        return view
+
+    def _none_outside(self, due: dict[str, Any], turns: tuple[Turn, ...]) -> bool:
+        """Whether no due job is outside `turns` (a hand-edited key that is neither a string nor null always is)."""
+        outside = {**due, "fairKey": {"$nin": list(turns)}}
+        return self.jobs.find_one(outside, {"_id": 1}, **self._hint(FAIR_INDEX_NAME, "find")) is None
+
+    def _order(self, queue: str, view: _View) -> list[Turn]:
+        """The view's turns in the order a claim tries them: from the cursor's, read here, when there are two or
+        more to rotate."""
+        if len(view.turns) <= 1:
+            return list(view.turns)
+        cursor = self.cursors.find_one({"_id": queue}, {"last": 1}) or {}
+        last = cursor.get("last") if isinstance(cursor.get("last"), str) else None
+        self._cursor_seen[queue] = last
+        return _rotation(view.turns, last)
+
+    def _served(self, queue: str, turn: Turn, jobs: int) -> None:
+        """`jobs` claimed, the last of them in `turn`: the cursor moves there (unless it is there already, as far as
+        this process saw), and the view has that many fewer jobs to hand out."""
+        view = self._views.get(queue)
+        if view is not None:
+            self._views[queue] = replace(view, jobs_left=view.jobs_left - jobs)
+        if queue not in self._cursor_seen or self._cursor_seen[queue] != turn:
+            self.cursors.update_one({"_id": queue}, {"$set": {"last": turn}}, upsert=True)
+            self._cursor_seen[queue] = turn
+
+    def _found_empty(self, queue: str, turn: Turn) -> _View:
+        """`turn` had no due job: it leaves the view until the next look."""
+        view = self._views[queue]
+        view = replace(view, turns=tuple(other for other in view.turns if other != turn))
+        self._views[queue] = view
+        return view
+
+    def _indexed(self, query: Callable[..., T], *args: Any) -> T:
+        """`query(*args)`, through FAIR_INDEX: made here, once, if it is missing (a queue made fair by a hand edit,
+        or the index dropped), and the query made again."""
+        try:
+            return query(*args)
+        except OperationFailure as exc:
+            if not is_missing_hinted_index(exc):
+                raise
+        logger.warning("the fair claims' index of %s is missing; creating it", self.jobs.full_name)
+        ensure_plain_indexes(self.jobs, [FAIR_INDEX])
+        return query(*args)

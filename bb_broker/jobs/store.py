@@ -96,7 +96,7 @@ class JobStore(Sweeps):
         #: them (claim, claim_many and any_due are the claims').
         self.rates = RateCounters(self.coll, self._hint)
         self.slots = ConcurrencySlots(self.coll, self._hint)
-        self.fairness = FairRotation(self.coll, self._hint)
+        self.fairness = FairRotation(self.coll, self._hint, lambda: self.now())
         self._claims = Claims(self)
 
     @property

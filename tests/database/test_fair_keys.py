@@ -120,6 +120,57 @@ def test_an_unfair_queue_claims_in_plain_order_and_reads_no_cursor(
     assert FAIR_INDEX_NAME not in {ix["name"] for ix in db.jobs.list_indexes()}  # no index until a queue is fair
 
 
+def watched(mongo_url: str, db: Database, clock: FakeClock) -> tuple[JobStore, CommandLog]:
+    """A store whose commands are logged, the deployment's probe already paid (once per process)."""
+    log = CommandLog()
+    store = JobStore(MongoClient(mongo_url, tz_aware=True, event_listeners=[log])[db.name], clock=clock)
+    assert store.server
+    log.commands.clear()
+    return store, log
+
+
+def names(log: CommandLog) -> list[str]:
+    return [next(iter(command)) for command in log.commands]
+
+
+def test_one_keys_backlog_costs_a_fair_queue_what_it_costs_an_unfair_one(
+    fair_store: JobStore, db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    for n in range(40):
+        publish(fair_store, f"big{n}", "big")
+    clock.advance(1)
+    store, log = watched(mongo_url, db, clock)
+    first = store.claim("mail", "w", FAIR)  # the worker's look at the keys, and the cursor set once
+    assert first is not None and first.task_id == "big0"
+    log.commands.clear()
+    singles = [store.claim("mail", "w", FAIR) for _ in range(3)]
+    batches = [store.claim_many("mail", "w", 8, FAIR) for _ in range(3)]
+    taken = [job.task_id for job in singles if job is not None] + [job.task_id for jobs in batches for job in jobs]
+    assert taken == [f"big{n}" for n in range(1, 28)]
+    # One key alone, nothing to rotate: a claim is one findAndModify, a batch one read and one write, as unfair.
+    assert names(log) == ["findAndModify"] * 3 + ["find", "update"] * 3
+
+
+def test_a_batch_of_a_fair_queue_takes_the_rotations_next_turns_a_read_per_key(
+    fair_store: JobStore, db: Database, clock: FakeClock, mongo_url: str
+) -> None:
+    for key, count in (("big", 20), ("a", 3), ("b", 3)):
+        for n in range(count):
+            publish(fair_store, f"{key}{n}", key)
+    publish(fair_store, "none0", None)
+    clock.advance(1)
+    store, log = watched(mongo_url, db, clock)
+    # The order claims of one job would take them in (see the first test), in batches of 8.
+    assert [job.task_id for job in store.claim_many("mail", "w", 8, FAIR)] == [
+        "a0", "b0", "big0", "none0", "a1", "b1", "big1",
+    ]  # fmt: skip
+    # The look (the keys, then the jobs without one), the cursor, a read per turn, the cursor moved, the batch taken.
+    assert names(log) == ["distinct", "find", "find", *["find"] * 4, "update", "update"]
+    assert [job.task_id for job in store.claim_many("mail", "w", 8, FAIR)] == ["a2", "b2", "big2", "big3"]
+    assert fair_store.coll.database[FAIR_COLLECTION].find_one({"_id": "mail"})["last"] == "big"
+    assert fair_store.coll.count_documents({"status": "running"}) == 11
+
+
 def test_fairness_is_set_read_back_cleared_and_refused_beside_a_rate_per_key(store: JobStore, db: Database) -> None:
     operations = Operations(store)
     assert operations.set_limits("mail", fair="true", by="tester") == QueueLimits(fair=True)

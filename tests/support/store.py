@@ -31,7 +31,7 @@ class CommandLog(monitoring.CommandListener):
         self.commands: list[dict] = []
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if event.command_name in ("findAndModify", "find", "update", "aggregate"):
+        if event.command_name in ("findAndModify", "find", "update", "aggregate", "distinct"):
             command = dict(event.command)
             for key in ("lsid", "$db", "$clusterTime", "txnNumber", "$readPreference"):
                 command.pop(key, None)
