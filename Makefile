@@ -78,7 +78,7 @@ test-heavy: install
 
 # The version matrix (noxfile.py): the end-to-end tests on every Celery minor the pins allow (5.4-5.7), each with the
 # lowest and the newest Kombu, pymongo and Flower it allows, each session in its own venv under .nox. compat-short is
-# CI's quick part of it: the short selection on the four sessions tagged `short`, one per Celery minor.
+# CI's quick part of it: the short selection on the eight sessions tagged `short`, each Celery minor at both ends.
 compat: install browser
 	$(VENV)/bin/nox -s newest lowest minor
 
