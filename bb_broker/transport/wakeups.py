@@ -339,19 +339,18 @@ class Wakeups:
                 sort=[("runAfter", 1)],
                 limit=DUE_TIMES_KEPT,
             )
-            found = [(doc["queue"], self._seconds_until(doc["runAfter"])) for doc in waiting]
+            found = [(doc["queue"], self._comes_at(doc["runAfter"])) for doc in waiting]
         except PyMongoError:
             with self._lock:
                 self._unread |= unread  # read at the next look (the claim's error reaches the consumer)
             raise
-        now = time.monotonic()
         with self._lock:
-            for queue, delay in found:
+            for queue, comes_at in found:
                 if queue in self._consumed:  # not a consumer cancelled meanwhile
-                    self._keep_due_time(queue, now + delay)
+                    self._keep_due_time(queue, comes_at)
             if len(found) == DUE_TIMES_KEPT:
                 # There may be more from the last one found on, of any of them: read again when it comes.
-                last = now + found[-1][1]
+                last = found[-1][1]
                 for queue in unread & self._consumed:
                     self._dropped_from[queue] = min(last, self._dropped_from.get(queue, math.inf))
 
@@ -403,11 +402,11 @@ class Wakeups:
             # A hand-written document (a queue that is a list, a number): news for no queue by name, so every job
             # queue looks once, and the claim fails the job for its field.
             queue = None
-        delay = self._seconds_until(due)
+        comes_at = self._comes_at(due)
         with self._lock:
-            if delay > 0:
+            if comes_at > time.monotonic():
                 if queue is None or queue in self._consumed:
-                    self._keep_due_time(queue, now + delay)
+                    self._keep_due_time(queue, comes_at)
                     seen = Seen.REPEAT  # a due time: nothing to poll before it comes
                 else:
                     # Another queue's: nothing kept (a consumer that starts on it reads its due times then).
@@ -441,10 +440,14 @@ class Wakeups:
         self._notify()
         return Seen.NEWS
 
-    def _seconds_until(self, due: Any) -> float:
-        if not isinstance(due, datetime):
-            return 0.0
-        return (due - self._clock()).total_seconds()
+    def _comes_at(self, due: Any) -> float:
+        """The monotonic time when `due` (a runAfter) comes by the claims' clock; now for what is not a date.
+
+        The clock is read first: a thread paused between the two readings (a loaded machine) makes the time late,
+        never early. Taken the other way round, a pause of the change stream's thread kept a due time early by its
+        length; the look it woke found the job not due yet, and nothing woke one again before the safety poll."""
+        until = (due - self._clock()).total_seconds() if isinstance(due, datetime) else 0.0
+        return time.monotonic() + until
 
 
 class _Feed:

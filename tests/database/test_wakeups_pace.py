@@ -374,3 +374,31 @@ def test_delayed_jobs_cost_a_bounded_number_of_due_times_and_each_still_wakes_it
     lateness = claim_as_they_fall_due(wakeups, db, {"q", "later"}, 13)
     print(f"claimed {max(lateness):.2f} s late at most")
     assert db.jobs.count_documents({"status": "running"}) == 13  # and none of tomorrow's
+
+
+def test_a_due_time_told_by_a_paused_watcher_still_wakes_its_job_when_it_comes(mongo_url: str, db: Database) -> None:
+    # The change stream's thread read the monotonic time, then the clock: paused in between (a loaded machine), it
+    # kept the due time early by the pause, the look it woke found the job not due yet, and nothing woke one again
+    # before the safety poll (an hour here). Each clock read of the watcher's thread pauses it here.
+    def paused_watcher_clock() -> datetime:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)
+        return datetime.now(UTC)
+
+    with MongoClient(mongo_url, tz_aware=True) as client:
+        wakeups = Wakeups(
+            client[db.name],
+            jobs="jobs",
+            messages="bb_messages",
+            bindings="bb_bindings",
+            clock=paused_watcher_clock,
+            safety_poll_interval=3600,
+        )
+        wakeups.consume_only({"q"})
+        wait_for(lambda: wakeups.available, message="the change stream is live")
+        db.jobs.create_indexes(INDEXES)
+        assert wakeups.look("q", job_queue=True)  # the first look at the consumed queue: everything once
+        db.jobs.insert_many(delayed("q", 3, datetime.now(UTC) + timedelta(seconds=4), step=1.0))
+        lateness = claim_as_they_fall_due(wakeups, db, {"q"}, 3)
+    print(f"claimed {max(lateness):.2f} s late at most")
+    assert db.jobs.count_documents({"status": "running"}) == 3
