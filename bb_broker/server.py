@@ -351,7 +351,8 @@ def unique_refusals(db: Database) -> Iterator[None]:
 
 
 def capabilities(db: Database) -> Capabilities:
-    """The capabilities of the deployment behind `db`'s client: probed at the first call, kept for the process.
+    """The capabilities of the deployment behind `db`'s client: probed at the first call, kept for the process and
+    the children it forks.
 
     A server that cannot be reached raises as any command would (the caller's outage handling applies, and the
     next call probes again); nothing is kept from a probe that did not finish."""
@@ -379,13 +380,15 @@ _probed: dict[MongoClient, Capabilities] = {}
 _lock = threading.Lock()
 
 
-def _forget_parent_probes() -> None:
+def _keep_parent_probes() -> None:
     global _lock
-    _probed.clear()  # a child's clients are its own (connection.py forgets the parent's)
+    # A child's clients are its own (connection.py forgets the parent's), but the deployment behind them is the one
+    # the parent probed: the parent's clients stay here as keys only (they compare without a round trip), so that each
+    # pool process or forked producer does not probe it again (a scratch collection created, written and dropped).
     _lock = threading.Lock()
 
 
-reset_in_child(_forget_parent_probes)
+reset_in_child(_keep_parent_probes)
 
 
 def _probe(db: Database) -> Capabilities:
