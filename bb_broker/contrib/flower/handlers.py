@@ -23,8 +23,9 @@ from tornado.web import url
 
 from bb_broker.contrib.flower.access import (
     can_act,
+    checks_each_change,
     read_only,
-    refuse_cross_site_without_login,
+    refuse_cross_site,
     refuse_unless_allowed,
     user_name,
 )
@@ -86,9 +87,9 @@ class JobsHandler(BaseHandler):
     _admitted: str | None = None
 
     def prepare(self) -> None:
+        if self.request.method not in ("GET", "HEAD", "OPTIONS") and not checks_each_change(self):
+            self.check_xsrf_cookie()  # here, first, as Tornado runs it under `xsrf_cookies` (Flower 2.2 on)
         super().prepare()
-        if self.request.method not in ("GET", "HEAD", "OPTIONS"):
-            refuse_cross_site_without_login(self)  # Flower older than 2.2 does not call check_xsrf_cookie
         if self.request.method == "OPTIONS" or not self.current_user:
             return  # no query to bound; or Flower's authentication answers (401, or its login page)
         tab = tab_of(self)  # a 404 for a broker that is not bbmongo://
@@ -196,7 +197,12 @@ class JobsHandler(BaseHandler):
     def check_xsrf_cookie(self) -> None:
         # Flower refuses cross-site requests when it has users, and checks nothing when it has none (--no-auth):
         # then any other site open in the operator's browser could post to an action, so the token is checked.
-        super().check_xsrf_cookie()
+        if checks_each_change(self):
+            super().check_xsrf_cookie()  # Flower's rules (2.2 on), after bb_broker's cross-site check (plugin.py)
+        else:
+            # Flower before 2.2 has no rules here (its BaseHandler's method is Tornado's token check, which it never
+            # asks for): another site's request is refused whatever the login, as Flower 2.2 refuses it.
+            refuse_cross_site(self)
         options = self.application.options
         if self.form_token and not (options.basic_auth or options.auth):
             tornado.web.RequestHandler.check_xsrf_cookie(self)
