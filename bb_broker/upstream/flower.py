@@ -157,12 +157,13 @@ def workers_refresh_shows_failures() -> bool:
 
 def install_cross_site_check(check: Callable[[tornado.web.RequestHandler], None]) -> None:
     """Run `check(handler)` first in Flower's `BaseHandler.check_xsrf_cookie`, which Tornado calls for every POST, PUT
-    and DELETE to every handler (idempotent).
+    and DELETE to every handler under the `xsrf_cookies` setting (idempotent).
 
     Flower 2.2 turns Tornado's `xsrf_cookies` on and overrides check_xsrf_cookie in its BaseHandler; before 2.2 it
-    checks nothing and Tornado still calls the method. Every one of Flower's handlers derives from BaseHandler, which
-    is Flower's: its attribute is the only way in (before 2.2 it is Tornado's own, which this calls). Checked against
-    flower 2.0.1, 2.1.0, 2.2.0."""
+    turns it on nowhere, so Tornado calls no check_xsrf_cookie (the method is Tornado's own token check, which this
+    calls): the Jobs tab's handlers and the guard on Flower's actions then check themselves
+    (bb_broker.contrib.flower.access.checks_each_change). Every one of Flower's handlers derives from BaseHandler,
+    which is Flower's: its attribute is the only way in. Checked against flower 2.0.1, 2.1.0, 2.2.0."""
     if getattr(BaseHandler.check_xsrf_cookie, INSTALLED, False):
         return
     flowers = BaseHandler.check_xsrf_cookie

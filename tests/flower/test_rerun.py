@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
+from http.cookies import SimpleCookie
 from importlib.metadata import version
 from typing import Any
 
 from pymongo.database import Database
+from tornado.web import create_signed_value
 
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
@@ -170,6 +173,33 @@ def test_another_sites_post_is_refused_by_a_flower_without_login(db: Database, f
     # The page's own route without its XSRF token.
     status, body = post(flower, f"/jobs/job/{ACTION}", {"id": job_id, "args": "[1, 2]"})
     assert status == 403 and "_xsrf" in str(body)
+    assert snapshot(db) == before
+
+
+def test_an_oauth_sessions_post_without_the_pages_token_is_refused(db: Database, flower_factory, tmp_path) -> None:
+    # Flower's OAuth login is a session cookie, which the browser sends with another site's form too: the page's
+    # token is wanted then (Flower 2.2's own rule; on Flower 2.0 and 2.1, which set no XSRF cookies, the tab's).
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    job_id = failed_job(store, "t-failed")
+    secret = "a-test-cookie-secret"
+    config = tmp_path / "flowerconfig.py"  # `celery flower` with the plugin, as `bb-broker flower` takes no OAuth here
+    config.write_text("import bb_broker.contrib.flower  # noqa: F401\n")
+    oauth = ("--auth=alice@example.com", f"--cookie_secret={secret}", f"--conf={config}")
+    flower = flower_factory(launcher="celery", extra_args=oauth)
+    session = f"user={create_signed_value(secret, 'user', 'alice@example.com').decode()}"
+    before = snapshot(db)
+    for path in (f"/jobs/job/{ACTION}", f"/api/jobs/job/{ACTION}", f"/jobs/job/{ACTION}/preview"):
+        status, body = post(flower, path, {"id": job_id, "args": "[1, 2]"}, headers={"Cookie": session})
+        assert status == 403 and "_xsrf" in str(body), (path, status, body)
+    assert snapshot(db) == before
+    # With the token the job page gives (its cookie and the form's field), the session's preview answers.
+    request = urllib.request.Request(f"{flower.url}/jobs/job?id={job_id}", headers={"Cookie": session})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        token = SimpleCookie("; ".join(response.headers.get_all("Set-Cookie") or []))["_xsrf"].value
+    form = {"id": job_id, "args": "[1, 2]", "_xsrf": token}
+    status, body = post(flower, f"/jobs/job/{ACTION}/preview", form, headers={"Cookie": f"{session}; _xsrf={token}"})
+    assert status == 200 and body["preview"]["args"] == [1, 2], body
     assert snapshot(db) == before
 
 

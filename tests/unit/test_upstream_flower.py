@@ -207,7 +207,8 @@ def test_the_cross_site_check_runs_before_flowers_own() -> None:
         + where("install_cross_site_check")
     )
     # Tornado checks a POST, PUT or DELETE through check_xsrf_cookie when the `xsrf_cookies` setting is on, which
-    # Flower 2.2 turns on (before, the Jobs tab's own handlers check in their prepare).
+    # Flower 2.2 turns on (before, the Jobs tab's handlers check in their prepare, and the guard on Flower's actions in
+    # theirs: access.checks_each_change).
     tornados = inspect.getsource(RequestHandler)
     assert re.search(r'settings\.get\("xsrf_cookies"\):\s*self\.check_xsrf_cookie\(\)', tornados), (
         "Tornado no longer calls check_xsrf_cookie for a request that changes something under xsrf_cookies: "

@@ -2,7 +2,8 @@
 
 Flower's `--read_only` stops every action; `--jobs_admins=alice,bob` (or FLOWER_JOBS_ADMINS) lets only those users
 act (basic-auth user names or OAuth e-mail addresses); everyone else reads, and gets a 403 to act. Without a login
-(--no-auth), a request that says it comes from another site is refused.
+(--no-auth), a request that says it comes from another site is refused; with users too on a Flower before 2.2, which
+checks no request's site itself.
 """
 
 from __future__ import annotations
@@ -55,15 +56,35 @@ def refuse_unless_allowed(handler: BaseHandler) -> None:
         raise tornado.web.HTTPError(403, f"{who} may read the jobs but not act on them (see --jobs_admins)")
 
 
+def checks_each_change(handler: BaseHandler) -> bool:
+    """Whether Tornado calls the handler's `check_xsrf_cookie` before each request that changes something (POST, PUT,
+    DELETE, PATCH): only under the application's `xsrf_cookies` setting, which Flower turns on from 2.2. Before, no
+    check of Flower's runs: the Jobs tab's handlers and the guard on Flower's actions make theirs themselves."""
+    return bool(handler.settings.get("xsrf_cookies"))
+
+
 def refuse_cross_site_without_login(handler: BaseHandler) -> None:
     """Flower checks where a request that changes something comes from only when it has users. Without (--no-auth),
     a page of another site open in the operator's browser could post to it: to the Jobs tab's API and Flower's own
-    when FLOWER_UNAUTHENTICATED_API opens them (Flower then even answers every origin). So a request that says it
-    comes from another site (Sec-Fetch-Site, Origin, else Referer) is refused; a script's, which says nothing, is not.
-    """
+    when FLOWER_UNAUTHENTICATED_API opens them (Flower then even answers every origin). So refuse_cross_site."""
     options = handler.application.options
     if options.basic_auth or options.auth:
         return  # Flower's own check (and its users' credentials) apply
+    refuse_cross_site(handler)
+
+
+def refuse_cross_site(handler: BaseHandler) -> None:
+    """Refuse (403) a request that says it comes from another site (cross_site_refusal)."""
+    refusal = cross_site_refusal(handler)
+    if refusal is not None:
+        raise tornado.web.HTTPError(403, "%s", refusal)
+
+
+def cross_site_refusal(handler: BaseHandler) -> str | None:
+    """Why a request that says it comes from another site (Sec-Fetch-Site, Origin, else Referer) is refused; None for
+    one of this Flower's pages and for a script's, which says nothing. With users it is Flower 2.2's own check
+    (Sec-Fetch-Site, Origin), for a Flower before 2.2, which has none."""
+    options = handler.application.options
     headers, host = handler.request.headers, handler.request.host
     site, origin, referer = headers.get("Sec-Fetch-Site"), headers.get("Origin"), headers.get("Referer")
     if site is not None and site != "same-origin":
@@ -73,10 +94,9 @@ def refuse_cross_site_without_login(handler: BaseHandler) -> None:
     elif origin is None and referer is not None and urlparse(referer).netloc != host:
         source = f"Referer {referer}"
     else:
-        return
-    raise tornado.web.HTTPError(
-        403,
-        "%s",
-        f"cross-site request refused: Flower runs without login (--no-auth) and this request's {source[:200]} is not "
-        f"a page of this Flower ({host})",
+        return None
+    without_login = "" if options.basic_auth or options.auth else "Flower runs without login (--no-auth) and "
+    return (
+        f"cross-site request refused: {without_login}this request's {source[:200]} is not a page of this Flower "
+        f"({host})"
     )

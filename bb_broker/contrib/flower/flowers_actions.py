@@ -4,7 +4,9 @@ Flower checks who may act nowhere (its --read_only is for everyone), so `--jobs_
 while Flower's API lets them revoke, shut workers down or stop a queue's consumer. upstream_flower.guard_prepare
 wraps the `prepare` (which Tornado runs before every method, after the XSRF check) of each of Flower's handlers that
 has a method other than GET, HEAD and OPTIONS: a user --jobs_admins does not name gets a 403 before the method runs.
-A handler Flower adds later is guarded too unless it is listed in READING_POSTS. Checked against Flower 2.0.0,
+A handler Flower adds later is guarded too unless it is listed in READING_POSTS. On a Flower before 2.2, which checks
+no request's site (no `xsrf_cookies`), the guard refuses another site's request too, as Flower 2.2 and bb_broker's
+check (access.refuse_cross_site_without_login) refuse it there. Checked against Flower 2.0.0,
 2.0.1, 2.1.0 and 2.2.0: the same handlers in flower.urls (tests/unit/test_upstream_flower.py lists them and fails
 when that changes), BaseApiHandler.prepare the only `prepare`, TaskRevoke's task id its one path argument.
 """
@@ -21,7 +23,7 @@ from flower.views import BaseHandler
 from flower.views.error import NotFoundErrorHandler
 from flower.views.tasks import TasksDataTable
 
-from bb_broker.contrib.flower.access import can_act, read_only, user_name
+from bb_broker.contrib.flower.access import can_act, checks_each_change, cross_site_refusal, read_only, user_name
 from bb_broker.contrib.flower.handlers import JobsHandler
 from bb_broker.contrib.flower.tab import operations_of, tab_of
 from bb_broker.upstream import flower as upstream_flower
@@ -48,19 +50,29 @@ def flowers_actions(handlers: Iterable[Any]) -> list[type[tornado.web.RequestHan
 
 async def refuse_flowers_action_unless_allowed(handler: BaseHandler) -> None:
     """What runs after the `prepare` of each of Flower's actions (upstream_flower.guard_prepare): a user --jobs_admins
-    does not name gets a 403, and an admin's revoke is recorded on the task's jobs."""
-    if handler.request.method in ("GET", "HEAD", "OPTIONS") or not handler.current_user:
-        return  # reading; or nobody logged in, which the method's @authenticated answers (401, or the login)
+    does not name gets a 403, and an admin's revoke is recorded on the task's jobs. On a Flower before 2.2, which
+    checks no request's site, another site's request is refused first (access.refuse_cross_site)."""
+    if handler.request.method in ("GET", "HEAD", "OPTIONS"):
+        return
+    refusal = None if checks_each_change(handler) else cross_site_refusal(handler)
+    if refusal is not None:
+        _refuse(handler, refusal)
+        return
+    if not handler.current_user:
+        return  # nobody logged in, which the method's @authenticated answers (401, or the login)
     if not can_act(handler) and not read_only(handler):  # read-only Flower: its handlers say so themselves
-        who = user_name(handler)
-        # Answered here, not raised: Flower 2.0's task API writes no words for an error (its write_error sets the
-        # status only). Tornado runs no method of a handler its prepare finished.
-        handler.set_status(403)
-        handler.set_header("Content-Type", "text/plain")
-        handler.finish(f"{who} may look but not act: only --jobs_admins may use Flower's actions")
+        _refuse(handler, f"{user_name(handler)} may look but not act: only --jobs_admins may use Flower's actions")
         return
     if isinstance(handler, TaskRevoke) and can_act(handler):
         await _record_revoke(handler)
+
+
+def _refuse(handler: BaseHandler, message: str) -> None:
+    # Answered here, not raised: Flower 2.0's task API writes no words for an error (its write_error sets the status
+    # only). Tornado runs no method of a handler its prepare finished.
+    handler.set_status(403)
+    handler.set_header("Content-Type", "text/plain")
+    handler.finish(message)
 
 
 async def _record_revoke(handler: TaskRevoke) -> None:

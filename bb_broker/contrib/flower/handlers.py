@@ -23,8 +23,9 @@ from tornado.web import url
 
 from bb_broker.contrib.flower.access import (
     can_act,
+    checks_each_change,
     read_only,
-    refuse_cross_site_without_login,
+    refuse_cross_site,
     refuse_unless_allowed,
     user_name,
 )
@@ -86,9 +87,9 @@ class JobsHandler(BaseHandler):
     _admitted: str | None = None
 
     def prepare(self) -> None:
+        if self.request.method not in ("GET", "HEAD", "OPTIONS") and not checks_each_change(self):
+            self.check_xsrf_cookie()  # here, first, as Tornado runs it under `xsrf_cookies` (Flower 2.2 on)
         super().prepare()
-        if self.request.method not in ("GET", "HEAD", "OPTIONS"):
-            refuse_cross_site_without_login(self)  # Flower older than 2.2 does not call check_xsrf_cookie
         if self.request.method == "OPTIONS" or not self.current_user:
             return  # no query to bound; or Flower's authentication answers (401, or its login page)
         tab = tab_of(self)  # a 404 for a broker that is not bbmongo://
@@ -190,14 +191,24 @@ class JobsHandler(BaseHandler):
 
     #: Errors as JSON {"error": message}; the two pages answer with Flower's own error pages instead.
     json_errors = True
-    #: The page's own actions carry Flower's XSRF token; the JSON API's clients have none (Flower's API rules).
+    #: The page's own actions carry the page's XSRF token (bb_post.html); the JSON API's clients have none (Flower's
+    #: API rules).
     form_token = True
 
     def check_xsrf_cookie(self) -> None:
-        # Flower refuses cross-site requests when it has users, and checks nothing when it has none (--no-auth):
-        # then any other site open in the operator's browser could post to an action, so the token is checked.
-        super().check_xsrf_cookie()
+        # Run by Tornado before a request that changes something, or by prepare on a Flower before 2.2. Flower 2.2
+        # refuses cross-site requests when it has users, and checks nothing when it has none (--no-auth): then any
+        # other site open in the operator's browser could post to an action, so the page's token is checked.
         options = self.application.options
+        if checks_each_change(self):
+            super().check_xsrf_cookie()  # Flower's rules (2.2 on), after bb_broker's cross-site check (plugin.py)
+        else:
+            # Flower before 2.2 has no rules here (its BaseHandler's method is Tornado's token check, which it never
+            # asks for): Flower 2.2's, made here. Another site's request is refused whatever the login, and an OAuth
+            # login's session cookie, which a browser sends with another site's form too, needs the page's token.
+            refuse_cross_site(self)
+            if options.auth and not self.request.headers.get("Authorization"):
+                tornado.web.RequestHandler.check_xsrf_cookie(self)
         if self.form_token and not (options.basic_auth or options.auth):
             tornado.web.RequestHandler.check_xsrf_cookie(self)
 
