@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from bson import ObjectId
+from bson import DatetimeMS, ObjectId
 from bson.errors import InvalidDocument, InvalidStringData
 from kombu.exceptions import EncodeError
 from pymongo.errors import DocumentTooLarge
 from ulid import ULID
 
+from bb_broker.clock import aware
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.lifecycle import QUEUED, RUNNING
 from bb_broker.jobs.refusals import PublishRefused
@@ -327,7 +328,12 @@ def has_entry_of_current_attempt(doc: dict[str, Any]) -> bool:
     if not isinstance(last, dict) or last.get("n") != doc.get("attempts"):
         return False
     finished, started = last.get("finishedAt"), doc.get("startedAt")
-    return started is None or (finished is not None and finished >= started)
+    return started is None or (finished is not None and _millis(finished) >= _millis(started))
+
+
+def _millis(moment: datetime | DatetimeMS) -> int:
+    """A date's milliseconds, also of one outside Python's range (read as DatetimeMS: EXACT_DECODING)."""
+    return int(moment) if isinstance(moment, DatetimeMS) else int(aware(moment).timestamp() * 1000)
 
 
 def attempts_fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:
