@@ -1,0 +1,86 @@
+"""Operator actions on jobs whose text is not UTF-8 (another program wrote it, a mongod keeps it; the proxy answers
+as one: wire.keeping_what_the_stand_in_refuses). Every client of ours reads such text with U+FFFD in place of its
+bytes (LENIENT_DECODING): an action that wrote back what it read would store U+FFFD, the bytes lost. Each action
+either leaves the text as its bytes are or is refused with one line naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+from celery import Celery
+from pymongo.database import Database
+
+from bb_broker.connection import new_client
+from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import Operations
+from bb_broker.ops.rerun import RerunRefused, plan
+from tests.support import wire
+
+pytestmark = pytest.mark.stand_in
+
+#: Stored by the stand-in in place of text whose bytes are not UTF-8 (b"caf\xe9.txt"), which the proxy answers.
+NOT_UTF8 = wire.NOT_UTF8_MARKER
+
+
+@pytest.fixture
+def ops(mongo_url: str, db: Database) -> Iterator[Operations]:
+    """The operations of a client made as the product makes them (new_client), through a mongod that holds text that
+    is not UTF-8."""
+    proxy = wire.WireProxy(mongo_url, wire.mongod_keeping_what_the_stand_in_refuses())
+    client = new_client(f"mongodb://{proxy.address}", tz_aware=True)
+    try:
+        store = JobStore(client[db.name], Policy(max_attempts=1))
+        store.ensure_indexes()
+        yield Operations(store)
+    finally:
+        client.close()
+        proxy.close()
+
+
+def failed_job(db: Database, job_id: str, **fields) -> None:
+    now = datetime.now(UTC)
+    doc = {"_id": job_id, "taskId": f"task-{job_id}", "status": "failed", "attempts": 1, "queue": "celery",
+           "kind": "tests.echo", "lastError": "ValueError: boom", "updatedAt": now, "finishedAt": now}  # fmt: skip
+    db.jobs.insert_one(doc | fields)
+
+
+def test_a_retry_with_changed_arguments_of_a_job_holding_such_text_is_refused_naming_it(
+    app: Celery, ops: Operations, db: Database
+) -> None:
+    app.send_task("tests.echo", args=[1], kwargs={"name": NOT_UTF8})
+    store = JobStore(db, Policy(max_attempts=1))
+    job = store.claim("celery", "worker-1")
+    assert job is not None and store.fail(job.id, job.attempts, "ValueError: boom")
+    before = list(db.jobs.find())
+    # Its kwargs, kept by a retry that changes only the args, would be sent as "caf\ufffd.txt".
+    refused = pytest.raises(RerunRefused, plan, ops, job.id, [2], None)
+    assert refused.value.reason == "conflict"
+    assert str(refused.value) == f"job {job.id} holds text that is not UTF-8 in payload: it cannot be sent again"
+    assert list(db.jobs.find()) == before
+
+
+def test_a_retry_keeps_a_revoked_jobs_message_it_cannot_read_as_it_is(ops: Operations, db: Database) -> None:
+    raw = json.dumps({"headers": {"id": "task-r", "note": NOT_UTF8}, "properties": {"correlation_id": "task-r"}})
+    failed_job(db, "r", revokedAt=datetime.now(UTC), payload={"raw": raw, "body": ""})
+    assert ops.retry(["r"], by="alice").job_ids == ["r"]
+    doc = db.jobs.find_one({"_id": "r"})
+    # Under a new task id (a revoked one's), its message as its bytes are: rewritten, it held "caf\ufffd.txt".
+    assert doc["status"] == "queued" and doc["taskId"] != "task-r"
+    assert doc["payload"]["raw"] == raw
+
+
+def test_a_retry_of_a_job_whose_unique_key_holds_such_text_leaves_it_failed_naming_it(
+    ops: Operations, db: Database
+) -> None:
+    failed_job(db, "k", unique={"key": f"key-{NOT_UTF8}", "mode": "active"})
+    failed_job(db, "plain")
+    retried = ops.retry(["k", "plain"], by="alice")
+    # Retried, it would hold its key again under "key-caf\ufffd.txt", a key no publish of the task makes.
+    assert retried.job_ids == ["plain"]
+    assert retried.held == {"k": "job k stays failed: unique holds text that is not UTF-8"}
+    doc = db.jobs.find_one({"_id": "k"})
+    assert doc["status"] == "failed" and "uniqueActive" not in doc and "actions" not in doc
