@@ -1,7 +1,8 @@
-"""Operator actions on jobs whose text is not UTF-8 (another program wrote it, a mongod keeps it; the proxy answers
-as one: wire.keeping_what_the_stand_in_refuses). Every client of ours reads such text with U+FFFD in place of its
-bytes (LENIENT_DECODING): an action that wrote back what it read would store U+FFFD, the bytes lost. Each action
-either leaves the text as its bytes are or is refused with one line naming the field."""
+"""Operator actions and settles on jobs whose text is not UTF-8, or whose dates are before year 1 (another program
+wrote them, a mongod keeps them; the proxy answers as one: wire.keeping_what_the_stand_in_refuses). Every client of
+ours reads such text with U+FFFD in place of its bytes, such a date as 0001-01-01 (LENIENT_DECODING): a write of what
+it read would store that, the value lost. Each leaves the value as its bytes are or is refused with one line naming
+the field."""
 
 from __future__ import annotations
 
@@ -84,3 +85,39 @@ def test_a_retry_of_a_job_whose_unique_key_holds_such_text_leaves_it_failed_nami
     assert retried.held == {"k": "job k stays failed: unique holds text that is not UTF-8"}
     doc = db.jobs.find_one({"_id": "k"})
     assert doc["status"] == "failed" and "uniqueActive" not in doc and "actions" not in doc
+
+
+@pytest.fixture
+def store(mongo_url: str, db: Database) -> Iterator[JobStore]:
+    """A store of a client made as the product makes them, through a mongod that holds dates before year 1."""
+    proxy = wire.WireProxy(mongo_url, wire.mongod_keeping_what_the_stand_in_refuses())
+    client = new_client(f"mongodb://{proxy.address}", tz_aware=True)
+    try:
+        store = JobStore(client[db.name], Policy(max_attempts=1))
+        store.ensure_indexes()
+        yield store
+    finally:
+        client.close()
+        proxy.close()
+
+
+def running_job(db: Database, job_id: str, **fields) -> None:
+    now = datetime.now(UTC)
+    doc = {"_id": job_id, "taskId": f"task-{job_id}", "status": "running", "attempts": 2, "queue": "celery",
+           "kind": "tests.echo", "leaseOwner": "w", "updatedAt": now, "startedAt": now}  # fmt: skip
+    db.jobs.insert_one(doc | fields)
+
+
+def test_a_settle_copies_a_start_before_year_1_as_it_is(store: JobStore, db: Database) -> None:
+    # Read as 0001-01-01 (the nearest date Python holds) and written back so: the failure's history entry, and the
+    # start a job given back unstarted takes again from its previous attempt's entry.
+    before_1 = wire.BEFORE_YEAR_1_MARKER
+    running_job(db, "failing", startedAt=before_1)
+    assert store.fail_running_task("task-failing", "w", "WorkerLostError: gone", retryable=False) is not None
+    [entry] = db.jobs.find_one({"_id": "failing"})["history"]
+    assert (entry["n"], entry["outcome"], entry["startedAt"]) == (2, "failed", before_1)
+    previous = {"n": 1, "worker": "w", "startedAt": before_1, "finishedAt": before_1, "outcome": "failed"}
+    running_job(db, "released", history=[previous])
+    assert store.release("released", 2, owner="w")
+    doc = db.jobs.find_one({"_id": "released"})
+    assert (doc["status"], doc["attempts"], doc["startedAt"]) == ("queued", 1, before_1)
