@@ -185,8 +185,9 @@ def test_a_stored_errback_the_broker_refuses_is_dropped_and_the_failure_is_recor
     assert "Unrecoverable error" not in log and worker.process.poll() is None
 
 
+@pytest.mark.parametrize("results", ["none", "bbmongo"])
 def test_a_stored_errback_the_broker_refuses_is_dropped_where_the_main_process_reports_the_failure(
-    app: Celery, db: Database, worker_factory
+    app: Celery, db: Database, worker_factory, broker_url: str, results: str
 ) -> None:
     # A hard time limit, a pool process that died: the worker's main process reports the failure and runs the errbacks
     # from the message as it received it, where no task_prerun took the refused one off. Refused there, the failure
@@ -198,7 +199,8 @@ def test_a_stored_errback_the_broker_refuses_is_dropped_where_the_main_process_r
     for name, args in fails.items():
         task_ids.append(app.send_task(name, args, link_error=[app.signature(note_error), app.signature(note_error)]).id)
         _edited(db, task_ids[-1], {"$set": {"payload.options.errbacks.0.options.priority": 300}})
-    worker = worker_factory(options={"max_attempts": 1})
+    env = {"BB_RESULT_BACKEND": broker_url} if results == "bbmongo" else {}
+    worker = worker_factory(options={"max_attempts": 1}, env=env)
     for task_id, error in zip(task_ids, ("TimeLimitExceeded", "WorkerLostError"), strict=True):
         ended = wait_for(_ended(db, task_id), timeout=120, message=f"{task_id} ended")
         assert ended["status"] == bb_broker.FAILED and ended["lastError"].startswith(error), ended.get("lastError")
