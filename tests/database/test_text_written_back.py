@@ -15,6 +15,7 @@ from celery import Celery
 from pymongo.database import Database
 
 from bb_broker.connection import new_client
+from bb_broker.jobs import checkpoints
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
@@ -121,3 +122,12 @@ def test_a_settle_copies_a_start_before_year_1_as_it_is(store: JobStore, db: Dat
     assert store.release("released", 2, owner="w")
     doc = db.jobs.find_one({"_id": "released"})
     assert (doc["status"], doc["attempts"], doc["startedAt"]) == ("queued", 1, before_1)
+
+
+def test_a_checkpoint_holding_such_text_is_refused_to_the_task_naming_it(store: JobStore, db: Database) -> None:
+    # Read with U+FFFD, the task resumed from an altered checkpoint, and saved it so with its next one.
+    running_job(db, "resumes", checkpoint=json.dumps({"file": NOT_UTF8}))
+    refused = pytest.raises(checkpoints.CheckpointError, checkpoints.load, store, "resumes")
+    assert str(refused.value).startswith("job resumes's checkpoint holds text that is not UTF-8 (")
+    running_job(db, "plain", checkpoint=json.dumps({"file": "plain.txt"}))
+    assert checkpoints.load(store, "plain") == {"file": "plain.txt"}
