@@ -6,16 +6,20 @@ import os
 import re
 import signal
 import socket
+import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 from urllib.parse import quote, quote_plus, unquote, unquote_plus
 
+import bson
 import pymongo
+from bson.codec_options import DatetimeConversion
+from bson.raw_bson import RawBSONDocument
 from pymongo import MongoClient
 from pymongo.collection import Collection
 from pymongo.database import Database
@@ -430,6 +434,39 @@ def strict_text(collection: Collection) -> Collection:
     return collection.with_options(
         codec_options=collection.codec_options.with_options(unicode_decode_error_handler="strict")
     )
+
+
+#: How a reader that writes back what it read decodes (the stale sweep's read of lost jobs): text whose bytes are not
+#: UTF-8 as lone surrogates (surrogateescape), which as_read writes back as the same bytes; a date outside years 1 to
+#: 9999 as its exact milliseconds (DatetimeMS), which a filter matches and a write keeps. LENIENT_DECODING would
+#: copy U+FFFD and the clamped date into the database, and a filter on either finds no job.
+EXACT_DECODING = {
+    "unicode_decode_error_handler": "surrogateescape",
+    "datetime_conversion": DatetimeConversion.DATETIME_AUTO,
+}
+
+
+def exact_reads(collection: Collection) -> Collection:
+    """`collection`, read with EXACT_DECODING: each value as its bytes were, for writing back (with as_read)."""
+    return collection.with_options(codec_options=collection.codec_options.with_options(**EXACT_DECODING))
+
+
+def as_read(doc: Mapping[str, Any]) -> RawBSONDocument:
+    """`doc` (a filter, a document to write) as BSON, each string read by EXACT_DECODING written back as its bytes
+    were, in nested documents too: bson.encode refuses a lone surrogate. Dates as DatetimeMS need nothing more."""
+    elements = b"".join(_element_as_read(name, value) for name, value in doc.items())
+    return RawBSONDocument(struct.pack("<i", len(elements) + 5) + elements + b"\x00")
+
+
+def _element_as_read(name: str, value: Any) -> bytes:
+    key = name.encode("utf-8", "surrogateescape") + b"\x00"
+    if isinstance(value, str):
+        text = value.encode("utf-8", "surrogateescape") + b"\x00"
+        return b"\x02" + key + struct.pack("<i", len(text)) + text
+    if isinstance(value, Mapping) and not isinstance(value, RawBSONDocument):
+        return b"\x03" + key + as_read(value).raw
+    encoded = bson.encode({"v": value})  # int32 size, type byte, "v\0", the value, the document's closing 0
+    return encoded[4:5] + key + encoded[7:-1]
 
 
 def new_client(uri: str, **options: Any) -> MongoClient:

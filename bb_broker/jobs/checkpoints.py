@@ -26,8 +26,10 @@ import math
 from datetime import datetime
 from typing import Any
 
+from bson.errors import InvalidBSON
 from pymongo.collection import Collection
 
+from bb_broker.connection import strict_text
 from bb_broker.jobs.lifecycle import RUNNING, SUCCEEDED
 from bb_broker.jobs.outages import through_outages
 from bb_broker.jobs.store import JobStore
@@ -139,8 +141,12 @@ def save(store: JobStore, job: tuple[str, int], text: str, counts: dict[str, Any
 
 
 def load(store: JobStore, job_id: str) -> Any:
-    """The job's checkpoint (None when it has none)."""
-    doc = store.coll.find_one({"_id": job_id}, {CHECKPOINT: 1})
+    """The job's checkpoint (None when it has none). CheckpointError when its text is not UTF-8 (another program wrote
+    it): read with U+FFFD in place of its bytes, the task would resume from, and save again, an altered checkpoint."""
+    try:
+        doc = strict_text(store.coll).find_one({"_id": job_id}, {CHECKPOINT: 1})
+    except InvalidBSON as exc:
+        raise CheckpointError(f"job {job_id}'s checkpoint holds text that is not UTF-8 ({exc})") from None
     if doc is None or doc.get(CHECKPOINT) is None:
         return None
     return decoded(doc[CHECKPOINT], job_id)

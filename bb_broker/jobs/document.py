@@ -17,16 +17,20 @@ The job document's record of its attempts and its Celery result (designed once, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from bson import ObjectId
-from bson.errors import InvalidDocument, InvalidStringData
+from bson import DatetimeMS, ObjectId
+from bson.errors import InvalidBSON, InvalidDocument, InvalidStringData
 from kombu.exceptions import EncodeError
+from pymongo.collection import Collection
 from pymongo.errors import DocumentTooLarge
 from ulid import ULID
 
+from bb_broker.clock import aware
+from bb_broker.connection import strict_text
 from bb_broker.jobs import lifecycle
 from bb_broker.jobs.lifecycle import QUEUED, RUNNING
 from bb_broker.jobs.refusals import PublishRefused
@@ -261,6 +265,21 @@ def not_utf8_fields(doc: dict[str, Any]) -> list[str]:
     return [name for name, value in doc.items() if replaced(name) or replaced(value)]
 
 
+def stored_not_utf8(coll: Collection, doc: dict[str, Any], fields: Iterable[str] | None = None) -> list[str]:
+    """The fields of `doc` (or of those `fields` it has), read from `coll` with LENIENT_DECODING, whose text is not
+    UTF-8 where it is stored: read with U+FFFD in place of its bad bytes, written back it would be altered. Only a
+    field that holds U+FFFD is read again, strictly; none where that read finds the same (U+FFFD as written)."""
+    shown = doc if fields is None else {name: doc[name] for name in fields if name in doc}
+    suspects = not_utf8_fields(shown)
+    if not suspects:
+        return []
+    try:  # by the _id read: an _id read altered finds no job, as an altered field raises
+        found = strict_text(coll).find_one({"_id": doc.get("_id")}, dict.fromkeys(suspects, 1))
+    except InvalidBSON:
+        return suspects
+    return suspects if found is None else []
+
+
 def bad_serial_key(value: Any) -> str:
     """Why `value` is no serial key (see serial.py): a key that is not a string is not what SERIAL_INDEX's claims can
     skip, and a key longer than a publish writes is a hand edit."""
@@ -327,7 +346,12 @@ def has_entry_of_current_attempt(doc: dict[str, Any]) -> bool:
     if not isinstance(last, dict) or last.get("n") != doc.get("attempts"):
         return False
     finished, started = last.get("finishedAt"), doc.get("startedAt")
-    return started is None or (finished is not None and finished >= started)
+    return started is None or (finished is not None and _millis(finished) >= _millis(started))
+
+
+def _millis(moment: datetime | DatetimeMS) -> int:
+    """A date's milliseconds, also of one outside Python's range (read as DatetimeMS: EXACT_DECODING)."""
+    return int(moment) if isinstance(moment, DatetimeMS) else int(aware(moment).timestamp() * 1000)
 
 
 def attempts_fence(docs: list[dict[str, Any]], *, shift: int = 0) -> dict[str, Any]:

@@ -14,12 +14,13 @@ from collections.abc import Callable, Hashable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from bson import DatetimeMS
 from pymongo.collection import Collection as MongoCollection
 from pymongo.database import Database
 from pymongo.errors import DocumentTooLarge, DuplicateKeyError
 
 from bb_broker import metrics
-from bb_broker.connection import scrub
+from bb_broker.connection import exact_reads, scrub
 from bb_broker.jobs import indexes, lifecycle
 from bb_broker.jobs.batched import queued_job
 from bb_broker.jobs.claiming import Claims
@@ -500,7 +501,9 @@ class JobStore(Sweeps):
     ) -> Outcome | None:
         """Fail the running job of a Celery task id that `owner` holds (when only the task id is known)."""
         running = {"taskId": task_id, "status": RUNNING, "leaseOwner": owner}
-        doc = self.coll.find_one(running, {"attempts": 1, "startedAt": 1, "history": {"$slice": -1}})
+        # Its start copied into the entry as it is (EXACT_DECODING): one before year 1 was written as 0001-01-01.
+        exact = exact_reads(self.coll)
+        doc = exact.find_one(running, {"attempts": 1, "startedAt": 1, "history": {"$slice": -1}})
         if doc is None:
             return None
         attempt = None
@@ -526,14 +529,16 @@ class JobStore(Sweeps):
         held: dict[str, Any] = {"_id": job_id, "status": RUNNING, "attempts": attempts}
         if owner is not None:
             held["leaseOwner"] = owner
-        doc = self._through_outages(lambda: self.coll.find_one(held, {"history": {"$slice": -1}}))
+        # The previous start written back as it is (EXACT_DECODING): one before year 1 was written as 0001-01-01.
+        exact = exact_reads(self.coll)
+        doc = self._through_outages(lambda: exact.find_one(held, {"history": {"$slice": -1}}))
         if doc is None:
             return False
         last = (doc.get("history") or [None])[-1]
         previous_start = last.get("startedAt") if isinstance(last, dict) and last.get("n") == attempts - 1 else None
         changes: dict[str, Any] = {"status": QUEUED, "updatedAt": self.now()}
         unset = dict(HOLDS_RELEASED)
-        if isinstance(previous_start, datetime):
+        if isinstance(previous_start, datetime | DatetimeMS):
             changes["startedAt"] = previous_start
         else:
             unset["startedAt"] = ""

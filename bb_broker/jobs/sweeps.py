@@ -17,6 +17,7 @@ from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import BulkWriteError
 
 from bb_broker import metrics
+from bb_broker.connection import as_read, exact_reads
 from bb_broker.jobs.document import (
     HISTORY_ARRAY,
     HISTORY_LIMIT,
@@ -143,12 +144,14 @@ class Sweeps:
         computed here, fenced on what was read (its status, attempt and updatedAt, as well as `selector`), sent in one
         unordered bulk write per outcome. A job whose lease was renewed, or that another sweeper settled, between
         the read and the write matches no fence and is left alone: each lost job is settled once, as by the pipeline.
+        Read with EXACT_DECODING and written with as_read: what the job holds (its owner, its start, the updatedAt the
+        fence matches) is copied as its bytes are, text that is not UTF-8 and dates outside years 1 to 9999 included.
         """
         fields = ("attempts", "leaseOwner", "startedAt", "updatedAt")
         projection = {**dict.fromkeys(fields, 1), "history": {"$slice": -1}}
+        exact = exact_reads(self.coll)
         found = hinted(
-            self.coll,
-            lambda: list(self.coll.find({"status": RUNNING, **selector}, projection, **self._hint(hint, "find"))),
+            self.coll, lambda: list(exact.find({"status": RUNNING, **selector}, projection, **self._hint(hint, "find")))
         )
         writes: dict[str, list[UpdateOne]] = {QUEUED: [], FAILED: []}
         for doc in found:
@@ -158,7 +161,7 @@ class Sweeps:
             # The read's updatedAt, equal, in place of the selector's `$lt` (it met it): a heartbeat since moves it.
             fence = {**selector, "_id": doc["_id"], "status": RUNNING, "attempts": doc["attempts"]}
             fence["updatedAt"] = doc.get("updatedAt")
-            writes[status].append(UpdateOne(fence, _lost_update(doc, status, errors[status], now)))
+            writes[status].append(UpdateOne(as_read(fence), _lost_update(doc, status, errors[status], now)))
         return self._write_lost(writes[QUEUED]), self._write_lost(writes[FAILED])
 
     def _write_lost(self, writes: list[UpdateOne]) -> int:
@@ -226,5 +229,5 @@ def _lost_update(doc: dict[str, Any], status: str, last_error: str, now: datetim
     entry |= {name: doc[field] for name, field in kept.items() if field in doc}
     entry |= {"finishedAt": now, "outcome": "lost", "error": last_error}
     changes["lastError"] = last_error
-    update["$push"] = {"history": {"$each": [entry], "$slice": -HISTORY_LIMIT}}
+    update["$push"] = {"history": {"$each": [as_read(entry)], "$slice": -HISTORY_LIMIT}}
     return update

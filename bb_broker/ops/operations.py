@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from bson.errors import InvalidBSON
 from pymongo import UpdateOne
 from pymongo.errors import BulkWriteError, ExecutionTimeout
 
 from bb_broker.clock import aware
+from bb_broker.connection import strict_text
 from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD
-from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, action_record, bson_kind
+from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, action_record, bson_kind, stored_not_utf8
 from bb_broker.jobs.fair_keys import FAIR_INDEX
 from bb_broker.jobs.indexes import DEFAULT_RETENTION, ensure_plain_indexes, hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
@@ -36,6 +38,8 @@ RETRY_FIELDS = {
     "payload.options.chain.options.task_id": 1,
     **dict.fromkeys(HOLD_FIELDS.values(), 1),
 }  # fmt: skip
+#: What a retry copies of what it read into its writes (the task id into its records, the unique key held again).
+COPIED_BY_RETRY = ("_id", "taskId", "unique")
 #: Each action: the statuses it applies to.
 ACTIONS: dict[str, tuple[str, ...]] = {
     "retry": (FAILED,),
@@ -335,6 +339,10 @@ class Operations(Queries):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
                 held[str(doc.get("taskId") or doc["_id"])] = f"job {doc['_id']} stays failed: {_not_a_string_id(doc)}"
                 continue
+            if altered := stored_not_utf8(self.coll, doc, COPIED_BY_RETRY):
+                # Read with U+FFFD in place of its bytes: the retry would write that into its key and records.
+                held[doc["_id"]] = f"job {doc['_id']} stays failed: {', '.join(altered)} holds text that is not UTF-8"
+                continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
             record = action_record("retry", by, now, **cleared_record)
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
@@ -430,8 +438,11 @@ class Operations(Queries):
 
     def _renamed(self, job_id: str, task_id: str) -> dict[str, Any]:
         """The fields that give a job's stored message a new Celery task id."""
-        payload = (self.coll.find_one({"_id": job_id}, {"payload": 1}) or {}).get("payload")
         changes: dict[str, Any] = {"taskId": task_id}
+        try:  # read as it is: a message read with U+FFFD in place of its bytes would be written back altered
+            payload = (strict_text(self.coll).find_one({"_id": job_id}, {"payload": 1}) or {}).get("payload")
+        except InvalidBSON:
+            return changes  # its message is not UTF-8 and stays as it is: a claim fails the job, naming it
         if not isinstance(payload, dict):
             return changes
         if "raw" in payload:

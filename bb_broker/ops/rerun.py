@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, action_record, bson_kind, new_job_id
+from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, action_record, bson_kind, new_job_id, stored_not_utf8
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.payloads import (
     BROKER_RETRIES_HEADER,
@@ -183,6 +183,11 @@ def plan(
     job_id = doc["_id"]
     if not isinstance(job_id, str):
         raise RerunRefused("conflict", f"job {reprlib.repr(job_id)} has an _id that is not a string")
+    if altered := stored_not_utf8(operations.coll, doc):
+        # Read with U+FFFD in place of its bytes, the new job would be sent altered: its message, its keys, its links.
+        raise RerunRefused(
+            "conflict", f"job {job_id} holds text that is not UTF-8 in {', '.join(altered)}: it cannot be sent again"
+        )
     if doc.get("status") == QUEUED:
         raise RerunRefused(
             "conflict",

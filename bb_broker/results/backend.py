@@ -68,7 +68,7 @@ from bb_broker.results.consumer import ResultConsumer
 from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
 from bb_broker.server import capabilities
 from bb_broker.upstream import celery as upstream_celery
-from bb_broker.worker import settle
+from bb_broker.worker import receivers, settle
 from bb_broker.worker.settle import RESULT
 
 __all__ = ["JobFailed", "JobResultBackend"]
@@ -263,6 +263,8 @@ class JobResultBackend(ChordBackend):
         if request.chord:
             self.on_chord_part_return(request, state, exc)
         upstream_celery.fail_chain(self, getattr(request, "chain", None), exc, traceback, store_result, state)
+        if call_errbacks and request.errbacks:
+            receivers.prepare_errbacks(self, request)
         if call_errbacks and request.errbacks:
             upstream_celery.call_errbacks(self, request, exc, traceback)
 

@@ -26,9 +26,13 @@ _INSTALLED = "bb_broker_patch"
 # --- Celery: patches ------------------------------------------------------------------------------------------------
 
 
-def install_failure_as_retry(runs_again: Callable[[Any, Any, BaseException], bool]) -> None:
+def install_failure_as_retry(
+    runs_again: Callable[[Any, Any, BaseException], bool],
+    before_errbacks: Callable[[Any, Any], None] = lambda backend, request: None,
+) -> None:
     """Make every result backend's `BaseBackend.mark_as_failure` store RETRY instead of FAILURE when
-    `runs_again(app, request, exc)` says the broker runs the job again (idempotent).
+    `runs_again(app, request, exc)` says the broker runs the job again (idempotent); at a failure that ends the job,
+    `before_errbacks(backend, request)` comes before the errbacks run (it may take some off `request.errbacks`).
 
     A failure Celery reports from outside the task (a pool process that died, a hard time limit) reaches the result
     backend's mark_as_failure, which also runs the task's errbacks, fails its chain and counts its chord part: those
@@ -61,6 +65,8 @@ def install_failure_as_retry(runs_again: Callable[[Any, Any, BaseException], boo
             if store_result:
                 self.mark_as_retry(task_id, exc, traceback, request=request)
             return None
+        if call_errbacks and request is not None:
+            before_errbacks(self, request)
         return mark_as_failure(self, task_id, exc, traceback, request, store_result, call_errbacks, state)
 
     setattr(mark_as_failure_unless_retried, _INSTALLED, True)

@@ -24,31 +24,53 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
     store = settle.store_of(sender) if sender is not None else None
     if store is not None and task_id and settle.job_of(sender.request) is not None:
         settle.started(store, sender.request)
-        _drop_refused_signatures(sender)
+        _drop_refused_signatures(sender.request, sender.backend, sender.name, _AFTER_THE_BODY)
 
 
 #: The attributes of a task's request holding the signatures its tracer publishes once its body ran (callbacks, the
-#: next chain step) or failed for good (errbacks): read from the request Celery's tracer runs, the one given here.
-_LATER_SIGNATURES = ("callbacks", "errbacks", "chain")
+#: next chain step) or failed for good (errbacks), and that a broker retry's message carries: read from the request
+#: Celery's tracer runs, the one given here.
+_AFTER_THE_BODY = ("callbacks", "errbacks", "chain")
 
 
-def _drop_refused_signatures(task: Any) -> None:
-    """Take off the task's request every callback, errback and chain step whose publish the broker would refuse
-    (check_signature, the check of a publish's whole canvas), each reported in one line, before the body runs.
+#: Set on a request whose errbacks its result backend ran (prepare_errbacks).
+_ERRBACKS_RAN = "bb_errbacks_ran"
+
+
+def prepare_errbacks(backend: Any, request: Any) -> None:
+    """Make a failed task's errbacks what its result backend may run, before it runs them at the failure that ends
+    the job (upstream_celery.install_failure_as_retry; bbmongo's own mark_as_failure): each the broker would refuse
+    taken off, and none a second time for the same request.
+
+    The task_prerun took the refused ones off the pool process's request; a failure the worker's main process reports
+    (a hard time limit, a pool process that died) runs the errbacks of its own request, as the message carried them:
+    refused there, the failure itself went unrecorded, and the job ran again once the stale sweep took it back. And
+    Celery's main process reports a hard time limit twice (Request.on_timeout, then on_failure as the pool process is
+    killed), each time running the request's errbacks: every errback ran twice."""
+    if getattr(request, _ERRBACKS_RAN, False):
+        request.errbacks = None
+        return
+    setattr(request, _ERRBACKS_RAN, True)
+    name = getattr(request, "task", None)
+    _drop_refused_signatures(request, backend, name if isinstance(name, str) else "(a task)", ("errbacks",))
+
+
+def _drop_refused_signatures(request: Any, backend: Any, task_name: str, names: tuple[str, ...]) -> None:
+    """Take off the task's request every signature of `names` whose publish the broker would refuse (check_signature,
+    the check of a publish's whole canvas), each reported in one line, before Celery's tracer publishes them.
 
     A message that carries one never passed this broker's publish (written by hand, or by another client): refused
     when Celery's tracer publishes it after the body, it would fail the task that ran, and the broker would run the
     body again. The task runs and settles as it would without it. A refused chain step takes the steps after it
     along: it is the one that would publish them. Each dropped signature that names its task id gets a failure in
     the result backend, so that its waiters (`AsyncResult(id).get()`) get the reason rather than wait for ever."""
-    request = task.request
-    for name in _LATER_SIGNATURES:
+    for name in names:
         signatures = getattr(request, name, None)
         if not isinstance(signatures, list) or not signatures:
             continue
         refused: dict[int, str] = {}
         for index, signature in enumerate(signatures):
-            if (error := _refusal(task, name, index, signature)) is not None:
+            if (error := _refusal(task_name, request.id, name, index, signature)) is not None:
                 refused[index] = error
         if not refused:
             continue
@@ -59,10 +81,10 @@ def _drop_refused_signatures(task: Any) -> None:
         for index, error in dropped.items():
             if (task_id := signature_task_id(signatures[index])) is not None:
                 refusal = PublishRefused(f"not published, the broker refuses it ({name} of task {request.id}): {error}")
-                app_stores.store_never_run(task.backend, task_id, refusal)
+                app_stores.store_never_run(backend, task_id, refusal)
 
 
-def _refusal(task: Any, name: str, index: int, signature: Any) -> str | None:
+def _refusal(task_name: str, task_id: Any, name: str, index: int, signature: Any) -> str | None:
     """Why the broker would refuse to publish the signature (reported in one line), None when it would not."""
     try:
         check_signature(signature, f"its {name!r}[{index}]")
@@ -70,8 +92,8 @@ def _refusal(task: Any, name: str, index: int, signature: Any) -> str | None:
         shown = signature.get("task") if isinstance(signature, dict) else None
         logger.error(
             "task %s[%s]: %s %r is not published, the broker refuses it (the task runs without it): %s",
-            task.name,
-            task.request.id,
+            task_name,
+            task_id,
             name,
             shown,
             exc,

@@ -37,7 +37,7 @@ def install(app: Any) -> None:
     upstream_celery.wrap_task_runs(app, settle.broker_retry)
     for task in list(app.tasks.values()):
         upstream_celery.explain_worker_lost(task, receivers.explain_lost)
-    upstream_celery.install_failure_as_retry(settle.runs_again)
+    upstream_celery.install_failure_as_retry(settle.runs_again, receivers.prepare_errbacks)
 
 
 def _reserved_jobs() -> list[str]:

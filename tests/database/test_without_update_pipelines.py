@@ -6,7 +6,6 @@ the write is left alone. A result's forget() reads, then writes, too."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,29 +110,52 @@ def test_the_probe_finds_no_update_pipelines_and_the_sweep_requeues_a_lost_job_o
     assert direct.claim("celery", "survivor").attempts == 2
 
 
-def test_the_sweep_reads_a_lost_job_whose_dates_and_text_python_cannot_hold(
+def sweep_through(proxy_profile: wire.Profile, mongo_url: str, db: Database, clock: FakeClock) -> tuple[int, int]:
+    """One stale sweep by a store of the product's own client (new_client: LENIENT_DECODING) through a proxy of
+    `proxy_profile` that holds and takes what a `mongod` keeps (wire.keeping_what_the_stand_in_refuses)."""
+    proxy = wire.WireProxy(mongo_url, wire.keeping_what_the_stand_in_refuses(proxy_profile))
+    client = new_client(f"mongodb://{proxy.address}", tz_aware=True)  # as every client of the product is made
+    try:
+        return JobStore(client[db.name], Policy(stale_after=STALE_AFTER), clock=clock).requeue_stale()
+    finally:
+        client.close()
+        proxy.close()
+
+
+def test_the_sweep_copies_a_lost_jobs_text_and_dates_python_cannot_hold_as_they_are(
     direct: JobStore, mongo_url: str, db: Database, clock: FakeClock
 ) -> None:
     # Written by another program, kept by a mongod (the proxy answers as one: wire.as_mongod_keeps): a start before
     # year 1, an owner whose bytes are not UTF-8. pymongo's default decoding raised InvalidBSON on the sweep's read,
-    # and every sweep failed, for every lost job.
+    # and every sweep failed, for every lost job; read leniently, the history entry took U+FFFD and 0001-01-01.
     job_id = publish(direct, "lost")
     direct.claim("celery", f"dead-worker-{wire.NOT_UTF8_MARKER}")
     clock.advance(STALE_AFTER + 1)
     db.jobs.update_one({"_id": job_id}, {"$set": {"startedAt": wire.BEFORE_YEAR_1_MARKER}})
-    proxy = wire.WireProxy(mongo_url, dataclasses.replace(wire.amazon_documentdb(), raw=wire.as_mongod_keeps))
-    client = new_client(f"mongodb://{proxy.address}", tz_aware=True)  # as every client of the product is made
-    try:
-        store = JobStore(client[db.name], Policy(stale_after=STALE_AFTER), clock=clock)
-        assert store.requeue_stale() == (1, 0)
-    finally:
-        client.close()
-        proxy.close()
+    assert sweep_through(wire.amazon_documentdb(), mongo_url, db, clock) == (1, 0)
     doc = db.jobs.find_one({"_id": job_id})
     assert (doc["status"], doc["attempts"]) == ("queued", 1)
-    # What it read, written back as it read it: U+FFFD for the byte, the earliest date Python holds.
+    # Each marker kept: the bytes a mongod held, written back as they were.
     [entry] = doc["history"]
-    assert (entry["worker"], entry["outcome"], entry["startedAt"].year) == ("dead-worker-caf\ufffd.txt", "lost", 1)
+    assert (entry["worker"], entry["outcome"]) == (f"dead-worker-{wire.NOT_UTF8_MARKER}", "lost")
+    assert entry["startedAt"] == wire.BEFORE_YEAR_1_MARKER
+
+
+@pytest.mark.parametrize(
+    "deployment", [wire.amazon_documentdb, lambda: wire.Profile("mongod")], ids=["without pipelines", "mongod"]
+)
+def test_a_lost_job_last_updated_before_year_1_is_swept(
+    direct: JobStore, mongo_url: str, db: Database, clock: FakeClock, deployment: Callable[[], wire.Profile]
+) -> None:
+    # Its updatedAt read as 0001-01-01 (the nearest date Python holds): the fence of a server without update
+    # pipelines matched it against that, not what the job holds, and the job was never swept.
+    job_id = publish(direct, "lost")
+    direct.claim("celery", "dead-worker")
+    db.jobs.update_one({"_id": job_id}, {"$set": {"updatedAt": wire.BEFORE_YEAR_1_MARKER}})
+    assert sweep_through(deployment(), mongo_url, db, clock) == (1, 0)
+    doc = db.jobs.find_one({"_id": job_id})
+    assert (doc["status"], doc["attempts"], doc["updatedAt"]) == ("queued", 1, clock.now)
+    assert [(e["n"], e["worker"], e["outcome"]) for e in doc["history"]] == [(1, "dead-worker", "lost")]
 
 
 def test_two_sweepers_racing_settle_each_lost_job_once(

@@ -5,6 +5,7 @@ the body again: three times for a callback with priority 300, six for a chain st
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -154,3 +155,79 @@ def test_a_dropped_callback_or_chain_step_fails_its_waiter_and_the_body_runs_onc
         with pytest.raises(bb_broker.PublishRefused, match="not published, the broker refuses it .* 'priority'"):
             waited.get(timeout=60)
     assert db.runs.count_documents({}) == 2 and worker.process.poll() is None
+
+
+def test_a_stored_errback_the_broker_refuses_is_dropped_and_the_failure_is_recorded_once(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    # As a stored callback above, an errback made bad in the stored job: Celery's worker publishes errbacks after the
+    # last attempt's body failed, too late to refuse anything but the errback. The valid errback beside it runs once.
+    fails, note_error = "tests.support.e2e_app.always_fails", "tests.support.e2e_app.note_error"
+    errbacks = [app.signature(note_error), app.signature(note_error)]
+    task_id = app.send_task(fails, link_error=errbacks).id
+    _edited(db, task_id, {"$set": {"payload.options.errbacks.0.options.priority": 300}})
+    worker = worker_factory()
+    ended = wait_for(_ended(db, task_id), timeout=120, message="the failing task ended")
+    assert (ended["status"], ended["attempts"], ended["lastError"]) == (
+        bb_broker.FAILED,
+        3,
+        "ValueError: always fails",
+    ), ended
+    assert [(entry["n"], entry["outcome"]) for entry in ended["history"]] == [(n, "failed") for n in (1, 2, 3)]
+    [errback_job] = wait_for(lambda: list(db.jobs.find({"kind": note_error})), message="the valid errback's job")
+    wait_for(settled(db, errback_job["taskId"], bb_broker.SUCCEEDED), timeout=120, message="the valid errback ran")
+    assert [run["failed"] for run in db.runs.find({"name": note_error})] == [task_id]
+    assert db.runs.count_documents({"name": fails}) == 3 and db.jobs.count_documents({}) == 2
+    log = worker.log()
+    assert "errbacks 'tests.support.e2e_app.note_error' is not published, the broker refuses it" in log, log[-3000:]
+    assert "property 'priority' must be an integer from 0 to 255" in log
+    assert log.count("Traceback") == 1, log[-3000:]  # the last attempt's own ValueError, as Celery logs it
+    assert "Unrecoverable error" not in log and worker.process.poll() is None
+
+
+@pytest.mark.parametrize("results", ["none", "bbmongo"])
+def test_a_stored_errback_the_broker_refuses_is_dropped_where_the_main_process_reports_the_failure(
+    app: Celery, db: Database, worker_factory, broker_url: str, results: str
+) -> None:
+    # A hard time limit, a pool process that died: the worker's main process reports the failure and runs the errbacks
+    # from the message as it received it, where no task_prerun took the refused one off. Refused there, the failure
+    # went unrecorded (the job stayed running until the stale sweep ran it again); and a hard time limit ran each
+    # errback twice (Celery's main process reports it twice).
+    fails = {"tests.support.e2e_app.overrun": (), "tests.support.e2e_app.exits_until": (99,)}
+    note_error = "tests.support.e2e_app.note_error"
+    task_ids = []
+    for name, args in fails.items():
+        task_ids.append(app.send_task(name, args, link_error=[app.signature(note_error), app.signature(note_error)]).id)
+        _edited(db, task_ids[-1], {"$set": {"payload.options.errbacks.0.options.priority": 300}})
+    env = {"BB_RESULT_BACKEND": broker_url} if results == "bbmongo" else {}
+    worker = worker_factory(options={"max_attempts": 1}, env=env)
+    for task_id, error in zip(task_ids, ("TimeLimitExceeded", "WorkerLostError"), strict=True):
+        ended = wait_for(_ended(db, task_id), timeout=120, message=f"{task_id} ended")
+        assert ended["status"] == bb_broker.FAILED and ended["lastError"].startswith(error), ended.get("lastError")
+        assert ended["attempts"] == 1 and _runs(db, task_id) == 1, (ended["attempts"], _runs(db, task_id))
+    wait_for(lambda: db.runs.count_documents({"name": note_error}) == 2, timeout=120, message="the valid errbacks")
+    wait_for(lambda: db.jobs.count_documents({"kind": note_error, "status": {"$ne": bb_broker.SUCCEEDED}}) == 0)
+    assert sorted(run["failed"] for run in db.runs.find({"name": note_error})) == sorted(task_ids)  # each once
+    assert db.jobs.count_documents({"kind": note_error}) == 2
+    log = worker.log()
+    dropped = "errbacks 'tests.support.e2e_app.note_error' is not published, the broker refuses it"
+    assert all(f"[{task_id}]: {dropped}" in log for task_id in task_ids), log[-3000:]
+    assert "Unrecoverable error" not in log and worker.process.poll() is None
+
+
+def test_a_tasks_own_retry_the_broker_refuses_fails_it_once_and_the_worker_stays_up(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    # A retry whose message the publish check refuses (its ETA within two days of year 9999's end): Celery raises
+    # Reject(the refusal) in the pool process, which sends it to the main process. Rebuilt there with its message
+    # alone, MalformedTaskMessage raised TypeError and the worker exited ("Unrecoverable error").
+    countdown = (datetime.max.replace(tzinfo=UTC) - datetime.now(UTC)).total_seconds() - 3600
+    task_id = app.send_task("tests.support.e2e_app.retry_self", (countdown,)).id
+    worker = worker_factory()
+    ended = wait_for(_ended(db, task_id), timeout=120, message="the task ended")
+    assert ended["status"] == bb_broker.FAILED and "malformed message" in ended["lastError"], ended.get("lastError")
+    assert ended["attempts"] == 1 and _runs(db, task_id) == 1, (ended["attempts"], _runs(db, task_id))
+    assert app.signature(ADD, (1, 2)).apply_async().id and db.jobs.count_documents({}) == 2
+    wait_for(lambda: _runs(db, db.jobs.find_one({"kind": ADD})["taskId"]) == 1, message="the next task ran")
+    log = worker.log()
+    assert "Unrecoverable error" not in log and worker.process.poll() is None, log[-3000:]

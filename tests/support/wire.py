@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -63,6 +63,8 @@ class Profile:
     answer: Callable[[dict[str, Any]], dict[str, Any]] = lambda answer: answer
     #: Every answer's document as this deployment's bytes say it (as_mongod_keeps): what no decoded value can carry.
     raw: Callable[[bytes], bytes] = lambda document: document
+    #: Every request's bytes as the stand-in takes them (as_stand_in_takes): what a client writes back of `raw`.
+    raw_request: Callable[[bytes], bytes] = lambda request: request
     #: How many commands the profile refused, by command name: what a test asserts the broker never sent again.
     refused: dict[str, int] = field(default_factory=dict)
     #: A replica set's: set while it has no primary (WireProxy.hold_election). A proxy whose profile has one keeps
@@ -103,9 +105,23 @@ def as_mongod_keeps(document: bytes) -> bytes:
     return document
 
 
+def as_stand_in_takes(request: bytes) -> bytes:
+    """A request with what a `mongod` keeps and the stand-in refuses (a client writing back what as_mongod_keeps
+    answered) replaced by its marker: the stand-in stores the marker, which a test reads as those bytes kept."""
+    for marker, kept in _MONGOD_KEEPS.items():
+        request = request.replace(kept, marker)
+    return request
+
+
+def keeping_what_the_stand_in_refuses(profile: Profile) -> Profile:
+    """`profile`'s deployment holding, and taking, text that is not UTF-8 and dates outside years 1 to 9999."""
+    kept = {"raw": as_mongod_keeps, "raw_request": as_stand_in_takes}
+    return replace(profile, name=f"{profile.name} (as a mongod keeps)", **kept)
+
+
 def mongod_keeping_what_the_stand_in_refuses() -> Profile:
     """A `mongod` (the stand-in's replica set) holding text that is not UTF-8 and dates outside years 1 to 9999."""
-    return Profile("mongod", raw=as_mongod_keeps)
+    return keeping_what_the_stand_in_refuses(Profile("mongod"))
 
 
 def router() -> Profile:
@@ -355,7 +371,7 @@ class WireProxy:
         try:
             while header := read_exactly(client, 16):
                 length, request_id, response_to, opcode = struct.unpack("<iiii", header)
-                body = read_exactly(client, length - 16)
+                body = self.profile.raw_request(read_exactly(client, length - 16))
                 command = self._command(opcode, body)
                 if command is not None and self._awaits_topology(command):
                     exhaust = bool(struct.unpack("<I", body[:4])[0] & EXHAUST_ALLOWED)
