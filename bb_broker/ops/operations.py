@@ -17,7 +17,15 @@ from pymongo.errors import BulkWriteError, ExecutionTimeout
 
 from bb_broker.clock import aware
 from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD
-from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, action_record, bson_kind
+from bb_broker.jobs.document import (
+    HOLDS_RELEASED,
+    READY_IN_ATTEMPT,
+    RENAMED_TO,
+    RESULTS_COLLECTION,
+    action_record,
+    bson_kind,
+    task_id_of,
+)
 from bb_broker.jobs.fair_keys import FAIR_INDEX
 from bb_broker.jobs.indexes import DEFAULT_RETENTION, ensure_plain_indexes, hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
@@ -32,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: What a retry reads of each job it sends back.
 RETRY_FIELDS = {
-    "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1, "unique": 1,
+    "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "renamedFrom": 1, "groupId": 1, "parentId": 1,
+    "payload.headers.eta": 1, "unique": 1,
     "payload.options.chain.options.task_id": 1,
     **dict.fromkeys(HOLD_FIELDS.values(), 1),
 }  # fmt: skip
@@ -321,13 +330,14 @@ class Operations(Queries):
         self, docs: Iterable[dict[str, Any]], *, by: str, held: dict[str, str], fresh: bool = False
     ) -> list[str]:
         """Each failed job back to queued, fenced on its status. A revoked job gets a new Celery task id: every
-        worker that saw the revoke keeps the old id in memory and would discard it unrun. A job whose unique key
+        worker that saw the revoke keeps the old id in memory and would discard it unrun. It keeps the id it first
+        ran under (`renamedFrom`), delivered with it, under which a chord counts its part. A job whose unique key
         was given back takes it again in the same write; where another job holds it now, the unique index refuses
         the write and the job stays failed, the reason in `held`."""
         now = self.now()
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne]] = []
-        renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
+        renamed: dict[str, tuple[str, str, bool]] = {}  # job id -> (its revoked task id, its new one, in a canvas)
         chained: dict[str, list[str]] = {}  # job id -> the task ids of the rest of its chain
         cleared_record = CLEARED_RECORD if fresh else {}
         for doc in docs:
@@ -340,18 +350,25 @@ class Operations(Queries):
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
             if isinstance(headers, dict) and headers.get("eta"):
                 changes["payload.headers.eta"] = None  # due now: a worker would otherwise hold it until the old ETA
+            new_id = None
             if doc.get("revokedAt") or str(doc.get("lastError", "")).startswith("revoked"):
                 new_id = str(uuid.uuid4())
                 changes |= self._renamed(doc["_id"], new_id)
+                if first_id := task_id_of(doc.get("renamedFrom")) or task_id_of(doc.get("taskId")):
+                    # The id it first ran under, delivered with it (payloads.RENAMED_FROM_HEADER): a chord counts the
+                    # part of a header task under it, so the retry's result takes the revoked one's place.
+                    changes["renamedFrom"] = first_id
                 record = action_record(
                     "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, **cleared_record
                 )
-                if doc.get("taskId"):
-                    renamed[doc["_id"]] = (doc["taskId"], new_id)
-            changes |= _key_taken_again(doc)
             chained[doc["_id"]] = _chained_task_ids(doc)
+            if new_id is not None and doc.get("taskId"):
+                in_canvas = bool(doc.get("groupId") or doc.get("parentId") or chained[doc["_id"]])
+                renamed[doc["_id"]] = (doc["taskId"], new_id, in_canvas)
+            changes |= _key_taken_again(doc)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
-            cleared = {"finishedAt": "", "revokedAt": "", **(CHECKPOINT_CLEARED if fresh else {})}
+            # readyInAttempt: the revoked attempt's, which the retry's attempts, counted from 0 again, would meet.
+            cleared = {"finishedAt": "", "revokedAt": "", READY_IN_ATTEMPT: "", **(CHECKPOINT_CLEARED if fresh else {})}
             update = {"$set": changes, "$unset": cleared, "$push": record}
             batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
             if len(batch) >= 500:
@@ -371,10 +388,16 @@ class Operations(Queries):
             stored = {"_id": {"$in": [f"task:{task_id}" for task_id in task_ids]}, "state": "FAILURE"}
             self.coll.database[RESULTS_COLLECTION].delete_many(stored)
 
-    def _keep_revoked(self, renamed: list[tuple[str, str]], *, by: str, now: datetime) -> None:
+    def _keep_revoked(self, renamed: list[tuple[str, str, bool]], *, by: str, now: datetime) -> None:
         """A revoked task retried under a new id: its old id keeps reading REVOKED for the result backend (Celery's
         states are final), saying which id runs now. With no job of that id left, a caller's get() would wait for
-        ever. Kept as the result backend keeps results of tasks without a job, for DEFAULT_RETENTION."""
+        ever. Kept as the result backend keeps results of tasks without a job, for DEFAULT_RETENTION.
+
+        A step of a canvas (in a group or a chord's header, after a parent, or with a chain after it) is the
+        exception: the handles of the later steps hold its old id among their parents (a chord's header, a chain's
+        steps), whose get() checks them while it waits. Its old id reads as its new one (`renamedTo`), so that the
+        canvas's get() waits for the retry as it does for a failed step's, and reads its outcome; REVOKED again
+        when no job of the new id is left."""
         if not renamed:
             return
         expires_at = now + timedelta(seconds=DEFAULT_RETENTION)
@@ -388,12 +411,18 @@ class Operations(Queries):
                         "lastError": f"revoked; retried by {by} as task {new_id}"[:MAX_ERROR_LENGTH],
                         "dateDone": now,
                         "expiresAt": expires_at,
+                        **({RENAMED_TO: new_id} if in_canvas else {}),
                     },
-                    "$unset": {"result": "", "resultFormat": "", "traceback": ""},
+                    "$unset": {
+                        "result": "",
+                        "resultFormat": "",
+                        "traceback": "",
+                        **({} if in_canvas else {RENAMED_TO: ""}),
+                    },
                 },
                 upsert=True,
             )
-            for old_id, new_id in renamed
+            for old_id, new_id, in_canvas in renamed
         ]
         self.coll.database[RESULTS_COLLECTION].bulk_write(writes, ordered=False)
 

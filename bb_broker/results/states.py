@@ -10,12 +10,10 @@ from celery.exceptions import TaskRevokedError
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
+from bb_broker.jobs.document import READY_IN_ATTEMPT
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED
 from bb_broker.jobs.payloads import PayloadError, to_message
 
-#: The job field naming the attempt that stored a ready state on its job ahead of the settle that ends it (a revoked
-#: chord part: JobResultBackend.mark_as_revoked): while the job still runs that attempt, the state is the task's.
-READY_IN_ATTEMPT = "readyInAttempt"
 #: The fields a result read needs from a job document.
 RESULT_FIELDS = {
     "status": 1,
