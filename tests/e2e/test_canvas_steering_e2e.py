@@ -310,3 +310,35 @@ def test_two_revoked_header_steps_retried_at_once_send_the_body_once(
     counter = db.bb_results.find_one({"_id": f"chord:{revoked[0]['groupId']}"})
     assert counter["count"] == 2 and len(counter["members"]) == 2
     assert sorted(counter["fixedKeys"]) == sorted([f"{revoked[0]['taskId']}:0", f"{revoked[1]['taskId']}:1"])
+
+
+@pytest.mark.parametrize("crash_at", ["part-counted", "callback-claimed", "callback-sent"])
+def test_a_retried_revoked_header_step_killed_at_each_step_of_the_resend_sends_the_body_once(
+    crash_at: str, results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    first = results_worker(options=ONE_ATTEMPT, concurrency=2)
+    gate = tmp_path / "gate"
+    result = chord([si(results_app, "add", 1, 1), si(results_app, "hold_until", str(gate))])(s(results_app, "echo"))
+    revoked = revoked_while_running(db, results_app, gate)
+    wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}", "failed": True}), message="failed")
+    first.kill()
+    # The retried part's worker SIGKILLs itself and its pool at `crash_at` (tests/support/e2e_app.py): the part's
+    # job stays running until the next worker's sweep re-queues it, and it runs again under its new id.
+    options = {"stale_after": 4.0, "max_attempts": 3}
+    crashing = results_worker(options=options, env={"BB_TEST_CRASH_AT": crash_at})
+    retried(db, broker_url, revoked)
+    wait_for(lambda: crashing.process.poll() is not None, timeout=120, message=f"the worker killed at {crash_at}")
+    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
+    results_worker(options=options)
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=180, message="the chord's body ran")
+    assert done["result"] == [2, str(gate)] and result.get(timeout=10) == [2, str(gate)]
+    part = wait_for(
+        lambda: (doc := db.jobs.find_one({"_id": revoked["_id"], "status": "succeeded"})) and doc,
+        timeout=120,
+        message="the retried part settled",
+    )
+    assert part["taskId"] != revoked["taskId"] and part["renamedFrom"] == revoked["taskId"]
+    assert [entry["outcome"] for entry in part["history"]][-2:] == ["lost", "succeeded"]
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
+    assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:1"] and counter["resent"]
