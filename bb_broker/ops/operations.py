@@ -336,7 +336,7 @@ class Operations(Queries):
         the write and the job stays failed, the reason in `held`."""
         now = self.now()
         retried: list[str] = []
-        batch: list[tuple[str, UpdateOne]] = []
+        batch: list[tuple[str, UpdateOne, str | None]] = []  # job id, its write, the new task id it gives it
         renamed: dict[str, tuple[str, str, bool]] = {}  # job id -> (its revoked task id, its new one, in a canvas)
         chained: dict[str, list[str]] = {}  # job id -> the task ids of the rest of its chain
         cleared_record = CLEARED_RECORD if fresh else {}
@@ -370,7 +370,7 @@ class Operations(Queries):
             # readyInAttempt: the revoked attempt's, which the retry's attempts, counted from 0 again, would meet.
             cleared = {"finishedAt": "", "revokedAt": "", READY_IN_ATTEMPT: "", **(CHECKPOINT_CLEARED if fresh else {})}
             update = {"$set": changes, "$unset": cleared, "$push": record}
-            batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
+            batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update), new_id))
             if len(batch) >= 500:
                 retried += self._write_batch(batch, held)
                 batch = []
@@ -426,10 +426,10 @@ class Operations(Queries):
         ]
         self.coll.database[RESULTS_COLLECTION].bulk_write(writes, ordered=False)
 
-    def _write_batch(self, batch: list[tuple[str, UpdateOne]], held: dict[str, str]) -> list[str]:
-        ids = [job_id for job_id, _ in batch]
+    def _write_batch(self, batch: list[tuple[str, UpdateOne, str | None]], held: dict[str, str]) -> list[str]:
+        ids = [job_id for job_id, _, _ in batch]
         try:
-            modified = self.coll.bulk_write([op for _, op in batch], ordered=False).modified_count
+            modified = self.coll.bulk_write([op for _, op, _ in batch], ordered=False).modified_count
         except BulkWriteError as exc:
             errors = exc.details.get("writeErrors", [])
             if not capabilities(self.coll.database).only_unique_refusals(errors):
@@ -440,8 +440,11 @@ class Operations(Queries):
             modified = -1  # which of the others landed: read below
         if modified == len(batch):
             return ids
-        # Some changed meanwhile: the ones that are now queued by this write are ours.
-        return [doc["_id"] for doc in self.coll.find({"_id": {"$in": ids}, "status": QUEUED}, {"_id": 1})]
+        # Some changed meanwhile: the ones that are now queued by this write are ours. A renamed one is ours only under
+        # the task id this write gave it: another retry at the same moment may have queued it under its own.
+        new_ids = {job_id: new_id for job_id, _, new_id in batch}
+        queued = self.coll.find({"_id": {"$in": ids}, "status": QUEUED}, {"taskId": 1})
+        return [doc["_id"] for doc in queued if new_ids[doc["_id"]] in (None, doc.get("taskId"))]
 
     def _why_held(self, job_id: str) -> str:
         """Why a failed job's retry could not take its unique key again: which job holds it now."""

@@ -4,6 +4,9 @@ it failed included, whatever runs twice; `bb-broker cancel --canvas` cancels the
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +345,29 @@ def test_a_retried_revoked_header_step_killed_at_each_step_of_the_resend_sends_t
     assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
     counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
     assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:1"] and counter["resent"]
+
+
+def test_a_revoked_header_step_retried_by_two_operators_at_once_completes_its_chord_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT, concurrency=2)
+    gate = tmp_path / "gate"
+    result = chord([si(results_app, "hold_until", str(gate)), si(results_app, "add", 2, 2)])(s(results_app, "echo"))
+    revoked = revoked_while_running(db, results_app, gate)
+    wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}", "failed": True}), message="failed")
+    # Two `bb-broker retry` processes at once, as two operators would: one retries it, under one new id.
+    command = [sys.executable, "-m", "bb_broker.cli", "retry", revoked["taskId"], "--broker", broker_url]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    both = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    both.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    answers = [process.communicate(timeout=120)[0] for process in both]
+    assert sum("retried 1 failed job" in answer for answer in answers) == 1, answers
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=120, message="the chord's body ran")
+    assert done["result"] == [str(gate), 4] and result.get(timeout=10) == [str(gate), 4]
+    step = db.jobs.find_one({"_id": revoked["_id"]})
+    assert [action["action"] for action in step["actions"]] == ["retry"]
+    kept = db.bb_results.find_one({"_id": f"task:{revoked['taskId']}"})
+    assert kept["renamedTo"] == step["taskId"] and kept["lastError"].endswith(f"as task {step['taskId']}")
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
+    assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:0"]
