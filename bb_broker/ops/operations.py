@@ -53,6 +53,11 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "delete": (SUCCEEDED, FAILED),
     "run-now": (QUEUED,),  # only a queued job whose runAfter is still to come (a countdown, an ETA, a backoff)
 }
+#: What the retry of a header step of a chord that completed in error means (bb_broker.results.chords), on its record.
+CHORD_FAILED_NOTE = (
+    "its chord had failed (its body's errbacks ran, and are not undone): once every failed step of the chord has "
+    "succeeded, the body is sent, once, with the header's results in order, as if none had failed"
+)
 #: The action that makes a waiting job due now.
 RUN_NOW = "run-now"
 
@@ -340,13 +345,15 @@ class Operations(Queries):
         renamed: dict[str, tuple[str, str, bool]] = {}  # job id -> (its revoked task id, its new one, in a canvas)
         chained: dict[str, list[str]] = {}  # job id -> the task ids of the rest of its chain
         cleared_record = CLEARED_RECORD if fresh else {}
+        failed_chords: dict[str, bool] = {}  # group id -> whether its chord completed in error: one read per chord
         for doc in docs:
             if not isinstance(doc["_id"], str):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
                 held[str(doc.get("taskId") or doc["_id"])] = f"job {doc['_id']} stays failed: {_not_a_string_id(doc)}"
                 continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
-            record = action_record("retry", by, now, **cleared_record)
+            note = self._chord_failed_note(doc, failed_chords)
+            record = action_record("retry", by, now, note=note, **cleared_record)
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
             if isinstance(headers, dict) and headers.get("eta"):
                 changes["payload.headers.eta"] = None  # due now: a worker would otherwise hold it until the old ETA
@@ -359,7 +366,7 @@ class Operations(Queries):
                     # part of a header task under it, so the retry's result takes the revoked one's place.
                     changes["renamedFrom"] = first_id
                 record = action_record(
-                    "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, **cleared_record
+                    "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, note=note, **cleared_record
                 )
             chained[doc["_id"]] = _chained_task_ids(doc)
             if new_id is not None and doc.get("taskId"):
@@ -379,6 +386,17 @@ class Operations(Queries):
         self._keep_revoked([renamed[job_id] for job_id in retried if job_id in renamed], by=by, now=now)
         self._forget_chain_failures([task_id for job_id in retried for task_id in chained.get(job_id, [])])
         return retried
+
+    def _chord_failed_note(self, doc: dict[str, Any], failed_chords: dict[str, bool]) -> str | None:
+        """What the retry of a chord's header step means when the chord completed in error before (as Celery fails a
+        chord: its body never sent, its errbacks run), said in the retry's record; None for any other step."""
+        group_id = doc.get("groupId")
+        if not isinstance(group_id, str):
+            return None
+        if group_id not in failed_chords:
+            failed = {"_id": f"chord:{group_id}", "failed": True}
+            failed_chords[group_id] = self.coll.database[RESULTS_COLLECTION].find_one(failed, {"_id": 1}) is not None
+        return CHORD_FAILED_NOTE if failed_chords[group_id] else None
 
     def _forget_chain_failures(self, task_ids: list[str]) -> None:
         """The rest of a retried step's chain reads PENDING again: when the step failed, Celery stored a FAILURE for

@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 from pymongo.database import Database
 
 from bb_broker.cli import main
+from bb_broker.ops.operations import CHORD_FAILED_NOTE
 from tests.support.workers import job, settled, wait_for
 
 T = "tests.support.e2e_app."
@@ -282,6 +283,10 @@ def test_a_revoked_header_step_retried_under_a_new_id_completes_its_chord_once(
     assert ran(db, "note_error") == 1  # the errback's run stays as it was: not run again, not undone
     step = wait_for(settled(db, new_id, "succeeded"), message="the retried step settled")
     assert step["_id"] == revoked["_id"] and step["renamedFrom"] == revoked["taskId"]
+    # The retry's record says what it meant for a chord that had failed, and `bb-broker show` says it.
+    assert step["actions"][-1]["note"] == CHORD_FAILED_NOTE and step["actions"][-1]["taskId"] == new_id
+    shown = bb(broker_url, "show", revoked["_id"])
+    assert shown.exit_code == 0 and CHORD_FAILED_NOTE in shown.output, shown.output
     counter = db.bb_results.find_one({"_id": f"chord:{group_id}"})
     assert counter["count"] == 3 and counter["fixedKeys"] == [f"{revoked['taskId']}:1"] and counter["resent"]
     assert [part["id"] for part in counter["fixed"]] == [new_id] and counter["resend"]["firstId"] == result.id
