@@ -20,7 +20,8 @@ Where things are kept:
 
 Reading: the newest job with that task id (index `bb_task_id`), then `bb_results`; nothing found is PENDING, as in
 Celery's other backends. A revoked task an operator retried runs under a new task id: its old id keeps reading REVOKED
-from a `task:<old id>` document the retry writes (operations.py), naming the new id. A job that failed without a
+from a `task:<old id>` document the retry writes (operations.py), naming the new id; a canvas step's reads as the new
+id (`renamedTo`), which the later steps' handles wait on through their parents. A job that failed without a
 Celery result (a lost worker, an unknown task, an operator's cancel) reads as FAILURE with `JobFailed(lastError)`, or
 REVOKED when it was revoked, so `get()` never hangs on it.
 With `result_extended`, a read adds Celery's extended fields from the job itself: `name` (kind), `args` and `kwargs`

@@ -83,7 +83,8 @@ def meta_of_task_document(doc: dict[str, Any], load: Loader) -> tuple[str, dict[
     """The task id and meta of a `task:<id>` document in bb_results (a task that never had a job)."""
     task_id = doc["_id"].partition(":")[2]
     if doc.get("state") == states.REVOKED and "resultFormat" not in doc:
-        # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED.
+        # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED (a canvas
+        # step's follows the new id first: JobResultBackend._found_metas).
         return task_id, finished_without_result(task_id, states.REVOKED, TaskRevokedError(doc.get("lastError")))
     return task_id, meta_of_result(doc, task_id, load)
 
