@@ -45,8 +45,11 @@ RETRY_STATE = "RETRY"
 #: `history` only its type; the history itself and the result fields stay on the server.
 CLAIMED_FIELDS = {
     "_id": 1, "attempts": 1, "taskId": 1, "payload": 1, "runAfter": 1, "queue": 1, "serialKey": 1, "fairKey": 1,
-    "historyType": {"$type": "$history"},
+    "renamedFrom": 1, "historyType": {"$type": "$history"},
 }  # fmt: skip
+#: The longest task id a signature's waiter is told of, or a job's first id kept (a Celery id is 36 characters): a
+#: longer one is a hand edit.
+MAX_TASK_ID_LENGTH = 255
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
@@ -84,6 +87,13 @@ def unwritable_cause(exc: BaseException) -> str | None:
 
 #: The result backend's collection (same database) of what has no job: see results/backend.py.
 RESULTS_COLLECTION = "bb_results"
+#: The job field naming the attempt that stored a ready state on its job ahead of the settle that ends it (a revoked
+#: chord part: JobResultBackend.mark_as_revoked): while the job still runs that attempt, the state is the task's. An
+#: operator's retry, which counts the attempts from 0 again, removes it.
+READY_IN_ATTEMPT = "readyInAttempt"
+#: The field of a revoked canvas step's `task:<old id>` document there naming the task id an operator's retry gave it
+#: (bb_broker.ops.operations): the old id reads as the new one.
+RENAMED_TO = "renamedTo"
 
 
 def due_query(queue: Any, now: datetime) -> dict[str, Any]:
@@ -216,6 +226,15 @@ class Claimed:
     run_after: datetime | None = None
     #: Its fair key (fair_keys.py), None for none (or a hand-edited one that is not a string).
     fair_key: str | None = None
+    #: The task id it first ran under, when an operator's retry of it revoked gave it a new one (`renamedFrom`).
+    renamed_from: str | None = None
+
+
+def task_id_of(value: Any) -> str | None:
+    """`value` when it can be a Celery task id: a string of 1 to MAX_TASK_ID_LENGTH characters BSON can hold."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_TASK_ID_LENGTH and utf8_encodable(value):
+        return value
+    return None
 
 
 def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
@@ -225,7 +244,8 @@ def claimed(doc: dict[str, Any], attempts: int) -> Claimed:
     elif run_after.tzinfo is None:
         run_after = run_after.replace(tzinfo=UTC)
     fair_key = doc.get("fairKey") if isinstance(doc.get("fairKey"), str) else None
-    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after, fair_key)
+    renamed_from = task_id_of(doc.get("renamedFrom"))  # a hand edit that is not one: the job runs as its own id
+    return Claimed(doc["_id"], attempts, doc.get("taskId"), doc.get("payload"), run_after, fair_key, renamed_from)
 
 
 def malformed(doc: dict[str, Any]) -> str | None:

@@ -19,7 +19,7 @@ from kombu import compression
 from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
-from bb_broker.jobs.document import MAX_KIND_LENGTH, utf8_encodable
+from bb_broker.jobs.document import MAX_KIND_LENGTH, task_id_of, utf8_encodable
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
 from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
@@ -27,7 +27,10 @@ from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_s
 #: Our delivery details ride in the headers of a delivered message; they are never stored.
 JOB_ID_HEADER = "bb_job_id"
 ATTEMPTS_HEADER = "bb_attempts"
-DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER)
+#: The task id a job first ran under, delivered with a job an operator's retry of it revoked renamed (its document's
+#: `renamedFrom`): a chord counts the part of a header task under it (bb_broker.results.chords).
+RENAMED_FROM_HEADER = "bb_renamed_from"
+DELIVERY_HEADERS = (JOB_ID_HEADER, ATTEMPTS_HEADER, RENAMED_FROM_HEADER)
 #: How many of a task's Celery retries are the broker's (a failed attempt run again), so that `request.retries`
 #: minus this is the task's own retries. Kept in the payload: each attempt's message carries it on.
 BROKER_RETRIES_HEADER = "bb_broker_retries"
@@ -415,18 +418,11 @@ def check_canvas(embed: dict[str, Any]) -> None:
             check_signature(signature, f"the embed's {name!r}[{index}]")
 
 
-#: The longest task id a signature's waiter is told of (a Celery id is 36 characters): a longer one is a hand edit.
-MAX_TASK_ID_LENGTH = 255
-
-
 def signature_task_id(signature: Any) -> str | None:
     """The task id a signature's publish gives its task (its option `task_id`), which a waiter may hold
     (`AsyncResult(id).get()`), when it is one: a string of 1 to MAX_TASK_ID_LENGTH characters BSON can hold."""
     options = signature.get("options") if isinstance(signature, dict) else None
-    task_id = options.get("task_id") if isinstance(options, dict) else None
-    if isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_LENGTH and utf8_encodable(task_id):
-        return task_id
-    return None
+    return task_id_of(options.get("task_id") if isinstance(options, dict) else None)
 
 
 def chord_body_id(payload: Any) -> str | None:

@@ -19,7 +19,16 @@ from pymongo.errors import BulkWriteError, ExecutionTimeout
 from bb_broker.clock import aware
 from bb_broker.connection import strict_text
 from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD
-from bb_broker.jobs.document import HOLDS_RELEASED, RESULTS_COLLECTION, action_record, bson_kind, stored_not_utf8
+from bb_broker.jobs.document import (
+    HOLDS_RELEASED,
+    READY_IN_ATTEMPT,
+    RENAMED_TO,
+    RESULTS_COLLECTION,
+    action_record,
+    bson_kind,
+    stored_not_utf8,
+    task_id_of,
+)
 from bb_broker.jobs.fair_keys import FAIR_INDEX
 from bb_broker.jobs.indexes import DEFAULT_RETENTION, ensure_plain_indexes, hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, MAX_ERROR_LENGTH, QUEUED, RUNNING, STATUSES, SUCCEEDED
@@ -34,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: What a retry reads of each job it sends back.
 RETRY_FIELDS = {
-    "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "payload.headers.eta": 1, "unique": 1,
+    "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "renamedFrom": 1, "groupId": 1, "parentId": 1,
+    "payload.headers.eta": 1, "unique": 1,
     "payload.options.chain.options.task_id": 1,
     **dict.fromkeys(HOLD_FIELDS.values(), 1),
 }  # fmt: skip
@@ -48,6 +58,11 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "delete": (SUCCEEDED, FAILED),
     "run-now": (QUEUED,),  # only a queued job whose runAfter is still to come (a countdown, an ETA, a backoff)
 }
+#: What the retry of a header step of a chord that completed in error means (bb_broker.results.chords), on its record.
+CHORD_FAILED_NOTE = (
+    "its chord had failed (its body's errbacks ran, and are not undone): once every failed step of the chord has "
+    "succeeded, the body is sent, once, with the header's results in order, as if none had failed"
+)
 #: The action that makes a waiting job due now.
 RUN_NOW = "run-now"
 
@@ -325,15 +340,17 @@ class Operations(Queries):
         self, docs: Iterable[dict[str, Any]], *, by: str, held: dict[str, str], fresh: bool = False
     ) -> list[str]:
         """Each failed job back to queued, fenced on its status. A revoked job gets a new Celery task id: every
-        worker that saw the revoke keeps the old id in memory and would discard it unrun. A job whose unique key
+        worker that saw the revoke keeps the old id in memory and would discard it unrun. It keeps the id it first
+        ran under (`renamedFrom`), delivered with it, under which a chord counts its part. A job whose unique key
         was given back takes it again in the same write; where another job holds it now, the unique index refuses
         the write and the job stays failed, the reason in `held`."""
         now = self.now()
         retried: list[str] = []
-        batch: list[tuple[str, UpdateOne]] = []
-        renamed: dict[str, tuple[str, str]] = {}  # job id -> (its revoked task id, its new one)
+        batch: list[tuple[str, UpdateOne, str | None]] = []  # job id, its write, the new task id it gives it
+        renamed: dict[str, tuple[str, str, bool]] = {}  # job id -> (its revoked task id, its new one, in a canvas)
         chained: dict[str, list[str]] = {}  # job id -> the task ids of the rest of its chain
         cleared_record = CLEARED_RECORD if fresh else {}
+        failed_chords: dict[str, bool] = {}  # group id -> whether its chord completed in error: one read per chord
         for doc in docs:
             if not isinstance(doc["_id"], str):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
@@ -344,24 +361,32 @@ class Operations(Queries):
                 held[doc["_id"]] = f"job {doc['_id']} stays failed: {', '.join(altered)} holds text that is not UTF-8"
                 continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
-            record = action_record("retry", by, now, **cleared_record)
+            note = self._chord_failed_note(doc, failed_chords)
+            record = action_record("retry", by, now, note=note, **cleared_record)
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
             if isinstance(headers, dict) and headers.get("eta"):
                 changes["payload.headers.eta"] = None  # due now: a worker would otherwise hold it until the old ETA
+            new_id = None
             if doc.get("revokedAt") or str(doc.get("lastError", "")).startswith("revoked"):
                 new_id = str(uuid.uuid4())
                 changes |= self._renamed(doc["_id"], new_id)
+                if first_id := task_id_of(doc.get("renamedFrom")) or task_id_of(doc.get("taskId")):
+                    # The id it first ran under, delivered with it (payloads.RENAMED_FROM_HEADER): a chord counts the
+                    # part of a header task under it, so the retry's result takes the revoked one's place.
+                    changes["renamedFrom"] = first_id
                 record = action_record(
-                    "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, **cleared_record
+                    "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, note=note, **cleared_record
                 )
-                if doc.get("taskId"):
-                    renamed[doc["_id"]] = (doc["taskId"], new_id)
-            changes |= _key_taken_again(doc)
             chained[doc["_id"]] = _chained_task_ids(doc)
+            if new_id is not None and doc.get("taskId"):
+                in_canvas = bool(doc.get("groupId") or doc.get("parentId") or chained[doc["_id"]])
+                renamed[doc["_id"]] = (doc["taskId"], new_id, in_canvas)
+            changes |= _key_taken_again(doc)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
-            cleared = {"finishedAt": "", "revokedAt": "", **(CHECKPOINT_CLEARED if fresh else {})}
+            # readyInAttempt: the revoked attempt's, which the retry's attempts, counted from 0 again, would meet.
+            cleared = {"finishedAt": "", "revokedAt": "", READY_IN_ATTEMPT: "", **(CHECKPOINT_CLEARED if fresh else {})}
             update = {"$set": changes, "$unset": cleared, "$push": record}
-            batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update)))
+            batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update), new_id))
             if len(batch) >= 500:
                 retried += self._write_batch(batch, held)
                 batch = []
@@ -371,6 +396,17 @@ class Operations(Queries):
         self._forget_chain_failures([task_id for job_id in retried for task_id in chained.get(job_id, [])])
         return retried
 
+    def _chord_failed_note(self, doc: dict[str, Any], failed_chords: dict[str, bool]) -> str | None:
+        """What the retry of a chord's header step means when the chord completed in error before (as Celery fails a
+        chord: its body never sent, its errbacks run), said in the retry's record; None for any other step."""
+        group_id = doc.get("groupId")
+        if not isinstance(group_id, str):
+            return None
+        if group_id not in failed_chords:
+            failed = {"_id": f"chord:{group_id}", "failed": True}
+            failed_chords[group_id] = self.coll.database[RESULTS_COLLECTION].find_one(failed, {"_id": 1}) is not None
+        return CHORD_FAILED_NOTE if failed_chords[group_id] else None
+
     def _forget_chain_failures(self, task_ids: list[str]) -> None:
         """The rest of a retried step's chain reads PENDING again: when the step failed, Celery stored a FAILURE for
         each later step (no job of theirs exists yet, so in `bb_results`), which a caller's get() would raise before
@@ -379,10 +415,16 @@ class Operations(Queries):
             stored = {"_id": {"$in": [f"task:{task_id}" for task_id in task_ids]}, "state": "FAILURE"}
             self.coll.database[RESULTS_COLLECTION].delete_many(stored)
 
-    def _keep_revoked(self, renamed: list[tuple[str, str]], *, by: str, now: datetime) -> None:
+    def _keep_revoked(self, renamed: list[tuple[str, str, bool]], *, by: str, now: datetime) -> None:
         """A revoked task retried under a new id: its old id keeps reading REVOKED for the result backend (Celery's
         states are final), saying which id runs now. With no job of that id left, a caller's get() would wait for
-        ever. Kept as the result backend keeps results of tasks without a job, for DEFAULT_RETENTION."""
+        ever. Kept as the result backend keeps results of tasks without a job, for DEFAULT_RETENTION.
+
+        A step of a canvas (in a group or a chord's header, after a parent, or with a chain after it) is the
+        exception: the handles of the later steps hold its old id among their parents (a chord's header, a chain's
+        steps), whose get() checks them while it waits. Its old id reads as its new one (`renamedTo`), so that the
+        canvas's get() waits for the retry as it does for a failed step's, and reads its outcome; REVOKED again
+        when no job of the new id is left."""
         if not renamed:
             return
         expires_at = now + timedelta(seconds=DEFAULT_RETENTION)
@@ -396,19 +438,25 @@ class Operations(Queries):
                         "lastError": f"revoked; retried by {by} as task {new_id}"[:MAX_ERROR_LENGTH],
                         "dateDone": now,
                         "expiresAt": expires_at,
+                        **({RENAMED_TO: new_id} if in_canvas else {}),
                     },
-                    "$unset": {"result": "", "resultFormat": "", "traceback": ""},
+                    "$unset": {
+                        "result": "",
+                        "resultFormat": "",
+                        "traceback": "",
+                        **({} if in_canvas else {RENAMED_TO: ""}),
+                    },
                 },
                 upsert=True,
             )
-            for old_id, new_id in renamed
+            for old_id, new_id, in_canvas in renamed
         ]
         self.coll.database[RESULTS_COLLECTION].bulk_write(writes, ordered=False)
 
-    def _write_batch(self, batch: list[tuple[str, UpdateOne]], held: dict[str, str]) -> list[str]:
-        ids = [job_id for job_id, _ in batch]
+    def _write_batch(self, batch: list[tuple[str, UpdateOne, str | None]], held: dict[str, str]) -> list[str]:
+        ids = [job_id for job_id, _, _ in batch]
         try:
-            modified = self.coll.bulk_write([op for _, op in batch], ordered=False).modified_count
+            modified = self.coll.bulk_write([op for _, op, _ in batch], ordered=False).modified_count
         except BulkWriteError as exc:
             errors = exc.details.get("writeErrors", [])
             if not capabilities(self.coll.database).only_unique_refusals(errors):
@@ -419,8 +467,11 @@ class Operations(Queries):
             modified = -1  # which of the others landed: read below
         if modified == len(batch):
             return ids
-        # Some changed meanwhile: the ones that are now queued by this write are ours.
-        return [doc["_id"] for doc in self.coll.find({"_id": {"$in": ids}, "status": QUEUED}, {"_id": 1})]
+        # Some changed meanwhile: the ones that are now queued by this write are ours. A renamed one is ours only under
+        # the task id this write gave it: another retry at the same moment may have queued it under its own.
+        new_ids = {job_id: new_id for job_id, _, new_id in batch}
+        queued = self.coll.find({"_id": {"$in": ids}, "status": QUEUED}, {"taskId": 1})
+        return [doc["_id"] for doc in queued if new_ids[doc["_id"]] in (None, doc.get("taskId"))]
 
     def _why_held(self, job_id: str) -> str:
         """Why a failed job's retry could not take its unique key again: which job holds it now."""

@@ -125,6 +125,8 @@ def describe_job(doc: dict[str, Any]) -> list[tuple[str, str]]:
     for action in actions_of(doc):
         done = f"{as_text(action.get('action'))} by {as_text(action.get('by'))} at {as_text(action.get('at'))}"
         lines.append(("action", done))
+        if action.get("note"):
+            lines.append(("", as_text(action["note"])))
     for name, value in doc.items():
         if name not in SUMMARY_FIELDS and name not in SECTION_FIELDS and (unique is None or name not in UNIQUE_FIELDS):
             lines.append((name, as_text(value)))

@@ -20,7 +20,8 @@ Where things are kept:
 
 Reading: the newest job with that task id (index `bb_task_id`), then `bb_results`; nothing found is PENDING, as in
 Celery's other backends. A revoked task an operator retried runs under a new task id: its old id keeps reading REVOKED
-from a `task:<old id>` document the retry writes (operations.py), naming the new id. A job that failed without a
+from a `task:<old id>` document the retry writes (operations.py), naming the new id; a canvas step's reads as the new
+id (`renamedTo`), which the later steps' handles wait on through their parents. A job that failed without a
 Celery result (a lost worker, an unknown task, an operator's cancel) reads as FAILURE with `JobFailed(lastError)`, or
 REVOKED when it was revoked, so `get()` never hangs on it.
 With `result_extended`, a read adds Celery's extended fields from the job itself: `name` (kind), `args` and `kwargs`
@@ -52,11 +53,14 @@ from pymongo.uri_parser import parse_uri
 from bb_broker import app_stores, connection
 from bb_broker.jobs.document import (
     DOES_NOT_FIT,
+    READY_IN_ATTEMPT,
+    RENAMED_TO,
     RESULTS_COLLECTION,
     ResultNotStored,
     ResultTooLarge,
     SettleUnwritable,
     storable_text,
+    task_id_of,
 )
 from bb_broker.jobs.lifecycle import FAILED, describe_error
 from bb_broker.jobs.settles import Settle
@@ -74,6 +78,10 @@ from bb_broker.worker.settle import RESULT
 __all__ = ["JobFailed", "JobResultBackend"]
 
 logger = logging.getLogger(__name__)
+
+#: How many times over a read follows a revoked canvas step's old id to the id its retry runs under (a step revoked
+#: and retried again, and again): past that, it reads REVOKED.
+MAX_RENAMES = 10
 
 
 def not_stored(subject: str, cause: str) -> ResultNotStored:
@@ -304,7 +312,7 @@ class JobResultBackend(ChordBackend):
             # the part is counted (a worker killed in between loses no part): the state goes on the job first, read
             # as the task's while the job runs this attempt.
             store, (job_id, attempts) = held
-            store.annotate(job_id, attempts, {**fields, job_states.READY_IN_ATTEMPT: attempts})
+            store.annotate(job_id, attempts, {**fields, READY_IN_ATTEMPT: attempts})
             self.on_chord_part_return(request, state, TaskRevokedError(reason))
 
     def _store_result(
@@ -380,8 +388,20 @@ class JobResultBackend(ChordBackend):
         return self.metas([task_id])[task_id]
 
     def metas(self, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
-        """The meta of each task id: two reads at most (the jobs, then bb_results for ids with no job)."""
+        """The meta of each task id: two reads at most (the jobs, then bb_results for ids with no job), two more for
+        each retried revoked canvas step's new id it follows."""
         ids = [str(task_id) for task_id in task_ids]
+        metas, found = self._found_metas(ids, MAX_RENAMES)
+        self.result_consumer.remember_jobs(found, ids)
+        for task_id in ids:
+            metas.setdefault(task_id, {"status": states.PENDING, "result": None})
+        # An exception as Celery encoded it becomes the exception (one the broker made is one already).
+        return {task_id: self.meta_from_decoded(meta) for task_id, meta in metas.items()}
+
+    def _found_metas(self, ids: list[str], renames: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """The metas of those of `ids` something is stored for, and the jobs found (task id -> job id). A revoked
+        canvas step an operator retried under a new id (its `task:<old id>` names it: RENAMED_TO) reads as the new
+        id, through at most `renames` renames, or as REVOKED when nothing of the new id is left."""
         metas: dict[str, dict[str, Any]] = {}
         found: dict[str, str] = {}
         extended = bool(self.app.conf.find_value_for_key("extended", "result"))
@@ -393,16 +413,23 @@ class JobResultBackend(ChordBackend):
                 meta.update(job_states.extended(doc, prepare_accept_content(self.app.conf.accept_content)))
             metas[doc["taskId"]] = meta
             found[doc["taskId"]] = doc["_id"]
-        self.result_consumer.remember_jobs(found, ids)
         missing = [task_id for task_id in ids if task_id not in metas]
+        renamed: dict[str, str] = {}  # old id -> new id
         if missing:
             for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
                 task_id, meta = job_states.meta_of_task_document(doc, self._loaded)
                 metas[task_id] = meta
-        for task_id in ids:
-            metas.setdefault(task_id, {"status": states.PENDING, "result": None})
-        # An exception as Celery encoded it becomes the exception (one the broker made is one already).
-        return {task_id: self.meta_from_decoded(meta) for task_id, meta in metas.items()}
+                new_id = task_id_of(doc.get(RENAMED_TO))
+                if renames > 0 and new_id is not None and new_id != task_id:
+                    renamed[task_id] = new_id
+        if renamed:
+            followed, jobs = self._found_metas(sorted(set(renamed.values())), renames - 1)
+            for old_id, new_id in renamed.items():
+                if new_id in followed:
+                    metas[old_id] = {**followed[new_id], "task_id": old_id}
+                if new_id in jobs:
+                    found[old_id] = jobs[new_id]  # a wait on the old id watches the new id's job
+        return metas, found
 
     def task_result_exists(self, task_id: str) -> bool:
         return self._get_task_meta_for(task_id)["status"] != states.PENDING

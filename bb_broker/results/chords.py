@@ -9,11 +9,12 @@ running, and the rerun of that part (the same key) takes the claim over: it send
 unless a job of that id exists already.
 
 A header task that failed for good and that an operator retried (bb_broker.ops.operations) reports again under the
-same key: its success replaces its failed part (kept in `fixed`, once per key, the count unchanged). A chord that had
-completed in error (the callback failed with a ChordError, never sent, marked `failed`) whose parts have all
-succeeded now sends its callback after all, once: the part that claims `resend` sends it under the task id the
-failed callback had, so the callers' results and the rest of the canvas follow it; a rerun of that part after its
-worker died sends it only if no job of that id exists.
+same key (a revoked one, retried under a new task id, under the id it first ran under, which its job's delivery
+carries: payloads.RENAMED_FROM_HEADER): its success replaces its failed or revoked part (kept in `fixed`, once per
+key, the count unchanged). A chord that had completed in error (the callback failed with a ChordError, never sent,
+marked `failed`) whose parts have all succeeded now sends its callback after all, once: the part that claims
+`resend` sends it under the task id the failed callback had, so the callers' results and the rest of the canvas
+follow it; a rerun of that part after its worker died sends it only if no job of that id exists.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from kombu.utils.uuid import uuid
 from pymongo import ReturnDocument
 from pymongo.collection import Collection
 
-from bb_broker.jobs.document import ResultTooLarge
+from bb_broker.jobs.document import ResultTooLarge, task_id_of
+from bb_broker.jobs.payloads import RENAMED_FROM_HEADER
 from bb_broker.upstream import celery as upstream_celery
 
 logger = logging.getLogger(__name__)
@@ -133,9 +135,14 @@ class ChordBackend(BaseBackend):
         task_id, group_id, index = request.id, request.group, request.group_index
         if not task_id or not group_id:
             return
-        key = f"{task_id}:{index}"
+        # A revoked header task an operator retried runs under a new id: its part is the one of the id it first ran
+        # under, so the retry's result takes the revoked one's place.
+        first_id = task_id_of(getattr(request, RENAMED_FROM_HEADER, None))
+        key = f"{first_id or task_id}:{index}"
         value, fmt = self._part_value(result, state)
         part = {"key": key, "i": index, "id": task_id, "state": state, "value": value, "format": fmt}
+        if first_id is not None:
+            part["firstId"] = first_id
         counter = self._count_part(group_id, key, part)
         if counter is None:
             logger.error("chord %s has no counter (expired, or never applied): part %s ignored", group_id, key)
@@ -311,7 +318,8 @@ class ChordBackend(BaseBackend):
             # Nested groups in the header: the callback gets their structure, each task's value from its part. Not a
             # join: the part completing the count is counted before its own result is stored, so joining a header
             # that holds it would wait on itself for ever.
-            by_task = {part["id"]: part for part in parts}
+            # A header task retried under a new id is in the saved header under the id it first ran under.
+            by_task = {part.get("firstId", part["id"]): part for part in parts}
             return [self._nested_value(result, by_task) for result in header.results or []]
         return [self._loaded(part["value"], part["format"]) for part in ordered]
 

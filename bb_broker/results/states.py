@@ -10,12 +10,10 @@ from celery.exceptions import TaskRevokedError
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
+from bb_broker.jobs.document import READY_IN_ATTEMPT
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, SUCCEEDED
 from bb_broker.jobs.payloads import PayloadError, to_message
 
-#: The job field naming the attempt that stored a ready state on its job ahead of the settle that ends it (a revoked
-#: chord part: JobResultBackend.mark_as_revoked): while the job still runs that attempt, the state is the task's.
-READY_IN_ATTEMPT = "readyInAttempt"
 #: The fields a result read needs from a job document.
 RESULT_FIELDS = {
     "status": 1,
@@ -85,7 +83,8 @@ def meta_of_task_document(doc: dict[str, Any], load: Loader) -> tuple[str, dict[
     """The task id and meta of a `task:<id>` document in bb_results (a task that never had a job)."""
     task_id = doc["_id"].partition(":")[2]
     if doc.get("state") == states.REVOKED and "resultFormat" not in doc:
-        # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED.
+        # A revoked task an operator retried under a new id (operations.py): its old id stays REVOKED (a canvas
+        # step's follows the new id first: JobResultBackend._found_metas).
         return task_id, finished_without_result(task_id, states.REVOKED, TaskRevokedError(doc.get("lastError")))
     return task_id, meta_of_result(doc, task_id, load)
 

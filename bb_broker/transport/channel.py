@@ -25,6 +25,7 @@ from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
     JOB_ID_HEADER,
+    RENAMED_FROM_HEADER,
     MalformedTaskMessage,
     PayloadError,
     check_body,
@@ -532,6 +533,9 @@ class Channel(virtual.Channel):
                     store_chord_never_run(self.jobs, body_id, str(exc))  # its part is never counted
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
+            message["headers"].pop(RENAMED_FROM_HEADER, None)  # only the job's own `renamedFrom` says it
+            if job.renamed_from is not None:
+                message["headers"][RENAMED_FROM_HEADER] = job.renamed_from
             headers = message["headers"]
             if headers.get("eta") and job.run_after is not None:
                 # The claim found the job due by the server's clock; the ETA is the publisher's, and Celery compares

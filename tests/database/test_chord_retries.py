@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from celery import Celery, states
 from celery.app.task import Context
+from celery.exceptions import TaskRevokedError
 from pymongo.database import Database
 
 from bb_broker.results.backend import JobResultBackend
@@ -116,3 +117,34 @@ def test_a_part_fixed_while_the_last_part_fails_the_chord_still_sends_the_body_o
     succeeded(app, "g3", 1)
     [body] = bodies(db)
     assert body["taskId"] == "body-id" and body["payload"]["args"] == [["value 0", "value 1"]]
+
+
+def test_a_revoked_part_retried_under_a_new_id_replaces_its_part_under_the_id_it_first_ran_under(
+    app: Celery, db: Database
+) -> None:
+    chord_of(app, "g9", 3)
+    succeeded(app, "g9", 0)
+    app.backend.on_chord_part_return(part("t1", "g9", 1, echo(app)), states.REVOKED, TaskRevokedError("terminated"))
+    succeeded(app, "g9", 2)
+    assert db.bb_results.find_one({"_id": "chord:g9"})["failed"] is True
+    # The retry under a new id, its delivery naming the id it first ran under: it replaces the revoked part, once.
+    for _ in range(2):  # its worker died after the send: it runs again
+        retried = part("t1-new", "g9", 1, echo(app))
+        retried.bb_renamed_from = "t1"
+        app.backend.on_chord_part_return(retried, states.SUCCESS, "value 1")
+    [body] = bodies(db)
+    assert body["taskId"] == "body-id" and body["payload"]["args"] == [["value 0", "value 1", "value 2"]]
+    counter = db.bb_results.find_one({"_id": "chord:g9"})
+    assert counter["fixedKeys"] == ["t1:1"]
+    assert [(fixed["id"], fixed["firstId"]) for fixed in counter["fixed"]] == [("t1-new", "t1")]
+
+
+def test_a_renamed_from_header_that_is_no_task_id_is_ignored(app: Celery, db: Database) -> None:
+    chord_of(app, "g10", 2)
+    for index, odd in enumerate((5, "x" * 256)):  # a hand edit: each part counted under its own id
+        hand_edited = part(f"t{index}", "g10", index, echo(app))
+        hand_edited.bb_renamed_from = odd
+        app.backend.on_chord_part_return(hand_edited, states.SUCCESS, f"value {index}")
+    assert db.bb_results.find_one({"_id": "chord:g10"})["members"] == ["t0:0", "t1:1"]
+    [body] = bodies(db)
+    assert body["payload"]["args"] == [["value 0", "value 1"]]

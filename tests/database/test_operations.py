@@ -109,6 +109,28 @@ def test_a_revoked_job_is_retried_under_a_new_task_id_due_now(ops: Operations, d
     assert db.jobs.find_one({"_id": plain})["taskId"] == "task-p"
 
 
+class RetriedMeanwhile(Operations):
+    """An operator's retry that another operator's retry of the same jobs overtakes: both read them failed, the other
+    one's write lands first."""
+
+    def _retry_docs(self, docs, **kwargs):
+        docs = list(docs)
+        Operations(self.store).retry([doc["_id"] for doc in docs], by="alice")
+        return super()._retry_docs(docs, **kwargs)
+
+
+def test_two_retries_of_a_revoked_job_at_once_rename_it_once(ops: Operations, db: Database) -> None:
+    job_id = publish(ops, "task-r")
+    revoke_queued(ops.store, ["task-r"], by="tester")
+    assert RetriedMeanwhile(ops.store).retry(["task-r"], by="bob").job_ids == []  # alice's landed: not bob's
+    doc = db.jobs.find_one({"_id": job_id})
+    assert doc["status"] == "queued" and [action["by"] for action in doc["actions"]] == ["tester", "alice"]
+    # The old id names the task id the job runs under: alice's, not one bob chose that no job has.
+    assert doc["actions"][-1]["taskId"] == doc["taskId"] and doc["renamedFrom"] == "task-r"
+    kept = db.bb_results.find_one({"_id": "task:task-r"})
+    assert kept["state"] == "REVOKED" and kept["lastError"].endswith(f"as task {doc['taskId']}")
+
+
 def test_revoke_leaves_running_and_finished_jobs_to_the_workers(ops: Operations, db: Database) -> None:
     running = publish(ops, "task-run")
     assert ops.store.claim("celery", "w").id == running

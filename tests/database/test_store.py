@@ -456,3 +456,12 @@ def test_a_failure_known_only_by_task_id_adds_no_second_entry_for_an_attempt_its
     doc = db.jobs.find_one({"_id": held.id})
     assert (doc["status"], doc["attempts"]) == ("queued", 1)
     assert [(a["n"], a["error"]) for a in doc["history"]] == [(1, error)], doc["history"]
+
+
+def test_a_claim_reads_the_task_id_a_job_first_ran_under_when_it_is_one(store: JobStore, db: Database) -> None:
+    for value, read in (("first-id", "first-id"), (5, None), ("x" * 256, None), ({"$ne": 1}, None)):
+        job_id = publish(store, f"t-{read}-{len(str(value))}")
+        db.jobs.update_one({"_id": job_id}, {"$set": {"renamedFrom": value}})  # a retry's, or a hand edit
+        claimed = store.claim("celery", "w")
+        assert claimed is not None and claimed.id == job_id and claimed.renamed_from == read
+    assert publish(store, "t-none") and store.claim("celery", "w").renamed_from is None

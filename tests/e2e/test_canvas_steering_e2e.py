@@ -4,15 +4,20 @@ it failed included, whatever runs twice; `bb-broker cancel --canvas` cancels the
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
+from celery.result import AsyncResult
 from click.testing import CliRunner, Result
 from pymongo.database import Database
 
 from bb_broker.cli import main
+from bb_broker.ops.operations import CHORD_FAILED_NOTE
 from tests.support.workers import job, settled, wait_for
 
 T = "tests.support.e2e_app."
@@ -235,3 +240,139 @@ def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
         1,
         "bb-broker: cancel: no job has the id or task id 'no-such-task'\n",
     )
+
+
+def revoked_while_running(db: Database, app: Celery, gate: Path) -> dict[str, Any]:
+    """The job of `hold_until(gate)` revoked with terminate while it runs (its chord part counted as REVOKED), then
+    its gate opened for the retry."""
+    held = {"kind": T + "hold_until", "payload.args": [str(gate)]}
+    running = wait_for(
+        lambda: db.runs.find_one({"name": T + "hold_until", "taskId": (db.jobs.find_one(held) or {}).get("taskId")}),
+        timeout=120,
+        message=f"hold_until({gate.name}) running",
+    )
+    app.control.revoke(running["taskId"], terminate=True)
+    revoked = wait_for(settled(db, running["taskId"], "failed"), timeout=120, message="the revoked step failed")
+    assert "terminated" in revoked["lastError"]
+    gate.touch()
+    return revoked
+
+
+def test_a_revoked_header_step_retried_under_a_new_id_completes_its_chord_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT, concurrency=2)
+    gate = tmp_path / "gate"
+    header = [si(results_app, "add", 1, 1), si(results_app, "hold_until", str(gate)), si(results_app, "add", 2, 2)]
+    body = s(results_app, "echo").on_error(s(results_app, "note_error"))
+    result = chord(header)(body)
+    revoked = revoked_while_running(db, results_app, gate)
+    group_id = revoked["groupId"]
+    failed = wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{group_id}", "failed": True}), message="failed")
+    assert failed["count"] == 3 and ran(db, "echo") == 0
+    # Celery's failed chord: the body's errback ran, once.
+    wait_for(lambda: ran(db, "note_error") == 1, message="the body's errback ran")
+
+    retried(db, broker_url, revoked)  # (its fix is unused: the gate is open)
+    new_id = db.jobs.find_one({"_id": revoked["_id"]})["taskId"]
+    assert new_id != revoked["taskId"]
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=120, message="the body ran")
+    assert done["result"] == [2, str(gate), 4]  # the retry's result in the revoked step's place, in header order
+    assert result.get(timeout=10) == [2, str(gate), 4]
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    assert ran(db, "note_error") == 1  # the errback's run stays as it was: not run again, not undone
+    step = wait_for(settled(db, new_id, "succeeded"), message="the retried step settled")
+    assert step["_id"] == revoked["_id"] and step["renamedFrom"] == revoked["taskId"]
+    # The retry's record says what it meant for a chord that had failed, and `bb-broker show` says it.
+    assert step["actions"][-1]["note"] == CHORD_FAILED_NOTE and step["actions"][-1]["taskId"] == new_id
+    shown = bb(broker_url, "show", revoked["_id"])
+    assert shown.exit_code == 0 and CHORD_FAILED_NOTE in shown.output, shown.output
+    counter = db.bb_results.find_one({"_id": f"chord:{group_id}"})
+    assert counter["count"] == 3 and counter["fixedKeys"] == [f"{revoked['taskId']}:1"] and counter["resent"]
+    assert [part["id"] for part in counter["fixed"]] == [new_id] and counter["resend"]["firstId"] == result.id
+    # The caller's handles of the step, its old id (in the chord's header) and its new one, read its retry's result.
+    assert AsyncResult(revoked["taskId"], app=results_app).get(timeout=10) == str(gate)
+    assert AsyncResult(new_id, app=results_app).get(timeout=10) == str(gate)
+    assert result.parent.join(timeout=10) == [2, str(gate), 4]
+
+
+def test_two_revoked_header_steps_retried_at_once_send_the_body_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT, concurrency=2)
+    left, right = tmp_path / "left", tmp_path / "right"
+    header = [si(results_app, "hold_until", str(left)), si(results_app, "hold_until", str(right))]
+    result = chord(header)(s(results_app, "echo"))
+    revoked = [revoked_while_running(db, results_app, gate) for gate in (left, right)]
+    wait_for(
+        lambda: db.bb_results.find_one({"_id": f"chord:{revoked[0]['groupId']}", "failed": True}), message="failed"
+    )
+    retried(db, broker_url, *revoked)  # one retry of both: the two run at once on the two pool processes
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=120, message="the body ran")
+    assert done["result"] == [str(left), str(right)] and result.get(timeout=10) == [str(left), str(right)]
+    wait_for(
+        lambda: db.jobs.count_documents({"kind": T + "hold_until", "status": "succeeded"}) == 2,
+        message="both retried parts settled",
+    )
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{revoked[0]['groupId']}"})
+    assert counter["count"] == 2 and len(counter["members"]) == 2
+    assert sorted(counter["fixedKeys"]) == sorted([f"{revoked[0]['taskId']}:0", f"{revoked[1]['taskId']}:1"])
+
+
+@pytest.mark.parametrize("crash_at", ["part-counted", "callback-claimed", "callback-sent"])
+def test_a_retried_revoked_header_step_killed_at_each_step_of_the_resend_sends_the_body_once(
+    crash_at: str, results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    first = results_worker(options=ONE_ATTEMPT, concurrency=2)
+    gate = tmp_path / "gate"
+    result = chord([si(results_app, "add", 1, 1), si(results_app, "hold_until", str(gate))])(s(results_app, "echo"))
+    revoked = revoked_while_running(db, results_app, gate)
+    wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}", "failed": True}), message="failed")
+    first.kill()
+    # The retried part's worker SIGKILLs itself and its pool at `crash_at` (tests/support/e2e_app.py): the part's
+    # job stays running until the next worker's sweep re-queues it, and it runs again under its new id.
+    options = {"stale_after": 4.0, "max_attempts": 3}
+    crashing = results_worker(options=options, env={"BB_TEST_CRASH_AT": crash_at})
+    retried(db, broker_url, revoked)
+    wait_for(lambda: crashing.process.poll() is not None, timeout=120, message=f"the worker killed at {crash_at}")
+    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
+    results_worker(options=options)
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=180, message="the chord's body ran")
+    assert done["result"] == [2, str(gate)] and result.get(timeout=10) == [2, str(gate)]
+    part = wait_for(
+        lambda: (doc := db.jobs.find_one({"_id": revoked["_id"], "status": "succeeded"})) and doc,
+        timeout=120,
+        message="the retried part settled",
+    )
+    assert part["taskId"] != revoked["taskId"] and part["renamedFrom"] == revoked["taskId"]
+    assert [entry["outcome"] for entry in part["history"]][-2:] == ["lost", "succeeded"]
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
+    assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:1"] and counter["resent"]
+
+
+def test_a_revoked_header_step_retried_by_two_operators_at_once_completes_its_chord_once(
+    results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT, concurrency=2)
+    gate = tmp_path / "gate"
+    result = chord([si(results_app, "hold_until", str(gate)), si(results_app, "add", 2, 2)])(s(results_app, "echo"))
+    revoked = revoked_while_running(db, results_app, gate)
+    wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}", "failed": True}), message="failed")
+    # Two `bb-broker retry` processes at once, as two operators would: one retries it, under one new id.
+    command = [sys.executable, "-m", "bb_broker.cli", "retry", revoked["taskId"], "--broker", broker_url]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    both = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    both.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    answers = [process.communicate(timeout=120)[0] for process in both]
+    assert sum("retried 1 failed job" in answer for answer in answers) == 1, answers
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=120, message="the chord's body ran")
+    assert done["result"] == [str(gate), 4] and result.get(timeout=10) == [str(gate), 4]
+    step = db.jobs.find_one({"_id": revoked["_id"]})
+    assert [action["action"] for action in step["actions"]] == ["retry"]
+    kept = db.bb_results.find_one({"_id": f"task:{revoked['taskId']}"})
+    assert kept["renamedTo"] == step["taskId"] and kept["lastError"].endswith(f"as task {step['taskId']}")
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
+    counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
+    assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:0"]

@@ -3,14 +3,18 @@ a user who may only read changes nothing."""
 
 from __future__ import annotations
 
+import html
 import json
+from pathlib import Path
 from typing import Any
 
-from celery import Celery, group
+from celery import Celery, chord, group
 from playwright.sync_api import expect
 from pymongo.database import Database
 
+from bb_broker.ops.operations import CHORD_FAILED_NOTE
 from tests.support.flower_process import FlowerProcess
+from tests.support.workers import settled, wait_for
 
 T = "tests.support.e2e_app."
 USERS = "admin:s3cret,viewer:peek"
@@ -70,3 +74,34 @@ def test_an_admin_cancels_a_canvas_from_its_job_page(
     page.click("#canvas-cancel")
     expect(page.locator("#canvas-cancelled")).to_have_text("cancel canvas: 2 queued steps cancelled")
     assert {doc["status"] for doc in db.jobs.find({})} == {"failed"}
+
+
+def test_a_revoked_chord_header_step_retried_through_the_api_completes_its_chord_once(
+    results_app: Celery, worker_factory, broker_url: str, db: Database, flower_factory, tmp_path: Path
+) -> None:
+    """The Jobs tab's retry (its API) of a header step revoked while it ran: its chord, failed by the revoke, is
+    completed once by the retry, under the new task id, and the job page says what the retry meant."""
+    worker_factory(env={"BB_RESULT_BACKEND": broker_url}, options={"max_attempts": 1}, concurrency=2)
+    flower = flower_factory(basic_auth=USERS, extra_args=("--jobs_admins=admin",))
+    gate = tmp_path / "gate"
+    header = [sig(results_app, "add", 1, 1), sig(results_app, "hold_until", str(gate))]
+    result = chord(header)(results_app.signature(T + "echo"))
+    held = wait_for(lambda: db.runs.find_one({"name": T + "hold_until"}), message="the header step running")
+    results_app.control.revoke(held["taskId"], terminate=True)
+    revoked = wait_for(settled(db, held["taskId"], "failed"), timeout=120, message="the step revoked")
+    wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}", "failed": True}), message="failed")
+    gate.touch()
+
+    status, body = post(flower, f"/api/jobs/job/retry?id={held['taskId']}", {})
+    assert status == 200, body
+    new_id = body["job"]["taskId"]
+    assert new_id != held["taskId"] and body["job"]["actions"][-1]["note"] == CHORD_FAILED_NOTE
+    done = wait_for(settled(db, result.id, "succeeded"), timeout=120, message="the chord's body ran")
+    assert done["result"] == [2, str(gate)] and result.get(timeout=10) == [2, str(gate)]
+    assert db.jobs.count_documents({"kind": T + "echo"}) == 1
+    page = flower.page(f"/jobs/job?id={revoked['_id']}")
+    assert html.escape(CHORD_FAILED_NOTE) in page and new_id in page
+
+
+def sig(app: Celery, name: str, *args: Any) -> Any:
+    return app.signature(T + name, args=args, immutable=True)
