@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo.database import Database
@@ -126,6 +126,10 @@ class Wakeups:
         #: started on (their delayed jobs were no business of this connection's before), those whose dropped due
         #: times come, and all after the change stream was down (it may have missed some).
         self._unread: set[str] = set()
+        #: For an unread queue whose dropped due times came: when the first of them came (monotonic). Its read starts
+        #: there, not at the read's own moment: the look that the coming woke claimed what was due when it claimed,
+        #: and a job that fell due between that claim and a later look's read would be neither claimed nor read.
+        self._read_from: dict[str, float] = {}
         #: A rate's next start (wake_in) per queue: news of every job waiting for it.
         self._rate_due: dict[str, float] = {}
         #: The queues this connection's consumers read: only their changes are news or repeats to it. The rest
@@ -282,11 +286,13 @@ class Wakeups:
                 # The first job it dropped is due: read what is due from then on (a look claims what is due now).
                 del self._dropped_from[queue]
                 fired.add(queue)
+                reading = self._consumed if queue is None else {queue}
+                for read in reading:
+                    self._read_from[read] = min(dropped_from, self._read_from.get(read, math.inf))
+                self._unread |= reading
                 if queue is None:  # a retry's, of some queue: every job queue looks, and reads
                     self._jobs_touched_at = now
-                    self._unread |= self._consumed
                 else:
-                    self._unread.add(queue)
                     self._add_news(queue, jobs=math.inf)
         for queue, due in list(self._rate_due.items()):
             if due <= now:
@@ -316,6 +322,7 @@ class Wakeups:
     def _forget_due_times(self, queue: str) -> None:
         self._due.pop(queue, None)
         self._dropped_from.pop(queue, None)
+        self._read_from.pop(queue, None)
 
     def _read_due_times(self) -> None:
         """Read when the delayed jobs of the unread queues are due, in place of the times kept for them: one read for
@@ -323,15 +330,21 @@ class Wakeups:
 
         What the changes tell of meanwhile is kept as well: a job inserted during the read may be kept twice, which
         costs a look that finds nothing. Every job due before the read was kept (the times that came are news) or
-        is in what it finds; the looks that follow claim all that is due (news, from what called for the read)."""
+        is in what it finds, read from when a queue's first dropped due time came (`_read_from`); the looks that
+        follow claim all that is due (news, from what called for the read)."""
         since = self._clock()  # before the times kept are let go: each one not come yet is after it
+        at = time.monotonic()  # after the clock: a monotonic time taken back through the pair errs early, never late
         with self._lock:
-            self._fire_timers(time.monotonic())  # first: a queue whose dropped due times come now is read too
+            self._fire_timers(at)  # first: a queue whose dropped due times come now is read too
             unread, self._unread = self._unread, set()
+            read_from = min((self._read_from.get(queue, at) for queue in unread), default=at)
             for queue in unread:
                 self._forget_due_times(queue)
         if not unread:
             return
+        # From when the first dropped due time came: a job due since then that no look claimed is found, and kept
+        # with a time that has come (news at the next look).
+        since -= timedelta(seconds=max(at - read_from, 0.0))
         try:
             waiting = self._jobs.find(
                 waiting_query({"$in": sorted(unread)}, since),
@@ -342,7 +355,10 @@ class Wakeups:
             found = [(doc["queue"], self._comes_at(doc["runAfter"])) for doc in waiting]
         except PyMongoError:
             with self._lock:
-                self._unread |= unread  # read at the next look (the claim's error reaches the consumer)
+                # Read at the next look (the claim's error reaches the consumer), from as far back.
+                self._unread |= unread
+                for queue in unread:
+                    self._read_from[queue] = min(read_from, self._read_from.get(queue, math.inf))
             raise
         with self._lock:
             for queue, comes_at in found:

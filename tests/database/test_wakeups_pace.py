@@ -402,3 +402,34 @@ def test_a_due_time_told_by_a_paused_watcher_still_wakes_its_job_when_it_comes(m
         lateness = claim_as_they_fall_due(wakeups, db, {"q"}, 3)
     print(f"claimed {max(lateness):.2f} s late at most")
     assert db.jobs.count_documents({"status": "running"}) == 3
+
+
+def test_jobs_due_before_a_late_look_reads_the_due_times_again_still_wake_it(
+    watched, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # When the first due time a queue let go came inside a look, that look claimed what was due then, and the next
+    # look read the due times from its own moment: a job that fell due in between (a busy consumer looks again
+    # late) was neither claimed nor read, and waited for the safety poll (an hour here).
+    monkeypatch.setattr(wakeups_module, "DUE_TIMES_KEPT", 2, raising=False)
+    wakeups, _ = watched
+    db.jobs.create_indexes(INDEXES)
+    last = seen(wakeups, "last")
+    assert wakeups.look("q", job_queue=True)  # the first look at the consumed queue: everything once
+    first = datetime.now(UTC) + timedelta(seconds=2)
+    db.jobs.insert_many(
+        [{"status": "queued", "queue": "q", "runAfter": first + timedelta(seconds=s)} for s in (0, 0.1, 0.2, 1.0, 1.2)]
+    )  # two kept, the rest let go from 0.2 s on
+    publish(db, "last")
+    wait_for(last, message="the change after the delayed jobs")
+    time.sleep(max((first + timedelta(seconds=0.4) - datetime.now(UTC)).total_seconds(), 0.0))
+    look = wakeups.look("q", job_queue=True)  # the first let-go due time comes in this look
+    assert look is not None
+    now = datetime.now(UTC)
+    while db.jobs.find_one_and_update(due_query("q", now), {"$set": {"status": "running"}}):
+        pass
+    look.took("jobs", 0, all_there_was=True)
+    wakeups.looked("q", look)
+    assert db.jobs.count_documents({"status": "running"}) == 3
+    time.sleep(max((first + timedelta(seconds=1.5) - datetime.now(UTC)).total_seconds(), 0.0))  # looks again late
+    claim_as_they_fall_due(wakeups, db, {"q"}, 2)
+    assert db.jobs.count_documents({"status": "running"}) == 5
