@@ -360,8 +360,9 @@ def test_delayed_jobs_cost_a_bounded_number_of_due_times_and_each_still_wakes_it
         )
     finally:
         tracemalloc.stop()
-    # Before: 6,000 timers, 637 kB. Now about 55 kB, which 12,000 more jobs leave as it is.
-    assert grown < 100_000, f"the wake-ups grew by {grown} bytes for 6,000 jobs scheduled a day ahead"
+    # Before: 6,000 timers, 637 kB. Now about 55 kB, which 12,000 more jobs leave as it is; up to 105 kB seen when
+    # the snapshot is taken while the watcher holds a batch of changes it has not handed out yet.
+    assert grown < 200_000, f"the wake-ups grew by {grown} bytes for 6,000 jobs scheduled a day ahead"
 
     soon = datetime.now(UTC) + timedelta(seconds=3)
     db.jobs.insert_many(delayed("q", 10, soon, step=0.3))  # more than it keeps: read again as they fall due
