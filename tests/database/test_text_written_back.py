@@ -29,18 +29,10 @@ NOT_UTF8 = wire.NOT_UTF8_MARKER
 
 
 @pytest.fixture
-def ops(mongo_url: str, db: Database) -> Iterator[Operations]:
+def ops(store: JobStore) -> Operations:
     """The operations of a client made as the product makes them (new_client), through a mongod that holds text that
     is not UTF-8."""
-    proxy = wire.WireProxy(mongo_url, wire.mongod_keeping_what_the_stand_in_refuses())
-    client = new_client(f"mongodb://{proxy.address}", tz_aware=True)
-    try:
-        store = JobStore(client[db.name], Policy(max_attempts=1))
-        store.ensure_indexes()
-        yield Operations(store)
-    finally:
-        client.close()
-        proxy.close()
+    return Operations(store)
 
 
 def failed_job(db: Database, job_id: str, **fields) -> None:
@@ -90,7 +82,8 @@ def test_a_retry_of_a_job_whose_unique_key_holds_such_text_leaves_it_failed_nami
 
 @pytest.fixture
 def store(mongo_url: str, db: Database) -> Iterator[JobStore]:
-    """A store of a client made as the product makes them, through a mongod that holds dates before year 1."""
+    """A store of a client made as the product makes them (new_client), through a mongod that holds what the
+    stand-in refuses: text that is not UTF-8, dates before year 1."""
     proxy = wire.WireProxy(mongo_url, wire.mongod_keeping_what_the_stand_in_refuses())
     client = new_client(f"mongodb://{proxy.address}", tz_aware=True)
     try:

@@ -162,14 +162,7 @@ def test_a_retried_header_step_killed_at_each_step_of_the_resend_sends_the_body_
     )
     broken = failed_for_good(db, "crash")
     first.kill()
-    # The retried part's worker SIGKILLs itself and its pool at `crash_at` (tests/support/e2e_app.py): the part's
-    # job stays running until the next worker's sweep re-queues it, and it runs again.
-    options = {"stale_after": 4.0, "max_attempts": 3}
-    crashing = results_worker(options=options, env={"BB_TEST_CRASH_AT": crash_at})
-    retried(db, broker_url, broken)
-    wait_for(lambda: crashing.process.poll() is not None, timeout=120, message=f"the worker killed at {crash_at}")
-    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
-    results_worker(options=options)
+    retried_through_a_crash(db, broker_url, results_worker, broken, crash_at)
     done = wait_for(settled(db, body.id, "succeeded"), timeout=180, message="the chord's body ran")
     assert done["result"] == 2
     part = wait_for(settled(db, broken["taskId"], "succeeded"), timeout=120, message="the retried part settled")
@@ -330,14 +323,7 @@ def test_a_retried_revoked_header_step_killed_at_each_step_of_the_resend_sends_t
     revoked = revoked_while_running(db, results_app, gate)
     wait_for(lambda: db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}", "failed": True}), message="failed")
     first.kill()
-    # The retried part's worker SIGKILLs itself and its pool at `crash_at` (tests/support/e2e_app.py): the part's
-    # job stays running until the next worker's sweep re-queues it, and it runs again under its new id.
-    options = {"stale_after": 4.0, "max_attempts": 3}
-    crashing = results_worker(options=options, env={"BB_TEST_CRASH_AT": crash_at})
-    retried(db, broker_url, revoked)
-    wait_for(lambda: crashing.process.poll() is not None, timeout=120, message=f"the worker killed at {crash_at}")
-    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
-    results_worker(options=options)
+    retried_through_a_crash(db, broker_url, results_worker, revoked, crash_at)  # it runs again under its new id
     done = wait_for(settled(db, result.id, "succeeded"), timeout=180, message="the chord's body ran")
     assert done["result"] == [2, str(gate)] and result.get(timeout=10) == [2, str(gate)]
     part = wait_for(
@@ -376,3 +362,15 @@ def test_a_revoked_header_step_retried_by_two_operators_at_once_completes_its_ch
     assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
     counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
     assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:0"]
+
+
+def retried_through_a_crash(db: Database, broker_url: str, results_worker, job: dict, crash_at: str) -> None:
+    """Retry `job` with a worker that SIGKILLs itself and its pool at `crash_at` of the resend
+    (tests/support/e2e_app.py), then start a sound one: the part's job stays running until that worker's sweep
+    re-queues it, and it runs again."""
+    options = {"stale_after": 4.0, "max_attempts": 3}
+    crashing = results_worker(options=options, env={"BB_TEST_CRASH_AT": crash_at})
+    retried(db, broker_url, job)
+    wait_for(lambda: crashing.process.poll() is not None, timeout=120, message=f"the worker killed at {crash_at}")
+    assert db.runs.find_one({"name": "crash"})["point"] == crash_at
+    results_worker(options=options)
