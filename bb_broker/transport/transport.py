@@ -25,8 +25,9 @@ from bb_broker.transport.channel import (
     joined_event_loop,
     left_event_loop,
 )
+from bb_broker.transport.doorbell import Doorbell
 from bb_broker.transport.qos import JobMessage
-from bb_broker.transport.wakeups import Doorbell, Wakeups
+from bb_broker.transport.wakeups import Wakeups
 from bb_broker.upstream import kombu as upstream_kombu
 
 logger = logging.getLogger(__name__)
