@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -177,6 +178,17 @@ def worker_factory(request: pytest.FixtureRequest, broker_url: str, tmp_path: Pa
         return Worker(broker_url, log_dir=tmp_path, name=f"w{n}", **kwargs)
 
     yield from process_factory(request, build, Worker.kill)
+
+
+@pytest.fixture
+def results_worker(worker_factory, broker_url: str) -> Callable[..., Worker]:
+    """worker_factory's workers with the broker's own result backend (bbmongo://) as the app's."""
+
+    def start(**kwargs: Any) -> Worker:
+        env = {"BB_RESULT_BACKEND": broker_url, **kwargs.pop("env", {})}
+        return worker_factory(env=env, **kwargs)
+
+    return start
 
 
 @pytest.fixture

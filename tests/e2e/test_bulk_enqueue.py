@@ -3,7 +3,6 @@ what a partial failure says, a call repeated, and input refused before anything 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -27,14 +26,6 @@ IDS_AND_TIMES = ("_id", "taskId", "createdAt", "updatedAt", "runAfter")
 @pytest.fixture
 def tasks(results_app: Celery) -> dict[str, Any]:
     return unique_app.register(results_app)
-
-
-@pytest.fixture
-def results_worker(worker_factory, broker_url: str) -> Callable[..., Any]:
-    def start(**kwargs: Any) -> Any:
-        return worker_factory(env={"BB_RESULT_BACKEND": broker_url}, **kwargs)
-
-    return start
 
 
 class Inserts(monitoring.CommandListener):

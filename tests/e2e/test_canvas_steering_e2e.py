@@ -25,15 +25,6 @@ T = "tests.support.e2e_app."
 ONE_ATTEMPT = {"max_attempts": 1}
 
 
-@pytest.fixture
-def results_worker(worker_factory, broker_url: str):
-    def start(**kwargs):
-        env = {"BB_RESULT_BACKEND": broker_url, **kwargs.pop("env", {})}
-        return worker_factory(env=env, **kwargs)
-
-    return start
-
-
 def bb(broker_url: str, *args: str) -> Result:
     """The `bb-broker` command, as an operator runs it."""
     return CliRunner().invoke(main, [*args, "--broker", broker_url], catch_exceptions=False)

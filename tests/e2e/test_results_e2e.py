@@ -26,15 +26,6 @@ from tests.support.workers import job, producer, wait_for
 T = "tests.support.e2e_app."
 
 
-@pytest.fixture
-def results_worker(worker_factory, broker_url: str):
-    def start(**kwargs):
-        env = {"BB_RESULT_BACKEND": broker_url, **kwargs.pop("env", {})}
-        return worker_factory(env=env, **kwargs)
-
-    return start
-
-
 class CommandCounter(monitoring.CommandListener):
     """Counts one command's calls by this process while `counting()`."""
 

@@ -25,14 +25,6 @@ def tasks(results_app: Celery) -> dict[str, Any]:
     return unique_app.register(results_app)
 
 
-@pytest.fixture
-def results_worker(worker_factory, broker_url: str) -> Callable[..., Any]:
-    def start(**kwargs: Any) -> Any:
-        return worker_factory(env={"BB_RESULT_BACKEND": broker_url}, **kwargs)
-
-    return start
-
-
 def refused(publish: Callable[[], Any]) -> DuplicateJob:
     with pytest.raises(DuplicateJob) as duplicate:
         publish()
