@@ -346,6 +346,11 @@ def begin_shutdown() -> None:
     _stopping.set()
 
 
+def shutting_down() -> bool:
+    """True once this process's worker was told to stop (begin_shutdown)."""
+    return _stopping.is_set()
+
+
 def server_gone_at_shutdown() -> bool:
     """True once a call of a stopping process ran out of patience: the server is gone, later calls need not try."""
     return _gone_at_shutdown.is_set()

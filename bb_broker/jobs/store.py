@@ -497,9 +497,17 @@ class JobStore(Sweeps):
         return self._through_outages(lambda: self.coll.update_one(selector, update)).modified_count == 1
 
     def fail_running_task(
-        self, task_id: str, owner: str, error: str, *, retryable: bool = True, worker: str | None = None
+        self,
+        task_id: str,
+        owner: str,
+        error: str,
+        *,
+        retryable: bool = True,
+        worker: str | None = None,
+        outcome: str = "failed",
     ) -> Outcome | None:
-        """Fail the running job of a Celery task id that `owner` holds (when only the task id is known)."""
+        """Fail the running job of a Celery task id that `owner` holds (when only the task id is known); its attempt's
+        history entry says `outcome`."""
         running = {"taskId": task_id, "status": RUNNING, "leaseOwner": owner}
         # Its start copied into the entry as it is (EXACT_DECODING): one before year 1 was written as 0001-01-01.
         exact = exact_reads(self.coll)
@@ -515,7 +523,7 @@ class JobStore(Sweeps):
                 worker=worker,
                 started_at=doc.get("startedAt"),
                 finished_at=self.now(),
-                outcome="failed",
+                outcome=outcome,
                 error=error,
             )
         return self.fail(doc["_id"], doc["attempts"], error, retryable=retryable, attempt=attempt)

@@ -248,6 +248,18 @@ def fails_rejected_tasks() -> bool:
     return celery.VERSION >= (5, 7)
 
 
+def pool_ends_running_tasks(pool: Any) -> bool:
+    """Whether the started worker pool `pool` can end a task while it runs (`revoke(terminate=True)`): Celery's
+    `BasePool.terminate_job` raises NotImplementedError, and a pool that can end one overrides it (prefork with its
+    billiard pool's, as it starts). Prefork and eventlet can; the threads and solo pools never could; gevent's can from
+    5.5.0 only (5.4 logs "does not implement kill_job" and lets the task run to its end, on every broker). Checked
+    against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (celery/concurrency/)."""
+    from celery.concurrency.base import BasePool
+
+    terminate = getattr(pool, "terminate_job", None)
+    return terminate is not None and getattr(terminate, "__func__", terminate) is not BasePool.terminate_job
+
+
 def compressed_result_mark() -> bytes | None:
     """The marker Celery puts before a result it compressed (`result_compression`, celery.backends.base
     `COMPRESSED_PAYLOAD_MAGIC`, then the method and a NUL), or None on a Celery without result compression (before

@@ -24,6 +24,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any, Protocol
 
+from billiard.exceptions import WorkerLostError
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from kombu.exceptions import EncodeError
 
@@ -282,17 +283,21 @@ def failed(
     # Without the request, the exception alone still says whether the job may run again: a rejected task must not.
     retryable = is_retryable(request if job is not None else None, exception)
     error = describe_error(exception)
+    # A pool process ended by its worker's cold shutdown was cut short, not failed: its attempt is "lost", as the
+    # release of a stopping worker's jobs records it. Celery 5.4 reports it (WorkerLostError) on its way down.
+    outcome = "lost" if isinstance(exception, WorkerLostError) and connection.shutting_down() else "failed"
     if job is None:
         if task_id:
             worker = getattr(request, "hostname", None) or socket.gethostname()
-            store.fail_running_task(task_id, connection.lease_owner(), error, retryable=retryable, worker=worker)
+            owner = connection.lease_owner()
+            store.fail_running_task(task_id, owner, error, retryable=retryable, worker=worker, outcome=outcome)
         return not retryable
     ends = not retryable or store.policy.is_final_attempt(job[1])
     state = _attempt(request)
     if state.settled:
         return ends
     ran_here = state.started_at is not None
-    entry: dict[str, Any] | None = _entry(store, request, job[1], "failed", error, traceback)
+    entry: dict[str, Any] | None = _entry(store, request, job[1], outcome, error, traceback)
     if not ran_here and store.attempt_recorded(*job):
         # Another process ran the attempt (a pool process this worker lost): its broker retry recorded the failure,
         # then the process died before the retry's publish. The attempt has its entry.

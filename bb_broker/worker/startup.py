@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+import celery
 from celery import signals
 from celery.worker import state as worker_state
 
@@ -171,6 +172,21 @@ def _forks_its_pool(worker: Any) -> bool:
     except Exception:  # an unknown pool is Celery's to refuse, a moment later
         return False
     return isinstance(pool, type) and issubclass(pool, PreforkPool)
+
+
+@signals.worker_ready.connect
+def _say_what_the_pool_cannot_do(sender: Any = None, **_: Any) -> None:
+    """One line at start where the started pool cannot end a running task (Celery's threads and solo pools, and
+    gevent's before Celery 5.5): a terminating revoke then lets the task run to its end, and its job settles as the
+    task ends, on every broker; Celery itself says so only when a revoke comes."""
+    pool = getattr(sender, "pool", None)
+    if pool is None or app_stores.broker_url(sender.app) is None or upstream_celery.pool_ends_running_tasks(pool):
+        return
+    logger.warning(
+        "bb_broker: Celery %s's %s pool cannot end a running task: revoke(terminate=True) lets it run to its end",
+        celery.__version__,
+        type(pool).__module__.rsplit(".", 1)[-1],
+    )
 
 
 @signals.worker_ready.connect

@@ -484,3 +484,28 @@ def test_apply_async_checks_a_typed_tasks_arguments_with_its_header_and_converts
     assert upstream_celery.argument_check(untyped) is None
     assert "check_arguments = self.__header__" in source(app.Task.apply_async)
     assert not upstream_celery.converts_arguments(typed)
+
+
+def test_which_pools_end_a_running_task_is_told_by_their_terminate_job() -> None:
+    # Celery 5.5.0 gave the gevent pool a terminate_job; prefork's is its billiard pool's, set as the pool starts.
+    import celery
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    gevent, threads = get_implementation("gevent")(limit=1), get_implementation("threads")(limit=1)
+    try:
+        assert upstream_celery.pool_ends_running_tasks(gevent) == (celery.VERSION >= (5, 5)), (
+            f"the gevent pool of Celery {celery.__version__} "
+            + ("no longer ends" if celery.VERSION >= (5, 5) else "now ends")
+            + " a running task (BasePool.terminate_job); "
+            + where("pool_ends_running_tasks")
+        )
+        assert not upstream_celery.pool_ends_running_tasks(threads), (
+            "Celery's threads pool now ends a running task: " + where("pool_ends_running_tasks")
+        )
+    finally:
+        threads.on_stop()
+    assert "self.terminate_job = " in source(PreforkPool.on_start), (
+        "celery.concurrency.prefork.TaskPool.on_start no longer gives the started pool its billiard pool's "
+        "terminate_job: " + where("pool_ends_running_tasks")
+    )
