@@ -409,6 +409,16 @@ def check_body(message: dict[str, Any], payload: dict[str, Any], *, whole_canvas
         check_canvas(embed)
 
 
+def deliverable_message(payload: Any) -> dict[str, Any]:
+    """The message of a job's stored `payload` as a claim hands it to a worker (its delivery headers not yet added):
+    PayloadError when it is no stored message, MalformedTaskMessage naming the header, property or body part a worker
+    would choke on (check_envelope, check_body)."""
+    message = to_message(payload)
+    check_envelope(message)
+    check_body(message, payload)
+    return message
+
+
 def check_canvas(embed: dict[str, Any]) -> None:
     """check_signature for every signature a task message carries for later (its embed's callbacks, errbacks and
     chain; check_body checks its chord), at the message's own publish: a worker publishes them only after the task's
