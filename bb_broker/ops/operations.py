@@ -133,6 +133,9 @@ class Operations(Queries):
         if not isinstance(doc["_id"], str):
             # Written by hand: no worker can run a job under it (a claim fails it as malformed), nor act on it by id.
             raise ActionRefused("conflict", f"job {reprlib.repr(doc['_id'])} has an _id that is not a string")
+        if stored_not_utf8(self.coll, doc, ["_id"]):
+            # Read with U+FFFD in place of its bytes (found by its task id): a write by that id finds no job.
+            raise ActionRefused("conflict", f"job {doc['_id']} has an _id that holds text that is not UTF-8")
         if doc.get("status") not in ACTIONS[action]:
             wanted = " or ".join(ACTIONS[action])
             raise ActionRefused("conflict", f"job {doc['_id']} is {doc.get('status')}: {action} needs it {wanted}")

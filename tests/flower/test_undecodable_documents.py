@@ -124,3 +124,37 @@ def test_the_cli_lists_and_shows_jobs_it_cannot_decode(app, db, broker_url) -> N
     assert REPLACED in by_kind, by_kind
     shown = run_cli("show", jobs["year 19969"]["_id"], "--broker", broker_url).stdout
     assert "9999-12-31" in shown, shown
+
+
+def test_every_action_on_a_job_whose_id_is_not_utf8_names_it_and_changes_nothing(
+    app, db, broker_url, flower_factory
+) -> None:
+    # Found by its task id, its _id read with U+FFFD: each action's write by that id found no job, and the operator
+    # was told it "changed meanwhile".
+    flower = flower_factory()
+    failed = hand_written(db, app, _id=f"f-{MARKER}", status="failed", lastError="an ordinary failure")
+    waiting = hand_written(db, app, _id=f"q-{MARKER}", runAfter=wire.AFTER_9999_MARKER)
+    before = list(db.jobs.find())
+    refused = "has an _id that holds text that is not UTF-8"
+    for action, doc in (("retry", failed), ("delete", failed), ("cancel", waiting), ("run-now", waiting)):
+        status, body = flower.request("POST", f"/api/jobs/job/{action}?id={doc['taskId']}", {})
+        assert status == 409 and json.loads(body)["error"] == f"job {doc['_id'][:2]}{REPLACED} {refused}", body
+    status, body = flower.request("POST", f"/api/jobs/job/retry-with-args?id={failed['taskId']}", {"args": "[2]"})
+    assert status == 409 and "holds text that is not UTF-8 in _id" in body, body
+    for command, doc, said in (
+        (["cancel"], waiting, refused),
+        (["run-now"], waiting, refused),
+        (["retry"], failed, "stays failed: _id holds text that is not UTF-8"),
+        (["retry", "--args", "[2]", "--yes"], failed, "holds text that is not UTF-8 in _id"),
+    ):
+        result = run_cli(*command, doc["taskId"], "--broker", broker_url)
+        assert result.returncode == 1 and said in result.stderr and "Traceback" not in result.stderr, result
+    assert list(db.jobs.find()) == before
+    # Listed, and shown by its task id.
+    listed = {job["id"] for job in flower.get("/api/jobs")["jobs"]}
+    assert listed == {f"f-{REPLACED}", f"q-{REPLACED}"}, listed
+    for doc in (failed, waiting):
+        assert flower.get(f"/api/jobs/job?id={doc['taskId']}")["taskId"] == doc["taskId"]
+        shown = run_cli("show", doc["taskId"], "--broker", broker_url)
+        assert shown.returncode == 0 and REPLACED in shown.stdout, shown
+    assert "Traceback" not in flower.log(), flower.log()[-3000:]
