@@ -220,17 +220,18 @@ def cancel(broker: str, collection: str, identifiers: tuple[str, ...], canvas: b
 def _cancel_canvases(operations: Operations, identifiers: tuple[str, ...], as_json: bool) -> None:
     from bb_broker.ops.steering import cancel_canvas
 
-    missing = []
+    missing, problems = [], []
     for identifier in identifiers:
         answer = cancel_canvas(operations, identifier, by=operator_name())
         if answer is None:
             missing.append(identifier)
-        elif as_json:
-            click.echo(json.dumps(answer.as_json(), indent=2))
-        else:
-            click.echo("\n".join(answer.lines()))
+            continue
+        click.echo(json.dumps(answer.as_json(), indent=2) if as_json else "\n".join(answer.lines()))
+        problems += [f"job {step['jobId']} left queued: {step['why']}" for step in answer.refused]
     if missing:
-        fail("cancel: no job has the id or task id " + ", ".join(repr(identifier) for identifier in missing))
+        problems.append("no job has the id or task id " + ", ".join(repr(identifier) for identifier in missing))
+    if problems:
+        fail("cancel: " + "; ".join(problems))
 
 
 def _act_on_each(operations: Operations, action: str, identifiers: tuple[str, ...], done: str) -> None:

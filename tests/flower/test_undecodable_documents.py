@@ -141,8 +141,14 @@ def test_every_action_on_a_job_whose_id_is_not_utf8_names_it_and_changes_nothing
         assert status == 409 and json.loads(body)["error"] == f"job {doc['_id'][:2]}{REPLACED} {refused}", body
     status, body = flower.request("POST", f"/api/jobs/job/retry-with-args?id={failed['taskId']}", {"args": "[2]"})
     assert status == 409 and "holds text that is not UTF-8 in _id" in body, body
+    # Cancelling its canvas: "cancelled 0 queued steps", the step counted as "finished before: 1 queued".
+    left = f"job q-{REPLACED} left queued: its _id holds text that is not UTF-8"
+    answer = flower.post(f"/api/jobs/canvas/cancel?id={waiting['taskId']}")
+    assert answer["message"] == f"cancel canvas: 0 queued steps cancelled; {left}", answer
+    assert [step["jobId"] for step in answer["refused"]] == [f"q-{REPLACED}"] and answer["finished"] == [], answer
     for command, doc, said in (
         (["cancel"], waiting, refused),
+        (["cancel", "--canvas"], waiting, left),
         (["run-now"], waiting, refused),
         (["retry"], failed, "stays failed: _id holds text that is not UTF-8"),
         (["retry", "--args", "[2]", "--yes"], failed, "holds text that is not UTF-8 in _id"),

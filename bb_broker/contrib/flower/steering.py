@@ -23,7 +23,8 @@ class CanvasCancel(JobsHandler):
             raise tornado.web.HTTPError(404, "%s", f"no job has the id or task id {identifier!r}")
         count = len(answer.cancelled)
         running = f"; {len(answer.running)} running, not touched" if answer.running else ""
-        message = f"cancel canvas: {count} queued step{'' if count == 1 else 's'} cancelled{running}"
+        refused = "".join(f"; job {step['jobId']} left queued: {step['why']}" for step in answer.refused)
+        message = f"cancel canvas: {count} queued step{'' if count == 1 else 's'} cancelled{running}{refused}"
         self.write({"message": message, **answer.as_json()})
 
 
