@@ -36,7 +36,7 @@ from bb_broker.jobs.queues import LimitError, QueueLimits, parse_concurrency, pa
 from bb_broker.jobs.revokes import revoke_queued
 from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
 from bb_broker.ops.filters import FilterError, JobFilter, queue_name
-from bb_broker.ops.queries import SEARCH_MAX_MS, Queries
+from bb_broker.ops.queries import SEARCH_MAX_MS, Queries, no_job_has
 from bb_broker.server import capabilities
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Operations(Queries):
             raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         doc = self.find(identifier)
         if doc is None:
-            raise ActionRefused("not found", f"no job has the id or task id {identifier!r}")
+            raise ActionRefused("not found", no_job_has(identifier))
         job_filter = {"_id": doc["_id"]}
         if not isinstance(doc["_id"], str):
             # Written by hand: no worker can run a job under it (a claim fails it as malformed), nor act on it by id.

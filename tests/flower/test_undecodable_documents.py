@@ -9,6 +9,7 @@ CLI, producer) reaches the server through a wire proxy that answers as a mongod 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -163,4 +164,11 @@ def test_every_action_on_a_job_whose_id_is_not_utf8_names_it_and_changes_nothing
         assert flower.get(f"/api/jobs/job?id={doc['taskId']}")["taskId"] == doc["taskId"]
         shown = run_cli("show", doc["taskId"], "--broker", broker_url)
         assert shown.returncode == 0 and REPLACED in shown.stdout, shown
+    # By the id the lists show: no look-up holds its bytes, and the answer says what to give instead.
+    listed_id = urllib.parse.quote(f"f-{REPLACED}")
+    for method, path in (("GET", f"/api/jobs/job?id={listed_id}"), ("POST", f"/api/jobs/job/retry?id={listed_id}")):
+        status, body = flower.request(method, path, {})
+        assert status == 404 and json.loads(body)["error"].endswith("give its task id)"), (path, body)
+    shown = run_cli("show", f"f-{REPLACED}", "--broker", broker_url)
+    assert shown.returncode == 1 and shown.stderr.endswith("give its task id)\n"), shown
     assert "Traceback" not in flower.log(), flower.log()[-3000:]

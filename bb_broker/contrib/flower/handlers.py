@@ -38,7 +38,7 @@ from bb_broker.ops.canvas import canvas_of
 from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
 from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
-from bb_broker.ops.queries import MAX_PAGE
+from bb_broker.ops.queries import MAX_PAGE, no_job_has
 from bb_broker.ops.rerun import ACTION as RERUN
 from bb_broker.ops.rerun import offered
 from bb_broker.ops.stats import job_stats
@@ -158,7 +158,7 @@ class JobsHandler(BaseHandler):
         identifier = self.job_id()
         doc = await self.run_query(operations_of(self).find, identifier)
         if doc is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+            raise tornado.web.HTTPError(404, "%s", no_job_has(identifier))
         return doc
 
     async def job_filter(self) -> JobFilter:
@@ -531,7 +531,7 @@ class JobCanvas(JobsHandler):
         identifier = self.job_id()
         body = await self.run_query(canvas_of, operations_of(self), identifier)
         if body is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+            raise tornado.web.HTTPError(404, "%s", no_job_has(identifier))
         self.write(body)
 
 
