@@ -150,8 +150,8 @@ def _request_of(store: JobStore, doc: dict[str, Any]) -> dict[str, Any] | None:
         message = deliverable_message(doc.get("payload"))
     except (PayloadError, MalformedTaskMessage) as exc:
         logger.error(
-            "task %s was revoked; its job %s's message is refused, and its result backend is told REVOKED without it: "
-            "%s",
+            "task %s was revoked; the message of its job %s is refused, and its result backend is told REVOKED "
+            "without it: %s",
             doc["taskId"],
             reprlib.repr(doc.get("_id")),
             exc,

@@ -177,6 +177,9 @@ def to_message(payload: Any) -> dict[str, Any]:
                 raise TypeError(f"the raw message is a {type(message).__name__}, not a JSON object")
             message["body"] = _binary_body(payload["body"], message.get("content-encoding"), message.get("headers"))
         else:
+            for part in ("headers", "properties"):
+                if not isinstance(payload[part], dict):  # dict() would take a list of pairs, or fail unnamed
+                    raise TypeError(f"{part} is a {type(payload[part]).__name__}, not a document")
             headers = dict(payload["headers"])
             stored_plain = "args" in payload or payload.get("bodyFormat") == "json"
             if stored_plain and _known_compression(headers.get("compression")):

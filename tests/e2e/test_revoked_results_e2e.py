@@ -51,6 +51,7 @@ def test_a_revoked_jobs_message_that_is_no_workers_is_refused_naming_it_and_the_
         # Celery's app.tasks.get([...]) raised TypeError: the revoking task failed, and no later job was told.
         "header 'task'": parked(app, db, {"$set": {"payload.headers.task": ["tests.support.e2e_app.add"]}}),
         "payload is a str": parked(app, db, {"$set": {"payload": "add(1, 2)"}}),
+        "headers is a str, not a document": parked(app, db, {"$set": {"payload.headers": "add"}}),
         # Stored as the REVOKED result's group_id, a number where Celery reads a group's id.
         "header 'group'": parked(app, db, {"$set": {"payload.headers.group": 5}}),
         # Stored as group_id "g-caf\ufffd.txt": read with U+FFFD in place of its byte.
@@ -87,7 +88,7 @@ def test_a_revoked_jobs_message_that_is_no_workers_is_refused_naming_it_and_the_
     log = worker.log()
     for field, task_id in bad.items():
         [line] = [line for line in log.splitlines() if f"task {task_id} was revoked;" in line]
-        assert f"its job {job(db, task_id)['_id']!r}'s message is refused" in line and field in line, line
+        assert f"the message of its job {job(db, task_id)['_id']!r} is refused" in line and field in line, line
     assert "Traceback" not in log, log[-3000:]
     later = send(app, "add", 3, 4)  # the worker still runs tasks
     wait_for(settled(db, later, "succeeded"), timeout=60, message="a task sent after the revoke")
