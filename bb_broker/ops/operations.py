@@ -158,15 +158,22 @@ class Operations(Queries):
         return self.find(doc["_id"]) or {"_id": doc["_id"], "deleted": True}
 
     def act_on_filter(
-        self, action: str, job_filter: JobFilter, *, by: str, unchanged_since: datetime | None = None
+        self,
+        action: str,
+        job_filter: JobFilter,
+        *,
+        by: str,
+        unchanged_since: datetime | None = None,
+        held: dict[str, str] | None = None,
     ) -> int:
         """Apply an action to every job of the filter it applies to; how many it changed. With `unchanged_since`
         (when the operator counted them), only to jobs that have not changed since: not to a job published, or
-        one that came into the action's status, after the operator saw the count."""
+        one that came into the action's status, after the operator saw the count. A retry puts in `held` the failed
+        jobs it left failed, each with why (as retry() does)."""
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         query = self.bounded(job_filter).query()
-        return self._apply(action, query, by=by, hint=job_filter.hint, unchanged_since=unchanged_since)
+        return self._apply(action, query, by=by, hint=job_filter.hint, unchanged_since=unchanged_since, held=held)
 
     def retry(
         self,

@@ -140,6 +140,11 @@ def test_every_action_on_a_job_whose_id_is_not_utf8_names_it_and_changes_nothing
     for action, doc in (("retry", failed), ("delete", failed), ("cancel", waiting), ("run-now", waiting)):
         status, body = flower.request("POST", f"/api/jobs/job/{action}?id={doc['taskId']}", {})
         assert status == 409 and json.loads(body)["error"] == f"job {doc['_id'][:2]}{REPLACED} {refused}", body
+    # A bulk retry of the failed jobs answered "retry: 0 jobs", nothing of why.
+    assert flower.get("/api/jobs/bulk/retry?status=failed")["count"] == 1
+    answer = flower.post("/api/jobs/bulk/retry?status=failed&expected=1")
+    held = f"job f-{REPLACED} stays failed: _id holds text that is not UTF-8"
+    assert answer["message"] == f"retry: 0 jobs; {held}", answer
     status, body = flower.request("POST", f"/api/jobs/job/retry-with-args?id={failed['taskId']}", {"args": "[2]"})
     assert status == 409 and "holds text that is not UTF-8 in _id" in body, body
     # Cancelling its canvas: "cancelled 0 queued steps", the step counted as "finished before: 1 queued".

@@ -299,10 +299,12 @@ class JobsHandler(BaseHandler):
         count = await self.count(job_filter, action, as_of)
         if count != expected:
             raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected}: confirm again")
+        held: dict[str, str] = {}
         changed = await self.run_query(
-            operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of
+            operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of, held=held
         )
-        return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
+        message = "; ".join([f"{action}: {changed} job{'' if changed == 1 else 's'}", *held.values()])
+        return {"message": message, "count": changed, **({"held": held} if held else {})}
 
     def expected(self, action: str) -> int:
         """The count the operator confirmed (the `count` of GET .../count): a bulk action without it is refused."""
