@@ -77,6 +77,10 @@ def job_json(doc: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+#: How many of the jobs a bulk retry left failed its message names (its answer's `held` has them all).
+HELD_SAID = 5
+
+
 class JobsHandler(BaseHandler):
     """What the page, its data and its actions share: filters from the query string, errors as JSON, queries in the
     tab's threads, the user's share of them."""
@@ -303,7 +307,10 @@ class JobsHandler(BaseHandler):
         changed = await self.run_query(
             operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of, held=held
         )
-        message = "; ".join([f"{action}: {changed} job{'' if changed == 1 else 's'}", *held.values()])
+        said = list(held.values())[:HELD_SAID]  # the message is one line: the rest are in `held`
+        if len(held) > HELD_SAID:
+            said.append(f"and {len(held) - HELD_SAID} more left failed (see held)")
+        message = "; ".join([f"{action}: {changed} job{'' if changed == 1 else 's'}", *said])
         return {"message": message, "count": changed, **({"held": held} if held else {})}
 
     def expected(self, action: str) -> int:
