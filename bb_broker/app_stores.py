@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import reprlib
 import sys
 import threading
 from collections.abc import Iterable
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from bb_broker import connection
 from bb_broker.connection import parse_broker_url
 from bb_broker.forks import reset_in_child
-from bb_broker.jobs.payloads import PayloadError, body_parts, to_message
+from bb_broker.jobs.document import stored_not_utf8
+from bb_broker.jobs.payloads import MalformedTaskMessage, PayloadError, body_parts, deliverable_message
 from bb_broker.jobs.revokes import revoked_before_running
 from bb_broker.options import BrokerOptions, open_store
 from bb_broker.upstream import celery as upstream_celery
@@ -121,23 +123,43 @@ def store_revoked_results(store: JobStore, task_ids: Iterable[str]) -> None:
     from celery.app.task import Context
 
     for doc in revoked_before_running(store, task_ids):
-        try:
-            message = to_message(doc.get("payload"))
-        except PayloadError:
-            continue  # a hand-written job: nothing a worker could have read either
-        headers = message["headers"]
-        body = message["body"]
-        parts = body_parts(message, body.encode() if isinstance(body, str) else body)
-        request = {**headers, "args": parts.get("args"), "kwargs": parts.get("kwargs"), **(parts.get("options") or {})}
+        request = _request_of(store, doc)
+        name = request.get("task") if request is not None else None
         for app in told:
-            task = app.tasks.get(headers.get("task"))
+            task = app.tasks.get(name) if name is not None else None
             backend = task.backend if task is not None else app.backend
             # As the worker's Request decides: a task that ignores its result stores its errors only when told to.
             store_errors = task is None or not task.ignore_result or task.store_errors_even_if_ignored
+            # A refused message: a request of the task id alone (without one, Celery takes the children of the task
+            # running in this process, a revoker's own, for the revoked task's).
+            context = Context(request if request is not None else {"id": doc["taskId"]})
             try:
-                backend.mark_as_revoked(doc["taskId"], REASON, request=Context(request), store_result=store_errors)
+                backend.mark_as_revoked(doc["taskId"], REASON, request=context, store_result=store_errors)
             except Exception as exc:  # the backend is the user's: its outage must not fail the revoke itself
                 logger.warning("task %s was revoked, but its result backend could not be told: %s", doc["taskId"], exc)
+
+
+def _request_of(store: JobStore, doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The request a worker would have run a revoked job's message with, its message read as a claim reads it (a
+    claim hands a worker nothing else); None, said in one line naming the job and the field, for a message a hand edit
+    or a corruption made unreadable: none of it reaches the result backend, which is told REVOKED without it."""
+    try:
+        if altered := stored_not_utf8(store.coll, doc, ["payload"]):
+            # Read with U+FFFD in place of its bytes: stored so in the result backend, the text would be altered.
+            raise PayloadError(f"{', '.join(altered)} holds text that is not UTF-8")
+        message = deliverable_message(doc.get("payload"))
+    except (PayloadError, MalformedTaskMessage) as exc:
+        logger.error(
+            "task %s was revoked; the message of its job %s is refused, and its result backend is told REVOKED "
+            "without it: %s",
+            doc["taskId"],
+            reprlib.repr(doc.get("_id")),
+            exc,
+        )
+        return None
+    headers, body = message["headers"], message["body"]
+    parts = body_parts(message, body.encode() if isinstance(body, str) else body)
+    return {**headers, "args": parts.get("args"), "kwargs": parts.get("kwargs"), **(parts.get("options") or {})}
 
 
 def _apps_with_their_own_backend(store: JobStore) -> list[Any]:

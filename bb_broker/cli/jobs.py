@@ -171,18 +171,19 @@ def show(broker: str, collection: str, identifier: str, as_json: bool, tree: boo
     from bb_broker.ops.operations import Operations
     from bb_broker.ops.present import as_json as as_json_value
     from bb_broker.ops.present import describe_job
+    from bb_broker.ops.queries import no_job_has
 
     if tree:
         with job_store(broker, collection) as store:
             canvas = canvas_of(Operations(store), identifier)
         if canvas is None:
-            fail(f"show: no job has the id or task id {identifier!r}")
+            fail(f"show: {no_job_has(identifier)}")
         click.echo(json.dumps(canvas, indent=2) if as_json else "\n".join(tree_lines(canvas)))
         return
     with job_store(broker, collection) as store:
         doc = Operations(store).find(identifier)
     if doc is None:
-        fail(f"show: no job has the id or task id {identifier!r}")
+        fail(f"show: {no_job_has(identifier)}")
     if as_json:
         click.echo(json.dumps(as_json_value(doc), indent=2))
         return
@@ -218,19 +219,21 @@ def cancel(broker: str, collection: str, identifiers: tuple[str, ...], canvas: b
 
 
 def _cancel_canvases(operations: Operations, identifiers: tuple[str, ...], as_json: bool) -> None:
+    from bb_broker.ops.queries import no_job_has
     from bb_broker.ops.steering import cancel_canvas
 
-    missing = []
+    missing, problems = [], []
     for identifier in identifiers:
         answer = cancel_canvas(operations, identifier, by=operator_name())
         if answer is None:
             missing.append(identifier)
-        elif as_json:
-            click.echo(json.dumps(answer.as_json(), indent=2))
-        else:
-            click.echo("\n".join(answer.lines()))
+            continue
+        click.echo(json.dumps(answer.as_json(), indent=2) if as_json else "\n".join(answer.lines()))
+        problems += [f"job {step['jobId']} left queued: {step['why']}" for step in answer.refused]
     if missing:
-        fail("cancel: no job has the id or task id " + ", ".join(repr(identifier) for identifier in missing))
+        problems += [no_job_has(identifier) for identifier in missing]
+    if problems:
+        fail("cancel: " + "; ".join(problems))
 
 
 def _act_on_each(operations: Operations, action: str, identifiers: tuple[str, ...], done: str) -> None:

@@ -177,6 +177,9 @@ def to_message(payload: Any) -> dict[str, Any]:
                 raise TypeError(f"the raw message is a {type(message).__name__}, not a JSON object")
             message["body"] = _binary_body(payload["body"], message.get("content-encoding"), message.get("headers"))
         else:
+            for part in ("headers", "properties"):
+                if not isinstance(payload[part], dict):  # dict() would take a list of pairs, or fail unnamed
+                    raise TypeError(f"{part} is a {type(payload[part]).__name__}, not a document")
             headers = dict(payload["headers"])
             stored_plain = "args" in payload or payload.get("bodyFormat") == "json"
             if stored_plain and _known_compression(headers.get("compression")):
@@ -407,6 +410,16 @@ def check_body(message: dict[str, Any], payload: dict[str, Any], *, whole_canvas
         check_signature(embed["chord"], "the embed's 'chord'")
     if whole_canvas:
         check_canvas(embed)
+
+
+def deliverable_message(payload: Any) -> dict[str, Any]:
+    """The message of a job's stored `payload` as a claim hands it to a worker (its delivery headers not yet added):
+    PayloadError when it is no stored message, MalformedTaskMessage naming the header, property or body part a worker
+    would choke on (check_envelope, check_body)."""
+    message = to_message(payload)
+    check_envelope(message)
+    check_body(message, payload)
+    return message
 
 
 def check_canvas(embed: dict[str, Any]) -> None:

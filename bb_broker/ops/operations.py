@@ -36,7 +36,7 @@ from bb_broker.jobs.queues import LimitError, QueueLimits, parse_concurrency, pa
 from bb_broker.jobs.revokes import revoke_queued
 from bb_broker.jobs.unique import FOREVER_MODE, HOLD_FIELDS, MODES, RELEASED_BY_CANCEL
 from bb_broker.ops.filters import FilterError, JobFilter, queue_name
-from bb_broker.ops.queries import SEARCH_MAX_MS, Queries
+from bb_broker.ops.queries import SEARCH_MAX_MS, Queries, no_job_has
 from bb_broker.server import capabilities
 
 logger = logging.getLogger(__name__)
@@ -128,11 +128,14 @@ class Operations(Queries):
             raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         doc = self.find(identifier)
         if doc is None:
-            raise ActionRefused("not found", f"no job has the id or task id {identifier!r}")
+            raise ActionRefused("not found", no_job_has(identifier))
         job_filter = {"_id": doc["_id"]}
         if not isinstance(doc["_id"], str):
             # Written by hand: no worker can run a job under it (a claim fails it as malformed), nor act on it by id.
             raise ActionRefused("conflict", f"job {reprlib.repr(doc['_id'])} has an _id that is not a string")
+        if stored_not_utf8(self.coll, doc, ["_id"]):
+            # Read with U+FFFD in place of its bytes (found by its task id): a write by that id finds no job.
+            raise ActionRefused("conflict", f"job {doc['_id']} has an _id that holds text that is not UTF-8")
         if doc.get("status") not in ACTIONS[action]:
             wanted = " or ".join(ACTIONS[action])
             raise ActionRefused("conflict", f"job {doc['_id']} is {doc.get('status')}: {action} needs it {wanted}")
@@ -155,15 +158,22 @@ class Operations(Queries):
         return self.find(doc["_id"]) or {"_id": doc["_id"], "deleted": True}
 
     def act_on_filter(
-        self, action: str, job_filter: JobFilter, *, by: str, unchanged_since: datetime | None = None
+        self,
+        action: str,
+        job_filter: JobFilter,
+        *,
+        by: str,
+        unchanged_since: datetime | None = None,
+        held: dict[str, str] | None = None,
     ) -> int:
         """Apply an action to every job of the filter it applies to; how many it changed. With `unchanged_since`
         (when the operator counted them), only to jobs that have not changed since: not to a job published, or
-        one that came into the action's status, after the operator saw the count."""
+        one that came into the action's status, after the operator saw the count. A retry puts in `held` the failed
+        jobs it left failed, each with why (as retry() does)."""
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
         query = self.bounded(job_filter).query()
-        return self._apply(action, query, by=by, hint=job_filter.hint, unchanged_since=unchanged_since)
+        return self._apply(action, query, by=by, hint=job_filter.hint, unchanged_since=unchanged_since, held=held)
 
     def retry(
         self,

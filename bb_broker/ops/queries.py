@@ -363,6 +363,15 @@ class Queries:
         return {"updatedAt": window} if window else {}
 
 
+def no_job_has(identifier: str) -> str:
+    """What an operator is told of an `identifier` no job has (by find). The lists show an _id whose bytes are not
+    UTF-8 with U+FFFD in their place: no filter holds those bytes, so such an id is never found, and that is said."""
+    said = f"no job has the id or task id {identifier!r}"
+    if "\ufffd" in identifier:
+        said += " (an id shown with U+FFFD holds bytes that are not UTF-8, which no look-up can hold: give its task id)"
+    return said
+
+
 def _other_id_forms(identifier: str) -> list[Any]:
     """The _id values other than a string that `identifier` may stand for: a whole number, an ObjectId."""
     forms: list[Any] = []

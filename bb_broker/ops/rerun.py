@@ -50,6 +50,7 @@ from bb_broker.jobs.unique import (
     option_key,
 )
 from bb_broker.ops.operations import Operations
+from bb_broker.ops.queries import no_job_has
 
 #: The action's name, in the API's paths and in both jobs' `actions`.
 ACTION = "retry-with-args"
@@ -179,7 +180,7 @@ def plan(
     process (Flower's app, `bb-broker retry -A`), whose options make the keys that come from named arguments."""
     doc = operations.find(identifier)
     if doc is None:
-        raise RerunRefused("not found", f"no job has the id or task id {identifier!r}")
+        raise RerunRefused("not found", no_job_has(identifier))
     job_id = doc["_id"]
     if not isinstance(job_id, str):
         raise RerunRefused("conflict", f"job {reprlib.repr(job_id)} has an _id that is not a string")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bb_broker.jobs.document import stored_not_utf8
 from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING
 from bb_broker.ops.canvas import PENDING, canvas_of
 from bb_broker.ops.operations import Operations
@@ -26,8 +27,9 @@ STEP_KEYS = ("id", "jobId", "name", "status")
 @dataclass
 class CanvasCancel:
     """What a cancel of a canvas did: the steps it `cancelled`, those it left `running`, those `finished` before
-    (succeeded or failed), and those `pending` (not published yet); `truncated` when the canvas had more steps than
-    one read takes (bb_broker.ops.canvas.MAX_STEPS): cancel again for the rest."""
+    (succeeded or failed), those `pending` (not published yet), and the queued ones it `refused` to cancel, each with
+    `why`; `truncated` when the canvas had more steps than one read takes (bb_broker.ops.canvas.MAX_STEPS): cancel
+    again for the rest."""
 
     job: str
     root: str | None
@@ -35,6 +37,7 @@ class CanvasCancel:
     running: list[dict[str, Any]] = field(default_factory=list)
     finished: list[dict[str, Any]] = field(default_factory=list)
     pending: list[dict[str, Any]] = field(default_factory=list)
+    refused: list[dict[str, Any]] = field(default_factory=list)
     truncated: bool = False
 
     def as_json(self) -> dict[str, Any]:
@@ -45,6 +48,7 @@ class CanvasCancel:
             "running": self.running,
             "finished": self.finished,
             "pending": self.pending,
+            "refused": self.refused,
             "truncated": self.truncated,
         }
 
@@ -54,6 +58,7 @@ class CanvasCancel:
         lines = [f"canvas of job {self.job} (root {self.root or '-'}): cancelled {count} queued step{_s(count)}"]
         lines += [f"  cancelled {_named(step)}" for step in self.cancelled]
         lines += [f"  running, not touched (revoke it to stop it): {_named(step)}" for step in self.running]
+        lines += [f"  refused, left queued: {_named(step)}: {step['why']}" for step in self.refused]
         if self.finished:
             by_status: dict[str, int] = {}
             for step in self.finished:
@@ -78,6 +83,10 @@ def cancel_canvas(operations: Operations, identifier: str, *, by: str) -> Canvas
     answer = CanvasCancel(job=canvas["job"], root=canvas["root"], truncated=canvas["truncated"])
     steps = [{key: step.get(key) for key in STEP_KEYS} for step in canvas["steps"]]
     queued = [step for step in steps if step["status"] == QUEUED and step["jobId"]]
+    # A job id read with U+FFFD in place of its bytes: the cancel's write by that id would find no job.
+    refused = [step for step in queued if stored_not_utf8(operations.coll, {"_id": step["jobId"]}, ["_id"])]
+    answer.refused = [{**step, "why": "its _id holds text that is not UTF-8"} for step in refused]
+    queued = [step for step in queued if step not in refused]
     cancelled = {step["jobId"] for step in queued}
     if queued and operations.cancel_queued(sorted(cancelled), by=by) != len(queued):
         # Some changed in between (claimed by a worker, cancelled by someone else): what each is now, the failed ones
@@ -88,6 +97,8 @@ def cancel_canvas(operations: Operations, identifier: str, *, by: str) -> Canvas
             step["status"] = now.get(step["jobId"], step["status"])
         cancelled = {step["jobId"] for step in queued if step["status"] == FAILED}
     for step in steps:
+        if step in refused:
+            continue
         if step["jobId"] in cancelled:
             answer.cancelled.append({**step, "status": "cancelled"})
         elif step["status"] == RUNNING:

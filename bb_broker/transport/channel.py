@@ -28,12 +28,11 @@ from bb_broker.jobs.payloads import (
     RENAMED_FROM_HEADER,
     MalformedTaskMessage,
     PayloadError,
-    check_body,
     check_encodable,
     check_envelope,
     chord_body_id,
+    deliverable_message,
     is_task_message,
-    to_message,
 )
 from bb_broker.jobs.queues import KnownControls, QueueControls
 from bb_broker.jobs.revokes import revoke_queued, revoked_task_ids
@@ -516,14 +515,11 @@ class Channel(virtual.Channel):
         while True:
             job = self.claimer.next_job(queue)
             try:
-                message = to_message(job.payload)
+                message = deliverable_message(job.payload)
             except PayloadError as exc:
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
                 continue
-            try:
-                check_envelope(message)
-                check_body(message, job.payload)
             except MalformedTaskMessage as exc:
                 # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,
                 # once, and the queue behind it moves on.

@@ -18,7 +18,7 @@ from bb_broker.connection import new_client
 from bb_broker.jobs import checkpoints
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
-from bb_broker.ops.operations import Operations
+from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.ops.rerun import RerunRefused, plan
 from tests.support import wire
 
@@ -124,3 +124,33 @@ def test_a_checkpoint_holding_such_text_is_refused_to_the_task_naming_it(store: 
     assert str(refused.value).startswith("job resumes's checkpoint holds text that is not UTF-8 (")
     running_job(db, "plain", checkpoint=json.dumps({"file": "plain.txt"}))
     assert checkpoints.load(store, "plain") == {"file": "plain.txt"}
+
+
+#: Each action, and a job of the task id `task-x` it applies to, but for its _id.
+APPLICABLE = {
+    "retry": {"status": "failed"},
+    "delete": {"status": "failed"},
+    "cancel": {"status": "queued", "runAfter": datetime(2100, 1, 1, tzinfo=UTC)},
+    "run-now": {"status": "queued", "runAfter": datetime(2100, 1, 1, tzinfo=UTC)},
+    "requeue": {"status": "running", "leaseOwner": "w", "updatedAt": datetime(2000, 1, 1, tzinfo=UTC)},
+}
+
+
+@pytest.mark.parametrize("action", APPLICABLE)
+def test_an_action_on_a_job_whose_id_is_not_utf8_is_refused_naming_it(
+    ops: Operations, db: Database, action: str
+) -> None:
+    # Found by its task id, its _id read "caf\ufffd.txt": the action's write by that id found no job, and the operator
+    # was told the job "changed meanwhile".
+    failed_job(db, NOT_UTF8, taskId="task-x", **APPLICABLE[action])
+    before = list(db.jobs.find())
+    refused = pytest.raises(ActionRefused, ops.act, action, "task-x", by="alice")
+    assert refused.value.reason == "conflict"
+    assert str(refused.value) == "job caf\ufffd.txt has an _id that holds text that is not UTF-8"
+    if action == "retry":
+        retried = ops.retry(["task-x"], by="alice")
+        assert (retried.job_ids, retried.unmatched) == ([], [])
+        assert retried.held == {"caf\ufffd.txt": "job caf\ufffd.txt stays failed: _id holds text that is not UTF-8"}
+        refused = pytest.raises(RerunRefused, plan, ops, "task-x", [2], None)
+        assert str(refused.value) == "job caf\ufffd.txt holds text that is not UTF-8 in _id: it cannot be sent again"
+    assert list(db.jobs.find()) == before

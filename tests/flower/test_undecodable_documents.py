@@ -9,6 +9,7 @@ CLI, producer) reaches the server through a wire proxy that answers as a mongod 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,3 +125,55 @@ def test_the_cli_lists_and_shows_jobs_it_cannot_decode(app, db, broker_url) -> N
     assert REPLACED in by_kind, by_kind
     shown = run_cli("show", jobs["year 19969"]["_id"], "--broker", broker_url).stdout
     assert "9999-12-31" in shown, shown
+
+
+def test_every_action_on_a_job_whose_id_is_not_utf8_names_it_and_changes_nothing(
+    app, db, broker_url, flower_factory
+) -> None:
+    # Found by its task id, its _id read with U+FFFD: each action's write by that id found no job, and the operator
+    # was told it "changed meanwhile".
+    flower = flower_factory()
+    failed = hand_written(db, app, _id=f"f-{MARKER}", status="failed", lastError="an ordinary failure")
+    waiting = hand_written(db, app, _id=f"q-{MARKER}", runAfter=wire.AFTER_9999_MARKER)
+    before = list(db.jobs.find())
+    refused = "has an _id that holds text that is not UTF-8"
+    for action, doc in (("retry", failed), ("delete", failed), ("cancel", waiting), ("run-now", waiting)):
+        status, body = flower.request("POST", f"/api/jobs/job/{action}?id={doc['taskId']}", {})
+        assert status == 409 and json.loads(body)["error"] == f"job {doc['_id'][:2]}{REPLACED} {refused}", body
+    # A bulk retry of the failed jobs answered "retry: 0 jobs", nothing of why.
+    assert flower.get("/api/jobs/bulk/retry?status=failed")["count"] == 1
+    answer = flower.post("/api/jobs/bulk/retry?status=failed&expected=1")
+    held = f"job f-{REPLACED} stays failed: _id holds text that is not UTF-8"
+    assert answer["message"] == f"retry: 0 jobs; {held}", answer
+    status, body = flower.request("POST", f"/api/jobs/job/retry-with-args?id={failed['taskId']}", {"args": "[2]"})
+    assert status == 409 and "holds text that is not UTF-8 in _id" in body, body
+    # Cancelling its canvas: "cancelled 0 queued steps", the step counted as "finished before: 1 queued".
+    left = f"job q-{REPLACED} left queued: its _id holds text that is not UTF-8"
+    answer = flower.post(f"/api/jobs/canvas/cancel?id={waiting['taskId']}")
+    assert answer["message"] == f"cancel canvas: 0 queued steps cancelled; {left}", answer
+    assert [step["jobId"] for step in answer["refused"]] == [f"q-{REPLACED}"] and answer["finished"] == [], answer
+    for command, doc, said in (
+        (["cancel"], waiting, refused),
+        (["cancel", "--canvas"], waiting, left),
+        (["run-now"], waiting, refused),
+        (["retry"], failed, "stays failed: _id holds text that is not UTF-8"),
+        (["retry", "--args", "[2]", "--yes"], failed, "holds text that is not UTF-8 in _id"),
+    ):
+        result = run_cli(*command, doc["taskId"], "--broker", broker_url)
+        assert result.returncode == 1 and said in result.stderr and "Traceback" not in result.stderr, result
+    assert list(db.jobs.find()) == before
+    # Listed, and shown by its task id.
+    listed = {job["id"] for job in flower.get("/api/jobs")["jobs"]}
+    assert listed == {f"f-{REPLACED}", f"q-{REPLACED}"}, listed
+    for doc in (failed, waiting):
+        assert flower.get(f"/api/jobs/job?id={doc['taskId']}")["taskId"] == doc["taskId"]
+        shown = run_cli("show", doc["taskId"], "--broker", broker_url)
+        assert shown.returncode == 0 and REPLACED in shown.stdout, shown
+    # By the id the lists show: no look-up holds its bytes, and the answer says what to give instead.
+    listed_id = urllib.parse.quote(f"f-{REPLACED}")
+    for method, path in (("GET", f"/api/jobs/job?id={listed_id}"), ("POST", f"/api/jobs/job/retry?id={listed_id}")):
+        status, body = flower.request(method, path, {})
+        assert status == 404 and json.loads(body)["error"].endswith("give its task id)"), (path, body)
+    shown = run_cli("show", f"f-{REPLACED}", "--broker", broker_url)
+    assert shown.returncode == 1 and shown.stderr.endswith("give its task id)\n"), shown
+    assert "Traceback" not in flower.log(), flower.log()[-3000:]

@@ -193,6 +193,14 @@ def add(self, x, y):
     return x + y
 
 
+@app.task(bind=True)
+def revoke(self, task_ids):
+    """A task that revokes others, as an app's own code does: the revoke is made from the pool process."""
+    record(self)
+    self.app.control.revoke(task_ids)
+    return len(task_ids)
+
+
 @app.task
 def pool_monitoring():
     """_monitoring in the pool process that runs it."""

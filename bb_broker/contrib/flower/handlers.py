@@ -38,7 +38,7 @@ from bb_broker.ops.canvas import canvas_of
 from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
 from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
 from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
-from bb_broker.ops.queries import MAX_PAGE
+from bb_broker.ops.queries import MAX_PAGE, no_job_has
 from bb_broker.ops.rerun import ACTION as RERUN
 from bb_broker.ops.rerun import offered
 from bb_broker.ops.stats import job_stats
@@ -75,6 +75,10 @@ def job_json(doc: dict[str, Any]) -> dict[str, Any]:
     body["attemptHistory"] = jsonable(attempts_of(doc))
     body["progress"] = progress_of(doc)
     return body
+
+
+#: How many of the jobs a bulk retry left failed its message names (its answer's `held` has them all).
+HELD_SAID = 5
 
 
 class JobsHandler(BaseHandler):
@@ -158,7 +162,7 @@ class JobsHandler(BaseHandler):
         identifier = self.job_id()
         doc = await self.run_query(operations_of(self).find, identifier)
         if doc is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+            raise tornado.web.HTTPError(404, "%s", no_job_has(identifier))
         return doc
 
     async def job_filter(self) -> JobFilter:
@@ -299,10 +303,15 @@ class JobsHandler(BaseHandler):
         count = await self.count(job_filter, action, as_of)
         if count != expected:
             raise tornado.web.HTTPError(409, f"{count} jobs match now, not {expected}: confirm again")
+        held: dict[str, str] = {}
         changed = await self.run_query(
-            operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of
+            operations.act_on_filter, action, job_filter, by=user_name(self), unchanged_since=as_of, held=held
         )
-        return {"message": f"{action}: {changed} job{'' if changed == 1 else 's'}", "count": changed}
+        said = list(held.values())[:HELD_SAID]  # the message is one line: the rest are in `held`
+        if len(held) > HELD_SAID:
+            said.append(f"and {len(held) - HELD_SAID} more left failed (see held)")
+        message = "; ".join([f"{action}: {changed} job{'' if changed == 1 else 's'}", *said])
+        return {"message": message, "count": changed, **({"held": held} if held else {})}
 
     def expected(self, action: str) -> int:
         """The count the operator confirmed (the `count` of GET .../count): a bulk action without it is refused."""
@@ -531,7 +540,7 @@ class JobCanvas(JobsHandler):
         identifier = self.job_id()
         body = await self.run_query(canvas_of, operations_of(self), identifier)
         if body is None:
-            raise tornado.web.HTTPError(404, f"no job has the id or task id {identifier!r}")
+            raise tornado.web.HTTPError(404, "%s", no_job_has(identifier))
         self.write(body)
 
 

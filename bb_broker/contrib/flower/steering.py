@@ -10,6 +10,7 @@ import tornado.web
 from bb_broker.contrib.flower.access import refuse_unless_allowed, user_name
 from bb_broker.contrib.flower.handlers import ApiHandler, JobsHandler
 from bb_broker.contrib.flower.tab import operations_of
+from bb_broker.ops.queries import no_job_has
 from bb_broker.ops.steering import cancel_canvas
 
 
@@ -20,10 +21,11 @@ class CanvasCancel(JobsHandler):
         identifier = self.job_id()
         answer = await self.run_query(cancel_canvas, operations_of(self), identifier, by=user_name(self))
         if answer is None:
-            raise tornado.web.HTTPError(404, "%s", f"no job has the id or task id {identifier!r}")
+            raise tornado.web.HTTPError(404, "%s", no_job_has(identifier))
         count = len(answer.cancelled)
         running = f"; {len(answer.running)} running, not touched" if answer.running else ""
-        message = f"cancel canvas: {count} queued step{'' if count == 1 else 's'} cancelled{running}"
+        refused = "".join(f"; job {step['jobId']} left queued: {step['why']}" for step in answer.refused)
+        message = f"cancel canvas: {count} queued step{'' if count == 1 else 's'} cancelled{running}{refused}"
         self.write({"message": message, **answer.as_json()})
 
 
