@@ -56,13 +56,14 @@ from bb_broker.jobs.document import (
     READY_IN_ATTEMPT,
     RENAMED_TO,
     RESULTS_COLLECTION,
+    RETRIED_BY,
     ResultNotStored,
     ResultTooLarge,
     SettleUnwritable,
     storable_text,
     task_id_of,
 )
-from bb_broker.jobs.lifecycle import FAILED, describe_error
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, describe_error
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JobStore
 from bb_broker.results import codec
@@ -415,6 +416,7 @@ class JobResultBackend(ChordBackend):
             found[doc["taskId"]] = doc["_id"]
         missing = [task_id for task_id in ids if task_id not in metas]
         renamed: dict[str, str] = {}  # old id -> new id
+        retried: dict[str, list[str]] = {}  # task id -> the jobs an operator retried to answer its stored failure
         if missing:
             for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
                 task_id, meta = job_states.meta_of_task_document(doc, self._loaded)
@@ -422,6 +424,10 @@ class JobResultBackend(ChordBackend):
                 new_id = task_id_of(doc.get(RENAMED_TO))
                 if renames > 0 and new_id is not None and new_id != task_id:
                     renamed[task_id] = new_id
+                if meta["status"] == states.FAILURE and isinstance(doc.get(RETRIED_BY), list):
+                    retried[task_id] = [job_id for job_id in doc[RETRIED_BY] if isinstance(job_id, str)]
+        if retried:
+            self._answered_by_retries(retried, metas, found)
         if renamed:
             followed, jobs = self._found_metas(sorted(set(renamed.values())), renames - 1)
             for old_id, new_id in renamed.items():
@@ -430,6 +436,21 @@ class JobResultBackend(ChordBackend):
                 if new_id in jobs:
                     found[old_id] = jobs[new_id]  # a wait on the old id watches the new id's job
         return metas, found
+
+    def _answered_by_retries(
+        self, retried: dict[str, list[str]], metas: dict[str, dict[str, Any]], found: dict[str, str]
+    ) -> None:
+        """A failure stored for a canvas step without a job (a chain's later step, a failed chord's body) whose cause
+        an operator retried (RETRIED_BY, bb_broker.ops.operations) reads PENDING while that retry is queued or runs:
+        a get() waits for the canvas to continue, watching the retried job. One read of those jobs."""
+        job_ids = sorted({job_id for job_ids in retried.values() for job_id in job_ids})
+        live = {"_id": {"$in": job_ids}, "status": {"$in": [QUEUED, RUNNING]}}
+        running = {doc["_id"] for doc in self.jobs.find(live, {"_id": 1})}
+        for task_id, job_ids in retried.items():
+            answering = next((job_id for job_id in job_ids if job_id in running), None)
+            if answering is not None:
+                metas[task_id] = job_states.pending(task_id)
+                found[task_id] = answering  # a wait on it watches the retried job: its next outcome wakes it
 
     def task_result_exists(self, task_id: str) -> bool:
         return self._get_task_meta_for(task_id)["status"] != states.PENDING

@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
+from celery.exceptions import ChordError
 from celery.result import AsyncResult
 from click.testing import CliRunner, Result
 from pymongo.database import Database
@@ -38,13 +40,15 @@ def s(app: Celery, name: str, *args: Any) -> Any:
     return app.signature(T + name, args=args)
 
 
-def failed_for_good(db: Database, key: str, *, chord_done: bool = True) -> dict[str, Any]:
-    """The job of `fails_until_fixed(key)` once it failed for good, and (`chord_done`) its chord, if any, completed in
-    error."""
+def failed_for_good(
+    db: Database, key: str, *, chord_done: bool = True, task: str = "fails_until_fixed"
+) -> dict[str, Any]:
+    """The job of `task(key)` (fails_until_fixed or fails_until_fixed_when_let) once it failed for good, and
+    (`chord_done`) its chord, if any, completed in error."""
     broken = wait_for(
-        lambda: db.jobs.find_one({"kind": T + "fails_until_fixed", "payload.args": [key], "status": "failed"}),
+        lambda: db.jobs.find_one({"kind": T + task, "payload.args": [key], "status": "failed"}),
         timeout=120,
-        message=f"fails_until_fixed({key!r}) failed for good",
+        message=f"{task}({key!r}) failed for good",
     )
     if chord_done and broken.get("groupId"):
         wait_for(
@@ -181,6 +185,60 @@ def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
     assert done["result"] == len("fixed")
     assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
     assert ran(db, "add") == 1  # the steps before the retried one are not run again
+
+
+def held_retry_of_a_failed_chords_step(
+    app: Celery, db: Database, broker_url: str, key: str, *, fixed: bool
+) -> tuple[Any, dict[str, Any], Future]:
+    """A chord whose header step `fails_until_fixed_when_let(key)` failed for good (its body's get() raises the
+    ChordError), that step retried by an operator (`fixed` first, or not) and held running, and a client's get() on
+    the body started once the retry answered: the chord's result, the step's job, the get() waiting in a thread."""
+    db.fixes.insert_one({"_id": f"{key}:1"})  # its first run goes on at once, and fails
+    result = chord([si(app, "add", 1, 1), si(app, "fails_until_fixed_when_let", key)])(s(app, "length"))
+    broken = failed_for_good(db, key, task="fails_until_fixed_when_let")
+    with pytest.raises(ChordError):
+        AsyncResult(result.id, app=app).get(timeout=30)  # Celery's failed chord
+    if fixed:
+        retried(db, broker_url, broken)
+    else:
+        answer = bb(broker_url, "retry", broken["taskId"])
+        assert answer.exit_code == 0 and "retried 1 failed job" in answer.output, answer.output
+    waiting = ThreadPoolExecutor(1).submit(AsyncResult(result.id, app=app).get, timeout=120)
+    wait_for(lambda: db.runs.count_documents({"taskId": broken["taskId"]}) == 2, message="the retry runs")
+    # The retry answered the failure: the body's result waits for it, as the body of a chord still running does.
+    assert not waiting.done()
+    assert AsyncResult(result.id, app=app).state == "PENDING"
+    stored = db.bb_results.find_one({"_id": f"task:{result.id}"})
+    assert stored["state"] == "FAILURE" and stored["retriedBy"] == [broken["_id"]]  # kept, named as retried
+    db.fixes.insert_one({"_id": f"{key}:2"})  # the retry's run goes on
+    return result, broken, waiting
+
+
+def test_a_get_on_a_failed_chords_body_waits_for_its_retried_step_and_returns_the_body(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    result, broken, waiting = held_retry_of_a_failed_chords_step(results_app, db, broker_url, "got", fixed=True)
+    assert waiting.result(timeout=120) == 2  # length([2, "fixed"]), returned to the client that waited
+    assert AsyncResult(result.id, app=results_app).get(timeout=10) == 2
+    assert job(db, broken["taskId"])["status"] == "succeeded" and job(db, result.id)["result"] == 2
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+
+
+def test_a_failed_chords_body_fails_again_when_its_retried_step_fails_again(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    result, broken, waiting = held_retry_of_a_failed_chords_step(results_app, db, broker_url, "again", fixed=False)
+    with pytest.raises(ChordError):
+        waiting.result(timeout=120)
+    assert job(db, broken["taskId"])["status"] == "failed" and job(db, result.id) == {} and ran(db, "length") == 0
+    assert AsyncResult(result.id, app=results_app).state == "FAILURE"
+    # Fixed and retried once more, the chord completes: its body sent once.
+    retried(db, broker_url, broken)
+    db.fixes.insert_one({"_id": "again:3"})
+    assert AsyncResult(result.id, app=results_app).get(timeout=120) == 2
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
 
 
 def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
