@@ -25,6 +25,7 @@ from bb_broker.jobs.document import (
     READY_IN_ATTEMPT,
     RENAMED_TO,
     RESULTS_COLLECTION,
+    RETRIED_AS,
     RETRIED_BY,
     action_record,
     bson_kind,
@@ -473,6 +474,7 @@ class Operations(Queries):
                         "lastError": f"revoked; retried by {by} as task {new_id}"[:MAX_ERROR_LENGTH],
                         "dateDone": now,
                         "expiresAt": expires_at,
+                        RETRIED_AS: new_id,
                         **({RENAMED_TO: new_id} if in_canvas else {}),
                     },
                     "$unset": {

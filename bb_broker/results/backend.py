@@ -53,6 +53,7 @@ from pymongo.uri_parser import parse_uri
 from bb_broker import app_stores, connection
 from bb_broker.jobs.document import (
     DOES_NOT_FIT,
+    MAX_RENAMES,
     READY_IN_ATTEMPT,
     RENAMED_TO,
     RESULTS_COLLECTION,
@@ -79,10 +80,6 @@ from bb_broker.worker.settle import RESULT
 __all__ = ["JobFailed", "JobResultBackend"]
 
 logger = logging.getLogger(__name__)
-
-#: How many times over a read follows a revoked canvas step's old id to the id its retry runs under (a step revoked
-#: and retried again, and again): past that, it reads REVOKED.
-MAX_RENAMES = 10
 
 
 def not_stored(subject: str, cause: str) -> ResultNotStored:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
-from celery.exceptions import ChordError
+from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 from click.testing import CliRunner, Result
 from pymongo.database import Database
@@ -187,6 +187,14 @@ def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
     assert ran(db, "add") == 1  # the steps before the retried one are not run again
 
 
+def canvas_steps(broker_url: str, identifier: str) -> list[tuple[str, str]]:
+    """Each step of the canvas `bb-broker show --tree --json` draws, by column: its task's short name, its status."""
+    shown = bb(broker_url, "show", "--tree", "--json", identifier)
+    assert shown.exit_code == 0, shown.output
+    steps = sorted(json.loads(shown.output)["steps"], key=lambda step: (step["depth"], step["row"]))
+    return [(step["name"].removeprefix(T), step["status"]) for step in steps]
+
+
 def held_retry_of_a_failed_chords_step(
     app: Celery, db: Database, broker_url: str, key: str, *, fixed: bool
 ) -> tuple[Any, dict[str, Any], Future]:
@@ -239,6 +247,59 @@ def test_a_failed_chords_body_fails_again_when_its_retried_step_fails_again(
     db.fixes.insert_one({"_id": "again:3"})
     assert AsyncResult(result.id, app=results_app).get(timeout=120) == 2
     assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+
+
+@pytest.mark.parametrize("revoked_when", ["not-sent-yet", "queued"])
+def test_a_revoked_chain_step_retried_runs_the_rest_of_the_chain_once(
+    revoked_when: str, results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    gate = tmp_path / "gate"
+    # add(1, 2), revoked before it runs: before the step before it sends it (the worker that receives it discards
+    # it), or queued with a countdown (the revoke fails its job at once).
+    middle = si(results_app, "add", 1, 2).set(countdown=600 if revoked_when == "queued" else None)
+    last = chain(si(results_app, "hold_until", str(gate)), middle, s(results_app, "echo")).apply_async()
+    step = last.parent
+    if revoked_when == "queued":
+        gate.touch()
+        wait_for(settled(db, step.id, "queued"), timeout=120, message="the step queued")
+        results_app.control.revoke(step.id)
+    else:
+        wait_for(lambda: db.runs.find_one({"name": T + "hold_until"}), timeout=120, message="the first step runs")
+        results_app.control.revoke(step.id)
+        gate.touch()
+    revoked = wait_for(settled(db, step.id, "failed"), timeout=120, message="the revoked step failed")
+    assert revoked["lastError"].startswith("revoked") and ran(db, "add") == 0
+    # As Celery: the chain's handle raises the revoke; nothing is stored for the step after it, which never ran.
+    with pytest.raises(TaskRevokedError):
+        last.get(timeout=30)
+    assert job(db, last.id) == {} and db.bb_results.find_one({"_id": f"task:{last.id}"}) is None
+    assert canvas_steps(broker_url, step.id) == [("hold_until", "succeeded"), ("add", "failed"), ("echo", "pending")]
+
+    answer = bb(broker_url, "retry", step.id)
+    assert answer.exit_code == 0 and "retried 1 failed job" in answer.output, answer.output
+    new_id = db.jobs.find_one({"_id": revoked["_id"]})["taskId"]
+    assert new_id != step.id
+    # A new handle of the chain (the old one keeps the revoke it saw, as Celery's handles keep a ready state).
+    again = AsyncResult(last.id, app=results_app, parent=AsyncResult(step.id, app=results_app))
+    assert again.get(timeout=120) == 3
+    done = wait_for(settled(db, new_id, "succeeded"), message="the retried step settled")
+    assert done["_id"] == revoked["_id"] and done["renamedFrom"] == step.id and done["result"] == 3
+    assert job(db, last.id)["result"] == 3
+    assert db.jobs.count_documents({"taskId": last.id}) == 1 and ran(db, "echo") == 1 and ran(db, "add") == 1
+    kept = db.bb_results.find_one({"_id": f"task:{step.id}"})
+    assert kept["state"] == "REVOKED" and kept["renamedTo"] == new_id
+    assert AsyncResult(step.id, app=results_app).get(timeout=10) == 3  # the old id reads as the new one
+    # The operator finds it by its old id too, and its canvas is three steps done (none pending under the old id).
+    assert canvas_steps(broker_url, step.id) == [
+        ("hold_until", "succeeded"),
+        ("add", "succeeded"),
+        ("echo", "succeeded"),
+    ]
+    edges = json.loads(bb(broker_url, "show", "--tree", "--json", last.id).output)["edges"]
+    assert sorted((edge["from"], edge["to"]) for edge in edges) == sorted(
+        [(last.parent.parent.id, new_id), (new_id, last.id)]
+    )
 
 
 def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
@@ -408,6 +469,8 @@ def test_a_revoked_header_step_retried_by_two_operators_at_once_completes_its_ch
     assert [action["action"] for action in step["actions"]] == ["retry"]
     kept = db.bb_results.find_one({"_id": f"task:{revoked['taskId']}"})
     assert kept["renamedTo"] == step["taskId"] and kept["lastError"].endswith(f"as task {step['taskId']}")
+    # Both named the step's job on the body's ChordError, once (it read PENDING while the retry ran).
+    assert db.bb_results.find_one({"_id": f"task:{result.id}"})["retriedBy"] == [revoked["_id"]]
     assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
     counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
     assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:0"]
