@@ -16,10 +16,13 @@ from celery import Celery, chain, chord, group
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 from click.testing import CliRunner, Result
+from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.cli import main
-from bb_broker.ops.operations import CHORD_FAILED_NOTE
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import CHORD_FAILED_NOTE, Operations
+from tests.support.faults import fail_point, fail_point_off
 from tests.support.workers import job, settled, wait_for
 
 T = "tests.support.e2e_app."
@@ -300,6 +303,39 @@ def test_a_revoked_chain_step_retried_runs_the_rest_of_the_chain_once(
     assert sorted((edge["from"], edge["to"]) for edge in edges) == sorted(
         [(last.parent.parent.id, new_id), (new_id, last.id)]
     )
+
+
+def test_a_chain_step_failing_again_while_its_retry_is_slow_leaves_the_rest_its_new_failure(
+    results_app: Celery, results_worker, db: Database, broker_url: str, mongo_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    last = chain(
+        si(results_app, "add", 1, 2), si(results_app, "fails_until_fixed", "slow-retry"), s(results_app, "length")
+    ).apply_async()
+    broken = failed_for_good(db, "slow-retry")
+    wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
+    with MongoClient(mongo_url, appname="slow-operator", tz_aware=True) as client:
+        # The operator's process slow once its retry wrote the job: a delete it makes then is held 5 s.
+        fail_point(client, 1, failCommands=["delete"], blockConnection=True, blockTimeMS=5000, appName="slow-operator")
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                retry = pool.submit(Operations(JobStore(client[db.name])).retry, [broken["taskId"]], by="operator")
+                # Not fixed: the retry fails again, and Celery stores the rest of the chain's failure again.
+                wait_for(
+                    lambda: (
+                        db.runs.count_documents({"taskId": broken["taskId"]}) == 2
+                        and job(db, broken["taskId"])["status"] == "failed"
+                    ),
+                    timeout=120,
+                    message="the retry failed again",
+                )
+                assert retry.result(timeout=120).count == 1
+        finally:
+            fail_point_off(client)
+    # The rest of the chain reads that failure: not erased by the retry's own late write (get() would wait for ever).
+    with pytest.raises(RuntimeError, match="slow-retry is broken"):
+        AsyncResult(last.id, app=results_app).get(timeout=30)
+    assert db.bb_results.find_one({"_id": f"task:{last.id}"})["state"] == "FAILURE" and ran(db, "length") == 0
 
 
 def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
