@@ -94,6 +94,19 @@ READY_IN_ATTEMPT = "readyInAttempt"
 #: The field of a revoked canvas step's `task:<old id>` document there naming the task id an operator's retry gave it
 #: (bb_broker.ops.operations): the old id reads as the new one.
 RENAMED_TO = "renamedTo"
+#: The field of every such `task:<old id>` document naming the new task id, canvas step or not: where an operator's
+#: look-up by the old id (bb-broker show, the Jobs tab, the API) finds the job (ops.queries.Queries.find).
+RETRIED_AS = "retriedAs"
+#: How many times over a read follows a revoked task's old id to the id its retry runs under (a step revoked and
+#: retried again, and again).
+MAX_RENAMES = 10
+#: The field of a failure stored in `bb_results` for a canvas step that has no job (a chain's later step, a failed
+#: chord's body) listing the failed jobs an operator retried to continue it (bb_broker.ops.operations), written before
+#: the retry's own write: while one of them is queued or running, the failure reads PENDING (results/backend.py).
+RETRIED_BY = "retriedBy"
+#: The field of a chord counter that completed in error naming the task id its ChordError was stored under (the
+#: body's, as Celery's chord_error_from_stack stores it): what a retry of a header step answers.
+FAILED_AS = "failedAs"
 
 
 def due_query(queue: Any, now: datetime) -> dict[str, Any]:

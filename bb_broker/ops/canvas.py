@@ -47,7 +47,7 @@ STEP_FIELDS = {
     "_id": 1, "taskId": 1, "kind": 1, "queue": 1, "status": 1, "attempts": 1, "createdAt": 1, "startedAt": 1,
     "updatedAt": 1, "runAfter": 1, "lastError": 1, "rootId": 1, "parentId": 1, "groupId": 1, "groupIndex": 1,
     "payload.options.chain": {"$slice": -1}, "payload.options.callbacks": 1, "payload.options.errbacks": 1,
-    "payload.options.chord": 1, "history.finishedAt": 1,
+    "payload.options.chord": 1, "history.finishedAt": 1, "renamedFrom": 1,
 }  # fmt: skip
 #: The most steps whose chain is read whole: a chain stops at its first unpublished step (a failed step, the one
 #: queued or running); a group of chains has one such step per chain.
@@ -113,13 +113,20 @@ def canvas_of(operations: Queries, identifier: str) -> dict[str, Any] | None:
     for found in docs:
         canvas.steps[_step_id(found)] = _step(operations, found, now, cutoff)
     by_task = {found["taskId"]: found for found in docs if is_canvas_id(found.get("taskId"))}
-    _read_whole_chains(operations, docs, set(by_task))
-    pending = _Pending(canvas, set(by_task))
+    # A revoked step an operator retried runs under a new task id: the canvas's messages name it by the id it first
+    # ran under (renamedFrom), which is that step, not one still to be published.
+    renamed = {
+        found["renamedFrom"]: found["taskId"]
+        for found in by_task.values()
+        if is_canvas_id(found.get("renamedFrom")) and found["renamedFrom"] not in by_task
+    }
+    _read_whole_chains(operations, docs, set(by_task) | set(renamed))
+    pending = _Pending(canvas, set(by_task), renamed)
     for found in docs:
         pending.add_from(_step_id(found), _embed(found))
     for found in docs:  # after the messages' links, whose kind (a chord's body, a link) says more than a parent does
         parent = found.get("parentId")
-        if is_canvas_id(parent) and parent in by_task:
+        if is_canvas_id(parent) and (parent := renamed.get(parent, parent)) in by_task:
             canvas.link(parent, _step_id(found), "chain")
     return canvas.as_json()
 
@@ -244,8 +251,10 @@ class _Pending:
     """The signatures of the published steps' messages as steps and edges; a signature whose task id is published
     already is that step (its own message says what follows it)."""
 
-    def __init__(self, canvas: Canvas, published: set[str]) -> None:
+    def __init__(self, canvas: Canvas, published: set[str], renamed: dict[str, str]) -> None:
         self.canvas, self.published, self.unnamed = canvas, published, 0
+        #: A retried revoked step's first task id -> the one it runs under now (a published step).
+        self.renamed = renamed
 
     def add_from(self, step_id: str, embed: dict[str, Any]) -> None:
         chain = embed.get("chain")
@@ -302,6 +311,8 @@ class _Pending:
         task id); None once the canvas is full."""
         options = _document(signature.get("options"))
         task_id = options.get("task_id")
+        if is_canvas_id(task_id):
+            task_id = self.renamed.get(task_id, task_id)
         if is_canvas_id(task_id) and (task_id in self.published or task_id in self.canvas.steps):
             return task_id
         if self.canvas.full():

@@ -20,10 +20,13 @@ from bb_broker.clock import aware
 from bb_broker.connection import strict_text
 from bb_broker.jobs.checkpoints import CHECKPOINT_CLEARED, CLEARED_RECORD
 from bb_broker.jobs.document import (
+    FAILED_AS,
     HOLDS_RELEASED,
     READY_IN_ATTEMPT,
     RENAMED_TO,
     RESULTS_COLLECTION,
+    RETRIED_AS,
+    RETRIED_BY,
     action_record,
     bson_kind,
     stored_not_utf8,
@@ -358,9 +361,9 @@ class Operations(Queries):
         retried: list[str] = []
         batch: list[tuple[str, UpdateOne, str | None]] = []  # job id, its write, the new task id it gives it
         renamed: dict[str, tuple[str, str, bool]] = {}  # job id -> (its revoked task id, its new one, in a canvas)
-        chained: dict[str, list[str]] = {}  # job id -> the task ids of the rest of its chain
+        answered: dict[str, list[str]] = {}  # job id -> the task ids whose stored failure its retry answers
         cleared_record = CLEARED_RECORD if fresh else {}
-        failed_chords: dict[str, bool] = {}  # group id -> whether its chord completed in error: one read per chord
+        failed_chords: dict[str, list[str] | None] = {}  # group id -> what its chord's failure was stored under
         for doc in docs:
             if not isinstance(doc["_id"], str):
                 # A hand-written _id no worker can run a job under (a claim fails it as malformed): it stays failed.
@@ -371,7 +374,8 @@ class Operations(Queries):
                 held[doc["_id"]] = f"job {doc['_id']} stays failed: {', '.join(altered)} holds text that is not UTF-8"
                 continue
             changes: dict[str, Any] = {"status": QUEUED, "attempts": 0, "runAfter": now, "updatedAt": now}
-            note = self._chord_failed_note(doc, failed_chords)
+            failed_chord = self._failed_chord(doc, failed_chords)
+            note = None if failed_chord is None else CHORD_FAILED_NOTE
             record = action_record("retry", by, now, note=note, **cleared_record)
             headers = (doc.get("payload") or {}).get("headers") if isinstance(doc.get("payload"), dict) else None
             if isinstance(headers, dict) and headers.get("eta"):
@@ -387,9 +391,10 @@ class Operations(Queries):
                 record = action_record(
                     "retry", by, now, previousTaskId=doc.get("taskId"), taskId=new_id, note=note, **cleared_record
                 )
-            chained[doc["_id"]] = _chained_task_ids(doc)
+            chained = _chained_task_ids(doc)
+            answered[doc["_id"]] = chained + (failed_chord or [])
             if new_id is not None and doc.get("taskId"):
-                in_canvas = bool(doc.get("groupId") or doc.get("parentId") or chained[doc["_id"]])
+                in_canvas = bool(doc.get("groupId") or doc.get("parentId") or chained)
                 renamed[doc["_id"]] = (doc["taskId"], new_id, in_canvas)
             changes |= _key_taken_again(doc)
             # lastError stays: it says why the job needed a retry until its next attempt settles.
@@ -398,32 +403,63 @@ class Operations(Queries):
             update = {"$set": changes, "$unset": cleared, "$push": record}
             batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update), new_id))
             if len(batch) >= 500:
-                retried += self._write_batch(batch, held)
+                retried += self._write_retries(batch, answered, held)
                 batch = []
         if batch:
-            retried += self._write_batch(batch, held)
+            retried += self._write_retries(batch, answered, held)
         self._keep_revoked([renamed[job_id] for job_id in retried if job_id in renamed], by=by, now=now)
-        self._forget_chain_failures([task_id for job_id in retried for task_id in chained.get(job_id, [])])
         return retried
 
-    def _chord_failed_note(self, doc: dict[str, Any], failed_chords: dict[str, bool]) -> str | None:
-        """What the retry of a chord's header step means when the chord completed in error before (as Celery fails a
-        chord: its body never sent, its errbacks run), said in the retry's record; None for any other step."""
+    def _write_retries(
+        self, batch: list[tuple[str, UpdateOne, str | None]], answered: dict[str, list[str]], held: dict[str, str]
+    ) -> list[str]:
+        """The batch's retries written, each named first on the failures its step's failure stored for the rest of
+        its canvas (_answer_failures)."""
+        self._answer_failures({job_id: answered[job_id] for job_id, _, _ in batch if answered.get(job_id)})
+        return self._write_batch(batch, held)
+
+    def _answer_failures(self, answered: dict[str, list[str]]) -> None:
+        """The failures Celery stored for the rest of a failed step's canvas (each later step of its chain; the body
+        of the chord it failed), none of which has a job yet (so in `bb_results`), name the step's job as retried
+        (RETRIED_BY): while that job is queued or running, they read PENDING (JobResultBackend), so that a caller's
+        get() waits for the retry instead of raising the failure it answers; once it has failed again they read
+        FAILURE again (a chain's later steps rewritten by that failure, a chord's body as its error stood).
+
+        Written before the retry's own write and read against the job's status as it is, so nothing is moved or
+        removed: a retry whose write does not land (another got there first, a crash in between) leaves them reading
+        FAILURE while the job is failed, and no outcome a newer run writes is undone."""
+        writes = [
+            UpdateOne({"_id": f"task:{task_id}", "state": "FAILURE"}, {"$addToSet": {RETRIED_BY: job_id}})
+            for job_id, task_ids in answered.items()
+            for task_id in task_ids
+        ]
+        if not writes:
+            return
+        try:
+            self.coll.database[RESULTS_COLLECTION].bulk_write(writes, ordered=False)
+        except BulkWriteError as exc:  # a hand edit made a RETRIED_BY that is no array: that one reads FAILURE
+            errors = exc.details.get("writeErrors", [])
+            logger.warning("%d stored failure(s) not named as retried: %s", len(errors), errors[:1])
+
+    def _failed_chord(self, doc: dict[str, Any], failed_chords: dict[str, list[str] | None]) -> list[str] | None:
+        """For a header step of a chord that completed in error before (as Celery fails a chord: its body never sent,
+        its errbacks run): the task ids its ChordError was stored under (an older counter's: its callback's). None
+        for any other step."""
         group_id = doc.get("groupId")
         if not isinstance(group_id, str):
             return None
         if group_id not in failed_chords:
             failed = {"_id": f"chord:{group_id}", "failed": True}
-            failed_chords[group_id] = self.coll.database[RESULTS_COLLECTION].find_one(failed, {"_id": 1}) is not None
-        return CHORD_FAILED_NOTE if failed_chords[group_id] else None
-
-    def _forget_chain_failures(self, task_ids: list[str]) -> None:
-        """The rest of a retried step's chain reads PENDING again: when the step failed, Celery stored a FAILURE for
-        each later step (no job of theirs exists yet, so in `bb_results`), which a caller's get() would raise before
-        the retry even ran. The retry decides them anew (a step failing again stores them again)."""
-        if task_ids:
-            stored = {"_id": {"$in": [f"task:{task_id}" for task_id in task_ids]}, "state": "FAILURE"}
-            self.coll.database[RESULTS_COLLECTION].delete_many(stored)
+            counter = self.coll.database[RESULTS_COLLECTION].find_one(failed, {FAILED_AS: 1, "callback.firstId": 1})
+            if counter is None:
+                failed_chords[group_id] = None
+            else:
+                stored_as = counter.get(FAILED_AS)
+                if not isinstance(stored_as, list):
+                    callback = counter.get("callback")
+                    stored_as = [callback.get("firstId")] if isinstance(callback, dict) else []
+                failed_chords[group_id] = [task_id for task_id in stored_as if isinstance(task_id, str)]
+        return failed_chords[group_id]
 
     def _keep_revoked(self, renamed: list[tuple[str, str, bool]], *, by: str, now: datetime) -> None:
         """A revoked task retried under a new id: its old id keeps reading REVOKED for the result backend (Celery's
@@ -448,6 +484,7 @@ class Operations(Queries):
                         "lastError": f"revoked; retried by {by} as task {new_id}"[:MAX_ERROR_LENGTH],
                         "dateDone": now,
                         "expiresAt": expires_at,
+                        RETRIED_AS: new_id,
                         **({RENAMED_TO: new_id} if in_canvas else {}),
                     },
                     "$unset": {

@@ -14,7 +14,7 @@ from pymongo.errors import ExecutionTimeout
 
 from bb_broker.clock import aware, reading
 from bb_broker.jobs.checkpoints import PROGRESS_PROJECTION, shown_progress
-from bb_broker.jobs.document import MAX_KIND_LENGTH
+from bb_broker.jobs.document import MAX_KIND_LENGTH, MAX_RENAMES, RESULTS_COLLECTION, RETRIED_AS, task_id_of
 from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES
 from bb_broker.jobs.queues import QueueControls, QueueLimits
@@ -278,7 +278,21 @@ class Queries:
             doc = self.coll.find_one({"_id": other})  # a hand-written job's id, as the lists show it
             if doc is not None:
                 break
-        return doc
+        return doc if doc is not None else self._retried_as(identifier)
+
+    def _retried_as(self, task_id: str) -> dict[str, Any] | None:
+        """The job of a revoked task an operator retried under a new task id, by an id it had before (its
+        `task:<old id>` in bb_results names the new one, RETRIED_AS; again for a step revoked and retried again)."""
+        newest = {"sort": [("_id", DESCENDING)], **hint_if_indexed(self.store, "bb_task_id")}
+        for _ in range(MAX_RENAMES):
+            kept = self.coll.database[RESULTS_COLLECTION].find_one({"_id": f"task:{task_id}"}, {RETRIED_AS: 1})
+            new_id = task_id_of((kept or {}).get(RETRIED_AS))
+            if new_id is None or new_id == task_id:
+                return None
+            if (doc := self.coll.find_one({"taskId": new_id}, **newest)) is not None:
+                return doc
+            task_id = new_id
+        return None
 
     def list_jobs(
         self, job_filter: JobFilter, *, after: str | None = None, limit: int = 50, search_ms: int = SEARCH_MAX_MS

@@ -53,16 +53,18 @@ from pymongo.uri_parser import parse_uri
 from bb_broker import app_stores, connection
 from bb_broker.jobs.document import (
     DOES_NOT_FIT,
+    MAX_RENAMES,
     READY_IN_ATTEMPT,
     RENAMED_TO,
     RESULTS_COLLECTION,
+    RETRIED_BY,
     ResultNotStored,
     ResultTooLarge,
     SettleUnwritable,
     storable_text,
     task_id_of,
 )
-from bb_broker.jobs.lifecycle import FAILED, describe_error
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, describe_error
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JobStore
 from bb_broker.results import codec
@@ -78,10 +80,6 @@ from bb_broker.worker.settle import RESULT
 __all__ = ["JobFailed", "JobResultBackend"]
 
 logger = logging.getLogger(__name__)
-
-#: How many times over a read follows a revoked canvas step's old id to the id its retry runs under (a step revoked
-#: and retried again, and again): past that, it reads REVOKED.
-MAX_RENAMES = 10
 
 
 def not_stored(subject: str, cause: str) -> ResultNotStored:
@@ -402,6 +400,32 @@ class JobResultBackend(ChordBackend):
         """The metas of those of `ids` something is stored for, and the jobs found (task id -> job id). A revoked
         canvas step an operator retried under a new id (its `task:<old id>` names it: RENAMED_TO) reads as the new
         id, through at most `renames` renames, or as REVOKED when nothing of the new id is left."""
+        metas, found = self._job_metas(ids)
+        missing = [task_id for task_id in ids if task_id not in metas]
+        renamed: dict[str, str] = {}  # old id -> new id
+        retried: dict[str, list[str]] = {}  # task id -> the jobs an operator retried to answer its stored failure
+        if missing:
+            for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
+                task_id, meta = job_states.meta_of_task_document(doc, self._loaded)
+                metas[task_id] = meta
+                new_id = task_id_of(doc.get(RENAMED_TO))
+                if renames > 0 and new_id is not None and new_id != task_id:
+                    renamed[task_id] = new_id
+                if meta["status"] == states.FAILURE and isinstance(doc.get(RETRIED_BY), list):
+                    retried[task_id] = [job_id for job_id in doc[RETRIED_BY] if isinstance(job_id, str)]
+        if retried:
+            self._answered_by_retries(retried, metas, found)
+        if renamed:
+            followed, jobs = self._found_metas(sorted(set(renamed.values())), renames - 1)
+            for old_id, new_id in renamed.items():
+                if new_id in followed:
+                    metas[old_id] = {**followed[new_id], "task_id": old_id}
+                if new_id in jobs:
+                    found[old_id] = jobs[new_id]  # a wait on the old id watches the new id's job
+        return metas, found
+
+    def _job_metas(self, ids: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """The metas of those of `ids` that have a job, and those jobs (task id -> job id): one read."""
         metas: dict[str, dict[str, Any]] = {}
         found: dict[str, str] = {}
         extended = bool(self.app.conf.find_value_for_key("extended", "result"))
@@ -413,23 +437,32 @@ class JobResultBackend(ChordBackend):
                 meta.update(job_states.extended(doc, prepare_accept_content(self.app.conf.accept_content)))
             metas[doc["taskId"]] = meta
             found[doc["taskId"]] = doc["_id"]
-        missing = [task_id for task_id in ids if task_id not in metas]
-        renamed: dict[str, str] = {}  # old id -> new id
-        if missing:
-            for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
-                task_id, meta = job_states.meta_of_task_document(doc, self._loaded)
-                metas[task_id] = meta
-                new_id = task_id_of(doc.get(RENAMED_TO))
-                if renames > 0 and new_id is not None and new_id != task_id:
-                    renamed[task_id] = new_id
-        if renamed:
-            followed, jobs = self._found_metas(sorted(set(renamed.values())), renames - 1)
-            for old_id, new_id in renamed.items():
-                if new_id in followed:
-                    metas[old_id] = {**followed[new_id], "task_id": old_id}
-                if new_id in jobs:
-                    found[old_id] = jobs[new_id]  # a wait on the old id watches the new id's job
         return metas, found
+
+    def _answered_by_retries(
+        self, retried: dict[str, list[str]], metas: dict[str, dict[str, Any]], found: dict[str, str]
+    ) -> None:
+        """A failure stored for a canvas step without a job (a chain's later step, a failed chord's body) whose cause
+        an operator retried (RETRIED_BY, bb_broker.ops.operations) reads PENDING while that retry is queued or runs:
+        a get() waits for the canvas to continue, watching the retried job. One read of those jobs, and where none
+        is queued or running, one of the steps' own jobs again."""
+        job_ids = sorted({job_id for job_ids in retried.values() for job_id in job_ids})
+        live = {"_id": {"$in": job_ids}, "status": {"$in": [QUEUED, RUNNING]}}
+        running = {doc["_id"] for doc in self.jobs.find(live, {"_id": 1})}
+        ended = []
+        for task_id, job_ids in retried.items():
+            answering = next((job_id for job_id in job_ids if job_id in running), None)
+            if answering is not None:
+                metas[task_id] = job_states.pending(task_id)
+                found[task_id] = answering  # a wait on it watches the retried job: its next outcome wakes it
+            else:
+                ended.append(task_id)
+        if ended:
+            # A retry that succeeded sent the step (the next of its chain, the chord's body) before it settled: after
+            # the read that found no job of the step, before the one that found the retry ended. Its job is the step's.
+            later, jobs = self._job_metas(ended)
+            metas.update(later)
+            found.update(jobs)
 
     def task_result_exists(self, task_id: str) -> bool:
         return self._get_task_meta_for(task_id)["status"] != states.PENDING

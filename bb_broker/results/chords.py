@@ -30,7 +30,7 @@ from kombu.utils.uuid import uuid
 from pymongo import ReturnDocument
 from pymongo.collection import Collection
 
-from bb_broker.jobs.document import ResultTooLarge, task_id_of
+from bb_broker.jobs.document import FAILED_AS, ResultTooLarge, task_id_of
 from bb_broker.jobs.payloads import RENAMED_FROM_HEADER
 from bb_broker.upstream import celery as upstream_celery
 
@@ -53,6 +53,14 @@ def _first_message(signature: Any) -> Any:
         tasks = signature.tasks
         signature = maybe_signature(tasks[0] if isinstance(tasks, list | tuple) else next(iter(tasks)))
     return signature
+
+
+def _failed_as(callback: Any) -> list[str]:
+    """The task ids Celery's chord_error_from_stack stored the chord's error under: the callback's (given one then if
+    it had none), each task's of a group callback (Celery >= 5.6)."""
+    tasks = [maybe_signature(task) for task in callback.tasks] if isinstance(callback, group) else []
+    ids = [callback.id, *(task.id for task in tasks if task is not None)]
+    return [task_id for task_id in ids if isinstance(task_id, str)]
 
 
 class ChordBackend(BaseBackend):
@@ -169,11 +177,11 @@ class ChordBackend(BaseBackend):
         except ChordError as exc:
             logger.error("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, exc)
-            sent["failed"] = True
+            sent |= {"failed": True, FAILED_AS: _failed_as(callback)}
         except Exception as exc:
             logger.exception("Chord %r raised: %r", group_id, exc)
             self.chord_error_from_stack(callback, ChordError(f"Join error: {exc!r}"))
-            sent["failed"] = True
+            sent |= {"failed": True, FAILED_AS: _failed_as(callback)}
         else:
             self._send_callback(group_id, callback, values)
         marked = self.side.find_one_and_update(

@@ -7,17 +7,22 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
+from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 from click.testing import CliRunner, Result
+from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.cli import main
-from bb_broker.ops.operations import CHORD_FAILED_NOTE
+from bb_broker.jobs.store import JobStore
+from bb_broker.ops.operations import CHORD_FAILED_NOTE, Operations
+from tests.support.faults import fail_point, fail_point_off
 from tests.support.workers import job, settled, wait_for
 
 T = "tests.support.e2e_app."
@@ -38,13 +43,15 @@ def s(app: Celery, name: str, *args: Any) -> Any:
     return app.signature(T + name, args=args)
 
 
-def failed_for_good(db: Database, key: str, *, chord_done: bool = True) -> dict[str, Any]:
-    """The job of `fails_until_fixed(key)` once it failed for good, and (`chord_done`) its chord, if any, completed in
-    error."""
+def failed_for_good(
+    db: Database, key: str, *, chord_done: bool = True, task: str = "fails_until_fixed"
+) -> dict[str, Any]:
+    """The job of `task(key)` (fails_until_fixed or fails_until_fixed_when_let) once it failed for good, and
+    (`chord_done`) its chord, if any, completed in error."""
     broken = wait_for(
-        lambda: db.jobs.find_one({"kind": T + "fails_until_fixed", "payload.args": [key], "status": "failed"}),
+        lambda: db.jobs.find_one({"kind": T + task, "payload.args": [key], "status": "failed"}),
         timeout=120,
-        message=f"fails_until_fixed({key!r}) failed for good",
+        message=f"{task}({key!r}) failed for good",
     )
     if chord_done and broken.get("groupId"):
         wait_for(
@@ -181,6 +188,154 @@ def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
     assert done["result"] == len("fixed")
     assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
     assert ran(db, "add") == 1  # the steps before the retried one are not run again
+
+
+def canvas_steps(broker_url: str, identifier: str) -> list[tuple[str, str]]:
+    """Each step of the canvas `bb-broker show --tree --json` draws, by column: its task's short name, its status."""
+    shown = bb(broker_url, "show", "--tree", "--json", identifier)
+    assert shown.exit_code == 0, shown.output
+    steps = sorted(json.loads(shown.output)["steps"], key=lambda step: (step["depth"], step["row"]))
+    return [(step["name"].removeprefix(T), step["status"]) for step in steps]
+
+
+def held_retry_of_a_failed_chords_step(
+    app: Celery, db: Database, broker_url: str, key: str, *, fixed: bool
+) -> tuple[Any, dict[str, Any], Future]:
+    """A chord whose header step `fails_until_fixed_when_let(key)` failed for good (its body's get() raises the
+    ChordError), that step retried by an operator (`fixed` first, or not) and held running, and a client's get() on
+    the body started once the retry answered: the chord's result, the step's job, the get() waiting in a thread."""
+    db.fixes.insert_one({"_id": f"{key}:1"})  # its first run goes on at once, and fails
+    result = chord([si(app, "add", 1, 1), si(app, "fails_until_fixed_when_let", key)])(s(app, "length"))
+    broken = failed_for_good(db, key, task="fails_until_fixed_when_let")
+    with pytest.raises(ChordError):
+        AsyncResult(result.id, app=app).get(timeout=30)  # Celery's failed chord
+    if fixed:
+        retried(db, broker_url, broken)
+    else:
+        answer = bb(broker_url, "retry", broken["taskId"])
+        assert answer.exit_code == 0 and "retried 1 failed job" in answer.output, answer.output
+    waiting = ThreadPoolExecutor(1).submit(AsyncResult(result.id, app=app).get, timeout=120)
+    wait_for(lambda: db.runs.count_documents({"taskId": broken["taskId"]}) == 2, message="the retry runs")
+    # The retry answered the failure: the body's result waits for it, as the body of a chord still running does.
+    assert not waiting.done()
+    assert AsyncResult(result.id, app=app).state == "PENDING"
+    stored = db.bb_results.find_one({"_id": f"task:{result.id}"})
+    assert stored["state"] == "FAILURE" and stored["retriedBy"] == [broken["_id"]]  # kept, named as retried
+    db.fixes.insert_one({"_id": f"{key}:2"})  # the retry's run goes on
+    return result, broken, waiting
+
+
+def test_a_get_on_a_failed_chords_body_waits_for_its_retried_step_and_returns_the_body(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    result, broken, waiting = held_retry_of_a_failed_chords_step(results_app, db, broker_url, "got", fixed=True)
+    assert waiting.result(timeout=120) == 2  # length([2, "fixed"]), returned to the client that waited
+    assert AsyncResult(result.id, app=results_app).get(timeout=10) == 2
+    assert job(db, broken["taskId"])["status"] == "succeeded" and job(db, result.id)["result"] == 2
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+
+
+def test_a_failed_chords_body_fails_again_when_its_retried_step_fails_again(
+    results_app: Celery, results_worker, db: Database, broker_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    result, broken, waiting = held_retry_of_a_failed_chords_step(results_app, db, broker_url, "again", fixed=False)
+    with pytest.raises(ChordError):
+        waiting.result(timeout=120)
+    assert job(db, broken["taskId"])["status"] == "failed" and job(db, result.id) == {} and ran(db, "length") == 0
+    assert AsyncResult(result.id, app=results_app).state == "FAILURE"
+    # Fixed and retried once more, the chord completes: its body sent once.
+    retried(db, broker_url, broken)
+    db.fixes.insert_one({"_id": "again:3"})
+    assert AsyncResult(result.id, app=results_app).get(timeout=120) == 2
+    assert db.jobs.count_documents({"kind": T + "length"}) == 1 and ran(db, "length") == 1
+
+
+@pytest.mark.parametrize("revoked_when", ["not-sent-yet", "queued"])
+def test_a_revoked_chain_step_retried_runs_the_rest_of_the_chain_once(
+    revoked_when: str, results_app: Celery, results_worker, db: Database, broker_url: str, tmp_path: Path
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    gate = tmp_path / "gate"
+    # add(1, 2), revoked before it runs: before the step before it sends it (the worker that receives it discards
+    # it), or queued with a countdown (the revoke fails its job at once).
+    middle = si(results_app, "add", 1, 2).set(countdown=600 if revoked_when == "queued" else None)
+    last = chain(si(results_app, "hold_until", str(gate)), middle, s(results_app, "echo")).apply_async()
+    step = last.parent
+    if revoked_when == "queued":
+        gate.touch()
+        wait_for(settled(db, step.id, "queued"), timeout=120, message="the step queued")
+        results_app.control.revoke(step.id)
+    else:
+        wait_for(lambda: db.runs.find_one({"name": T + "hold_until"}), timeout=120, message="the first step runs")
+        results_app.control.revoke(step.id)
+        gate.touch()
+    revoked = wait_for(settled(db, step.id, "failed"), timeout=120, message="the revoked step failed")
+    assert revoked["lastError"].startswith("revoked") and ran(db, "add") == 0
+    # As Celery: the chain's handle raises the revoke; nothing is stored for the step after it, which never ran.
+    with pytest.raises(TaskRevokedError):
+        last.get(timeout=30)
+    assert job(db, last.id) == {} and db.bb_results.find_one({"_id": f"task:{last.id}"}) is None
+    assert canvas_steps(broker_url, step.id) == [("hold_until", "succeeded"), ("add", "failed"), ("echo", "pending")]
+
+    answer = bb(broker_url, "retry", step.id)
+    assert answer.exit_code == 0 and "retried 1 failed job" in answer.output, answer.output
+    new_id = db.jobs.find_one({"_id": revoked["_id"]})["taskId"]
+    assert new_id != step.id
+    # A new handle of the chain (the old one keeps the revoke it saw, as Celery's handles keep a ready state).
+    again = AsyncResult(last.id, app=results_app, parent=AsyncResult(step.id, app=results_app))
+    assert again.get(timeout=120) == 3
+    done = wait_for(settled(db, new_id, "succeeded"), message="the retried step settled")
+    assert done["_id"] == revoked["_id"] and done["renamedFrom"] == step.id and done["result"] == 3
+    assert job(db, last.id)["result"] == 3
+    assert db.jobs.count_documents({"taskId": last.id}) == 1 and ran(db, "echo") == 1 and ran(db, "add") == 1
+    kept = db.bb_results.find_one({"_id": f"task:{step.id}"})
+    assert kept["state"] == "REVOKED" and kept["renamedTo"] == new_id
+    assert AsyncResult(step.id, app=results_app).get(timeout=10) == 3  # the old id reads as the new one
+    # The operator finds it by its old id too, and its canvas is three steps done (none pending under the old id).
+    assert canvas_steps(broker_url, step.id) == [
+        ("hold_until", "succeeded"),
+        ("add", "succeeded"),
+        ("echo", "succeeded"),
+    ]
+    edges = json.loads(bb(broker_url, "show", "--tree", "--json", last.id).output)["edges"]
+    assert sorted((edge["from"], edge["to"]) for edge in edges) == sorted(
+        [(last.parent.parent.id, new_id), (new_id, last.id)]
+    )
+
+
+def test_a_chain_step_failing_again_while_its_retry_is_slow_leaves_the_rest_its_new_failure(
+    results_app: Celery, results_worker, db: Database, broker_url: str, mongo_url: str
+) -> None:
+    results_worker(options=ONE_ATTEMPT)
+    last = chain(
+        si(results_app, "add", 1, 2), si(results_app, "fails_until_fixed", "slow-retry"), s(results_app, "length")
+    ).apply_async()
+    broken = failed_for_good(db, "slow-retry")
+    wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
+    with MongoClient(mongo_url, appname="slow-operator", tz_aware=True) as client:
+        # The operator's process slow once its retry wrote the job: a delete it makes then is held 5 s.
+        fail_point(client, 1, failCommands=["delete"], blockConnection=True, blockTimeMS=5000, appName="slow-operator")
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                retry = pool.submit(Operations(JobStore(client[db.name])).retry, [broken["taskId"]], by="operator")
+                # Not fixed: the retry fails again, and Celery stores the rest of the chain's failure again.
+                wait_for(
+                    lambda: (
+                        db.runs.count_documents({"taskId": broken["taskId"]}) == 2
+                        and job(db, broken["taskId"])["status"] == "failed"
+                    ),
+                    timeout=120,
+                    message="the retry failed again",
+                )
+                assert retry.result(timeout=120).count == 1
+        finally:
+            fail_point_off(client)
+    # The rest of the chain reads that failure: not erased by the retry's own late write (get() would wait for ever).
+    with pytest.raises(RuntimeError, match="slow-retry is broken"):
+        AsyncResult(last.id, app=results_app).get(timeout=30)
+    assert db.bb_results.find_one({"_id": f"task:{last.id}"})["state"] == "FAILURE" and ran(db, "length") == 0
 
 
 def test_cancel_canvas_cancels_its_queued_steps_and_leaves_the_running_one(
@@ -350,6 +505,8 @@ def test_a_revoked_header_step_retried_by_two_operators_at_once_completes_its_ch
     assert [action["action"] for action in step["actions"]] == ["retry"]
     kept = db.bb_results.find_one({"_id": f"task:{revoked['taskId']}"})
     assert kept["renamedTo"] == step["taskId"] and kept["lastError"].endswith(f"as task {step['taskId']}")
+    # Both named the step's job on the body's ChordError, once (it read PENDING while the retry ran).
+    assert db.bb_results.find_one({"_id": f"task:{result.id}"})["retriedBy"] == [revoked["_id"]]
     assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
     counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
     assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:0"]

@@ -449,6 +449,20 @@ def fails_until_fixed(self, key):
 
 
 @app.task(bind=True)
+def fails_until_fixed_when_let(self, key):
+    """As fails_until_fixed, each run waiting first for `<key>:<run>` in `fixes` (its runs under its task id counted
+    from 1): a test looks at what its canvas reads while an operator's retry of it runs."""
+    record(self)
+    fixes = runs().database.fixes
+    run = runs().count_documents({"taskId": self.request.id})
+    while fixes.find_one({"_id": f"{key}:{run}"}) is None:
+        time.sleep(0.05)
+    if fixes.find_one({"_id": key}) is None:
+        raise RuntimeError(f"{key} is broken (run {run})")
+    return "fixed"
+
+
+@app.task(bind=True)
 def waits_then_fails_first(self, key, own_retry=False):
     """Waits for `<key>:<attempt>` in `fixes`; then the first attempt fails (or retries itself, `own_retry`) and any
     later one succeeds."""
