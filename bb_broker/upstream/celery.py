@@ -260,6 +260,19 @@ def pool_ends_running_tasks(pool: Any) -> bool:
     return terminate is not None and getattr(terminate, "__func__", terminate) is not BasePool.terminate_job
 
 
+def ignores_results_of_tasks_sent_by_name() -> bool:
+    """Whether a task declared with `ignore_result=True` and sent by name (`app.send_task`, which cannot read the
+    task's attributes as `apply_async` does) stores no result. Not on Celery 5.6: its send_task writes
+    `ignore_result: False` into the message when the caller passes none, and its tracer lets the message's value
+    override the task's (`celery.app.trace.get_actual_ignore_result`), so the worker stores the result on every
+    result backend, Redis's too. 5.4 and 5.5 read the task's attribute alone; 5.7's send_task leaves the message's
+    value None, so the task's own counts. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0 (celery/app/base.py,
+    celery/app/trace.py)."""
+    import celery
+
+    return celery.VERSION[:2] != (5, 6)
+
+
 def compressed_result_mark() -> bytes | None:
     """The marker Celery puts before a result it compressed (`result_compression`, celery.backends.base
     `COMPRESSED_PAYLOAD_MAGIC`, then the method and a NUL), or None on a Celery without result compression (before

@@ -199,8 +199,11 @@ def test_ignore_result_writes_nothing_extra(results_app, results_worker, db: Dat
     results_worker()
     result = results_app.send_task(T + "ignored")
     doc = wait_for(lambda: (d := job(db, result.id)).get("status") == "succeeded" and d, message="ignored task ran")
-    assert not {"state", "result", "traceback"} & set(doc)
-    assert result.state == "PENDING"
+    if upstream_celery.ignores_results_of_tasks_sent_by_name():
+        assert not {"state", "result", "traceback"} & set(doc)
+        assert result.state == "PENDING"
+    else:  # Celery 5.6: send_task's ignore_result=False overrides the task's, on every result backend
+        assert result.get(timeout=60) == "not kept"
 
 
 def test_a_result_over_the_document_limit_fails_the_job_clearly(results_app, results_worker, db: Database):

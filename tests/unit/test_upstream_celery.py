@@ -234,6 +234,36 @@ def test_a_task_rejected_without_requeue_is_reported_failed_from_celery_5_7_only
     )
 
 
+def test_a_task_sent_by_name_stores_its_ignored_result_on_celery_5_6_only(app: Celery) -> None:
+    # The message send_task publishes, run through the worker's tracer: whether the task's ignore_result holds.
+    import celery
+    from celery.app.trace import build_tracer
+    from celery.signals import before_task_publish
+
+    @app.task(name="contracts.ignored", ignore_result=True)
+    def ignored() -> str:
+        return "not kept"
+
+    published: list[dict[str, Any]] = []
+
+    def keep_headers(headers: dict[str, Any], **_: Any) -> None:
+        published.append(headers)
+
+    before_task_publish.connect(keep_headers, weak=False)
+    try:
+        sent = app.send_task("contracts.ignored")
+    finally:
+        before_task_publish.disconnect(keep_headers)
+    build_tracer(ignored.name, ignored, app=app)(sent.id, (), {}, {**published[0], "id": sent.id})
+    stored = app.backend.get_state(sent.id) == states.SUCCESS
+    assert stored != upstream_celery.ignores_results_of_tasks_sent_by_name(), (
+        f"Celery {celery.__version__} "
+        + ("now stores" if stored else "no longer stores")
+        + " the result of an ignore_result task sent by name; "
+        + where("ignores_results_of_tasks_sent_by_name")
+    )
+
+
 def test_a_compressed_result_is_told_by_celerys_own_mark() -> None:
     # result_compression is new in Celery 5.7.0: before it, no result is compressed and there is no mark to look for.
     import celery
