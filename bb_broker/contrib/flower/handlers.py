@@ -228,6 +228,10 @@ class JobsHandler(BaseHandler):
             # The reason phrase Tornado's send_error set (the error's own, else the status code's).
             self.finish({"error": message or exc.reason or httputil.responses.get(status_code, "Unknown")})
             return
+        if isinstance(exc, tornado.web.HTTPError) and exc.log_message and exc.args:
+            # Flower's page shows an error's log_message as it is (before 2.2, unformatted: "%s"): its arguments in.
+            shown = tornado.web.HTTPError(exc.status_code, exc.log_message % exc.args, reason=exc.reason)
+            kwargs["exc_info"] = (tornado.web.HTTPError, shown, kwargs["exc_info"][2])
         super().write_error(status_code, **kwargs)
 
     async def list_body(self) -> dict[str, Any]:
