@@ -12,7 +12,6 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,11 @@ from pymongo import MongoClient
 from pymongo.database import Database
 
 from bb_broker.connection import redact_url
-from tests.support.flower_process import FLOWERS_ACTIONS, FlowerProcess, broker_rows
+from tests.support.flower_process import FLOWER, FLOWERS_ACTIONS, FlowerProcess, broker_rows
 from tests.support.servers import AUTH_PASSWORD, free_port, with_database
 from tests.support.workers import ARTIFACTS, ROOT, job, send, settled, wait_for
 
 #: The installed Flower's (major, minor): its own pages differ before 2.2 where the tests below say.
-FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 HOST = socket.gethostname()
 

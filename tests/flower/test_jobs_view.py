@@ -9,7 +9,6 @@ import re
 import urllib.parse
 import urllib.request
 from datetime import UTC, datetime, timedelta
-from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -19,12 +18,11 @@ from pymongo.database import Database
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.jobs.unique import FOREVER_MODE, Hold
-from tests.support.flower_process import ADMIN, AUTH_ARGS, USERS, VIEWER, FlowerProcess, broker_rows
+from tests.support.flower_process import ADMIN, AUTH_ARGS, FLOWER, USERS, VIEWER, FlowerProcess, broker_rows
 from tests.support.store import wait_past
 from tests.support.workers import wait_for
 
 #: The installed Flower's (major, minor): its own columns and options differ before 2.2 where the tests say.
-FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 
 @pytest.fixture

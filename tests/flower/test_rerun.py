@@ -9,7 +9,6 @@ import subprocess
 import sys
 import urllib.request
 from http.cookies import SimpleCookie
-from importlib.metadata import version
 from typing import Any
 
 from pymongo.database import Database
@@ -18,13 +17,12 @@ from tornado.web import create_signed_value
 from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.rerun import ACTION, NEW_TASK_ID
-from tests.support.flower_process import FlowerProcess
+from tests.support.flower_process import HAS_READ_ONLY, NO_READ_ONLY, FlowerProcess
 from tests.support.workers import ROOT, send, settled, wait_for
 
 ADD = "tests.support.e2e_app.add"
 USERS = "admin:s3cret,viewer:peek"
 VIEWER = "viewer:peek"
-FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 
 def post(flower: FlowerProcess, path: str, form: dict[str, Any], **options: Any) -> tuple[int, Any]:
@@ -102,8 +100,8 @@ def test_a_read_only_flower_refuses_it_and_shows_no_control(app, db: Database, f
     store.ensure_indexes()
     job_id = failed_job(store, "t-failed")
     flower = flower_factory(extra_args=("--read_only",))
-    if FLOWER < (2, 1):  # Flower 2.0 has no read-only mode and drops the option: bb_broker says so as it starts
-        wait_for(lambda: "this Flower has no --read_only" in flower.log(), message="the notice")
+    if not HAS_READ_ONLY:  # Flower 2.0 has no read-only mode and drops the option: bb_broker says so as it starts
+        wait_for(lambda: NO_READ_ONLY in flower.log(), message="the notice")
         return
     before = snapshot(db)
     for path in (f"/api/jobs/job/{ACTION}/preview", f"/api/jobs/job/{ACTION}"):

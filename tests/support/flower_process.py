@@ -27,8 +27,10 @@ ADMIN = "admin:s3cret"
 VIEWER = "viewer:peek"
 USERS = f"{ADMIN},{VIEWER}"
 AUTH_ARGS = ("--jobs_admins=admin",)
-#: Flower's --read_only is new in 2.1: on 2.0 bb_broker's plugin says, as Flower starts, that it is ignored.
-HAS_READ_ONLY = tuple(int(part) for part in version("flower").split(".")[:2]) >= (2, 1)
+#: The installed Flower's minor. Its --read_only is new in 2.1: on 2.0 bb_broker's plugin says, as Flower starts,
+#: that it is ignored.
+FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
+HAS_READ_ONLY = FLOWER >= (2, 1)
 NO_READ_ONLY = "this Flower has no --read_only (Flower 2.1 and later have): it is ignored, users may act"
 
 

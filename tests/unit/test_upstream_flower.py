@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import re
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,11 @@ from bb_broker.contrib.flower import (
 )
 from bb_broker.contrib.flower.flowers_actions import READING_POSTS, WRITE_METHODS
 from bb_broker.upstream import flower as upstream_flower
-from tests.support.flower_process import FLOWERS_ACTIONS
+from tests.support.flower_process import FLOWER, FLOWERS_ACTIONS
 
 PATCHES = "bb_broker/upstream/flower.py"
 
 #: The installed Flower's (major, minor): 2.0 and 2.1 differ from 2.2 where the tests below say.
-FLOWER = tuple(int(part) for part in version("flower").split(".")[:2])
 
 
 def where(function: str) -> str:
