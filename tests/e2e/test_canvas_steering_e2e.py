@@ -175,16 +175,21 @@ def test_a_retried_header_step_killed_at_each_step_of_the_resend_sends_the_body_
     assert counter["fixedKeys"] == [f"{broken['taskId']}:1"] and counter["resent"]
 
 
+def chain_failed_at_its_middle_step(app: Celery, db: Database, name: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """add | fails_until_fixed(name) | length, its middle step failed for good: the chain's last result, the failed
+    step's job, and the failure stored for the rest of the chain."""
+    last = chain(si(app, "add", 1, 2), si(app, "fails_until_fixed", name), s(app, "length")).apply_async()
+    broken = failed_for_good(db, name)
+    failure = wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
+    return last, broken, failure
+
+
 def test_a_retried_chain_step_runs_the_rest_of_the_chain_once(
     results_app: Celery, results_worker, db: Database, broker_url: str
 ) -> None:
     results_worker(options=ONE_ATTEMPT)
-    last = chain(
-        si(results_app, "add", 1, 2), si(results_app, "fails_until_fixed", "chain-step"), s(results_app, "length")
-    ).apply_async()
-    broken = failed_for_good(db, "chain-step")
+    last, broken, failure = chain_failed_at_its_middle_step(results_app, db, "chain-step")
     assert job(db, last.id) == {}
-    failure = wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
     assert failure["state"] == "FAILURE"  # as Celery fails the rest of a chain, stored after the step's own settle
     retried(db, broker_url, broken)
     # The caller's get() waits for the rest of the chain, not the failure stored when the step failed.
@@ -314,11 +319,7 @@ def test_a_chain_step_failing_again_while_its_retry_is_slow_leaves_the_rest_its_
     results_app: Celery, results_worker, db: Database, broker_url: str, mongo_url: str
 ) -> None:
     results_worker(options=ONE_ATTEMPT)
-    last = chain(
-        si(results_app, "add", 1, 2), si(results_app, "fails_until_fixed", "slow-retry"), s(results_app, "length")
-    ).apply_async()
-    broken = failed_for_good(db, "slow-retry")
-    wait_for(lambda: db.bb_results.find_one({"_id": f"task:{last.id}"}), message="the rest failed too")
+    last, broken, _ = chain_failed_at_its_middle_step(results_app, db, "slow-retry")
     with MongoClient(mongo_url, appname="slow-operator", tz_aware=True) as client:
         # The operator's process slow once its retry wrote the job: a delete it makes then is held 5 s.
         fail_point(client, 1, failCommands=["delete"], blockConnection=True, blockTimeMS=5000, appName="slow-operator")
