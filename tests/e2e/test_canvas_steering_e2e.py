@@ -484,7 +484,11 @@ def test_a_retried_revoked_header_step_killed_at_each_step_of_the_resend_sends_t
         message="the retried part settled",
     )
     assert part["taskId"] != revoked["taskId"] and part["renamedFrom"] == revoked["taskId"]
-    assert [entry["outcome"] for entry in part["history"]][-2:] == ["lost", "succeeded"]
+    # The crash comes after the part's settle went to its process's writer: mostly the attempt is lost with the
+    # worker and runs again; on a loaded machine the writer has written the settle first (seen once: the attempt
+    # succeeded, the retry's run the only one). Either way the body runs once.
+    outcomes = [entry["outcome"] for entry in part["history"]]
+    assert outcomes[-2:] in (["lost", "succeeded"], ["revoked", "succeeded"]), outcomes
     assert db.jobs.count_documents({"kind": T + "echo"}) == 1 and ran(db, "echo") == 1
     counter = db.bb_results.find_one({"_id": f"chord:{revoked['groupId']}"})
     assert counter["count"] == 2 and counter["fixedKeys"] == [f"{revoked['taskId']}:1"] and counter["resent"]
