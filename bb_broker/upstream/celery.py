@@ -260,6 +260,19 @@ def pool_ends_running_tasks(pool: Any) -> bool:
     return terminate is not None and getattr(terminate, "__func__", terminate) is not BasePool.terminate_job
 
 
+def pool_remembers_busy_processes_through_a_reconnect(pool: Any) -> bool:
+    """Whether the started worker pool `pool` still knows, after a lost broker connection, which of its processes run
+    a task. Not the prefork pool before Celery 5.7.0: on a reconnect `AsynPool.flush` ends with
+    `self._busy_workers.clear()`, so the next task received is written to a process still running a long one and
+    waits for it to end, on every broker (Celery's d4eb32a78 keeps the processes of accepted jobs, in 5.7.0). The
+    other pools keep no such record. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0
+    (celery/concurrency/asynpool.py)."""
+    import celery
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    return not isinstance(pool, PreforkPool) or celery.VERSION >= (5, 7)
+
+
 def ignores_results_of_tasks_sent_by_name() -> bool:
     """Whether a task declared with `ignore_result=True` and sent by name (`app.send_task`, which cannot read the
     task's attributes as `apply_async` does) stores no result. Not on Celery 5.6: its send_task writes

@@ -42,8 +42,10 @@ def install(app: Any) -> None:
 
 
 def _reserved_jobs() -> list[str]:
-    # Every request the worker still holds, running or waiting in its pool: these leases stay fresh.
-    return _jobs_of(worker_state.reserved_requests)
+    # Every request the worker still holds, running or waiting in its pool: these leases stay fresh. The started ones
+    # are read apart: Celery 5.4 to 5.6 empty reserved_requests on a reconnect, runs under way included (5.7.0 keeps
+    # them), and a long run's job must not go stale under it.
+    return _jobs_of(worker_state.reserved_requests) + _started_jobs()
 
 
 def _started_jobs() -> list[str]:
@@ -61,8 +63,25 @@ def _cancelled_on_reconnect(request: Any) -> bool:
 
 
 def _jobs_of(requests: Iterable[Any]) -> list[str]:
-    held = (getattr(request, "request_dict", None) or {} for request in list(requests))
+    held = (getattr(request, "request_dict", None) or {} for request in list(requests) if not _run_by_the_gone(request))
     return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
+
+
+def _run_by_the_gone(request: Any) -> bool:
+    """Whether the pool process that took `request` has ended. Celery reports such a request at once (a
+    WorkerLostError failure), except where its pool no longer knew the process ran it: on Celery 5.4 to 5.6 a
+    reconnect's `AsynPool.flush` forgets the jobs under way, and the request then stays in the worker's state for
+    good. Its job must not keep a lease no run will settle: left to lapse, the stale sweep runs it again."""
+    pid = getattr(request, "worker_pid", None)
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():  # not taken yet, or run in this process
+        return False
+    try:
+        os.kill(pid, 0)  # asks whether the process exists, sends nothing
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, as another user's (a pid taken again): not ours to judge
+        return False
+    return False
 
 
 class _ScrubSecrets(logging.Filter):
@@ -178,15 +197,29 @@ def _forks_its_pool(worker: Any) -> bool:
 def _say_what_the_pool_cannot_do(sender: Any = None, **_: Any) -> None:
     """One line at start where the started pool cannot end a running task (Celery's threads and solo pools, and
     gevent's before Celery 5.5): a terminating revoke then lets the task run to its end, and its job settles as the
-    task ends, on every broker; Celery itself says so only when a revoke comes."""
+    task ends, on every broker; Celery itself says so only when a revoke comes. One more where the pool forgets its
+    busy processes on a reconnect (prefork before Celery 5.7, unless the reconnect cancels the running tasks): Celery
+    says nothing of it, and a task that waits behind a long one looks stuck."""
     pool = getattr(sender, "pool", None)
-    if pool is None or app_stores.broker_url(sender.app) is None or upstream_celery.pool_ends_running_tasks(pool):
+    if pool is None or app_stores.broker_url(sender.app) is None:
         return
-    logger.warning(
-        "bb_broker: Celery %s's %s pool cannot end a running task: revoke(terminate=True) lets it run to its end",
-        celery.__version__,
-        type(pool).__module__.rsplit(".", 1)[-1],
-    )
+    kind = type(pool).__module__.rsplit(".", 1)[-1]
+    if not upstream_celery.pool_ends_running_tasks(pool):
+        logger.warning(
+            "bb_broker: Celery %s's %s pool cannot end a running task: revoke(terminate=True) lets it run to its end",
+            celery.__version__,
+            kind,
+        )
+    if not upstream_celery.pool_remembers_busy_processes_through_a_reconnect(pool) and not sender.app.conf.get(
+        CANCEL_ON_CONNECTION_LOSS
+    ):
+        logger.warning(
+            "bb_broker: Celery %s's %s pool may queue a task behind a running one after a lost broker connection "
+            "(fixed in Celery 5.7; %s=True avoids it)",
+            celery.__version__,
+            kind,
+            CANCEL_ON_CONNECTION_LOSS,
+        )
 
 
 @signals.worker_ready.connect

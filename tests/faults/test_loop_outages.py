@@ -5,9 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import celery
 import pytest
 from celery import Celery
 from kombu import Connection, Consumer, Queue
@@ -58,6 +60,13 @@ def test_a_transient_error_on_a_claim_is_a_reconnect_not_the_end_of_the_worker(
     assert len(per_task) == len(ids) and all(row["n"] == 1 for row in per_task), per_task
 
 
+#: Celery 5.7.0 (d4eb32a78) keeps a prefork process running a task busy through a reconnect; before, the next task
+#: received could be written to it, behind that task. The workers here run Celery's prefork pool.
+FREE_PROCESSES_TAKE_TASKS_AFTER_A_RECONNECT = celery.VERSION >= (5, 7)
+#: What a worker of an earlier Celery says of it as it starts (bb_broker.worker.startup).
+QUEUES_BEHIND_A_RUNNING_TASK = "pool may queue a task behind a running one after a lost broker connection"
+
+
 @dataclass
 class Running:
     """A worker with a task under way: its database, the producer's app, and the gate that lets the task go on."""
@@ -67,6 +76,8 @@ class Running:
     app: Celery
     gate: Path
     task_id: str = ""
+    #: A task sent after the reconnect.
+    after: str = ""
 
 
 def _reconnect_under(task: str, server: EmbeddedServer, tmp_path: Path, *, database: str, **worker: Any) -> Running:
@@ -86,9 +97,16 @@ def _reconnect_under(task: str, server: EmbeddedServer, tmp_path: Path, *, datab
     fail_point(
         client, 2, failCommands=["findAndModify"], errorCode=NETWORK_TIMEOUT, errorLabels=["RetryableWriteError"]
     )
-    after = send(app, "add", 1, 1)
+    running.after = send(app, "add", 1, 1)
     wait_for(lambda: "Connection to broker lost" in running.worker.log(), message="the worker reconnects")
-    wait_for(settled(running.db, after, "succeeded"), timeout=60, message="the worker runs tasks after the reconnect")
+    if FREE_PROCESSES_TAKE_TASKS_AFTER_A_RECONNECT:
+        wait_for(settled(running.db, running.after, "succeeded"), timeout=60,
+                 message="the worker runs tasks after the reconnect")  # fmt: skip
+    else:
+        # Celery 5.4 to 5.6 queue it behind the task under way (AsynPool.flush forgets the busy process, on every
+        # broker): claimed now, it runs once that task ends.
+        claimed = {"taskId": running.after, "status": {"$in": ["running", "succeeded"]}}
+        wait_for(lambda: running.db.jobs.find_one(claimed), timeout=60, message="the worker claims after the reconnect")
     return running
 
 
@@ -106,8 +124,11 @@ def test_a_task_acked_late_runs_once_through_a_reconnect_and_its_worker_stays_up
     # Room for a second run beside the first.
     running = _reconnect_under("hold_until_acked_late", own_server, tmp_path, database="late", concurrency=3, env=env)
     db, worker, late = running.db, running.worker, running.task_id
+    said = QUEUES_BEHIND_A_RUNNING_TASK in worker.log()
+    assert said == (not FREE_PROCESSES_TAKE_TASKS_AFTER_A_RECONNECT and not cancelled), worker.log()[-3000:]
     running.gate.touch()
     wait_for(settled(db, late, "succeeded"), timeout=60, message="the task acked late succeeded")
+    wait_for(settled(db, running.after, "succeeded"), timeout=60, message="the task sent after the reconnect ran")
     # Its ack went to the closed channel. The worker goes on: its next task acked late runs and settles too.
     again = send(running.app, "hold_until_acked_late", str(running.gate))
     wait_for(lambda: worker.process.poll() is not None or settled(db, again, "succeeded")(),
@@ -120,14 +141,40 @@ def test_a_task_acked_late_runs_once_through_a_reconnect_and_its_worker_stays_up
     assert [(entry["n"], entry["outcome"]) for entry in doc["history"]] == [(1, "succeeded")], doc["history"]
 
 
-def test_a_task_acked_late_whose_process_dies_after_a_reconnect_fails_its_attempt_at_once(
+def test_a_task_running_through_a_reconnect_keeps_its_job_for_longer_than_its_lease(
+    own_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    # Celery 5.4 to 5.6 empty the worker's reserved requests on a reconnect, runs under way included: their jobs kept
+    # no lease, and the stale sweep gave a run still going to a second one after stale_after.
+    stale_after = 4.0
+    running = _reconnect_under("hold_until_acked_late", own_server, tmp_path, database="late_leased",
+                               concurrency=3, options={"stale_after": stale_after})  # fmt: skip
+    db, late = running.db, running.task_id
+    since = db.jobs.find_one({"taskId": late})["updatedAt"]
+    kept = {"taskId": late, "updatedAt": {"$gt": since + timedelta(seconds=2 * stale_after)}}
+    wait_for(lambda: db.jobs.find_one(kept), timeout=60, message="its lease kept fresh for two of its lengths")
+    held = db.jobs.find_one({"taskId": late})
+    assert held["status"] == "running" and held["attempts"] == 1, held
+    assert db.runs.count_documents({"taskId": late}) == 1, list(db.runs.find({"taskId": late}))
+    running.gate.touch()
+    done = wait_for(settled(db, late, "succeeded"), timeout=60, message="the task acked late succeeded")
+    assert done["attempts"] == 1 and db.runs.count_documents({"taskId": late}) == 1, done
+
+
+def test_a_task_acked_late_whose_process_dies_after_a_reconnect_fails_its_attempt(
     own_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     # Its message was restored with the lost connection while its run went on; Celery's rejection of it when its
     # pool process died (reject_on_worker_lost) found no such delivery: Kombu raised KeyError, and the job stayed
-    # `running` until the stale sweep.
-    running = _reconnect_under("hold_until_then_exit_acked_late", own_server, tmp_path, database="late_lost")
-    running.gate.touch()  # every attempt's process dies from here on: the job fails after its last (stale_after 300 s)
+    # `running` until the stale sweep. Celery 5.7 reports the death at once. Celery 5.4 to 5.6 forget the job under
+    # way at the reconnect (AsynPool.flush), so the death reports nothing and the worker holds its request for good:
+    # its job's lease lapses (stale_after), and the stale sweep runs it again (before, the job stayed `running` for
+    # as long as the worker ran).
+    options = {} if FREE_PROCESSES_TAKE_TASKS_AFTER_A_RECONNECT else {"stale_after": 6.0}
+    running = _reconnect_under(
+        "hold_until_then_exit_acked_late", own_server, tmp_path, database="late_lost", options=options
+    )
+    running.gate.touch()  # every attempt's process dies from here on: the job fails after its last
     failed = wait_for(settled(running.db, running.task_id, "failed"), timeout=60, message="the job failed at last")
     assert failed["attempts"] == 3 and "WorkerLostError" in failed["lastError"], failed
     assert running.worker.process.poll() is None, running.worker.log()[-3000:]

@@ -539,3 +539,21 @@ def test_which_pools_end_a_running_task_is_told_by_their_terminate_job() -> None
         "celery.concurrency.prefork.TaskPool.on_start no longer gives the started pool its billiard pool's "
         "terminate_job: " + where("pool_ends_running_tasks")
     )
+
+
+def test_whether_the_prefork_pool_remembers_busy_processes_through_a_reconnect_is_told_by_its_flush() -> None:
+    # Celery 5.7.0 (d4eb32a78) trims AsynPool.flush's busy set to the processes of accepted jobs; before, it cleared it.
+    from celery.concurrency import get_implementation
+    from celery.concurrency.asynpool import AsynPool
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    prefork, threads = PreforkPool(limit=1), get_implementation("threads")(limit=1)
+    try:
+        clears = "self._busy_workers.clear()" in source(AsynPool.flush)
+        assert upstream_celery.pool_remembers_busy_processes_through_a_reconnect(prefork) != clears, (
+            "AsynPool.flush " + ("now clears" if clears else "no longer clears") + " its busy processes: "
+            + where("pool_remembers_busy_processes_through_a_reconnect")
+        )  # fmt: skip
+        assert upstream_celery.pool_remembers_busy_processes_through_a_reconnect(threads)
+    finally:
+        threads.on_stop()
