@@ -1,6 +1,6 @@
 """A Celery app's job stores: the store behind its bbmongo:// broker, one per app and process (and options), which the
 worker, the result backend and the Flower plugin all use; and what an app's own result backend is told of its tasks
-revoked while queued (store_revoked_results).
+revoked while queued (store_revoked_results) or failed at their claim (store_undeliverable_result).
 
 A task revoked while still queued, told to the app's own result backend when that is not bbmongo://.
 
@@ -197,6 +197,18 @@ def store_never_run(backend: Any, task_id: str, error: BaseException) -> None:
         backend.mark_as_failure(task_id, error, call_errbacks=False)
     except Exception as exc:  # the backend is the user's
         logger.warning("task %s will never run, but its result backend could not be told: %s", task_id, exc)
+
+
+def store_undeliverable_result(store: JobStore, task_id: str | None, error: Exception) -> None:
+    """store_never_run with `error`, for the task of a job `store` failed at its claim because its stored message
+    cannot be delivered (a hand edit, a corruption, another program's write), in the result backend of each app of
+    this process on `store`'s broker whose backend is its own: no worker ever receives the task, and its waiters
+    would wait for ever. bbmongo:// needs nothing: its results are the job documents. No task id a result can be
+    stored under (task_id_of), nothing told."""
+    if task_id is None or "celery" not in sys.modules:
+        return  # a Kombu client: no Celery app, no result backend
+    for app in _apps_with_their_own_backend(store):
+        store_never_run(app.backend, task_id, error)
 
 
 def store_chord_never_run(store: JobStore, body_id: str, reason: str) -> None:

@@ -17,10 +17,11 @@ from pymongo import errors as mongo_errors
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker import connection
-from bb_broker.app_stores import store_chord_never_run, store_revoked_results
+from bb_broker.app_stores import store_chord_never_run, store_revoked_results, store_undeliverable_result
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
+from bb_broker.jobs.document import task_id_of
 from bb_broker.jobs.leases import LeaseKeeper
 from bb_broker.jobs.payloads import (
     ATTEMPTS_HEADER,
@@ -518,13 +519,16 @@ class Channel(virtual.Channel):
                 message = deliverable_message(job.payload)
             except PayloadError as exc:
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
-                self.jobs.fail(job.id, job.attempts, f"stored message is unreadable: {exc}", retryable=False)
+                reason = f"stored message is unreadable: {exc}"
+                self.jobs.fail(job.id, job.attempts, reason, retryable=False)
+                store_undeliverable_result(self.jobs, task_id_of(job.task_id), PayloadError(reason))
                 continue
             except MalformedTaskMessage as exc:
                 # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,
                 # once, and the queue behind it moves on.
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 self.claimer.fail_undeliverable(job, str(exc))
+                store_undeliverable_result(self.jobs, task_id_of(job.task_id), exc)
                 if (body_id := chord_body_id(job.payload)) is not None:
                     store_chord_never_run(self.jobs, body_id, str(exc))  # its part is never counted
                 continue

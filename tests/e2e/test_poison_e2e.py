@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from kombu import Connection, Producer, Queue
 from pymongo.database import Database
 
 import bb_broker
-from tests.support.workers import job, send, settled, wait_for
+from tests.support.workers import job, producer, send, settled, wait_for
 
 #: A JSON body kept as it is instead of as args, kwargs and options.
 UNREADABLE_ARGS = {"payload.args": "", "payload.kwargs": "", "payload.options": ""}
@@ -115,6 +117,37 @@ def test_every_poison_message_fails_its_own_job_once_and_the_worker_keeps_going(
     assert "Unrecoverable error" not in worker.log()
     again = send(app, "add", 2, 2)
     wait_for(settled(db, again, "succeeded"), message="the worker still takes work")
+
+
+def test_a_job_failed_at_its_claim_tells_the_apps_own_result_backend(
+    app, db: Database, worker_factory, tmp_path: Path
+) -> None:
+    # A worker never receives such a task, so a result backend of the app's own (Redis, a database, files) was told
+    # nothing: its result stayed PENDING, and `get()` without a timeout waited for ever.
+    backend = f"file://{tmp_path / 'results'}"
+    (tmp_path / "results").mkdir()
+    poisoned = {
+        "header 'timelimit'": {"$set": {"payload.headers.timelimit": "x"}},  # a message Celery would choke on
+        "stored message is unreadable": {"$set": {"payload": "add(1, 2)"}},  # no stored message at all
+    }
+    task_ids = {}
+    for said, change in poisoned.items():
+        task_ids[said] = send(app, "add", 1, 2)
+        assert db.jobs.update_one({"taskId": task_ids[said]}, change).modified_count == 1, said
+    sentinel = send(app, "add", 20, 22)
+    worker_factory(env={"BB_RESULT_BACKEND": backend})
+    wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the poison ones")
+    reader = producer(app.conf.broker_url)
+    reader.conf.result_backend = backend
+    try:
+        for said, task_id in task_ids.items():
+            failed = wait_for(settled(db, task_id, "failed"), message=f"{said}: its job failed")
+            assert said in failed["lastError"], failed["lastError"]
+            with pytest.raises(Exception, match=re.escape(said)):
+                reader.AsyncResult(task_id).get(timeout=30)
+            assert reader.AsyncResult(task_id).state == "FAILURE"
+    finally:
+        reader.close()
 
 
 #: Deeper than any JSON decoder's recursion allows: 100,000 nested lists, 200 KB.
