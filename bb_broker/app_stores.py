@@ -1,6 +1,6 @@
 """A Celery app's job stores: the store behind its bbmongo:// broker, one per app and process (and options), which the
 worker, the result backend and the Flower plugin all use; and what an app's own result backend is told of its tasks
-revoked while queued (store_revoked_results) or failed at their claim (store_undeliverable_result).
+revoked while queued (store_revoked_results) or failed at their claim (tell_of_undeliverable_job).
 
 A task revoked while still queued, told to the app's own result backend when that is not bbmongo://.
 
@@ -22,12 +22,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from bb_broker import connection
-from bb_broker.connection import parse_broker_url
+from bb_broker.connection import parse_broker_url, scrub
 from bb_broker.forks import reset_in_child
+from bb_broker.jobs import lifecycle
 from bb_broker.jobs.document import stored_not_utf8
 from bb_broker.jobs.payloads import MalformedTaskMessage, PayloadError, body_parts, deliverable_message
 from bb_broker.jobs.revokes import revoked_before_running
 from bb_broker.options import BrokerOptions, open_store
+from bb_broker.threads import start_supervised
 from bb_broker.upstream import celery as upstream_celery
 
 if TYPE_CHECKING:
@@ -199,25 +201,57 @@ def store_never_run(backend: Any, task_id: str, error: BaseException) -> None:
         logger.warning("task %s will never run, but its result backend could not be told: %s", task_id, exc)
 
 
-def store_undeliverable_result(store: JobStore, task_id: str | None, error: Exception) -> None:
-    """store_never_run with `error`, for the task of a job `store` failed at its claim because its stored message
-    cannot be delivered (a hand edit, a corruption, another program's write), in the result backend of each app of
-    this process on `store`'s broker whose backend is its own: no worker ever receives the task, and its waiters
-    would wait for ever. bbmongo:// needs nothing: its results are the job documents. No task id a result can be
-    stored under (task_id_of), nothing told."""
-    if task_id is None or "celery" not in sys.modules:
-        return  # a Kombu client: no Celery app, no result backend
-    for app in _apps_with_their_own_backend(store):
-        store_never_run(app.backend, task_id, error)
+#: At most this many tellings of result backends wait on them at once (tell_of_undeliverable_job), each in a thread
+#: of its own: the worker's event loop must not wait on a backend that does not answer (Redis's socket timeout and
+#: retries hold a caller for minutes), and a flood of refused jobs must not start a thread each.
+TELLINGS_AT_ONCE = 4
+_tellings = threading.BoundedSemaphore(TELLINGS_AT_ONCE)
 
 
-def store_chord_never_run(store: JobStore, body_id: str, reason: str) -> None:
-    """store_never_run, with Celery's ChordError, for the body of a chord one of whose header's jobs `store` failed
-    before it ran (its part is never counted), in the backend of each app of this process on `store`'s broker."""
+@reset_in_child
+def _forget_parent_tellings() -> None:
+    # A telling thread of the parent's holds its place, and does not run in the child to give it back.
+    global _tellings
+    _tellings = threading.BoundedSemaphore(TELLINGS_AT_ONCE)
+
+
+def tell_of_undeliverable_job(store: JobStore, task_id: str | None, reason: str, chord_body: str | None) -> None:
+    """Tell the result backends of this process's apps on `store`'s broker of a job `store` failed at its claim
+    because its stored message cannot be delivered (a hand edit, a corruption, another program's write): no worker
+    ever receives its task, and their waiters would wait for ever. FAILURE with `reason` for `task_id` (None: no task
+    id a result can be stored under, task_id_of) in each backend of the app's own (bbmongo:// needs nothing: its
+    results are the job documents); Celery's ChordError for `chord_body`, the body of a chord whose header held the
+    job (its part is never counted), in every backend. Told in a thread of its own, `bb-undeliverable-telling` (at
+    most TELLINGS_AT_ONCE at a time), which owns the backends it reads (Celery's are per thread); `reason` scrubbed
+    of the broker's credentials and cut to the length a job's lastError has."""
     if "celery" not in sys.modules:
         return  # a Kombu client: no Celery app, no result backend
-    from celery.exceptions import ChordError
+    text = scrub(reason, store.secrets)[: lifecycle.MAX_ERROR_LENGTH]
+    own = _apps_with_their_own_backend(store) if task_id is not None else []
+    every = _apps_with_a_backend(store) if chord_body is not None else []
+    if not own and not every:
+        return
+    if not _tellings.acquire(blocking=False):
+        logger.warning(
+            "job of task %s cannot be delivered, and its result backend is not told: %d tellings wait on it already",
+            task_id,
+            TELLINGS_AT_ONCE,
+        )
+        return
 
-    error = ChordError(f"a task of the chord's header failed before it ran: {reason}")
-    for app in _apps_with_a_backend(store):
-        store_never_run(app.backend, body_id, error)
+    def tell() -> None:
+        # Once, whatever happens: restarted by its supervisor, it would give its place back twice.
+        from celery.exceptions import ChordError
+
+        try:
+            for app in own:
+                store_never_run(app.backend, str(task_id), PayloadError(text))
+            for app in every:
+                error = ChordError(f"a task of the chord's header failed before it ran: {text}")
+                store_never_run(app.backend, str(chord_body), error)
+        except Exception as exc:  # an app's backend that cannot even be built: the user's to fix, said once
+            logger.warning("job of task %s cannot be delivered, and its result backend is not told: %s", task_id, exc)
+        finally:
+            _tellings.release()
+
+    start_supervised("bb-undeliverable-telling", tell)

@@ -17,7 +17,7 @@ from pymongo import errors as mongo_errors
 from pymongo.errors import OperationFailure, PyMongoError
 
 from bb_broker import connection
-from bb_broker.app_stores import store_chord_never_run, store_revoked_results, store_undeliverable_result
+from bb_broker.app_stores import store_revoked_results, tell_of_undeliverable_job
 from bb_broker.clock import ServerClock
 from bb_broker.forks import reset_in_child
 from bb_broker.jobs import leases
@@ -520,17 +520,17 @@ class Channel(virtual.Channel):
             except PayloadError as exc:
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 reason = f"stored message is unreadable: {exc}"
-                self.jobs.fail(job.id, job.attempts, reason, retryable=False)
-                store_undeliverable_result(self.jobs, task_id_of(job.task_id), PayloadError(reason))
+                if self.jobs.fail(job.id, job.attempts, reason, retryable=False) is not None:
+                    tell_of_undeliverable_job(self.jobs, task_id_of(job.task_id), reason, chord_body=None)
                 continue
             except MalformedTaskMessage as exc:
                 # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,
                 # once, and the queue behind it moves on.
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
-                self.claimer.fail_undeliverable(job, str(exc))
-                store_undeliverable_result(self.jobs, task_id_of(job.task_id), exc)
-                if (body_id := chord_body_id(job.payload)) is not None:
-                    store_chord_never_run(self.jobs, body_id, str(exc))  # its part is never counted
+                if self.claimer.fail_undeliverable(job, str(exc)):  # not where a revoke or a sweep came first
+                    tell_of_undeliverable_job(
+                        self.jobs, task_id_of(job.task_id), str(exc), chord_body=chord_body_id(job.payload)
+                    )
                 continue
             message["headers"].update({JOB_ID_HEADER: job.id, ATTEMPTS_HEADER: job.attempts})
             message["headers"].pop(RENAMED_FROM_HEADER, None)  # only the job's own `renamedFrom` says it

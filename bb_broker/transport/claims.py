@@ -455,8 +455,9 @@ class Claimer:
         size = min(self._channel.qos.claimable() - held, self._channel.options.max_claim_batch)
         return size if size >= BATCH_MIN else 1
 
-    def fail_undeliverable(self, job: Claimed, reason: str) -> None:
-        """Fail a claimed job whose message Celery cannot take, once: an attempt that never started."""
+    def fail_undeliverable(self, job: Claimed, reason: str) -> bool:
+        """Fail a claimed job whose message Celery cannot take, once: an attempt that never started. False where the
+        attempt was no longer the job's (a revoke or a sweep wrote first), and nothing was written."""
         entry = attempt_entry(
             job.attempts,
             worker=self._channel.owner,
@@ -465,7 +466,7 @@ class Claimer:
             outcome="failed",
             error=reason,
         )
-        self._channel.jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry)
+        return self._channel.jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry) is not None
 
     def release(self, jobs: Collection[Claimed]) -> None:
         """Give back claimed jobs that never started (release_job)."""

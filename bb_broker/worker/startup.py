@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -41,18 +40,50 @@ def install(app: Any) -> None:
     upstream_celery.install_failure_as_retry(settle.runs_again, receivers.prepare_errbacks)
 
 
-def _reserved_jobs() -> list[str]:
-    # Every request the worker still holds, running or waiting in its pool: these leases stay fresh. The started ones
-    # are read apart: Celery 5.4 to 5.6 empty reserved_requests on a reconnect, runs under way included (5.7.0 keeps
-    # them), and a long run's job must not go stale under it.
-    return _jobs_of(worker_state.reserved_requests) + _started_jobs()
+class _HeldRequests:
+    """The jobs of the requests this worker holds, as the lease keeper's thread reads them (jobs/leases.py): Celery's
+    main thread changes `celery.worker.state`'s sets meanwhile, so each is copied (list()) before it is read.
+    `forks`: the worker's pool is processes forked from this one (prefork), whose ids a request's `worker_pid` holds;
+    the green pools put a greenlet's id there, the threads and solo pools this process's."""
 
+    def __init__(self, *, forks: bool) -> None:
+        self.forks = forks
 
-def _started_jobs() -> list[str]:
-    # The requests its pool took. Celery keeps them through a reconnect (Consumer.on_close), and their runs go on,
-    # except those it cancels then for the broker to deliver again (worker_cancel_long_running_tasks_on_connection_loss:
-    # nothing settles a cancelled run, and its job goes back, as Celery means it to).
-    return _jobs_of(request for request in list(worker_state.active_requests) if not _cancelled_on_reconnect(request))
+    def reserved(self) -> list[str]:
+        # Every request the worker still holds, running or waiting in its pool: these leases stay fresh. The started
+        # ones are read apart: Celery 5.4 to 5.6 empty reserved_requests on a reconnect, runs under way included
+        # (5.7.0 keeps them), and a long run's job must not go stale under it.
+        return self._jobs_of(list(worker_state.reserved_requests)) + self.started()
+
+    def started(self) -> list[str]:
+        # The requests its pool took. Celery keeps them through a reconnect (Consumer.on_close), and their runs go on,
+        # except those it cancels then for the broker to deliver again (worker_cancel_long_running_tasks_on_connection_
+        # loss: nothing settles a cancelled run, and its job goes back, as Celery means it to).
+        return self._jobs_of(
+            [request for request in list(worker_state.active_requests) if not _cancelled_on_reconnect(request)]
+        )
+
+    def _jobs_of(self, requests: list[Any]) -> list[str]:
+        held = (
+            getattr(request, "request_dict", None) or {} for request in requests if not self._run_by_the_gone(request)
+        )
+        return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
+
+    def _run_by_the_gone(self, request: Any) -> bool:
+        """Whether the pool process that took `request` has ended. Celery reports such a request at once (a
+        WorkerLostError failure), except where its pool no longer knew the process ran it: on Celery 5.4 to 5.6 a
+        reconnect's `AsynPool.flush` can forget the jobs under way, and the request then stays in the worker's state
+        for good. Its job must not keep a lease no run will settle: left to lapse, the stale sweep runs it again."""
+        pid = getattr(request, "worker_pid", None)
+        if not self.forks or not isinstance(pid, int) or pid <= 0 or pid == os.getpid():  # not taken yet
+            return False
+        try:
+            os.kill(pid, 0)  # asks whether the process exists, sends nothing
+        except ProcessLookupError:
+            return True
+        except (OSError, OverflowError, ValueError):  # another user's (a pid taken again), or no pid at all
+            return False
+        return False
 
 
 def _cancelled_on_reconnect(request: Any) -> bool:
@@ -60,28 +91,6 @@ def _cancelled_on_reconnect(request: Any) -> bool:
     task = getattr(request, "task", None)
     cancels = bool(getattr(getattr(task, "app", None), "conf", {}).get(CANCEL_ON_CONNECTION_LOSS))
     return cancels and bool(getattr(task, "acks_late", False)) and not getattr(request, "acknowledged", False)
-
-
-def _jobs_of(requests: Iterable[Any]) -> list[str]:
-    held = (getattr(request, "request_dict", None) or {} for request in list(requests) if not _run_by_the_gone(request))
-    return [str(headers[JOB_ID_HEADER]) for headers in held if headers.get(JOB_ID_HEADER)]
-
-
-def _run_by_the_gone(request: Any) -> bool:
-    """Whether the pool process that took `request` has ended. Celery reports such a request at once (a
-    WorkerLostError failure), except where its pool no longer knew the process ran it: on Celery 5.4 to 5.6 a
-    reconnect's `AsynPool.flush` forgets the jobs under way, and the request then stays in the worker's state for
-    good. Its job must not keep a lease no run will settle: left to lapse, the stale sweep runs it again."""
-    pid = getattr(request, "worker_pid", None)
-    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():  # not taken yet, or run in this process
-        return False
-    try:
-        os.kill(pid, 0)  # asks whether the process exists, sends nothing
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists, as another user's (a pid taken again): not ours to judge
-        return False
-    return False
 
 
 class _ScrubSecrets(logging.Filter):
@@ -159,10 +168,12 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     install(sender.app)
     # The requests this worker holds keep their leases, and what it still holds at exit is released. A consumer
     # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
-    add_process_source(_reserved_jobs)
-    add_started_source(_started_jobs)
+    forks = _forks_its_pool(sender)
+    held = _HeldRequests(forks=forks)
+    add_process_source(held.reserved)
+    add_started_source(held.started)
     # The pool processes it forks settle through this process: their settles go out together (settles.py).
-    if _forks_its_pool(sender):
+    if forks:
         app = sender.app
         try:
             linger = BrokerOptions.parse(app.conf.broker_transport_options).settle_linger
@@ -198,8 +209,9 @@ def _say_what_the_pool_cannot_do(sender: Any = None, **_: Any) -> None:
     """One line at start where the started pool cannot end a running task (Celery's threads and solo pools, and
     gevent's before Celery 5.5): a terminating revoke then lets the task run to its end, and its job settles as the
     task ends, on every broker; Celery itself says so only when a revoke comes. One more where the pool forgets its
-    busy processes on a reconnect (prefork before Celery 5.7, unless the reconnect cancels the running tasks): Celery
-    says nothing of it, and a task that waits behind a long one looks stuck."""
+    busy processes on a reconnect (prefork before Celery 5.7; worker_cancel_long_running_tasks_on_connection_loss
+    cancels only the tasks acked late): Celery says nothing of it, and a task that waits behind a long one looks
+    stuck."""
     pool = getattr(sender, "pool", None)
     if pool is None or app_stores.broker_url(sender.app) is None:
         return
@@ -210,15 +222,12 @@ def _say_what_the_pool_cannot_do(sender: Any = None, **_: Any) -> None:
             celery.__version__,
             kind,
         )
-    if not upstream_celery.pool_remembers_busy_processes_through_a_reconnect(pool) and not sender.app.conf.get(
-        CANCEL_ON_CONNECTION_LOSS
-    ):
+    if not upstream_celery.pool_remembers_busy_processes_through_a_reconnect(pool):
         logger.warning(
             "bb_broker: Celery %s's %s pool may queue a task behind a running one after a lost broker connection "
-            "(fixed in Celery 5.7; %s=True avoids it)",
+            "(fixed in Celery 5.7)",
             celery.__version__,
             kind,
-            CANCEL_ON_CONNECTION_LOSS,
         )
 
 

@@ -161,6 +161,20 @@ def test_unknown_task_fails_at_once_naming_it(app, db, worker_factory) -> None:
     assert outcomes(db, task_id) == ["failed"]  # its attempt is recorded by that same write
 
 
+def test_a_task_running_longer_than_its_lease_keeps_its_job_and_runs_once(app, db, worker_factory) -> None:
+    # The worker's lease keeper renews the job while it runs, on every pool. On gevent and eventlet a request's
+    # worker_pid is a greenlet's id, which the keeper once took for a process id: os.kill raised OverflowError, the
+    # keeper's thread ended, and the stale sweep gave the job to a second run.
+    stale_after = 3.0
+    worker_factory(options={"stale_after": stale_after})
+    # Every worker of a fleet sweeps: a second one, on a queue of its own, takes back a job whose lease lapsed.
+    worker_factory(options={"stale_after": stale_after}, pool="prefork", extra_args=("-Q", "elsewhere"))
+    task_id = send(app, "sleep", 4 * stale_after)
+    done = wait_for(settled(db, task_id, "succeeded"), timeout=90, message="the long task succeeded")
+    assert done["attempts"] == 1 and outcomes(db, task_id) == ["succeeded"], done
+    assert db.runs.count_documents({"taskId": task_id, "phase": "start"}) == 1
+
+
 def test_revoke_ends_failed(app, db, worker_factory, request: pytest.FixtureRequest) -> None:
     pool = request.node.callspec.params["worker_factory"]
     # Celery's threads pool never ends a running task, gevent's only from 5.5.0: a terminating revoke lets it finish.

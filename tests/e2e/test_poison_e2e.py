@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -124,8 +125,9 @@ def test_a_job_failed_at_its_claim_tells_the_apps_own_result_backend(
 ) -> None:
     # A worker never receives such a task, so a result backend of the app's own (Redis, a database, files) was told
     # nothing: its result stayed PENDING, and `get()` without a timeout waited for ever.
-    backend = f"file://{tmp_path / 'results'}"
-    (tmp_path / "results").mkdir()
+    results = tmp_path / "results"
+    results.mkdir()
+    backend = f"file://{results}"
     poisoned = {
         "header 'timelimit'": {"$set": {"payload.headers.timelimit": "x"}},  # a message Celery would choke on
         "stored message is unreadable": {"$set": {"payload": "add(1, 2)"}},  # no stored message at all
@@ -134,8 +136,13 @@ def test_a_job_failed_at_its_claim_tells_the_apps_own_result_backend(
     for said, change in poisoned.items():
         task_ids[said] = send(app, "add", 1, 2)
         assert db.jobs.update_one({"taskId": task_ids[said]}, change).modified_count == 1, said
+    # One more, whose result a backend that does not answer keeps: the file backend writes into a pipe no one reads.
+    hanging = send(app, "add", 1, 2)
+    assert db.jobs.update_one({"taskId": hanging}, {"$set": {"payload.headers.retries": -1}}).modified_count == 1
+    os.mkfifo(results / f"celery-task-meta-{hanging}")
     sentinel = send(app, "add", 20, 22)
     worker_factory(env={"BB_RESULT_BACKEND": backend})
+    # The worker's event loop does not wait on that backend: the job behind runs.
     wait_for(settled(db, sentinel, "succeeded"), timeout=120, message="the job behind the poison ones")
     reader = producer(app.conf.broker_url)
     reader.conf.result_backend = backend
@@ -148,6 +155,31 @@ def test_a_job_failed_at_its_claim_tells_the_apps_own_result_backend(
             assert reader.AsyncResult(task_id).state == "FAILURE"
     finally:
         reader.close()
+    # Its telling waits on the pipe, off the loop (Celery's backend first reads what the task has stored), and is
+    # made once the backend answers: nothing stored yet, then its FAILURE written.
+    fifo = results / f"celery-task-meta-{hanging}"
+    os.close(wait_for(lambda: _opened(fifo, os.O_WRONLY), message="the telling waits on the backend's answer"))
+    pipe = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        told = wait_for(lambda: _read_some(pipe), message="the waiting telling written")
+    finally:
+        os.close(pipe)
+    assert b"FAILURE" in told and b"header 'retries'" in told, told
+
+
+def _opened(fifo: Path, mode: int) -> int | None:
+    """The pipe opened without waiting, once the other end is open (a writer's open fails until a reader waits)."""
+    try:
+        return os.open(fifo, mode | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)  # nothing (no writer yet) until the writer has written
+    except BlockingIOError:
+        return b""
 
 
 #: Deeper than any JSON decoder's recursion allows: 100,000 nested lists, 200 KB.

@@ -312,14 +312,19 @@ def test_the_backend_methods_bbmongo_implements_keep_their_parameters() -> None:
 
 
 def test_the_worker_lists_the_requests_it_holds() -> None:
-    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/startup.py:_reserved_jobs keeps
-    # their leases fresh from them, and _started_jobs keeps a closed consumer from giving back a job that runs on).
+    # Not a patch: public names, but of Celery's worker internals (bb_broker/worker/startup.py:_HeldRequests: its
+    # reserved() keeps their leases fresh from them, its started() keeps a closed consumer from giving back a job that
+    # runs on, and a request's worker_pid tells it whose run is gone).
     from celery.worker import state
     from celery.worker.request import Request
 
     assert hasattr(state.reserved_requests, "__iter__") and isinstance(Request.request_dict, property), (
         "celery.worker.state.reserved_requests or Request.request_dict changed: Celery changed how a worker lists the "
-        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/startup.py:_reserved_jobs"
+        "requests it holds, and their jobs' leases would go stale; see bb_broker/worker/startup.py:_HeldRequests"
+    )
+    assert "worker_pid" in source(Request.on_accepted), (
+        "Request.on_accepted no longer records the pool process that took the request (worker_pid); see "
+        "bb_broker/worker/startup.py:_HeldRequests._run_by_the_gone"
     )
     from celery.app import defaults
 
@@ -329,7 +334,7 @@ def test_the_worker_lists_the_requests_it_holds() -> None:
     ), "Celery's cancel-on-reconnect setting or Request.acknowledged changed; see bb_broker/worker/startup.py"
     assert hasattr(state.active_requests, "__iter__"), (
         "celery.worker.state.active_requests changed: Celery changed how a worker lists the requests its pool runs, "
-        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/startup.py:_started_jobs"
+        "and a reconnect would give their jobs back to run twice; see bb_broker/worker/startup.py:_HeldRequests"
     )
 
 
