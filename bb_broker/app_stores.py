@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import reprlib
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from bb_broker import connection
@@ -201,18 +202,49 @@ def store_never_run(backend: Any, task_id: str, error: BaseException) -> None:
         logger.warning("task %s will never run, but its result backend could not be told: %s", task_id, exc)
 
 
-#: At most this many tellings of result backends wait on them at once (tell_of_undeliverable_job), each in a thread
-#: of its own: the worker's event loop must not wait on a backend that does not answer (Redis's socket timeout and
-#: retries hold a caller for minutes), and a flood of refused jobs must not start a thread each.
-TELLINGS_AT_ONCE = 4
-_tellings = threading.BoundedSemaphore(TELLINGS_AT_ONCE)
+#: At most this many tellings of result backends wait for their thread (tell_of_undeliverable_job): beyond, one is
+#: dropped, said in one line (each holds up to a lastError's text).
+QUEUED_TELLINGS = 1000
+
+
+class _Tellings:
+    """The tellings of result backends of the jobs a claim refused, made in their order by one thread of their own,
+    `bb-undeliverable-telling`, started at the first: the worker's event loop must not wait on a backend that does
+    not answer (Redis's socket timeout and retries hold a caller for minutes). The thread owns the backends it reads
+    (Celery builds one per thread: built once there, not once per telling)."""
+
+    def __init__(self) -> None:
+        self._waiting: queue.Queue[Callable[[], None]] = queue.Queue(maxsize=QUEUED_TELLINGS)
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+
+    def add(self, tell: Callable[[], None], task_id: str | None) -> None:
+        try:
+            self._waiting.put_nowait(tell)
+        except queue.Full:
+            logger.warning(
+                "job of task %s cannot be delivered, and its result backend is not told: %d tellings wait already",
+                task_id,
+                QUEUED_TELLINGS,
+            )
+            return
+        with self._starting:
+            if self._thread is None:
+                self._thread = start_supervised("bb-undeliverable-telling", self._tell_each)
+
+    def _tell_each(self) -> None:
+        while True:
+            self._waiting.get()()
+
+
+_tellings = _Tellings()
 
 
 @reset_in_child
 def _forget_parent_tellings() -> None:
-    # A telling thread of the parent's holds its place, and does not run in the child to give it back.
+    # The parent's thread does not run in the child, and its queue's lock may have been held at the fork.
     global _tellings
-    _tellings = threading.BoundedSemaphore(TELLINGS_AT_ONCE)
+    _tellings = _Tellings()
 
 
 def tell_of_undeliverable_job(store: JobStore, task_id: str | None, reason: str, chord_body: str | None) -> None:
@@ -221,9 +253,8 @@ def tell_of_undeliverable_job(store: JobStore, task_id: str | None, reason: str,
     ever receives its task, and their waiters would wait for ever. FAILURE with `reason` for `task_id` (None: no task
     id a result can be stored under, task_id_of) in each backend of the app's own (bbmongo:// needs nothing: its
     results are the job documents); Celery's ChordError for `chord_body`, the body of a chord whose header held the
-    job (its part is never counted), in every backend. Told in a thread of its own, `bb-undeliverable-telling` (at
-    most TELLINGS_AT_ONCE at a time), which owns the backends it reads (Celery's are per thread); `reason` scrubbed
-    of the broker's credentials and cut to the length a job's lastError has."""
+    job (its part is never counted), in every backend. Told by the telling thread (_Tellings), `reason` scrubbed of
+    the broker's credentials and cut to the length a job's lastError has."""
     if "celery" not in sys.modules:
         return  # a Kombu client: no Celery app, no result backend
     text = scrub(reason, store.secrets)[: lifecycle.MAX_ERROR_LENGTH]
@@ -231,16 +262,9 @@ def tell_of_undeliverable_job(store: JobStore, task_id: str | None, reason: str,
     every = _apps_with_a_backend(store) if chord_body is not None else []
     if not own and not every:
         return
-    if not _tellings.acquire(blocking=False):
-        logger.warning(
-            "job of task %s cannot be delivered, and its result backend is not told: %d tellings wait on it already",
-            task_id,
-            TELLINGS_AT_ONCE,
-        )
-        return
 
     def tell() -> None:
-        # Once, whatever happens: restarted by its supervisor, it would give its place back twice.
+        # Never raises: the thread goes on to the next telling.
         from celery.exceptions import ChordError
 
         try:
@@ -251,7 +275,5 @@ def tell_of_undeliverable_job(store: JobStore, task_id: str | None, reason: str,
                 store_never_run(app.backend, str(chord_body), error)
         except Exception as exc:  # an app's backend that cannot even be built: the user's to fix, said once
             logger.warning("job of task %s cannot be delivered, and its result backend is not told: %s", task_id, exc)
-        finally:
-            _tellings.release()
 
-    start_supervised("bb-undeliverable-telling", tell)
+    _tellings.add(tell, task_id)

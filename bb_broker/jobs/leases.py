@@ -276,6 +276,9 @@ def _snapshot(source: LiveJobs) -> list[str]:
             return [job_id for job_id in source() if job_id]
         except RuntimeError:
             continue
+        except Exception:  # one source's fault must not stop the heartbeats of every other job of the process
+            logger.exception("bb_broker: the jobs held by %r could not be read: their leases are not renewed", source)
+            return []
     return []
 
 

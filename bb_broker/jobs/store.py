@@ -456,6 +456,14 @@ class JobStore(Sweeps):
         recorded = {**held, "history": {"$elemMatch": entry}}
         return self._through_outages(lambda: self.coll.find_one(recorded, {"_id": 1})) is not None
 
+    def failed_with(self, job_id: str, attempts: int, error: str) -> bool:
+        """Whether the job ended `failed` at `attempts` with `error` as fail() stores it: where fail() returned None
+        because its write had landed before an answer was lost (the try after it found the fence gone), the job
+        is still this caller's failure."""
+        last_error = self._scrub(error)[: lifecycle.MAX_ERROR_LENGTH]
+        failed = {"_id": job_id, "status": lifecycle.FAILED, "attempts": attempts, "lastError": last_error}
+        return self._through_outages(lambda: self.coll.find_one(failed, {"_id": 1})) is not None
+
     def attempt_recorded(self, job_id: str, attempts: int) -> bool:
         """Whether the held attempt has its history entry already (its broker retry recorded the failure)."""
         doc = self.coll.find_one(

@@ -520,14 +520,15 @@ class Channel(virtual.Channel):
             except PayloadError as exc:
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 reason = f"stored message is unreadable: {exc}"
-                if self.jobs.fail(job.id, job.attempts, reason, retryable=False) is not None:
+                failed = self.jobs.fail(job.id, job.attempts, reason, retryable=False) is not None
+                if failed or self.jobs.failed_with(job.id, job.attempts, reason):
                     tell_of_undeliverable_job(self.jobs, task_id_of(job.task_id), reason, chord_body=None)
                 continue
             except MalformedTaskMessage as exc:
                 # Handed to Celery, it would end the worker (or fail every attempt the same way): its own job fails,
                 # once, and the queue behind it moves on.
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
-                if self.claimer.fail_undeliverable(job, str(exc)):  # not where a revoke or a sweep came first
+                if self.claimer.fail_undeliverable(job, str(exc)):  # not where a sweep or an operator came first
                     tell_of_undeliverable_job(
                         self.jobs, task_id_of(job.task_id), str(exc), chord_body=chord_body_id(job.payload)
                     )

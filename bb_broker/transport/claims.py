@@ -457,7 +457,7 @@ class Claimer:
 
     def fail_undeliverable(self, job: Claimed, reason: str) -> bool:
         """Fail a claimed job whose message Celery cannot take, once: an attempt that never started. False where the
-        attempt was no longer the job's (a revoke or a sweep wrote first), and nothing was written."""
+        attempt was no longer the job's (a sweep or an operator wrote first), and this failed nothing."""
         entry = attempt_entry(
             job.attempts,
             worker=self._channel.owner,
@@ -466,7 +466,9 @@ class Claimer:
             outcome="failed",
             error=reason,
         )
-        return self._channel.jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry) is not None
+        jobs = self._channel.jobs
+        failed = jobs.fail(job.id, job.attempts, reason, retryable=False, attempt=entry) is not None
+        return failed or jobs.failed_with(job.id, job.attempts, reason)
 
     def release(self, jobs: Collection[Claimed]) -> None:
         """Give back claimed jobs that never started (release_job)."""

@@ -42,7 +42,8 @@ def install(app: Any) -> None:
 
 class _HeldRequests:
     """The jobs of the requests this worker holds, as the lease keeper's thread reads them (jobs/leases.py): Celery's
-    main thread changes `celery.worker.state`'s sets meanwhile, so each is copied (list()) before it is read.
+    main thread changes `celery.worker.state`'s sets meanwhile, so each is copied (list()) before it is read; a copy
+    torn by such a change raises RuntimeError, and the keeper reads again (leases._snapshot).
     `forks`: the worker's pool is processes forked from this one (prefork), whose ids a request's `worker_pid` holds;
     the green pools put a greenlet's id there, the threads and solo pools this process's."""
 

@@ -186,6 +186,19 @@ def test_failures_back_off_then_fail_on_the_final_attempt(store: JobStore, clock
     assert doc["status"] == "failed" and doc["lastError"] == "boom" and doc["attempts"] == 3
 
 
+def test_a_fail_written_before_its_answer_was_lost_is_still_its_callers(store: JobStore, db: Database) -> None:
+    # fail() answers None where a try after a lost answer found the fence gone: its own write had landed. A claim that
+    # refused the job's message asks failed_with before it tells the app's result backend (transport/channel.py).
+    publish(store, "t")
+    job = store.claim("celery", "w")
+    refused = "malformed message: header 'x' must be a list, got " + "'x'" * 1000  # stored cut to a lastError's length
+    assert store.fail(job.id, job.attempts, refused, retryable=False)
+    assert store.fail(job.id, job.attempts, refused, retryable=False) is None
+    assert store.failed_with(job.id, job.attempts, refused)
+    assert not store.failed_with(job.id, job.attempts, "another failure")
+    assert not store.failed_with(job.id, job.attempts + 1, refused)
+
+
 def test_a_late_write_from_a_lost_lease_changes_nothing(store: JobStore, clock: FakeClock, db: Database) -> None:
     job_id = publish(store)
     first = store.claim("celery", "old-worker")

@@ -132,10 +132,10 @@ def test_a_job_failed_at_its_claim_tells_the_apps_own_result_backend(
         "header 'timelimit'": {"$set": {"payload.headers.timelimit": "x"}},  # a message Celery would choke on
         "stored message is unreadable": {"$set": {"payload": "add(1, 2)"}},  # no stored message at all
     }
-    task_ids = {}
+    task_ids: dict[str, list[str]] = {}
     for said, change in poisoned.items():
-        task_ids[said] = send(app, "add", 1, 2)
-        assert db.jobs.update_one({"taskId": task_ids[said]}, change).modified_count == 1, said
+        task_ids[said] = [send(app, "add", 1, 2) for _ in range(4)]  # claimed in a batch: told one after the other
+        assert db.jobs.update_many({"taskId": {"$in": task_ids[said]}}, change).modified_count == 4, said
     # One more, whose result a backend that does not answer keeps: the file backend writes into a pipe no one reads.
     hanging = send(app, "add", 1, 2)
     assert db.jobs.update_one({"taskId": hanging}, {"$set": {"payload.headers.retries": -1}}).modified_count == 1
@@ -147,12 +147,13 @@ def test_a_job_failed_at_its_claim_tells_the_apps_own_result_backend(
     reader = producer(app.conf.broker_url)
     reader.conf.result_backend = backend
     try:
-        for said, task_id in task_ids.items():
-            failed = wait_for(settled(db, task_id, "failed"), message=f"{said}: its job failed")
-            assert said in failed["lastError"], failed["lastError"]
-            with pytest.raises(Exception, match=re.escape(said)):
-                reader.AsyncResult(task_id).get(timeout=30)
-            assert reader.AsyncResult(task_id).state == "FAILURE"
+        for said, ids in task_ids.items():
+            for task_id in ids:
+                failed = wait_for(settled(db, task_id, "failed"), message=f"{said}: its job failed")
+                assert said in failed["lastError"], failed["lastError"]
+                with pytest.raises(Exception, match=re.escape(said)):
+                    reader.AsyncResult(task_id).get(timeout=30)
+                assert reader.AsyncResult(task_id).state == "FAILURE"
     finally:
         reader.close()
     # Its telling waits on the pipe, off the loop (Celery's backend first reads what the task has stored), and is
