@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -25,9 +26,12 @@ from tests.support.workers import job, send, settled, wait_for
 SWEEPING = {"stale_after": 10.0}
 
 
-def hand_written(db: Database, app: Any, **changes: Any) -> dict[str, Any]:
-    """A copy of a real job of task `add`, queued on `celery`, with `changes` (a `None` value removes the field),
-    inserted as another program would; its task id is the one its payload's headers carry."""
+def hand_written(
+    db: Database, app: Any, edit: Callable[[dict[str, Any]], None] | None = None, **changes: Any
+) -> dict[str, Any]:
+    """A copy of a real job of task `add`, queued on `celery`, with `changes` (a `None` value removes the field) and
+    then `edit(doc)` applied, inserted in one write as another program would: a running worker never sees it half
+    made. Its task id is the one its payload's headers carry."""
     parked = send(app, "add", 1, 2, queue="parked")  # a queue no worker reads: the template never runs
     doc = db.jobs.find_one_and_delete({"taskId": parked})
     doc |= {"_id": f"hand-{parked}", "queue": "celery", "runAfter": datetime.now(UTC) - timedelta(seconds=1)}
@@ -36,6 +40,8 @@ def hand_written(db: Database, app: Any, **changes: Any) -> dict[str, Any]:
             doc.pop(name, None)
         else:
             doc[name] = value
+    if edit is not None:
+        edit(doc)
     db.jobs.insert_one(doc)
     return doc
 
