@@ -520,8 +520,7 @@ class Channel(virtual.Channel):
             except PayloadError as exc:
                 logger.error("job %s cannot be delivered: %s", job.id, exc)
                 reason = f"stored message is unreadable: {exc}"
-                failed = self.jobs.fail(job.id, job.attempts, reason, retryable=False) is not None
-                if failed or self.jobs.failed_with(job.id, job.attempts, reason):
+                if self.claimer.fail_undeliverable(job, reason):
                     tell_of_undeliverable_job(self.jobs, task_id_of(job.task_id), reason, chord_body=None)
                 continue
             except MalformedTaskMessage as exc:

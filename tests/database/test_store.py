@@ -188,7 +188,7 @@ def test_failures_back_off_then_fail_on_the_final_attempt(store: JobStore, clock
 
 def test_a_fail_written_before_its_answer_was_lost_is_still_its_callers(store: JobStore, db: Database) -> None:
     # fail() answers None where a try after a lost answer found the fence gone: its own write had landed. A claim that
-    # refused the job's message asks failed_with before it tells the app's result backend (transport/channel.py).
+    # refused the job's message asks failed_with before it tells the app's result backend (transport/claims.py).
     publish(store, "t")
     job = store.claim("celery", "w")
     refused = "malformed message: header 'x' must be a list, got " + "'x'" * 1000  # stored cut to a lastError's length

@@ -156,9 +156,10 @@ def test_a_nonsense_entry_is_skipped_and_logged_while_the_others_keep_running(
 ) -> None:
     store = ScheduleStore(db, ServerClock(db))
     store.add("unknown-task", "tests.support.e2e_app.no_such_task", 1.0)
-    beat = beat_factory()
+    # Made nonsense before the beat starts: a beat running between the add and the edit would send its first slot.
     store.add("edited", "tests.support.e2e_app.add", 1.0, args=[3, 4])
     db.bb_schedules.update_one({"_id": "edited"}, {"$set": {"schedule": {"every": "soon"}}})
+    beat = beat_factory()
     wait_for(lambda: len(slot_jobs(db)) >= 5, 30, "5 slots of the good entry")
     wait_for(lambda: "entry 'edited': every must be a number" in beat.log(), 30, "the edited entry logged")
     assert "unknown task 'tests.support.e2e_app.no_such_task'" in beat.log()
@@ -251,8 +252,9 @@ def test_entries_added_disabled_enabled_changed_and_removed_at_run_time_take_eff
     wait_for(ticks_after(3), 30, "3 more slots of the enabled entry")
     assert len(slot_jobs(db, "other")) == stopped, "a disabled entry sent a job"
 
-    store.set_enabled("other", True)
+    # Changed while disabled, then enabled: enabled first, a look between the two writes sends a 1-second slot.
     store.change("other", schedule={"every": 2.0})
+    store.set_enabled("other", True)
     wait_for(lambda: len(slot_jobs(db, "other")) >= stopped + 3, 30, "the re-enabled entry's slots")
     recent = slot_jobs(db, "other")[stopped:]
     assert_one_job_per_slot(recent, every=timedelta(seconds=2))

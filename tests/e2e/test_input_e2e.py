@@ -31,6 +31,9 @@ def test_a_payload_corrupted_in_the_collection_fails_that_job_only(app, db, work
     worker_factory()
     failed = wait_for(settled(db, corrupted, "failed"), message="corrupted job failed")
     assert "stored message is unreadable" in failed["lastError"]
+    # Its attempt never started, and its history says so, as for every message a claim refuses.
+    (entry,) = failed["history"]
+    assert entry["outcome"] == "failed" and entry["startedAt"] is None and entry["error"] == failed["lastError"]
     wait_for(settled(db, fine, "succeeded"), message="the other job ran")
 
 

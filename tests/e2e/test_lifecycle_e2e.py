@@ -180,7 +180,7 @@ def test_revoke_ends_failed(app, db, worker_factory, request: pytest.FixtureRequ
     # Celery's threads pool never ends a running task, gevent's only from 5.5.0: a terminating revoke lets it finish.
     ends_running = pool == "prefork" or (pool == "gevent" and celery.VERSION >= (5, 5))
     worker = worker_factory()
-    waiting = send(app, "add", 1, 2, countdown=2)
+    waiting = send(app, "add", 1, 2, countdown=600)  # never due in the test: only the revoke settles it
     app.control.revoke(waiting)
     running = send(app, "sleep", 30 if ends_running else 3)
     wait_for(lambda: db.runs.find_one({"taskId": running}), message="sleep started")

@@ -275,7 +275,7 @@ def test_a_reject_without_requeue_fails_at_once(results_app, results_worker, db:
 
 def test_revoke_makes_get_raise(results_app, results_worker):
     results_worker()
-    result = results_app.send_task(T + "add", args=(1, 2), countdown=3)
+    result = results_app.send_task(T + "add", args=(1, 2), countdown=600)  # never due in the test
     result.revoke()
     with pytest.raises(TaskRevokedError):
         result.get(timeout=60)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pymongo.database import Database
 
 from bb_broker.jobs.store import JobStore
@@ -11,7 +13,9 @@ from tests.support.workers import job, send, settled, wait_for
 
 def test_a_revoked_queued_job_never_runs_even_after_every_worker_restarts(app, db: Database, worker_factory) -> None:
     first = worker_factory()
-    doomed = send(app, "add", 1, 1, countdown=3)
+    # Due in 10 s: the revoke lands first even on a loaded machine (the worker would run a job due at once).
+    sent = time.monotonic()
+    doomed = send(app, "add", 1, 1, countdown=10)
     app.control.revoke(doomed)
     # At once, in the revoker's process: no worker needs to be up, or to stay up, for it to hold.
     revoked = job(db, doomed)
@@ -19,7 +23,7 @@ def test_a_revoked_queued_job_never_runs_even_after_every_worker_restarts(app, d
 
     first.kill()
     worker_factory()  # a new worker, which never heard of the revoke
-    marker = send(app, "add", 2, 2, countdown=3)  # due after the revoked one
+    marker = send(app, "add", 2, 2, countdown=max(1.0, 11 - (time.monotonic() - sent)))  # due after the revoked one
     wait_for(settled(db, marker, "succeeded"), message="a job due after the revoked one ran")
     assert job(db, doomed)["status"] == "failed" and db.runs.count_documents({"taskId": doomed}) == 0
 
