@@ -193,6 +193,7 @@ def _delayed_jobs(queue: str, count: int, due: datetime) -> list[dict[str, Any]]
     ]  # fmt: skip
 
 
+@pytest.mark.timeout(1200)  # 22,000 jobs into the indexes: over 300 s on a 2-core machine at a load of 45
 def test_delayed_jobs_of_a_queue_it_does_not_consume_cost_its_worker_no_memory(broker_url, db, worker_factory) -> None:
     # The change stream tells every worker of every job: each kept a timer per future runAfter before it looked at
     # the queue, 170 bytes a job in every worker (8.4 MB for 50,000 jobs scheduled a day ahead on another queue).
@@ -204,7 +205,7 @@ def test_delayed_jobs_of_a_queue_it_does_not_consume_cost_its_worker_no_memory(b
     def seen_by_the_worker(batch: str) -> None:
         # The stream is ordered: once the worker ran a task published after the jobs, it was told of each of them.
         task_id = send(app, "add", 1, 1)
-        wait_for(settled(db, task_id, "succeeded"), timeout=120, message=f"a task after the {batch} jobs")
+        wait_for(settled(db, task_id, "succeeded"), timeout=600, message=f"a task after the {batch} jobs")
 
     # A first round settles the worker's memory (its reads, its pools) at what jobs on another queue make it.
     db.jobs.insert_many(_delayed_jobs("warm-up", 2_000, tomorrow))
