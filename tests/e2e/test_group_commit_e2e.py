@@ -105,7 +105,9 @@ def test_a_prefork_workers_main_process_writes_the_settles_of_both_pool_processe
     log = tmp_path / "settles.log"
     app = producer(url)
     ids = [send(app, "sleep", 0) for _ in range(TASKS)]
-    fail_point(client, 200, failCommands=["update"], blockConnection=True, blockTimeMS=100)
+    # Each settle write held half a second: the tasks that end meanwhile, even on a machine too loaded to run one in
+    # 100 ms (25 writes for 40 tasks at 100 ms, load 45), wait for the next write together.
+    fail_point(client, 200, failCommands=["update"], blockConnection=True, blockTimeMS=500)
     worker = start_worker(url, tmp_path, "w0", concurrency=2, env={"BB_TEST_SETTLE_LOG": str(log)})
     wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "succeeded"}) == TASKS,
              timeout=120, message="the tasks succeeded")  # fmt: skip
