@@ -215,13 +215,19 @@ def test_queues_pool_and_rate_limit_from_flower(app, db, worker_factory, flower_
     # Queues: consuming one more runs its jobs; cancelling it leaves them queued in MongoDB.
     answer = flower.post(f"/api/worker/queue/add-consumer/{name}", queue="reports")
     assert answer == {"message": "add consumer reports"}
-    assert {q["name"] for q in flower.worker(name)["active_queues"]} == {"celery", "reports"}
+
+    # The worker answers a control before its loop acts on it (Celery's add_consumer and cancel_consumer call soon):
+    # Flower's next inspect may come first on a loaded machine.
+    def consumed() -> set[str]:
+        return {q["name"] for q in flower.worker(name)["active_queues"]}
+
+    wait_for(lambda: consumed() == {"celery", "reports"}, message="the worker consumes reports, as Flower shows it")
     report = send(app, "add", 3, 3, queue="reports")
     assert wait_for(settled(db, report, "succeeded"), message="reports job ran")["queue"] == "reports"
 
     answer = flower.post(f"/api/worker/queue/cancel-consumer/{name}", queue="reports")
     assert answer == {"message": "no longer consuming from reports"}
-    assert [q["name"] for q in flower.worker(name)["active_queues"]] == ["celery"]
+    wait_for(lambda: consumed() == {"celery"}, message="the worker no longer consumes reports, as Flower shows it")
     parked = send(app, "add", 4, 4, queue="reports")
     after = send(app, "add", 5, 5)
     wait_for(settled(db, after, "succeeded"), message="a celery job sent after it ran")

@@ -24,7 +24,9 @@ from tests.support.readme import README_URL, block, commands, inline_command
 from tests.support.workers import ROOT, Worker, kill_group
 
 # The session's one build and venv serve every test here: under xdist they all run in one pytest process.
-pytestmark = pytest.mark.xdist_group("built_artefacts")
+# The first test of the group pays for the session's build and fresh venv (an install from the index): over 300 s
+# on a 2-core machine at a load of 100, where the quick start itself then ran out of time.
+pytestmark = [pytest.mark.xdist_group("built_artefacts"), pytest.mark.timeout(1200)]
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 #: The dependencies' wheels, kept between runs: each run resolves against PyPI as a user's install does, and fetches

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from flower.views import BaseHandler
+from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError, ServerSelectionTimeoutError
 from pymongo.uri_parser import parse_uri
 
@@ -33,6 +34,17 @@ def describe(exc: PyMongoError, target: BrokerTarget) -> str:
     if isinstance(exc, OperationFailure):
         return scrub(str((exc.details or {}).get("errmsg") or exc), target.secrets)
     return scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", target.secrets)
+
+
+def _refusal_behind(exc: PyMongoError, client: MongoClient) -> PyMongoError:
+    """`exc`, or the login refusal behind it where it is a server selection that timed out: pymongo marks a server
+    whose handshake refused the login unknown, with that refusal as its error, and on a loaded machine the next
+    selection can time out on it before a connection raises the refusal itself."""
+    if isinstance(exc, ServerSelectionTimeoutError):
+        for server in client.topology_description.server_descriptions().values():
+            if server.error is not None and is_authentication_failure(server.error):
+                return server.error
+    return exc
 
 
 class BrokerHealth:
@@ -62,11 +74,12 @@ class BrokerHealth:
 
     def check(self) -> str | None:
         """Ping the broker's database now (authenticating, as every connection does); its problem, or None."""
+        database = get_database(self.target, **self._options)
         try:
-            get_database(self.target, **self._options).command("ping")
+            database.command("ping")
             self.problem = None
         except PyMongoError as exc:
-            self.problem = describe(exc, self.target)
+            self.problem = describe(_refusal_behind(exc, database.client), self.target)
         self.checked.set()
         return self.problem
 
