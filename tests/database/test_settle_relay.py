@@ -15,7 +15,7 @@ from pymongo import MongoClient
 from bb_broker.jobs.settles import Settle, SettleRelay
 from bb_broker.jobs.store import JobStore
 from tests.support.faults import fail_point
-from tests.support.store import CommandLog, held_jobs, send_from_a_child, settles_sent
+from tests.support.store import CommandLog, held_jobs, send_from_a_child, send_from_children_at_once, settles_sent
 from tests.support.workers import wait_for
 
 
@@ -141,16 +141,15 @@ def test_a_settle_waits_for_the_next_when_settles_come_close_together(
     relay.hold_gaps = 0.5  # a wait shorter than the gap: each of the first four ends before the next comes
     ids = held_jobs(store, 7)
     log.commands.clear()
-    # Settles half a second apart: each written alone (the first with no gap before it to go by, the others after
-    # a wait of about a quarter of a second that the next does not come in).
+    # Settles a second apart: each written alone (the first with no gap before it to go by, the others after a
+    # wait of about half a second that the next does not come in).
     for count, job_id in enumerate(ids[:4], start=1):
         send_from_a_child(relay, [store.success(job_id, 1)])
         alone = [1] * count
         wait_for(lambda alone=alone: settles_sent(log) == alone, message=f"settle {count} written")
-        time.sleep(0.5)
-    # Three tasks that end a fork apart, each in its own pool process: one write (the wait goes on after the
-    # second, for as long again).
-    for job_id in ids[4:]:
-        send_from_a_child(relay, [store.success(job_id, 1)])
+        time.sleep(1.0)
+    # Three tasks that end together, each in its own pool process: one write (the wait goes on after the second,
+    # for as long again).
+    send_from_children_at_once(relay, [store.success(job_id, 1) for job_id in ids[4:]])
     wait_for(lambda: store.coll.count_documents({"_id": {"$in": ids}, "status": "succeeded"}) == 7)
     assert settles_sent(log) == [1, 1, 1, 1, 3]

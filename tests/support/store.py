@@ -103,6 +103,26 @@ def settles_sent(log: CommandLog) -> list[int]:
     return [len(c["updates"]) for c in log.commands if "update" in c and "attempts" in c["updates"][0]["q"]]
 
 
+def send_from_children_at_once(relay: SettleRelay, settles: list[Settle]) -> None:
+    """Send each of `settles` from a forked child of its own, as pool processes whose tasks end together do: every
+    child is forked first and waits on a pipe, then all are let go at once (forked one after the other, on a loaded
+    machine the forks alone came further apart than a relay's wait)."""
+    ready, go = os.pipe()
+    children = []
+    for settle in settles:
+        pid = os.fork()
+        if pid == 0:
+            os.close(go)
+            os.read(ready, 1)  # the parent closing its end lets every child go
+            os._exit(0 if relay.send(settle) else 1)
+        children.append(pid)
+    os.close(ready)
+    os.close(go)
+    for pid in children:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the relay refused a settle"
+
+
 def send_from_a_child(relay: SettleRelay, settles: list[Settle]) -> None:
     """Send `settles` as a pool process does: from a forked child, which exits 0 when the relay took each."""
     pid = os.fork()
