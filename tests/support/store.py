@@ -112,9 +112,13 @@ def send_from_children_at_once(relay: SettleRelay, settles: list[Settle]) -> Non
     for settle in settles:
         pid = os.fork()
         if pid == 0:
-            os.close(go)
-            os.read(ready, 1)  # the parent closing its end lets every child go
-            os._exit(0 if relay.send(settle) else 1)
+            code = 1
+            try:  # whatever happens, the child ends here: never back into the test runner's code
+                os.close(go)
+                os.read(ready, 1)  # the parent closing its end lets every child go
+                code = 0 if relay.send(settle) else 1
+            finally:
+                os._exit(code)
         children.append(pid)
     os.close(ready)
     os.close(go)
