@@ -19,8 +19,10 @@ import pytest
 from playwright.sync_api import Page, expect
 from pymongo import MongoClient
 from pymongo.database import Database
+from pymongo.errors import OperationFailure, ServerSelectionTimeoutError
 
-from bb_broker.connection import redact_url
+from bb_broker.connection import parse_broker_url, redact_url
+from bb_broker.contrib.flower import health
 from tests.support.flower_process import FLOWER, FLOWERS_ACTIONS, FlowerProcess, broker_rows
 from tests.support.servers import AUTH_PASSWORD, free_port, with_database
 from tests.support.workers import ARTIFACTS, ROOT, job, send, settled, wait_for
@@ -621,3 +623,15 @@ def test_a_broker_nobody_answers_is_named_in_words(tmp_path: Path) -> None:
         health.banner() == f"Flower cannot use the broker bbmongo://bb:**@127.0.0.1:{port}/db?"
         f"serverSelectionTimeoutMS=300: {problem}. Workers, tasks and queues shown here may be missing or out of date."
     )
+
+
+def test_a_refused_login_behind_a_server_selection_timeout_is_named(auth_server) -> None:
+    # pymongo marks a server whose handshake refused the login unknown, with that refusal; a selection that then
+    # times out on it (seen at a load of 100) must still read as the wrong password, not as a server that is down.
+    target = parse_broker_url(f"bbmongo://bb:wrong-pw-123@127.0.0.1:{auth_server.port}/flowerdb?authSource=admin")
+    with MongoClient(target.mongo_uri, serverSelectionTimeoutMS=2000) as client:
+        with pytest.raises(OperationFailure):
+            client.flowerdb.command("ping")
+        timed_out = ServerSelectionTimeoutError("No servers found yet")
+        shown = health.describe(health._refusal_behind(timed_out, client), target)
+    assert shown == "authentication failed for user 'bb' on database 'admin'", shown
