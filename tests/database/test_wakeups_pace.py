@@ -416,7 +416,9 @@ def test_jobs_due_before_a_late_look_reads_the_due_times_again_still_wake_it(
     db.jobs.create_indexes(INDEXES)
     last = seen(wakeups, "last")
     assert wakeups.look("q", job_queue=True)  # the first look at the consumed queue: everything once
-    first = datetime.now(UTC) + timedelta(seconds=2)
+    # Five seconds out: the insert and the change's arrival must be over before the first look, at `first` + 0.4 s,
+    # which must come before the fourth job's due time (`first` + 1 s), however loaded the machine.
+    first = datetime.now(UTC) + timedelta(seconds=5)
     db.jobs.insert_many(
         [{"status": "queued", "queue": "q", "runAfter": first + timedelta(seconds=s)} for s in (0, 0.1, 0.2, 1.0, 1.2)]
     )  # two kept, the rest let go from 0.2 s on

@@ -69,13 +69,15 @@ def test_a_worker_killed_with_settles_waiting_loses_no_job(own_server, tmp_path:
     db = client.waiting_settles
     options = {"stale_after": 2.0}
     app = producer(url)
-    ids = [send(app, "sleep", 0.5) for _ in range(2)]
+    # Two seconds each: time to set the fail point once both are claimed, before the first task ends and settles.
+    ids = [send(app, "sleep", 2) for _ in range(2)]
     worker = start_worker(url, tmp_path, "w0", concurrency=1, options=options)  # one claim takes both
     wait_for(lambda: db.jobs.count_documents({"taskId": {"$in": ids}, "status": "running"}) == 2,
              message="both jobs claimed")  # fmt: skip
-    # From now on every update waits five seconds on the server: the first task's settle is in flight until after
-    # the kill, the second one's waits in the worker (its main process's relay).
-    slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 5000}
+    # From now on every update waits eight seconds on the server: the first task's settle is in flight until after
+    # the kill (the second task ends two seconds into it), the second one's waits in the worker (its main process's
+    # relay).
+    slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 8000}
     client.admin.command("configureFailPoint", "failCommand", mode="alwaysOn", data=slow)
     try:
         wait_for(lambda: db.runs.count_documents({"taskId": {"$in": ids}, "phase": "end"}) == 2,
@@ -128,13 +130,14 @@ def test_a_pool_process_killed_with_its_settles_waiting_loses_none_of_them(own_s
     client = MongoClient(own_server.url, tz_aware=True)
     db = client.pool_killed
     app = producer(url)
-    done = [send(app, "sleep", 1) for _ in range(2)]  # a second: time to set the fail point once the first starts
+    done = [send(app, "sleep", 2) for _ in range(2)]  # two seconds: time to set the fail point once the first starts
     running = send(app, "sleep", 2)
     start_worker(url, tmp_path, "w0", concurrency=1)
     wait_for(lambda: db.runs.count_documents({"taskId": {"$in": done}, "phase": "start"}) >= 1,
              message="the first task started")  # fmt: skip
-    # From now on every update waits three seconds on the server: the first settle is in flight, the second waits.
-    slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 3000}
+    # From now on every update waits six seconds on the server: the first settle is in flight until after the third
+    # task starts (two seconds into it), the second waits.
+    slow = {"failCommands": ["update"], "blockConnection": True, "blockTimeMS": 6000}
     client.admin.command("configureFailPoint", "failCommand", mode="alwaysOn", data=slow)
     try:
         # The third task started: the pool process has handed over both settles before it took it.

@@ -116,7 +116,7 @@ def test_a_replaced_task_ends_its_job_and_runs_once(app, db, worker_factory) -> 
 
 def test_eta_waits_in_mongodb_not_in_a_worker(app, db, worker_factory) -> None:
     worker_factory()
-    eta = datetime.now(UTC) + timedelta(seconds=4)
+    eta = datetime.now(UTC) + timedelta(seconds=10)  # not due yet when the document is read, however slow the publish
     task_id = send(app, "add", 1, 1, eta=eta)
     doc = wait_for(lambda: job(db, task_id), message="the job document")
     # Due at the ETA Celery stamped, on the server's clock (this machine's: they agree within 0.5 s), however long the
@@ -252,7 +252,7 @@ def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, wo
 
 def test_worker_killed_mid_task_its_job_is_requeued_and_run_again(app, db, worker_factory) -> None:
     victim = worker_factory(options={"stale_after": 3})
-    task_id = send(app, "sleep", 1)
+    task_id = send(app, "sleep", 5)  # long enough to be still running when the kill comes, however loaded the machine
     wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="sleep started")
     victim.kill()
     assert job(db, task_id)["status"] == "running"

@@ -260,7 +260,7 @@ def test_a_worker_killed_mid_task_its_job_runs_again_elsewhere(deployment, db: D
     victim.start()
     app = producer(url)
     try:
-        task_id = send(app, "sleep", 1)
+        task_id = send(app, "sleep", 5)  # still running when the kill comes, however loaded the machine
         wait_for(lambda: db.runs.find_one({"taskId": task_id}), 60, "the task started")
         victim.kill()
         survivor = Worker(url, log_dir=tmp_path, name="survivor", options={"stale_after": 3})
