@@ -48,7 +48,8 @@ from bb_broker.upstream import kombu as upstream_kombu
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between looks at the topology while a new channel waits for its server.
+#: Seconds the first look at the topology waits while a new channel waits for its server; each next look waits twice
+#: as long as the one before, within the connect timeout.
 REACHABLE_SLICE = 0.25
 
 #: The threads running an event loop a connection of this process joined (register_with_event_loop), by how many
@@ -193,9 +194,10 @@ class Channel(virtual.Channel):
         # and at once when every server refused the connection, so that a failover URL list moves on.
         started = monotonic()
         deadline = started + float(getattr(client, "connect_timeout", None) or 5)
+        look = REACHABLE_SLICE
         while True:
             try:
-                with pymongo.timeout(min(max(deadline - monotonic(), 0.01), REACHABLE_SLICE)):
+                with pymongo.timeout(min(max(deadline - monotonic(), 0.01), look)):
                     db.command("ping")
                 return
             except mongo_errors.ConnectionFailure as exc:
@@ -205,6 +207,10 @@ class Channel(virtual.Channel):
             except PyMongoError:
                 if monotonic() >= deadline or _every_server_refused(db.client):
                     raise
+            # Longer each time: pymongo refuses, without sending it, a command whose time left is under the server's
+            # round trip, so a server further away than one look (another continent, a loaded machine) would have
+            # every ping refused until the connect timeout, and the worker exit at its start.
+            look *= 2
 
     def _ensure_indexes(self) -> None:
         key = (self.target.mongo_uri, self.target.database, self.options.jobs_collection)
@@ -634,5 +640,9 @@ def _say_once(message: str) -> None:
 
 
 def _every_server_refused(client: Any) -> bool:
+    # A server whose answer did not come in time has not refused: it may answer a longer look (pymongo 4.6 marks a
+    # server so when a connection's handshake ran out of a command's time; 4.20 does not).
     servers = list(client.topology_description.server_descriptions().values())
-    return bool(servers) and all(server.error is not None for server in servers)
+    return bool(servers) and all(
+        server.error is not None and not isinstance(server.error, mongo_errors.NetworkTimeout) for server in servers
+    )
