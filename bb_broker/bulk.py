@@ -108,6 +108,7 @@ def enqueue_many(
 
 
 def _check_signatures(signatures: list[Any], app: Celery) -> None:
+    first_at: dict[int, int] = {}  # id() of each signature -> its first index
     for index, signature in enumerate(signatures):
         if not isinstance(signature, Signature):
             shown = reprlib.repr(signature)
@@ -119,6 +120,13 @@ def _check_signatures(signatures: list[Any], app: Celery) -> None:
             )
         if signature.app is not app:
             raise TypeError(f"#{index} ({signature.task}) belongs to another Celery app than the call's")
+        if (first := first_at.setdefault(id(signature), index)) != index:
+            # Its task id and job id are kept in it (see the module's doc): every repeat would be the same job, one
+            # written where the call answered for several.
+            raise TypeError(
+                f"#{index} ({signature.task}) is the same signature object as #{first}: give each task its own "
+                "(signature.clone(), as a group does)"
+            )
 
 
 class _Batch:

@@ -25,6 +25,7 @@ from typing import Any
 from bson import DatetimeMS, ObjectId
 from bson.errors import InvalidBSON, InvalidDocument, InvalidStringData
 from kombu.exceptions import EncodeError
+from pymongo import UpdateMany
 from pymongo.collection import Collection
 from pymongo.errors import DocumentTooLarge
 from ulid import ULID
@@ -225,6 +226,26 @@ def action_record(action: str, by: str, at: datetime, **details: Any) -> dict[st
     """The $push that records an operator's action on a job, keeping the last ACTIONS_KEPT."""
     entry = {"action": action, "by": by, "at": at, **{k: v for k, v in details.items() if v is not None}}
     return {"actions": {"$each": [entry], "$slice": -ACTIONS_KEPT}}
+
+
+#: The jobs whose `actions` an action_record can be pushed to: none yet, or an array. MongoDB refuses a $push to
+#: anything else, and in an update_many that refusal stops the write at that job, the jobs before it changed.
+ACTIONS_PUSHABLE: dict[str, Any] = {"$or": [{"actions": {"$exists": False}}, {"actions": {"$type": "array"}}]}
+#: The others: an `actions` written by hand (or by another client) that is not an array.
+ACTIONS_NOT_PUSHABLE: dict[str, Any] = {"actions": {"$exists": True, "$not": {"$type": "array"}}}
+
+
+def update_recorded(coll: Collection, query: dict[str, Any], update: dict[str, Any], *, hint: Any = None) -> int:
+    """update_many with an action_record in `update`'s $push: the jobs of `query` whose `actions` takes it get the
+    whole update, the others (a hand-written `actions` that is not an array, kept as it is) the update without its
+    record, in the same command; how many it changed. The record in one update of them all would stop it at the
+    first of those, half the jobs done and the answer an error, and a job left out would escape a cancel or a
+    revoke."""
+    writes = [UpdateMany({"$and": [query, ACTIONS_PUSHABLE]}, update, hint=hint)]
+    unrecorded = {operator: fields for operator, fields in update.items() if operator != "$push"}
+    if unrecorded:
+        writes.append(UpdateMany({"$and": [query, ACTIONS_NOT_PUSHABLE]}, unrecorded, hint=hint))
+    return coll.bulk_write(writes, ordered=False).modified_count
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ from bb_broker.server import unique_refusals
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
 QUEUES_COLLECTION = "bb_queues"
+#: What a control document's `_id` is to be read as a queue's: a string. Another one (written by hand or by another
+#: client) names no queue, and read as one it broke every worker's claim and the listings (unhashable, unsortable).
+QUEUE_NAME = {"$type": "string"}
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -265,7 +268,7 @@ class QueueControls:
 
     def paused(self) -> dict[str, dict[str, Any]]:
         """Every paused queue, with who paused it and when."""
-        return {doc.pop("_id"): doc for doc in self.coll.find({"paused": True})}
+        return {doc.pop("_id"): doc for doc in self.coll.find({"_id": QUEUE_NAME, "paused": True})}
 
     def set_limits(
         self,
@@ -316,12 +319,13 @@ class QueueControls:
     def controls(self) -> dict[str, dict[str, Any]]:
         """Every queue that is paused or limited, with its control document (pausedBy, concurrency, limitedBy...)."""
         selector = {
+            "_id": QUEUE_NAME,
             "$or": [
                 {"paused": True},
                 {"concurrency": {"$exists": True}},
                 {"rateStarts": {"$exists": True}},
                 {"fair": True},
-            ]
+            ],
         }
         return {doc.pop("_id"): doc for doc in self.coll.find(selector)}
 

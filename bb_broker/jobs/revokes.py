@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bb_broker.clock import reading
-from bb_broker.jobs.document import action_record
+from bb_broker.jobs.document import action_record, update_recorded
 from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, QUEUED
 from bb_broker.jobs.store import JobStore
@@ -51,7 +51,8 @@ def revoke_queued(store: JobStore, task_ids: Iterable[str], *, by: str) -> int:
     if not ids:
         return 0
     now = reading(store.now)
-    result = store.coll.update_many(
+    revoked = update_recorded(
+        store.coll,
         {"taskId": {"$in": ids}, "status": QUEUED},
         {
             "$set": {"status": FAILED, "lastError": REVOKED, "updatedAt": now, "finishedAt": now, "revokedAt": now},
@@ -60,9 +61,9 @@ def revoke_queued(store: JobStore, task_ids: Iterable[str], *, by: str) -> int:
         },
         **hint_if_indexed(store, "bb_task_id"),
     )
-    if result.modified_count:
-        logger.info("revoked %d queued job(s) of task(s) %s (%s)", result.modified_count, ", ".join(ids), by)
-    return result.modified_count
+    if revoked:
+        logger.info("revoked %d queued job(s) of task(s) %s (%s)", revoked, ", ".join(ids), by)
+    return revoked
 
 
 def revoked_before_running(store: JobStore, task_ids: Iterable[str]) -> list[dict[str, Any]]:

@@ -201,10 +201,11 @@ def _read_whole_chains(operations: Queries, docs: list[dict[str, Any]], publishe
     if not ends:
         return
     query = {"_id": {"$in": [doc["_id"] for doc in ends]}}
-    chains = {job["_id"]: _embed(job).get("chain") for job in operations.coll.find(query, {"payload.options.chain": 1})}
+    projection = {"payload.options.chain": 1}
+    chains = {_key(job["_id"]): _embed(job).get("chain") for job in operations.coll.find(query, projection)}
     for doc in ends:
-        if doc["_id"] in chains:
-            doc["payload"]["options"]["chain"] = chains[doc["_id"]]
+        if _key(doc["_id"]) in chains:
+            doc["payload"]["options"]["chain"] = chains[_key(doc["_id"])]
 
 
 def _step_id(doc: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from bb_broker.jobs.document import (
     bson_kind,
     stored_not_utf8,
     task_id_of,
+    update_recorded,
 )
 from bb_broker.jobs.fair_keys import FAIR_INDEX
 from bb_broker.jobs.indexes import DEFAULT_RETENTION, ensure_plain_indexes, hint_if_indexed
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 #: What a retry reads of each job it sends back.
 RETRY_FIELDS = {
     "_id": 1, "taskId": 1, "lastError": 1, "revokedAt": 1, "renamedFrom": 1, "groupId": 1, "parentId": 1,
-    "payload.headers.eta": 1, "unique": 1,
+    "payload.headers.eta": 1, "unique": 1, "actions": 1,
     "payload.options.chain.options.task_id": 1,
     **dict.fromkeys(HOLD_FIELDS.values(), 1),
 }  # fmt: skip
@@ -214,7 +215,7 @@ class Operations(Queries):
     def cancel_queued(self, job_ids: Iterable[str], *, by: str) -> int:
         """Cancel those of these jobs (by job id) that are still queued, in one write: how many it cancelled."""
         query = {"_id": {"$in": list(job_ids)}, "status": QUEUED}
-        return self.coll.update_many(query, _cancelled(by, self.now())).modified_count
+        return update_recorded(self.coll, query, _cancelled(by, self.now()))
 
     def why_not_retried(self, identifier: str, kind: str | None = None) -> str:
         """Why a job id or task id given to retry() is in its `unmatched`."""
@@ -246,7 +247,7 @@ class Operations(Queries):
             # Only the record: updatedAt is its lease, which the job's worker keeps.
             record = action_record("revoke", by, self.now(), terminate=terminate or None)
             running = {"taskId": {"$in": ids}, "status": RUNNING}
-            self.coll.update_many(running, {"$push": record}, **hint_if_indexed(self.store, "bb_task_id"))
+            update_recorded(self.coll, running, {"$push": record}, **hint_if_indexed(self.store, "bb_task_id"))
         return revoked
 
     # --- queue controls --------------------------------------------------------
@@ -314,11 +315,11 @@ class Operations(Queries):
             docs = self.coll.find(selected, RETRY_FIELDS, **(hint_if_indexed(self.store, hint) if hint else {}))
             return len(self._retry_docs(docs, by=by, held={} if held is None else held, fresh=fresh))
         if action == "cancel":
-            return self.coll.update_many(selected, _cancelled(by, now), **options).modified_count
+            return update_recorded(self.coll, selected, _cancelled(by, now), **options)
         if action == RUN_NOW:
             # Due now, behind the jobs due before it: the change stream's update of runAfter wakes the workers.
             update = {"$set": {"runAfter": now, "updatedAt": now}, "$push": action_record(RUN_NOW, by, now)}
-            return self.coll.update_many(selected, update, **options).modified_count
+            return update_recorded(self.coll, selected, update, **options)
         if action == "requeue":
             reason = f"requeued by {by}: its lease had expired"[:MAX_ERROR_LENGTH]
             update = {
@@ -326,7 +327,7 @@ class Operations(Queries):
                 "$unset": HOLDS_RELEASED,
                 "$push": action_record("requeue", by, now),
             }
-            return self.coll.update_many(selected, update, **options).modified_count
+            return update_recorded(self.coll, selected, update, **options)
         # delete: nothing is left to record it on, so the log says who deleted what
         deleted = self.coll.delete_many(selected, **options).deleted_count
         logger.info("%s deleted %d finished job(s) matching %s", by, deleted, selected)
@@ -401,6 +402,8 @@ class Operations(Queries):
             # readyInAttempt: the revoked attempt's, which the retry's attempts, counted from 0 again, would meet.
             cleared = {"finishedAt": "", "revokedAt": "", READY_IN_ATTEMPT: "", **(CHECKPOINT_CLEARED if fresh else {})}
             update = {"$set": changes, "$unset": cleared, "$push": record}
+            if not isinstance(doc.get("actions", []), list):
+                del update["$push"]  # written by hand, kept as it is: the retry goes unrecorded there (update_recorded)
             batch.append((doc["_id"], UpdateOne({"_id": doc["_id"], "status": FAILED}, update), new_id))
             if len(batch) >= 500:
                 retried += self._write_retries(batch, answered, held)

@@ -72,7 +72,8 @@ def attempts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for entry in history:
         if not isinstance(entry, dict):
             continue
-        row = dict(entry)
+        # `duration` is ours to work out: a hand-written entry's own (text, say) would be formatted as seconds.
+        row = {name: value for name, value in entry.items() if name != "duration"}
         started, finished = entry.get("startedAt"), entry.get("finishedAt")
         if isinstance(started, datetime) and isinstance(finished, datetime):
             row["duration"] = (aware(finished) - aware(started)).total_seconds()

@@ -76,6 +76,19 @@ PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, 
 _DIGEST_KEY = re.compile(r":[0-9a-f]{64}\Z")
 
 
+def _is_int(value: Any, lowest: int, highest: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lowest <= value <= highest
+
+
+#: The original's message properties a new job carries, each with what kombu's publish takes of it (a stored one is
+#: data: `delivery_mode: "fast"` ended the send in kombu's lookup of the mode's name).
+CARRIED_PROPERTIES: dict[str, Callable[[Any], bool]] = {
+    "reply_to": lambda value: isinstance(value, str),
+    "delivery_mode": lambda value: value in ("transient", "persistent") or _is_int(value, 1, 2),
+    "priority": lambda value: _is_int(value, 0, 255),
+}
+
+
 class RerunRefused(Exception):
     """A retry with changed arguments not made, nothing written: `reason` is "bad input" (the arguments, a message the
     broker refuses), "not found" or "conflict" (the job cannot be sent again so: queued, not JSON, a key held)."""
@@ -195,9 +208,12 @@ def plan(
             f"job {job_id} is queued: it would still run with its old arguments; cancel it first, then retry it "
             "with changed arguments",
         )
-    if not isinstance(doc.get("actions", []), list):
-        kind = bson_kind(doc["actions"])
-        raise RerunRefused("conflict", f"job {job_id} has an actions field that is {kind}, not an array")
+    # Both are pushed to once the new job is sent: refused then, the new job would be out and the answer a failure,
+    # and the operator's second try a second new job.
+    for field in ("actions", "replacedBy"):
+        if not isinstance(doc.get(field, []), list):
+            kind = bson_kind(doc[field])
+            raise RerunRefused("conflict", f"job {job_id}'s {field} is {kind}, not an array")
     try:
         message = to_message(doc.get("payload"))
     except PayloadError as exc:
@@ -233,11 +249,7 @@ def plan(
     size = len(json.dumps([new_args, new_kwargs, embed]).encode("utf-8"))
     if size > MAX_DOCUMENT_BYTES:
         raise RerunRefused("bad input", f"the new body is {size} bytes: over a job document's limit")
-    properties = {
-        name: message["properties"][name]
-        for name in ("reply_to", "delivery_mode", "priority")
-        if message["properties"].get(name) is not None
-    }
+    properties = _carried_properties(message["properties"], notes)
     change = _change(old_args, old_kwargs, new_args, new_kwargs)
     return Rerun(
         job_id=job_id,
@@ -303,10 +315,26 @@ def send(operations: Operations, rerun: Rerun, connection: Any, *, by: str) -> d
     return operations.find(job_id) or {"_id": job_id, "taskId": task_id}
 
 
+def _carried_properties(properties: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The original's properties the new message carries (CARRIED_PROPERTIES); each it cannot, said in `notes`."""
+    carried = {}
+    for name, valid in CARRIED_PROPERTIES.items():
+        value = properties.get(name)
+        if value is None:
+            continue
+        if valid(value):
+            carried[name] = value
+        else:
+            notes.append(f"its {name} {reprlib.repr(value)} is not one a message can have: the new job has none")
+    return carried
+
+
 def _body_of(message: dict[str, Any]) -> tuple[list[Any], dict[str, Any], dict[str, Any]] | None:
     """The original's [args, kwargs, embed], from its JSON body (decompressed, bounded, when it came compressed)."""
     body = message["body"]
     method = message["headers"].get("compression")
+    if method is not None and not isinstance(method, str):
+        return None  # names no compression: the body cannot be read
     raw: bytes | None = body.encode("utf-8") if isinstance(body, str) else bytes(body)
     if method and raw is not None:
         try:

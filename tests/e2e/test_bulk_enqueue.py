@@ -200,6 +200,19 @@ def test_what_is_not_a_signature_is_refused_before_anything_is_written(tasks, db
     assert db.jobs.count_documents({}) == 0
 
 
+def test_one_signature_object_listed_twice_is_refused_before_anything_is_written(tasks, db: Database) -> None:
+    # Its task id and job id are kept in it: the three were one job, and the call answered for three.
+    ping = tasks["add"].s(1, 2)
+    with pytest.raises(TypeError, match=r"#2 \(tests.support.unique_app.add\) is the same signature object as #1"):
+        bb_broker.enqueue_many([tasks["add"].s(3, 4), ping, ping, ping])
+    assert db.jobs.count_documents({}) == 0
+    # Each its own, as a group clones them (other arguments: the task is unique on its arguments).
+    second, third = ping.clone(), ping.clone()
+    second["args"], third["args"] = (2, 3), (3, 4)
+    results = bb_broker.enqueue_many([ping, second, third])
+    assert len({result.id for result in results}) == 3 and db.jobs.count_documents({}) == 3
+
+
 def test_a_canvas_and_a_bad_option_are_refused_before_anything_is_written(tasks, db: Database) -> None:
     add = tasks["add"]
     for canvas in (chain(add.s(1, 2), add.s(3)), group(add.s(1, 2), add.s(3, 4))):

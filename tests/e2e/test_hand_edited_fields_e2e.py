@@ -84,3 +84,18 @@ def test_a_task_name_longer_than_a_kind_holds_is_refused_at_the_producer(app: Ce
         app.send_task("t" * 1025, args=(1, 2))
     assert db.jobs.count_documents({}) == 0
     assert job(db, send(app, "add", 1, 2))["kind"] == "tests.support.e2e_app.add"
+
+
+def test_queue_controls_written_by_hand_under_names_that_are_no_strings_stop_no_worker(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    # Each claim reads the paused and limited queues into a set by name: a document _id there was unhashable, and
+    # every claim of every queue failed with it.
+    db.bb_queues.insert_many(
+        [{"_id": {"queue": "celery"}, "paused": True}, {"_id": 1, "concurrency": 1}, {"_id": 2.5, "fair": True}]
+    )
+    worker = worker_factory()
+    task_id = send(app, "add", 2, 3)
+    wait_for(settled(db, task_id, "succeeded"), timeout=60, message="a task beside the hand-written controls")
+    assert worker.process.poll() is None
+    assert "Traceback" not in worker.log()
