@@ -104,6 +104,12 @@ def parse_entry(doc: dict[str, Any]) -> Entry:
     enabled = doc.get("enabled", True)
     if not isinstance(enabled, bool):
         raise EntryError(f"entry {name!r}: enabled must be true or false, got {enabled!r}")
+    # What a sent slot's write adds to ($inc, $push): the server refuses it on anything else, after the job is sent.
+    run_count = doc.get("runCount", 0)
+    if isinstance(run_count, bool) or not isinstance(run_count, (int, float, bson.Decimal128)):
+        raise EntryError(f"entry {name!r}: runCount must be a number, got {run_count!r}"[:300])
+    if not isinstance(doc.get("catchUps", []), list):
+        raise EntryError(f"entry {name!r}: catchUps must be an array, got {doc['catchUps']!r}"[:300])
     try:
         last_slot = slot_date(doc.get("lastSlot"), "lastSlot")
         slots = slots_of(fields["schedule"], timezone=fields["timezone"], anchor=doc.get("anchor"))

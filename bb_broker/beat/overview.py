@@ -47,8 +47,11 @@ def describe(doc: dict[str, Any], db: Database, *, jobs_collection: str = "jobs"
         problem = str(exc)
     last_job = doc.get("lastJob") if isinstance(doc.get("lastJob"), dict) else None
     status = None
-    if last_job and isinstance(last_job.get("taskId"), str):
-        found = db[jobs_collection].find_one({"taskId": last_job["taskId"]}, {"status": 1})
+    # A task id written by hand (or copied by a beat from a hand-edited job it found under the slot's key) may be no
+    # string: the page links it as one.
+    last_task_id = last_job.get("taskId") if last_job and isinstance(last_job.get("taskId"), str) else None
+    if last_task_id is not None:
+        found = db[jobs_collection].find_one({"taskId": last_task_id}, {"status": 1})
         status = found.get("status") if found else "(deleted)"
     return {
         "name": doc.get("_id"),
@@ -60,11 +63,11 @@ def describe(doc: dict[str, Any], db: Database, *, jobs_collection: str = "jobs"
         "owner": doc.get("owner"),
         "nextSlot": next_slot if doc.get("enabled", True) is True else None,
         "lastRunAt": _aware(doc.get("lastRunAt")),
-        "lastTaskId": last_job.get("taskId") if last_job else None,
+        "lastTaskId": last_task_id,
         "lastRunNow": bool(last_job.get("runNow")) if last_job else False,
         "lastStatus": status,
         "runCount": doc.get("runCount", 0),
-        "catchUps": doc.get("catchUps") or [],
+        "catchUps": doc["catchUps"] if isinstance(doc.get("catchUps"), list) else [],
         "problem": problem,
         "jobsQuery": jobs_query(doc.get("_id")),
     }

@@ -24,7 +24,7 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.exceptions import ImproperlyConfigured
 from kombu.exceptions import OperationalError
-from pymongo.errors import OperationFailure, PyMongoError
+from pymongo.errors import OperationFailure, PyMongoError, WriteError
 
 from bb_broker.beat.entries import CONFIG, Entry, EntryError, ScheduleStore, entry_fields, parse_entry
 from bb_broker.beat.slots import MAX_EVERY, ScheduleError, missed_span, slots_between
@@ -170,6 +170,9 @@ class JobScheduler(Scheduler):
                     # An answer the code does not recognise: this entry backs off, the others are sent
                     pause = self._refusals.met(name, answer)
                     next_look = min(next_look, self._clock() + timedelta(seconds=pause))
+                    continue
+                if isinstance(exc, WriteError):  # a refusal of this entry's write alone: the others are sent
+                    self._report(name, f"entry {name!r}: the server refused its write: {exc}")
                     continue
                 logger.warning("bb_broker beat: entry %r: %s; trying again", name, exc)
                 return min(1.0, self.max_interval)

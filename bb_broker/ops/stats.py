@@ -418,7 +418,8 @@ def _floor(moment: datetime, step: timedelta) -> datetime:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite number: a summary edited to Infinity (a mongosh literal) or NaN counts nothing, and no time."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count(value: Any) -> int:
@@ -454,7 +455,7 @@ def _milliseconds_of(times: Any) -> list[int | float]:
     Kept in milliseconds until a percentile is taken (_seconds), as a week's chart gathers a value per job."""
     if not isinstance(times, list):
         return []
-    return [ms for ms in times if type(ms) in TIME_TYPES]
+    return [ms for ms in times if type(ms) in TIME_TYPES and math.isfinite(ms)]
 
 
 def _seconds(milliseconds: float | None) -> float | None:

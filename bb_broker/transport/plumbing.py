@@ -31,6 +31,7 @@ from bb_broker.jobs.outages import is_transient
 from bb_broker.jobs.payloads import CompressedBodyError, decompress_bounded
 from bb_broker.server import capabilities, is_not_implemented, unique_refusals
 from bb_broker.threads import start_supervised
+from bb_broker.upstream import kombu as upstream_kombu
 
 logger = logging.getLogger(__name__)
 
@@ -550,8 +551,13 @@ class MessageStore:
             unchanged = read_at > self._watch.changed_at
             if unchanged and (time.monotonic() - read_at < max_age or self._watch.vouches_for(read_at)):
                 return kept
+        # A binding is data: one written by hand (or by another client) whose queue is not a name is no binding, a
+        # missing routing key is the empty one (a fanout's), and the pattern a topic exchange matches with is made of
+        # the routing key as Kombu makes it, never compiled from the document (`"("` failed every publish).
         rows = [
-            (b["routing_key"], b.get("pattern") or "", b["queue"]) for b in self.bindings.find({"exchange": exchange})
+            (routing_key, upstream_kombu.topic_pattern(routing_key), queue)
+            for b in self.bindings.find({"exchange": exchange})
+            if isinstance(queue := b.get("queue"), str) and isinstance(routing_key := b.get("routing_key", ""), str)
         ]
         self._table_cache[exchange] = (time.monotonic(), rows)
         return rows

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
+import bson
 import pytest
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
@@ -371,6 +372,35 @@ def test_the_jobs_of_an_entry_are_its_slots_and_run_nows_whatever_its_name_holds
     assert "schedule" not in db.jobs.find_one({"taskId": plain})
     by_kind = operations.list_jobs(JobFilter(kind="reports.nightly"), limit=200).jobs
     assert len(by_kind) == db.jobs.count_documents({}), "the kind filter mixes every entry and the hand-sent job"
+
+
+def test_entries_a_slots_write_cannot_be_made_on_are_skipped_and_the_entries_after_them_sent(
+    beat_app: Celery, store: ScheduleStore, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A slot's write adds to runCount ($inc) and catchUps ($push), and sets lastJob: edited by hand into text, a
+    # document, or so large that lastJob no longer fits, the server refused it after the slot's job was sent, and
+    # the beat gave up that look at it: every entry after it (in name order) was never sent, for good.
+    scheduler = JobScheduler(beat_app)
+    names = ("a-count-text", "b-catch-ups-document", "c-full", "d-fine")
+    for name in names:
+        store.add(name, "reports.nightly", 1.0)
+        backdated(db, name, 3)
+    db.bb_schedules.update_one({"_id": "a-count-text"}, {"$set": {"runCount": "0"}})
+    db.bb_schedules.update_one({"_id": "b-catch-ups-document"}, {"$set": {"catchUps": {}}})
+    full = 16 * 1024 * 1024 - len(bson.encode(db.bb_schedules.find_one({"_id": "c-full"}))) - 64
+    db.bb_schedules.update_one({"_id": "c-full"}, {"$set": {"note": "x" * full}})
+    with caplog.at_level(logging.ERROR):
+        scheduler.tick()
+    assert "entry 'a-count-text': runCount must be a number, got '0'" in caplog.text
+    assert "entry 'b-catch-ups-document': catchUps must be an array, got {}" in caplog.text
+    assert "entry 'c-full': the server refused its write" in caplog.text
+    assert len(jobs_keyed_for(db, "d-fine")) >= 2 and not jobs_keyed_for(db, "a-count-text")
+    assert len(jobs_keyed_for(db, "c-full")) == 1, "its first slot, sent again under its key at each look"
+    with pytest.raises(EntryError, match="catchUps must be an array"):
+        run_now(beat_app, store, "b-catch-ups-document")
+    db.bb_schedules.update_one({"_id": "a-count-text"}, {"$set": {"runCount": 0}})  # repaired, it runs
+    scheduler.tick()
+    assert jobs_keyed_for(db, "a-count-text")
 
 
 def test_the_entry_filter_combines_with_the_others_and_narrows_a_bulk_action(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -262,6 +263,12 @@ def test_hand_edited_summaries_count_nothing_they_cannot_and_fail_no_chart(
     found = nonzero(everything)
     assert found["succeeded"] == {87: 1} and "failed" not in found  # "two" counts nothing; b's has no interval
     assert (everything["waitP50"][91], everything["runP50"][91]) == (5, None)
+    # Infinity and NaN (mongosh literals): an int() of Infinity raised OverflowError, the chart's 500; a time of
+    # either was sent as JSON's non-token `Infinity`, which a browser's JSON.parse refuses.
+    db.bb_stats.update_one({"group": True, "queue": "a", "succeeded": "two"},
+                           {"$set": {"succeeded": math.inf, "waits": [math.inf, math.nan, 5000]}})  # fmt: skip
+    (everything,) = job_stats(ops, JobFilter(), DAY)["series"].values()
+    assert nonzero(everything)["succeeded"] == {87: 1} and everything["waitP50"][91] == 5
 
 
 def test_charts_summarizing_the_same_quarter_hours_at_once_agree_and_keep_one_summary_each(

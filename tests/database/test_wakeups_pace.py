@@ -198,7 +198,8 @@ def test_changes_to_a_queue_it_does_not_read_never_hold_back_its_news(watched, d
     assert len(paces) == paced, "a change to a queue nobody here reads paced the watcher"
 
 
-EVENTS = ("worker.#", "worker.#", "monitor")
+#: A monitor's binding of Celery's events, as Kombu's topic exchange makes it (routing key, its pattern, queue).
+EVENTS = ("worker.#", r"^worker\..*?$", "monitor")
 ANY_AGE = 1e-9  # a table that may be cached at all, however briefly: only the stream keeps it longer
 
 

@@ -350,6 +350,31 @@ def test_a_topic_message_published_after_a_queue_was_bound_elsewhere_reaches_it(
         assert db.bb_messages.count_documents({"queue": "topic_other"}) == 1
 
 
+def test_hand_written_bindings_route_as_their_routing_keys_say_or_not_at_all(broker_url: str, db: Database) -> None:
+    # A binding's queue that is no name (a document) made every publish to its exchange fail (unhashable), one
+    # without a routing key (natural for a fanout's) too (KeyError): every broadcast and event of the fleet. A
+    # pattern of the document's own was compiled as a regex: "(" failed every publish, and none matched everything.
+    topic, fanout = kombu.Exchange("hand_topic", type="topic"), kombu.Exchange("hand_fanout", type="fanout")
+    with kombu.Connection(broker_url) as conn:
+        channel = conn.channel()
+        kombu.Queue("topic_bound", topic, routing_key="task.#").declare(channel=channel)
+        fanout.declare(channel=channel)
+        db.bb_bindings.insert_many(
+            [
+                {"exchange": "hand_topic", "routing_key": "task.#", "queue": {"a": 1}},
+                {"exchange": "hand_topic", "routing_key": "other.*", "queue": "topic_other", "pattern": "("},
+                {"exchange": "hand_topic", "routing_key": 7, "queue": "topic_number"},
+                {"exchange": "hand_topic", "queue": "topic_no_key", "pattern": ".*"},
+                {"exchange": "hand_fanout", "queue": "fanout_no_key"},
+                {"exchange": "hand_fanout", "routing_key": "", "queue": ["a", "list"]},
+            ]
+        )
+        kombu.Producer(channel, exchange=topic).publish({"n": 1}, routing_key="task.sent")
+        kombu.Producer(channel, exchange=fanout).publish({"n": 2}, routing_key="")
+    queues = sorted(doc["queue"] for doc in db.bb_messages.find({}, {"queue": 1}))
+    assert queues == ["fanout_no_key", "topic_bound"]
+
+
 def test_hand_written_plain_messages_are_delivered_or_set_aside_never_ending_the_consumer(
     broker_url: str, db: Database
 ) -> None:

@@ -179,6 +179,21 @@ def test_the_schedules_view_and_api_flag_entries_edited_into_numbers_no_date_hol
     assert page.count('class="text-danger small entry-problem"') == len(OUT_OF_RANGE)
 
 
+def test_the_schedules_view_shows_entries_whose_last_job_and_catch_ups_were_written_by_hand(db, flower_factory) -> None:
+    # The page linked lastJob.taskId through url_escape: a number there made it answer 500 for every user.
+    store = ScheduleStore(db, ServerClock(db))
+    for name in ("numbered", "caught-up"):
+        store.add(name, "tests.support.e2e_app.add", {"crontab": "0 3 * * *"})
+    db.bb_schedules.update_one({"_id": "numbered"}, {"$set": {"lastJob": {"taskId": 42, "slot": 1}}})
+    db.bb_schedules.update_one({"_id": "caught-up"}, {"$set": {"catchUps": {"from": "yesterday"}}})
+    flower = flower_factory()
+    listed = {entry["name"]: entry for entry in flower.get("/api/schedules")["entries"]}
+    assert listed["numbered"]["lastTaskId"] is None and listed["numbered"]["problem"] is None
+    assert listed["caught-up"]["catchUps"] == [] and "catchUps must be an array" in listed["caught-up"]["problem"]
+    page = flower.page("/jobs/schedules")
+    assert "numbered" in page and page.count('class="text-danger small entry-problem"') == 1
+
+
 def test_kinds_no_publish_writes_are_counted_under_one_bounded_name_in_the_cli_and_the_tab(
     app, db, broker_url, flower_factory
 ) -> None:

@@ -52,6 +52,18 @@ def test_a_virtual_channels_consumers_queues_and_bindings(channel: Any) -> None:
     )
 
 
+def test_a_topic_bindings_row_holds_the_pattern_its_routing_key_makes(channel: Any) -> None:
+    Queue("topics", Exchange("topics", "topic"), routing_key="task.#")(channel).declare()
+    (row,) = upstream_kombu.exchange_table(channel.state, "topics")
+    assert row == ("task.#", upstream_kombu.topic_pattern("task.#"), "topics"), (
+        "kombu.transport.virtual.exchange.TopicExchange.prepare_bind no longer stores key_to_pattern(routing key): "
+        "Kombu changed how a topic exchange matches; " + where("topic_pattern")
+    )
+    exchange = channel.typeof("topics")
+    assert exchange.lookup([row], "topics", "task.sent", None) == {"topics"}
+    assert exchange.lookup([row], "topics", "other.sent", None) == set(), "the pattern is not the one Kombu routes by"
+
+
 def test_a_virtual_qos_tracks_what_it_delivered(channel: Any) -> None:
     qos = channel.qos
     assert qos.can_consume_max_estimate() is None, "can_consume_max_estimate() without a prefetch limit is not None"
