@@ -93,6 +93,12 @@ def cancel_canvas(operations: Operations, identifier: str, *, by: str) -> Canvas
         # cancelled (by this write or another).
         found = operations.coll.find({"_id": {"$in": sorted(cancelled)}}, {"status": 1})
         now = {str(doc["_id"]): doc.get("status") for doc in found}
+        # Not found by its id: an _id written by hand as no string (the graph shows it as text; a claim fails such
+        # a job), or a job deleted since. Said as not cancelled, not as finished.
+        unfound = [step for step in queued if step["jobId"] not in now]
+        why = "no job has this id as a string (an _id written by hand, or a job deleted since)"
+        answer.refused += [{**step, "why": why} for step in unfound]
+        refused += unfound
         for step in queued:
             step["status"] = now.get(step["jobId"], step["status"])
         cancelled = {step["jobId"] for step in queued if step["status"] == FAILED}

@@ -175,3 +175,21 @@ def test_retry_with_changed_arguments_drops_a_property_no_message_can_have_and_s
     with app.connection_for_write() as connection:
         new = send(operations, rerun, connection, by="ops")
     assert new["replaces"] == job_id and new["status"] == "queued" and new["payload"]["args"] == [1, 2]
+
+
+def test_a_canvas_cancel_says_which_queued_step_it_could_not_find_by_its_id(
+    store: JobStore, db: Database, clock: FakeClock
+) -> None:
+    # A queued step whose _id is a document is shown under its text; the cancel by that text found nothing, and the
+    # answer counted the step as finished before.
+    publish(store, "root")
+    db.jobs.update_one({"taskId": "root"}, {"$set": {"rootId": "root"}})
+    step = {"_id": {"a": "document"}, "taskId": "t-doc", "kind": ADD, "queue": "hand", "status": "queued",
+            "attempts": 0, "priority": 0, "createdAt": clock.now, "updatedAt": clock.now, "runAfter": clock.now,
+            "rootId": "root", "parentId": "root", "payload": {"args": [], "kwargs": {}}}  # fmt: skip
+    db.jobs.insert_one(step)
+    cancel = cancel_canvas(Operations(store), "root", by="ops")
+    assert cancel is not None and [s["id"] for s in cancel.cancelled] == ["root"] and not cancel.finished
+    (refused,) = cancel.refused
+    assert refused["id"] == "t-doc" and "no job has this id as a string" in refused["why"]
+    assert db.jobs.find_one({"taskId": "t-doc"})["status"] == "queued"
