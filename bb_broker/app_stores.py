@@ -178,11 +178,15 @@ def _apps_with_a_backend(store: JobStore) -> list[Any]:
     found = []
     for app in upstream_celery.apps():
         url = broker_url(app)
-        if url is None or parse_broker_url(url).database != store.coll.database.name:
+        try:
+            on_store = (
+                url is not None
+                and parse_broker_url(url).database == store.coll.database.name
+                and BrokerOptions.parse(app.conf.broker_transport_options or {}).jobs_collection == store.coll.name
+            )
+        except ValueError:  # another app of the process, whose URL or options name no store (BrokerURLError, ...)
             continue
-        if BrokerOptions.parse(app.conf.broker_transport_options or {}).jobs_collection != store.coll.name:
-            continue
-        if not isinstance(app.backend, DisabledBackend):
+        if on_store and not isinstance(app.backend, DisabledBackend):
             found.append(app)
     return found
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+from celery import Celery
 from pymongo.database import Database
 
 from bb_broker.jobs.store import JobStore
@@ -26,6 +28,26 @@ def test_a_revoked_queued_job_never_runs_even_after_every_worker_restarts(app, d
     marker = send(app, "add", 2, 2, countdown=max(1.0, 11 - (time.monotonic() - sent)))  # due after the revoked one
     wait_for(settled(db, marker, "succeeded"), message="a job due after the revoked one ran")
     assert job(db, doomed)["status"] == "failed" and db.runs.count_documents({"taskId": doomed}) == 0
+
+
+def test_a_revoke_holds_beside_other_apps_whose_broker_url_or_options_name_no_store(
+    broker_url: str, db: Database, tmp_path: Path
+) -> None:
+    # The revoker tells each app of its process on the same store whose result backend is its own: an app whose
+    # URL names no database (or whose options cannot be read) raised there, and the revoke failed for every app.
+    no_database = Celery("no_database", broker="bbmongo://bb:hunter2@localhost", set_as_current=False)
+    odd_options = Celery("odd_options", broker=broker_url, set_as_current=False)
+    odd_options.conf.broker_transport_options = {"max_attempts": "many"}
+    (tmp_path / "results").mkdir()
+    revoker = Celery("revoker", broker=broker_url, backend=f"file://{tmp_path / 'results'}", set_as_current=False)
+    try:
+        parked = revoker.send_task("tests.support.e2e_app.add", args=(1, 2), queue="parked").id
+        revoker.control.revoke(parked)
+        assert job(db, parked)["status"] == "failed"
+        assert revoker.backend.get_task_meta(parked)["status"] == "REVOKED"
+    finally:
+        for app in (no_database, odd_options, revoker):
+            app.close()
 
 
 def test_retrying_a_revoked_job_runs_it_on_the_worker_that_saw_the_revoke(app, db: Database, worker_factory) -> None:

@@ -8,7 +8,7 @@ from pymongo import MongoClient
 from bb_broker.cli import main
 from bb_broker.jobs.store import JobStore
 from tests.support.servers import with_database
-from tests.support.wire import WireProxy, amazon_documentdb, ferretdb
+from tests.support.wire import Profile, WireProxy, amazon_documentdb, ferretdb, standalone
 
 
 def doctor(url: str) -> tuple[int, dict[str, str], str]:
@@ -92,3 +92,26 @@ def test_on_a_server_without_update_pipelines_doctor_says_the_sweep_reads_then_w
     line = next(line for line in output.splitlines() if "update pipelines:" in line)
     assert "Failed to parse update: field must be of BSON type object (code 9)" in line, line
     assert "the stale sweep and the release at shutdown read the lost jobs" in line and "a round trip more" in line
+
+
+def test_claims_whose_answers_the_connection_lost_count_from_the_documents_not_as_unsafe(mongo_url, db) -> None:
+    # A loaded machine drops connections under the check's claimers (pymongo's "operation cancelled"): the check
+    # failed ("unknown", exit 1), or, where pymongo's retry took another document, found the server "unsafe" though
+    # every document was claimed exactly once.
+    lost: list[str] = []
+
+    def answer(document: dict) -> dict:
+        claimed = (document.get("value") or {}).get("_id") if "lastErrorObject" in document else None
+        if isinstance(claimed, str) and claimed.startswith("doc") and len(lost) < 3:
+            lost.append(claimed)  # applied on the server, its answer lost on the way back
+            return {"ok": 0, "code": 11602, "codeName": "InterruptedDueToReplStateChange", "errmsg": "interrupted",
+                    "errorLabels": ["RetryableWriteError"]}  # fmt: skip
+        return document
+
+    proxy = WireProxy(mongo_url, Profile("lossy standalone", handshake=standalone().handshake, answer=answer))
+    try:
+        code, verdicts, output = doctor(with_database(f"mongodb://{proxy.address}", db.name))
+    finally:
+        proxy.close()
+    assert len(lost) == 3 and code == 0 and verdicts["atomic claims"] == "ok", output
+    assert "each exactly once (3 of them claimed by a try whose answer the connection lost)" in output
