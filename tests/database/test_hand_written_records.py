@@ -22,6 +22,7 @@ from bb_broker.ops.present import attempts_of, describe_job
 from bb_broker.ops.rerun import RerunRefused, plan, send
 from bb_broker.ops.steering import cancel_canvas
 from tests.support.store import FakeClock
+from tests.support.workers import wait_for
 
 ADD = "tests.support.e2e_app.add"
 
@@ -132,8 +133,10 @@ def failed(app: Celery, db: Database) -> tuple[Operations, str]:
     store = JobStore(db, Policy(max_attempts=1))
     store.ensure_indexes()
     job_id = app.send_task(ADD, args=(1, "x")).id
-    claimed = store.claim("celery", "worker-1")
-    assert claimed is not None and claimed.task_id == job_id
+    # Waited for: due by the publisher's reading of the server's clock, a moment later by the store's (a loaded
+    # machine's round trips).
+    claimed = wait_for(lambda: store.claim("celery", "worker-1"), timeout=30, message="the job claimed")
+    assert claimed.task_id == job_id
     store.fail(claimed.id, claimed.attempts, "TypeError: unsupported operand")
     return Operations(store), claimed.id
 

@@ -21,6 +21,7 @@ from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.ops.rerun import RerunRefused, plan
 from tests.support import wire
+from tests.support.workers import wait_for
 
 pytestmark = pytest.mark.stand_in
 
@@ -47,8 +48,9 @@ def test_a_retry_with_changed_arguments_of_a_job_holding_such_text_is_refused_na
 ) -> None:
     app.send_task("tests.echo", args=[1], kwargs={"name": NOT_UTF8})
     store = JobStore(db, Policy(max_attempts=1))
-    job = store.claim("celery", "worker-1")
-    assert job is not None and store.fail(job.id, job.attempts, "ValueError: boom")
+    # Due by the publisher's reading of the server's clock, by the store's a moment later maybe (a loaded machine).
+    job = wait_for(lambda: store.claim("celery", "worker-1"), timeout=30, message="the job claimed")
+    assert store.fail(job.id, job.attempts, "ValueError: boom")
     before = list(db.jobs.find())
     # Its kwargs, kept by a retry that changes only the args, would be sent as "caf\ufffd.txt".
     refused = pytest.raises(RerunRefused, plan, ops, job.id, [2], None)

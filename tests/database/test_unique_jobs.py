@@ -27,7 +27,7 @@ from bb_broker.jobs.unique import (
 from bb_broker.ops.operations import ActionRefused, Operations
 from bb_broker.options import BrokerOptions, open_store
 from tests.support import unique_app
-from tests.support.workers import producer
+from tests.support.workers import producer, wait_for
 
 
 @pytest.fixture
@@ -266,8 +266,9 @@ def test_the_stale_sweep_keeps_the_key_of_a_job_it_requeues_and_frees_one_it_fai
     from bb_broker.jobs.store import JobStore
 
     first = tasks["add"].delay(9, 9)
-    claimed = JobStore(db).claim("celery", "crashed-worker")
-    assert claimed is not None and claimed.task_id == first.id
+    store = JobStore(db)  # due by the publisher's reading of the server's clock, by this one's a moment later maybe
+    claimed = wait_for(lambda: store.claim("celery", "crashed-worker"), timeout=30, message="the job claimed")
+    assert claimed.task_id == first.id
     later = datetime.now(UTC) + timedelta(hours=1)  # the lease long expired: the worker is gone
     JobStore(db, Policy(max_attempts=max_attempts), clock=lambda: later).requeue_stale()
     swept = the_job(db, first.id)
