@@ -336,7 +336,7 @@ def check_envelope(message: dict[str, Any]) -> None:
     _check(headers, RATE_KEY_HEADER, "header", is_rate_key, expected_rate_key, absent_only=True)
     for name in _TEXT_PROPERTIES:
         _check(properties, name, "property", _text_or_none, "a string or null")
-    _check(properties, "priority", "property", _priority, "an integer from 0 to 255 or null")
+    _check(properties, "priority", "property", is_priority, "an integer from 0 to 255 or null")
     _check(properties, "delivery_info", "property", _document_or_none, "a document or null")
     for name in ("exchange", "routing_key"):  # where a Celery retry of the task is published
         value = (properties.get("delivery_info") or {}).get(name)
@@ -673,7 +673,8 @@ def _canvas_type(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value in _CANVAS_PARTS)
 
 
-def _priority(value: Any) -> bool:
+def is_priority(value: Any) -> bool:
+    """A message's priority property as a publish takes it (check_envelope): an integer from 0 to 255."""
     return _integer(value) and 0 <= value <= 255
 
 

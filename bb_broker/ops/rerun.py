@@ -35,6 +35,7 @@ from bb_broker.jobs.payloads import (
     PayloadError,
     body_parts,
     decompress_bounded,
+    is_priority,
     to_message,
     unencodable_text,
 )
@@ -76,16 +77,13 @@ PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, 
 _DIGEST_KEY = re.compile(r":[0-9a-f]{64}\Z")
 
 
-def _is_int(value: Any, lowest: int, highest: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and lowest <= value <= highest
-
-
 #: The original's message properties a new job carries, each with what kombu's publish takes of it (a stored one is
 #: data: `delivery_mode: "fast"` ended the send in kombu's lookup of the mode's name).
 CARRIED_PROPERTIES: dict[str, Callable[[Any], bool]] = {
     "reply_to": lambda value: isinstance(value, str),
-    "delivery_mode": lambda value: value in ("transient", "persistent") or _is_int(value, 1, 2),
-    "priority": lambda value: _is_int(value, 0, 255),
+    # A mode's name, or its number as an integer (kombu looks up anything else, 2.0 too, by name).
+    "delivery_mode": lambda value: value in ("transient", "persistent") or (is_priority(value) and value in (1, 2)),
+    "priority": is_priority,
 }
 
 
