@@ -12,7 +12,9 @@ The rotation (FairRotation): one cursor document per fair queue in FAIR_COLLECTI
 last. A claim takes, in one findAndModify through FAIR_INDEX, the first due job of the next turn after it in key
 order (a key with due jobs, or the jobs without a key, after the last key), wrapping around, then moves the cursor
 to the key it took. Which turns have due jobs a worker knows from its view of the queue, read again every
-LOOK_EVERY_JOBS jobs or LOOK_EVERY (a key whose first job comes meanwhile waits for that, then its turn). Each claim
+LOOK_EVERY_JOBS jobs or LOOK_EVERY (a key whose first job comes meanwhile waits for that, then its turn). A view
+holds at most FairRotation.view_keys keys: past that many, it is a window of the keys after the cursor, and the
+next look reads the window after it (an answer as large as the keys would pass the server's 16 MB cap). Each claim
 of one job is as atomic as a plain one, so no job is taken twice; no key with due jobs in the view is passed over
 for more than one turn (two workers that read the same cursor at once may both serve the key after it). A batch
 (Claims.claim_many) reads the jobs of as many turns as it wants, one read per turn among them, and takes them with
@@ -149,17 +151,31 @@ class _View:
     read_at: datetime
     #: Jobs this view may still hand out before it is read again.
     jobs_left: int
+    #: Whether the view is a window of the keys (there were more than FairRotation.view_keys): `turns` are then
+    #: the rotation's next turns after `start` (the cursor's `last` when it was read): the keys after it in key
+    #: order, and if they reach the last key, the jobs without a key and the first keys, up to view_keys keys. A
+    #: claim takes the window's turns after the cursor's place in it, never wrapping around inside it: past its end
+    #: (or with the cursor moved out of it by another worker), the next look reads the window after.
+    window: bool = False
+    start: Turn = None
 
 
 class FairRotation:
     """The rotation of the fair queues of one `jobs` collection: the cursors (FAIR_COLLECTION, in the same
     database), and this process's view of each queue's turns.
 
-    The view (its turns with due jobs: one `distinct` of the keys, one read for the jobs without a key) is looked at
-    again after LOOK_EVERY_JOBS jobs or LOOK_EVERY (one read: is a due job outside it?), and read again when one is
-    or every turn it has was found empty; a turn found empty leaves it until then. While it holds one turn alone
+    The view (its turns with due jobs: one aggregation of the keys, one read for the jobs without a key) is looked
+    at again after LOOK_EVERY_JOBS jobs or LOOK_EVERY (one read: is a due job outside it?), and read again when one
+    is or every turn it has was found empty; a turn found empty leaves it until then. While it holds one turn alone
     (one key's backlog), there is nothing to rotate: the claims are an unfair queue's, no cursor read or written.
-    With more, a claim reads the cursor, claims the next turn after it, and moves it there."""
+    With more, a claim reads the cursor, claims the next turn after it, and moves it there. With more keys than
+    `view_keys`, the view is a window of them (_View.window), read again at each look.
+
+    Owned by one JobStore; its claims run on the transport's claim threads (transport/claims.py)."""
+
+    #: The most keys a view holds, and a look reads: a window of the keys beyond it. Bounds a look's answer (the keys
+    #: of 1,000 jobs of MAX_FAIR_KEY_LENGTH characters are half a megabyte), its `$nin` and a claim's rotation.
+    view_keys = 1000
 
     def __init__(self, jobs: MongoCollection, hint: Hint, now: Callable[[], datetime]) -> None:
         self.jobs = jobs
@@ -184,13 +200,14 @@ class FairRotation:
         view, looked = self._view(queue, due)
         while True:
             order = self._order(queue, view)
+            rotating = view.window or len(order) > 1
             for turn in order:
-                if len(order) == 1:  # one turn alone, nothing to rotate: the plain claim, its index and order
+                if not rotating:  # one turn alone, nothing to rotate: the plain claim, its index and order
                     taken = claim_one(due, {"sort": CLAIM_ORDER, **self._hint("bb_claim", "findAndModify")})
                 else:
                     taken = self._indexed(claim_one, {**due, "fairKey": _condition(turn)}, options)
                 if taken is not None:
-                    self._served(queue, turn if len(order) > 1 else taken.fair_key, 1)
+                    self._served(queue, turn if rotating else taken.fair_key, 1)
                     return taken
                 view = self._found_empty(queue, turn)
             if looked:
@@ -203,7 +220,7 @@ class FairRotation:
         view, looked = self._view(queue, due)
         while True:
             order = self._order(queue, view)
-            if len(order) == 1:  # one turn alone, nothing to rotate: the plain read, its index and order
+            if len(order) == 1 and not view.window:  # one turn alone, nothing to rotate: the plain read, its order
                 plain = self._plain_first(due, wanted)
                 if plain:
                     key = plain[-1].get("fairKey")
@@ -252,21 +269,52 @@ class FairRotation:
         return view, False
 
     def _look(self, queue: str, due: dict[str, Any]) -> _View:
-        """Read which turns of `queue` have due jobs. A view with turns left is kept if no due job is outside them
-        (one read through the index); else the keys are read (one distinct), and whether jobs without a key are due
-        (distinct leaves out the jobs without the field)."""
+        """Read which turns of `queue` have due jobs. A whole view with turns left is kept if no due job is outside
+        them (one read through the index); else the first keys are read (one aggregation, view_keys + 1 of them at
+        most), and whether jobs without a key are due (one read). Past view_keys keys, a window is read instead."""
         view = self._views.get(queue)
-        if view is not None and view.turns and self._indexed(self._none_outside, due, view.turns):
+        if view is not None and view.turns and not view.window and self._indexed(self._none_outside, due, view.turns):
             view = replace(view, read_at=self._now(), jobs_left=LOOK_EVERY_JOBS)
         else:
-            values = self._indexed(self.jobs.distinct, "fairKey", due)
-            keys = sorted({value for value in values if isinstance(value, str)})  # code point order: BSON's
-            unkeyed = any(not isinstance(value, str) for value in values) or not self._indexed(
-                self._none_outside, due, tuple(keys)
-            )
-            view = _View((*keys, *([None] if unkeyed else [])), self._now(), LOOK_EVERY_JOBS)
+            keys = self._indexed(self._keys_after, due, None)
+            if len(keys) <= self.view_keys:
+                unkeyed = not self._indexed(self._none_outside, due, tuple(keys))
+                view = _View((*keys, *([None] if unkeyed else [])), self._now(), LOOK_EVERY_JOBS)
+            else:
+                view = self._window(queue, due, keys)
         self._views[queue] = view
         return view
+
+    def _window(self, queue: str, due: dict[str, Any], first_keys: list[str]) -> _View:
+        """A view of the rotation's next view_keys keys after the cursor: the keys after it (`first_keys`, the first
+        keys of all, when it is at the start), and if they reach the last key, the jobs without a key (when due)
+        and the first keys again."""
+        start = self._cursor(queue)
+        keys = first_keys if start is None else self._indexed(self._keys_after, due, start)
+        turns: list[Turn] = list(keys[: self.view_keys])
+        if start is not None and len(keys) <= self.view_keys:  # the rotation's end: it wraps around
+            if self._indexed(self._any_unkeyed, due):
+                turns.append(None)
+            turns += [key for key in first_keys if key <= start][: self.view_keys - len(keys)]
+        return _View(tuple(turns), self._now(), LOOK_EVERY_JOBS, window=True, start=start)
+
+    def _keys_after(self, due: dict[str, Any], after: str | None) -> list[str]:
+        """The first view_keys + 1 keys of the due jobs after `after` (from the first when None), in BSON's order
+        of strings (code point order, as Python's). One aggregation: a `distinct` answers every key at once, past
+        16 MB refused."""
+        keys = {"$type": "string"} if after is None else {"$gt": after}
+        pipeline: list[dict[str, Any]] = [
+            {"$match": {**due, "fairKey": keys}},
+            {"$group": {"_id": "$fairKey"}},
+            {"$sort": {"_id": ASCENDING}},
+            {"$limit": self.view_keys + 1},
+        ]
+        found = self.jobs.aggregate(pipeline, **self._hint(FAIR_INDEX_NAME, "aggregate"))
+        return sorted(document["_id"] for document in found)
+
+    def _any_unkeyed(self, due: dict[str, Any]) -> bool:
+        unkeyed = {**due, "fairKey": NO_KEY}
+        return self.jobs.find_one(unkeyed, {"_id": 1}, **self._hint(FAIR_INDEX_NAME, "find")) is not None
 
     def _none_outside(self, due: dict[str, Any], turns: tuple[Turn, ...]) -> bool:
         """Whether no due job is outside `turns` (a hand-edited key that is neither a string nor null always is)."""
@@ -275,13 +323,23 @@ class FairRotation:
 
     def _order(self, queue: str, view: _View) -> list[Turn]:
         """The view's turns in the order a claim tries them: from the cursor's, read here, when there are two or
-        more to rotate."""
-        if len(view.turns) <= 1:
+        more to rotate. A window's are those after the cursor, none once it is past the window's end (or wrapped
+        around through the jobs without a key): the next look reads the window after it."""
+        if len(view.turns) <= 1 and not view.window:
             return list(view.turns)
+        last = self._cursor(queue)
+        if not view.window:
+            return _rotation(view.turns, last)
+        if last == view.start:
+            return list(view.turns)
+        return list(view.turns[view.turns.index(last) + 1 :]) if last in view.turns else []
+
+    def _cursor(self, queue: str) -> Turn:
+        """The cursor's `last` (None before any claim, or after the jobs without a key), as read now."""
         cursor = self.cursors.find_one({"_id": queue}, {"last": 1}) or {}
         last = cursor.get("last") if isinstance(cursor.get("last"), str) else None
         self._cursor_seen[queue] = last
-        return _rotation(view.turns, last)
+        return last
 
     def _served(self, queue: str, turn: Turn, jobs: int) -> None:
         """`jobs` claimed, the last of them in `turn`: the cursor moves there (unless it is there already, as far as

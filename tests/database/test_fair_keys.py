@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from pymongo import MongoClient
+from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from bb_broker.jobs.fair_keys import FAIR_COLLECTION, FAIR_INDEX_NAME, FAIR_KEY_HEADER, MAX_FAIR_KEY_LENGTH
+from bb_broker.jobs.lifecycle import Policy
 from bb_broker.jobs.queues import LimitError, QueueLimits, Rate
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.operations import Operations
+from tests.support.faults import fail_point_off, fail_point_on
+from tests.support.servers import EmbeddedServer
 from tests.support.store import CommandLog, FakeClock
 
 FAIR = QueueLimits(fair=True)
@@ -165,10 +168,90 @@ def test_a_batch_of_a_fair_queue_takes_the_rotations_next_turns_a_read_per_key(
         "a0", "b0", "big0", "none0", "a1", "b1", "big1",
     ]  # fmt: skip
     # The look (the keys, then the jobs without one), the cursor, a read per turn, the cursor moved, the batch taken.
-    assert names(log) == ["distinct", "find", "find", *["find"] * 4, "update", "update"]
+    assert names(log) == ["aggregate", "find", "find", *["find"] * 4, "update", "update"]
     assert [job.task_id for job in store.claim_many("mail", "w", 8, FAIR)] == ["a2", "b2", "big2", "big3"]
     assert fair_store.coll.database[FAIR_COLLECTION].find_one({"_id": "mail"})["last"] == "big"
     assert fair_store.coll.count_documents({"status": "running"}) == 11
+
+
+class KeysAnswered(monitoring.CommandListener):
+    """How many keys each answer to a look at a fair queue's keys (an aggregation or a distinct) held."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        if event.command_name == "distinct":
+            self.counts.append(len(event.reply["values"]))
+        elif event.command_name == "aggregate":
+            self.counts.append(len(event.reply["cursor"]["firstBatch"]))
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_past_a_views_keys_the_claims_rotate_window_by_window_in_the_same_order(
+    fair_store: JobStore, clock: FakeClock, db: Database, mongo_url: str
+) -> None:
+    keys = "abcdefgh"
+    for key in keys:
+        for n in range(2):
+            publish(fair_store, f"{key}{n}", key)
+    publish(fair_store, "none0", None)
+    clock.advance(1)
+    answers = KeysAnswered()
+    store = JobStore(MongoClient(mongo_url, tz_aware=True, event_listeners=[answers])[db.name], clock=clock)
+    store.fairness.view_keys = 3  # eight keys: windows of three, the last one with the jobs without a key
+    # As one view of every key would: each key's first job, the jobs without a key, each key's second.
+    assert claimed_tasks(store, 20) == [f"{key}0" for key in keys] + ["none0"] + [f"{key}1" for key in keys]
+    assert answers.counts and max(answers.counts) <= 4  # no look read more than a window's keys and one
+
+
+def test_past_a_views_keys_a_batch_takes_the_windows_turns_and_two_claimers_take_each_job_once(
+    fair_store: JobStore, clock: FakeClock, db: Database, mongo_url: str
+) -> None:
+    for key in "abcdefg":
+        for n in range(3):
+            publish(fair_store, f"{key}{n}", key)
+    clock.advance(1)
+    answers = KeysAnswered()
+    client = MongoClient(mongo_url, tz_aware=True, event_listeners=[answers])
+    other = JobStore(client[db.name], Policy(stale_after=30), clock=clock)
+    fair_store.fairness.view_keys = other.fairness.view_keys = 2
+    taken: list[str] = []
+    while batch := fair_store.claim_many("mail", "w1", 2, FAIR) + other.claim_many("mail", "w2", 3, FAIR):
+        taken += [job.task_id for job in batch]
+    assert sorted(taken) == sorted(f"{key}{n}" for key in "abcdefg" for n in range(3))  # each once
+    first_jobs = [taken.index(f"{key}0") for key in "abcdefg"]
+    assert max(first_jobs) < 2 * 7, taken  # every key's first job within about a turn per key
+    assert answers.counts and max(answers.counts) <= 3  # windows of two keys (and one to tell there are more)
+
+
+def test_a_fair_queue_is_claimed_where_a_distinct_of_its_keys_is_refused(
+    fair_store: JobStore, clock: FakeClock, own_server: EmbeddedServer
+) -> None:
+    # A distinct answers every key at once, and MongoDB refuses one past 16 MB ("distinct too big, 16mb cap"): about
+    # 30,000 keys of 512 characters. The looks did not use to read the keys in bounded windows: the queue stalled.
+    with (
+        MongoClient(own_server.url, tz_aware=True) as admin,
+        MongoClient(own_server.url, tz_aware=True, appname="fair-looks") as looking,
+    ):
+        store = JobStore(looking.fair, Policy(stale_after=30), clock=clock)
+        store.ensure_indexes()
+        Operations(store).set_limits("mail", fair=True, by="tester")
+        for key in ("a", "b"):
+            publish(store, f"{key}0", key)
+        clock.advance(1)
+        refused = {"failCommands": ["distinct"], "appName": "fair-looks", "errorCode": 17217,
+                   "errMsg": "distinct too big, 16mb cap"}  # fmt: skip
+        fail_point_on(admin, **refused)
+        try:
+            assert claimed_tasks(store, 3) == ["a0", "b0"]
+        finally:
+            fail_point_off(admin)
 
 
 def test_fairness_is_set_read_back_cleared_and_refused_beside_a_rate_per_key(store: JobStore, db: Database) -> None:
