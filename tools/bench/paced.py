@@ -11,12 +11,18 @@ them). Prints each round's figures with the load average, and the ratios to Redi
 worker that could not keep up spends more per task, and the ratio is not at an equal pace.
 
 BENCH_PACED_COMMANDS=1 also counts the commands the bbmongo:// worker's processes send in the paced window, per task.
+BENCH_PACED_SYSCALLS=1 counts, with `strace -c -f`, the system calls of each worker's main process (all its threads)
+in the paced window, per task: a wake-up handed from one thread to another shows as `futex` calls. strace slows
+the process it traces: the CPU figures of such a run are not the bench's.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +55,19 @@ def _commands_per_task(log: Path, began: float, ended: float, main_pid: int, tas
     return {key: count / tasks for key, count in sorted(counted.items())}
 
 
-def one_worker(url: str, name: str, workdir: Path, n: int, idle: float, commands: bool) -> dict[str, Any]:
+def _syscalls_per_task(summary: Path, tasks: int) -> dict[str, float]:
+    """strace -c's table (`% time, seconds, usecs/call, calls, [errors,] syscall`), the calls per task."""
+    calls: dict[str, float] = {}
+    for line in summary.read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[0].replace(".", "").isdigit() and fields[-1] != "total":
+            calls[fields[-1]] = int(fields[3]) / tasks
+    return dict(sorted(calls.items(), key=lambda item: -item[1]))
+
+
+def one_worker(
+    url: str, name: str, workdir: Path, n: int, idle: float, commands: bool, syscalls: bool = False
+) -> dict[str, Any]:
     """A fresh worker's CPU: per second idle after its warm-up, then per task over `n` tasks at PACE a second."""
     stamps = Stamps(workdir / f"{name}.stamps")
     log = workdir / f"{name}.commands"
@@ -78,11 +96,22 @@ def one_worker(url: str, name: str, workdir: Path, n: int, idle: float, commands
         (main, pool), began = worker_cpu_seconds(pid), time.monotonic()
         time.sleep(idle)
         (main_idle, pool_idle), idled = worker_cpu_seconds(pid), time.monotonic() - began
+        tracer, traced = None, workdir / f"{name}.strace"
+        if syscalls:
+            strace = shutil.which("strace")
+            if strace is None:
+                raise RuntimeError("BENCH_PACED_SYSCALLS=1 needs strace: apt-get install -y strace")
+            argv = [strace, "-c", "-f", "-o", str(traced), "-p", str(pid)]
+            tracer = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached to every thread
         began, began_at = time.monotonic(), time.time()
         for k in range(n):
             send(app, "q")
             time.sleep(max(0.0, began + (k + 1) / PACE - time.monotonic()))
         stamps.wait("q", n, timeout=120 + n)
+        if tracer is not None:
+            tracer.send_signal(signal.SIGINT)  # detaches, and writes its table
+            tracer.wait(60)
         main_end, pool_end = worker_cpu_seconds(pid)
         figures: dict[str, Any] = {
             "main_ms_per_task": (main_end - main_idle) * 1000 / n,
@@ -95,6 +124,8 @@ def one_worker(url: str, name: str, workdir: Path, n: int, idle: float, commands
         figures["ms_per_task"] = figures["main_ms_per_task"] + figures["pool_ms_per_task"]
         if commands and log.exists():
             figures["commands_per_task"] = _commands_per_task(log, began_at, time.time(), pid, n)
+        if tracer is not None:
+            figures["syscalls_per_task"] = _syscalls_per_task(traced, n)
         return figures
     finally:
         stop_worker(worker)
@@ -108,6 +139,7 @@ def _spread(values: list[float]) -> str:
 def main() -> int:
     n, repeat = int(os.environ.get("BENCH_N", "500")), int(os.environ.get("BENCH_REPEAT", "3"))
     idle, commands = float(os.environ.get("BENCH_IDLE", "10")), os.environ.get("BENCH_PACED_COMMANDS") == "1"
+    syscalls = os.environ.get("BENCH_PACED_SYSCALLS") == "1"
     workdir = Path(tempfile.mkdtemp(prefix="bb-paced-"))
     mongo: Server = mongo_server(workdir)
     redis_server = RedisServer(workdir)
@@ -123,7 +155,9 @@ def main() -> int:
                     url = redis_server.url
                 else:
                     url = with_database(mongo.url, f"bench_paced_{rep}")
-                figures = one_worker(url, f"{broker}-{rep}", workdir, n, idle, commands and broker == "bbmongo")
+                figures = one_worker(
+                    url, f"{broker}-{rep}", workdir, n, idle, commands and broker == "bbmongo", syscalls
+                )
                 rounds[broker].append(figures)
                 slow = "  (under 90% of the pace)" if figures["tps"] < 0.9 * PACE else ""
                 print(
@@ -135,6 +169,10 @@ def main() -> int:
                 )
                 for command, per_task in figures.get("commands_per_task", {}).items():
                     print(f"    {command}: {per_task:.3f} per task")
+                if "syscalls_per_task" in figures:
+                    calls = figures["syscalls_per_task"]
+                    listed = ", ".join(f"{call} {per_task:.1f}" for call, per_task in calls.items() if per_task >= 0.5)
+                    print(f"    main process system calls per task: {sum(calls.values()):.1f} ({listed})")
     finally:
         redis_server.stop()
         mongo.stop()
