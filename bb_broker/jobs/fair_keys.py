@@ -289,7 +289,7 @@ class FairRotation:
         """A view of the rotation's next view_keys keys after the cursor: the keys after it (`first_keys`, the first
         keys of all, when it is at the start), and if they reach the last key, the jobs without a key (when due)
         and the first keys again."""
-        start = self._cursor(queue)
+        start = self._cursor_last(queue)
         keys = first_keys if start is None else self._indexed(self._keys_after, due, start)
         turns: list[Turn] = list(keys[: self.view_keys])
         if start is not None and len(keys) <= self.view_keys:  # the rotation's end: it wraps around
@@ -327,14 +327,14 @@ class FairRotation:
         around through the jobs without a key): the next look reads the window after it."""
         if len(view.turns) <= 1 and not view.window:
             return list(view.turns)
-        last = self._cursor(queue)
+        last = self._cursor_last(queue)
         if not view.window:
             return _rotation(view.turns, last)
         if last == view.start:
             return list(view.turns)
         return list(view.turns[view.turns.index(last) + 1 :]) if last in view.turns else []
 
-    def _cursor(self, queue: str) -> Turn:
+    def _cursor_last(self, queue: str) -> Turn:
         """The cursor's `last` (None before any claim, or after the jobs without a key), as read now."""
         cursor = self.cursors.find_one({"_id": queue}, {"last": 1}) or {}
         last = cursor.get("last") if isinstance(cursor.get("last"), str) else None
