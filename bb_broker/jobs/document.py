@@ -264,6 +264,14 @@ class Claimed:
     renamed_from: str | None = None
 
 
+def of_task(task_ids: str | list[str]) -> dict[str, Any]:
+    """The `taskId` condition of the jobs of a task id (or of any of a list of them). A job whose `taskId` is an array
+    (written by hand, or by another client) is no task's: a query on an array field matches each of its elements, and
+    one such job holding a task id would be read, changed and counted as that task's."""
+    matched = {"$in": task_ids} if isinstance(task_ids, list) else {"$eq": task_ids}
+    return {**matched, "$not": {"$type": "array"}}
+
+
 def task_id_of(value: Any) -> str | None:
     """`value` when it can be a Celery task id: a string of 1 to MAX_TASK_ID_LENGTH characters BSON can hold."""
     if isinstance(value, str) and 0 < len(value) <= MAX_TASK_ID_LENGTH and utf8_encodable(value):

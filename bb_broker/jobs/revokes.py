@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bb_broker.clock import reading
-from bb_broker.jobs.document import action_record, update_recorded
+from bb_broker.jobs.document import action_record, of_task, update_recorded
 from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import FAILED, QUEUED
 from bb_broker.jobs.store import JobStore
@@ -53,7 +53,7 @@ def revoke_queued(store: JobStore, task_ids: Iterable[str], *, by: str) -> int:
     now = reading(store.now)
     revoked = update_recorded(
         store.coll,
-        {"taskId": {"$in": ids}, "status": QUEUED},
+        {"taskId": of_task(ids), "status": QUEUED},
         {
             "$set": {"status": FAILED, "lastError": REVOKED, "updatedAt": now, "finishedAt": now, "revokedAt": now},
             "$unset": RELEASED_BY_CANCEL,
@@ -72,7 +72,7 @@ def revoked_before_running(store: JobStore, task_ids: Iterable[str]) -> list[dic
     if not ids:
         return []
     found = store.coll.find(
-        {"taskId": {"$in": ids}, "status": FAILED, "lastError": REVOKED},
+        {"taskId": of_task(ids), "status": FAILED, "lastError": REVOKED},
         {"taskId": 1, "payload": 1},
         **hint_if_indexed(store, "bb_task_id"),
     )

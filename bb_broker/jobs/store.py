@@ -36,6 +36,7 @@ from bb_broker.jobs.document import (
     attempt_entry,
     has_entry_of_current_attempt,
     new_job_id,
+    of_task,
     pushed,
     storable_text,
     unwritable_cause,
@@ -170,7 +171,7 @@ class JobStore(Sweeps):
         now = self.now()
         due = run_after or now
         if is_retry:
-            held = {"taskId": task_id} if retry_of is None else {"_id": retry_of[0], "attempts": retry_of[1]}
+            held = {"taskId": of_task(task_id)} if retry_of is None else {"_id": retry_of[0], "attempts": retry_of[1]}
             updated = self._write(
                 self.coll.find_one_and_update,
                 {**held, "status": RUNNING},
@@ -516,7 +517,7 @@ class JobStore(Sweeps):
     ) -> Outcome | None:
         """Fail the running job of a Celery task id that `owner` holds (when only the task id is known); its attempt's
         history entry says `outcome`."""
-        running = {"taskId": task_id, "status": RUNNING, "leaseOwner": owner}
+        running = {"taskId": of_task(task_id), "status": RUNNING, "leaseOwner": owner}
         # Its start copied into the entry as it is (EXACT_DECODING): one before year 1 was written as 0001-01-01.
         exact = exact_reads(self.coll)
         doc = exact.find_one(running, {"attempts": 1, "startedAt": 1, "history": {"$slice": -1}})

@@ -29,6 +29,7 @@ from bb_broker.jobs.document import (
     RETRIED_BY,
     action_record,
     bson_kind,
+    of_task,
     stored_not_utf8,
     task_id_of,
     update_recorded,
@@ -199,7 +200,7 @@ class Operations(Queries):
         else:
             # By job id, then by task id: two indexed reads (an $or of both is not one everywhere).
             by_id = {"_id": {"$in": wanted}, **selector}
-            by_task = {"taskId": {"$in": wanted}, **selector}
+            by_task = {"taskId": of_task(wanted), **selector}
             docs = list(self.coll.find(by_id, RETRY_FIELDS, **hint_if_indexed(self.store, "_id_")))
             seen = [doc["_id"] for doc in docs]  # compared, not hashed: a hand-written _id may be a document
             more = self.coll.find(by_task, RETRY_FIELDS, **hint_if_indexed(self.store, "bb_task_id"))
@@ -246,7 +247,7 @@ class Operations(Queries):
         if ids:
             # Only the record: updatedAt is its lease, which the job's worker keeps.
             record = action_record("revoke", by, self.now(), terminate=terminate or None)
-            running = {"taskId": {"$in": ids}, "status": RUNNING}
+            running = {"taskId": of_task(ids), "status": RUNNING}
             update_recorded(self.coll, running, {"$push": record}, **hint_if_indexed(self.store, "bb_task_id"))
         return revoked
 

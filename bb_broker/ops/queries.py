@@ -14,7 +14,14 @@ from pymongo.errors import ExecutionTimeout
 
 from bb_broker.clock import aware, reading
 from bb_broker.jobs.checkpoints import PROGRESS_PROJECTION, shown_progress
-from bb_broker.jobs.document import MAX_KIND_LENGTH, MAX_RENAMES, RESULTS_COLLECTION, RETRIED_AS, task_id_of
+from bb_broker.jobs.document import (
+    MAX_KIND_LENGTH,
+    MAX_RENAMES,
+    RESULTS_COLLECTION,
+    RETRIED_AS,
+    of_task,
+    task_id_of,
+)
 from bb_broker.jobs.indexes import hint_if_indexed
 from bb_broker.jobs.lifecycle import BREAKDOWNS, FAILED, QUEUED, RUNNING, STATUSES
 from bb_broker.jobs.queues import QueueControls, QueueLimits
@@ -273,7 +280,7 @@ class Queries:
         if doc is None:
             # A task id sent twice (apply_async(task_id=...) again) has a job per send: the newest is the one meant.
             newest = {"sort": [("_id", DESCENDING)], **hint_if_indexed(self.store, "bb_task_id")}
-            doc = self.coll.find_one({"taskId": identifier}, **newest)
+            doc = self.coll.find_one({"taskId": of_task(identifier)}, **newest)
         for other in _other_id_forms(identifier) if doc is None else ():
             doc = self.coll.find_one({"_id": other})  # a hand-written job's id, as the lists show it
             if doc is not None:
@@ -289,7 +296,7 @@ class Queries:
             new_id = task_id_of((kept or {}).get(RETRIED_AS))
             if new_id is None or new_id == task_id:
                 return None
-            if (doc := self.coll.find_one({"taskId": new_id}, **newest)) is not None:
+            if (doc := self.coll.find_one({"taskId": of_task(new_id)}, **newest)) is not None:
                 return doc
             task_id = new_id
         return None

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 from celery import states
 from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from kombu.serialization import prepare_accept_content
+from kombu.exceptions import ContentDisallowed
 from pymongo import ASCENDING, DESCENDING, UpdateOne
 from pymongo.collection import Collection
 from pymongo.uri_parser import parse_uri
@@ -61,6 +61,7 @@ from bb_broker.jobs.document import (
     ResultNotStored,
     ResultTooLarge,
     SettleUnwritable,
+    of_task,
     storable_text,
     task_id_of,
 )
@@ -337,7 +338,7 @@ class JobResultBackend(ChordBackend):
             settle.retried(store, request, None if cancelled else codec.described(result), traceback, result=fields)
             return result
         # Not a job this process holds: the job of that task id if there is one (never over its success), else ours.
-        job_doc = self.jobs.find_one({"taskId": task_id}, {"state": 1}, sort=[("_id", DESCENDING)])
+        job_doc = self.jobs.find_one({"taskId": of_task(task_id)}, {"state": 1}, sort=[("_id", DESCENDING)])
         if job_doc is not None:
             if job_doc.get("state") != states.SUCCESS:
                 self.jobs.update_one({"_id": job_doc["_id"], "state": {"$ne": states.SUCCESS}}, {"$set": fields})
@@ -358,7 +359,7 @@ class JobResultBackend(ChordBackend):
         if capabilities(self.database).update_pipelines:
             forgotten = {"$cond": [{"$eq": ["$status", FAILED]}, "$finishedAt", None]}
             pipeline: list[dict[str, Any]] = [{"$set": {"forgotten": forgotten}}, {"$unset": list(FORGOTTEN)}]
-            self.jobs.update_many({"taskId": task_id}, pipeline)
+            self.jobs.update_many({"taskId": of_task(task_id)}, pipeline)
         else:
             self._forget_by_read(task_id)
         self.side.delete_one({"_id": f"task:{task_id}"})
@@ -375,7 +376,7 @@ class JobResultBackend(ChordBackend):
                     "$unset": FORGOTTEN,
                 },
             )
-            for doc in self.jobs.find({"taskId": task_id}, {"status": 1, "finishedAt": 1})
+            for doc in self.jobs.find({"taskId": of_task(task_id)}, {"status": 1, "finishedAt": 1})
         ]
         if writes:
             self.jobs.bulk_write(writes, ordered=False)
@@ -394,7 +395,17 @@ class JobResultBackend(ChordBackend):
         for task_id in ids:
             metas.setdefault(task_id, {"status": states.PENDING, "result": None})
         # An exception as Celery encoded it becomes the exception (one the broker made is one already).
-        return {task_id: self.meta_from_decoded(meta) for task_id, meta in metas.items()}
+        return {task_id: self._decoded(task_id, meta) for task_id, meta in metas.items()}
+
+    def _decoded(self, task_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+        """meta_from_decoded, or for an exception stored that Celery cannot make one of again (a hand edit), the
+        task's FAILURE saying so."""
+        try:
+            return self.meta_from_decoded(meta)
+        except ContentDisallowed:
+            raise  # a refusal of the app's own accept list, as Celery's backends raise it
+        except Exception as exc:
+            return job_states.unreadable(task_id, "its stored exception", exc)
 
     def _found_metas(self, ids: list[str], renames: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         """The metas of those of `ids` something is stored for, and the jobs found (task id -> job id). A revoked
@@ -406,8 +417,9 @@ class JobResultBackend(ChordBackend):
         retried: dict[str, list[str]] = {}  # task id -> the jobs an operator retried to answer its stored failure
         if missing:
             for doc in self.side.find({"_id": {"$in": [f"task:{task_id}" for task_id in missing]}}):
-                task_id, meta = job_states.meta_of_task_document(doc, self._loaded)
-                metas[task_id] = meta
+                task_id = doc["_id"].partition(":")[2]
+                where = f"{RESULTS_COLLECTION} {doc['_id']}"
+                metas[task_id] = meta = self._readable(task_id, where, self._side_meta, doc)
                 new_id = task_id_of(doc.get(RENAMED_TO))
                 if renames > 0 and new_id is not None and new_id != task_id:
                     renamed[task_id] = new_id
@@ -430,14 +442,39 @@ class JobResultBackend(ChordBackend):
         found: dict[str, str] = {}
         extended = bool(self.app.conf.find_value_for_key("extended", "result"))
         fields = {**RESULT_FIELDS, **(EXTENDED_FIELDS if extended else {}), "taskId": 1}
-        cursor = self.jobs.find({"taskId": {"$in": ids}}, fields, sort=[("_id", ASCENDING)])
-        for doc in cursor:  # the newest job of a task id comes last and wins
-            meta = job_states.meta_of_job(doc, self._loaded)
-            if extended and meta["status"] != states.PENDING:
-                meta.update(job_states.extended(doc, prepare_accept_content(self.app.conf.accept_content)))
-            metas[doc["taskId"]] = meta
-            found[doc["taskId"]] = doc["_id"]
+        newest: dict[str, dict[str, Any]] = {}
+        for doc in self.jobs.find({"taskId": of_task(ids)}, fields, sort=[("_id", ASCENDING)]):
+            # The newest job of a task id comes last and wins; one whose _id is not a job id (a hand-written job's
+            # ObjectId sorts after every string) only over another such.
+            current = newest.get(doc["taskId"])
+            if current is None or isinstance(doc["_id"], str) or not isinstance(current["_id"], str):
+                newest[doc["taskId"]] = doc
+        for task_id, doc in newest.items():  # only the winner decoded: an older job's result is not read
+            metas[task_id] = self._readable(task_id, f"its job {doc['_id']}", self._job_meta, doc, extended)
+            found[task_id] = doc["_id"]
         return metas, found
+
+    def _job_meta(self, doc: dict[str, Any], extended: bool) -> dict[str, Any]:
+        meta = job_states.meta_of_job(doc, self._loaded)
+        if extended and meta["status"] != states.PENDING:
+            # The message decoded as the results are: result_accept_content, never more than the reader accepts.
+            meta.update(job_states.extended(doc, self.accept))
+        return meta
+
+    def _side_meta(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return job_states.meta_of_task_document(doc, self._loaded)[1]
+
+    def _readable(self, task_id: str, where: str, read: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        """`read(*args)`, the meta of one task's stored outcome; for one that cannot be read (a field written by hand
+        or by another client), that task's FAILURE saying why: the other tasks of the same read are read all the
+        same."""
+        try:
+            return read(*args)
+        except ContentDisallowed:
+            raise  # a refusal of the app's own accept list, as Celery's backends raise it
+        except Exception as exc:
+            logger.warning("task %s: the result stored in %s cannot be read: %r", task_id, where, exc)
+            return job_states.unreadable(task_id, where, exc)
 
     def _answered_by_retries(
         self, retried: dict[str, list[str]], metas: dict[str, dict[str, Any]], found: dict[str, str]

@@ -26,12 +26,15 @@ from celery import Celery, chord, group, maybe_signature, states
 from celery.backends.base import BaseBackend
 from celery.exceptions import ChordError
 from celery.result import GroupResult, ResultSet, allow_join_result, result_from_tuple
+from kombu.exceptions import ContentDisallowed
 from kombu.utils.uuid import uuid
 from pymongo import ReturnDocument
 from pymongo.collection import Collection
 
-from bb_broker.jobs.document import FAILED_AS, ResultTooLarge, task_id_of
+from bb_broker.jobs.document import FAILED_AS, ResultTooLarge, of_task, task_id_of
 from bb_broker.jobs.payloads import RENAMED_FROM_HEADER
+from bb_broker.jobs.unique import shown
+from bb_broker.results.states import UnreadableResult
 from bb_broker.upstream import celery as upstream_celery
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,14 @@ def _current_parts(counted: dict[str, Any]) -> list[dict[str, Any]]:
     """A chord's parts as they stand: a failed part an operator's retry since made succeed replaced by that success."""
     fixed = {part["key"]: part for part in counted.get("fixed") or []}
     return [fixed.get(part["key"], part) for part in counted["parts"]]
+
+
+def _is_count(value: Any) -> bool:
+    """Whether a counter's `count`, `size` or `extra` is a count: a whole number, not below 0 (a double from a shell's
+    edit as well)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return value >= 0 and (isinstance(value, int) or value.is_integer())
 
 
 def _first_message(signature: Any) -> Any:
@@ -110,8 +121,13 @@ class ChordBackend(BaseBackend):
         doc = self.side.find_one({"_id": f"group:{group_id}"})
         if doc is None:
             return None
-        meta = self._loaded(doc["result"], doc.get("resultFormat"))
-        meta["result"] = result_from_tuple(meta["result"], self.app)
+        try:
+            meta = self._loaded(doc["result"], doc.get("resultFormat"))
+            meta["result"] = result_from_tuple(meta["result"], self.app)
+        except ContentDisallowed:
+            raise  # a refusal of the app's own accept list, as Celery's backends raise it
+        except Exception as exc:  # written by hand or by another client
+            raise UnreadableResult(f"group {group_id}: its saved result cannot be read ({exc!r:.300})") from exc
         return meta
 
     def _delete_group(self, group_id: str) -> None:
@@ -158,7 +174,15 @@ class ChordBackend(BaseBackend):
         size = counter.get("size")
         if size is None:
             size = (request.chord or {}).get("chord_size")
-        if size is None or counter["count"] < size + counter.get("extra", 0):
+        if size is None:
+            return
+        count, extra = counter.get("count"), counter.get("extra", 0)
+        if not (_is_count(size) and size > 0 and _is_count(count) and _is_count(extra)):
+            # Edited by hand: a size of 0 would send the callback with some of the header's results.
+            shape = f"count {shown(count)}, size {shown(size)}, extra {shown(extra)}"
+            logger.error("chord %s: its counter holds no counts (%s): the callback is not sent", group_id, shape)
+            return
+        if count < size + extra:
             return
         callback = maybe_signature(request.chord, app=self.app)
         if counter.get("sent"):
@@ -289,12 +313,20 @@ class ChordBackend(BaseBackend):
                 first.set(task_id=first_id)
                 return True
             claim = (self.side.find_one({"_id": chord_id}, {name: 1}) or {}).get(name)
-        if claim is None or claim.get("by") != key:
+        if claim is None:
+            return False
+        if not (isinstance(claim, dict) and task_id_of(claim.get("firstId")) and isinstance(claim.get("by"), str)):
+            # Written by hand or by another client: whose claim it is, and under which id it sends, nobody can tell.
+            logger.error(
+                "chord %s: its %s claim is not one (%s): the callback is not sent", group_id, name, shown(claim)
+            )
+            return False
+        if claim["by"] != key:
             return False  # another part sends it
         # This part claimed it before and ran again: its worker died between the claim and the end of the send.
         first.set(task_id=claim["firstId"])
         done = "sent" if name == "callback" else "resent"
-        sent = self.jobs.find_one({"taskId": claim["firstId"]}, {"_id": 1}) is not None
+        sent = self.jobs.find_one({"taskId": of_task(claim["firstId"])}, {"_id": 1}) is not None
         # The first send's error is stored as the callback's result; a resend's is there already from before.
         failed = not sent and name == "callback" and self._side_state(claim["firstId"]) is not None
         if sent or failed:

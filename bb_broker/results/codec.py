@@ -8,6 +8,7 @@ from typing import Any
 
 from bson import Binary
 from kombu import compression
+from kombu.exceptions import DecodeError
 from kombu.serialization import loads
 from kombu.utils.encoding import ensure_bytes
 
@@ -56,9 +57,11 @@ def loaded(value: Any, fmt: str | None, *, serializer: str, accept: Any) -> Any:
     """A value as stored() kept it (`fmt` its resultFormat), decoded; `serializer` reads a format that names none."""
     if fmt == "json":
         return loads(json.dumps(value), "application/json", "utf-8", accept=accept)
+    if not isinstance(value, bytes):  # BSON's Binary is bytes; bytes(n) of a number n written by hand is n zero bytes
+        raise DecodeError(f"a result stored as {fmt!r} is {type(value).__name__}, not bytes")
     serializer = (fmt or "").partition(":")[2] or serializer
     content_type, content_encoding = upstream_kombu.serializer_content_types(serializer)
-    return loads(decompressed_result(bytes(value)), content_type, content_encoding, accept=accept)
+    return loads(decompressed_result(value), content_type, content_encoding, accept=accept)
 
 
 def masked(encoded: Any, secrets: tuple[str, ...]) -> Any:

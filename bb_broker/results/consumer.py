@@ -89,7 +89,10 @@ class ResultConsumer:
                 iterations += 1
                 if max_iterations and iterations >= max_iterations:
                     return
-                jobs = tuple(sorted(self._job_ids[task_id] for task_id in pending if task_id in self._job_ids))
+                # By text: a hand-written job's _id (an ObjectId) is no string to sort among the others.
+                jobs = tuple(
+                    sorted((self._job_ids[task_id] for task_id in pending if task_id in self._job_ids), key=str)
+                )
                 unknown = tuple(sorted(task_id for task_id in pending if task_id not in self._job_ids))
                 try:
                     if outage is None and self.change_streams and (jobs, unknown) != watched:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from celery import states
@@ -46,6 +47,18 @@ class JobFailed(Exception):
     """The task's job failed without a result from Celery (its worker was lost, its task unknown, an operator)."""
 
 
+class UnreadableResult(Exception):
+    """What a task's stored state or result reads as when it cannot be read (its job, or its `bb_results` document,
+    written by hand or by another client): that task's read fails with it, the others of the same read go on."""
+
+
+def unreadable(task_id: str, where: str, exc: BaseException) -> dict[str, Any]:
+    """The meta of a task whose stored outcome (in `where`) cannot be read for `exc`: FAILURE, saying so."""
+    cause = f"{type(exc).__name__}: {exc}"[:500]
+    error = UnreadableResult(f"task {task_id}: the result stored in {where} cannot be read ({cause})")
+    return finished_without_result(task_id, states.FAILURE, error)
+
+
 def pending(task_id: str) -> dict[str, Any]:
     return {"status": states.PENDING, "result": None, "task_id": task_id}
 
@@ -57,14 +70,15 @@ def finished_without_result(task_id: str, state: str, exc: BaseException) -> dic
 
 def meta_of_job(doc: dict[str, Any], load: Loader) -> dict[str, Any]:
     """A job document's meta: its stored result when its status agrees, else what its status says."""
-    status, state = doc.get("status"), doc.get("state")
+    status, state = doc.get("status"), _state_of(doc)
     task_id = doc["taskId"]
     finished = doc.get("finishedAt")
     if status == FAILED and state is None and finished is not None and doc.get("forgotten") == finished:
         return pending(task_id)  # forget() forgot this failure
-    if status == FAILED and state not in (states.FAILURE, states.REVOKED):
+    if status == FAILED and (state not in (states.FAILURE, states.REVOKED) or "resultFormat" not in doc):
+        # No outcome Celery stored (or one whose result a hand edit took away): what the job's failure says.
         last_error = str(doc.get("lastError") or "failed")
-        if last_error.startswith("revoked"):
+        if last_error.startswith("revoked") or state == states.REVOKED:
             return finished_without_result(task_id, states.REVOKED, TaskRevokedError(last_error))
         return finished_without_result(task_id, states.FAILURE, JobFailed(last_error))
     if status == SUCCEEDED and (state is None or state in states.UNREADY_STATES):
@@ -89,15 +103,28 @@ def meta_of_task_document(doc: dict[str, Any], load: Loader) -> tuple[str, dict[
     return task_id, meta_of_result(doc, task_id, load)
 
 
+def _state_of(doc: dict[str, Any]) -> str | None:
+    """A document's stored Celery state; a TypeError when it holds one that is not a string (a hand edit)."""
+    state = doc.get("state")
+    if state is not None and not isinstance(state, str):
+        raise TypeError(f"its state is {type(state).__name__} {str(state)[:60]!r}, not a string")
+    return state
+
+
 def meta_of_result(doc: dict[str, Any], task_id: str, load: Loader) -> dict[str, Any]:
-    """The meta of a document's result fields, the result decoded (an exception still as it was encoded)."""
+    """The meta of a document's result fields, the result decoded (an exception still as it was encoded). Fields
+    of another type than Celery stores (a hand edit) are left out: a `children` that is not a list of results, a
+    `dateDone` that is not a date, a `traceback` that is not text."""
+    children = doc.get("children")
+    if not (isinstance(children, list) and all(isinstance(child, list) for child in children)):
+        children = []
     meta = {
         "task_id": task_id,
-        "status": doc.get("state") or states.PENDING,
+        "status": _state_of(doc) or states.PENDING,
         "result": load(doc.get("result"), doc.get("resultFormat")) if "resultFormat" in doc else None,
-        "traceback": doc.get("traceback"),
-        "children": doc.get("children") or [],
-        "date_done": doc.get("dateDone"),
+        "traceback": doc.get("traceback") if isinstance(doc.get("traceback"), str) else None,
+        "children": children,
+        "date_done": doc.get("dateDone") if isinstance(doc.get("dateDone"), datetime) else None,
     }
     if doc.get("groupId"):
         meta["group_id"] = doc["groupId"]
@@ -114,7 +141,9 @@ def extended(doc: dict[str, Any], accept: Any) -> dict[str, Any]:
         args, kwargs = (body[0], body[1]) if isinstance(body, list | tuple) else (None, None)
     except (PayloadError, ContentDisallowed, DecodeError, TypeError, ValueError, IndexError):
         message, args, kwargs = {"headers": {}}, None, None  # a message the client cannot read: no arguments
-    history = doc.get("history") or []
+    history = doc.get("history")
+    if not isinstance(history, list):
+        history = []
     finished = doc.get("status") in (SUCCEEDED, FAILED) and history and isinstance(history[-1], dict)
     return {
         "name": doc.get("kind"),
