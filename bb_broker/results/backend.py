@@ -72,13 +72,13 @@ from bb_broker.results import codec
 from bb_broker.results import states as job_states
 from bb_broker.results.chords import ChordBackend
 from bb_broker.results.consumer import ResultConsumer
-from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed
+from bb_broker.results.states import EXTENDED_FIELDS, FORGOTTEN, RESULT_FIELDS, JobFailed, UnreadableResult
 from bb_broker.server import capabilities
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import receivers, settle
 from bb_broker.worker.settle import RESULT
 
-__all__ = ["JobFailed", "JobResultBackend"]
+__all__ = ["JobFailed", "JobResultBackend", "UnreadableResult"]
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from pymongo.database import Database
 
-from bb_broker.results.states import UnreadableResult
+from bb_broker.results.backend import UnreadableResult
 from tests.database.test_pickle_never_runs import Exploit
 from tests.database.test_results_backend import part, tsum
 from tests.support.workers import producer
