@@ -160,13 +160,22 @@ def to_the_second(value: Any) -> str:
     return as_text(value)[:19] if isinstance(value, datetime) else as_text(value)
 
 
-def as_json(value: Any) -> Any:
-    """A stored value as JSON can hold it: documents and arrays through, a date in ISO 8601 (UTC), and what JSON has
-    no type for (an ObjectId, a timestamp, binary data, a Decimal128, NaN and the infinities) as its text."""
+#: How deep a page or an answer shows a stored value; a document written by hand (or by another client) nested
+#: deeper shows that as text from there.
+MAX_SHOWN_DEPTH = 100
+DEEPER = f"(nested deeper than {MAX_SHOWN_DEPTH} levels)"
+
+
+def as_json(value: Any, depth: int = 0) -> Any:
+    """A stored value as JSON can hold it: documents and arrays through (to MAX_SHOWN_DEPTH), a date in ISO 8601
+    (UTC), and what JSON has no type for (an ObjectId, a timestamp, binary data, a Decimal128, NaN and the
+    infinities) as its text."""
+    if isinstance(value, dict | list | tuple) and depth >= MAX_SHOWN_DEPTH:
+        return DEEPER
     if isinstance(value, dict):
-        return {str(key): as_json(item) for key, item in value.items()}
+        return {str(key): as_json(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [as_json(item) for item in value]
+        return [as_json(item, depth + 1) for item in value]
     if value is None or isinstance(value, (str, bool)):
         return value
     if isinstance(value, int):

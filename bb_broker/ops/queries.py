@@ -206,9 +206,19 @@ class Queries:
     def bounded(self, job_filter: JobFilter) -> JobFilter:
         """An argument search bounded to the newest `search_window` jobs of the rest of its filter: its
         `search_from` is the oldest of them (read through the filter's index), or None when there are no more than
-        that (nothing is left out). A filter without argument searches, or already bounded, is returned as it is."""
-        if not job_filter.arguments or job_filter.search_from is not None:
+        that (nothing is left out). A filter without argument searches is returned as it is, and one already bounded
+        (a `searchFrom` a list or a count answered, sent back) while its window holds no more than twice
+        `search_window` jobs: one from further back (a client's own) would have the search, which no index serves,
+        read as far back as it says."""
+        if not job_filter.arguments:
             return job_filter
+        if job_filter.search_from is not None:
+            reach = 2 * self.search_window
+            within = {"$and": [job_filter.unindexed, {"_id": {"$gte": job_filter.search_from}}]}
+            hint = hint_if_indexed(self.store, job_filter.hint)
+            if self.coll.count_documents(within, limit=reach + 1, **hint) <= reach:
+                return job_filter
+            job_filter = replace(job_filter, search_from=None)
         oldest = list(
             self.coll.find(
                 job_filter.unindexed,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import reprlib
 import uuid
@@ -116,6 +117,28 @@ def parse_arguments(args_text: str | None, kwargs_text: str | None) -> tuple[lis
     return args, kwargs
 
 
+#: The deepest nesting of the arguments a retry with changed arguments sends: MongoDB keeps documents to 100 levels
+#: (the job's own fields nest them two deeper), and the pages that show a job draw each level.
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _shape_refusal(value: Any) -> str | None:
+    """Why parsed JSON cannot be a task's arguments: nested past MAX_ARGUMENT_DEPTH, or a number JSON cannot write
+    back (NaN, an infinity, 1e400 read as one); None when it can."""
+    pending: list[tuple[tuple[Any, ...], Any]] = [((), value)]
+    while pending:
+        path, item = pending.pop()
+        where = "".join(f"[{step!r}]" for step in path)
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{where} is {item!r}, a number JSON has no way to write"
+        if isinstance(item, dict | list):
+            if len(path) >= MAX_ARGUMENT_DEPTH:
+                return f" is nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+            children = item.items() if isinstance(item, dict) else enumerate(item)
+            pending.extend(((*path, key), child) for key, child in children)
+    return None
+
+
 def _parsed(name: str, text: str | None, kind: type, expected: str) -> Any:
     if text is None or not text.strip():
         return None
@@ -125,6 +148,8 @@ def _parsed(name: str, text: str | None, kind: type, expected: str) -> Any:
         raise RerunRefused("bad input", f"{name} is not JSON ({str(exc)[:200]}): give {expected}") from None
     if not isinstance(value, kind):
         raise RerunRefused("bad input", f"{name} must be {expected}, not {bson_kind(value)} {_shown(value)}")
+    if (refusal := _shape_refusal(value)) is not None:
+        raise RerunRefused("bad input", f"{name}{refusal}")
     if (found := unencodable_text(value)) is not None:  # JSON's escapes can write a lone surrogate: BSON cannot
         raise RerunRefused("bad input", f"{name}{found[0]} holds a lone surrogate {ascii(found[1])[:60]}")
     return value

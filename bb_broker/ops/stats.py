@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson.int64 import Int64
-from pymongo.errors import PyMongoError
+from pymongo.errors import ExecutionTimeout, PyMongoError
 
 from bb_broker.clock import aware
 from bb_broker.forks import reset_in_child
@@ -108,6 +108,7 @@ def job_stats(
     *,
     keep_summaries: bool = True,
     leave_to_holder: bool = False,
+    max_ms: int | None = None,
 ) -> dict[str, Any]:
     """The numbers of the charts for the window of `length` ending now, of the jobs of `job_filter`, per queue or
     kind with `by`: per interval, attempts succeeded, jobs failed for good, attempts retried (failed, lost or
@@ -119,7 +120,8 @@ def job_stats(
     unless `keep_summaries` is False (a read-only Flower), and reads the jobs for the rest only. With
     `leave_to_holder` (the Jobs tab), a chart summarizes at most SUMMARIZED_BY_A_CHART of those itself while a
     process's pass summarizing ahead is under way: the older ones are `pending`, their intervals without numbers
-    (None) until that pass has summarized them, and `summarizing` names the process."""
+    (None) until that pass has summarized them, and `summarizing` names the process. With `max_ms` (a page's
+    request), the jobs' aggregations stop there, and FilterError asks for a narrower filter or window."""
     if by is not None and by not in BREAKDOWNS:
         raise FilterError(f"by must be one of {', '.join(BREAKDOWNS)}, not {by!r}")
     now = operations.now()
@@ -142,7 +144,13 @@ def job_stats(
         query["status"] = {"$in": list(STATUSES)}  # the index's first field, so the window below is a range of it
     if live_from < window.end:
         grouped_by = None if by is None else f"${by}"
-        buckets, retried = _aggregate(operations, query, live_from, window.end, window.step, grouped_by)
+        try:
+            buckets, retried = _aggregate(operations, query, live_from, window.end, window.step, grouped_by, max_ms)
+        except ExecutionTimeout:
+            raise FilterError(
+                f"reading the jobs of the chart took over {max_ms} ms: narrow the filter (status, queue, kind) or the"
+                " window"
+            ) from None
         for bucket in buckets:
             tally.add_finished(bucket["_id"], bucket)
         for bucket in retried:
@@ -377,7 +385,13 @@ def _summaries_of(operations: Operations, start: datetime, end: datetime) -> lis
 
 
 def _aggregate(
-    operations: Operations, query: dict[str, Any], start: datetime, end: datetime, step: timedelta, group: Any
+    operations: Operations,
+    query: dict[str, Any],
+    start: datetime,
+    end: datetime,
+    step: timedelta,
+    group: Any,
+    max_ms: int | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The finished jobs' buckets and the retried attempts' of [start, end) in intervals of `step`, per `group`.
 
@@ -387,6 +401,8 @@ def _aggregate(
     threads; docs/explanation/performance.md has the figures)."""
     query = {**query, "updatedAt": {**query.get("updatedAt", {}), "$gte": start}}
     hint = hint_if_indexed(operations.store, "bb_status_updated", "aggregate")
+    if max_ms is not None:
+        hint["maxTimeMS"] = max_ms
     finished = _finished_query(query)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bb-stats") as retried_reader:
         retried = retried_reader.submit(

@@ -82,6 +82,16 @@ def broker_url_with_password(app: Flower) -> str:
         return str(connection.as_uri(include_password=True))
 
 
+def http_error_message(exc: tornado.web.HTTPError) -> str | None:
+    """An HTTPError's message with its arguments in. Tornado 6.6 has `get_message` for it and escapes `log_message`
+    when there are no arguments (each % doubled, for its own formatting); before 6.6, `log_message` is the text as
+    given."""
+    get_message = getattr(exc, "get_message", None)
+    if get_message is not None:
+        return get_message()
+    return exc.log_message % exc.args if exc.log_message and exc.args else exc.log_message
+
+
 def plain_argument(handler: tornado.web.RequestHandler, name: str, default: Any = None, strip: bool = True) -> Any:
     """A request argument as sent, not HTML-escaped: Tornado's own `RequestHandler.get_argument`, under Flower's
     `BaseHandler.get_argument`, which escapes every value and takes `escape=False` only from Flower 2.2 on (2.0 and

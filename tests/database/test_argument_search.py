@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -108,3 +109,17 @@ def test_a_search_looks_among_the_newest_jobs_only_and_says_where_it_stopped(ops
     assert ops.bounded(JobFilter.parse({"kwargs.customer": "acme", "since": "1h"}, ops.now())).search_from == ids[5]
     assert ops.bounded(JobFilter.parse({"status": "queued"}, ops.now())).search_from is None  # no argument search
     assert later in {doc["_id"] for doc in ops.list_jobs(acme).jobs}
+
+
+def test_a_search_from_sent_back_opens_at_most_twice_the_window(ops: Operations) -> None:
+    ops.search_window = 3
+    ids = [publish(ops, f"job-{n}", customer="acme") for n in range(9)]
+    acme = JobFilter.parse({"kwargs.customer": "acme"}, ops.now())
+    # The searchFrom of an earlier list, newer jobs since: kept while its window holds up to twice the search's.
+    earlier = replace(acme, search_from=ids[3])
+    assert ops.bounded(earlier).search_from == ids[3] and ops.count(earlier) == 6
+    # One a client made up to read further back, where no index serves the search: the newest window instead.
+    for made_up in (ids[2], "0", ""):
+        widened = replace(acme, search_from=made_up)
+        assert ops.bounded(widened).search_from == ids[6], made_up
+        assert ops.count(widened) == 3 and len(ops.list_jobs(widened).jobs) == 3

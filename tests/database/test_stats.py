@@ -472,3 +472,27 @@ def test_a_kind_of_megabytes_or_not_a_string_is_counted_under_one_name_and_every
     listed = runner.invoke(main, ["stats", "--since", "1d", "--by", "kind", "--json", "--broker", broker_url])
     assert listed.exit_code == 0, listed.output[-2000:]
     assert sum(json.loads(listed.output)["series"]["(not a name)"]["succeeded"]) == 1
+
+
+def test_a_pages_chart_that_reads_its_jobs_past_its_time_asks_for_a_narrower_filter(
+    own_server, clock: FakeClock
+) -> None:
+    from tests.support.faults import fail_point
+
+    with (
+        MongoClient(own_server.url, tz_aware=True) as admin,
+        MongoClient(own_server.url, tz_aware=True, appname="chart-reader", event_listeners=[log := CommandLog()]) as c,
+    ):
+        three_finished_at_23(admin.charts, clock.now)
+        ops = Operations(JobStore(c.charts, Policy(), clock=clock))
+        failed_only = JobFilter.parse({"status": "failed"}, clock.now)  # no summary serves a status: the jobs read
+        job_stats(ops, failed_only, timedelta(days=31), max_ms=10_000)
+        charts = [command for command in log.commands if command.get("aggregate") == "jobs"]
+        assert len(charts) == 2 and {command.get("maxTimeMS") for command in charts} == {10_000}
+        # The server's MaxTimeMSExpired (50), as a month of jobs read past the page's time would have it.
+        fail_point(admin, 1, failCommands=["aggregate"], appName="chart-reader", errorCode=50)
+        with pytest.raises(FilterError, match="took over 10000 ms: narrow the filter"):
+            job_stats(ops, failed_only, timedelta(days=31), max_ms=10_000)
+        log.commands.clear()
+        job_stats(ops, failed_only, timedelta(days=31))  # the CLI's: no time limit
+        assert all("maxTimeMS" not in command for command in log.commands if command.get("aggregate") == "jobs")

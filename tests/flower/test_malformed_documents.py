@@ -152,6 +152,33 @@ def test_flower_shows_hand_written_documents_and_counts_every_status(app, db, wo
     assert job(db, sentinel)["status"] == "succeeded"
 
 
+def strict_json(text: str) -> Any:
+    """JSON as a browser's `response.json()` reads it: no NaN or Infinity."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_job_whose_arguments_hold_nan_or_nest_deep_is_shown_as_strict_json(app, db, flower_factory) -> None:
+    deep: list[Any] = [1]
+    for _ in range(150):  # past what a page shows, as a hand-written document (or another server) can hold
+        deep = [deep]
+
+    def odd_arguments(doc: dict[str, Any]) -> None:
+        doc["payload"]["args"] = [float("nan"), float("inf"), deep]
+
+    doc = hand_written(db, app, odd_arguments, status="failed")
+    flower = flower_factory()
+    for path in (f"/api/jobs/job?id={doc['_id']}", f"/jobs/job?id={doc['_id']}"):
+        status, body = flower.request("GET", path)
+        assert status == 200, (path, body[:500])  # was: a RecursionError, 500
+    answer = strict_json(flower.request("GET", f"/api/jobs/job?id={doc['_id']}")[1])
+    nan, inf, shown = answer["payload"]["args"]
+    assert (nan, inf) == ("nan", "inf") and "nested deeper than 100 levels" in json.dumps(shown)
+
+
 def test_the_jobs_tab_shows_unknown_statuses_and_odd_ids_in_a_browser(app, db, flower_factory, browser) -> None:
     flower = flower_factory()
     hand_written(db, app, status="pending")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import tornado.template
+import tornado.web
 
 from bb_broker.contrib.flower import (
     flowers_actions,
@@ -323,3 +324,11 @@ def test_every_request_reaches_the_host_check_before_flowers_routing() -> None:
         "flower.command no longer builds its application as flower.app.Flower: " + where("install_host_check")
     )
     assert "allowed_hosts" in options
+
+
+def test_an_http_errors_message_is_its_text_with_its_arguments_in() -> None:
+    assert upstream_flower.http_error_message(tornado.web.HTTPError(400, "status '%s' is not one", "%d")) == (
+        "status '%d' is not one"
+    )
+    assert upstream_flower.http_error_message(tornado.web.HTTPError(400, "a 100% bad filter")) == "a 100% bad filter"
+    assert upstream_flower.http_error_message(tornado.web.HTTPError(404)) is None

@@ -9,6 +9,7 @@ bb_broker.contrib.flower.tab's. A job is named by the `id` argument, never by a 
 from __future__ import annotations
 
 import base64
+import math
 import reprlib
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,7 +38,7 @@ from bb_broker.jobs.queues import LimitError
 from bb_broker.ops.canvas import canvas_of
 from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
 from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
-from bb_broker.ops.present import actions_of, arguments, as_text, attempts_of, describe_job
+from bb_broker.ops.present import DEEPER, MAX_SHOWN_DEPTH, actions_of, arguments, as_text, attempts_of, describe_job
 from bb_broker.ops.queries import MAX_PAGE, no_job_has
 from bb_broker.ops.rerun import ACTION as RERUN
 from bb_broker.ops.rerun import offered
@@ -48,20 +49,28 @@ from bb_broker.upstream import flower as upstream_flower
 ACTION_LABELS = {"run-now": "Run now"}
 #: The longest job id or task id looked up (a job id is 26 characters; Celery's task ids are 36).
 MAX_ID_LENGTH = 512
+#: How long a chart's reading of the jobs may keep the server busy for one request (its summaries aside): a filter
+#: no summary serves (a status, an error) over a month of jobs would read every one of them.
+CHART_MAX_MS = 10_000
 
 T = TypeVar("T")
 
 
-def jsonable(value: Any) -> Any:
-    """A document as JSON can carry it: dates as ISO 8601 (UTC), bytes as base64."""
+def jsonable(value: Any, depth: int = 0) -> Any:
+    """A document as JSON can carry it: dates as ISO 8601 (UTC), bytes as base64, NaN and the infinities as their
+    text (JSON has no such numbers), and levels past present.MAX_SHOWN_DEPTH (a hand-written document) as a note."""
+    if isinstance(value, dict | list | tuple) and depth >= MAX_SHOWN_DEPTH:
+        return DEEPER
     if isinstance(value, dict):
-        return {str(key): jsonable(item) for key, item in value.items()}
+        return {str(key): jsonable(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(item) for item in value]
+        return [jsonable(item, depth + 1) for item in value]
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, bytes):
         return base64.b64encode(value).decode("ascii")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
@@ -188,7 +197,7 @@ class JobsHandler(BaseHandler):
         try:
             limit = int(limit_text)
         except ValueError:
-            raise tornado.web.HTTPError(400, f"bad filter: limit {limit_text!r} is not a number") from None
+            raise tornado.web.HTTPError(400, f"bad filter: limit {reprlib.repr(limit_text)} is not a number") from None
         if not 1 <= limit <= MAX_PAGE:
             raise tornado.web.HTTPError(400, f"bad filter: limit must be between 1 and {MAX_PAGE}")
         return after, limit
@@ -224,7 +233,7 @@ class JobsHandler(BaseHandler):
             return
         if self.json_errors and isinstance(exc, tornado.web.HTTPError):
             self.set_header("Content-Type", "application/json; charset=UTF-8")
-            message = exc.log_message % exc.args if exc.log_message and exc.args else exc.log_message
+            message = upstream_flower.http_error_message(exc)
             # The reason phrase Tornado's send_error set (the error's own, else the status code's).
             self.finish({"error": message or exc.reason or httputil.responses.get(status_code, "Unknown")})
             return
@@ -472,6 +481,7 @@ class JobsStats(JobsHandler):
                 by,
                 keep_summaries=not read_only(self),
                 leave_to_holder=True,
+                max_ms=CHART_MAX_MS,
             )
         except (FilterError, ValueError) as exc:
             raise tornado.web.HTTPError(400, f"bad filter: {exc}") from None
