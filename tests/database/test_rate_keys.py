@@ -4,7 +4,7 @@ expiring; set and refused through the controls; the options that give a job its 
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -22,6 +22,16 @@ from bb_broker.ops.operations import Operations
 from tests.support.store import CommandLog, FakeClock
 
 PER_KEY = QueueLimits(rate=Rate(1, 60.0, per_key=True))  # a start a minute for each key
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The store's fake clock, a day ahead of the real one. A rate key's counter expires at its next start through
+    a TTL index, which the server applies by its own clock: at FakeClock's 2026-01-01 every counter had expired, and
+    a TTL pass in the middle of a test took counters away (a key then started more often than its rate)."""
+    clock = FakeClock()
+    clock.now = datetime.now(UTC).replace(microsecond=0) + timedelta(days=1)
+    return clock
 
 
 def publish(store: JobStore, task_id: str, rate_key: str | None) -> str:
