@@ -484,6 +484,29 @@ def test_bb_broker_flower_refuses_to_start_without_authentication(broker_url: st
 
 
 @pytest.mark.parametrize(
+    "login",
+    [
+        "--basic-auth=",
+        "--basic-auth=:",
+        "--basic-auth=,",
+        "--basic-auth=ops:",
+        "--basic-auth=:pw",
+        "--basic-auth=ops:pw,",
+    ],
+)
+def test_a_basic_auth_with_an_empty_login_is_refused_not_served_to_anyone(
+    login: str, broker_url: str, tmp_path: Path
+) -> None:
+    # `--basic-auth=$CREDS` with CREDS unset: Flower let in a request whose Authorization header decoded to nothing.
+    port = free_port()
+    refused = bb_broker_flower("--address=127.0.0.1", f"--port={port}", login, cwd=tmp_path, BB_BROKER_URL=broker_url)
+    assert refused.returncode == 2, refused.stderr
+    assert "no USER:PASSWORD with both parts given" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "nothing may listen"
+
+
+@pytest.mark.parametrize(
     ("args", "env", "config", "expected"),
     [
         ((), {}, None, None),

@@ -68,6 +68,11 @@ def _row(name: str, depth: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _is_login(entry: Any) -> bool:
+    user, colon, password = str(entry).partition(":")
+    return bool(colon and user.strip() and password)
+
+
 def authentication(flower_args: Iterable[str]) -> str | None:
     """How Flower started with these arguments authenticates its users: "basic", "oauth", or None for nobody.
 
@@ -81,6 +86,14 @@ def authentication(flower_args: Iterable[str]) -> str | None:
     apply_env_options()
     apply_options("flower", list(flower_args))
     if options.basic_auth:
+        # Flower checks a login against each entry as given: an empty one (`--basic-auth=$UNSET`), or one without a
+        # user or a password, lets in whoever sends that much, or nothing at all.
+        unusable = [entry for entry in options.basic_auth if not _is_login(entry)]
+        if unusable:
+            raise ValueError(
+                f"--basic-auth holds {len(unusable)} entr{'y' if len(unusable) == 1 else 'ies'} that is no "
+                "USER:PASSWORD with both parts given (an empty value, or a variable that is not set?)"
+            )
         return "basic"
     if options.auth:
         return "oauth"
