@@ -242,6 +242,14 @@ def expose_as_kombu_does(client: Any, url: str) -> None:
     client.virtual_host = path or None
 
 
+def transport_url(url: str) -> str:
+    """A broker URL as the CLI takes it (bbmongo:// or mongodb://) as a Celery app's broker: Kombu answers mongodb://
+    with a transport of its own, which writes its messages to a `messages` collection and no job."""
+    scheme, sep, rest = url.partition("://")
+    ours = {"mongodb": "bbmongo", "mongodb+srv": "bbmongo+srv"}.get(scheme.lower())
+    return f"{ours}://{rest}" if sep and ours else url
+
+
 def parse_broker_url(url: str) -> BrokerTarget:
     """Turn a `bbmongo://` (or `mongodb://`) URL into a pymongo URI and a database name."""
     scheme, sep, rest = url.partition("://")

@@ -341,6 +341,7 @@ def _retry_with_arguments(
     bad arguments or an unknown job, 1 for a job that cannot be sent again so."""
     from celery import Celery
 
+    from bb_broker.connection import transport_url
     from bb_broker.ops.operations import Operations
     from bb_broker.ops.present import as_json as as_json_value
     from bb_broker.ops.rerun import RerunRefused, parse_arguments, plan, send
@@ -356,7 +357,7 @@ def _retry_with_arguments(
         click.echo(json.dumps(as_json_value(rerun.preview()), indent=2))
         if not yes:
             click.confirm(f"send this as a new job replacing job {rerun.job_id}?", abort=True)
-        app = Celery("bb-broker", broker=broker, set_as_current=False)
+        app = Celery("bb-broker", broker=transport_url(broker), set_as_current=False)
         app.conf.broker_transport_options = {"jobs_collection": collection}  # where the new job goes
         try:
             with app.connection_for_write() as connection:

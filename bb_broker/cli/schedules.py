@@ -67,10 +67,11 @@ def run_now(where: Where, name: str) -> None:
     from bb_broker.beat.entries import EntryError, ScheduleStore
     from bb_broker.beat.scheduler import run_now as send_now
     from bb_broker.clock import ServerClock
+    from bb_broker.connection import transport_url
 
     with job_store(where.broker, where.collection) as store:
         db = store.coll.database
-        app = Celery("bb-broker", broker=where.broker, set_as_current=False)
+        app = Celery("bb-broker", broker=transport_url(where.broker), set_as_current=False)
         app.conf.broker_transport_options = {"jobs_collection": where.collection}  # where its job goes
         try:
             task_id = send_now(app, ScheduleStore(db, ServerClock.of(db)), name)

@@ -147,6 +147,9 @@ def test_the_cli_lists_runs_now_disables_and_enables_an_entry(
     assert job["payload"]["headers"]["bb_beat_entry"] == "nightly"
     rows = json.loads(cli(broker_url, "--json").stdout)
     assert (rows[0]["lastTaskId"], rows[0]["lastRunNow"], rows[0]["lastStatus"]) == (task_id, True, "queued")
+    # Given as mongodb://, the job is a job still (not a message of Kombu's own MongoDB transport).
+    again = cli("mongodb://" + broker_url.partition("://")[2], "run-now", "nightly")
+    assert again.returncode == 0 and db.jobs.find_one({"taskId": again.stdout.strip().rpartition(" ")[2]}), again
     assert cli(broker_url, "disable", "nightly").stdout == "disabled nightly\n"
     assert db.bb_schedules.find_one({"_id": "nightly"})["enabled"] is False
     assert "disabled" in cli(broker_url).stdout

@@ -241,3 +241,16 @@ def test_the_cli_shows_asks_then_sends_and_refuses_bad_arguments(
     new = wait_for(lambda: (doc := db.jobs.find_one({"_id": new_id})) and doc["status"] == "succeeded" and doc)
     assert new["payload"]["args"] == [1, 2]
     assert_linked(db, original, new_id, by=new["actions"][0]["by"])
+
+
+def test_the_cli_given_a_mongodb_url_sends_the_new_job_as_a_job(db: Database, broker_url: str) -> None:
+    store = JobStore(db, Policy(max_attempts=1))
+    store.ensure_indexes()
+    original = failed_job(store, "t-failed")
+    mongodb_url = "mongodb://" + broker_url.partition("://")[2]  # the CLI takes either
+    sent = bb_broker(mongodb_url, "retry", original, "--args", "[1, 2]", "--yes")
+    assert sent.returncode == 0, sent
+    new_id = sent.stdout.strip().splitlines()[-1].split()[2]
+    # Not through Kombu's own MongoDB transport, which answers mongodb:// with a message in `messages` and no job.
+    assert db.jobs.find_one({"_id": new_id})["payload"]["args"] == [1, 2]
+    assert "messages" not in db.list_collection_names()
