@@ -90,6 +90,20 @@ def _split_userinfo(url: str) -> tuple[str, str | None, str]:
     return scheme.group(), body[: ats[-1]], body[ats[-1] + 1 :]
 
 
+#: What reads as a scheme at the start of text that is no URL (a space before it, one slash): kept when shown.
+_LOOSE_SCHEME = re.compile(r"^\s*[a-z][a-z0-9+.-]*:/+", re.IGNORECASE)
+
+
+def _split_loosely(text: str) -> tuple[str, str | None, str]:
+    """For text _split_userinfo reads no scheme in (` bbmongo://u:pw@h/db`, `u:pw@h/db`, `bbmongo:/u:pw@h`): what
+    reads as a scheme, everything before the last `@` after it as the user info (user and password alike: which
+    is which cannot be told), and the rest."""
+    prefix = _LOOSE_SCHEME.match(text)
+    start = prefix.end() if prefix else 0
+    userinfo, at, rest = text[start:].rpartition("@")
+    return (text[:start], userinfo, rest) if at else (text[:start], None, text[start:])
+
+
 def _mask_options(rest: str) -> str:
     """The hosts, database and options with every credential among the options replaced by `**`."""
     head, question, options = rest.partition("?")
@@ -129,7 +143,13 @@ def _option_secrets(rest: str) -> list[str]:
 
 def url_secrets(url: str) -> tuple[str, ...]:
     """Every secret a URL holds (its password, credentials among its options), each as written and decoded."""
-    _, userinfo, rest = _split_userinfo(url)
+    scheme, userinfo, rest = _split_userinfo(url)
+    if not scheme:  # no URL: its user info whole, and what follows its first `:`
+        _, loose, rest = _split_loosely(url)
+        found = _option_secrets(rest)
+        for secret in (loose, (loose or "").partition(":")[2]):
+            found += [secret, unquote(secret), unquote_plus(secret)] if secret else []
+        return tuple(sorted({secret for secret in found if secret}, key=len, reverse=True))
     found = _option_secrets(rest)
     if userinfo is not None and ":" in userinfo:
         password = userinfo.split(":", 1)[1]
@@ -156,8 +176,9 @@ class BrokerTarget:
 def redact_url(url: str) -> str:
     """The URL as written with its password and any credential among its options masked, safe for logs and errors."""
     scheme, userinfo, rest = _split_userinfo(url)
-    if not scheme:
-        return scrub(url, url_secrets(url))
+    if not scheme:  # no URL (a space before it, a slash missing): its user info masked whole, if it has any
+        prefix, loose, rest = _split_loosely(url)
+        return scrub(url, url_secrets(url)) if loose is None else f"{prefix}**@{_mask_options(rest)}"
     shown = _mask_options(rest)
     if userinfo is None:
         return f"{scheme}{shown}"

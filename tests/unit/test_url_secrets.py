@@ -67,11 +67,20 @@ def url_shapes() -> list[tuple[str, tuple[str, ...]]]:
         (f"bbmongo://127.0.0.1:{{port}}/jobsdb?tls=true&tlsCertificateKeyFilePassword={key_password}", (RIGHT,)),
         (f"bbmongo://u:{LEFT}@127.0.0.1:{{port}}/jobsdb?tlsCertificateKeyFilePassword={key_password}", (LEFT, RIGHT)),
     ]
+    # No URL at all, as a configuration file or a shell leaves it: a space before it, a slash or the scheme missing.
+    for middle in ("", "@", "/", ":"):
+        password = f"{LEFT}{middle}{RIGHT}"
+        shapes += [
+            (f" bbmongo://bb:{password}@127.0.0.1:{{port}}/jobsdb", (LEFT, RIGHT)),
+            (f"bb:{password}@127.0.0.1:{{port}}/jobsdb", (LEFT, RIGHT)),
+            (f"bbmongo:/bb:{password}@127.0.0.1:{{port}}/jobsdb", (LEFT, RIGHT)),
+            (f"bbmongo:bb:{password}@127.0.0.1:{{port}}/jobsdb", (LEFT, RIGHT)),
+        ]
     return shapes
 
 
 SHAPES = url_shapes()
-IDS = [template.split("://", 1)[1].replace("{port}", "P") for template, _ in SHAPES]
+IDS = [template.partition("://")[2 if "://" in template else 0].replace("{port}", "P") for template, _ in SHAPES]
 
 
 def assert_hidden(text: str, hidden: tuple[str, ...]) -> None:
