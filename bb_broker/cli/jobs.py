@@ -381,6 +381,9 @@ def run_now(
 ) -> None:
     """Queued jobs that wait for their countdown, ETA or backoff, due now: by job id or Celery task id, or every one of
     a queue or a kind (--all: every one). A worker that consumes the queue takes each next; recorded on each job."""
+    for option, name in (("--queue", queue), ("--kind", kind)):
+        if name is not None and not name.strip():  # the filter would drop it, and take every queue's jobs
+            fail(f"run-now: {option} is blank: give the name of a queue or a task", 2)
     selected = bool(queue or kind)
     if identifiers and (selected or every):
         fail("run-now: give job ids, or --queue/--kind, or --all, not both", 2)

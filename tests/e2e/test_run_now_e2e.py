@@ -56,6 +56,12 @@ def test_bb_broker_run_now_by_filter_wakes_the_worker_for_every_waiting_job(
     for task_id in [*mail, other]:
         waiting(db, task_id)
 
+    blank = CliRunner().invoke(main, ["run-now", "--queue", "   ", "--broker", broker_url])  # was: every queue's jobs
+    assert (blank.exit_code, blank.output) == (
+        2,
+        "bb-broker: run-now: --queue is blank: give the name of a queue or a task\n",
+    )
+    assert all(aware(job(db, task_id)["runAfter"]) > datetime.now(UTC) for task_id in [*mail, other])
     result = CliRunner().invoke(main, ["run-now", "--queue", "mail", "--broker", broker_url])
     assert result.exit_code == 0, result.output
     assert result.output == "3 waiting jobs due now\n"
