@@ -295,6 +295,11 @@ def parse_broker_url(url: str) -> BrokerTarget:
         parsed = parse_uri(mongo_uri, validate=False, warn=False, connect_timeout=5)
     if (problem := _unusable_tls_file(parsed["options"])) is not None:
         raise BrokerURLError(f"broker URL {redact_url(url)!r}: {scrub(problem, url_secrets(mongo_uri))}")
+    if parsed["options"].get("w") == 0:
+        raise BrokerURLError(
+            f"broker URL {redact_url(url)!r}: w=0 sends writes unacknowledged, and every claim, settle and refusal is"
+            " read from a write's answer: leave w out, or use w=1 or w=majority"
+        )
     database = parsed.get("database")
     if parsed.get("collection"):
         raise BrokerURLError(

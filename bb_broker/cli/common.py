@@ -149,8 +149,11 @@ def tasks_of(app_name: str) -> Any:
     """The registered tasks of the Celery app `-A` names, its task modules imported."""
     from celery.app.utils import find_app
 
-    app = find_app(app_name)
-    app.loader.import_default_modules()
+    try:
+        app = find_app(app_name)
+        app.loader.import_default_modules()
+    except Exception as exc:  # the user's module: anything it raises on import is theirs to read, in one line
+        fail(f"-A {app_name}: cannot load its Celery app: {type(exc).__name__}: {exc}", 2)
     return app.tasks
 
 

@@ -226,6 +226,8 @@ def _json_arguments(args_json: str, kwargs_json: str) -> tuple[Any, Any]:
         args, kwargs = json.loads(args_json), json.loads(kwargs_json)
     except ValueError as exc:
         fail(f"add: --args and --kwargs are JSON: {exc}", 2)
+    except RecursionError:
+        fail("add: --args or --kwargs is nested deeper than JSON can be read here", 2)
     # JSON's escapes can write a lone surrogate ("\udce9"): no job could store it.
     for option, value in (("--args", args), ("--kwargs", kwargs)):
         if (found := unencodable_text(value)) is not None:

@@ -188,6 +188,9 @@ def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing
             "tests.support.e2e_app",
         ): "unknown task 'tests.support.e2e_app.no",
         ("add", "bad", "tests.support.e2e_app.add"): "add: give one of --every or --crontab",
+        ("add", "bad", "x.add", "--every", "5", "--args", "[" * 100_000): "nested deeper than JSON can be read",
+        ("add", "bad", "x.add", "--every", "5", "-A", "tests.support.no_such_module"): "-A tests.support.no_such",
+        ("add", "bad", "x.add", "--every", "5", "-A", "os:path"): "-A os:path: cannot load its Celery app",
     }
     for args, message in refusals.items():
         refused = cli(broker_url, *args)

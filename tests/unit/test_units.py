@@ -30,6 +30,8 @@ def test_bbmongo_url_becomes_a_mongodb_uri_and_database() -> None:
         ("bbmongo://u:s3cret@localhost:notaport/db", "not a valid MongoDB URI"),
         # MongoDB reads `a.b` as collection b of database a: the database would silently be `bounty`.
         ("bbmongo://u:s3cret@localhost/bounty.board", "database name cannot contain"),
+        # Unacknowledged writes: a claim's or a cancel's answer never comes, and refusals are never seen.
+        ("bbmongo://u:s3cret@localhost/db?w=0", "w=0 sends writes unacknowledged"),
     ],
 )
 def test_bad_urls_are_refused_with_the_password_masked(url: str, complaint: str) -> None:
