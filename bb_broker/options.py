@@ -19,21 +19,74 @@ if TYPE_CHECKING:
 POLICY_OPTIONS = ("max_attempts", "backoff_base", "stale_after")
 
 
+#: The longest time an option may give in seconds: a year. Longer ones overflow the dates they are added to.
+LONGEST = 365 * 24 * 3600.0
+#: The words a flag may be given as (from JSON, an environment variable or a URL).
+YES, NO = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
 def _flag(value: Any) -> bool:
-    # A transport option may come from JSON, an environment variable or a URL: "false", "0" and "no" say no.
-    return str(value).strip().lower() not in ("false", "0", "no")
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in YES + NO:
+        raise ValueError(f"it must be one of {', '.join(YES)} or {', '.join(NO)}")
+    return word in YES
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):  # float(True) is 1.0: a flag given where a number goes is a mistake
+        raise ValueError("it is a flag, not a number")
+    return float(value)
+
+
+def _seconds(lowest: float, *, at_least: bool = True) -> Callable[[Any], float]:
+    """A reader of seconds from `lowest` (or above it) to LONGEST."""
+
+    def read(value: Any) -> float:
+        seconds = _number(value)
+        if not math.isfinite(seconds) or seconds < lowest or (not at_least and seconds == lowest) or seconds > LONGEST:
+            bound = f"{lowest:g} or more" if at_least else f"more than {lowest:g}"
+            raise ValueError(f"it must be a number of seconds, {bound}, and at most a year ({LONGEST:.0f})")
+        return seconds
+
+    return read
+
+
+def _count(lowest: int, highest: int) -> Callable[[Any], int]:
+    """A reader of a whole number from `lowest` to `highest`."""
+
+    def read(value: Any) -> int:
+        number = _number(value)
+        if not (number.is_integer() and lowest <= number <= highest):
+            raise ValueError(f"it must be a whole number from {lowest} to {highest}")
+        return int(number)
+
+    return read
 
 
 def _seconds_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
+    # expireAfterSeconds is a 32-bit int on the server
+    return None if value is None else float(_count(0, 2**31 - 1)(value))
 
 
 def _wait(value: Any) -> float:
-    """Seconds something may wait: a finite number, 0 or more (a NaN or a negative wait would be no wait at all)."""
-    seconds = float(value)
+    """Seconds something may wait: a finite number, 0 or more (a NaN or a negative wait would be no wait at all), and
+    at most a day."""
+    seconds = _number(value)
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ValueError("it must be a number of seconds, 0 or more")
+    if seconds > 24 * 3600:
+        raise ValueError("it must be at most a day (86400 seconds)")
     return seconds
+
+
+def _collection_name(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 120:
+        raise ValueError("it must be a collection's name, text of 1 to 120 characters")
+    if "$" in value or "\x00" in value or value.startswith(("system.", ".")) or value.endswith("."):
+        raise ValueError("a collection's name holds no '$' or NUL, and does not start with 'system.' or a dot")
+    return value
 
 
 class OptionError(ValueError):
@@ -78,17 +131,23 @@ class BrokerOptions:
         """The options `given` sets (broker_transport_options, or a channel's attributes), each read as its type;
         OptionError names one that cannot be read (the Policy's own ValueError, one it refuses)."""
         given = given or {}
-        policy = Policy(
-            _read("max_attempts", int, given.get("max_attempts", Policy.max_attempts)),
-            _read("backoff_base", float, given.get("backoff_base", Policy.backoff_base)),
-            _read("stale_after", float, given.get("stale_after", Policy.stale_after)),
-        )
+        policy_options = {
+            "max_attempts": _read("max_attempts", _count(1, 2**31 - 1), given.get("max_attempts", Policy.max_attempts)),
+            "backoff_base": _read("backoff_base", _seconds(0.0), given.get("backoff_base", Policy.backoff_base)),
+            "stale_after": _read(
+                "stale_after", _seconds(0.0, at_least=False), given.get("stale_after", Policy.stale_after)
+            ),
+        }
+        try:
+            policy = Policy(**policy_options)
+        except ValueError as exc:
+            raise OptionError(f"transport options {policy_options}: {exc}") from None
         read: dict[str, Callable[[Any], Any]] = {
-            "message_ttl": float,
-            "jobs_collection": str,
-            "max_claim_batch": int,
+            "message_ttl": _seconds(0.0, at_least=False),
+            "jobs_collection": _collection_name,
+            "max_claim_batch": _count(1, 10_000),
             "retention": _seconds_or_none,
-            "safety_poll_interval": float,
+            "safety_poll_interval": _seconds(0.05),
             "use_change_streams": _flag,
             "events_linger": _wait,
             "settle_linger": _wait,

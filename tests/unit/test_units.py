@@ -159,6 +159,43 @@ def test_lifecycle_rules() -> None:
             Policy(**bad)
 
 
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"stale_after": 1e308}, "at most a year"),  # a sweep's timedelta overflowed: its thread died, restarted
+        ({"max_attempts": "9" * 30}, "whole number from 1 to 2147483647"),  # past what MongoDB's ints hold
+        ({"events_linger": 1e308}, "at most a day"),  # the outbox's thread died, restarted, storing nothing
+        ({"message_ttl": -1}, "more than 0"),  # every event, reply and control message expired at once
+        ({"message_ttl": float("nan")}, "more than 0"),
+        ({"safety_poll_interval": 0}, "0.05 or more"),  # a poll without end: a core's worth of CPU
+        ({"max_claim_batch": 0}, "whole number from 1"),
+        ({"retention": True}, "a flag, not a number"),  # was expireAfterSeconds 1: succeeded jobs gone in a second
+        ({"max_attempts": True}, "a flag, not a number"),
+        ({"retention": -1}, "whole number from 0"),
+        ({"jobs_collection": None}, "a collection's name"),  # was a collection named 'None'
+        ({"jobs_collection": "a$b"}, "no '$' or NUL"),
+        ({"use_change_streams": "maybe"}, "one of true, 1, yes, on or false, 0, no, off"),
+        ({"max_attempts": 0}, "whole number from 1"),
+        ({"stale_after": "nan"}, "more than 0"),
+    ],
+    ids=repr,
+)
+def test_a_transport_option_out_of_its_bounds_is_refused_naming_it(given: dict, said: str) -> None:
+    from bb_broker.options import BrokerOptions, OptionError
+
+    with pytest.raises(
+        OptionError, match=f"transport option {next(iter(given))}=.* cannot be read: .*{re.escape(said)}"
+    ):
+        BrokerOptions.parse(given)
+
+
+def test_a_flag_given_as_off_is_off() -> None:
+    from bb_broker.options import BrokerOptions
+
+    assert BrokerOptions.parse({"use_change_streams": "off"}).use_change_streams is False  # was: on
+    assert BrokerOptions.parse({"use_change_streams": "On"}).use_change_streams is True
+
+
 def test_the_password_travels_apart_from_the_url_and_comes_back() -> None:
     from bb_broker.connection import join_password, split_password
 
