@@ -260,8 +260,8 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
     host = os.environ.get("BB_METRICS_HOST", "127.0.0.1")
     try:
         server = metrics_endpoint.serve_in_background(store, host, int(port))
-    except (OSError, ValueError) as exc:
-        # A busy port must not stop the worker from working.
+    except (OSError, ValueError, OverflowError) as exc:
+        # A busy port, or one past 65535 (OverflowError from bind), must not stop the worker from working.
         logger.error("bb_broker metrics endpoint not started on %s:%s: %s", host, port, exc)
         return
     if not metrics_endpoint.multiprocess_dir() and type(getattr(sender, "pool", None)).__module__.endswith("prefork"):

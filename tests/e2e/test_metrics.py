@@ -173,3 +173,14 @@ def test_a_worker_serves_the_counters_of_its_pool_processes(
     # serve-metrics on the same host, sharing the directory, serves the same counters.
     with serve_metrics(broker_url, tmp_path / "serve-metrics.log", {"PROMETHEUS_MULTIPROC_DIR": str(shared)}) as other:
         assert {k: scrape(other)[k] for k in expected} == expected
+
+
+def test_a_metrics_port_out_of_range_is_one_line_and_the_worker_works(
+    app: Celery, db: Database, worker_factory
+) -> None:
+    worker = worker_factory(env={"BB_METRICS_PORT": "99999"})
+    task_id = app.send_task("tests.support.e2e_app.add", args=(2, 3)).id
+    wait_for(lambda: (db.jobs.find_one({"taskId": task_id}) or {}).get("status") == "succeeded", 90, "the task ran")
+    log = worker.log()
+    assert "bb_broker metrics endpoint not started on 127.0.0.1:99999: bind(): port must be 0-65535" in log
+    assert "Traceback" not in log  # was: Signal handler _serve_metrics raised OverflowError, and its traceback
