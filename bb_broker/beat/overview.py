@@ -9,6 +9,7 @@ from urllib.parse import urlencode
 from pymongo.database import Database
 
 from bb_broker.beat.entries import DEFAULT_CATCH_UP, EntryError, parse_entry
+from bb_broker.jobs.document import of_task
 
 
 def schedule_text(schedule: Any) -> str:
@@ -51,7 +52,7 @@ def describe(doc: dict[str, Any], db: Database, *, jobs_collection: str = "jobs"
     # string: the page links it as one.
     last_task_id = last_job.get("taskId") if last_job and isinstance(last_job.get("taskId"), str) else None
     if last_task_id is not None:
-        found = db[jobs_collection].find_one({"taskId": last_task_id}, {"status": 1})
+        found = db[jobs_collection].find_one({"taskId": of_task(last_task_id)}, {"status": 1})
         status = found.get("status") if found else "(deleted)"
     return {
         "name": doc.get("_id"),

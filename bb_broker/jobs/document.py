@@ -268,7 +268,7 @@ def of_task(task_ids: str | list[str]) -> dict[str, Any]:
     """The `taskId` condition of the jobs of a task id (or of any of a list of them). A job whose `taskId` is an array
     (written by hand, or by another client) is no task's: a query on an array field matches each of its elements, and
     one such job holding a task id would be read, changed and counted as that task's."""
-    matched = {"$in": task_ids} if isinstance(task_ids, list) else {"$eq": task_ids}
+    matched = {"$eq": task_ids} if isinstance(task_ids, str) else {"$in": list(task_ids)}
     return {**matched, "$not": {"$type": "array"}}
 
 

@@ -227,7 +227,9 @@ class FairRotation:
                     self._served(queue, key if isinstance(key, str) else None, len(plain))
                     return plain
                 order, view = [], self._found_empty(queue, order[0])
-            plan = [order[n % len(order)] for n in range(wanted)] if order else []
+            # A whole view's turns round again for a batch larger than they are; a window's never do: past its end,
+            # the next look reads the window after.
+            plan = order[:wanted] if view.window else [order[n % len(order)] for n in range(wanted)] if order else []
             found = {turn: self._indexed(self._first, due, turn, count) for turn, count in Counter(plan).items()}
             for turn, count in Counter(plan).items():
                 if len(found[turn]) < count:
@@ -302,7 +304,9 @@ class FairRotation:
         """The first view_keys + 1 keys of the due jobs after `after` (from the first when None), in BSON's order
         of strings (code point order, as Python's). One aggregation: a `distinct` answers every key at once, past
         16 MB refused."""
-        keys = {"$type": "string"} if after is None else {"$gt": after}
+        # Strings only: `$type` and `$gt` match an array holding one (a hand edit), which $group would make a key.
+        keys: dict[str, Any] = {"$type": "string"} if after is None else {"$gt": after}
+        keys["$not"] = {"$type": "array"}
         pipeline: list[dict[str, Any]] = [
             {"$match": {**due, "fairKey": keys}},
             {"$group": {"_id": "$fairKey"}},

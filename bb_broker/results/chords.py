@@ -30,7 +30,6 @@ from kombu.exceptions import ContentDisallowed
 from kombu.utils.uuid import uuid
 from pymongo import ReturnDocument
 from pymongo.collection import Collection
-from pymongo.errors import DuplicateKeyError
 
 from bb_broker.jobs.document import FAILED_AS, ResultTooLarge, of_task, task_id_of
 from bb_broker.jobs.payloads import RENAMED_FROM_HEADER
@@ -170,7 +169,7 @@ class ChordBackend(BaseBackend):
             part["firstId"] = first_id
         counter = self._count_part(group_id, key, part)
         if counter is None:
-            self._fail_lost_chord(group_id, key, request)
+            logger.error("chord %s has no counter (expired, or never applied): part %s ignored", group_id, key)
             return
         size = counter.get("size")
         if size is None:
@@ -215,41 +214,6 @@ class ChordBackend(BaseBackend):
         if sent.get("failed") and marked is not None:
             # A failed part retried and fixed while this part read the parts: the fix found the chord not yet failed.
             self._send_again_if_fixed(group_id, key, callback, marked)
-
-    def _fail_lost_chord(self, group_id: str, key: str, request: Any) -> None:
-        """A part of a chord whose counter is gone (expired between two parts, deleted, never applied): the callback
-        can never be sent, and its callers would wait for ever. The first such part fails it with a ChordError, once:
-        it leaves a counter marked sent and failed, which the chord's later parts are counted on and pass by."""
-        callback = maybe_signature(request.chord, app=self.app)
-        if self._completed_before(callback):
-            # A part run again (an operator's retry) after the chord completed and its counter expired.
-            logger.error("chord %s has no counter (expired after it completed): part %s ignored", group_id, key)
-            return
-        now = self.app.now()
-        lost = {"kind": "chord", "lost": now, "sent": now, "failed": True, "resent": now, **self._expires_at()}
-        try:
-            first = self.side.update_one({"_id": f"chord:{group_id}"}, {"$setOnInsert": lost}, upsert=True).upserted_id
-        except DuplicateKeyError:  # another part of the chord at the same moment
-            first = None
-        if first is None:
-            logger.error("chord %s has no counter (expired, or never applied): part %s ignored", group_id, key)
-            return
-        try:  # raised: Celery's chord_error_from_stack records the exception being handled, with its traceback
-            raise ChordError(f"chord {group_id}: its counter is gone (expired, deleted, or never applied)")
-        except ChordError as error:
-            logger.error("Chord %r raised: %r", group_id, error)
-            self.chord_error_from_stack(callback, error)
-
-    def _completed_before(self, callback: Any) -> bool:
-        """Whether the chord of this callback completed: its first message was sent (a job of its id), or its error
-        stored (under the ids _failed_as names)."""
-        ids = {*_failed_as(callback), _first_message(callback).options.get("task_id")}
-        known = sorted(task_id for task_id in ids if task_id_of(task_id) is not None)
-        if not known:
-            return False
-        if self.jobs.find_one({"taskId": of_task(known)}, {"_id": 1}) is not None:
-            return True
-        return self.side.find_one({"_id": {"$in": [f"task:{task_id}" for task_id in known]}}, {"_id": 1}) is not None
 
     def _send_again_if_fixed(self, group_id: str, key: str, callback: Any, counter: dict[str, Any]) -> None:
         """A chord that completed in error, each of its failed parts since retried and succeeded: its callback sent

@@ -230,6 +230,30 @@ def test_past_a_views_keys_a_batch_takes_the_windows_turns_and_two_claimers_take
     assert answers.counts and max(answers.counts) <= 3  # windows of two keys (and one to tell there are more)
 
 
+def test_a_batch_of_a_window_takes_its_turns_once_and_the_next_look_the_window_after(
+    fair_store: JobStore, clock: FakeClock
+) -> None:
+    for key in "abcdef":
+        for n in range(3):
+            publish(fair_store, f"{key}{n}", key)
+    clock.advance(1)
+    fair_store.fairness.view_keys = 2
+    first = [job.task_id for job in fair_store.claim_many("mail", "w", 8, FAIR)]
+    assert first == ["a0", "b0"]  # was: a and b again and again, four jobs each, the other keys waiting
+    assert [job.task_id for job in fair_store.claim_many("mail", "w", 8, FAIR)] == ["c0", "d0"]
+
+
+def test_a_hand_written_fair_key_that_is_an_array_neither_stops_the_queue_nor_is_lost(
+    fair_store: JobStore, clock: FakeClock
+) -> None:
+    for key in ("a", "b"):
+        publish(fair_store, f"{key}0", key)
+    odd = publish(fair_store, "odd", "c")
+    fair_store.coll.update_one({"_id": odd}, {"$set": {"fairKey": ["x"]}})  # an array: matched by $type string
+    clock.advance(1)
+    assert claimed_tasks(fair_store, 5) == ["a0", "b0", "odd"]  # was: TypeError at every look, nothing claimed
+
+
 def test_a_fair_queue_is_claimed_where_a_distinct_of_its_keys_is_refused(
     fair_store: JobStore, clock: FakeClock, own_server: EmbeddedServer
 ) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from bson import Binary, ObjectId
 from celery import Celery, states
-from celery.exceptions import ChordError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from pymongo.database import Database
 
@@ -190,31 +189,3 @@ def test_a_callback_claim_written_by_hand_is_read_as_data_and_sends_nothing(
     assert callbacks_sent(db) == 0
     assert "chord g: its callback claim is not one" in caplog.text
     assert "sent" not in db.bb_results.find_one({"_id": "chord:g"})  # was: an operator query, and marked sent
-
-
-def test_a_chord_whose_counter_is_gone_fails_its_callback_once(app: Celery, db: Database) -> None:
-    callback = tsum(app).set(task_id="cb")
-    app.backend.apply_chord(("g", [app.AsyncResult("t0"), app.AsyncResult("t1"), app.AsyncResult("t2")]), callback)
-    app.backend.set_chord_size("g", 3)
-    db.bb_results.delete_one({"_id": "chord:g"})  # expired between two parts, or deleted by hand
-    for index, value in enumerate((5, 7, 9)):
-        app.backend.on_chord_part_return(part(f"t{index}", "g", index, callback), states.SUCCESS, value)
-    with pytest.raises(ChordError, match="chord g: its counter is gone"):  # was: a wait until its timeout
-        app.AsyncResult("cb").get(timeout=5)
-    assert callbacks_sent(db) == 0
-    counter = db.bb_results.find_one({"_id": "chord:g"})
-    assert counter["count"] == 2 and counter["failed"] is True  # the first part failed it; the others counted after
-
-
-def test_a_part_run_again_after_its_chord_completed_and_its_counter_expired_changes_nothing(
-    app: Celery, db: Database
-) -> None:
-    callback = tsum(app).set(task_id="cb")
-    chord_of_two(app, "g")
-    for index, value in enumerate((5, 7)):
-        app.backend.on_chord_part_return(part(f"t{index}", "g", index, callback), states.SUCCESS, value)
-    assert callbacks_sent(db) == 1
-    db.bb_results.delete_one({"_id": "chord:g"})  # result_expires after its latest part
-    app.backend.on_chord_part_return(part("t0", "g", 0, callback), states.SUCCESS, 6)  # an operator's retry, later
-    assert db.bb_results.find_one({"_id": "chord:g"}) is None and db.bb_results.find_one({"_id": "task:cb"}) is None
-    assert callbacks_sent(db) == 1
