@@ -144,15 +144,13 @@ def _option_secrets(rest: str) -> list[str]:
 def url_secrets(url: str) -> tuple[str, ...]:
     """Every secret a URL holds (its password, credentials among its options), each as written and decoded."""
     scheme, userinfo, rest = _split_userinfo(url)
-    if not scheme:  # no URL: its user info whole, and what follows its first `:`
-        _, loose, rest = _split_loosely(url)
-        found = _option_secrets(rest)
-        for secret in (loose, (loose or "").partition(":")[2]):
-            found += [secret, unquote(secret), unquote_plus(secret)] if secret else []
-        return tuple(sorted({secret for secret in found if secret}, key=len, reverse=True))
+    if scheme:
+        passwords = [userinfo.split(":", 1)[1]] if userinfo is not None and ":" in userinfo else []
+    else:  # no URL: its user info whole (which part is the password cannot be told), and what follows its first `:`
+        _, userinfo, rest = _split_loosely(url)
+        passwords = [userinfo, userinfo.partition(":")[2]] if userinfo else []
     found = _option_secrets(rest)
-    if userinfo is not None and ":" in userinfo:
-        password = userinfo.split(":", 1)[1]
+    for password in passwords:
         found += [password, unquote(password), unquote_plus(password)]
     # The longest first: a secret that holds another is masked whole.
     return tuple(sorted({secret for secret in found if secret}, key=len, reverse=True))
@@ -267,7 +265,7 @@ def transport_url(url: str) -> str:
     """A broker URL as the CLI takes it (bbmongo:// or mongodb://) as a Celery app's broker: Kombu answers mongodb://
     with a transport of its own, which writes its messages to a `messages` collection and no job."""
     scheme, sep, rest = url.partition("://")
-    ours = {"mongodb": "bbmongo", "mongodb+srv": "bbmongo+srv"}.get(scheme.lower())
+    ours = {mongo: name for name, mongo in SCHEMES.items() if name.startswith("bb")}.get(scheme.lower())
     return f"{ours}://{rest}" if sep and ours else url
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from bb_broker.jobs.lifecycle import Policy
+from bb_broker.jobs.lifecycle import NO, YES, Policy, yes_or_no
 
 if TYPE_CHECKING:
     from pymongo.database import Database
@@ -21,17 +21,13 @@ POLICY_OPTIONS = ("max_attempts", "backoff_base", "stale_after")
 
 #: The longest time an option may give in seconds: a year. Longer ones overflow the dates they are added to.
 LONGEST = 365 * 24 * 3600.0
-#: The words a flag may be given as (from JSON, an environment variable or a URL).
-YES, NO = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def _flag(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word not in YES + NO:
+    flag = yes_or_no(value)
+    if flag is None:
         raise ValueError(f"it must be one of {', '.join(YES)} or {', '.join(NO)}")
-    return word in YES
+    return flag
 
 
 def _number(value: Any) -> float:

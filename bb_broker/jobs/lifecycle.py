@@ -32,6 +32,18 @@ def is_duration(value: str) -> bool:
     return bool(_DURATION.match(str(value).lower()))
 
 
+#: The words a yes or a no may be given as (from JSON, an environment variable, a URL, a form, the CLI).
+YES, NO = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def yes_or_no(value: object) -> bool | None:
+    """A bool as an operator or a configuration gives it (a bool, or one of YES and NO), None for anything else."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    return True if word in YES else False if word in NO else None
+
+
 def parse_duration(value: str) -> timedelta:
     """30s, 30m, 2h, 7d, 1w, or a number of seconds (never nan, inf or negative); ValueError says why not."""
     match = _DURATION.match(str(value).lower())

@@ -15,6 +15,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
+from bb_broker.jobs.lifecycle import yes_or_no
 from bb_broker.server import unique_refusals
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
@@ -66,14 +67,10 @@ def parse_concurrency(value: object) -> int:
 def parse_fair(value: object) -> bool:
     """Whether a queue is to be fair, as an operator gives it (a bool, or true/false, 1/0, yes/no, on/off), else
     LimitError."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise LimitError(f"fair is true or false, not {str(value)[:40]!r}")
+    fair = yes_or_no(value)
+    if fair is None:
+        raise LimitError(f"fair is true or false, not {str(value)[:40]!r}")
+    return fair
 
 
 #: A rate's periods, as an operator writes them, in seconds.
