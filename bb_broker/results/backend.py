@@ -122,6 +122,8 @@ class JobResultBackend(ChordBackend):
         self._shares_broker_jobs: bool | None = None
         self._indexed_pid: int | None = None
         self.result_consumer = ResultConsumer(self, cache=upstream_celery.result_cache(self))
+        # This URL's credentials among its options, in the settings a worker on any broker shows (`inspect conf`).
+        upstream_celery.install_url_censor(connection.redact_url)
 
     # --- where things are -------------------------------------------------------
 

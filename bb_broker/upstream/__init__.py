@@ -1,7 +1,8 @@
 """Every contact with an upstream package's internals, one module per upstream.
 
-- `celery`: Celery's private names (patches of the worker's task run, the result backend's chain and errback
-  helpers, canvas classes, beat's solar and crontab fields, the state bb_broker keeps on a Celery app);
+- `celery`: Celery's private names (patches of the worker's task run and of the censored settings, the result
+  backend's chain and errback helpers, canvas classes, beat's solar and crontab fields, the state bb_broker keeps on
+  a Celery app);
 - `kombu`: Kombu's virtual transport and serializer registry internals;
 - `billiard`: the prefork pool's queues;
 - `flower`: Flower's handlers, URL table and templates, and the Tornado template loader under them;

@@ -6,8 +6,9 @@ Celery is imported inside the functions: this module is imported while `celery` 
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -312,6 +313,45 @@ def result_cache(backend: Any) -> Any:
     """The backend's cache of ready results by task id (`BaseBackend._cache`, an LRU that get_many fills and reads).
     Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     return backend._cache
+
+
+def install_url_censor(censor: Callable[[str], str]) -> None:
+    """Make Celery's censored configuration pass every URL it shows through `censor` as well (idempotent): what
+    `celery inspect conf` answers, Flower's worker Config tab shows, and `celery report` prints.
+
+    Celery masks a URL's password only (`maybe_sanitize_url` for a backend's URL, Kombu's `as_uri` for the broker's,
+    nothing for a URL under any other setting): a credential among a URL's options (pymongo's
+    `tlsCertificateKeyFilePassword`, `proxyPassword`, an AWS session token in `authMechanismProperties`) is shown as
+    written. No public hook: the censoring is one module function, and neither a setting nor a signal reaches it.
+    Relies on: `celery.app.utils.filter_hidden_settings(conf)`, the module global `Settings.table(censored=True)`
+    calls at each call, returning a mapping of the settings (nested mappings as mappings). Checked against celery
+    5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    from celery.app import utils
+
+    if getattr(utils.filter_hidden_settings, _INSTALLED, False):
+        return
+    filter_hidden_settings = utils.filter_hidden_settings
+
+    @wraps(filter_hidden_settings)
+    def filter_hidden_settings_and_url_credentials(conf: Any) -> Any:
+        return _urls_censored(filter_hidden_settings(conf), censor)
+
+    setattr(filter_hidden_settings_and_url_credentials, _INSTALLED, True)
+    utils.filter_hidden_settings = filter_hidden_settings_and_url_credentials
+
+
+def _urls_censored(value: Any, censor: Callable[[str], str]) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _urls_censored(item, censor) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_urls_censored(item, censor) for item in value)
+    if isinstance(value, str) and _URL.match(value):
+        return censor(value)
+    return value
+
+
+#: A value that is a URL: a scheme, then `://`.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 # --- Celery: the app's state, beat's schedules -----------------------------------------------------------------------

@@ -38,6 +38,8 @@ def install(app: Any) -> None:
     for task in list(app.tasks.values()):
         upstream_celery.explain_worker_lost(task, receivers.explain_lost)
     upstream_celery.install_failure_as_retry(settle.runs_again, receivers.prepare_errbacks)
+    # `celery inspect conf` and Flower's worker Config tab show this worker's settings as Celery censors them.
+    upstream_celery.install_url_censor(connection.redact_url)
 
 
 class _HeldRequests:

@@ -528,3 +528,21 @@ def test_a_task_revoked_while_queued_reads_revoked_on_the_apps_own_result_backen
         assert revoked.state == "REVOKED" and revoked.ready() and not revoked.failed()
     finally:
         reader.close()
+
+
+def test_a_credential_among_the_backend_urls_options_is_masked_in_what_inspect_conf_answers(
+    broker_url: str, worker_factory
+) -> None:
+    # Celery masks a URL's password in the settings it shows (`celery inspect conf`, Flower's worker Config tab),
+    # not a credential among its options. The broker URL has none here, so the masking of plumbing messages by the
+    # broker URL's secrets does not hide it either.
+    backend_url = f"{broker_url}{'&' if '?' in broker_url else '?'}tlsCertificateKeyFilePassword=backend-s3cret"
+    worker_factory(env={"BB_RESULT_BACKEND": backend_url})
+    app = producer(broker_url)
+    try:
+        replies = wait_for(lambda: app.control.inspect(timeout=5).conf(), timeout=60, message="the worker's settings")
+    finally:
+        app.close()
+    (settings,) = replies.values()
+    assert "backend-s3cret" not in repr(settings)
+    assert "tlsCertificateKeyFilePassword=**" in settings["result_backend"]

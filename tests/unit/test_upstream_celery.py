@@ -562,3 +562,27 @@ def test_whether_the_prefork_pool_remembers_busy_processes_through_a_reconnect_i
         assert upstream_celery.pool_remembers_busy_processes_through_a_reconnect(threads)
     finally:
         threads.on_stop()
+
+
+def test_the_censored_settings_come_from_the_function_the_url_censor_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.app import utils
+
+    # Celery's own (a backend made earlier in this process installed the censor), put back afterwards.
+    monkeypatch.setattr(utils, "filter_hidden_settings", inspect.unwrap(utils.filter_hidden_settings))
+    app = Celery("contracts", broker="memory://", set_as_current=False)
+    app.conf.result_backend = "bbmongo://ops:pw@127.0.0.1:1/db?tlsCertificateKeyFilePassword=kept-as-written"
+    app.conf.bb_nested = {"url": "mongodb://127.0.0.1:1/?tlsCertificateKeyFilePassword=nested-too"}
+    shown = app.conf.table(censored=True)
+    assert "kept-as-written" in shown["result_backend"] and "pw@" not in shown["result_backend"], (
+        "Celery's censored settings no longer show a backend URL's options, or no longer mask its password: "
+        "check whether the URL censor is still needed; " + where("install_url_censor")
+    )
+    upstream_celery.install_url_censor(lambda url: url.split("?")[0] + "?censored")
+    upstream_celery.install_url_censor(lambda url: "installed twice")
+    shown = app.conf.table(censored=True)
+    assert shown["result_backend"] == "bbmongo://ops:********@127.0.0.1:1/db?censored", (
+        "Settings.table(censored=True) no longer calls celery.app.utils.filter_hidden_settings as a module global "
+        "at each call: Celery's censoring moved, and credentials among a URL's options show in `inspect conf`; "
+        + where("install_url_censor")
+    )
+    assert shown["bb_nested"] == {"url": "mongodb://127.0.0.1:1/?censored"}
