@@ -308,8 +308,16 @@ def parse_broker_url(url: str) -> BrokerTarget:
         raise BrokerURLError(
             f"broker URL {redact_url(url)!r} must name the database in its path, e.g. bbmongo://localhost:27017/bountyboard"
         )
+    if forbidden := sorted(set(database) & set(DATABASE_NAME_FORBIDDEN)):
+        # pymongo's URI parser lets these through and refuses them at the first Database it makes, far from the URL.
+        raise BrokerURLError(
+            f"broker URL {redact_url(url)!r}: a database name cannot contain {', '.join(map(repr, forbidden))}"
+        )
     return BrokerTarget(mongo_uri, database, url_secrets(mongo_uri))
 
+
+#: The characters MongoDB refuses in a database name (on every platform it runs on; Windows refuses more).
+DATABASE_NAME_FORBIDDEN = '/\\. "$\x00'
 
 #: The TLS files a URL may name, and what each must hold.
 _TLS_FILES = {

@@ -61,6 +61,8 @@ def flower_command(celery_app: str, no_auth: bool, flower_args: tuple[str, ...])
         hosts.check_allowed_hosts(options.allowed_hosts)
     except ValueError as exc:
         fail(f"flower: {exc}", 2)
+    if not options.unix_socket and not 1 <= options.port <= 65535:  # else a traceback from the socket's bind
+        fail(f"flower: --port {options.port} is no port: give one from 1 to 65535", 2)
     if not options.address and not options.unix_socket:
         flower_args = (*flower_args, f"--address={FLOWER_ADDRESS}")  # the arguments Flower reads last
     if no_auth:

@@ -29,6 +29,8 @@ def serve(host: str, port: int, data: str) -> None:
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         fail(f"cannot listen on {host}:{port}: {reason} (another server there? choose --port)")
+    if data != ":memory:":
+        _check_data_directory(data)
     where = "in memory: gone when the server stops" if data == ":memory:" else f"in {Path(data).resolve()}"
     announce = [
         f"listening on {host}:{port}; broker URL bbmongo://{_connectable(host)}:{port}/bountyboard",
@@ -40,6 +42,19 @@ def serve(host: str, port: int, data: str) -> None:
         sys.exit(embedded.run_daemon(embedded.daemon_argv(host, port, data)))
     except embedded.EmbeddedServerMissing as exc:
         fail(str(exc))
+
+
+def _check_data_directory(data: str) -> None:
+    """Make the data directory, or fail in one line naming why it cannot be used (the server's own start would end
+    in a traceback)."""
+    if Path(data).exists() and not Path(data).is_dir():
+        fail(f"cannot use --data {data}: it is not a directory")
+    try:
+        Path(data).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"cannot use --data {data}: {os.strerror(exc.errno) if exc.errno else exc}")
+    if not os.access(data, os.W_OK | os.X_OK):
+        fail(f"cannot use --data {data}: {os.strerror(13)}")
 
 
 def _connectable(host: str) -> str:

@@ -506,6 +506,17 @@ def test_a_basic_auth_with_an_empty_login_is_refused_not_served_to_anyone(
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "nothing may listen"
 
 
+@pytest.mark.parametrize("port", ["-1", "0", "65536", "99999"])
+def test_a_flower_port_that_is_no_port_is_refused_in_one_line(port: str, broker_url: str, tmp_path: Path) -> None:
+    refused = bb_broker_flower(f"--port={port}", "--no-auth", cwd=tmp_path, BB_BROKER_URL=broker_url)
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        refused.stderr.strip().splitlines()[-1]
+        == f"bb-broker: flower: --port {port} is no port: give one from 1 to 65535"
+    )
+    assert "Traceback" not in refused.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "env", "config", "expected"),
     [

@@ -386,6 +386,16 @@ def test_a_wrong_url_is_one_line_without_the_password(url: str) -> None:
     assert "hunter2secret" not in result.stderr and "admin:**@" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["failed", "doctor"])
+@pytest.mark.parametrize("database", ["a%5Cb", "a%00b"])
+def test_a_database_name_mongodb_refuses_is_one_line_about_the_url(command: str, database: str) -> None:
+    # It was reported as a --collection error, and `doctor` answered a traceback.
+    result = run_cli(command, "--broker", f"bbmongo://admin:hunter2secret@localhost:27017/{database}")
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    assert result.stderr.count("\n") == 1 and "a database name cannot contain" in result.stderr
+    assert "hunter2secret" not in result.stderr and "--collection" not in result.stderr
+
+
 class CommandLog(monitoring.CommandListener):
     def __init__(self) -> None:
         self.commands: list[dict] = []

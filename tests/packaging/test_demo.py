@@ -207,6 +207,16 @@ def test_bb_broker_serve_refuses_a_port_in_use(tmp_path) -> None:
     )
 
 
+@pytest.mark.parametrize("kind", ["under a file", "a file", "under /proc"])
+def test_bb_broker_serve_refuses_a_data_directory_it_cannot_make_in_one_line(kind: str, tmp_path) -> None:
+    (tmp_path / "a-file").write_text("")
+    data = {"under a file": tmp_path / "a-file" / "d", "a file": tmp_path / "a-file", "under /proc": "/proc/bb/d"}[kind]
+    argv = [sys.executable, "-m", "bb_broker.cli", "serve", "--port", str(free_port()), "--data", str(data)]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.startswith(f"bb-broker: cannot use --data {data}: ") and len(refused.stderr.splitlines()) == 1
+
+
 def _pings(client: MongoClient) -> bool:
     try:
         return client.admin.command("ping")["ok"] == 1

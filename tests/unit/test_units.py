@@ -32,6 +32,9 @@ def test_bbmongo_url_becomes_a_mongodb_uri_and_database() -> None:
         ("bbmongo://u:s3cret@localhost/bounty.board", "database name cannot contain"),
         # Unacknowledged writes: a claim's or a cancel's answer never comes, and refusals are never seen.
         ("bbmongo://u:s3cret@localhost/db?w=0", "w=0 sends writes unacknowledged"),
+        # pymongo's URI parser lets these through, and refuses them at the first Database made from the name.
+        ("bbmongo://u:s3cret@localhost/a%5Cb", r"database name cannot contain '\\\\'"),
+        ("bbmongo://u:s3cret@localhost/a%00b", r"database name cannot contain '\\x00'"),
     ],
 )
 def test_bad_urls_are_refused_with_the_password_masked(url: str, complaint: str) -> None:
