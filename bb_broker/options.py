@@ -155,6 +155,19 @@ class BrokerOptions:
 TRANSPORT_OPTIONS = POLICY_OPTIONS + tuple(option.name for option in fields(BrokerOptions) if option.name != "policy")
 DEFAULTS = BrokerOptions()
 
+#: The transport options Kombu itself reads from a connection's (its retries of a connection, its polling, the
+#: virtual channel's body encoding and dead letters): bbmongo:// leaves them to it.
+KOMBU_OPTIONS = (
+    "max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout", "polling_interval",
+    "body_encoding", "deadletter_queue",
+)  # fmt: skip
+
+
+def unread_options(given: Mapping[str, Any] | None) -> list[str]:
+    """The names among `given` (broker_transport_options) that neither bbmongo:// nor Kombu reads: a misspelt option,
+    or another transport's (Redis's `visibility_timeout`), which would otherwise be ignored without a word."""
+    return sorted(str(name) for name in (given or {}) if name not in TRANSPORT_OPTIONS and name not in KOMBU_OPTIONS)
+
 
 def open_store(
     where: BrokerTarget | Database,

@@ -17,7 +17,7 @@ from bb_broker.jobs import settles
 from bb_broker.jobs.leases import add_process_source, add_started_source
 from bb_broker.jobs.payloads import JOB_ID_HEADER
 from bb_broker.ops import metrics_endpoint
-from bb_broker.options import BrokerOptions, OptionError
+from bb_broker.options import TRANSPORT_OPTIONS, BrokerOptions, OptionError, unread_options
 from bb_broker.upstream import billiard as upstream_billiard
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import receivers, settle
@@ -169,6 +169,13 @@ def _become_worker(sender: Any = None, **_: Any) -> None:
     # a worker, a task's failed attempt the broker runs again is a Celery retry, and what the main process reports of
     # a task (its pool process died, a hard time limit) is right for the job (see bb_broker/upstream/celery.py).
     install(sender.app)
+    if unread := unread_options(sender.app.conf.broker_transport_options):
+        # Said, not refused: a deployment that switches brokers keeps its settings. Said once, as the worker starts.
+        logger.warning(
+            "bb_broker: bbmongo:// reads no transport option %s: ignored (its own: %s; a job's lease is stale_after)",
+            ", ".join(map(repr, unread)),
+            ", ".join(TRANSPORT_OPTIONS),
+        )
     # The requests this worker holds keep their leases, and what it still holds at exit is released. A consumer
     # closed by a lost connection gives back the jobs of the others, not of those whose runs go on (Channel._restore).
     forks = _forks_its_pool(sender)

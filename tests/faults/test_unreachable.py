@@ -11,10 +11,11 @@ import sys
 import pytest
 from celery import Celery
 from kombu.exceptions import OperationalError
+from pymongo.database import Database
 
 import bb_broker
 from tests.support.servers import free_port
-from tests.support.workers import ROOT, wait_for
+from tests.support.workers import ROOT, producer, send, settled, wait_for
 
 #: Texts the URLs below hold that must never be shown.
 SECRETS = ("hunter2secret", "TokSecret")
@@ -144,3 +145,21 @@ def test_a_worker_given_a_transport_option_it_cannot_read_says_so_in_one_line(li
     assert worker.returncode == 1
     assert worker.stdout == "" and worker.stderr.count("\n") == 1, worker.stderr  # no traceback
     assert worker.stderr == f"bb_broker: {said}\n"
+
+
+def test_a_transport_option_nothing_reads_is_named_once_in_the_workers_log(
+    worker_factory, broker_url: str, db: Database
+) -> None:
+    # A misspelt option, and another transport's, were ignored without a word: the lease stayed 300 s.
+    worker = worker_factory(options={"stale_afer": 30, "visibility_timeout": 3600})
+    plain = worker_factory(concurrency=1)  # bb_broker's options and Kombu's own (polling_interval): no word
+    app = producer(broker_url)
+    try:
+        task_id = send(app, "add", 2, 3)
+        wait_for(settled(db, task_id, "succeeded"), message="the task ran")
+    finally:
+        app.close()
+    said = [line for line in worker.log().splitlines() if "reads no transport option" in line]
+    assert len(said) == 1, said
+    assert "'stale_afer', 'visibility_timeout': ignored" in said[0] and "lease is stale_after" in said[0]
+    assert "reads no transport option" not in plain.log()
