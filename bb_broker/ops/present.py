@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -166,16 +167,18 @@ MAX_SHOWN_DEPTH = 100
 DEEPER = f"(nested deeper than {MAX_SHOWN_DEPTH} levels)"
 
 
-def as_json(value: Any, depth: int = 0) -> Any:
+def as_json(value: Any, depth: int = 0, *, binary: Callable[[bytes], Any] = str) -> Any:
     """A stored value as JSON can hold it: documents and arrays through (to MAX_SHOWN_DEPTH), a date in ISO 8601
-    (UTC), and what JSON has no type for (an ObjectId, a timestamp, binary data, a Decimal128, NaN and the
-    infinities) as its text."""
+    (UTC), binary data as `binary` makes it (its repr unless told), and what JSON has no type for (an ObjectId, a
+    timestamp, a Decimal128, NaN and the infinities) as its text."""
     if isinstance(value, dict | list | tuple) and depth >= MAX_SHOWN_DEPTH:
         return DEEPER
     if isinstance(value, dict):
-        return {str(key): as_json(item, depth + 1) for key, item in value.items()}
+        return {str(key): as_json(item, depth + 1, binary=binary) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [as_json(item, depth + 1) for item in value]
+        return [as_json(item, depth + 1, binary=binary) for item in value]
+    if isinstance(value, bytes):
+        return binary(value)
     if value is None or isinstance(value, (str, bool)):
         return value
     if isinstance(value, int):

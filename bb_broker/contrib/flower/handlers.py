@@ -9,7 +9,6 @@ bb_broker.contrib.flower.tab's. A job is named by the `id` argument, never by a 
 from __future__ import annotations
 
 import base64
-import math
 import reprlib
 from collections.abc import Callable
 from dataclasses import replace
@@ -38,7 +37,7 @@ from bb_broker.jobs.queues import LimitError
 from bb_broker.ops.canvas import canvas_of
 from bb_broker.ops.filters import ARGUMENT_FIELDS, FILTER_NAMES, FilterError, JobFilter
 from bb_broker.ops.operations import ACTIONS, ActionRefused, Operations
-from bb_broker.ops.present import DEEPER, MAX_SHOWN_DEPTH, actions_of, arguments, as_text, attempts_of, describe_job
+from bb_broker.ops.present import actions_of, arguments, as_json, as_text, attempts_of, describe_job
 from bb_broker.ops.queries import MAX_PAGE, no_job_has
 from bb_broker.ops.rerun import ACTION as RERUN
 from bb_broker.ops.rerun import offered
@@ -56,24 +55,9 @@ CHART_MAX_MS = 10_000
 T = TypeVar("T")
 
 
-def jsonable(value: Any, depth: int = 0) -> Any:
-    """A document as JSON can carry it: dates as ISO 8601 (UTC), bytes as base64, NaN and the infinities as their
-    text (JSON has no such numbers), and levels past present.MAX_SHOWN_DEPTH (a hand-written document) as a note."""
-    if isinstance(value, dict | list | tuple) and depth >= MAX_SHOWN_DEPTH:
-        return DEEPER
-    if isinstance(value, dict):
-        return {str(key): jsonable(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(item, depth + 1) for item in value]
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
+def jsonable(value: Any) -> Any:
+    """A document as the API and the pages carry it: present.as_json's, with bytes as base64."""
+    return as_json(value, binary=lambda data: base64.b64encode(data).decode("ascii"))
 
 
 def job_json(doc: dict[str, Any]) -> dict[str, Any]:
