@@ -57,8 +57,9 @@ class CheckpointError(ValueError):
 
 
 def _check(value: Any, depth: int, where: str) -> None:
-    """Raise CheckpointError unless `value` is made of JSON's types only (str keys, finite numbers)."""
-    if depth > MAX_CHECKPOINT_DEPTH:
+    """Raise CheckpointError unless `value` is made of JSON's types only (str keys, finite numbers) and nests
+    arrays and objects at most MAX_CHECKPOINT_DEPTH levels deep (`depth`: how many hold it)."""
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_CHECKPOINT_DEPTH:
         raise CheckpointError(f"a checkpoint nests at most {MAX_CHECKPOINT_DEPTH} levels deep; {where} is deeper")
     if value is None or isinstance(value, (str, bool, int)):
         return
@@ -85,7 +86,10 @@ def _check(value: Any, depth: int, where: str) -> None:
 def encoded(value: Any) -> str:
     """The checkpoint's JSON text; CheckpointError saying what is wrong when `value` cannot be one."""
     _check(value, 0, "the value")
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:  # an integer past Python's digits for a text (sys.set_int_max_str_digits)
+        raise CheckpointError(f"a checkpoint cannot be written as JSON: {exc}") from None
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate ('\udce9', an undecodable file name): no UTF-8, no BSON string
@@ -102,10 +106,21 @@ def decoded(text: Any, job_id: str) -> Any:
     """A stored checkpoint's value; CheckpointError when the document holds something else (a hand edit)."""
     if not isinstance(text, str):
         raise CheckpointError(f"job {job_id}'s checkpoint is a {type(text).__name__}, not JSON text (a hand edit?)")
+    if len(text) > MAX_CHECKPOINT_BYTES:  # characters: never fewer than its bytes as UTF-8, which a save bounds
+        raise CheckpointError(
+            f"job {job_id}'s checkpoint is larger than a save writes ({MAX_CHECKPOINT_BYTES} bytes; a hand edit?)"
+        )
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        raise CheckpointError(f"job {job_id}'s checkpoint is not JSON (a hand edit?)") from None
+        value = json.loads(text, parse_constant=_no_constant)
+        _check(value, 0, "the value")
+    except (ValueError, RecursionError):  # CheckpointError is one: said the same way, as a hand edit
+        raise CheckpointError(f"job {job_id}'s checkpoint is not JSON a save writes (a hand edit?)") from None
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN and the infinities, which JSON has not and a save refuses.
+    raise ValueError(f"{name} is no JSON number")
 
 
 def _count(value: Any) -> float | int | None:
