@@ -156,10 +156,14 @@ class _Batch:
         try:
             for index, signature in enumerate(signatures):
                 self._index = index
-                frozen = signature.freeze()  # its task id, in its options: the same on the call's next try
-                signature.options.setdefault(PUBLISH_ID_PROPERTY, {})  # its job ids, likewise (see _keep)
                 before = len(self.jobs)
                 try:
+                    if not signature.options.get("task_id", True):
+                        # None or "": send_task gives such a signature a new id (`task_id or uuid()`), where freeze()
+                        # would keep it and fail.
+                        del signature.options["task_id"]
+                    frozen = signature.freeze()  # its task id, in its options: the same on the call's next try
+                    signature.options.setdefault(PUBLISH_ID_PROPERTY, {})  # its job ids, likewise (see _keep)
                     results.append(self._shapes.send(signature, cast(Producer, self), frozen))
                 except Exception as exc:
                     exc.add_note(f"enqueue_many: signature #{index} ({signature.task}); nothing was published")
@@ -380,6 +384,17 @@ def _off_the_clock(job: dict[str, Any]) -> dict[str, Any]:
     return {**job, "run_after": None, "payload": bson.encode({**payload, "headers": headers})}
 
 
+def _exactly(value: Any) -> Any:
+    """`value` as a shape compares it: by type at every level, and a mapping's keys in their order. Python's `==`
+    takes True, 1 and 1.0 for one value, in a link's arguments or a header too, where the message of each keeps its
+    own."""
+    if isinstance(value, dict):
+        return (type(value), tuple((_exactly(key), _exactly(item)) for key, item in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_exactly(item) for item in value))
+    return (type(value), value)
+
+
 @dataclass
 class _Shape:
     """The signatures of a call that publish alike but for their own arguments and OWN_OPTIONS: the same task, type
@@ -388,7 +403,7 @@ class _Shape:
     each)."""
 
     task_name: str
-    options: dict[str, tuple[type, Any]]
+    options: dict[str, Any]
     has_eta: bool
     call: upstream_celery.SendTaskCall | None = None
     template: _Template | None = None
@@ -416,7 +431,7 @@ class _Shapes:
     def send(self, signature: Signature, producer: Producer, frozen: AsyncResult) -> AsyncResult:
         """Publish `signature` (frozen: `frozen` is the AsyncResult its freeze() made, as send_task makes one)."""
         options = signature.options
-        shared = {name: (type(value), value) for name, value in options.items() if name not in OWN_OPTIONS}
+        shared = {name: _exactly(value) for name, value in options.items() if name not in OWN_OPTIONS}
         has_eta = bool(options.get("eta"))
         task_name = str(signature.task)
         for shape in self.by_task.setdefault(task_name, []):

@@ -135,6 +135,31 @@ def test_each_job_is_the_document_apply_async_writes(results_app: Celery, tasks,
     assert [j["unique"]["key"] for j in jobs[12:14]] == ["mine-1", "mine-2"]
 
 
+def test_options_python_takes_for_equal_and_a_task_id_of_none_publish_as_apply_async_does(
+    results_app: Celery, tasks, db: Database
+) -> None:
+    add = tasks["add"]
+    # True, 1 and 1.0 are one value to Python's `==`: a kind's later signatures replayed its first one's options.
+    signatures = [add.s(n, 0).set(unique=False, headers={"flag": flag}) for n, flag in enumerate((1, True, 1.0))]
+    signatures += [add.s(n, 1).set(unique=False, link=add.si(flag, 0)) for n, flag in enumerate((1, True, 1.0))]
+    # send_task gives a task id of None or "" a new one (`task_id or uuid()`); enqueue_many refused None.
+    signatures += [add.s(n, 2).set(unique=False, task_id=given) for n, given in enumerate((None, ""))]
+    single = [s.clone().apply_async() for s in signatures]
+    expected = [repr(_without_ids_and_times(db.jobs.find_one({"taskId": r.id}), r.id)) for r in single]
+    db.jobs.delete_many({})
+    bulk = bb_broker.enqueue_many(signatures, app=results_app)
+    written = [repr(_without_ids_and_times(db.jobs.find_one({"taskId": r.id}), r.id)) for r in bulk]
+    assert written == expected
+    jobs = [db.jobs.find_one({"taskId": r.id}) for r in bulk]
+    assert [repr(j["payload"]["headers"]["flag"]) for j in jobs[:3]] == ["1", "True", "1.0"]
+    assert [repr(j["payload"]["options"]["callbacks"][0]["args"]) for j in jobs[3:6]] == [
+        "[1, 0]",
+        "[True, 0]",
+        "[1.0, 0]",
+    ]
+    assert all(r.id for r in bulk[6:]) and len({r.id for r in bulk}) == len(bulk)
+
+
 def test_duplicates_and_an_oversize_one_are_reported_by_index_and_the_rest_published(
     tasks, results_worker, db: Database
 ) -> None:
