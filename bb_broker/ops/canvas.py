@@ -30,6 +30,9 @@ from bb_broker.ops.queries import Queries
 MAX_STEPS = 1000
 #: The most rounds of reads that follow roots and groups to new roots and groups (a canvas of groups of groups).
 MAX_ROUNDS = 8
+#: The most edges one canvas shows (a chord of 100 header steps into a group of 100 is 10,000 of them); past it the
+#: answer says `edgesTruncated`. Also what bounds the walk of the messages, whose size alone does not.
+MAX_EDGES = 10 * MAX_STEPS
 #: How deep a signature nested in a message is walked (a chain in a chord in a group ...).
 MAX_SIGNATURE_DEPTH = 16
 #: A queued step due this long ago and not started is stuck (no worker consumes its queue, or it is paused).
@@ -65,6 +68,8 @@ class Canvas:
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     edges: dict[tuple[str, str], str] = field(default_factory=dict)
     truncated: bool = False
+    #: More edges than MAX_EDGES: a chord whose header and body are both large groups links every pair.
+    edges_truncated: bool = False
 
     def full(self) -> bool:
         if len(self.steps) >= MAX_STEPS:
@@ -73,8 +78,12 @@ class Canvas:
         return False
 
     def link(self, source: str, target: str, kind: str) -> None:
-        if source != target:
-            self.edges.setdefault((source, target), kind)
+        if source == target or (source, target) in self.edges:
+            return
+        if len(self.edges) >= MAX_EDGES:
+            self.edges_truncated = True
+            return
+        self.edges[source, target] = kind
 
     def as_json(self) -> dict[str, Any]:
         depths = _depths(list(self.steps), list(self.edges))
@@ -96,6 +105,8 @@ class Canvas:
             "counts": counts,
             "truncated": self.truncated,
             "limit": MAX_STEPS,
+            "edgesTruncated": self.edges_truncated,
+            "edgeLimit": MAX_EDGES,
         }
 
 
@@ -110,8 +121,11 @@ def canvas_of(operations: Queries, identifier: str) -> dict[str, Any] | None:
     docs = _published(operations, doc, canvas)
     now = operations.now()
     cutoff = operations.lease_cutoff()
-    for found in docs:
-        canvas.steps[_step_id(found)] = _step(operations, found, now, cutoff)
+    for found in docs:  # oldest first: a task id sent twice (a job per send) is its newest job's step
+        step_id, step = _step_id(found), _step(operations, found, now, cutoff)
+        if (earlier := canvas.steps.get(step_id)) is not None:
+            step["earlierJobs"] = [*earlier.pop("earlierJobs", []), _job_of(earlier)]
+        canvas.steps[step_id] = step
     by_task = {found["taskId"]: found for found in docs if is_canvas_id(found.get("taskId"))}
     # A revoked step an operator retried runs under a new task id: the canvas's messages name it by the id it first
     # ran under (renamedFrom), which is that step, not one still to be published.
@@ -244,6 +258,11 @@ def _step(operations: Queries, doc: dict[str, Any], now: datetime, cutoff: datet
     return step
 
 
+def _job_of(step: dict[str, Any]) -> dict[str, Any]:
+    """An earlier job of a step's task id: its id and status (a cancel of the canvas cancels it too)."""
+    return {"jobId": step["jobId"], "status": step["status"]}
+
+
 def _embed(doc: dict[str, Any]) -> dict[str, Any]:
     return _document(_document(doc.get("payload")).get("options"))
 
@@ -286,8 +305,9 @@ class _Pending:
             expanded = [(entries, exits) for entries, exits in expanded if entries]
             if not expanded:
                 return [], []
-            if kind == "group":
-                return [e for entries, _ in expanded for e in entries], [e for _, exits in expanded for e in exits]
+            if kind == "group":  # a step named twice (a task id repeated) is one step, entered and left once
+                entries = list(dict.fromkeys(e for entries, _ in expanded for e in entries))
+                return entries, list(dict.fromkeys(e for _, exits in expanded for e in exits))
             for (_, exits), (entries, _) in zip(expanded, expanded[1:], strict=False):
                 self.connect(exits, entries, "chain")
             return expanded[0][0], expanded[-1][1]
@@ -304,6 +324,8 @@ class _Pending:
 
     def connect(self, sources: list[str], targets: list[str], kind: str) -> None:
         for source in sources:
+            if self.canvas.edges_truncated:  # every pair of two long lists is the walk's cost: it ends at the limit
+                return
             for target in targets:
                 self.canvas.link(source, target, kind)
 
@@ -399,6 +421,8 @@ def tree_lines(canvas: dict[str, Any]) -> list[str]:
             stack.extend((child, level + 1, child_kind) for child, child_kind in reversed(children[step_id]))
     if canvas["truncated"]:
         lines.append(f"... truncated: the canvas has more than {canvas['limit']} steps")
+    if canvas["edgesTruncated"]:
+        lines.append(f"... truncated: the canvas has more than {canvas['edgeLimit']} links between its steps")
     # A control character a hand-written name or id holds (a newline, a terminal's escape) shown as `?`.
     return ["".join(char if char.isprintable() else "?" for char in line) for line in lines]
 
@@ -408,4 +432,6 @@ def step_line(step: dict[str, Any]) -> str:
     job = f" job {step['jobId']}" if step.get("jobId") else ""
     marks = f" !! {'; '.join(step['marks'])}" if step.get("marks") else ""
     queue = step.get("queue") or "-"
-    return f"{step.get('name') or '?'} {step['id']}{job}: {step['status']}{attempts}, queue {queue}{marks}"
+    earlier = step.get("earlierJobs") or []
+    sent = f" (sent {len(earlier) + 1} times: the newest job shown)" if earlier else ""
+    return f"{step.get('name') or '?'} {step['id']}{job}: {step['status']}{attempts}, queue {queue}{marks}{sent}"

@@ -82,6 +82,12 @@ def cancel_canvas(operations: Operations, identifier: str, *, by: str) -> Canvas
         return None
     answer = CanvasCancel(job=canvas["job"], root=canvas["root"], truncated=canvas["truncated"])
     steps = [{key: step.get(key) for key in STEP_KEYS} for step in canvas["steps"]]
+    # A task id sent twice has a job per send: the graph's step is the newest, and each earlier one is cancelled too.
+    steps += [
+        {**{key: step.get(key) for key in STEP_KEYS}, **earlier}
+        for step in canvas["steps"]
+        for earlier in step.get("earlierJobs", ())
+    ]
     queued = [step for step in steps if step["status"] == QUEUED and step["jobId"]]
     # A job id read with U+FFFD in place of its bytes: the cancel's write by that id would find no job.
     refused = [step for step in queued if stored_not_utf8(operations.coll, {"_id": step["jobId"]}, ["_id"])]

@@ -13,6 +13,7 @@ from bb_broker.jobs.store import JobStore
 from bb_broker.ops.canvas import MAX_STEPS, canvas_of, tree_lines
 from bb_broker.ops.filters import JobFilter
 from bb_broker.ops.operations import Operations
+from bb_broker.ops.steering import cancel_canvas
 from tests.database.test_scale import fill
 from tests.support.store import CommandLog, FakeClock, assert_each_reads_through_an_index
 
@@ -193,3 +194,46 @@ def test_a_long_chain_reads_only_its_end_whole(mongo_url: str, db: Database, sto
     assert steps["t299"]["depth"] == 299 and steps["t299"]["name"] == "app.s299"
     whole = [c for c in log.commands if c.get("projection") == {"payload.options.chain": 1}]
     assert [c["filter"] for c in whole] == [{"_id": {"$in": [docs[200]["_id"]]}}]  # the failed step's alone
+
+
+def test_a_task_id_sent_twice_is_one_step_and_a_cancel_of_the_canvas_cancels_both_jobs(
+    ops: Operations, db: Database, clock
+) -> None:
+    # apply_async(task_id=...) and enqueue_many publish a job per send: the graph kept the newest one only, and a
+    # cancel of the canvas said it cancelled every queued step while the other job stayed queued.
+    db.jobs.insert_many(
+        [
+            step(0, clock, taskId=ROOT, status="queued"),
+            step(1, clock, taskId="dup", parentId=ROOT, status="queued"),
+            step(2, clock, taskId="dup", parentId=ROOT, status="queued"),
+        ]
+    )
+    canvas = canvas_of(ops, ROOT)
+    assert canvas is not None
+    (dup,) = [s for s in canvas["steps"] if s["id"] == "dup"]
+    assert dup["jobId"] == step(2, clock)["_id"]  # the newest job is the step
+    assert dup["earlierJobs"] == [{"jobId": step(1, clock)["_id"], "status": "queued"}]
+    assert "sent 2 times" in "\n".join(tree_lines(canvas))
+    cancel = cancel_canvas(ops, ROOT, by="ops")
+    assert cancel is not None
+    assert sorted(s["jobId"] for s in cancel.cancelled) == sorted(step(n, clock)["_id"] for n in range(3))
+    assert db.jobs.count_documents({"status": "queued"}) == 0
+
+
+def test_a_message_whose_chord_joins_two_long_lists_is_walked_to_a_bound(ops: Operations, db: Database, clock) -> None:
+    # A chord's header exits each link to each body entry: 20,000 of one task id on both sides took the walk 34 s
+    # (its time grows with the square of the lists); distinct ids made the same walk of every pair.
+    repeated = [signature("same-id")] * 3_000
+    distinct = [signature(f"h{n}") for n in range(400)]
+    chord = {
+        "subtask_type": "chord",
+        "kwargs": {
+            "header": repeated + distinct,
+            "body": {"subtask_type": "group", "kwargs": {"tasks": repeated + [signature(f"b{n}") for n in range(400)]}},
+        },
+    }
+    db.jobs.insert_one(step(0, clock, taskId=ROOT, payload={"args": [], "kwargs": {}, "options": {"chord": chord}}))
+    canvas = canvas_of(ops, ROOT)
+    assert canvas is not None and canvas["edgesTruncated"] and len(canvas["edges"]) == canvas["edgeLimit"]
+    assert {"same-id", "h0", "b0"} <= {s["id"] for s in canvas["steps"]}
+    assert tree_lines(canvas)[-1].startswith("... truncated: the canvas has more than 10000 links")

@@ -105,7 +105,9 @@
       return count + ' ' + status;
     });
     summary.textContent = steps.length + ' step' + (steps.length === 1 ? '' : 's') + ' (' + counts.join(', ') + ')'
-      + (canvas.truncated ? ': truncated, the canvas has more than ' + canvas.limit + ' steps' : '') + '. ';
+      + (canvas.truncated ? ': truncated, the canvas has more than ' + canvas.limit + ' steps' : '')
+      + (canvas.edgesTruncated ? ': links truncated, the canvas has more than ' + canvas.edgeLimit + ' of them' : '')
+      + '. ';
     if (canvas.root) {
       const list = document.createElement('a');
       list.id = 'canvas-list';
