@@ -151,6 +151,22 @@ def test_a_publish_retried_after_its_insert_landed_unseen_makes_one_job(own_serv
     assert client.twins.jobs.count_documents({}) == 2
 
 
+def test_an_enqueue_many_whose_insert_landed_unseen_publishes_each_job_once(own_server) -> None:
+    # The answer to a batch's insert is lost twice (pymongo's own retry of the write, then the call's retry of the
+    # same documents): the jobs that landed come back as duplicates of their own ids, and count as published.
+    client = MongoClient(own_server.url, tz_aware=True)
+    proxy = AnswerDroppingProxy(own_server.url)
+    app = producer(with_database(proxy.url, "bulk_twins") + "?directConnection=true")  # through the proxy only
+    send(app, "add", 0, 0)  # connected and indexes made
+    add = app.signature("tests.support.e2e_app.add")
+    proxy.drop_the_answers_to(command_on("insert", "jobs"), times=2)
+    results = bb_broker.enqueue_many([add.clone(args=(n, n)) for n in range(5)], app=app)
+    assert proxy.dropped == 2
+    for result in results:
+        assert client.bulk_twins.jobs.count_documents({"taskId": result.id}) == 1
+    assert client.bulk_twins.jobs.count_documents({}) == 6
+
+
 def command_on(command: str, collection: str) -> bytes:
     """The bytes that open `command` on `collection` in a wire message (its first field, a BSON string)."""
     name = collection.encode() + b"\x00"
