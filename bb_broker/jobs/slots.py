@@ -115,15 +115,28 @@ class ConcurrencySlots:
         return counted >= limit
 
     def _slots_taken(self, queue: str) -> set[int]:
-        """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot)."""
+        """The concurrency slots of `queue` its running jobs hold (read through bb_limit_slot).
+
+        Only a running job holds a slot: every write that takes a job out of `running` unsets its slot in the same
+        write. A slot on a job in another status is a hand edit (a job marked failed in a shell, a document written
+        with one), which the index would refuse to every claim for good while no sweep looks at such a job: it is
+        unset here, fenced on that job not running, and the slot is free."""
         holders = hinted(
             self.jobs,
             lambda: list(
                 self.jobs.find(
                     {"queue": queue, "limitSlot": {"$exists": True}},
-                    {"_id": 0, "limitSlot": 1},
+                    {"limitSlot": 1, "status": 1},
                     **self._hint("bb_limit_slot", "find"),
                 )
             ),
         )
-        return {doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int}
+        if strays := [doc["_id"] for doc in holders if doc.get("status") != RUNNING]:
+            self.jobs.update_many(
+                {"_id": {"$in": strays}, "status": {"$ne": RUNNING}},
+                {"$unset": {"limitSlot": "", SLOT_WAITERS_FIELD: ""}},
+                **self._hint("_id_", "update"),
+            )
+        return {
+            doc["limitSlot"] for doc in holders if type(doc.get("limitSlot")) is int and doc.get("status") == RUNNING
+        }

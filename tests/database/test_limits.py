@@ -668,3 +668,33 @@ def test_a_rates_next_start_is_a_look_that_claims_until_the_rate_stops_it(mongo_
         wakeups.looked("limited", look)
         assert wakeups.look("limited", job_queue=True) is None
         wakeups.stop()
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [
+        {"status": "failed", "limitSlot": 0, "lastError": "marked failed by hand"},  # an operator's edit in a shell
+        {
+            "status": "queued",
+            "limitSlot": 0.0,
+            "priority": -1,
+        },  # written by hand, a double where the claim writes an int
+    ],
+    ids=["failed-by-hand", "queued-with-a-slot"],
+)
+def test_a_slot_left_on_a_job_that_is_not_running_is_given_back_and_the_queue_runs(
+    store: JobStore, db: Database, stray: dict[str, Any]
+) -> None:
+    # The index refused slot 0 for good: no running job held it, so nothing ever gave it back.
+    db.jobs.update_one({"_id": publish(store, "stray")}, {"$set": stray})
+    for n in range(2):
+        publish(store, f"t{n}")
+    one = QueueLimits(concurrency=1)
+    first = store.claim("limited", "w1", one)
+    assert first is not None and first.task_id == "t0"
+    assert "limitSlot" not in db.jobs.find_one({"taskId": "stray"})  # given back
+    with pytest.raises(LimitReached):
+        store.claim("limited", "w2", one)  # the limit still holds
+    assert store.succeed(first.id, first.attempts)
+    second = store.claim("limited", "w2", one)
+    assert second is not None and second.task_id == "t1"
