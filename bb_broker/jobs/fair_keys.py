@@ -67,8 +67,9 @@ FAIR_INDEX = IndexModel(
     partialFilterExpression={"status": QUEUED},
 )
 
-#: The jobs of the "no key" group: no key, or a hand-edited one that is not a string.
-NO_KEY: dict[str, Any] = {"$not": {"$type": "string"}}
+#: The jobs of the "no key" group: no key, or a hand-edited one that is not a string, an array among them (whose
+#: string element `$type: "string"` would match, as the keys' own reads leave arrays out).
+NO_KEY: dict[str, Any] = {"$or": [{"fairKey": {"$not": {"$type": "string"}}}, {"fairKey": {"$type": "array"}}]}
 
 
 def is_fair_key(value: Any) -> bool:
@@ -138,9 +139,11 @@ def _rotation(turns: tuple[Turn, ...], last: Turn) -> list[Turn]:
     return [key for key in keys if key > last] + unkeyed + [key for key in keys if key <= last]
 
 
-def _condition(turn: Turn) -> Any:
-    """The `fairKey` condition of a turn's jobs."""
-    return NO_KEY if turn is None else turn
+def _of_turn(due: dict[str, Any], turn: Turn) -> dict[str, Any]:
+    """The filter of a turn's due jobs."""
+    if turn is not None:
+        return {**due, "fairKey": turn}
+    return {**due, **NO_KEY} if "$or" not in due else {"$and": [due, NO_KEY]}
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ class FairRotation:
                 if not rotating:  # one turn alone, nothing to rotate: the plain claim, its index and order
                     taken = claim_one(due, {"sort": CLAIM_ORDER, **self._hint("bb_claim", "findAndModify")})
                 else:
-                    taken = self._indexed(claim_one, {**due, "fairKey": _condition(turn)}, options)
+                    taken = self._indexed(claim_one, _of_turn(due, turn), options)
                 if taken is not None:
                     self._served(queue, turn if rotating else taken.fair_key, 1)
                     return taken
@@ -255,7 +258,7 @@ class FairRotation:
     def _first(self, due: dict[str, Any], turn: Turn, count: int) -> list[dict[str, Any]]:
         return list(
             self.jobs.find(
-                {**due, "fairKey": _condition(turn)},
+                _of_turn(due, turn),
                 CLAIMED_FIELDS,
                 sort=FAIR_ORDER,
                 limit=count,
@@ -317,7 +320,7 @@ class FairRotation:
         return sorted(document["_id"] for document in found)
 
     def _any_unkeyed(self, due: dict[str, Any]) -> bool:
-        unkeyed = {**due, "fairKey": NO_KEY}
+        unkeyed = _of_turn(due, None)
         return self.jobs.find_one(unkeyed, {"_id": 1}, **self._hint(FAIR_INDEX_NAME, "find")) is not None
 
     def _none_outside(self, due: dict[str, Any], turns: tuple[Turn, ...]) -> bool:
