@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeGuard
 
 from pymongo.collection import Collection
 from pymongo.database import Database
@@ -175,6 +175,12 @@ class LimitReached(Exception):
         return f"queue {self.queue}: {self.limit} reached"
 
 
+def _whole(value: Any) -> TypeGuard[int]:
+    """A whole number as a document holds one: an int, a 64-bit one (NumberLong, what other drivers write) too; never
+    a bool, nor a double."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     """What limits the claims of one queue, as its control document says; None: no such limit."""
@@ -189,8 +195,8 @@ class QueueLimits:
     @classmethod
     def of(cls, control: Mapping[str, Any]) -> QueueLimits:
         """The limits of a control document; a value no operation writes (edited by hand) limits nothing."""
-        concurrency = control.get("concurrency")
-        valid = type(concurrency) is int and 1 <= concurrency <= MAX_CONCURRENCY
+        given = control.get("concurrency")
+        concurrency = int(given) if _whole(given) and 1 <= given <= MAX_CONCURRENCY else None
         starts, period = control.get("rateStarts"), control.get("ratePeriod")
         per_key = control.get("ratePerKey", False)
         rate = None
@@ -199,15 +205,15 @@ class QueueLimits:
             isinstance(period, (int, float))
             and not isinstance(period, bool)
             and period in RATE_PERIODS.values()
-            and type(starts) is int
+            and _whole(starts)
             and 1 <= starts <= MAX_RATE
             and type(per_key) is bool
         ):
-            rate = Rate(starts, float(period), per_key=per_key)
+            rate = Rate(int(starts), float(period), per_key=per_key)
         # A rate per key picks the job whose key's start it takes: fairness is refused beside it (set_limits), and a
         # hand edit that sets both keeps the rate.
         fair = control.get("fair") is True and not (rate is not None and rate.per_key)
-        return cls(concurrency=concurrency if valid else None, rate=rate, fair=fair)
+        return cls(concurrency=concurrency, rate=rate, fair=fair)
 
     def __bool__(self) -> bool:
         return self.concurrency is not None or self.rate is not None or self.fair

@@ -383,9 +383,26 @@ def test_a_limit_that_cannot_be_is_refused_and_nothing_changes(store: JobStore, 
 
 
 def test_a_control_document_edited_by_hand_limits_nothing(store: JobStore, db: Database) -> None:
-    for value in ("2", 0, -3, 2.5, [2], None):
+    for value in ("2", 0, -3, 2.5, [2], None, True):
         db.bb_queues.replace_one({"_id": "limited"}, {"concurrency": value}, upsert=True)
         assert not KnownControls(QueueControls(db), max_age=0.0).limits("limited")
+
+
+def test_limits_written_as_64_bit_integers_limit_as_they_say(store: JobStore, db: Database) -> None:
+    # NumberLong(2) in a shell, or another driver's 64-bit integer: every worker read it as no limit at all.
+    from bson.int64 import Int64
+
+    db.bb_queues.replace_one(
+        {"_id": "limited"}, {"concurrency": Int64(2), "rateStarts": Int64(5), "ratePeriod": Int64(60)}, upsert=True
+    )
+    limits = KnownControls(QueueControls(db), max_age=0.0).limits("limited")
+    assert (limits.concurrency, limits.rate) == (2, Rate(5, 60.0))
+    for n in range(3):
+        publish(store, f"t{n}")
+    two = QueueLimits(concurrency=limits.concurrency)
+    assert store.claim("limited", "w", two) is not None and store.claim("limited", "w", two) is not None
+    with pytest.raises(LimitReached, match="concurrency limit 2"):
+        store.claim("limited", "w", two)
 
 
 # --- serial keys -----------------------------------------------------------------------------------------------------
