@@ -322,10 +322,11 @@ def install_url_censor(censor: Callable[[str], str]) -> None:
     Celery masks a URL's password only (`maybe_sanitize_url` for a backend's URL, Kombu's `as_uri` for the broker's,
     nothing for a URL under any other setting): a credential among a URL's options (pymongo's
     `tlsCertificateKeyFilePassword`, `proxyPassword`, an AWS session token in `authMechanismProperties`) is shown as
-    written. No public hook: the censoring is one module function, and neither a setting nor a signal reaches it.
-    Relies on: `celery.app.utils.filter_hidden_settings(conf)`, the module global `Settings.table(censored=True)`
-    calls at each call, returning a mapping of the settings (nested mappings as mappings). Checked against celery
-    5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    written (Celery 5.7's own `sanitize_url` keeps a backend URL's options; 5.4 to 5.6, through Kombu's, drop them).
+    No public hook: the censoring is one module function, and neither a setting nor a signal reaches it. Relies on:
+    `celery.app.utils.filter_hidden_settings(conf)`, the module global `Settings.table(censored=True)` calls at each
+    call, returning a mapping of the settings (nested mappings as mappings). Checked against celery 5.4.0, 5.5.3,
+    5.6.3, 5.7.0."""
     from celery.app import utils
 
     if getattr(utils.filter_hidden_settings, _INSTALLED, False):

@@ -545,4 +545,6 @@ def test_a_credential_among_the_backend_urls_options_is_masked_in_what_inspect_c
         app.close()
     (settings,) = replies.values()
     assert "backend-s3cret" not in repr(settings)
-    assert "tlsCertificateKeyFilePassword=**" in settings["result_backend"]
+    shown = settings["result_backend"]
+    # Celery 5.4 to 5.6 drop a backend URL's options (Kombu's sanitize_url); 5.7 shows them, masked here.
+    assert "tlsCertificateKeyFilePassword=**" in shown or "?" not in shown, shown

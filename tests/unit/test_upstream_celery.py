@@ -573,9 +573,10 @@ def test_the_censored_settings_come_from_the_function_the_url_censor_wraps(monke
     app.conf.result_backend = "bbmongo://ops:pw@127.0.0.1:1/db?tlsCertificateKeyFilePassword=kept-as-written"
     app.conf.bb_nested = {"url": "mongodb://127.0.0.1:1/?tlsCertificateKeyFilePassword=nested-too"}
     shown = app.conf.table(censored=True)
-    assert "kept-as-written" in shown["result_backend"] and "pw@" not in shown["result_backend"], (
-        "Celery's censored settings no longer show a backend URL's options, or no longer mask its password: "
-        "check whether the URL censor is still needed; " + where("install_url_censor")
+    # Celery 5.4 to 5.6 drop a backend URL's options (Kombu's sanitize_url); 5.7 shows them as written, which the
+    # censor is for.
+    assert "pw@" not in shown["result_backend"], (
+        "Celery's censored settings no longer mask a backend URL's password: " + where("install_url_censor")
     )
     upstream_celery.install_url_censor(lambda url: url.split("?")[0] + "?censored")
     upstream_celery.install_url_censor(lambda url: "installed twice")
