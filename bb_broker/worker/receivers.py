@@ -12,7 +12,7 @@ from bb_broker import app_stores
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import MalformedTaskMessage, check_signature, signature_task_id
 from bb_broker.jobs.refusals import PublishRefused
-from bb_broker.transport.qos import explain_rejection
+from bb_broker.transport.qos import REQUEUED, explain_rejection
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import settle
 
@@ -131,12 +131,20 @@ def _on_postrun(sender: Any = None, state: str | None = None, retval: Any = None
     # A task that raised Ignore gets no success or failure signal.
     if state == states.IGNORED:
         settle.ignored(settle.store_of(sender), sender.request)
-    elif state == states.REJECTED and isinstance(retval, Reject) and not upstream_celery.fails_rejected_tasks():
-        # Before Celery 5.7 a task that rejects its message without requeue gets no failure signal, and its message,
-        # acked when it was received (unless acks_late), cannot be rejected any more: its job fails for good here, as
-        # 5.7's task_failure fails it (_on_failure). A requeue is the message's (acks_late), on every release.
+    elif state == states.REJECTED and isinstance(retval, Reject):
         store = app_stores.store_for(sender.app)
-        if store is not None and not retval.requeue:  # type: ignore[attr-defined]  # celery-types omits it
+        if store is None:
+            return
+        if retval.requeue:  # type: ignore[attr-defined]  # celery-types omits it
+            # With acks_late the rejection reaches the message (JobQoS.reject settles it). Without, the message was
+            # acked as the task started and Celery's rejection does nothing: the job would stay running until its
+            # lease ran out.
+            if not getattr(sender, "acks_late", False):
+                settle.requeued(store, sender.request, REQUEUED)
+        elif not upstream_celery.fails_rejected_tasks():
+            # Before Celery 5.7 a task that rejects its message without requeue gets no failure signal, and its
+            # message, acked when it was received (unless acks_late), cannot be rejected any more: its job fails for
+            # good here, as 5.7's task_failure fails it (_on_failure).
             settle.failed(store, sender.request, retval)
 
 

@@ -324,6 +324,18 @@ def failed(
     return ends
 
 
+def requeued(store: JobStore | None, request: Any, reason: str) -> None:
+    """Settle the attempt of a task that raised Reject(requeue=True) after its message was acknowledged (no
+    acks_late: Celery acks a message as its task starts, and its rejection then reaches no one): back to the queue
+    due at once, the attempt counted, as an acks_late task's rejection is (JobQoS.reject); failed on its last."""
+    job = job_of(request)
+    if store is None or job is None or _attempt(request).settled:
+        return
+    entry = _entry(store, request, job[1], "failed", reason)
+    _write(store, request, store.failure(*job, reason, backoff=False, attempt=entry))
+    _attempt(request).settled = True
+
+
 def retried(
     store: JobStore | None,
     request: Any,

@@ -140,6 +140,20 @@ def test_reject_with_requeue_redelivers_at_once_marked_redelivered(app, db, work
     assert done["attempts"] == 2
 
 
+def test_a_reject_with_requeue_after_the_message_was_acked_puts_the_job_back_at_once(app, db, worker_factory) -> None:
+    # Without acks_late Celery acks the message as the task starts, and its rejection reaches no message: the job
+    # stayed running, held by nobody, until its lease ran out (stale_after, 300 s: the test would time out).
+    worker_factory(options={"backoff_base": 600})
+    task_id = send(app, "reject_once_acked_at_start")
+    done = wait_for(settled(db, task_id, "succeeded"), message="the job ran again at once and succeeded")
+    assert [r["attempt"] for r in db.runs.find({"taskId": task_id}).sort("at")] == [1, 2]
+    first = done["history"][0]
+    assert done["attempts"] == 2 and (first["outcome"], first["error"]) == (
+        "failed",
+        "the worker rejected the task and requeued it",
+    )
+
+
 def test_a_task_every_worker_requeues_fails_after_max_attempts(app, db, worker_factory) -> None:
     worker_factory(options={"backoff_base": 600, "max_attempts": 3})
     task_id = send(app, "reject_always")

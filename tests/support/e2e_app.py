@@ -503,6 +503,17 @@ def reject_always(self):
     raise Reject("never", requeue=True)
 
 
+@app.task(bind=True, acks_late=False)
+def reject_once_acked_at_start(self):
+    """reject_once without acks_late: its message was acked as it started, so the rejection reaches no message."""
+    from celery.exceptions import Reject
+
+    record(self)
+    if runs().count_documents({"taskId": self.request.id}) == 1:
+        raise Reject("first run", requeue=True)
+    return "second pass"
+
+
 @app.task(bind=True)
 def header_value(self, name):
     record(self, value=repr(self.request.get(name)))
