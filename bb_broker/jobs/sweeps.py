@@ -85,6 +85,13 @@ class Sweeps:
         # Among the running jobs (few: workers x prefetch) by the status index; one index less on every claim.
         return self._recover({"leaseOwner": owner}, reason, hint="bb_status_updated")
 
+    def recover_cut_short(self, job_id: str, attempts: int, owner: str, reason: str) -> bool:
+        """One job whose run this worker cut short, as a stopping worker's are (release_owner): requeued where an
+        attempt is left, else failed, with its `lost` entry; fenced on its attempt and owner."""
+        # `$and`: the sweep's own filter sets `attempts` (those that end in each status).
+        selector = {"_id": job_id, "leaseOwner": owner, "$and": [{"attempts": attempts}]}
+        return any(self._recover(selector, reason, hint="_id_"))
+
     def _recover(self, selector: dict[str, Any], reason: str, *, hint: str) -> tuple[int, int]:
         """Settle the running jobs `selector` finds as lost: requeued where an attempt is left, else failed. Two
         pipeline updates where the server takes them; else a read and fenced per-job writes (see _recover_by_read)."""

@@ -379,6 +379,10 @@ class Channel(virtual.Channel):
                 # Celery's rejection of it (a lost pool process, say) still fails the job.
                 self.qos.keep_running(message)
                 return
+            if message.cut_short:
+                # Started, then cancelled by Celery (acks_late, a cold shutdown): its attempt ran, and counts.
+                self.claimer.recover_cut_short(message.job_id, message.attempts)
+                return
             self.claimer.release_job(message.job_id, message.attempts)
             return
         # Kombu's own restore, with `redelivered` where Kombu and Celery read it.

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: lastError of a job whose run Celery cancelled as its worker stopped cold (or lost its connection with
+#: worker_cancel_long_running_tasks_on_connection_loss): its attempt ran, and counts.
+CUT_SHORT = "the worker cancelled the task while it ran (a cold shutdown, or its connection lost)"
+
 
 class ClaimOnItsWay(Empty):
     """Nothing to deliver yet: a claim for the queue is on its way, and rings the event loop when it lands."""
@@ -488,6 +492,14 @@ class Claimer:
                 )
             else:
                 logger.warning("could not give back job %s (%s); the stale sweep will", job_id, type(exc).__name__)
+
+    def recover_cut_short(self, job_id: str, attempts: int) -> None:
+        """Settle a job whose run Celery cancelled here as lost: its attempt counted, back to the queue or failed on
+        its last; when the server does not answer, the stale sweep does the same later."""
+        try:
+            self._channel.jobs.recover_cut_short(job_id, attempts, self._channel.owner, CUT_SHORT)
+        except PyMongoError as exc:
+            logger.warning("could not settle job %s, cut short (%s); the stale sweep will", job_id, type(exc).__name__)
 
     def refused(self, queue: str, exc: OperationFailure, wakeups: Wakeups | None) -> list[Claimed]:
         """A claim of `queue` met `exc`: an outage is raised (Celery reconnects: transport.py); any other answer backs

@@ -70,6 +70,8 @@ class JobMessage(virtual.Message):
         self.attempts: int = int(headers.get(ATTEMPTS_HEADER) or 0)
         #: Why the consumer refused it, when it says: set only through explain_rejection.
         self.rejection_reason: str | None = None
+        #: Its run started, then Celery cancelled it (mark_cut_short): restored unacked, its attempt counts.
+        self.cut_short = False
         #: A plain message's queue and expiry where it was stored (see STORED_AS).
         self.stored_as: tuple[str, datetime] | None = payload.get(STORED_AS)
 
@@ -81,6 +83,13 @@ def explain_rejection(message: Any, reason: str) -> None:
     """
     if isinstance(message, JobMessage):
         message.rejection_reason = reason
+
+
+def mark_cut_short(message: Any) -> None:
+    """Celery cancels the started run of `message` (a cold shutdown): if its message comes back unacked (acks_late),
+    its job is settled as an attempt cut short, not given back as one that never started (Channel._restore)."""
+    if isinstance(message, JobMessage):
+        message.cut_short = True
 
 
 class JobQoS(virtual.QoS):

@@ -74,17 +74,22 @@ def install_failure_as_retry(
     BaseBackend.mark_as_failure = mark_as_failure_unless_retried  # type: ignore[method-assign]  # the patch itself
 
 
-def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]) -> None:
-    """Let `explain(message, WorkerLostError)` give the message of `task`'s request whose pool process died its
-    reason, before Celery rejects it (idempotent).
+def hook_requests(task: Any, explain: Callable[[Any, BaseException], None], cancelled: Callable[[Any], None]) -> None:
+    """Subclass `task`'s request class (idempotent) so that the transport hears of two things only the worker's main
+    process knows of a message: `explain(message, WorkerLostError)` gives the message of a request whose pool process
+    died its reason, before Celery rejects it; `cancelled(message)` says a started request's run is being cut short
+    by Celery (a cold shutdown, or a lost connection with worker_cancel_long_running_tasks_on_connection_loss), before
+    it ends the run.
 
-    With `acks_late` and `reject_on_worker_lost` Celery rejects such a message with requeue and reports no failure: the
-    rejection is all the job hears (the transport takes the reason through its explain_rejection). The public hook:
-    Celery's documented custom request class (`Task.Request`, "Requests and custom requests" in its task guide),
-    subclassed from the task's own so that a request class the app chose keeps working; Celery builds each task's
-    request class from it when the consumer starts, after worker_init. Relies on: `Request.on_failure(self, exc_info,
-    ...)`, the exception at `exc_info.exception` (billiard's ExceptionWithTraceback around it at `.exc`), the message at
-    `self.message`. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
+    With `acks_late` and `reject_on_worker_lost` Celery rejects the lost one's message with requeue and reports no
+    failure: the rejection is all the job hears (the transport takes the reason through its explain_rejection). A
+    cancelled acks_late one's message comes back unacked (Celery 5.7 sends no task_retry for it): its job must not be
+    given back as never started. The public hook: Celery's documented custom request class (`Task.Request`, "Requests
+    and custom requests" in its task guide), subclassed from the task's own so that a request class the app chose keeps
+    working; Celery builds each task's request class from it when the consumer starts, after worker_init. Relies on:
+    `Request.on_failure(self, exc_info, ...)`, the exception at `exc_info.exception` (billiard's ExceptionWithTraceback
+    around it at `.exc`), the message at `self.message`; `Request.cancel(self, pool, ...)`, which ends the run of a
+    request whose `time_start` is set. Checked against celery 5.4.0, 5.5.3, 5.6.3, 5.7.0."""
     from billiard.exceptions import WorkerLostError
     from kombu.utils.imports import symbol_by_name
 
@@ -93,7 +98,7 @@ def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]
         return
 
     # The task's Request class is named by a string (Task.Request) and found at run time: a type mypy cannot know.
-    class ExplainedRequest(base):  # type: ignore[misc, valid-type]
+    class HookedRequest(base):  # type: ignore[misc, valid-type]
         def on_failure(self, exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             exc = getattr(exc_info, "exception", None)
             exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
@@ -102,8 +107,13 @@ def explain_worker_lost(task: Any, explain: Callable[[Any, BaseException], None]
                 explain(message, exc)
             return super().on_failure(exc_info, *args, **kwargs)
 
-    setattr(ExplainedRequest, _INSTALLED, True)
-    task.Request = ExplainedRequest
+        def cancel(self, pool: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self, "time_start", None):
+                cancelled(getattr(self, "message", None))
+            return super().cancel(pool, *args, **kwargs)
+
+    setattr(HookedRequest, _INSTALLED, True)
+    task.Request = HookedRequest
 
 
 def wrap_task_run(task: Any, retry_for: Callable[[Any, Exception], BaseException | None]) -> None:

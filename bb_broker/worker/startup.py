@@ -36,7 +36,7 @@ def install(app: Any) -> None:
     upstream_billiard.install_pool_queue_guard()
     upstream_celery.wrap_task_runs(app, settle.broker_retry)
     for task in list(app.tasks.values()):
-        upstream_celery.explain_worker_lost(task, receivers.explain_lost)
+        upstream_celery.hook_requests(task, receivers.explain_lost, receivers.cut_short)
     upstream_celery.install_failure_as_retry(settle.runs_again, receivers.prepare_errbacks)
     # `celery inspect conf` and Flower's worker Config tab show this worker's settings as Celery censors them.
     upstream_celery.install_url_censor(connection.redact_url)

@@ -237,6 +237,25 @@ def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) ->
     assert cut_short["outcome"] == "lost" and cut_short["n"] == 1 and cut_short["error"] == doc["lastError"]
 
 
+@CAN_TERMINATE
+@pytest.mark.parametrize("max_attempts", [3, 1])
+def test_cold_shutdown_settles_the_acks_late_jobs_it_cut_short_as_run(
+    app, db, worker_factory, tmp_path, max_attempts: int
+) -> None:
+    # Celery cancels an acks_late task as it stops cold, then its message comes back unacked: the job was given
+    # back as never started (its attempt taken back, no history), and a task the worker kept being stopped on never
+    # failed.
+    worker = worker_factory(options={"max_attempts": max_attempts})
+    task_id = send(app, "hold_until_acked_late", str(tmp_path / "never"))
+    wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="the task started")
+    worker.signal(signal.SIGQUIT)
+    worker.wait(60)
+    doc = job(db, task_id)
+    assert doc["status"] == ("queued" if max_attempts > 1 else "failed") and doc["attempts"] == 1, doc
+    [cut_short] = doc["history"]
+    assert cut_short["outcome"] == "lost" and cut_short["n"] == 1 and cut_short["startedAt"] is not None
+
+
 @PREFORK_ONLY
 def test_a_task_that_kills_its_pool_process_fails_after_its_attempts(app, db, worker_factory) -> None:
     worker_factory()

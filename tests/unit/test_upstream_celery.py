@@ -61,31 +61,38 @@ def test_a_tasks_request_class_is_the_documented_hook_for_a_lost_pool_process(ap
     assert "symbol_by_name(task.Request)" in source(strategy.default), (
         "celery.worker.strategy.default no longer builds a task's requests from `task.Request`: Celery dropped the "
         "custom request class (its task guide's 'Requests and custom requests'), and a lost pool process's job no "
-        "longer hears why; " + where("explain_worker_lost")
+        "longer hears why; " + where("hook_requests")
     )
     found = parameters(Request.on_failure)
     assert found[:2] == ["self", "exc_info"], (
         f"celery.worker.request.Request.on_failure now takes {found}: Celery changed how the main process reports a "
-        "task's failure; " + where("explain_worker_lost")
+        "task's failure; " + where("hook_requests")
     )
     on_failure = source(Request.on_failure)
     assert "reject_on_worker_lost" in on_failure and "self.reject(requeue=requeue)" in on_failure, (
         "Request.on_failure no longer rejects a lost pool process's message with requeue: Celery changed "
-        "reject_on_worker_lost, and the reason set before it may go nowhere; " + where("explain_worker_lost")
+        "reject_on_worker_lost, and the reason set before it may go nowhere; " + where("hook_requests")
     )
     assert isinstance(Request.message, property) and "exc" in inspect.signature(ExceptionWithTraceback).parameters, (
         "Request.message or billiard's ExceptionWithTraceback(exc, ...) changed: the wrapper reads the message and the "
-        "exception through them; " + where("explain_worker_lost")
+        "exception through them; " + where("hook_requests")
     )
 
     @app.task(name="contracts.noop", shared=False)
     def noop() -> None:
         pass
 
-    upstream_celery.explain_worker_lost(noop, str)
-    explained = noop.Request
-    upstream_celery.explain_worker_lost(noop, str)
-    assert noop.Request is explained and issubclass(explained, Request), "the request class was subclassed twice"
+    found = parameters(Request.cancel)
+    assert found[:2] == ["self", "pool"] and "self.time_start" in source(Request.cancel), (
+        f"celery.worker.request.Request.cancel now takes {found}, or no longer ends only a started run: Celery "
+        "changed how it cuts a run short, and an acks_late job cut short may be given back as never started; "
+        + where("hook_requests")
+    )
+
+    upstream_celery.hook_requests(noop, str, str)
+    hooked = noop.Request
+    upstream_celery.hook_requests(noop, str, str)
+    assert noop.Request is hooked and issubclass(hooked, Request), "the request class was subclassed twice"
 
 
 def test_the_tracer_calls_task_run_as_it_is_when_it_is_built() -> None:
