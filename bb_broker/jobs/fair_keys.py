@@ -36,7 +36,7 @@ from pymongo import ASCENDING, IndexModel
 from pymongo.collection import Collection as MongoCollection
 from pymongo.errors import OperationFailure
 
-from bb_broker.jobs.document import CLAIMED_FIELDS, Claimed
+from bb_broker.jobs.document import CLAIMED_FIELDS, Claimed, utf8_encodable
 from bb_broker.jobs.indexes import CLAIM_ORDER, Hint, ensure_plain_indexes, hinted
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.unique import UniqueOptionError, digest, option_key, shown
@@ -73,7 +73,8 @@ NO_KEY: dict[str, Any] = {"$or": [{"fairKey": {"$not": {"$type": "string"}}}, {"
 
 
 def is_fair_key(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_FAIR_KEY_LENGTH
+    # UTF-8 text only: a lone surrogate ("\ud800") makes a header no message can carry, and the publish was refused.
+    return isinstance(value, str) and 0 < len(value) <= MAX_FAIR_KEY_LENGTH and utf8_encodable(value)
 
 
 def fair_key_of(value: Any, task_name: str) -> str | None:
@@ -108,7 +109,8 @@ def publish_fair_key(
     try:
         if given is not None and call.get("fair_on") is None:
             return fair_key_of(given, task_name)
-        return option_key("fair", task, call, task_name, args, kwargs, run, max_length=MAX_FAIR_KEY_LENGTH)
+        key = option_key("fair", task, call, task_name, args, kwargs, run, max_length=MAX_FAIR_KEY_LENGTH)
+        return key if key is None or is_fair_key(key) else fair_key_of(key, task_name)
     except (UniqueOptionError, RecursionError) as exc:
         logger.warning("%s: %s: the job is published without a fair key", task_name, exc)
         return None

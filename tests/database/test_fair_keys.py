@@ -363,8 +363,20 @@ def test_fair_on_keys_one_customers_jobs_together_and_a_call_overrides_it(tasks,
         ({"fair_on": ("account",)}, "<none>"),
         ({"headers": {FAIR_KEY_HEADER: ["nested", {"x": 1}]}}, "<none>"),
         ({"headers": {FAIR_KEY_HEADER: "k" * (MAX_FAIR_KEY_LENGTH + 1)}}, "<none>"),
+        ({"fair_key": "caf\udce9"}, "digest"),  # a lone surrogate (an undecodable file name): the publish was refused
     ],
-    ids=["huge", "number", "nested", "empty", "not-json", "both", "unknown-name", "bad-header", "long-header"],
+    ids=[
+        "huge",
+        "number",
+        "nested",
+        "empty",
+        "not-json",
+        "both",
+        "unknown-name",
+        "bad-header",
+        "long-header",
+        "surrogate",
+    ],  # fmt: skip
 )
 def test_a_hostile_fair_key_never_fails_the_publish(tasks, db: Database, options, expected) -> None:
     task_id = tasks["mail"].apply_async((7,), **options).id
