@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bb_broker.jobs.document import MAX_DOCUMENT_BYTES, action_record, bson_kind, new_job_id, stored_not_utf8
+from bb_broker.jobs.fair_keys import FAIR_KEY_HEADER, MAX_FAIR_KEY_LENGTH
 from bb_broker.jobs.lifecycle import QUEUED
 from bb_broker.jobs.payloads import (
     BROKER_RETRIES_HEADER,
@@ -72,6 +73,7 @@ KEY_HEADERS = (
     (UNIQUE_KEY_HEADER, "unique", None),
     (SERIAL_KEY_HEADER, "serial", MAX_SERIAL_KEY_LENGTH),
     (RATE_KEY_HEADER, "rate", MAX_RATE_KEY_LENGTH),
+    (FAIR_KEY_HEADER, "fair", MAX_FAIR_KEY_LENGTH),
 )
 #: How a send outlasts a failover (kombu's retry of a publish on a connection error).
 PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0}
@@ -378,10 +380,10 @@ def _rekeyed(
     new: tuple[list[Any], dict[str, Any]],
 ) -> list[str]:
     """Each flow-control key of the original made again of the new arguments, in `headers`, where it came from the
-    arguments: all of them (`unique=True`), or those the task's options name (`unique_on`, `serial_on`, `rate_on`:
-    the task must be registered here). A key given by name (`unique_key=`, a beat slot's) is kept as it is. A key made
-    of the arguments by options this process does not know (the call's own `*_on`) is refused: kept, it would be
-    the old arguments' key; dropped, the job would run unlike its task. What changed, as notes."""
+    arguments: all of them (`unique=True`), or those the task's options name (`unique_on`, `serial_on`, `rate_on`,
+    `fair_on`: the task must be registered here). A key given by name (`unique_key=`, a beat slot's) is kept as it
+    is. A key made of the arguments by options this process does not know (the call's own `*_on`) is refused: kept,
+    it would be the old arguments' key; dropped, the job would run unlike its task. What changed, as notes."""
     notes = []
     for header, option, longest in KEY_HEADERS:
         original = headers.get(header)

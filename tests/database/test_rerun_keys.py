@@ -82,3 +82,17 @@ def test_keys_made_of_the_arguments_are_made_again_and_a_given_key_is_kept(
                              by="ops")  # fmt: skip
     assert held.value.reason == "conflict" and "a job with unique key 'nightly' exists already" in str(held.value)
     assert list(db.jobs.find({}).sort("_id", 1)) == before
+
+
+def test_a_fair_key_made_of_the_arguments_is_made_again(app: Celery, store: JobStore) -> None:
+    # It was kept: the new job waited in the turn of the customer it no longer was for.
+    tasks = unique_app.register(app)
+    operations = Operations(store)
+    original = failed(store, tasks["notify"].delay(7).id)
+    assert original["fairKey"] == f"{NAME}notify:{digest({'customer_id': 7}, NAME + 'notify')}"
+    rerun = plan(operations, original["_id"], [8], None, task_of=app.tasks.get)
+    made = f"{NAME}notify:{digest({'customer_id': 8}, NAME + 'notify')}"
+    assert rerun.preview()["message"]["headers"]["bb_fair_key"] == made
+    assert any("fair key is made again" in note for note in rerun.notes)
+    with app.connection_for_write() as connection:
+        assert send(operations, rerun, connection, by="ops")["fairKey"] == made

@@ -44,6 +44,10 @@ def register(app: Celery) -> dict[str, Any]:
     def charge(account_id: int, amount: int = 0) -> int:
         return amount
 
+    @app.task(name=NAME + "notify", fair_on=("customer_id",), shared=False)
+    def notify(customer_id: int, subject: str = "") -> str:
+        return subject
+
     @app.task(name=NAME + "fails", unique=True, shared=False)
     def fails(text: str) -> None:
         raise ValueError(text)
@@ -68,5 +72,5 @@ def register(app: Celery) -> dict[str, Any]:
 
     return {
         task.name.removeprefix(NAME): task
-        for task in (add, hold, hold_queued, daily, charge, fails, fails_until_file, retries_self, plain)
+        for task in (add, hold, hold_queued, daily, charge, notify, fails, fails_until_file, retries_self, plain)
     }
