@@ -77,6 +77,9 @@ class Transport(virtual.Transport):
     min_polling_interval = 0.05
     #: The most messages one turn of the event loop delivers before the loop's other readers and timers get theirs.
     loop_delivery_limit = 64
+    #: The longest one turn of the event loop delivers for: past it (a delivery that ran its task, in a solo pool),
+    #: the loop's other work comes before the next delivery.
+    loop_turn = 0.02
     #: The least an event loop waits after a look that delivered nothing: never a spin, whatever the wake-ups say.
     loop_idle_floor = 0.005
 
@@ -182,17 +185,19 @@ class Transport(virtual.Transport):
         if bell is None:
             return
         bell.drain()  # first: a ring from here on calls this again
-        delivered = 0
-        while delivered < self.loop_delivery_limit:
+        delivered, began = 0, monotonic()
+        while True:
+            if delivered >= self.loop_delivery_limit or (delivered and monotonic() - began >= self.loop_turn):
+                # More may be waiting: after the loop's other work. A turn that took its time ran a task in its
+                # delivery (the solo pool): the loop's signals (a stop asked for), controls and timers come first.
+                bell.ring()
+                return
             try:
                 with _transient_errors_as_lost_connection():
                     self.cycle.get(self._deliver, timeout=0)
             except Empty:
                 break
             delivered += 1
-        else:
-            bell.ring()  # more may be waiting: after the loop's other work
-            return
         self._arm_timer(self._next_poll_in(found=bool(delivered)), delivered)
 
     def _arm_timer(self, wait: float | None, delivered: int) -> None:

@@ -224,6 +224,19 @@ def test_warm_shutdown_finishes_and_records_running_tasks(app, db, worker_factor
     assert db.runs.count_documents({"taskId": task_id, "phase": "end"}) == 1
 
 
+@pytest.mark.parametrize("worker_factory", ["solo"], indirect=True)
+def test_a_warm_shutdown_of_a_solo_worker_starts_no_job_after_the_running_one(app, db, worker_factory) -> None:
+    # The solo pool runs a task inside its delivery: one turn of the event loop delivered the next job and ran it
+    # too, after the stop was asked for (and Celery's remote control waited through every task of the turn).
+    worker = worker_factory()
+    first, second = send(app, "sleep", 3), send(app, "sleep", 3)
+    wait_for(lambda: db.runs.find_one({"taskId": first}), message="the first task started")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    assert job(db, first)["status"] == "succeeded"
+    assert db.runs.find_one({"taskId": second}) is None and job(db, second)["status"] == "queued"
+
+
 @CAN_TERMINATE
 def test_cold_shutdown_settles_the_jobs_it_cut_short(app, db, worker_factory) -> None:
     worker = worker_factory()
