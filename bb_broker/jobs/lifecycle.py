@@ -7,6 +7,7 @@ import re
 import reprlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeGuard
 
 QUEUED = "queued"
 RUNNING = "running"
@@ -42,6 +43,12 @@ def yes_or_no(value: object) -> bool | None:
         return value
     word = str(value).strip().lower()
     return True if word in YES else False if word in NO else None
+
+
+def whole_number(value: object) -> TypeGuard[int]:
+    """An int as a document or a message holds one: BSON's 64-bit ones (a subclass of int) too, never a bool (True is
+    no count) nor a double."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_duration(value: str) -> timedelta:

@@ -20,6 +20,7 @@ from kombu.utils import json as kombu_json
 
 from bb_broker.jobs import unique
 from bb_broker.jobs.document import MAX_KIND_LENGTH, task_id_of, utf8_encodable
+from bb_broker.jobs.lifecycle import whole_number
 from bb_broker.jobs.rate_keys import MAX_RATE_KEY_LENGTH, RATE_KEY_HEADER, is_rate_key
 from bb_broker.jobs.refusals import PublishRefused
 from bb_broker.jobs.serial import MAX_SERIAL_KEY_LENGTH, SERIAL_KEY_HEADER, is_serial_key
@@ -607,15 +608,10 @@ def _shown(value: Any) -> str:
     return shown.repr(value)
 
 
-def _integer(value: Any) -> bool:
-    """An int, bool left out (True is not a count); BSON's 64-bit ones come back as a subclass of int."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number(value: Any) -> bool:
     # Compared, not given to math.isfinite: a JSON header holds an int of any size, and one no float holds raises
     # there (and in Celery, which takes time limits as floats). NaN and infinity fail the comparisons.
-    return (_integer(value) or isinstance(value, float)) and 0 <= value <= sys.float_info.max
+    return (whole_number(value) or isinstance(value, float)) and 0 <= value <= sys.float_info.max
 
 
 def _time_limits(value: Any) -> bool:
@@ -642,7 +638,7 @@ def _schedule_name(value: Any) -> bool:
 
 
 def _count(value: Any) -> bool:
-    return _integer(value) and value >= 0
+    return whole_number(value) and value >= 0
 
 
 def _count_or_none(value: Any) -> bool:
@@ -675,7 +671,7 @@ def _canvas_type(value: Any) -> bool:
 
 def is_priority(value: Any) -> bool:
     """A message's priority property as a publish takes it (check_envelope): an integer from 0 to 255."""
-    return _integer(value) and 0 <= value <= 255
+    return whole_number(value) and 0 <= value <= 255
 
 
 def _known_compression(value: Any) -> bool:

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeGuard
+from typing import Any
 
 from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
-from bb_broker.jobs.lifecycle import yes_or_no
+from bb_broker.jobs.lifecycle import whole_number, yes_or_no
 from bb_broker.server import unique_refusals
 
 #: The collection of queue controls: one document per queue that was ever paused or limited, `_id` the queue's name.
@@ -175,12 +175,6 @@ class LimitReached(Exception):
         return f"queue {self.queue}: {self.limit} reached"
 
 
-def _whole(value: Any) -> TypeGuard[int]:
-    """A whole number as a document holds one: an int, a 64-bit one (NumberLong, what other drivers write) too; never
-    a bool, nor a double."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class QueueLimits:
     """What limits the claims of one queue, as its control document says; None: no such limit."""
@@ -196,7 +190,7 @@ class QueueLimits:
     def of(cls, control: Mapping[str, Any]) -> QueueLimits:
         """The limits of a control document; a value no operation writes (edited by hand) limits nothing."""
         given = control.get("concurrency")
-        concurrency = int(given) if _whole(given) and 1 <= given <= MAX_CONCURRENCY else None
+        concurrency = int(given) if whole_number(given) and 1 <= given <= MAX_CONCURRENCY else None
         starts, period = control.get("rateStarts"), control.get("ratePeriod")
         per_key = control.get("ratePerKey", False)
         rate = None
@@ -205,7 +199,7 @@ class QueueLimits:
             isinstance(period, (int, float))
             and not isinstance(period, bool)
             and period in RATE_PERIODS.values()
-            and _whole(starts)
+            and whole_number(starts)
             and 1 <= starts <= MAX_RATE
             and type(per_key) is bool
         ):

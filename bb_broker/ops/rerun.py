@@ -400,7 +400,13 @@ def _rekeyed(
                     notes.append(f"its {option} key is made again of the new arguments: {headers[header]}")
                 continue
         except UniqueOptionError as exc:
+            if option == "fair":  # a fair key only orders the claims: kept, never a refusal
+                continue
             raise RerunRefused("bad input", f"the new arguments make no {option} key: {exc}") from None
+        if option == "fair":
+            # A `fair_key=` value that is no key (a number, a document, a long text) is digested as one made of the
+            # arguments is: kept as it is, as a key given by name.
+            continue
         if _DIGEST_KEY.search(original) and original.startswith(f"{kind}:"):
             raise RerunRefused(
                 "conflict",

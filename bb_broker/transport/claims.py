@@ -34,9 +34,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: lastError of a job whose run Celery cancelled as its worker stopped cold (or lost its connection with
-#: worker_cancel_long_running_tasks_on_connection_loss): its attempt ran, and counts.
-CUT_SHORT = "the worker cancelled the task while it ran (a cold shutdown, or its connection lost)"
+#: lastError of a job whose run Celery cancelled as its worker stopped cold: its attempt ran, and counts.
+CUT_SHORT = "the worker shut down while the task ran (a cold shutdown cancelled it)"
 
 
 class ClaimOnItsWay(Empty):

@@ -86,7 +86,7 @@ def explain_rejection(message: Any, reason: str) -> None:
 
 
 def mark_cut_short(message: Any) -> None:
-    """Celery cancels the started run of `message` (a cold shutdown): if its message comes back unacked (acks_late),
+    """Celery cancels the started run of `message` (its cold shutdown): if its message comes back unacked (acks_late),
     its job is settled as an attempt cut short, not given back as one that never started (Channel._restore)."""
     if isinstance(message, JobMessage):
         message.cut_short = True

@@ -78,8 +78,9 @@ def hook_requests(task: Any, explain: Callable[[Any, BaseException], None], canc
     """Subclass `task`'s request class (idempotent) so that the transport hears of two things only the worker's main
     process knows of a message: `explain(message, WorkerLostError)` gives the message of a request whose pool process
     died its reason, before Celery rejects it; `cancelled(message)` says a started request's run is being cut short
-    by Celery (a cold shutdown, or a lost connection with worker_cancel_long_running_tasks_on_connection_loss), before
-    it ends the run.
+    by Celery's cold shutdown, before it ends the run. (A lost connection's cancel, with
+    worker_cancel_long_running_tasks_on_connection_loss, comes after Celery closed the connection, whose close gave
+    the unacked messages back already: such a job goes back as never started.)
 
     With `acks_late` and `reject_on_worker_lost` Celery rejects the lost one's message with requeue and reports no
     failure: the rejection is all the job hears (the transport takes the reason through its explain_rejection). A

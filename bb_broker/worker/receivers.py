@@ -12,7 +12,7 @@ from bb_broker import app_stores
 from bb_broker.jobs.lifecycle import describe_error
 from bb_broker.jobs.payloads import MalformedTaskMessage, check_signature, signature_task_id
 from bb_broker.jobs.refusals import PublishRefused
-from bb_broker.transport.qos import REQUEUED, explain_rejection, mark_cut_short
+from bb_broker.transport.qos import REQUEUED, explain_rejection
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import settle
 
@@ -185,11 +185,6 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
 def explain_lost(message: Any, exc: BaseException) -> None:
     """Give the message of a request whose pool process died its reason (upstream_celery.hook_requests)."""
     explain_rejection(message, describe_error(exc))
-
-
-def cut_short(message: Any) -> None:
-    """Say of the message of a started request that Celery cancels it (upstream_celery.hook_requests)."""
-    mark_cut_short(message)
 
 
 def _explain_rejection(message: Any, reason: str) -> None:

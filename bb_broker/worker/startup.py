@@ -18,6 +18,7 @@ from bb_broker.jobs.leases import add_process_source, add_started_source
 from bb_broker.jobs.payloads import JOB_ID_HEADER
 from bb_broker.ops import metrics_endpoint
 from bb_broker.options import TRANSPORT_OPTIONS, BrokerOptions, OptionError, unread_options
+from bb_broker.transport.qos import mark_cut_short
 from bb_broker.upstream import billiard as upstream_billiard
 from bb_broker.upstream import celery as upstream_celery
 from bb_broker.worker import receivers, settle
@@ -36,7 +37,7 @@ def install(app: Any) -> None:
     upstream_billiard.install_pool_queue_guard()
     upstream_celery.wrap_task_runs(app, settle.broker_retry)
     for task in list(app.tasks.values()):
-        upstream_celery.hook_requests(task, receivers.explain_lost, receivers.cut_short)
+        upstream_celery.hook_requests(task, receivers.explain_lost, mark_cut_short)
     upstream_celery.install_failure_as_retry(settle.runs_again, receivers.prepare_errbacks)
     # `celery inspect conf` and Flower's worker Config tab show this worker's settings as Celery censors them.
     upstream_celery.install_url_censor(connection.redact_url)

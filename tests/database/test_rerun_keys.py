@@ -96,3 +96,12 @@ def test_a_fair_key_made_of_the_arguments_is_made_again(app: Celery, store: JobS
     assert any("fair key is made again" in note for note in rerun.notes)
     with app.connection_for_write() as connection:
         assert send(operations, rerun, connection, by="ops")["fairKey"] == made
+    # A `fair_key=` value that is no key (a number, a document) is digested as one made of arguments is: kept as given,
+    # never a refusal (a fair key only orders the claims).
+    for given in (7, {"customer": 7}):
+        plain = failed(store, tasks["plain"].apply_async((1,), fair_key=given).id)
+        kept = plan(operations, plain["_id"], [2], None, task_of=app.tasks.get)
+        assert kept.preview()["message"]["headers"]["bb_fair_key"] == plain["fairKey"]
+        assert (
+            plan(operations, plain["_id"], [2], None).preview()["message"]["headers"]["bb_fair_key"] == plain["fairKey"]
+        )

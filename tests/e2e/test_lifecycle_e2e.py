@@ -261,6 +261,14 @@ def test_cold_shutdown_settles_the_acks_late_jobs_it_cut_short_as_run(
     worker = worker_factory(options={"max_attempts": max_attempts})
     task_id = send(app, "hold_until_acked_late", str(tmp_path / "never"))
     wait_for(lambda: db.runs.find_one({"taskId": task_id}), message="the task started")
+
+    def started_in_the_main_process() -> bool:
+        # Celery cancels a request whose start its main process heard of (time_start): under load that can come
+        # after the task's own first line ran.
+        active = app.control.inspect(timeout=2).active() or {}
+        return any(task["id"] == task_id and task.get("time_start") for tasks in active.values() for task in tasks)
+
+    wait_for(started_in_the_main_process, message="the worker's main process has the task started")
     worker.signal(signal.SIGQUIT)
     worker.wait(60)
     doc = job(db, task_id)
