@@ -8,7 +8,10 @@ A worker that receives a revoked task stores REVOKED in its app's result backend
 `_announce_revoked`: `backend.mark_as_revoked(task_id, reason, request=...)`, which also counts a chord part). bb_broker
 fails such a job at the revoke itself (bb_broker.jobs.revokes.revoke_queued): no worker ever receives it, so on a
 result backend of the app's own (Redis, a database) its result stayed PENDING and `get()` waited for ever. Here the
-revoker's process stores it as that worker would have. bbmongo:// needs nothing: its results are the job documents.
+revoker's process stores it as that worker would have. bbmongo:// needs nothing stored (its results are the job
+documents), but a chord's header part is counted in its chord counter there too, as the worker would have counted it:
+the chord's body fails with Celery's ChordError instead of waiting for ever. An operator's cancel of a queued job
+(`bb-broker cancel`, the Jobs tab) is made where no Celery app may be: it counts no chord part.
 """
 
 from __future__ import annotations
@@ -117,22 +120,26 @@ REASON = "revoked"
 def store_revoked_results(store: JobStore, task_ids: Iterable[str]) -> None:
     """Store REVOKED in the result backend of each Celery app of this process whose broker is `store`'s and whose
     backend is its own (not bbmongo://, nor none), for each of `task_ids` whose job `store` holds failed as revoked
-    before it ran (see the module)."""
+    before it ran (see the module). A chord's header part is counted in every backend, bbmongo:// too (its result is
+    the job document, but its chord counter is the backend's): the chord's body fails then, as Celery fails it."""
     if "celery" not in sys.modules:
         return  # a Kombu client: no Celery app, no result backend
-    told = _apps_with_their_own_backend(store)
-    if not told:
+    every = _apps_with_a_backend(store)
+    if not every:
         return
+    own = _apps_with_their_own_backend(store)
     from celery.app.task import Context
 
     for doc in revoked_before_running(store, task_ids):
         request = _request_of(store, doc)
         name = request.get("task") if request is not None else None
-        for app in told:
+        in_a_chord = request is not None and bool(request.get("chord"))
+        for app in every if in_a_chord else own:
             task = app.tasks.get(name) if name is not None else None
             backend = task.backend if task is not None else app.backend
             # As the worker's Request decides: a task that ignores its result stores its errors only when told to.
-            store_errors = task is None or not task.ignore_result or task.store_errors_even_if_ignored
+            # bbmongo:// stores nothing: the job document, failed as revoked, is its result.
+            store_errors = app in own and (task is None or not task.ignore_result or task.store_errors_even_if_ignored)
             # A refused message: a request of the task id alone (without one, Celery takes the children of the task
             # running in this process, a revoker's own, for the revoked task's).
             context = Context(request if request is not None else {"id": doc["taskId"]})

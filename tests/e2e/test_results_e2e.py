@@ -548,3 +548,18 @@ def test_a_credential_among_the_backend_urls_options_is_masked_in_what_inspect_c
     shown = settings["result_backend"]
     # Celery 5.4 to 5.6 drop a backend URL's options (Kombu's sanitize_url); 5.7 shows them, masked here.
     assert "tlsCertificateKeyFilePassword=**" in shown or "?" not in shown, shown
+
+
+def test_a_chord_whose_header_task_is_revoked_while_queued_fails_its_body(results_app, results_worker, db: Database):
+    # Its job fails at the revoke and no worker receives it, and no one counted its part: the body stayed PENDING, and
+    # a get() on it (or on a step after it) waited for ever.
+    header = [sig(results_app, "add", 1, 1), sig(results_app, "add", 2, 2)]
+    result = chord(header)(sig(results_app, "tsum"))
+    revoked = result.parent.results[1]
+    revoked.revoke()
+    assert job(db, revoked.id)["lastError"] == "revoked before it ran"
+    results_worker()
+    body = AsyncResult(result.id, app=results_app)
+    with pytest.raises(ChordError, match="TaskRevokedError"):
+        body.get(timeout=60)
+    assert result.parent.results[0].get(timeout=10) == 2
