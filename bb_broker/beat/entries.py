@@ -58,6 +58,10 @@ _OPTION_CHECKS = {
     "priority": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255, "0 to 255"),
     "expires": (_seconds, "seconds, at most 100 years"),
     "countdown": (_seconds, "seconds, at most 100 years"),
+    # Each slot's job adds its own headers to these, and Celery's ETA is a date: hand edits of either made run-now and
+    # every slot end in a traceback.
+    "headers": (lambda v: isinstance(v, dict), "a document"),
+    "eta": (lambda v: isinstance(v, datetime), "a date"),
 }
 
 

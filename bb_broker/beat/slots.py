@@ -52,10 +52,17 @@ class Slots(Protocol):
         """The first slot strictly after `moment` (aware), in UTC; None when there is none."""
 
 
+#: Names of the zoneinfo database that are not one zone but each host's setting.
+HOST_ZONES = frozenset({"localtime", "posixrules"})
+
+
 def zone(name: Any) -> tzinfo:
     """The timezone of this IANA name, or ScheduleError."""
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"the timezone must be an IANA name such as 'Europe/Paris', got {name!r}")
+    if name in HOST_ZONES:
+        # Each host's own zone (a link to /etc/localtime): beats on hosts set apart would find different slots.
+        raise ScheduleError(f"the timezone {name!r} is each host's own: name the zone, such as 'Europe/Paris'")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):

@@ -178,6 +178,7 @@ def test_the_cli_adds_and_removes_an_entry_and_refuses_bad_input_writing_nothing
     refusals = {  # bad arguments: exit 2, one line, before the server is asked
         ("add", "bad", "tests.support.e2e_app.add", "--crontab", "0 9 * *"): "add: entry 'bad': a crontab has 5 fields",
         ("add", "bad", "tests.support.e2e_app.add", "--every", "5", "--timezone", "Nowhere/City"): "unknown timezone",
+        ("add", "bad", "tests.support.e2e_app.add", "--every", "5", "--timezone", "localtime"): "each host's own",
         (
             "add",
             "bad",
@@ -407,6 +408,21 @@ def test_entries_a_slots_write_cannot_be_made_on_are_skipped_and_the_entries_aft
     db.bb_schedules.update_one({"_id": "a-count-text"}, {"$set": {"runCount": 0}})  # repaired, it runs
     scheduler.tick()
     assert jobs_keyed_for(db, "a-count-text")
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [({"options.headers": "oops"}, "option headers must be a document"), ({"options.eta": "tomorrow"}, "option eta")],
+)
+def test_an_entrys_headers_or_eta_edited_by_hand_is_refused_naming_it(
+    beat_app: Celery, store: ScheduleStore, db: Database, edit: dict[str, object], said: str
+) -> None:
+    # run-now (and each slot) ended in a traceback: TypeError merging the headers, MalformedTaskMessage for the ETA.
+    store.add("nightly", "reports.nightly", 60)
+    db.bb_schedules.update_one({"_id": "nightly"}, {"$set": edit})
+    with pytest.raises(EntryError, match=said):
+        run_now(beat_app, store, "nightly")
+    assert not db.jobs.count_documents({})
 
 
 def test_the_entry_filter_combines_with_the_others_and_narrows_a_bulk_action(

@@ -70,6 +70,9 @@ def test_interval_slots_count_from_the_anchor_the_same_from_any_moment() -> None
         ({"crontab": "61 * * * *"}, "UTC", "invalid crontab '61 \\* \\* \\* \\*'"),
         ({"crontab": "* * *"}, "UTC", "a crontab has 5 fields"),
         ({"crontab": "0 9 * * *"}, "Europe/Atlantis", "unknown timezone 'Europe/Atlantis'"),
+        # A link to each host's /etc/localtime: two beats on hosts set apart found different slots, and made both.
+        ({"crontab": "*/2 * * * *"}, "localtime", "the timezone 'localtime' is each host's own"),
+        ({"crontab": "*/2 * * * *"}, "posixrules", "the timezone 'posixrules' is each host's own"),
         ({"every": 0}, "UTC", "every must be a number of seconds"),
         ({"every": float("inf")}, "UTC", "every must be a number of seconds, at least 0.001 and at most 3155760000"),
         ({"every": float("nan")}, "UTC", "every must be a number of seconds, at least 0.001 and at most 3155760000"),
