@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -118,6 +119,8 @@ class JobScheduler(Scheduler):
         self._reported: dict[str, str] = {}  # entry name -> the problem last logged for it
         self._store: ScheduleStore | None = None
         self._clock: ServerClock | None = None
+        #: The jobs the slots are sent as (setup_schedule).
+        self._jobs: JobStore | None = None
         #: The server's answers the code does not recognise, per entry (and for the schedule's read): said once,
         #: counted, and that entry backed off while the others are sent.
         self._refusals = Refusals("beat")
@@ -131,7 +134,8 @@ class JobScheduler(Scheduler):
         db = get_database(target)
         self._clock = ServerClock.of(db)
         options = self.app.conf.broker_transport_options or {}
-        JobStore(db, collection=options.get("jobs_collection", "jobs")).ensure_indexes()  # the unique key's index
+        self._jobs = JobStore(db, collection=options.get("jobs_collection", "jobs"))
+        self._jobs.ensure_indexes()  # the unique key's index
         self._store = ScheduleStore(db, self._clock)
         entries, unchecked = self._config_entries()
         written = self._store.sync_config(entries, unchecked=unchecked)
@@ -290,6 +294,21 @@ class JobScheduler(Scheduler):
             span = missed_span(entry.slots, entry.last_slot, before)
             assert span is not None  # called for a missed slot
             first, last, count = span
+            if entry.catch_up == "once" and self._sent_before(entry, first):
+                # A beat died between sending this slot's job and recording it: the slot was not missed, and is
+                # recorded as sent. The downtime's one job is then keyed on the next missed slot (keyed on this one,
+                # its key refused it, and the downtime got none).
+                sent: dict[str, Any] = {
+                    "slot": first,
+                    "taskId": task_id_of(slot_key(entry.name, first)),
+                    "runNow": False,
+                }
+                if not self._store.advance(entry.name, entry.last_slot, first, job=sent):
+                    return None
+                entry = replace(entry, last_slot=first)
+                if missed_span(entry.slots, first, before) is None:
+                    return first
+                return self._catch_up(entry, now)
             summary = self._catch_up_record(entry, first, last, count, now)
             # `once`: keyed on the first missed slot, which every beat reading this lastSlot agrees on.
             job = None if entry.catch_up == "none" else self._send_late(entry, first)
@@ -310,6 +329,11 @@ class JobScheduler(Scheduler):
                 return None
             at = slot
         return at
+
+    def _sent_before(self, entry: Entry, slot: datetime) -> bool:
+        """Whether the job of `slot` is there already (its key's task id)."""
+        assert self._jobs is not None
+        return self._jobs.coll.find_one({"taskId": task_id_of(slot_key(entry.name, slot))}, {"_id": 1}) is not None
 
     def _catch_up_record(
         self, entry: Entry, first: datetime, last: datetime, count: int, now: datetime

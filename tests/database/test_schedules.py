@@ -21,6 +21,8 @@ from pymongo.database import Database
 
 from bb_broker import MalformedTaskMessage
 from bb_broker.beat import EntryError, JobScheduler, ScheduleStore, run_now
+from bb_broker.beat.entries import parse_entry
+from bb_broker.beat.scheduler import send_entry, slot_key
 from bb_broker.clock import ServerClock
 from bb_broker.jobs.store import JobStore
 from bb_broker.ops.filters import JobFilter
@@ -423,6 +425,27 @@ def test_an_entrys_headers_or_eta_edited_by_hand_is_refused_naming_it(
     with pytest.raises(EntryError, match=said):
         run_now(beat_app, store, "nightly")
     assert not db.jobs.count_documents({})
+
+
+def test_a_once_catch_up_after_a_beat_died_before_recording_a_slot_sends_the_downtimes_job(
+    beat_app: Celery, store: ScheduleStore, db: Database
+) -> None:
+    # The dead beat had sent the first slot's job, not recorded it: the catch-up's one job, keyed on that slot, was
+    # refused by its key, and the downtime got none while the record said one was sent.
+    scheduler = JobScheduler(beat_app)
+    store.add("every-second", "reports.nightly", 1.0)
+    backdated(db, "every-second", 30)  # 30 slots missed: more than bb_beat_missed_after (10 s)
+    doc = db.bb_schedules.find_one({"_id": "every-second"})
+    entry = parse_entry(doc)
+    first = entry.slots.next_after(entry.last_slot)
+    send_entry(beat_app, entry, first, slot_key("every-second", first))  # the dead beat's send
+    scheduler.tick()
+    after = db.bb_schedules.find_one({"_id": "every-second"})
+    keys = sorted(job["uniqueKey"] for job in db.jobs.find({"schedule": "every-second"}))
+    caught_up = after["catchUps"][-1]
+    # The dead beat's slot is recorded as sent; the catch-up's one job is the first slot after it that was missed.
+    assert caught_up["sent"] == 1 and caught_up["from"] > first, caught_up
+    assert slot_key("every-second", caught_up["from"]) in keys and slot_key("every-second", first) in keys
 
 
 def test_the_entry_filter_combines_with_the_others_and_narrows_a_bulk_action(
