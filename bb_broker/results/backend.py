@@ -65,7 +65,7 @@ from bb_broker.jobs.document import (
     storable_text,
     task_id_of,
 )
-from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, describe_error
+from bb_broker.jobs.lifecycle import FAILED, QUEUED, RUNNING, describe_error, yes_or_no
 from bb_broker.jobs.settles import Settle
 from bb_broker.jobs.store import JobStore
 from bb_broker.results import codec
@@ -119,6 +119,8 @@ class JobResultBackend(ChordBackend):
         self.target = connection.parse_broker_url(url)
         options = {**(app.conf.broker_transport_options or {}), **(app.conf.result_backend_transport_options or {})}
         self.jobs_collection = str(options.get("jobs_collection", "jobs"))
+        # As the broker's consumers read it (an unreadable value is the worker's to refuse, at its start).
+        self.use_change_streams = yes_or_no(options.get("use_change_streams", True)) is not False
         self._shares_broker_jobs: bool | None = None
         self._indexed_pid: int | None = None
         self.result_consumer = ResultConsumer(self, cache=upstream_celery.result_cache(self))

@@ -21,6 +21,8 @@ class ResultSource(Protocol):
     backend's module and this one do not import each other."""
 
     jobs_collection: str
+    #: The transport option `use_change_streams`: False, a waiting get() polls whatever the server offers.
+    use_change_streams: bool
 
     @property
     def database(self) -> Any: ...
@@ -42,8 +44,9 @@ class ResultConsumer:
         self.backend = backend
         #: The backend's cache of ready results (Celery's `self._cache`): a ready result is not read again.
         self._cache = cache
-        #: False once the deployment said it has no change streams (a standalone server): then it polls.
-        self.change_streams = True
+        #: False once the deployment said it has no change streams (a standalone server), or the transport options
+        #: turn them off: then it polls.
+        self.change_streams = backend.use_change_streams
         #: Answers to a wait's change stream the code does not recognise: said once and counted (the wait polls).
         self._refusals = Refusals("result wait")
         #: Task id -> its job's id, learnt by reads: what a waiting get() watches.
@@ -166,7 +169,7 @@ class ResultConsumer:
             {"ns.coll": jobs, "operationType": "insert", "fullDocument.taskId": {"$in": list(task_ids)}},
             {"ns.coll": RESULTS_COLLECTION, "documentKey._id": {"$in": [f"task:{task_id}" for task_id in unknown]}},
         ]
-        if not capabilities(self.backend.database).change_streams:
+        if not self.change_streams or not capabilities(self.backend.database).change_streams:
             self.change_streams = False  # a standalone server, FerretDB: poll
             return None
         try:

@@ -563,3 +563,39 @@ def test_a_chord_whose_header_task_is_revoked_while_queued_fails_its_body(result
     with pytest.raises(ChordError, match="TaskRevokedError"):
         body.get(timeout=60)
     assert result.parent.results[0].get(timeout=10) == 2
+
+
+class ChangeStreams(monitoring.CommandListener):
+    """The change streams this process opens while on (an `aggregate` whose pipeline starts with `$changeStream`)."""
+
+    def __init__(self) -> None:
+        self.opened, self.on = 0, False
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pipeline = event.command.get("pipeline") if event.command_name == "aggregate" else None
+        if self.on and pipeline and "$changeStream" in pipeline[0]:
+            self.opened += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+CHANGE_STREAMS = ChangeStreams()
+monitoring.register(CHANGE_STREAMS)
+
+
+def test_a_get_polls_when_the_transport_options_turn_change_streams_off(results_app, results_worker):
+    # The option turned the consumers' change streams off, not a waiting get()'s (a deployment whose proxy or
+    # permissions refuse them).
+    results_worker(options={"use_change_streams": False})
+    results_app.conf.broker_transport_options = {"use_change_streams": False}
+    result = results_app.send_task(T + "sleep", args=(1,))
+    CHANGE_STREAMS.on = True
+    try:
+        assert result.get(timeout=60) == 1
+    finally:
+        CHANGE_STREAMS.on = False
+    assert CHANGE_STREAMS.opened == 0
