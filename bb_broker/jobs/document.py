@@ -384,11 +384,9 @@ def bson_kind(value: Any) -> str:
     return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
-def new_job_id(now: datetime) -> str:
-    """A job's id: a ULID of `now`, the server's time as the publisher reads it, so that ids sort by creation time
-    (the operator's lists page by it, and the newest job of a task id is the one its result is read from) whatever
-    the publishing hosts' clocks say: a worker whose clock runs behind gave a replaced task's new job an older id."""
-    return str(ULID.from_datetime(now))
+def new_job_id() -> str:
+    """A job's id: a ULID, so that ids sort by creation time (the operator's lists page by it)."""
+    return str(ULID())
 
 
 #: Aggregation expressions: a job's `history` as an array (none when it is missing, or is not one); whether it is not.

@@ -195,7 +195,7 @@ class JobStore(Sweeps):
                 logger.warning("job %s: a retry from attempt %d, no longer the job's, was dropped", *retry_of)
                 return retry_of[0]
         job = queued_job(
-            job_id=job_id or new_job_id(now),
+            job_id=job_id or new_job_id(),
             kind=kind,
             task_id=task_id,
             queue=queue,
@@ -223,7 +223,7 @@ class JobStore(Sweeps):
             first = self.coll.find_one({"_id": job["_id"]}, {"taskId": 1, "queue": 1})
             if first is not None and (first.get("taskId"), first.get("queue")) == (task_id, queue):
                 return job["_id"]  # the earlier try landed
-            job["_id"] = new_job_id(now)  # the id came with another task (a reused properties dict): a job of its own
+            job["_id"] = new_job_id()  # the id came with another task (a reused properties dict): a job of its own
             self._write(self.coll.insert_one, job)
         metrics.record("enqueued")
         return job["_id"]

@@ -299,7 +299,7 @@ def send(operations: Operations, rerun: Rerun, connection: Any, *, by: str) -> d
     from kombu import Producer
 
     task_id = str(uuid.uuid4())
-    job_id = new_job_id(operations.now())
+    job_id = new_job_id()
     message = rerun.message(task_id)
     properties: dict[str, Any] = dict(message["properties"])
     priority = properties.pop("priority", None)

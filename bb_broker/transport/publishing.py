@@ -73,8 +73,7 @@ def put_job(
     # Kombu retries a publish whose answer was lost (the server went away with the insert in flight) with the
     # same properties: the job ids kept there, one per queue the message goes to, let the retry find the
     # inserts that landed instead of writing twins.
-    ids = properties.setdefault(PUBLISH_ID_PROPERTY, {})
-    job_id = ids[queue] if queue in ids else ids.setdefault(queue, new_job_id(clock()))
+    job_id = properties.setdefault(PUBLISH_ID_PROPERTY, {}).setdefault(queue, new_job_id())
     eta = moment(headers, "eta")
     expires = moment(headers, "expires", strict=False)
     if expires is not None and expires.tzinfo is not None:

@@ -382,24 +382,6 @@ def test_a_worker_whose_clock_runs_behind_still_backs_off_its_failed_attempts(br
     assert retried["startedAt"] - failed["finishedAt"] >= timedelta(seconds=9.5), done
 
 
-def test_a_task_replaced_by_a_worker_whose_clock_runs_behind_reads_its_replacements_result(
-    broker_url, db, worker_factory
-) -> None:
-    # Task.replace publishes the replacement under the same task id, and a result is read from the task id's newest
-    # job. Job ids were ULIDs of each publisher's own clock: the replacement's, made a minute behind, sorted first,
-    # and get() waited on the replaced job, PENDING for ever.
-    worker_factory(env={**skewed_clock_env("-60s"), "BB_RESULT_BACKEND": broker_url})
-    app = producer(broker_url)
-    app.conf.result_backend = broker_url
-    result = app.send_task("tests.support.e2e_app.replaced_by_add", args=(2, 3))
-    assert result.get(timeout=60) == 5
-    first, replacement = db.jobs.find({"taskId": result.id}).sort("_id", 1)
-    assert (first["kind"], replacement["kind"]) == (
-        "tests.support.e2e_app.replaced_by_add",
-        "tests.support.e2e_app.add",
-    )
-
-
 def test_a_worker_whose_clock_runs_behind_runs_a_due_countdown_task_at_once(broker_url, db, worker_factory) -> None:
     # The job is claimed once it is due by the server's clock; the message's ETA was its publisher's. A worker an hour
     # behind held the claimed task in Celery's timer until its own clock reached that ETA: an hour late.
