@@ -565,22 +565,17 @@ def test_a_chord_whose_header_task_is_revoked_while_queued_fails_its_body(result
     assert result.parent.results[0].get(timeout=10) == 2
 
 
-class ChangeStreams(monitoring.CommandListener):
-    """The change streams this process opens while on (an `aggregate` whose pipeline starts with `$changeStream`)."""
+class ChangeStreams(CommandCounter):
+    """The change streams this process opens while `counting()` (an `aggregate` whose pipeline starts with
+    `$changeStream`)."""
 
     def __init__(self) -> None:
-        self.opened, self.on = 0, False
+        super().__init__("aggregate")
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
-        pipeline = event.command.get("pipeline") if event.command_name == "aggregate" else None
+        pipeline = event.command.get("pipeline") if event.command_name == self.name else None
         if self.on and pipeline and "$changeStream" in pipeline[0]:
-            self.opened += 1
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+            self.count += 1
 
 
 CHANGE_STREAMS = ChangeStreams()
@@ -593,9 +588,6 @@ def test_a_get_polls_when_the_transport_options_turn_change_streams_off(results_
     results_worker(options={"use_change_streams": False})
     results_app.conf.broker_transport_options = {"use_change_streams": False}
     result = results_app.send_task(T + "sleep", args=(1,))
-    CHANGE_STREAMS.on = True
-    try:
+    with CHANGE_STREAMS.counting():
         assert result.get(timeout=60) == 1
-    finally:
-        CHANGE_STREAMS.on = False
-    assert CHANGE_STREAMS.opened == 0
+    assert CHANGE_STREAMS.count == 0
